@@ -1,0 +1,120 @@
+"""Butterfly collectives: recursive halving and recursive doubling (Rabenseifner).
+
+Rabenseifner's allreduce ("Optimization of collective reduction operations", ICCS
+2004; Thakur, Rabenseifner & Gropp, "Optimization of collective communication
+operations in MPICH", IJHPCA 2005) is a recursive-halving reduce-scatter followed by
+a recursive-doubling all-gather. At step k a rank exchanges with the partner whose
+rank differs in one bit, sending the half of its current segment it will not own.
+
+Per device, N the bytes of the full vector, n = 2^k ranks:
+
+    reduce_scatter   log2 n steps,   (n-1)/n * N bytes sent
+    all_gather       log2 n steps,   (n-1)/n * N bytes sent
+    allreduce      2 log2 n steps, 2(n-1)/n * N bytes sent
+
+Any other n = p + e (p the largest power of two below n, e = n - p extra ranks)
+uses the usual fold-in: extra rank p+i first hands its data to rank i, the p ranks
+run the butterfly, and rank i hands the result back. Worst-case device, c = N/n:
+
+    allreduce       2 + 2 log2 p steps,  N + 2(p-1)/p * N bytes  (rank i < e)
+    reduce_scatter  2 + log2 p steps,    (2p-1) * c bytes        (rank i < e;
+                    the p ranks own segments of two chunks, i and p+i, zero-padded)
+    all_gather      2 + log2 p steps,    2(p-1) * c + N bytes    (rank i < e)
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jax import lax
+
+from dpjax.collectives._common import as_chunks, axis_size, finish, split_dim0
+
+
+def _pow2_below(n: int) -> int:
+    return 1 << (n.bit_length() - 1)
+
+
+def _fold(x, axis_name, n: int, p: int):
+    """Extra rank p+i adds its x into rank i."""
+    if p == n:
+        return x
+    return x + lax.ppermute(x, axis_name, [(p + i, i) for i in range(n - p)])
+
+
+def _unfold(x, axis_name, n: int, p: int):
+    """Rank i (< n-p) hands its result to extra rank p+i."""
+    if p == n:
+        return x
+    got = lax.ppermute(x, axis_name, [(i, p + i) for i in range(n - p)])
+    return jnp.where(lax.axis_index(axis_name) >= p, got, x)
+
+
+def halving_rows(rows, axis_name, p: int):
+    """Recursive halving over ranks 0..p-1: rows (p, ...) -> sum over ranks of rows[rank]."""
+    r = lax.axis_index(axis_name)
+    cur, d = rows, p // 2
+    while d >= 1:
+        upper = (r // d) % 2  # this rank keeps the upper half of its current segment
+        keep = lax.dynamic_slice_in_dim(cur, upper * d, d, 0)
+        send = lax.dynamic_slice_in_dim(cur, (1 - upper) * d, d, 0)
+        cur = keep + lax.ppermute(send, axis_name, [(i, i ^ d) for i in range(p)])
+        d //= 2
+    return cur[0]
+
+
+def doubling_rows(mine, axis_name, p: int):
+    """Recursive doubling over ranks 0..p-1: this rank's row -> (p, ...) all rows in order."""
+    r = lax.axis_index(axis_name)
+    cur, d = mine[None], 1
+    while d < p:
+        got = lax.ppermute(cur, axis_name, [(i, i ^ d) for i in range(p)])
+        upper = (r // d) % 2
+        cur = jnp.concatenate([jnp.where(upper, got, cur), jnp.where(upper, cur, got)])
+        d *= 2
+    return cur
+
+
+def allreduce(x, axis_name, *, op: str = "sum"):
+    """Rabenseifner allreduce: recursive halving + recursive doubling, any axis size."""
+    n = axis_size(axis_name)
+    if n == 1:
+        return finish(x, op, n)
+    p = _pow2_below(n)
+    rows, undo = as_chunks(_fold(x, axis_name, n, p), p)
+    full = doubling_rows(halving_rows(rows, axis_name, p), axis_name, p)
+    return finish(_unfold(undo(full), axis_name, n, p), op, n)
+
+
+def reduce_scatter(x, axis_name, *, op: str = "sum"):
+    """Recursive-halving reduce-scatter, tiled on dimension 0."""
+    n = axis_size(axis_name)
+    rows = split_dim0(x, n, "reduce_scatter")
+    if n == 1:
+        return finish(rows[0], op, n)
+    p = _pow2_below(n)
+    if p == n:
+        return finish(halving_rows(rows, axis_name, p), op, n)
+    rows = _fold(rows, axis_name, n, p)
+    pad = jnp.zeros((2 * p - n, *rows.shape[1:]), rows.dtype)
+    # Segment i holds chunks i and p+i (zeros past n): rank i reduces both, keeps
+    # chunk i and hands chunk p+i to the extra rank p+i.
+    segs = jnp.concatenate([rows, pad]).reshape(2, p, *rows.shape[1:]).swapaxes(0, 1)
+    mine = halving_rows(segs, axis_name, p)
+    got = lax.ppermute(mine[1], axis_name, [(i, p + i) for i in range(n - p)])
+    return finish(jnp.where(lax.axis_index(axis_name) >= p, got, mine[0]), op, n)
+
+
+def all_gather(x, axis_name):
+    """Recursive-doubling all-gather, tiled on dimension 0."""
+    n = axis_size(axis_name)
+    if n == 1:
+        return x
+    x = x.reshape(1) if x.ndim == 0 else x
+    p = _pow2_below(n)
+    if p == n:
+        full = doubling_rows(x, axis_name, p)
+    else:
+        extra = lax.ppermute(x, axis_name, [(p + i, i) for i in range(n - p)])
+        segs = doubling_rows(jnp.stack([x, extra]), axis_name, p)  # (p, 2, ...)
+        full = _unfold(segs.swapaxes(0, 1).reshape(2 * p, *x.shape)[:n], axis_name, n, p)
+    return full.reshape(n * x.shape[0], *x.shape[1:])

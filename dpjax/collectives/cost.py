@@ -1,0 +1,219 @@
+"""Alpha-beta cost model of each algorithm, and the same figures read from compiled HLO.
+
+Hockney's model: a step that sends m bytes over a link costs alpha + m / bandwidth.
+An algorithm's time is `steps * alpha + bytes_sent / bandwidth`, where bytes_sent is
+what the busiest device sends (each algorithm module's docstring derives it). For
+"hierarchical" the inner and outer phases run on their own links.
+
+`schedule(...)` gives the (steps, bytes) of an algorithm from its formula, exactly
+(padding included); `hlo_comm(compiled_text)` counts the same from a compiled
+program, so the two can be checked against each other and against the
+Patarasuk-Yuan lower bound `2(n-1)/n * N` for allreduce.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections import Counter
+from dataclasses import dataclass, field
+
+_DTYPE_BYTES = {
+    "pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
+    "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8,
+}
+
+
+@dataclass(frozen=True)
+class Link:
+    """A network link: latency in seconds per message, bandwidth in bytes per second."""
+
+    latency: float
+    bandwidth: float
+
+    @classmethod
+    def from_ms_mbps(cls, ms: float, mbps: float) -> "Link":
+        return cls(latency=ms / 1e3, bandwidth=mbps * 1e6 / 8)
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """Steps and bytes sent by the busiest device; `outer_*` is the hierarchical slow level."""
+
+    steps: int
+    bytes: int
+    outer_steps: int = 0
+    outer_bytes: int = 0
+
+    @property
+    def total_steps(self) -> int:
+        return self.steps + self.outer_steps
+
+    @property
+    def total_bytes(self) -> int:
+        return self.bytes + self.outer_bytes
+
+    def time(self, link: Link, outer_link: Link | None = None) -> float:
+        """Seconds under the alpha-beta model (outer phases on `outer_link`, default `link`)."""
+        out = outer_link or link
+        return (self.steps * link.latency + self.bytes / link.bandwidth
+                + self.outer_steps * out.latency + self.outer_bytes / out.bandwidth)
+
+
+def _pow2_below(n: int) -> int:
+    return 1 << (n.bit_length() - 1)
+
+
+def _log2(n: int) -> int:
+    return max(0, math.ceil(math.log2(n))) if n > 1 else 0
+
+
+def schedule(algorithm: str, n: int, nelems: int, itemsize: int = 4, *,
+             primitive: str = "allreduce", groups: int = 1, num_servers: int = 1,
+             root_busiest: bool = True) -> Schedule:
+    """(steps, bytes the busiest device sends) for one collective.
+
+    n: ranks along the axis (for "hierarchical", the inner size L; `groups` is G).
+    nelems: elements of the full vector (for all_gather, of the gathered result).
+    primitive: "allreduce", "reduce_scatter", "all_gather" or "broadcast".
+    """
+    if n < 1 or nelems < 0:
+        raise ValueError(f"need n >= 1 and nelems >= 0, got n={n}, nelems={nelems}")
+    if algorithm == "hierarchical":
+        L, G = n, groups
+        c = math.ceil(nelems / L) if primitive == "allreduce" else nelems // (G * L) * G
+        inner = schedule("ring", L, c * L, itemsize, primitive=primitive)
+        if primitive == "allreduce":
+            outer = schedule("ring", G, c, itemsize, primitive="allreduce")
+        else:
+            outer = schedule("ring", G, c, itemsize, primitive=primitive)
+        return Schedule(inner.steps, inner.bytes, outer.steps, outer.bytes)
+    if n == 1:
+        return Schedule(0, 0)
+    if algorithm == "psum":
+        # XLA's own all-reduce: one collective op; its bytes are implementation-defined,
+        # modelled as the bandwidth-optimal ring.
+        ring = schedule("ring", n, nelems, itemsize, primitive=primitive)
+        return Schedule(1, ring.bytes)
+    c = math.ceil(nelems / n) * itemsize  # one ring/butterfly chunk, padded
+    N = nelems * itemsize
+    if algorithm == "ring":
+        if primitive == "allreduce":
+            return Schedule(2 * (n - 1), 2 * (n - 1) * c)
+        if primitive in ("reduce_scatter", "all_gather"):
+            return Schedule(n - 1, (n - 1) * c)
+        if primitive == "broadcast":
+            return Schedule(2 * (n - 1), 2 * (n - 1) * c)
+    if algorithm == "butterfly":
+        p = _pow2_below(n)
+        k = _log2(p)
+        if p == n:
+            if primitive == "allreduce":
+                return Schedule(2 * k, 2 * (n - 1) * c)
+            if primitive in ("reduce_scatter", "all_gather"):
+                return Schedule(k, (n - 1) * c)
+        seg = math.ceil(nelems / p) * itemsize
+        if primitive == "allreduce":
+            return Schedule(2 + 2 * k, max(N, 2 * (p - 1) * seg + N))
+        if primitive == "reduce_scatter":
+            return Schedule(2 + k, max(N, (2 * p - 1) * c))
+        if primitive == "all_gather":
+            return Schedule(2 + k, 2 * (p - 1) * c + n * c)
+    if algorithm == "tree":
+        k = _log2(n)
+        if primitive == "allreduce":
+            return Schedule(2 * k, k * N)
+        if primitive == "broadcast":
+            return Schedule(k, k * N)
+    if algorithm == "ps" and primitive == "allreduce":
+        S = num_servers
+        shard = math.ceil(nelems / S) * itemsize
+        server = (S - 1) * shard + (n - 1) * shard
+        return Schedule(2 * (n - 1), max(server, S * shard if S < n else 0))
+    raise ValueError(f"no cost model for {primitive} with algorithm {algorithm!r}")
+
+
+def lower_bound_bytes(n: int, nbytes: int) -> float:
+    """Patarasuk & Yuan: any allreduce sends at least 2(n-1)/n * N bytes from some device."""
+    return 2 * (n - 1) / n * nbytes
+
+
+# ---------------------------------------------------------------------------------------
+# Reading the compiled program
+
+_COLLECTIVES = ("collective-permute", "all-reduce", "all-gather", "reduce-scatter", "all-to-all")
+_OP_RE = re.compile(
+    r"=\s*(?P<result>.*?)\s(?P<op>" + "|".join(_COLLECTIVES) + r")(?P<start>-start)?\((?P<args>[^)]*)\)"
+    r"(?P<attrs>.*)$"
+)
+_SHAPE_RE = re.compile(r"\b(" + "|".join(_DTYPE_BYTES) + r")\[([0-9,]*)\]")
+_PAIRS_RE = re.compile(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}")
+_GROUPS_RE = re.compile(r"replica_groups=\{((?:\{[\d,]*\},?)*)\}")
+
+
+def _shape_bytes(text: str) -> int:
+    total = 0
+    for dtype, dims in _SHAPE_RE.findall(text):
+        total += _DTYPE_BYTES[dtype] * math.prod(int(d) for d in dims.split(",") if d)
+    return total
+
+
+@dataclass
+class HloComm:
+    """What a compiled program sends: collective ops in program order and bytes per device."""
+
+    ops: Counter = field(default_factory=Counter)
+    steps: int = 0
+    bytes_per_device: Counter = field(default_factory=Counter)
+
+    @property
+    def max_bytes(self) -> int:
+        return max(self.bytes_per_device.values(), default=0)
+
+
+def hlo_comm(hlo_text: str) -> HloComm:
+    """Counts collective steps and bytes each device sends in compiled HLO text.
+
+    A collective-permute charges its operand's bytes to each source device of its
+    `source_target_pairs`. XLA's own all-reduce / reduce-scatter / all-gather ops are
+    charged as the ring would send them within each replica group (their real
+    schedule is XLA's choice). Ops inside loops are counted once, so dpjax unrolls its
+    schedules in Python.
+    """
+    out = HloComm()
+    for line in hlo_text.splitlines():
+        m = _OP_RE.search(line)
+        if not m or "-done" in m.group("op"):
+            continue
+        op = m.group("op")
+        out.ops[op] += 1
+        out.steps += 1
+        # Compiled HLO names operands without their shapes; the result (the first
+        # array of an async -start tuple) has the operand's shape for permutes and
+        # all-reduces, the gathered shape for all-gather, the piece for reduce-scatter.
+        first = _SHAPE_RE.search(m.group("result"))
+        nbytes = _shape_bytes(first.group(0)) if first else 0
+        attrs = m.group("attrs")
+        if op == "collective-permute":
+            pairs = _PAIRS_RE.search(attrs)
+            for pair in re.findall(r"\{(\d+),(\d+)\}", pairs.group(1) if pairs else ""):
+                out.bytes_per_device[int(pair[0])] += nbytes
+            continue
+        groups = _GROUPS_RE.search(attrs)
+        members = [[int(d) for d in g.split(",") if d]
+                   for g in re.findall(r"\{([\d,]*)\}", groups.group(1) if groups else "")]
+        for group in members:
+            k = len(group)
+            if k < 2:
+                continue
+            if op == "all-reduce":
+                sent = 2 * (k - 1) * math.ceil(nbytes / k)
+            elif op == "all-gather":
+                sent = (k - 1) * nbytes // k
+            elif op == "reduce-scatter":
+                sent = (k - 1) * nbytes
+            else:  # all-to-all
+                sent = (k - 1) * nbytes // k
+            for d in group:
+                out.bytes_per_device[d] += sent
+    return out

@@ -1,0 +1,60 @@
+"""Hierarchical collectives over two axes (outer, inner): Horovod's hierarchical allreduce.
+
+Inside a group of L fast-linked ranks (a host, the `data` axis) reduce-scatter; across
+the G groups (the `node` axis, the slow links) allreduce only the 1/L slice each rank
+owns; inside the group all-gather again. Sergeev & Del Balso, "Horovod" (2018), and
+`HOROVOD_HIERARCHICAL_ALLREDUCE`; the same shape as NCCL's tree/ring split across nodes.
+
+Per device, N the bytes of the vector, with ring phases:
+
+    inside  2(L-1) steps, 2(L-1)/L * N bytes
+    across  2(G-1) steps, 2(G-1)/G * N/L bytes   (ring; another algorithm by `outer_algorithm`)
+
+so the slow links carry 1/L of what a flat ring over all G*L ranks would put on them.
+"""
+
+from __future__ import annotations
+
+from dpjax.collectives import ring
+from dpjax.collectives._common import as_chunks, axis_size, finish, split_dim0
+
+
+def _axes(axis_name):
+    if not (isinstance(axis_name, (tuple, list)) and len(axis_name) == 2):
+        raise ValueError(
+            f"hierarchical collectives need axis_name=(outer, inner), got {axis_name!r}"
+        )
+    return tuple(axis_name)
+
+
+def allreduce(x, axis_name, *, op: str = "sum", outer_algorithm: str = "ring"):
+    from dpjax.collectives import allreduce as flat_allreduce
+
+    outer, inner = _axes(axis_name)
+    L, G = axis_size(inner), axis_size(outer)
+    rows, undo = as_chunks(x, L)
+    mine = rows[0] if L == 1 else ring.reduce_scatter_rows(rows, inner, L)
+    mine = flat_allreduce(mine, outer, algorithm=outer_algorithm)
+    full = mine[None] if L == 1 else ring.all_gather_rows(mine, inner, L)
+    return finish(undo(full), op, G * L)
+
+
+def reduce_scatter(x, axis_name, *, op: str = "sum"):
+    """Tiled on dimension 0 over the linearised (outer, inner) index, like lax.psum_scatter."""
+    outer, inner = _axes(axis_name)
+    L, G = axis_size(inner), axis_size(outer)
+    rows = split_dim0(x, G * L, "reduce_scatter")
+    # chunk (g, l) sits at row g*L + l; group rows by inner rank first.
+    by_inner = rows.reshape(G, L, *rows.shape[1:]).swapaxes(0, 1)
+    mine = by_inner[0] if L == 1 else ring.reduce_scatter_rows(by_inner, inner, L)  # (G, ...)
+    out = mine[0] if G == 1 else ring.reduce_scatter_rows(mine, outer, G)
+    return finish(out, op, G * L)
+
+
+def all_gather(x, axis_name):
+    outer, inner = _axes(axis_name)
+    L, G = axis_size(inner), axis_size(outer)
+    x = x.reshape(1) if x.ndim == 0 else x
+    across = x[None] if G == 1 else ring.all_gather_rows(x, outer, G)  # (G, ...)
+    full = across[None] if L == 1 else ring.all_gather_rows(across, inner, L)  # (L, G, ...)
+    return full.swapaxes(0, 1).reshape(G * L * x.shape[0], *x.shape[1:])

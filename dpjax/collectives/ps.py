@@ -1,0 +1,47 @@
+"""Parameter-server allreduce: workers push to server ranks, servers push back.
+
+The pattern of DistBelief's parameter servers (Dean et al., "Large scale distributed
+deep networks", NIPS 2012) and of Li et al.'s parameter server (OSDI 2014), written
+as a synchronous allreduce. With S server ranks (ranks 0..S-1) the tensor is cut into
+S shards and server k owns shard k. A ppermute is a permutation (one sender per
+receiver), so the n-1 pushes to a server take n-1 steps: at step j, rank (k+j) mod n
+sends shard k to server k (all servers receive at once). The pull runs the same way
+back.
+
+Per device, N the bytes of the vector, n ranks, S servers:
+
+    steps          2(n-1)
+    a server       (S-1)/S * N pushed + (n-1)/S * N pulled = (n+S-2)/S * N bytes sent
+    a non-server   N bytes sent (each shard once)
+
+With one server that is (n-1) * N on the server: the bottleneck that motivated
+sharded servers and then allreduce. With S = n it sends 2(n-1)/n * N, like the ring.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jax import lax
+
+from dpjax.collectives._common import as_chunks, axis_size, finish, row
+
+
+def allreduce(x, axis_name, *, op: str = "sum", num_servers: int = 1):
+    n = axis_size(axis_name)
+    if not 1 <= num_servers <= n:
+        raise ValueError(f"num_servers={num_servers} must be between 1 and the axis size {n}")
+    if n == 1:
+        return finish(x, op, n)
+    S = num_servers
+    r = lax.axis_index(axis_name)
+    shards, undo = as_chunks(x, S)
+    acc = row(shards, jnp.minimum(r, S - 1))  # a server starts from its own shard
+    for j in range(1, n):
+        send = row(shards, jnp.minimum((r - j) % n, S - 1))  # shard (r-j) mod n, if a server owns it
+        acc = acc + lax.ppermute(send, axis_name, [((k + j) % n, k) for k in range(S)])
+    got = [acc]
+    for j in range(1, n):
+        got.append(lax.ppermute(acc, axis_name, [(k, (k + j) % n) for k in range(S)]))
+    # got[j] holds shard (r - j) mod n, sent by its server j steps round.
+    out = jnp.take(jnp.stack(got), (r - jnp.arange(S)) % n, axis=0)
+    return finish(undo(out), op, n)

@@ -1,0 +1,54 @@
+"""Binomial-tree reduce and broadcast, and the tree allreduce built from them.
+
+The classic latency-optimal pattern (e.g. MPICH's binomial reduce/bcast; Thakur,
+Rabenseifner & Gropp, IJHPCA 2005). In the reduce, at distance d = 1, 2, 4, ... a
+rank whose offset from the root is an odd multiple of d sends its partial sum d
+ranks towards the root; the broadcast runs the same tree backwards. Every message
+carries the whole vector, so the tree suits small messages: few steps, many bytes.
+
+Per device, N the bytes of the vector, n ranks, k = ceil(log2 n):
+
+    reduce      k steps; each non-root rank sends N once
+    broadcast   k steps; the root sends N at every step: k * N bytes
+    allreduce  2k steps; the root sends k * N bytes (the busiest device)
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jax import lax
+
+from dpjax.collectives._common import axis_size, finish
+
+
+def reduce(x, axis_name, n: int, root: int = 0):
+    """Sum over ranks, valid on `root` only (other ranks hold partial sums)."""
+    d = 1
+    while d < n:
+        pairs = [((root + a) % n, (root + a - d) % n) for a in range(n) if a % (2 * d) == d]
+        x = x + lax.ppermute(x, axis_name, pairs)
+        d *= 2
+    return x
+
+
+def broadcast(x, axis_name, *, root: int = 0):
+    """Every rank ends with root's x, over a binomial tree."""
+    n = axis_size(axis_name)
+    if not 0 <= root < n:
+        raise ValueError(f"broadcast root {root} is outside the axis of size {n}")
+    rel = (lax.axis_index(axis_name) - root) % n
+    d = 1 << max(0, (n - 1).bit_length() - 1)
+    while d >= 1 and n > 1:
+        pairs = [((root + a) % n, (root + a + d) % n) for a in range(0, n - d, 2 * d)]
+        got = lax.ppermute(x, axis_name, pairs)
+        x = jnp.where(rel % (2 * d) == d, got, x)
+        d //= 2
+    return x
+
+
+def allreduce(x, axis_name, *, op: str = "sum"):
+    """Binomial-tree reduce to rank 0, then binomial-tree broadcast."""
+    n = axis_size(axis_name)
+    if n == 1:
+        return finish(x, op, n)
+    return finish(broadcast(reduce(x, axis_name, n), axis_name, root=0), op, n)

@@ -1,0 +1,135 @@
+"""Device meshes with named parallel axes.
+
+A mesh spec is a short string a user types on the command line:
+
+    "8"               -> data=8, model=1           axes ("data", "model")
+    "2x4"             -> data=2, model=4           axes ("data", "model")
+    "2x2x2"           -> node=2, data=2, model=2   axes ("node", "data", "model")
+    "data=2,model=4"  -> the axes named explicitly (any identifiers, in that order)
+    "-1x2"            -> one -1 is inferred from the device count
+
+Devices are laid out process-major (sorted by process index, then id), so the
+outermost axis (`node` for three-axis specs) varies slowest and crosses process
+boundaries first: an inner axis stays inside one process or host where possible.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+
+import numpy as np
+
+DATA = "data"
+MODEL = "model"
+NODE = "node"
+
+_DEFAULT_NAMES = {1: (DATA, MODEL), 2: (DATA, MODEL), 3: (NODE, DATA, MODEL)}
+_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+def parse_mesh_spec(spec: str, num_devices: int) -> tuple[tuple[str, ...], tuple[int, ...]]:
+    """Parses a mesh spec into (axis names, axis sizes) for `num_devices` devices.
+
+    Raises ValueError naming the spec and the device count when it does not fit.
+    """
+    text = str(spec).strip()
+
+    def bad(why: str) -> ValueError:
+        return ValueError(f"mesh spec {spec!r} {why} ({num_devices} devices available)")
+
+    if not text:
+        raise bad("is empty; use e.g. '2x4' or 'data=2,model=4'")
+    if "=" in text:
+        names, raw = [], []
+        for part in text.split(","):
+            name, eq, size = part.partition("=")
+            name, size = name.strip(), size.strip()
+            if not eq or not _NAME_RE.match(name) or not size:
+                raise bad("is not of the form 'name=size,name=size'")
+            names.append(name)
+            raw.append(size)
+        if len(set(names)) != len(names):
+            raise bad("names an axis twice")
+    else:
+        raw = [s.strip() for s in text.lower().split("x")]
+        if len(raw) not in _DEFAULT_NAMES:
+            raise bad("must have 1 to 3 sizes separated by 'x' (e.g. '8', '2x4', '2x2x2')")
+        names = list(_DEFAULT_NAMES[len(raw)])
+    try:
+        sizes = [int(s) for s in raw]
+    except ValueError:
+        raise bad("has a size that is not an integer") from None
+    if sizes.count(-1) > 1:
+        raise bad("has more than one -1; only one axis size can be inferred")
+    if any(s == 0 or s < -1 for s in sizes):
+        raise bad("has an axis size below 1")
+    if -1 in sizes:
+        known = math.prod(s for s in sizes if s != -1)
+        if num_devices % known:
+            raise bad(f"cannot infer -1: {num_devices} devices are not divisible by {known}")
+        sizes[sizes.index(-1)] = num_devices // known
+    if len(sizes) == 1 and "=" not in text:
+        sizes.append(1)  # "8" means pure data parallelism with a model axis of 1
+    total = math.prod(sizes)
+    if total != num_devices:
+        raise bad(f"needs {total} devices")
+    return tuple(names), tuple(sizes)
+
+
+def mesh_size(spec: str) -> int | None:
+    """Devices a spec needs, or None when it has a -1 (it then takes what there is)."""
+    text = str(spec)
+    raw = [p.partition("=")[2] for p in text.split(",")] if "=" in text else text.lower().split("x")
+    try:
+        sizes = [int(s) for s in raw]
+    except ValueError:
+        return None
+    if -1 in sizes or any(s < 1 for s in sizes):
+        return None
+    return math.prod(sizes)
+
+
+def make_mesh(spec: str, devices=None):
+    """Builds a `jax.sharding.Mesh` from a spec such as "2x4" (see the module docstring).
+
+    `devices` defaults to every device of every process; the spec must use exactly
+    that many (pass `jax.devices()[:k]` for a mesh over a subset).
+    """
+    import jax
+    from jax.sharding import Mesh
+
+    devs = list(jax.devices() if devices is None else devices)
+    names, sizes = parse_mesh_spec(spec, len(devs))
+    devs.sort(key=lambda d: (d.process_index, d.id))
+    return Mesh(np.array(devs, dtype=object).reshape(sizes), names)
+
+
+def data_axes(mesh) -> tuple[str, ...]:
+    """The axes gradients are averaged over: every axis but `model`, outermost first."""
+    return tuple(a for a in mesh.axis_names if a != MODEL)
+
+
+def simulate_cpu_devices(n: int) -> None:
+    """Asks for `n` simulated CPU devices; must run before JAX initialises its backends.
+
+    Harmless where a GPU is present (it only shapes the CPU backend). Raises
+    RuntimeError if JAX has already initialised with a different CPU device count.
+    """
+    if n < 1:
+        raise ValueError(f"cannot simulate {n} CPU devices")
+    import jax
+
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "xla_force_host_platform_device_count" in flags:
+        return  # the user (or conftest) already decided
+    try:
+        jax.config.update("jax_num_cpu_devices", n)
+    except RuntimeError as e:  # backends already up
+        have = len(jax.devices("cpu"))
+        if have != n:
+            raise RuntimeError(
+                f"JAX is already initialised with {have} CPU devices; "
+                f"call simulate_cpu_devices({n}) before using JAX"
+            ) from e
