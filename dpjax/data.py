@@ -1,0 +1,139 @@
+"""Byte-level text data: a corpus, a deterministic train/validation split, and batches.
+
+The default corpus is the Python standard library's own source (every Python install
+has it; `sysconfig` locates it; `site-packages` and test folders are skipped). A
+corpus is one uint8 array; the last `val_fraction` of it is the validation split.
+
+Training reads windows of seq_len+1 bytes at stride seq_len, in an order shuffled
+once per epoch from the seed. The position in that stream (`cursor`, in windows) is
+part of the training state: batch `cursor .. cursor+B` is a pure function of
+(seed, cursor), so a resumed run reads exactly what an uninterrupted run would. Each
+data-parallel rank (or process) can read only its own rows of a global batch.
+"""
+
+from __future__ import annotations
+
+import os
+import sysconfig
+from dataclasses import dataclass
+from functools import lru_cache
+
+import numpy as np
+
+TEXT_SUFFIXES = (".py", ".txt", ".md", ".rst", ".c", ".h", ".json", ".toml", ".cfg", ".ini", ".html", ".css", ".js")
+
+
+class DataError(ValueError):
+    """A problem with the data a user asked for; the message says how to fix it."""
+
+
+def stdlib_files() -> list[str]:
+    root = sysconfig.get_paths()["stdlib"]
+    out = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames
+                             if d not in ("site-packages", "dist-packages", "__pycache__")
+                             and d not in ("test", "tests", "idle_test") and not d.startswith("test_"))
+        out.extend(os.path.join(dirpath, f) for f in sorted(filenames) if f.endswith(".py"))
+    return out
+
+
+def _text_files(path: str) -> list[str]:
+    if not os.path.exists(path):
+        raise DataError(f"data path {path!r} does not exist; pass a text file, a folder of text files, "
+                        "'stdlib' or 'synthetic'")
+    if os.path.isfile(path):
+        return [path]
+    files = []
+    for dirpath, dirnames, filenames in os.walk(path):
+        dirnames.sort()
+        files.extend(os.path.join(dirpath, f) for f in sorted(filenames) if f.endswith(TEXT_SUFFIXES))
+    if not files:
+        raise DataError(f"data folder {path!r} holds no text files ({', '.join(TEXT_SUFFIXES)})")
+    return files
+
+
+@lru_cache(maxsize=4)
+def load_corpus(source: str = "stdlib", max_bytes: int | None = None) -> np.ndarray:
+    """The corpus as uint8 bytes: 'stdlib' (default), a file or a folder of text files."""
+    files = stdlib_files() if source == "stdlib" else _text_files(source)
+    chunks, total = [], 0
+    for f in files:
+        with open(f, "rb") as fh:
+            b = fh.read()
+        chunks.append(b)
+        total += len(b)
+        if max_bytes is not None and total >= max_bytes:
+            break
+    data = np.frombuffer(b"".join(chunks)[:max_bytes], dtype=np.uint8)
+    if data.size == 0:
+        raise DataError(f"data source {source!r} is empty; pass a file or folder with some text in it")
+    return data
+
+
+@dataclass
+class ByteStream:
+    """Windows of seq_len+1 tokens from `data`, read in a seeded order, epoch after epoch."""
+
+    data: np.ndarray
+    seq_len: int
+    seed: int = 0
+
+    def __post_init__(self):
+        self.num_windows = (self.data.size - 1) // self.seq_len
+        if self.num_windows < 1:
+            raise DataError(
+                f"the corpus split has {self.data.size} bytes, too few for one sequence of "
+                f"{self.seq_len}+1 tokens; use a shorter --seq-len or more data")
+        self._epoch, self._order = -1, None
+
+    def _window_ids(self, positions: np.ndarray) -> np.ndarray:
+        out = np.empty_like(positions)
+        epochs = positions // self.num_windows
+        for epoch in np.unique(epochs):
+            if epoch != self._epoch:
+                self._epoch = int(epoch)
+                self._order = np.random.default_rng((self.seed, self._epoch)).permutation(self.num_windows)
+            sel = epochs == epoch
+            out[sel] = self._order[positions[sel] % self.num_windows]
+        return out
+
+    def batch(self, cursor: int, batch_size: int, rows: slice = slice(None)) -> np.ndarray:
+        """Rows `rows` of the global batch that starts at window `cursor`: int32 (b, seq_len+1)."""
+        positions = np.arange(cursor, cursor + batch_size, dtype=np.int64)[rows]
+        starts = self._window_ids(positions) * self.seq_len
+        idx = starts[:, None] + np.arange(self.seq_len + 1)
+        return self.data[idx].astype(np.int32)
+
+
+@dataclass
+class SyntheticStream:
+    """Uniformly random tokens, a pure function of (seed, position): for benchmarks."""
+
+    seq_len: int
+    seed: int = 0
+    vocab_size: int = 256
+
+    def batch(self, cursor: int, batch_size: int, rows: slice = slice(None)) -> np.ndarray:
+        positions = np.arange(cursor, cursor + batch_size, dtype=np.int64)[rows]
+        return np.stack([
+            np.random.default_rng((self.seed, int(p))).integers(0, self.vocab_size, self.seq_len + 1, dtype=np.int32)
+            for p in positions
+        ]) if positions.size else np.zeros((0, self.seq_len + 1), np.int32)
+
+
+def make_streams(source: str, seq_len: int, seed: int, val_fraction: float = 0.05,
+                 max_bytes: int | None = None):
+    """(train stream, validation stream) for 'stdlib', 'synthetic', a file or a folder."""
+    if seq_len < 1:
+        raise DataError(f"sequence length must be positive, got {seq_len}")
+    if source == "synthetic":
+        return SyntheticStream(seq_len, seed), SyntheticStream(seq_len, seed + 1_000_003)
+    data = load_corpus(source, max_bytes)
+    n_val = max(seq_len + 1, int(data.size * val_fraction))
+    if data.size - n_val < seq_len + 1:
+        raise DataError(
+            f"the corpus {source!r} has {data.size} bytes, too few for a train and a validation "
+            f"split of sequences of {seq_len}+1 tokens; use a shorter --seq-len (at most "
+            f"{max(1, data.size // 2 - 1)}) or more data")
+    return ByteStream(data[:-n_val], seq_len, seed), ByteStream(data[-n_val:], seq_len, seed)

@@ -1,0 +1,122 @@
+"""Data parallelism the Horovod way: an optimizer wrapper that averages gradients.
+
+`DistributedOptimizer(inner)` is an `optax.GradientTransformation` to be used inside
+`jax.shard_map`, where each data-parallel rank holds the gradient of its own slice of
+the batch. Its update packs the gradients into tensor-fusion buckets
+(`dpjax.fusion`), allreduces each bucket once with the chosen explicit algorithm
+(`dpjax.collectives`), unpacks the average and hands it to `inner`. This is
+Horovod's design (Sergeev & Del Balso, "Horovod: fast and easy distributed deep
+learning in TensorFlow", 2018): wrap the optimizer, broadcast the initial parameters,
+shard the data.
+
+The shard_map that holds the train step must be built with `check_vma=False`: with
+JAX's varying-manual-axes checking on, differentiating replicated parameters against
+per-rank data makes autodiff insert its own psum, and the gradient would be averaged
+twice (once by JAX, silently, once here).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax import lax
+
+from dpjax import collectives
+from dpjax.collectives._common import axis_size
+from dpjax.fusion import pack, plan_buckets, unpack
+
+COMPRESSIONS = {None: None, "none": None, "bf16": jnp.bfloat16, "fp16": jnp.float16}
+
+
+def allreduce_gradients(grads, axis_name="data", *, algorithm: str = "ring", fusion_mb: float = 64,
+                        compression=None, gradient_predivide_factor: float = 1.0, **options):
+    """The average of `grads` over `axis_name`: fused buckets, one allreduce per bucket.
+
+    compression: None, "bf16" or "fp16": buckets travel in that dtype and are cast back.
+    gradient_predivide_factor f: divide by f before the sum and by n/f after it
+    (Horovod's guard against fp16 overflow in the sum).
+    """
+    n = axis_size(axis_name)
+    wire = COMPRESSIONS[compression]
+    plan = plan_buckets(grads, fusion_mb * 2**20)
+    out = []
+    for buf in pack(plan, grads):
+        x = buf if wire is None else buf.astype(wire)
+        if gradient_predivide_factor != 1.0:
+            x = x / jnp.asarray(gradient_predivide_factor, x.dtype)
+        x = collectives.allreduce(x, axis_name, algorithm=algorithm, op="sum", **options)
+        out.append(x.astype(buf.dtype) / jnp.asarray(n / gradient_predivide_factor, buf.dtype))
+    return unpack(plan, out)
+
+
+class DistributedState(NamedTuple):
+    inner: optax.OptState
+    passes: jax.Array  # backward passes accumulated so far (mod backward_passes_per_step)
+    accumulated: optax.Updates  # sum of local gradients since the last exchange (or ())
+
+
+def DistributedOptimizer(inner: optax.GradientTransformation, axis_name="data", algorithm: str = "ring",
+                         fusion_mb: float = 64, compression=None, backward_passes_per_step: int = 1,
+                         gradient_predivide_factor: float = 1.0, **options) -> optax.GradientTransformation:
+    """Wraps `inner` so that it sees gradients averaged over `axis_name`.
+
+    backward_passes_per_step k > 1 accumulates k local gradients and exchanges their
+    mean once every k calls (in between, the updates are zero and `inner` does not
+    step), so k passes over batches of b equal one pass over a batch of k*b.
+    options go to the allreduce (`num_servers` for "ps", `outer_algorithm` for
+    "hierarchical").
+    """
+    collectives.check_algorithm(algorithm)
+    if compression not in COMPRESSIONS:
+        raise ValueError(f"unknown compression {compression!r}; choose none, bf16 or fp16")
+    if int(backward_passes_per_step) != backward_passes_per_step or backward_passes_per_step < 1:
+        raise ValueError(f"backward_passes_per_step must be a positive integer, got {backward_passes_per_step}")
+    if gradient_predivide_factor <= 0:
+        raise ValueError(f"gradient_predivide_factor must be positive, got {gradient_predivide_factor}")
+    k = int(backward_passes_per_step)
+
+    def average(grads):
+        return allreduce_gradients(grads, axis_name, algorithm=algorithm, fusion_mb=fusion_mb,
+                                   compression=compression,
+                                   gradient_predivide_factor=gradient_predivide_factor, **options)
+
+    def init_fn(params):
+        acc = jax.tree.map(jnp.zeros_like, params) if k > 1 else ()
+        return DistributedState(inner.init(params), jnp.zeros((), jnp.int32), acc)
+
+    def update_fn(grads, state, params=None):
+        if k == 1:
+            updates, inner_state = inner.update(average(grads), state.inner, params)
+            return updates, DistributedState(inner_state, state.passes, ())
+        acc = jax.tree.map(jnp.add, state.accumulated, grads)
+        passes = (state.passes + 1) % k
+
+        def exchange(_):
+            mean = jax.tree.map(lambda a: a / k, acc)
+            updates, inner_state = inner.update(average(mean), state.inner, params)
+            return updates, inner_state, jax.tree.map(jnp.zeros_like, acc)
+
+        def hold(_):
+            return jax.tree.map(jnp.zeros_like, grads), state.inner, acc
+
+        # The exchange sits in a cond, so the communication happens once per k passes.
+        updates, inner_state, acc = lax.cond(passes == 0, exchange, hold, None)
+        return updates, DistributedState(inner_state, passes, acc)
+
+    return optax.GradientTransformation(init_fn, update_fn)
+
+
+def broadcast_params(params, axis_name="data", *, root: int = 0, algorithm: str = "tree",
+                     fusion_mb: float = 64):
+    """Every rank along `axis_name` ends with root's parameters (inside shard_map).
+
+    Horovod's `broadcast_parameters`: run once after initialisation so that ranks
+    that initialised differently (another seed, a restored checkpoint on one rank)
+    start from the same point. Fused like the gradients: one broadcast per bucket.
+    """
+    plan = plan_buckets(params, fusion_mb * 2**20)
+    bufs = [collectives.broadcast(b, axis_name, root=root, algorithm=algorithm) for b in pack(plan, params)]
+    return unpack(plan, bufs)

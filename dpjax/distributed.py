@@ -1,0 +1,65 @@
+"""Processes: `jax.distributed` initialisation and Horovod-style rank / size helpers.
+
+One process may drive several devices (JAX's model); the helpers answer for
+processes. Inside `shard_map`, a device's rank along an axis is `lax.axis_index`.
+"""
+
+from __future__ import annotations
+
+import os
+
+# Variables our launcher (`python -m dpjax.launch`) sets for each process.
+COORDINATOR = "DPJAX_COORDINATOR"
+NUM_PROCESSES = "DPJAX_NUM_PROCESSES"
+PROCESS_ID = "DPJAX_PROCESS_ID"
+LOCAL_RANK = "DPJAX_LOCAL_RANK"
+
+_LOCAL_RANK_VARS = (LOCAL_RANK, "SLURM_LOCALID", "OMPI_COMM_WORLD_LOCAL_RANK", "MV2_COMM_WORLD_LOCAL_RANK")
+
+
+def rank() -> int:
+    """This process's index among all processes (0 in a single-process run)."""
+    import jax
+
+    return jax.process_index()
+
+
+def process_index() -> int:
+    return rank()
+
+
+def size() -> int:
+    """Number of processes."""
+    import jax
+
+    return jax.process_count()
+
+
+def local_rank() -> int:
+    """This process's index among the processes on its host."""
+    for var in _LOCAL_RANK_VARS:
+        if var in os.environ:
+            return int(os.environ[var])
+    return 0
+
+
+def initialize(timeout_s: int = 300) -> bool:
+    """Starts `jax.distributed` when this process is one of several; True if it did.
+
+    Our launcher's variables (DPJAX_COORDINATOR, DPJAX_NUM_PROCESSES, DPJAX_PROCESS_ID)
+    come first; otherwise a cluster JAX recognises (SLURM, Open MPI) is auto-detected.
+    A single process is left alone. On CPU, cross-process collectives use gloo.
+    """
+    import jax
+
+    if os.environ.get(COORDINATOR):
+        kwargs = dict(coordinator_address=os.environ[COORDINATOR],
+                      num_processes=int(os.environ[NUM_PROCESSES]),
+                      process_id=int(os.environ[PROCESS_ID]))
+    elif int(os.environ.get("SLURM_NTASKS", "1")) > 1 or int(os.environ.get("OMPI_COMM_WORLD_SIZE", "1")) > 1:
+        kwargs = {}
+    else:
+        return False
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(initialization_timeout=timeout_s, **kwargs)
+    return True
