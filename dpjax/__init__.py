@@ -1,7 +1,22 @@
 """dpjax: sharded training on JAX/XLA with explicit, readable collectives."""
 
 from dpjax import collectives
+from dpjax.data_parallel import DistributedOptimizer, allreduce_gradients, broadcast_params
+from dpjax.distributed import local_rank, process_index, rank, size
 from dpjax.mesh import data_axes, make_mesh, parse_mesh_spec, simulate_cpu_devices
 
-__all__ = ["collectives", "data_axes", "make_mesh", "parse_mesh_spec", "simulate_cpu_devices"]
+__all__ = [
+    "DistributedOptimizer",
+    "allreduce_gradients",
+    "broadcast_params",
+    "collectives",
+    "data_axes",
+    "local_rank",
+    "make_mesh",
+    "parse_mesh_spec",
+    "process_index",
+    "rank",
+    "simulate_cpu_devices",
+    "size",
+]
 __version__ = "0.1.0"

@@ -217,7 +217,8 @@ def run(cfg: TrainConfig) -> dict:
     eval_step = S.make_eval_step(model, mesh)
     params = S.make_broadcast_step(mesh)(params)  # Horovod: every rank starts from rank 0's weights
     tokens_per_step = cfg.batch_size * cfg.seq_len * cfg.backward_passes
-    metrics_file = open(cfg.metrics, "a" if start else "w") if cfg.metrics else None
+    # line-buffered: each step's record is on disk as soon as it is known (tail -f works)
+    metrics_file = open(cfg.metrics, "a" if start else "w", buffering=1) if cfg.metrics else None
     is_main = jax.process_index() == 0
 
     def evaluate():
