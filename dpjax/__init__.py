@@ -1,7 +1,13 @@
 """dpjax: sharded training on JAX/XLA with explicit, readable collectives."""
 
 from dpjax import collectives
-from dpjax.data_parallel import DistributedOptimizer, allreduce_gradients, broadcast_params
+from dpjax.data_parallel import (
+    DistributedOptimizer,
+    allreduce_gradients,
+    broadcast_params,
+    shard_batch,
+    shard_step,
+)
 from dpjax.distributed import local_rank, process_index, rank, size
 from dpjax.mesh import data_axes, make_mesh, parse_mesh_spec, simulate_cpu_devices
 
@@ -16,6 +22,8 @@ __all__ = [
     "parse_mesh_spec",
     "process_index",
     "rank",
+    "shard_batch",
+    "shard_step",
     "simulate_cpu_devices",
     "size",
 ]

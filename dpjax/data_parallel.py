@@ -120,3 +120,32 @@ def broadcast_params(params, axis_name="data", *, root: int = 0, algorithm: str 
     plan = plan_buckets(params, fusion_mb * 2**20)
     bufs = [collectives.broadcast(b, axis_name, root=root, algorithm=algorithm) for b in pack(plan, params)]
     return unpack(plan, bufs)
+
+
+def shard_step(fn, mesh, batch_argnums=(), *, donate_argnums=()):
+    """`jit(shard_map(fn))` for a data-parallel step: the arguments in `batch_argnums`
+    are split by rows over the mesh's data axes, the rest (and every output) are
+    replicated. Gradients inside `fn` stay local (check_vma=False), so the
+    DistributedOptimizer's explicit allreduce is the one that averages them."""
+    from jax.sharding import PartitionSpec as P
+
+    from dpjax.mesh import data_axes
+
+    def specs(n):
+        return tuple(P(data_axes(mesh)) if i in batch_argnums else P() for i in range(n))
+
+    def wrapped(*args):
+        inner = jax.shard_map(fn, mesh=mesh, in_specs=specs(len(args)), out_specs=P(), check_vma=False)
+        return inner(*args)
+
+    return jax.jit(wrapped, donate_argnums=donate_argnums)
+
+
+def shard_batch(mesh, *arrays):
+    """Places host arrays with their rows split over the mesh's data axes."""
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from dpjax.mesh import data_axes
+
+    out = tuple(jax.device_put(a, NamedSharding(mesh, P(data_axes(mesh)))) for a in arrays)
+    return out if len(out) > 1 else out[0]

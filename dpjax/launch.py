@@ -1,0 +1,144 @@
+"""`python -m dpjax.launch -n 2 [--devices-per-process 4] -- python -m dpjax.train ...`
+
+Starts N processes of one command on this host, joined by `jax.distributed` through a
+coordinator on a free 127.0.0.1 port (see dpjax.distributed.initialize). Each line a
+process prints comes out prefixed with its rank. Ctrl-C is forwarded to every
+process. When one process fails the launcher stops the others and exits non-zero,
+naming the failed rank and its last error line (torchrun's behaviour). On a cluster
+the same training command runs under `srun` or `mpirun` instead, without this
+launcher (see the README).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+from dpjax import distributed
+
+GRACE_S = 10  # between SIGTERM and SIGKILL for the survivors of a failure
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def process_env(rank: int, n: int, port: int, devices_per_process: int | None) -> dict:
+    env = dict(os.environ)
+    env.update({distributed.COORDINATOR: f"127.0.0.1:{port}", distributed.NUM_PROCESSES: str(n),
+                distributed.PROCESS_ID: str(rank), distributed.LOCAL_RANK: str(rank),
+                "PYTHONUNBUFFERED": "1"})
+    if devices_per_process:
+        flags = re.sub(r"--xla_force_host_platform_device_count=\S*", "", env.get("XLA_FLAGS", ""))
+        env["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={devices_per_process}".strip()
+    return env
+
+
+def _pump(rank: int, stream, out, last_lines: dict, lock: threading.Lock):
+    for line in iter(stream.readline, ""):
+        if line.strip():
+            last_lines[rank] = line.rstrip()
+        with lock:
+            out.write(f"[{rank}] {line}")
+            out.flush()
+    stream.close()
+
+
+def _stop(procs, sig=signal.SIGTERM):
+    for p in procs:
+        if p.poll() is None:
+            try:
+                p.send_signal(sig)
+            except ProcessLookupError:
+                pass
+
+
+def launch(command: list[str], n: int, devices_per_process: int | None = None, port: int | None = None) -> int:
+    """Runs `command` in n processes; returns the exit status the launcher should exit with."""
+    port = port or free_port()
+    lock = threading.Lock()
+    last_out: dict[int, str] = {}
+    last_err: dict[int, str] = {}
+    procs, pumps = [], []
+    for rank in range(n):
+        p = subprocess.Popen(command, env=process_env(rank, n, port, devices_per_process),
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1)
+        procs.append(p)
+        for stream, out, last in ((p.stdout, sys.stdout, last_out), (p.stderr, sys.stderr, last_err)):
+            t = threading.Thread(target=_pump, args=(rank, stream, out, last, lock), daemon=True)
+            t.start()
+            pumps.append(t)
+
+    interrupted = {"n": 0}
+
+    def on_sigint(signum, frame):
+        interrupted["n"] += 1
+        _stop(procs, signal.SIGINT if interrupted["n"] == 1 else signal.SIGKILL)
+
+    old = signal.signal(signal.SIGINT, on_sigint)
+    failed = None
+    try:
+        while any(p.poll() is None for p in procs):
+            for rank, p in enumerate(procs):
+                if failed is None and p.poll() not in (None, 0) and not interrupted["n"]:
+                    failed = rank
+                    _stop(procs)
+                    deadline = time.time() + GRACE_S
+                    while any(q.poll() is None for q in procs) and time.time() < deadline:
+                        time.sleep(0.1)
+                    _stop(procs, signal.SIGKILL)
+            time.sleep(0.1)
+    finally:
+        signal.signal(signal.SIGINT, old)
+        for p in procs:
+            p.wait()
+        for t in pumps:
+            t.join(timeout=5)
+    if failed is None:
+        failed = next((r for r, p in enumerate(procs) if p.returncode != 0), None)
+    if failed is None:
+        return 0
+    code = procs[failed].returncode
+    why = last_err.get(failed) or last_out.get(failed) or "no output"
+    how = f"signal {-code}" if code < 0 else f"exit code {code}"
+    print(f"dpjax.launch: rank {failed} failed ({how}): {why}", file=sys.stderr, flush=True)
+    return code if code > 0 else 1
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--" in argv:
+        cut = argv.index("--")
+        argv, command = argv[:cut], argv[cut + 1:]
+    else:
+        command = []
+    p = argparse.ArgumentParser(
+        prog="python -m dpjax.launch",
+        description="Run a command in N processes on this host, joined by jax.distributed "
+                    "(gloo on CPU, NCCL on GPU). Example: python -m dpjax.launch -n 2 "
+                    "--devices-per-process 4 -- python -m dpjax.train --mesh 2x2x2",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("-n", "--nproc", type=int, default=2, help="processes to start")
+    p.add_argument("--devices-per-process", type=int,
+                   help="simulated CPU devices per process (sets XLA_FLAGS; GPUs are not affected)")
+    p.add_argument("--port", type=int, help="coordinator port on 127.0.0.1 (default: a free one)")
+    args, rest = p.parse_known_args(argv)
+    command = rest + command
+    if not command:
+        p.error("no command given; put it after '--', e.g. -- python -m dpjax.train --mesh 2x2x2")
+    if args.nproc < 1:
+        p.error("-n must be at least 1")
+    return launch(command, args.nproc, args.devices_per_process, args.port)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,121 @@
+"""Real processes on 127.0.0.1: two processes of four CPU devices each, joined by
+jax.distributed (gloo), against the single-process eight-device run."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from dpjax.train import main
+
+pytestmark = pytest.mark.slow
+HERE = os.path.dirname(os.path.abspath(__file__))
+STEPS = 10
+
+
+def _launch(*args, **kw):
+    cmd = [sys.executable, "-m", "dpjax.launch", "-n", "2", "--devices-per-process", "4", "--", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=kw.pop("timeout", 600), **kw)
+
+
+def _train_args(corpus, *extra):
+    return ["--model", "gpt", "--d-model", "32", "--n-layers", "1", "--n-heads", "2", "--seq-len", "16",
+            "--batch-size", "16", "--data", corpus, "--eval-every", "0", "--eval-batches", "1",
+            "--progress", "none", "--mesh", "2x2x2", *extra]
+
+
+def _losses(path):
+    out = {}
+    for line in open(path):
+        rec = json.loads(line)
+        if "loss" in rec:
+            out[rec["step"]] = rec["loss"]
+    return [out[s] for s in sorted(out)]
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    from dpjax.data import load_corpus
+
+    path = tmp_path_factory.mktemp("mpdata") / "corpus.txt"
+    path.write_bytes(load_corpus("stdlib", max_bytes=300_000).tobytes())
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def single(corpus, tmp_path_factory):
+    """The same run in this process, on its 8 devices: the reference."""
+    path = tmp_path_factory.mktemp("single") / "m.jsonl"
+    assert main(_train_args(corpus, "--steps", str(STEPS), "--metrics", str(path))) == 0
+    return _losses(path)
+
+
+@pytest.mark.parametrize("algorithm", ["ring", "hierarchical"])
+def test_two_processes_equal_one(corpus, single, tmp_path, algorithm):
+    path = tmp_path / "m.jsonl"
+    r = _launch(sys.executable, "-m", "dpjax.train",
+                *_train_args(corpus, "--allreduce", algorithm, "--steps", str(STEPS), "--metrics", str(path)))
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "[0] done: 10 steps on mesh 2x2x2" in r.stdout
+    # float32 round-off only: the same global batch, summed across processes in another order
+    np.testing.assert_allclose(_losses(path), single, rtol=2e-5, atol=0)
+
+
+def test_every_collective_across_processes():
+    r = _launch(sys.executable, os.path.join(HERE, "mp_collectives.py"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.count("collectives ok") == 2
+
+
+def test_checkpoint_of_two_processes_resumes_in_one(corpus, single, tmp_path):
+    ckpt, path = tmp_path / "ckpt", tmp_path / "m.jsonl"
+    common = _train_args(corpus, "--ckpt-dir", str(ckpt), "--ckpt-every", "5", "--metrics", str(path))
+    r = _launch(sys.executable, "-m", "dpjax.train", *common, "--steps", "5")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert main(common + ["--steps", str(STEPS), "--resume"]) == 0
+    np.testing.assert_allclose(_losses(path), single, rtol=2e-5, atol=0)
+
+
+def _pids_with(marker):
+    out = []
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as fh:
+                    if marker.encode() in fh.read():
+                        out.append(int(pid))
+            except OSError:
+                pass
+    return out
+
+
+def _env_of(pid):
+    with open(f"/proc/{pid}/environ", "rb") as fh:
+        return dict(kv.split(b"=", 1) for kv in fh.read().split(b"\0") if b"=" in kv)
+
+
+def test_a_killed_process_stops_the_launcher(corpus, tmp_path):
+    marker = str(tmp_path / "killme.jsonl")
+    cmd = [sys.executable, "-m", "dpjax.launch", "-n", "2", "--devices-per-process", "4", "--",
+           sys.executable, "-m", "dpjax.train", *_train_args(corpus, "--steps", "100000", "--metrics", marker)]
+    launcher = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 300
+    while not (os.path.exists(marker) and os.path.getsize(marker) > 0):
+        assert time.time() < deadline and launcher.poll() is None, "training never started"
+        time.sleep(0.2)
+    workers = [p for p in _pids_with(marker) if p != launcher.pid and b"dpjax.train" in open(
+        f"/proc/{p}/cmdline", "rb").read()]
+    victim = next(p for p in workers if _env_of(p).get(b"DPJAX_PROCESS_ID") == b"1")
+    os.kill(victim, signal.SIGKILL)
+    t0 = time.time()
+    out, err = launcher.communicate(timeout=120)
+    assert time.time() - t0 < 60
+    assert launcher.returncode != 0
+    assert "rank 1 failed (signal 9)" in err
+    time.sleep(0.5)
+    assert _pids_with(marker) == []  # nothing left behind
