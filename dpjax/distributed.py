@@ -43,13 +43,20 @@ def local_rank() -> int:
     return 0
 
 
-def initialize(timeout_s: int = 300) -> bool:
+def initialize(timeout_s: int | None = None, heartbeat_s: int | None = None) -> bool:
     """Starts `jax.distributed` when this process is one of several; True if it did.
 
     Our launcher's variables (DPJAX_COORDINATOR, DPJAX_NUM_PROCESSES, DPJAX_PROCESS_ID)
     come first; otherwise a cluster JAX recognises (SLURM, Open MPI) is auto-detected.
     A single process is left alone. On CPU, cross-process collectives use gloo.
+
+    Bounded waits, so that a dead or stuck peer never hangs the job: `timeout_s`
+    (DPJAX_INIT_TIMEOUT, default 300) for every process to join, and `heartbeat_s`
+    (DPJAX_HEARTBEAT_TIMEOUT, default 60) after which the coordination service declares
+    a silent process dead and stops the others with an error naming the task.
     """
+    timeout_s = int(os.environ.get("DPJAX_INIT_TIMEOUT", 300)) if timeout_s is None else timeout_s
+    heartbeat_s = int(os.environ.get("DPJAX_HEARTBEAT_TIMEOUT", 60)) if heartbeat_s is None else heartbeat_s
     import jax
 
     if os.environ.get(COORDINATOR):
@@ -61,5 +68,5 @@ def initialize(timeout_s: int = 300) -> bool:
     else:
         return False
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(initialization_timeout=timeout_s, **kwargs)
+    jax.distributed.initialize(initialization_timeout=timeout_s, heartbeat_timeout_seconds=heartbeat_s, **kwargs)
     return True
