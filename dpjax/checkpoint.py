@@ -103,10 +103,3 @@ def check_compatible(saved: dict, now: dict, where: str) -> None:
         raise CheckpointError(f"checkpoint {where} was made with another configuration "
                               f"({'; '.join(diffs)}); resume with the same settings or pass another --ckpt-dir")
 
-
-def key_to_data(key):
-    return jax.random.key_data(key)
-
-
-def key_from_data(data):
-    return jax.random.wrap_key_data(data)

@@ -197,6 +197,9 @@ def run(cfg: TrainConfig) -> dict:
 
     key = jax.random.key(cfg.seed)
     params, opt_state = S.init_state(model, tx, mesh, key)
+    # The run's RNG state: nothing in the step draws from it yet (no dropout), but it is
+    # saved and restored with the rest so that stochastic steps resume exactly too.
+    rng = jax.device_put(jax.random.key_data(jax.random.fold_in(key, 1)), S.replicated(mesh))
     start, cursor = 0, 0
     ckpt = None
     if cfg.ckpt_dir:
@@ -207,8 +210,9 @@ def run(cfg: TrainConfig) -> dict:
                              "continue, or another --ckpt-dir (nothing was overwritten)")
         if latest is not None:
             abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
-                                    (params, opt_state))
-            (params, opt_state), saved = ckpt.restore(abstract, expect=record)
+                                    {"params": params, "opt_state": opt_state, "rng": rng})
+            state, saved = ckpt.restore(abstract, expect=record)
+            params, opt_state, rng = state["params"], state["opt_state"], state["rng"]
             start, cursor = saved["step"], saved["cursor"]
     if start >= cfg.steps:
         raise UsageError(f"the checkpoint is at step {start}, not before --steps {cfg.steps}; ask for more steps")
@@ -260,7 +264,8 @@ def run(cfg: TrainConfig) -> dict:
 
     def save(step_done):
         drain()
-        ckpt.save(step_done, (params, opt_state), {**record, "step": step_done, "cursor": cursor})
+        ckpt.save(step_done, {"params": params, "opt_state": opt_state, "rng": rng},
+                  {**record, "step": step_done, "cursor": cursor})
 
     try:
         step_i = start
