@@ -44,6 +44,7 @@ class TrainConfig:
     lr: float = 3e-3
     lr_scaling: str = "none"
     warmup_steps: int = 0
+    clip_norm: float = 1.0
     allreduce: str = "ring"
     fusion_mb: float = 64.0
     compression: str = "none"
@@ -84,6 +85,7 @@ def parse_args(argv=None) -> TrainConfig:
     a("--lr-scaling", default="none", choices=["none", "linear"],
       help="linear: lr * global batch / 256 (Goyal et al. 2017)")
     a("--warmup-steps", type=int, default=0, help="steps of linear learning-rate warmup")
+    a("--clip-norm", type=float, default=1.0, help="clip the averaged gradient to this global norm (0: off)")
     a("--allreduce", default="ring", help=f"gradient allreduce algorithm: {', '.join(ALGORITHMS)}")
     a("--fusion-mb", type=float, default=64.0, help="tensor-fusion bucket cap in MiB (0: one allreduce per tensor)")
     a("--compression", default="none", choices=["none", "bf16", "fp16"], help="dtype of gradients on the wire")
@@ -188,7 +190,7 @@ def run(cfg: TrainConfig) -> dict:
                       n_heads=cfg.n_heads)
     train_stream, val_stream = make_streams(cfg.data, cfg.seq_len, cfg.seed)
     opt = S.OptimizerConfig(name=cfg.optimizer, lr=cfg.lr, lr_scaling=cfg.lr_scaling,
-                            warmup_steps=cfg.warmup_steps)
+                            warmup_steps=cfg.warmup_steps, clip_norm=cfg.clip_norm)
     tx = S.distributed_optimizer(opt, mesh, cfg.batch_size, algorithm=cfg.allreduce, fusion_mb=cfg.fusion_mb,
                                  compression=None if cfg.compression == "none" else cfg.compression,
                                  backward_passes_per_step=cfg.backward_passes)

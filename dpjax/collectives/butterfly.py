@@ -28,6 +28,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from dpjax.collectives._common import as_chunks, axis_size, finish, split_dim0
+from dpjax.collectives.ring import rows_in_rank_order
 
 
 def _pow2_below(n: int) -> int:
@@ -65,13 +66,20 @@ def halving_rows(rows, axis_name, p: int):
 def doubling_rows(mine, axis_name, p: int):
     """Recursive doubling over ranks 0..p-1: this rank's row -> (p, ...) all rows in order."""
     r = lax.axis_index(axis_name)
+    # Rows are held in "XOR order": position j holds row j ^ r. The partner r ^ d
+    # holds rows (j ^ d) ^ r at its positions j < d, which are my positions j + d, so
+    # every step appends what arrives at a static offset; only the last write is
+    # rank-dependent. (A select between two orders at every step reads both
+    # operands and copies the growing buffer once more.)
     cur, d = mine[None], 1
-    while d < p:
+    while True:
         got = lax.ppermute(cur, axis_name, [(i, i ^ d) for i in range(p)])
-        upper = (r // d) % 2
-        cur = jnp.concatenate([jnp.where(upper, got, cur), jnp.where(upper, cur, got)])
         d *= 2
-    return cur
+        if d == p:
+            break
+        cur = jnp.concatenate([cur, got])
+    order = [[k ^ i for k in range(p)] for i in range(p)]  # result row k sits at k ^ r
+    return rows_in_rank_order([cur, got], order, jnp.minimum(r, p - 1))
 
 
 def allreduce(x, axis_name, *, op: str = "sum"):

@@ -88,13 +88,16 @@ def schedule(algorithm: str, n: int, nelems: int, itemsize: int = 4, *,
         else:
             outer = schedule("ring", G, c, itemsize, primitive=primitive)
         return Schedule(inner.steps, inner.bytes, outer.steps, outer.bytes)
+    if algorithm == "psum":
+        # XLA's own collective: one op (XLA keeps it even on one rank); its bytes are
+        # implementation-defined, charged as the bandwidth-optimal ring would send them,
+        # padded in bytes as hlo_comm counts them.
+        N = nelems * itemsize
+        if primitive in ("allreduce", "broadcast"):
+            return Schedule(1, 2 * (n - 1) * math.ceil(N / n))
+        return Schedule(1, (n - 1) * (N // n))
     if n == 1:
         return Schedule(0, 0)
-    if algorithm == "psum":
-        # XLA's own all-reduce: one collective op; its bytes are implementation-defined,
-        # modelled as the bandwidth-optimal ring.
-        ring = schedule("ring", n, nelems, itemsize, primitive=primitive)
-        return Schedule(1, ring.bytes)
     c = math.ceil(nelems / n) * itemsize  # one ring/butterfly chunk, padded
     N = nelems * itemsize
     if algorithm == "ring":
@@ -171,6 +174,29 @@ class HloComm:
         return max(self.bytes_per_device.values(), default=0)
 
 
+_MESH_GROUPS_RE = re.compile(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}")
+
+
+def _replica_groups(attrs: str) -> list[list[int]]:
+    """Device groups of a collective: `{{0,1},{2,3}}`, or the newer mesh form
+    `mesh['a'=4,'b'=2] {'a'}` (groups vary the listed axes; devices numbered row-major)."""
+    groups = _GROUPS_RE.search(attrs)
+    if groups and groups.group(1):
+        return [[int(d) for d in g.split(",") if d] for g in re.findall(r"\{([\d,]*)\}", groups.group(1))]
+    mesh = _MESH_GROUPS_RE.search(attrs)
+    if not mesh:
+        return []
+    axes = [(name.strip("' "), int(size)) for name, size in
+            (a.split("=") for a in mesh.group(1).split(",") if "=" in a)]
+    reduced = {a.strip("' ") for a in mesh.group(2).split(",") if a.strip()}
+    import numpy as np
+
+    ids = np.arange(math.prod(size for _, size in axes)).reshape([size for _, size in axes])
+    keep = [i for i, (name, _) in enumerate(axes) if name not in reduced]
+    moved = np.moveaxis(ids, keep, list(range(len(keep))))
+    return moved.reshape(math.prod(ids.shape[i] for i in keep) if keep else 1, -1).tolist()
+
+
 def hlo_comm(hlo_text: str) -> HloComm:
     """Counts collective steps and bytes each device sends in compiled HLO text.
 
@@ -191,17 +217,19 @@ def hlo_comm(hlo_text: str) -> HloComm:
         # Compiled HLO names operands without their shapes; the result (the first
         # array of an async -start tuple) has the operand's shape for permutes and
         # all-reduces, the gathered shape for all-gather, the piece for reduce-scatter.
+        # XLA's combiner gives one all-reduce a tuple of results: charge them all.
         first = _SHAPE_RE.search(m.group("result"))
-        nbytes = _shape_bytes(first.group(0)) if first else 0
+        if op == "all-reduce" and not m.group("start"):
+            nbytes = _shape_bytes(m.group("result"))
+        else:
+            nbytes = _shape_bytes(first.group(0)) if first else 0
         attrs = m.group("attrs")
         if op == "collective-permute":
             pairs = _PAIRS_RE.search(attrs)
             for pair in re.findall(r"\{(\d+),(\d+)\}", pairs.group(1) if pairs else ""):
                 out.bytes_per_device[int(pair[0])] += nbytes
             continue
-        groups = _GROUPS_RE.search(attrs)
-        members = [[int(d) for d in g.split(",") if d]
-                   for g in re.findall(r"\{([\d,]*)\}", groups.group(1) if groups else "")]
+        members = _replica_groups(attrs)
         for group in members:
             k = len(group)
             if k < 2:

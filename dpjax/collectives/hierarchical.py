@@ -10,7 +10,8 @@ Per device, N the bytes of the vector, with ring phases:
     inside  2(L-1) steps, 2(L-1)/L * N bytes
     across  2(G-1) steps, 2(G-1)/G * N/L bytes   (ring; another algorithm by `outer_algorithm`)
 
-so the slow links carry 1/L of what a flat ring over all G*L ranks would put on them.
+so each rank's traffic across groups is 1/L of what a flat ring over the G groups
+would send (and a flat ring over all G*L ranks sends 2(n-1)/n * N through its boundary ranks).
 """
 
 from __future__ import annotations

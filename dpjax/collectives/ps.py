@@ -24,6 +24,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from dpjax.collectives._common import as_chunks, axis_size, finish, row
+from dpjax.collectives.ring import rows_in_rank_order
 
 
 def allreduce(x, axis_name, *, op: str = "sum", num_servers: int = 1):
@@ -43,5 +44,6 @@ def allreduce(x, axis_name, *, op: str = "sum", num_servers: int = 1):
     for j in range(1, n):
         got.append(lax.ppermute(acc, axis_name, [(k, (k + j) % n) for k in range(S)]))
     # got[j] holds shard (r - j) mod n, sent by its server j steps round.
-    out = jnp.take(jnp.stack(got), (r - jnp.arange(S)) % n, axis=0)
+    order = [[(i - k) % n for k in range(S)] for i in range(n)]
+    out = rows_in_rank_order([g[None] for g in got], order, r)
     return finish(undo(out), op, n)

@@ -1,0 +1,96 @@
+"""Shared test setup: 8 simulated CPU devices, meshes over device subsets, a compile cache.
+
+XLA reads XLA_FLAGS once, when JAX initialises its backends, so the flag is set here,
+before anything imports jax. Every test module then sees 8 CPU devices (whatever else
+the machine has); tests that need more devices than exist skip.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+_COUNT_FLAG = "--xla_force_host_platform_device_count"
+# Keep whatever flags the user set, but make the CPU device count ours: the suite is
+# written for 8 devices and a second copy of the flag would make the result depend on
+# XLA's parsing order.
+_flags = re.sub(rf"{_COUNT_FLAG}=\S*", "", os.environ.get("XLA_FLAGS", "")).split()
+os.environ["XLA_FLAGS"] = " ".join([*_flags, f"{_COUNT_FLAG}=8"])
+
+import jax  # noqa: E402  (must come after XLA_FLAGS)
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+import dpjax  # noqa: E402
+
+NUM_DEVICES = 8
+
+
+def _available_devices() -> list:
+    """The devices tests run on: the default backend's if it has 8, else the CPU's."""
+    devs = jax.devices()
+    if len(devs) < NUM_DEVICES:
+        devs = jax.devices("cpu")
+    return devs
+
+
+class CompileCache:
+    """Memoises expensive things (jitted shard_maps, their results, compiled HLO) by key.
+
+    Keys name what was built, e.g. ("allreduce", "ring", (("data", 5),)), so a program
+    is traced and compiled once per session however many tests read it.
+    """
+
+    def __init__(self):
+        self._store: dict = {}
+
+    def get(self, key, build):
+        if key not in self._store:
+            self._store[key] = build()
+        return self._store[key]
+
+
+@pytest.fixture(scope="session")
+def cache() -> CompileCache:
+    return CompileCache()
+
+
+@pytest.fixture(scope="session")
+def devices() -> list:
+    """All 8 test devices (skips the test if the machine cannot provide them)."""
+    devs = _available_devices()
+    if len(devs) < NUM_DEVICES:
+        pytest.skip(f"needs {NUM_DEVICES} devices, have {len(devs)}")
+    return devs[:NUM_DEVICES]
+
+
+@pytest.fixture(scope="session")
+def mesh_of(cache):
+    """mesh_of(spec, count): `dpjax.make_mesh(spec, devices[:count])`, built once.
+
+    A mesh over a subset of the devices is how the suite gets axis sizes 1..8 from
+    one process with 8 devices.
+    """
+
+    def build(spec: str, count: int):
+        devs = _available_devices()
+        if len(devs) < count:
+            pytest.skip(f"needs {count} devices, have {len(devs)}")
+        return cache.get(("mesh", spec, count), lambda: dpjax.make_mesh(spec, devs[:count]))
+
+    return build
+
+
+@pytest.fixture(scope="session")
+def put():
+    """put(mesh, x, spec): places a host array the way shard_map's in_specs expect.
+
+    This JAX refuses a jitted shard_map whose inputs are not already laid out to match.
+    """
+
+    def place(mesh, x, spec=P("data")):
+        return jax.device_put(np.asarray(x), NamedSharding(mesh, spec))
+
+    return place

@@ -1,0 +1,328 @@
+"""The cost model against the compiled programs, and against the docstrings' formulas.
+
+`cost.hlo_comm` reads what a compiled program sends; `cost.schedule` says what an
+algorithm should send. The checks here: the two agree for every algorithm and
+primitive (steps, and bytes from the busiest device); both agree with the formulas
+the algorithm modules' docstrings derive, typed in again here by hand; the ring meets
+the Patarasuk-Yuan lower bound exactly; the hierarchical allreduce splits its bytes
+between the inner and the outer links as its docstring says (split here by reading
+each collective-permute's source-target pairs, independently of `hlo_comm`).
+Compiling only (nothing runs), so large N costs nothing.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from dpjax import collectives as C
+from dpjax.collectives import cost
+
+F32 = 4
+
+
+def compiled_text(mesh_of, spec, count, axis, body, local_shape, dtype=jnp.float32):
+    """HLO text of jit(shard_map(body)) with a (local_shape) block per rank."""
+    mesh = mesh_of(spec, count)
+    axes = (axis,) if isinstance(axis, str) else axis
+    n = math.prod(mesh.shape[a] for a in axes)
+    fn = jax.jit(jax.shard_map(lambda b: body(b[0])[None], mesh=mesh, in_specs=P(axis),
+                               out_specs=P(axis)))
+    x = jax.ShapeDtypeStruct((n, *local_shape), dtype, sharding=NamedSharding(mesh, P(axis)))
+    return fn.lower(x).compile().as_text()
+
+
+def flat_comm(cache, mesh_of, n, primitive, algorithm, nelems, **kw):
+    """hlo_comm of one flat collective over data=n; nelems as cost.schedule counts them."""
+    key = ("hlo", n, primitive, algorithm, nelems, tuple(sorted(kw.items())))
+
+    def build():
+        if primitive == "allreduce":
+            body, shape = (lambda x: C.allreduce(x, "data", algorithm=algorithm, **kw)), (nelems,)
+        elif primitive == "reduce_scatter":
+            body, shape = (lambda x: C.reduce_scatter(x, "data", algorithm=algorithm)), (nelems,)
+        elif primitive == "all_gather":  # nelems counts the gathered result
+            body, shape = (lambda x: C.all_gather(x, "data", algorithm=algorithm)), (nelems // n,)
+        else:
+            body, shape = (lambda x: C.broadcast(x, "data", algorithm=algorithm, **kw)), (nelems,)
+        return cost.hlo_comm(compiled_text(mesh_of, f"data={n}", n, "data", body, shape))
+
+    return cache.get(key, build)
+
+
+# ---------------------------------------------------------------------------------------
+# the ring meets the lower bound
+
+
+@pytest.mark.parametrize("n", range(2, 9), ids=lambda n: f"n{n}")
+def test_ring_allreduce_sends_exactly_the_lower_bound(cache, mesh_of, n):
+    nelems = 840  # divisible by every n here, so no padding
+    hlo = flat_comm(cache, mesh_of, n, "allreduce", "ring", nelems)
+    N = nelems * F32
+    bound = 2 * (n - 1) / n * N  # Patarasuk & Yuan
+    assert cost.lower_bound_bytes(n, N) == bound
+    assert hlo.max_bytes / bound == 1.0
+    # symmetric: every device sends exactly the bound, in 2(n-1) steps
+    assert dict(hlo.bytes_per_device) == {d: bound for d in range(n)}
+    assert hlo.steps == 2 * (n - 1) and dict(hlo.ops) == {"collective-permute": 2 * (n - 1)}
+
+
+# ---------------------------------------------------------------------------------------
+# hierarchical: inner and outer links
+
+
+_PERMUTE_RE = re.compile(r"=\s*\(?(\w+)\[([\d,]*)\].*?\scollective-permute(?:-start)?\(")
+_PAIRS_RE = re.compile(r"source_target_pairs=\{(.*?)\}\}")
+
+
+def split_inner_outer(hlo_text: str, L: int):
+    """Per-device bytes sent over inner (same node) and outer (other node) pairs.
+
+    Partition ids are positions in the (node, data) mesh, so device d is on node d // L.
+    """
+    inner, outer, steps = {}, {}, {"inner": 0, "outer": 0}
+    for line in hlo_text.splitlines():
+        m = _PERMUTE_RE.search(line)
+        if not m or "-done" in line:
+            continue
+        dtype, dims = m.groups()
+        nbytes = {"f32": 4, "bf16": 2, "f16": 2}[dtype] * math.prod(
+            int(d) for d in dims.split(",") if d)
+        pairs = [tuple(map(int, p)) for p in re.findall(r"(\d+),(\d+)",
+                                                        _PAIRS_RE.search(line).group(1))]
+        crossing = {s // L != t // L for s, t in pairs}
+        assert len(crossing) == 1, f"a step mixes inner and outer links: {pairs}"
+        side = outer if crossing.pop() else inner
+        steps["outer" if side is outer else "inner"] += 1
+        for s, _ in pairs:
+            side[s] = side.get(s, 0) + nbytes
+    return inner, outer, steps
+
+
+HIER = [(2, 4), (4, 2), (1, 8), (8, 1)]
+
+
+@pytest.mark.parametrize("nelems", [840, 1003], ids=["N840", "N1003-padded"])
+@pytest.mark.parametrize("G, L", HIER, ids=[f"node{g}xdata{l}" for g, l in HIER])
+def test_hierarchical_allreduce_inner_and_outer_bytes(cache, mesh_of, G, L, nelems):
+    text = compiled_text(mesh_of, f"node={G},data={L}", 8, ("node", "data"),
+                         lambda x: C.allreduce(x, ("node", "data"), algorithm="hierarchical"),
+                         (nelems,))
+    inner, outer, steps = split_inner_outer(text, L)
+    sched = cost.schedule("hierarchical", L, nelems, F32, groups=G)
+    if nelems % (G * L) == 0:  # the docstring's figures, exact when nothing is padded
+        N = nelems * F32
+        assert sched.bytes == 2 * (L - 1) / L * N
+        assert sched.outer_bytes == 2 * (G - 1) / G * N / L
+    assert sched.steps == 2 * (L - 1) and sched.outer_steps == 2 * (G - 1)
+    # every device sends exactly that, inside and across
+    assert inner == ({d: sched.bytes for d in range(8)} if L > 1 else {})
+    assert outer == ({d: sched.outer_bytes for d in range(8)} if G > 1 else {})
+    assert steps == {"inner": sched.steps, "outer": sched.outer_steps}
+    hlo = cost.hlo_comm(text)
+    assert (hlo.steps, hlo.max_bytes) == (sched.total_steps, sched.total_bytes)
+
+
+@pytest.mark.parametrize("primitive", ["reduce_scatter", "all_gather"])
+@pytest.mark.parametrize("G, L", HIER[:2], ids=[f"node{g}xdata{l}" for g, l in HIER[:2]])
+def test_hierarchical_scatter_gather_bytes(cache, mesh_of, G, L, primitive):
+    m = 5  # elements per rank's piece, odd
+    nelems = G * L * m  # the full vector (reduce_scatter input, all_gather output)
+    fn = C.reduce_scatter if primitive == "reduce_scatter" else C.all_gather
+    shape = (nelems,) if primitive == "reduce_scatter" else (m,)
+    text = compiled_text(mesh_of, f"node={G},data={L}", 8, ("node", "data"),
+                         lambda x: fn(x, ("node", "data"), algorithm="hierarchical"), shape)
+    inner, outer, steps = split_inner_outer(text, L)
+    sched = cost.schedule("hierarchical", L, nelems, F32, primitive=primitive, groups=G)
+    # ring phases: (L-1) pieces of G*m inside, (G-1) pieces of m across
+    assert (sched.steps, sched.bytes) == (L - 1, (L - 1) * G * m * F32)
+    assert (sched.outer_steps, sched.outer_bytes) == (G - 1, (G - 1) * m * F32)
+    assert inner == {d: sched.bytes for d in range(8)}
+    assert outer == {d: sched.outer_bytes for d in range(8)}
+    assert steps == {"inner": sched.steps, "outer": sched.outer_steps}
+
+
+# ---------------------------------------------------------------------------------------
+# every algorithm: the compiled program does what cost.schedule says
+
+
+def schedule_cases():
+    out = []
+    for n in (1, 2, 3, 5, 6, 8):
+        for nelems in (840, 1003):  # 1003 is padded for every n > 1
+            for alg in C.ALGORITHMS:
+                if alg == "hierarchical":
+                    continue
+                servers = sorted({1, (n + 1) // 2, n}) if alg == "ps" else [None]
+                for s in servers:
+                    kw = {"num_servers": s} if s else {}
+                    out.append(("allreduce", alg, n, nelems, kw))
+            if n == 1:
+                continue
+            for alg in C.BROADCAST_ALGORITHMS:
+                out.append(("broadcast", alg, n, nelems, {"root": n // 2}))
+        for alg in C.REDUCE_SCATTER_ALGORITHMS:
+            if alg != "hierarchical" and n > 1:
+                out += [("reduce_scatter", alg, n, n * m, {}) for m in (105, 125)]
+        for alg in C.ALL_GATHER_ALGORITHMS:
+            if alg != "hierarchical" and n > 1:
+                out += [("all_gather", alg, n, n * m, {}) for m in (105, 125)]
+    return [pytest.param(*c, id=f"{c[0]}-{c[1]}-n{c[2]}-N{c[3]}" + "".join(
+        f"-{k}{v}" for k, v in c[4].items())) for c in out]
+
+
+@pytest.mark.parametrize("primitive, algorithm, n, nelems, kw", schedule_cases())
+def test_hlo_matches_schedule(cache, mesh_of, primitive, algorithm, n, nelems, kw):
+    hlo = flat_comm(cache, mesh_of, n, primitive, algorithm, nelems, **kw)
+    opts = {"num_servers": kw["num_servers"]} if "num_servers" in kw else {}
+    sched = cost.schedule(algorithm, n, nelems, F32, primitive=primitive, **opts)
+    assert (hlo.steps, hlo.max_bytes) == (sched.steps, sched.bytes)
+    if algorithm != "psum":  # the explicit algorithms use nothing but collective-permutes
+        assert set(hlo.ops) <= {"collective-permute"}
+
+
+def test_itemsize_counts(mesh_of):
+    """float16 halves the bytes, not the steps.
+
+    (Not bfloat16: XLA's CPU backend widens bfloat16 collectives to float32, so its
+    compiled programs really do send 4 bytes per bfloat16 element.)
+    """
+    text = compiled_text(mesh_of, "data=4", 4, "data",
+                         lambda x: C.allreduce(x, "data", algorithm="ring"), (1003,), jnp.float16)
+    hlo = cost.hlo_comm(text)
+    assert (hlo.steps, hlo.max_bytes) == (6, 2 * 3 * 251 * 2)
+    assert cost.schedule("ring", 4, 1003, 2) == cost.Schedule(6, 2 * 3 * 251 * 2)
+
+
+# ---------------------------------------------------------------------------------------
+# the docstrings' formulas, for concrete values
+
+
+MiB = 1 << 20
+
+
+def test_ring_docstring_values(cache, mesh_of):
+    N = 4 * MiB  # bytes; float32, so N / 4 elements
+    sched = cost.schedule("ring", 8, N // F32)
+    assert (sched.steps, sched.bytes) == (14, 7 * N // 4)
+    hlo = flat_comm(cache, mesh_of, 8, "allreduce", "ring", N // F32)
+    assert (hlo.steps, hlo.max_bytes) == (14, 7 * N // 4)
+    for primitive in ("reduce_scatter", "all_gather"):
+        assert cost.schedule("ring", 8, N // F32, primitive=primitive) == cost.Schedule(7, 7 * N // 8)
+    # van de Geijn broadcast: 2(n-1) steps, 2(n-1)/n * N from the root
+    assert cost.schedule("ring", 8, N // F32, primitive="broadcast") == cost.Schedule(14, 7 * N // 4)
+
+
+def test_butterfly_docstring_values():
+    N = 3 * MiB  # elements: divisible by 8, 6 and 4
+    B = N * F32
+    # n = 8 = 2^3
+    assert cost.schedule("butterfly", 8, N) == cost.Schedule(6, 7 * B // 4)
+    assert cost.schedule("butterfly", 8, N, primitive="reduce_scatter") == cost.Schedule(3, 7 * B // 8)
+    assert cost.schedule("butterfly", 8, N, primitive="all_gather") == cost.Schedule(3, 7 * B // 8)
+    # n = 6: p = 4, e = 2, c = N/6 (bytes B/6)
+    assert cost.schedule("butterfly", 6, N) == cost.Schedule(2 + 2 * 2, B + 2 * 3 * B // 4)
+    assert cost.schedule("butterfly", 6, N, primitive="reduce_scatter") == cost.Schedule(
+        2 + 2, 7 * B // 6)  # (2p - 1) * c
+    assert cost.schedule("butterfly", 6, N, primitive="all_gather") == cost.Schedule(
+        2 + 2, 2 * 3 * B // 6 + B)  # 2(p - 1) * c + N
+
+
+def test_tree_docstring_values():
+    N = 1000
+    B = N * F32
+    assert cost.schedule("tree", 8, N) == cost.Schedule(6, 3 * B)  # k = 3
+    assert cost.schedule("tree", 8, N, primitive="broadcast") == cost.Schedule(3, 3 * B)
+    assert cost.schedule("tree", 5, N) == cost.Schedule(6, 3 * B)  # k = ceil(log2 5) = 3
+    assert cost.schedule("tree", 2, N) == cost.Schedule(2, B)
+
+
+def test_ps_docstring_values():
+    N = 800
+    B = N * F32
+    # a server sends (n + S - 2) / S * N; with one server that is (n - 1) * N
+    assert cost.schedule("ps", 8, N, num_servers=1) == cost.Schedule(14, 7 * B)
+    assert cost.schedule("ps", 8, N, num_servers=2) == cost.Schedule(14, 4 * B)
+    assert cost.schedule("ps", 8, N, num_servers=4) == cost.Schedule(14, 10 * B // 4)
+    # every rank a server: like the ring
+    assert cost.schedule("ps", 8, N, num_servers=8) == cost.Schedule(14, 7 * B // 4)
+
+
+def test_hierarchical_docstring_values():
+    N = 4 * MiB
+    s = cost.schedule("hierarchical", 4, N // F32, groups=2)
+    assert (s.steps, s.bytes, s.outer_steps, s.outer_bytes) == (6, 3 * N // 2, 2, N // 4)
+    s = cost.schedule("hierarchical", 2, N // F32, groups=4)
+    assert (s.steps, s.bytes, s.outer_steps, s.outer_bytes) == (2, N, 6, 3 * N // 4)
+
+
+def test_one_rank_sends_nothing():
+    for alg in ("ring", "butterfly", "tree", "ps"):
+        assert cost.schedule(alg, 1, 1000) == cost.Schedule(0, 0)
+    # XLA keeps its one-rank all-reduce as an op: a step that sends nothing
+    assert cost.schedule("psum", 1, 1000) == cost.Schedule(1, 0)
+
+
+@pytest.mark.parametrize(
+    "args, kw, match",
+    [(("ring", 0, 10), {}, "n >= 1"), (("ring", 4, -1), {}, "nelems"),
+     (("nccl", 4, 10), {}, "nccl"), (("tree", 4, 8), {"primitive": "reduce_scatter"}, "tree"),
+     (("ps", 4, 8), {"primitive": "broadcast"}, "ps")],
+)
+def test_schedule_rejects(args, kw, match):
+    with pytest.raises(ValueError, match=match):
+        cost.schedule(*args, **kw)
+
+
+# ---------------------------------------------------------------------------------------
+# the alpha-beta arithmetic
+
+
+def test_link_from_ms_mbps():
+    link = cost.Link.from_ms_mbps(2.0, 800.0)  # 2 ms, 800 Mbit/s
+    assert link.latency == pytest.approx(0.002, rel=1e-15)
+    assert link.bandwidth == pytest.approx(1e8, rel=1e-15)  # bytes per second
+
+
+def test_schedule_time_by_hand():
+    fast = cost.Link(latency=1e-6, bandwidth=1e9)
+    slow = cost.Link(latency=1e-3, bandwidth=1e6)
+    s = cost.Schedule(steps=6, bytes=1000, outer_steps=2, outer_bytes=500)
+    assert s.total_steps == 8 and s.total_bytes == 1500
+    # 6 * 1us + 1000 B / 1 GB/s + 2 * 1 ms + 500 B / 1 MB/s = 6e-6 + 1e-6 + 2e-3 + 5e-4
+    assert s.time(fast, slow) == pytest.approx(0.002507, rel=1e-12)
+    # no outer link: everything on the one link
+    assert s.time(fast) == pytest.approx(8e-6 + 1.5e-6, rel=1e-12)
+    # ring allreduce of 4 MiB on 8 ranks over 1 ms / 1 GB/s links
+    ring = cost.schedule("ring", 8, MiB)
+    assert ring.time(cost.Link(1e-3, 1e9)) == pytest.approx(14e-3 + 7 * 4 * MiB / 4 / 1e9,
+                                                            rel=1e-12)
+
+
+def test_hlo_comm_parses_by_hand():
+    text = "\n".join([
+        "  %a = f32[10]{0} collective-permute(%x), channel_id=1, "
+        "source_target_pairs={{0,1},{1,2},{2,0}}, metadata={}",
+        "  %b = (bf16[4]{0}, bf16[4]{0}, u32[], u32[]) collective-permute-start(%y), "
+        "channel_id=2, source_target_pairs={{0,1}}",
+        "  %c = bf16[4]{0} collective-permute-done(%b)",
+        "  %d = f32[6]{0} all-reduce(%z), channel_id=3, replica_groups={{0,1,2}}, "
+        "to_apply=%add",
+        "  %e = f32[12]{0} all-gather(%w), replica_groups={{0,1},{2,3}}, dimensions={0}",
+        "  %f = f32[3]{0} add(%a, %a)",
+    ])
+    hlo = cost.hlo_comm(text)
+    assert dict(hlo.ops) == {"collective-permute": 2, "all-reduce": 1, "all-gather": 1}
+    assert hlo.steps == 4
+    # permutes: 40 B from 0, 1, 2 and 8 B more from 0; all-reduce of 24 B over 3 ranks
+    # as a ring: 2 * 2 * 8 = 32 B each; all-gather of 48 B in pairs: 24 B each
+    assert dict(hlo.bytes_per_device) == {0: 40 + 8 + 32 + 24, 1: 40 + 32 + 24,
+                                          2: 40 + 32 + 24, 3: 24}
+    assert hlo.max_bytes == 104
+    assert cost.hlo_comm("").max_bytes == 0
