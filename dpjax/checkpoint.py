@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 
-import jax
 
 CKPT_FIELDS_THAT_MUST_MATCH = ("model", "optimizer")
 

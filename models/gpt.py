@@ -26,11 +26,33 @@ class GPTConfig:
     d_ff: int = 512
 
     def __post_init__(self):
-        for name in ("vocab_size", "seq_len", "d_model", "n_layers", "n_heads", "d_ff"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"GPT {name} must be positive, got {getattr(self, name)}")
+        check_positive(self, "GPT")
         if self.d_model % self.n_heads:
             raise ValueError(f"GPT d_model={self.d_model} is not divisible by n_heads={self.n_heads}")
+
+
+def check_positive(config, kind: str) -> None:
+    for name, value in asdict(config).items():
+        if value < 1:
+            raise ValueError(f"{kind} {name} must be positive, got {value}")
+
+
+class ByteModel:
+    """What every model shares: the next-byte loss, a parameter count, a description."""
+
+    name = "model"
+
+    def __init__(self, config):
+        self.config = config
+
+    def loss(self, params, batch_BxT1):
+        return cross_entropy(self.apply(params, batch_BxT1[:, :-1]), batch_BxT1[:, 1:])
+
+    def num_params(self, params) -> int:
+        return sum(x.size for x in jax.tree.leaves(params))
+
+    def describe(self) -> dict:
+        return {"model": self.name, **asdict(self.config)}
 
 
 def layer_norm(x, p, eps: float = 1e-5):
@@ -53,11 +75,8 @@ def cross_entropy(logits_BxTxV, targets_BxT):
     return -jnp.take_along_axis(logp, targets_BxT[..., None], axis=-1).mean()
 
 
-class GPT:
+class GPT(ByteModel):
     name = "gpt"
-
-    def __init__(self, config: GPTConfig):
-        self.config = config
 
     def init(self, key):
         c = self.config
@@ -104,18 +123,9 @@ class GPT:
         x_BxTxD = layer_norm(x_BxTxD, params["ln_f"])
         return x_BxTxD @ params["embed_VxD"].T  # tied output head
 
-    def loss(self, params, batch_BxT1):
-        return cross_entropy(self.apply(params, batch_BxT1[:, :-1]), batch_BxT1[:, 1:])
-
-    def num_params(self, params) -> int:
-        return sum(x.size for x in jax.tree.leaves(params))
-
     def flops_per_token(self) -> float:
         """Training FLOPs per token: 6 * matmul parameters + attention (Kaplan et al. 2020)."""
         c = self.config
         matmul = c.n_layers * (4 * c.d_model**2 + 2 * c.d_model * c.d_ff) + c.vocab_size * c.d_model
         attention = c.n_layers * 4 * c.seq_len * c.d_model  # QK^T and PV: forward FLOPs per token
         return 6 * matmul + 3 * attention
-
-    def describe(self) -> dict:
-        return {"model": self.name, **asdict(self.config)}

@@ -8,12 +8,12 @@ A small, fast model for tests and benchmarks of the data-parallel machinery.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
 
-from dpjax.models.gpt import cross_entropy
+from dpjax.models.gpt import ByteModel, check_positive
 
 
 @dataclass(frozen=True)
@@ -25,16 +25,11 @@ class MLPConfig:
     d_hidden: int = 256
 
     def __post_init__(self):
-        for name in ("vocab_size", "seq_len", "context", "d_embed", "d_hidden"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"MLP {name} must be positive, got {getattr(self, name)}")
+        check_positive(self, "MLP")
 
 
-class MLP:
+class MLP(ByteModel):
     name = "mlp"
-
-    def __init__(self, config: MLPConfig):
-        self.config = config
 
     def init(self, key):
         c = self.config
@@ -58,15 +53,6 @@ class MLP:
         h_BxTxH = jax.nn.relu(win_BxTxC @ params["w1_CxH"] + params["b1_H"])
         return h_BxTxH @ params["w2_HxV"] + params["b2_V"]
 
-    def loss(self, params, batch_BxT1):
-        return cross_entropy(self.apply(params, batch_BxT1[:, :-1]), batch_BxT1[:, 1:])
-
-    def num_params(self, params) -> int:
-        return sum(x.size for x in jax.tree.leaves(params))
-
     def flops_per_token(self) -> float:
         c = self.config
         return 6 * (c.context * c.d_embed * c.d_hidden + c.d_hidden * c.vocab_size)
-
-    def describe(self) -> dict:
-        return {"model": self.name, **asdict(self.config)}

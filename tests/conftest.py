@@ -94,3 +94,17 @@ def put():
         return jax.device_put(np.asarray(x), NamedSharding(mesh, spec))
 
     return place
+
+
+def read_losses(path) -> list[float]:
+    """Train losses of a `--metrics` file in step order, the last record of each step
+    winning (a resumed run repeats the steps after its checkpoint)."""
+    import json
+
+    out = {}
+    with open(path) as fh:
+        for line in fh:
+            rec = json.loads(line)
+            if "loss" in rec:
+                out[rec["step"]] = rec["loss"]
+    return [out[s] for s in sorted(out)]

@@ -1,7 +1,6 @@
 """Real processes on 127.0.0.1: two processes of four CPU devices each, joined by
 jax.distributed (gloo), against the single-process eight-device run."""
 
-import json
 import os
 import signal
 import subprocess
@@ -12,6 +11,8 @@ import numpy as np
 import pytest
 
 from dpjax.train import main
+
+from conftest import read_losses as _losses
 
 pytestmark = pytest.mark.slow
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -27,15 +28,6 @@ def _train_args(corpus, *extra):
     return ["--model", "gpt", "--d-model", "32", "--n-layers", "1", "--n-heads", "2", "--seq-len", "16",
             "--batch-size", "16", "--data", corpus, "--eval-every", "0", "--eval-batches", "1",
             "--progress", "none", "--mesh", "2x2x2", *extra]
-
-
-def _losses(path):
-    out = {}
-    for line in open(path):
-        rec = json.loads(line)
-        if "loss" in rec:
-            out[rec["step"]] = rec["loss"]
-    return [out[s] for s in sorted(out)]
 
 
 @pytest.fixture(scope="module")

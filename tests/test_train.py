@@ -15,6 +15,8 @@ from dpjax.collectives import ALGORITHMS
 from dpjax.data import load_corpus
 from dpjax.train import main
 
+from conftest import read_losses as losses
+
 STEPS = 20
 
 
@@ -29,16 +31,6 @@ def tiny(corpus, *extra):
     return ["--model", "gpt", "--d-model", "32", "--n-layers", "1", "--n-heads", "2", "--seq-len", "16",
             "--batch-size", "16", "--data", corpus, "--eval-every", "0", "--eval-batches", "1",
             "--progress", "none", *extra]
-
-
-def losses(path):
-    """step -> loss, the last record of each step winning (a resumed run repeats steps)."""
-    out = {}
-    for line in open(path):
-        rec = json.loads(line)
-        if "loss" in rec:
-            out[rec["step"]] = rec["loss"]
-    return [out[s] for s in sorted(out)]
 
 
 # Plain SGD without clipping: Adam and clipping would hide a gradient summed where it
