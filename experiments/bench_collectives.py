@@ -129,6 +129,9 @@ def parse_args(argv=None):
       help="also time each algorithm's collective-permutes alone (no arithmetic): the "
            "communication floor on this backend")
     a("--no-check", action="store_true", help="skip the comparison with psum's result")
+    a("--processes", type=int, default=1,
+      help="run across this many processes on this host (dpjax.launch, jax.distributed: gloo on "
+           "CPU), --devices split evenly between them; hierarchical's node axis is the process")
     a("--markdown", metavar="FILE", help="write the results as markdown tables")
     a("--json", metavar="FILE", help="write one JSON object per (size, algorithm)")
     a("--plot", metavar="FILE", help="write a PNG of bus bandwidth against size (needs matplotlib)")
@@ -147,6 +150,10 @@ def parse_args(argv=None):
         p.error("give both --latency-us and --bandwidth-gbps, or neither (then both are fitted)")
     if args.bandwidth_gbps is not None and (args.bandwidth_gbps <= 0 or args.latency_us < 0):
         p.error("--bandwidth-gbps must be > 0 and --latency-us >= 0")
+    if args.processes < 1 or args.devices % args.processes:
+        p.error(f"--devices {args.devices} must split evenly over --processes {args.processes}")
+    if args.processes > 1 and args.floor:
+        p.error("--floor runs in one process only")
     if args.plot and not args.plot.lower().endswith(".png"):
         p.error("--plot writes a PNG; give a FILE ending in .png")
     return args
@@ -226,7 +233,9 @@ class Variant:
         import jax
         from jax.sharding import NamedSharding, PartitionSpec as P
 
-        return jax.device_put(host_array, NamedSharding(self.mesh, P(self.axis)))
+        # each process places only the blocks its own devices hold
+        return jax.make_array_from_callback(host_array.shape, NamedSharding(self.mesh, P(self.axis)),
+                                            lambda idx: host_array[idx])
 
 
 _PERMUTE_RE = re.compile(
@@ -285,6 +294,17 @@ def timed(fn, *args) -> float:
     return time.perf_counter() - t
 
 
+def to_host(arr):
+    """The whole array as numpy, gathered from every process when it spans several."""
+    import numpy as np
+
+    if arr.is_fully_addressable:
+        return np.asarray(arr)
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.process_allgather(arr, tiled=True))
+
+
 def jax_block(out):
     import jax
 
@@ -322,7 +342,7 @@ def run(args, log=print):
             mismatch = (comm.steps, comm.max_bytes) != (sched.total_steps, sched.total_bytes)
             ok = None
             if not args.no_check:
-                want, got = np.asarray(base(x)), np.asarray(prog(x))
+                want, got = to_host(base(x)), to_host(prog(x))
                 ok = bool(np.allclose(got, want, rtol=1e-5, atol=1e-5 * math.sqrt(n)))
             floor = None
             if args.floor:
@@ -472,7 +492,9 @@ def markdown(rows, info, argv) -> str:
     labels = {r["algorithm"]: r["label"] for r in rows}
     out = [f"Command: `python experiments/bench_collectives.py {' '.join(argv)}`".rstrip(),
            "",
-           f"{info['n']} {info['platform']} devices ({info['machine']}), jax {info['jax']}, "
+           f"{info['n']} {info['platform']} devices ({info['machine']}"
+           + (f"; {info['processes']} processes joined by jax.distributed" if info["processes"] > 1 else "")
+           + f"), jax {info['jax']}, "
            f"float32, median of {info['reps']} interleaved repetitions; link "
            f"alpha = {info['alpha_us']:.1f} us, bandwidth = {info['bandwidth_GBps']:.2f} GB/s "
            f"({info['link_how']}).",
@@ -528,9 +550,22 @@ def plot(rows, info, path):
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
-    if args.platform in ("auto", "cpu"):
+    from dpjax import distributed
+
+    if args.processes > 1 and distributed.PROCESS_ID not in os.environ:
+        from dpjax.launch import launch
+
+        return launch([sys.executable, os.path.abspath(__file__), *argv], args.processes,
+                      devices_per_process=args.devices // args.processes)
+    if args.processes > 1:
+        distributed.initialize()
+    elif args.platform in ("auto", "cpu"):
         simulate_cpu_devices(args.devices)  # before JAX initialises; only shapes the CPU backend
     import jax
+
+    if jax.process_index() != 0:  # every process times; process 0 reports
+        run(args, log=lambda s: None)
+        return 0
 
     t0 = time.time()
     print(f"allreduce of {', '.join(fmt_size(s) for s in args.sizes)} per device; "
@@ -542,7 +577,7 @@ def main(argv=None) -> int:
     info = dict(n=n, platform=devices[0].platform, jax=jax.__version__,
                 machine=f"{platform.machine()}, {os.cpu_count()} cores",
                 alpha_us=link.latency * 1e6, bandwidth_GBps=link.bandwidth / 1e9, link_how=how,
-                reps=args.reps, date=datetime.date.today().isoformat(),
+                reps=args.reps, processes=args.processes, date=datetime.date.today().isoformat(),
                 seconds=round(time.time() - t0, 1))
     print_table(rows, info)
     if args.markdown:
