@@ -23,10 +23,13 @@ import jax
 import jax.numpy as jnp
 import optax
 from jax import lax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from dpjax import collectives
 from dpjax.collectives._common import axis_size
 from dpjax.fusion import pack, plan_buckets, unpack
+from dpjax.mesh import data_axes
 
 COMPRESSIONS = {None: None, "none": None, "bf16": jnp.bfloat16, "fp16": jnp.float16}
 
@@ -122,30 +125,26 @@ def broadcast_params(params, axis_name="data", *, root: int = 0, algorithm: str 
     return unpack(plan, bufs)
 
 
+def batch_sharding(mesh):
+    """Rows split over the mesh's data axes (`node` and `data`), replicated over `model`."""
+    return NamedSharding(mesh, P(data_axes(mesh)))
+
+
 def shard_step(fn, mesh, batch_argnums=(), *, donate_argnums=()):
     """`jit(shard_map(fn))` for a data-parallel step: the arguments in `batch_argnums`
     are split by rows over the mesh's data axes, the rest (and every output) are
     replicated. Gradients inside `fn` stay local (check_vma=False), so the
     DistributedOptimizer's explicit allreduce is the one that averages them."""
-    from jax.sharding import PartitionSpec as P
-
-    from dpjax.mesh import data_axes
-
-    def specs(n):
-        return tuple(P(data_axes(mesh)) if i in batch_argnums else P() for i in range(n))
+    batch = P(data_axes(mesh))
 
     def wrapped(*args):
-        inner = jax.shard_map(fn, mesh=mesh, in_specs=specs(len(args)), out_specs=P(), check_vma=False)
-        return inner(*args)
+        in_specs = tuple(batch if i in batch_argnums else P() for i in range(len(args)))
+        return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=P(), check_vma=False)(*args)
 
     return jax.jit(wrapped, donate_argnums=donate_argnums)
 
 
 def shard_batch(mesh, *arrays):
     """Places host arrays with their rows split over the mesh's data axes."""
-    from jax.sharding import NamedSharding, PartitionSpec as P
-
-    from dpjax.mesh import data_axes
-
-    out = tuple(jax.device_put(a, NamedSharding(mesh, P(data_axes(mesh)))) for a in arrays)
+    out = tuple(jax.device_put(a, batch_sharding(mesh)) for a in arrays)
     return out if len(out) > 1 else out[0]

@@ -1,6 +1,6 @@
 """The sharded train and eval steps: one `jit(shard_map(...))` each.
 
-Inside the step every device sees its own slice of the batch (rows split over the
+All of them are `dpjax.shard_step`s. Inside the step every device sees its own slice of the batch (rows split over the
 data axes: `node` and `data`) and a replica of the parameters; the gradient average
 over the data axes is dpjax's `DistributedOptimizer`, so every byte that crosses
 devices goes through an explicit collective. The `model` axis holds replicas until
@@ -9,6 +9,7 @@ tensor parallelism gives it work.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import jax
@@ -18,7 +19,7 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from dpjax.data_parallel import DistributedOptimizer
+from dpjax.data_parallel import DistributedOptimizer, batch_sharding, broadcast_params, shard_step
 from dpjax.mesh import data_axes
 
 
@@ -69,10 +70,6 @@ def replicated(mesh):
     return NamedSharding(mesh, P())
 
 
-def batch_sharding(mesh):
-    return NamedSharding(mesh, P(data_axes(mesh)))
-
-
 def init_state(model, tx, mesh, key):
     """Parameters and optimizer state, created by a jitted init directly in their sharding."""
     def init(k):
@@ -95,11 +92,7 @@ def make_train_step(model, tx, mesh, *, donate: bool = True):
         params = optax.apply_updates(params, updates)
         return params, opt_state, lax.pmean(loss, axes)
 
-    # check_vma=False: the gradient must stay local so that the explicit allreduce,
-    # not autodiff, averages it (see dpjax.data_parallel).
-    sharded = jax.shard_map(step, mesh=mesh, in_specs=(P(), P(), P(axes)), out_specs=(P(), P(), P()),
-                            check_vma=False)
-    return jax.jit(sharded, donate_argnums=(0, 1) if donate else ())
+    return shard_step(step, mesh, batch_argnums=(2,), donate_argnums=(0, 1) if donate else ())
 
 
 def make_eval_step(model, mesh):
@@ -108,19 +101,12 @@ def make_eval_step(model, mesh):
     def step(params, batch_bxT1):
         return lax.pmean(model.loss(params, batch_bxT1), axes)
 
-    return jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P(), P(axes)), out_specs=P(), check_vma=False))
+    return shard_step(step, mesh, batch_argnums=(1,))
 
 
 def make_broadcast_step(mesh):
     """Horovod's broadcast_parameters over the data axes, as a jitted step."""
-    from dpjax.data_parallel import broadcast_params
-
-    ax = dp_axis(mesh)
-
-    def step(params):
-        return broadcast_params(params, ax, root=0)
-
-    return jax.jit(jax.shard_map(step, mesh=mesh, in_specs=P(), out_specs=P(), check_vma=False))
+    return shard_step(functools.partial(broadcast_params, axis_name=dp_axis(mesh), root=0), mesh)
 
 
 def distributed_optimizer(opt: OptimizerConfig, mesh, global_batch: int, *, algorithm="ring", fusion_mb=64.0,

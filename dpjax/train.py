@@ -245,6 +245,7 @@ def run(cfg: TrainConfig) -> dict:
     last_done, t0 = time.perf_counter(), time.perf_counter()
     last = {"loss": float("nan"), "eval_loss": None, "tokens_per_s": 0.0}
     tps_window: collections.deque = collections.deque(maxlen=20)
+    lr_at = opt.schedule(cfg.batch_size)
 
     def retire():
         nonlocal last_done
@@ -255,10 +256,15 @@ def run(cfg: TrainConfig) -> dict:
         tps_window.append(tokens_per_step / dt)
         last.update(loss=loss, tokens_per_s=float(np.median(tps_window)))
         row = {"step": step_i, "loss": loss, "step_time": dt, "tokens_per_s": tokens_per_step / dt,
-               "lr": float(opt.schedule(cfg.batch_size)(step_i))}
+               "lr": float(lr_at(step_i))}
         if metrics_file and is_main:
             metrics_file.write(json.dumps(row) + "\n")
         progress.update(step_i, loss, last["tokens_per_s"])
+
+    def record_eval(step_i):
+        last["eval_loss"] = evaluate()
+        if metrics_file and is_main:
+            metrics_file.write(json.dumps({"step": step_i, "eval_loss": last["eval_loss"]}) + "\n")
 
     def drain():
         while in_flight:
@@ -282,18 +288,14 @@ def run(cfg: TrainConfig) -> dict:
             done = step_i + 1
             if cfg.eval_every and done % cfg.eval_every == 0 and done < cfg.steps:
                 drain()
-                last["eval_loss"] = evaluate()
-                if metrics_file and is_main:
-                    metrics_file.write(json.dumps({"step": step_i, "eval_loss": last["eval_loss"]}) + "\n")
+                record_eval(step_i)
             if ckpt and (done % cfg.ckpt_every == 0 or done == cfg.steps or stop["now"]):
                 save(done)
             if stop["now"]:
                 break
         drain()
         if not stop["now"]:
-            last["eval_loss"] = evaluate()
-            if metrics_file and is_main:
-                metrics_file.write(json.dumps({"step": cfg.steps - 1, "eval_loss": last["eval_loss"]}) + "\n")
+            record_eval(cfg.steps - 1)
     finally:
         progress.close()
         signal.signal(signal.SIGINT, old_handler)

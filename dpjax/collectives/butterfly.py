@@ -117,7 +117,6 @@ def all_gather(x, axis_name):
     n = axis_size(axis_name)
     if n == 1:
         return x
-    x = x.reshape(1) if x.ndim == 0 else x
     p = _pow2_below(n)
     if p == n:
         full = doubling_rows(x, axis_name, p)

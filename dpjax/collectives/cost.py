@@ -18,6 +18,8 @@ import re
 from collections import Counter
 from dataclasses import dataclass, field
 
+import numpy as np
+
 _DTYPE_BYTES = {
     "pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
     "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8,
@@ -189,8 +191,6 @@ def _replica_groups(attrs: str) -> list[list[int]]:
     axes = [(name.strip("' "), int(size)) for name, size in
             (a.split("=") for a in mesh.group(1).split(",") if "=" in a)]
     reduced = {a.strip("' ") for a in mesh.group(2).split(",") if a.strip()}
-    import numpy as np
-
     ids = np.arange(math.prod(size for _, size in axes)).reshape([size for _, size in axes])
     keep = [i for i, (name, _) in enumerate(axes) if name not in reduced]
     moved = np.moveaxis(ids, keep, list(range(len(keep))))

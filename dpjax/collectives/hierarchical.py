@@ -55,7 +55,6 @@ def reduce_scatter(x, axis_name, *, op: str = "sum"):
 def all_gather(x, axis_name):
     outer, inner = _axes(axis_name)
     L, G = axis_size(inner), axis_size(outer)
-    x = x.reshape(1) if x.ndim == 0 else x
     across = x[None] if G == 1 else ring.all_gather_rows(x, outer, G)  # (G, ...)
     full = across[None] if L == 1 else ring.all_gather_rows(across, inner, L)  # (L, G, ...)
     return full.swapaxes(0, 1).reshape(G * L * x.shape[0], *x.shape[1:])

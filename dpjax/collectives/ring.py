@@ -103,7 +103,6 @@ def all_gather(x, axis_name):
     n = axis_size(axis_name)
     if n == 1:
         return x
-    x = x.reshape(1) if x.ndim == 0 else x
     out = all_gather_rows(x, axis_name, n)
     return out.reshape(n * x.shape[0], *x.shape[1:])
 
