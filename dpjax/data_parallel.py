@@ -70,7 +70,8 @@ def DistributedOptimizer(inner: optax.GradientTransformation, axis_name="data", 
     mean once every k calls (in between, the updates are zero and `inner` does not
     step), so k passes over batches of b equal one pass over a batch of k*b.
     options go to the allreduce (`num_servers` for "ps", `outer_algorithm` for
-    "hierarchical").
+    "hierarchical"). axis_name None: the gradients arrive averaged already (fully
+    sharded data parallelism reduce-scatters them in the backward pass).
     """
     collectives.check_algorithm(algorithm)
     if compression not in COMPRESSIONS:
@@ -82,6 +83,8 @@ def DistributedOptimizer(inner: optax.GradientTransformation, axis_name="data", 
     k = int(backward_passes_per_step)
 
     def average(grads):
+        if axis_name is None:
+            return grads
         return allreduce_gradients(grads, axis_name, algorithm=algorithm, fusion_mb=fusion_mb,
                                    compression=compression,
                                    gradient_predivide_factor=gradient_predivide_factor, **options)
@@ -130,16 +133,19 @@ def batch_sharding(mesh):
     return NamedSharding(mesh, P(data_axes(mesh)))
 
 
-def shard_step(fn, mesh, batch_argnums=(), *, donate_argnums=()):
+def shard_step(fn, mesh, batch_argnums=(), *, donate_argnums=(), in_specs=None, out_specs=P()):
     """`jit(shard_map(fn))` for a data-parallel step: the arguments in `batch_argnums`
     are split by rows over the mesh's data axes, the rest (and every output) are
     replicated. Gradients inside `fn` stay local (check_vma=False), so the
-    DistributedOptimizer's explicit allreduce is the one that averages them."""
+    DistributedOptimizer's explicit allreduce is the one that averages them.
+    in_specs / out_specs: explicit specs (trees of PartitionSpec) for sharded state;
+    in_specs replaces the rule above, with `None` entries meaning "the rule above"."""
     batch = P(data_axes(mesh))
 
     def wrapped(*args):
-        in_specs = tuple(batch if i in batch_argnums else P() for i in range(len(args)))
-        return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=P(), check_vma=False)(*args)
+        rule = tuple(batch if i in batch_argnums else P() for i in range(len(args)))
+        specs = rule if in_specs is None else tuple(r if s is None else s for r, s in zip(rule, in_specs))
+        return jax.shard_map(fn, mesh=mesh, in_specs=specs, out_specs=out_specs, check_vma=False)(*args)
 
     return jax.jit(wrapped, donate_argnums=donate_argnums)
 

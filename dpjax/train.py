@@ -1,9 +1,10 @@
-"""`python -m dpjax.train`: train a byte-level model with data parallelism on a mesh.
+"""`python -m dpjax.train`: train a byte-level model on a mesh, with data parallelism
+over the `data` (and `node`) axes and tensor parallelism over `model`.
 
     python -m dpjax.train --mesh 2x4 --steps 200 --metrics run.jsonl
 
-Thin by design: it parses flags, builds the pieces from the library (mesh, data,
-model, DistributedOptimizer, sharded steps, checkpoints) and runs the loop.
+Thin by design: it parses flags, builds the pieces from the library (mesh, layout,
+data, model, DistributedOptimizer, sharded steps, checkpoints) and runs the loop.
 """
 
 from __future__ import annotations
@@ -46,6 +47,8 @@ class TrainConfig:
     warmup_steps: int = 0
     clip_norm: float = 1.0
     allreduce: str = "ring"
+    tp_allreduce: str = "ring"
+    fsdp: bool = False
     fusion_mb: float = 64.0
     compression: str = "none"
     backward_passes: int = 1
@@ -64,8 +67,9 @@ def parse_args(argv=None) -> TrainConfig:
 
     p = argparse.ArgumentParser(
         prog="python -m dpjax.train",
-        description="Train a byte-level GPT (or MLP) with data parallelism over a device mesh. "
-                    "Gradients are averaged by dpjax's explicit collectives in fused buckets. "
+        description="Train a byte-level GPT (or MLP) on a device mesh: data parallelism over the data axes "
+                    "(gradients averaged by dpjax's explicit collectives in fused buckets) and Megatron-style "
+                    "tensor parallelism over the model axis (each device holds 1/n of every large layer). "
                     "On a CPU-only machine the devices the mesh needs are simulated.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     a = p.add_argument
@@ -87,6 +91,11 @@ def parse_args(argv=None) -> TrainConfig:
     a("--warmup-steps", type=int, default=0, help="steps of linear learning-rate warmup")
     a("--clip-norm", type=float, default=1.0, help="clip the averaged gradient to this global norm (0: off)")
     a("--allreduce", default="ring", help=f"gradient allreduce algorithm: {', '.join(ALGORITHMS)}")
+    a("--tp-allreduce", default="ring",
+      help=f"allreduce over the model axis inside tensor-parallel layers: {', '.join(ALGORITHMS)}")
+    a("--fsdp", action="store_true",
+      help="fully sharded data parallelism (ZeRO-3): parameters and optimizer state split over the data axes "
+           "too, all-gathered just before use, gradients reduce-scattered (with the --allreduce algorithm)")
     a("--fusion-mb", type=float, default=64.0, help="tensor-fusion bucket cap in MiB (0: one allreduce per tensor)")
     a("--compression", default="none", choices=["none", "bf16", "fp16"], help="dtype of gradients on the wire")
     a("--backward-passes", type=int, default=1, help="local gradient accumulation passes per step")
@@ -104,13 +113,19 @@ def parse_args(argv=None) -> TrainConfig:
 
 
 def validate(cfg: TrainConfig) -> None:
-    from dpjax.collectives import ALGORITHMS
+    from dpjax.collectives import ALGORITHMS, REDUCE_SCATTER_ALGORITHMS
     from dpjax.models import MODELS
 
     if cfg.model not in MODELS:
         raise UsageError(f"unknown model {cfg.model!r}; choose one of {', '.join(MODELS)}")
-    if cfg.allreduce not in ALGORITHMS:
-        raise UsageError(f"unknown allreduce algorithm {cfg.allreduce!r}; choose one of {', '.join(ALGORITHMS)}")
+    for flag, alg in (("--allreduce", cfg.allreduce), ("--tp-allreduce", cfg.tp_allreduce)):
+        if alg not in ALGORITHMS:
+            raise UsageError(f"unknown {flag} algorithm {alg!r}; choose one of {', '.join(ALGORITHMS)}")
+    if cfg.tp_allreduce == "hierarchical":
+        raise UsageError("--tp-allreduce hierarchical needs two axes; the model axis is one")
+    if cfg.fsdp and cfg.allreduce not in REDUCE_SCATTER_ALGORITHMS:
+        raise UsageError(f"--fsdp all-gathers and reduce-scatters with the --allreduce algorithm; "
+                         f"{cfg.allreduce!r} has none: choose one of {', '.join(REDUCE_SCATTER_ALGORITHMS)}")
     for name in ("steps", "batch_size", "seq_len", "backward_passes", "ckpt_every", "eval_batches"):
         if getattr(cfg, name) < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(cfg, name)}")
@@ -179,6 +194,7 @@ def run(cfg: TrainConfig) -> dict:
     from dpjax.data import make_streams
     from dpjax.mesh import data_axes
     from dpjax.models import get_model
+    from dpjax.sharding import make_layout
 
     dp = math.prod(mesh.shape[a] for a in data_axes(mesh))
     if cfg.batch_size % dp:
@@ -188,17 +204,18 @@ def run(cfg: TrainConfig) -> dict:
         raise UsageError("--allreduce hierarchical needs a node axis: use a three-axis mesh such as 2x4x1")
     model = get_model(cfg.model, seq_len=cfg.seq_len, d_model=cfg.d_model, n_layers=cfg.n_layers,
                       n_heads=cfg.n_heads)
+    layout = make_layout(model, mesh, algorithm=cfg.tp_allreduce, fsdp=cfg.fsdp, fsdp_algorithm=cfg.allreduce)
     train_stream, val_stream = make_streams(cfg.data, cfg.seq_len, cfg.seed)
     opt = S.OptimizerConfig(name=cfg.optimizer, lr=cfg.lr, lr_scaling=cfg.lr_scaling,
                             warmup_steps=cfg.warmup_steps, clip_norm=cfg.clip_norm)
-    tx = S.distributed_optimizer(opt, mesh, cfg.batch_size, algorithm=cfg.allreduce, fusion_mb=cfg.fusion_mb,
+    tx = S.distributed_optimizer(opt, layout, cfg.batch_size, algorithm=cfg.allreduce, fusion_mb=cfg.fusion_mb,
                                  compression=None if cfg.compression == "none" else cfg.compression,
                                  backward_passes_per_step=cfg.backward_passes)
     record = {"model": model.describe(), "optimizer": {**asdict(opt), "backward_passes": cfg.backward_passes},
               "data": cfg.data, "seed": cfg.seed, "batch_size": cfg.batch_size}
 
     key = jax.random.key(cfg.seed)
-    params, opt_state = S.init_state(model, tx, mesh, key)
+    params, opt_state = S.init_state(model, tx, layout, key)
     # The run's RNG state: nothing in the step draws from it yet (no dropout), but it is
     # saved and restored with the rest so that stochastic steps resume exactly too.
     rng = jax.device_put(jax.random.key_data(jax.random.fold_in(key, 1)), S.replicated(mesh))
@@ -219,9 +236,9 @@ def run(cfg: TrainConfig) -> dict:
     if start >= cfg.steps:
         raise UsageError(f"the checkpoint is at step {start}, not before --steps {cfg.steps}; ask for more steps")
 
-    train_step = S.make_train_step(model, tx, mesh)
-    eval_step = S.make_eval_step(model, mesh)
-    params = S.make_broadcast_step(mesh)(params)  # Horovod: every rank starts from rank 0's weights
+    train_step = S.make_train_step(model, tx, layout)
+    eval_step = S.make_eval_step(model, layout)
+    params = S.make_broadcast_step(layout)(params)  # Horovod: every rank starts from rank 0's weights
     tokens_per_step = cfg.batch_size * cfg.seq_len * cfg.backward_passes
     # line-buffered: each step's record is on disk as soon as it is known (tail -f works)
     metrics_file = open(cfg.metrics, "a" if start else "w", buffering=1) if cfg.metrics else None

@@ -14,6 +14,11 @@ from dataclasses import asdict, dataclass
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from dpjax import collectives
+from dpjax import tensor_parallel as tp
+from dpjax.tensor_parallel import DENSE, Parallel
 
 
 @dataclass(frozen=True)
@@ -22,7 +27,7 @@ class GPTConfig:
     seq_len: int = 128
     d_model: int = 128
     n_layers: int = 2
-    n_heads: int = 4
+    n_heads: int = 8
     d_ff: int = 512
 
     def __post_init__(self):
@@ -45,8 +50,10 @@ class ByteModel:
     def __init__(self, config):
         self.config = config
 
-    def loss(self, params, batch_BxT1):
-        return cross_entropy(self.apply(params, batch_BxT1[:, :-1]), batch_BxT1[:, 1:])
+    def loss(self, params, batch_BxT1, par: Parallel = DENSE):
+        """Mean next-byte cross-entropy. Inside a sharded step `par` names the model axis
+        (and the FSDP gathers); the default is the plain dense computation."""
+        return cross_entropy(self.apply(params, batch_BxT1[:, :-1], par), batch_BxT1[:, 1:])
 
     def num_params(self, params) -> int:
         return sum(x.size for x in jax.tree.leaves(params))
@@ -76,7 +83,21 @@ def cross_entropy(logits_BxTxV, targets_BxT):
 
 
 class GPT(ByteModel):
+    """Every matmul is a dpjax.tensor_parallel layer: with the model axis of size n, each
+    device holds 1/n of the heads, of the MLP width and of the vocabulary."""
+
     name = "gpt"
+    # The one sharding table (Megatron-LM layout), by leaf name; dimensions not named are
+    # replicated. FSDP adds the data axes on top (dpjax.sharding.make_layout).
+    SPECS = {
+        "embed_VxD": P("model", None),  # vocabulary-parallel embedding and (tied) output head
+        "pos_TxD": P(),
+        "wqkv_Dx3xHxK": P(None, None, "model", None),  # heads split: column-parallel
+        "wo_HxKxD": P("model", None, None),  # heads split: row-parallel
+        "w1_DxF": P(None, "model"), "b1_F": P("model"),  # column-parallel
+        "w2_FxD": P("model", None), "b2_D": P(),  # row-parallel; the bias is added once, after g
+        "scale": P(), "bias": P(),  # layer norms
+    }
 
     def init(self, key):
         c = self.config
@@ -108,20 +129,33 @@ class GPT(ByteModel):
             "ln_f": ln(),
         }
 
-    def apply(self, params, tokens_BxT):
+    def logits(self, params, tokens_BxT, par: Parallel = DENSE):
+        """This shard's slice of the logits, B x T x V/n (all of them when dense)."""
         T = tokens_BxT.shape[1]
-        x_BxTxD = params["embed_VxD"][tokens_BxT] + params["pos_TxD"][:T]
-        for blk in params["blocks"]:
+        embed_VxD = par.use(params["embed_VxD"], "embed_VxD")
+        x_BxTxD = tp.vocab_parallel_embed(tokens_BxT, embed_VxD, par) + par.use(params["pos_TxD"], "pos_TxD")[:T]
+        for i, blk in enumerate(params["blocks"]):
+            blk = par.use(blk, "blocks", i)
             h_BxTxD = layer_norm(x_BxTxD, blk["ln1"])
-            qkv = jnp.einsum("btd,dihk->ibthk", h_BxTxD, blk["attn"]["wqkv_Dx3xHxK"])
-            a_BxTxHxK = causal_attention(qkv[0], qkv[1], qkv[2])
-            x_BxTxD = x_BxTxD + jnp.einsum("bthk,hkd->btd", a_BxTxHxK, blk["attn"]["wo_HxKxD"])
+            x_BxTxD = x_BxTxD + tp.head_parallel_attention(h_BxTxD, blk["attn"]["wqkv_Dx3xHxK"],
+                                                           blk["attn"]["wo_HxKxD"], causal_attention, par)
             h_BxTxD = layer_norm(x_BxTxD, blk["ln2"])
             m = blk["mlp"]
-            h_BxTxF = jax.nn.gelu(h_BxTxD @ m["w1_DxF"] + m["b1_F"])
-            x_BxTxD = x_BxTxD + h_BxTxF @ m["w2_FxD"] + m["b2_D"]
-        x_BxTxD = layer_norm(x_BxTxD, params["ln_f"])
-        return x_BxTxD @ params["embed_VxD"].T  # tied output head
+            h_BxTxF = jax.nn.gelu(tp.column_parallel(h_BxTxD, m["w1_DxF"], m["b1_F"], par))
+            x_BxTxD = x_BxTxD + tp.row_parallel(h_BxTxF, m["w2_FxD"], m["b2_D"], par)
+        x_BxTxD = layer_norm(x_BxTxD, par.use(params["ln_f"], "ln_f"))
+        return tp.column_parallel(x_BxTxD, embed_VxD.T, None, par)  # tied output head
+
+    def apply(self, params, tokens_BxT, par: Parallel = DENSE):
+        """The full logits (dense; with a model axis, gathered: for inspection, not training)."""
+        logits = self.logits(params, tokens_BxT, par)
+        if par.model_axis is None:
+            return logits
+        return jnp.moveaxis(collectives.all_gather(jnp.moveaxis(logits, -1, 0), par.model_axis), 0, -1)
+
+    def loss(self, params, batch_BxT1, par: Parallel = DENSE):
+        """Vocabulary-parallel cross-entropy: the full logits are never gathered."""
+        return tp.vocab_parallel_cross_entropy(self.logits(params, batch_BxT1[:, :-1], par), batch_BxT1[:, 1:], par)
 
     def flops_per_token(self) -> float:
         """Training FLOPs per token: 6 * matmul parameters + attention (Kaplan et al. 2020)."""

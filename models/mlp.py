@@ -12,8 +12,11 @@ from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
+from dpjax import tensor_parallel as tp
 from dpjax.models.gpt import ByteModel, check_positive
+from dpjax.tensor_parallel import DENSE, Parallel
 
 
 @dataclass(frozen=True)
@@ -30,6 +33,9 @@ class MLPConfig:
 
 class MLP(ByteModel):
     name = "mlp"
+    # Hidden units split over the model axis: w1 column-parallel, w2 row-parallel.
+    SPECS = {"embed_VxE": P(), "w1_CxH": P(None, "model"), "b1_H": P("model"), "w2_HxV": P("model", None),
+             "b2_V": P()}
 
     def init(self, key):
         c = self.config
@@ -43,15 +49,16 @@ class MLP(ByteModel):
             "b2_V": jnp.zeros((c.vocab_size,)),
         }
 
-    def apply(self, params, tokens_BxT):
+    def apply(self, params, tokens_BxT, par: Parallel = DENSE):
         c = self.config
-        e_BxTxE = params["embed_VxE"][tokens_BxT]
+        p = par.use(params)
+        e_BxTxE = p["embed_VxE"][tokens_BxT]
         # window t holds bytes t-context+1 .. t (zeros before the start)
         padded = jnp.pad(e_BxTxE, ((0, 0), (c.context - 1, 0), (0, 0)))
         T = tokens_BxT.shape[1]
         win_BxTxC = jnp.concatenate([padded[:, i:i + T] for i in range(c.context)], axis=-1)
-        h_BxTxH = jax.nn.relu(win_BxTxC @ params["w1_CxH"] + params["b1_H"])
-        return h_BxTxH @ params["w2_HxV"] + params["b2_V"]
+        h_BxTxH = jax.nn.relu(tp.column_parallel(win_BxTxC, p["w1_CxH"], p["b1_H"], par))
+        return tp.row_parallel(h_BxTxH, p["w2_HxV"], p["b2_V"], par)
 
     def flops_per_token(self) -> float:
         c = self.config

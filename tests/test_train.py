@@ -1,5 +1,6 @@
-"""End-to-end training: data parallelism equals one device, resume equals no interruption,
-and every bad input gets one clear line."""
+"""End-to-end training: data, tensor and fully sharded data parallelism equal one device,
+resume equals no interruption (also on another mesh), and every bad input gets one
+clear line."""
 
 import json
 import os
@@ -28,7 +29,7 @@ def corpus(tmp_path_factory):
 
 
 def tiny(corpus, *extra):
-    return ["--model", "gpt", "--d-model", "32", "--n-layers", "1", "--n-heads", "2", "--seq-len", "16",
+    return ["--model", "gpt", "--d-model", "32", "--n-layers", "1", "--n-heads", "8", "--seq-len", "16",
             "--batch-size", "16", "--data", corpus, "--eval-every", "0", "--eval-batches", "1",
             "--progress", "none", *extra]
 
@@ -47,12 +48,17 @@ def reference(corpus, tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize("mesh,algorithm", [("8x1", a) for a in ALGORITHMS if a != "hierarchical"]
-                         + [("2x4x1", "hierarchical"), ("4x2x1", "ring"), ("2x4", "ring")])
-def test_data_parallel_equals_one_device(corpus, reference, tmp_path, mesh, algorithm):
+@pytest.mark.parametrize("mesh,algorithm,extra", [("8x1", a, ()) for a in ALGORITHMS if a != "hierarchical"]
+                         + [("2x4x1", "hierarchical", ()), ("4x2x1", "ring", ())]
+                         # tensor parallelism over `model`, then FSDP (ZeRO-3) over `data`
+                         + [("2x4", "ring", ()), ("1x8", "ring", ()), ("4x2", "ring", ()),
+                            ("2x4", "ring", ("--tp-allreduce", "butterfly")),
+                            ("8x1", "ring", ("--fsdp",)), ("2x4", "butterfly", ("--fsdp",)),
+                            ("2x2x2", "hierarchical", ("--fsdp",))])
+def test_parallel_equals_one_device(corpus, reference, tmp_path, mesh, algorithm, extra):
     path = tmp_path / "m.jsonl"
     assert main(tiny(corpus, *SGD, "--mesh", mesh, "--allreduce", algorithm, "--steps", str(STEPS),
-                     "--metrics", str(path))) == 0
+                     "--metrics", str(path), *extra)) == 0
     # float32 round-off: the 8 partial gradients are summed in another order than the
     # single device's batch sum, and training carries the difference for 20 steps.
     np.testing.assert_allclose(losses(path), reference, rtol=2e-5, atol=0)
@@ -109,6 +115,18 @@ def test_interrupt_and_resume_equals_uninterrupted(corpus, tmp_path, how):
     assert resumed == losses(straight)
 
 
+@pytest.mark.parametrize("first,second", [(("2x4",), ("4x2",)), (("2x4",), ("1x1",)),
+                                          (("8x1", "--fsdp"), ("1x8",))])
+def test_resume_on_another_mesh(corpus, reference, tmp_path, first, second):
+    """Checkpoints hold global arrays: half the run on one layout, the rest on another,
+    equals the single-device run (to float32 round-off, as above)."""
+    ckpt, path = tmp_path / "ckpt", tmp_path / "m.jsonl"
+    base = tiny(corpus, *SGD, "--ckpt-dir", str(ckpt), "--metrics", str(path))
+    assert main(base + ["--mesh", *first, "--steps", str(STEPS // 2)]) == 0
+    assert main(base + ["--mesh", *second, "--steps", str(STEPS), "--resume"]) == 0
+    np.testing.assert_allclose(losses(path), reference, rtol=2e-5, atol=0)
+
+
 def _one_error_line(capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: ") and "Traceback" not in err[0], err
@@ -119,10 +137,14 @@ def _one_error_line(capsys):
     (["--mesh", "3x3"], "'3x3' needs 9 devices (8 devices available)"),
     (["--mesh", "8x1", "--batch-size", "12"], "--batch-size 12 is not divisible by the 8 data-parallel ranks"),
     (["--model", "resnet"], "unknown model 'resnet'; choose one of gpt, mlp"),
-    (["--allreduce", "nccl"], "unknown allreduce algorithm 'nccl'; choose one of"),
+    (["--allreduce", "nccl"], "unknown --allreduce algorithm 'nccl'; choose one of"),
     (["--allreduce", "hierarchical", "--mesh", "8x1"], "needs a node axis"),
     (["--seq-len", "200000"], "use a shorter --seq-len"),
     (["--resume"], "--resume needs --ckpt-dir"),
+    (["--mesh", "1x8", "--n-heads", "4"], "wo_HxKxD (4, 8, 32): dimension 0 of size 4 does not split over "
+                                          "the 8 devices of mesh axis 'model'"),
+    (["--fsdp", "--allreduce", "tree"], "--fsdp all-gathers and reduce-scatters with the --allreduce algorithm"),
+    (["--tp-allreduce", "nccl"], "unknown --tp-allreduce algorithm 'nccl'"),
 ])
 def test_bad_input_one_line(corpus, capsys, extra, needle):
     assert main(tiny(corpus, "--steps", "2", *extra)) == 2

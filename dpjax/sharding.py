@@ -1,0 +1,163 @@
+"""Where every parameter lives on the mesh: the layout of a model's state.
+
+A model declares one table, `leaf name -> PartitionSpec` over the `model` axis
+(`models/gpt.py`'s SPECS); everything else is derived here:
+
+- `Layout` resolves the table against a mesh, checks that each split dimension
+  divides, and under `fsdp` (ZeRO-3) also splits each parameter over the data axes,
+  on its largest dimension that is free and divides;
+- `state_specs` gives the optimizer state the specs of the parameters it mirrors
+  (Adam's moments, accumulated gradients) and replicates the rest (step counters);
+- `sq_norm` is the global squared norm of a sharded tree, for gradient clipping:
+  each leaf's local sum of squares is summed over exactly the axes that split it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from dpjax.mesh import data_axes
+from dpjax.tensor_parallel import Parallel
+
+MODEL = "model"
+
+
+def is_spec(x) -> bool:
+    return isinstance(x, P)
+
+
+def leaf_name(path) -> str:
+    return "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
+
+
+def specs_from_table(tree, table: dict):
+    """Each leaf's spec from `table`, looked up by the leaf's own key (the last path element)."""
+    def spec(path, x):
+        key = getattr(path[-1], "key", None)
+        if key not in table:
+            raise KeyError(f"parameter {leaf_name(path)} has no entry in the sharding table")
+        return table[key]
+    return jax.tree_util.tree_map_with_path(spec, tree)
+
+
+def _axes(entry) -> tuple:
+    return () if entry is None else (tuple(entry) if isinstance(entry, (tuple, list)) else (entry,))
+
+
+def spec_axes(spec: P) -> tuple:
+    return tuple(a for e in spec for a in _axes(e))
+
+
+def _resolve(spec: P, ndim: int, names) -> P:
+    """The spec padded to `ndim` entries, without axes the mesh does not have."""
+    entries = [tuple(a for a in _axes(e) if a in names) for e in list(spec) + [None] * (ndim - len(spec))]
+    return P(*[None if not e else (e[0] if len(e) == 1 else e) for e in entries])
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The sharding of a model's parameters on a mesh (see the module docstring)."""
+
+    mesh: Any
+    specs: Any  # pytree of PartitionSpec, like the parameters
+    gather_dims: Any = None  # FSDP: per leaf, the dimension split over the data axes (-1: none)
+    algorithm: str = "ring"  # tensor-parallel allreduce
+    fsdp_algorithm: str = "ring"  # FSDP all-gather / reduce-scatter
+
+    @property
+    def fsdp(self) -> bool:
+        return self.gather_dims is not None
+
+    def parallel(self) -> Parallel:
+        dp = data_axes(self.mesh)
+        return Parallel(model_axis=MODEL if MODEL in self.mesh.axis_names else None, algorithm=self.algorithm,
+                        data_axis=dp[0] if len(dp) == 1 else dp, gather_dims=self.gather_dims,
+                        fsdp_algorithm=self.fsdp_algorithm)
+
+    def shardings(self, specs=None):
+        return jax.tree.map(lambda s: NamedSharding(self.mesh, s), self.specs if specs is None else specs,
+                            is_leaf=is_spec)
+
+
+def make_layout(model, mesh, *, algorithm: str = "ring", fsdp: bool = False,
+                fsdp_algorithm: str = "ring") -> Layout:
+    """Resolves `model.SPECS` on `mesh`. Raises ValueError (one line) when a split
+    dimension does not divide by its axis."""
+    abstract = jax.eval_shape(model.init, jax.random.key(0))
+    table_specs = specs_from_table(abstract, model.SPECS)
+    names = mesh.axis_names
+
+    def resolve(path, x, spec):
+        spec = _resolve(spec, x.ndim, names)
+        for d, e in enumerate(spec):
+            n = math.prod(mesh.shape[a] for a in _axes(e))
+            if x.shape[d] % n:
+                raise ValueError(f"{model.name} parameter {leaf_name(path)} {x.shape}: dimension {d} of size "
+                                 f"{x.shape[d]} does not split over the {n} devices of mesh axis {e!r}; "
+                                 f"change the model size or the mesh")
+        return spec
+
+    specs = jax.tree_util.tree_map_with_path(resolve, abstract, table_specs)
+    dims = None
+    if fsdp:
+        dp = data_axes(mesh)
+        ndp = math.prod(mesh.shape[a] for a in dp)
+
+        def split_over_data(x, spec):
+            # A dimension already split over `model` can take the data axes too (inside
+            # each model shard); a free one is preferred, then the largest local size.
+            local = [x.shape[d] // math.prod(mesh.shape[a] for a in _axes(e)) for d, e in enumerate(spec)]
+            fits = [d for d in range(x.ndim) if local[d] % ndp == 0]
+            if ndp == 1 or not fits:
+                return spec, -1
+            d = max(fits, key=lambda i: (spec[i] is None, local[i], -i))
+            joint = _axes(spec[d]) + dp
+            entries = [(joint[0] if len(joint) == 1 else joint) if i == d else e for i, e in enumerate(spec)]
+            return P(*entries), d
+
+        pairs = jax.tree.map(split_over_data, abstract, specs, is_leaf=is_spec)
+        is_pair = lambda t: isinstance(t, tuple) and len(t) == 2 and is_spec(t[0])  # noqa: E731
+        specs = jax.tree.map(lambda t: t[0], pairs, is_leaf=is_pair)
+        dims = jax.tree.map(lambda t: t[1], pairs, is_leaf=is_pair)
+    return Layout(mesh, specs, dims, algorithm, fsdp_algorithm)
+
+
+def state_specs(state, params, specs):
+    """Specs for an optimizer state: every subtree shaped like the parameters gets
+    their specs; any other leaf (a step count, a scalar) is replicated."""
+    pdef = jax.tree.structure(params)
+    pshapes = [x.shape for x in jax.tree.leaves(params)]
+
+    def like_params(node) -> bool:
+        if jax.tree.structure(node) != pdef:
+            return False
+        return [getattr(x, "shape", None) for x in jax.tree.leaves(node)] == pshapes
+
+    return jax.tree.map(lambda node: specs if like_params(node) else P(), state, is_leaf=like_params)
+
+
+def sq_norm(tree, specs):
+    """The global sum of squares of a sharded tree, inside shard_map: each leaf's local
+    sum is summed over the axes that split it (replicas are counted once)."""
+    groups: dict[tuple, Any] = {}
+    for x, spec in zip(jax.tree.leaves(tree), jax.tree.leaves(specs, is_leaf=is_spec)):
+        axes = spec_axes(spec)
+        groups[axes] = groups.get(axes, 0.0) + jnp.sum(jnp.square(x.astype(jnp.float32)))
+    return sum(lax.psum(s, axes) if axes else s for axes, s in groups.items())
+
+
+def device_bytes(tree, specs, mesh) -> int:
+    """Bytes one device holds of `tree` laid out by `specs` (every split divides)."""
+    total = 0
+    for x, spec in zip(jax.tree.leaves(tree), jax.tree.leaves(specs, is_leaf=is_spec)):
+        split = math.prod(mesh.shape[a] for a in spec_axes(spec))
+        total += x.size * jnp.dtype(x.dtype).itemsize // split
+    return total

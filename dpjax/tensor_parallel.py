@@ -1,0 +1,225 @@
+"""Tensor (model) parallelism for huge layers, Megatron-LM style.
+
+Shoeybi et al., "Megatron-LM: Training multi-billion parameter language models using
+model parallelism" (2019), section 3. Inside `shard_map`, each device along the model
+axis holds a slice of a layer's weight, never the whole of it:
+
+- column-parallel dense: W split by output columns; the output stays split;
+- row-parallel dense: W split by input rows; the partial outputs are summed;
+- attention: Q, K, V (column-parallel) and the output projection (row-parallel)
+  split by heads, so every head lives on one device;
+- vocabulary-parallel embedding and softmax cross-entropy: the V x D table split by
+  rows; the loss is assembled from per-shard maxima and sums, so the full B x T x V
+  logits are never gathered.
+
+Two conjugate operators carry the communication (Megatron's f and g):
+`copy_to_model` is the identity forward and an allreduce backward (a replicated input
+fans out to every shard, so its gradient is the sum of theirs); `reduce_from_model` is
+an allreduce forward and the identity backward. Both are custom VJPs, so autodiff never
+differentiates through the allreduce itself; every allreduce is dpjax's explicit one
+with the algorithm the caller chooses.
+
+`Parallel` carries what a model needs inside the step: the model axis (None: the plain
+dense computation, used for the unsharded reference) and, under fully sharded data
+parallelism, which dimension of each parameter to all-gather just before use.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from dpjax import collectives
+from dpjax.collectives._common import axis_size
+
+
+def _active(axis) -> bool:
+    """Whether `axis` needs communication (a named axis of size > 1)."""
+    return axis is not None and axis_size(axis) > 1
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def _copy(x, axis, algorithm):
+    return x
+
+
+def _copy_fwd(x, axis, algorithm):
+    return x, None
+
+
+def _copy_bwd(axis, algorithm, _, g):
+    return (collectives.allreduce(g, axis, algorithm=algorithm),)
+
+
+_copy.defvjp(_copy_fwd, _copy_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def _reduce(x, axis, algorithm):
+    return collectives.allreduce(x, axis, algorithm=algorithm)
+
+
+def _reduce_fwd(x, axis, algorithm):
+    return _reduce(x, axis, algorithm), None
+
+
+def _reduce_bwd(axis, algorithm, _, g):
+    return (g,)
+
+
+_reduce.defvjp(_reduce_fwd, _reduce_bwd)
+
+
+def copy_to_model(x, axis="model", algorithm: str = "ring"):
+    """Megatron's f: identity forward, allreduce (sum) of the gradient backward."""
+    return _copy(x, axis, algorithm) if _active(axis) else x
+
+
+def reduce_from_model(x, axis="model", algorithm: str = "ring"):
+    """Megatron's g: allreduce (sum) forward, identity backward."""
+    return _reduce(x, axis, algorithm) if _active(axis) else x
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
+def _gather(x, dim, axis, algorithm):
+    x0 = jnp.moveaxis(x, dim, 0)
+    return jnp.moveaxis(collectives.all_gather(x0, axis, algorithm=algorithm), 0, dim)
+
+
+def _gather_fwd(x, dim, axis, algorithm):
+    return _gather(x, dim, axis, algorithm), None
+
+
+def _gather_bwd(dim, axis, algorithm, _, g):
+    g0 = jnp.moveaxis(g, dim, 0)
+    return (jnp.moveaxis(collectives.reduce_scatter(g0, axis, algorithm=algorithm, op="mean"), 0, dim),)
+
+
+_gather.defvjp(_gather_fwd, _gather_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def _synced(x, axis, algorithm):
+    return x
+
+
+def _synced_fwd(x, axis, algorithm):
+    return x, None
+
+
+def _synced_bwd(axis, algorithm, _, g):
+    return (collectives.allreduce(g, axis, algorithm=algorithm, op="mean"),)
+
+
+_synced.defvjp(_synced_fwd, _synced_bwd)
+
+
+def gather_param(x, dim: int, axis, algorithm: str = "ring"):
+    """ZeRO-3 (Rajbhandari et al., "ZeRO", SC 2020): the full parameter from its shards
+    along `dim` (an explicit all-gather over the data axes); backward, the gradient is
+    reduce-scattered back to the shards and averaged over the data ranks. dim=-1: the
+    parameter is replicated over the data axes (too small to split); its gradient is
+    allreduce-averaged instead."""
+    if not _active(axis):
+        return x
+    if dim < 0:
+        return _synced(x, axis, algorithm)
+    return _gather(x, dim, axis, algorithm)
+
+
+@dataclass(frozen=True)
+class Parallel:
+    """What a model sees inside the step. model_axis None: the dense computation.
+
+    gather_dims (FSDP): a pytree like the parameters holding, per leaf, the dimension
+    split over `data_axis` (-1: replicated). `use` gathers a subtree just before use.
+    """
+
+    model_axis: Any = None
+    algorithm: str = "ring"
+    data_axis: Any = None
+    gather_dims: Any = None
+    fsdp_algorithm: str = "ring"
+
+    def use(self, tree, *path):
+        """The parameters `tree`, found at `path` in the full parameter tree, ready to
+        compute with: all-gathered over the data axes under FSDP, else as they are."""
+        if self.gather_dims is None:
+            return tree
+        dims = self.gather_dims
+        for key in path:
+            dims = dims[key]
+        return jax.tree.map(lambda x, d: gather_param(x, d, self.data_axis, self.fsdp_algorithm), tree, dims)
+
+    def f(self, x):
+        return copy_to_model(x, self.model_axis, self.algorithm)
+
+    def g(self, x):
+        return reduce_from_model(x, self.model_axis, self.algorithm)
+
+    def rank(self):
+        return lax.axis_index(self.model_axis) if _active(self.model_axis) else 0
+
+
+DENSE = Parallel()
+
+
+def column_parallel(x_BxTxD, w_DxF, b_F=None, par: Parallel = DENSE):
+    """x @ W[:, cols] (+ b[cols]): W split by columns; the output is this shard's columns."""
+    y_BxTxF = par.f(x_BxTxD) @ w_DxF
+    return y_BxTxF if b_F is None else y_BxTxF + b_F
+
+
+def row_parallel(h_BxTxF, w_FxD, b_D=None, par: Parallel = DENSE):
+    """sum over shards of h[:, rows] @ W[rows, :] (+ b): input split, output whole."""
+    y_BxTxD = par.g(h_BxTxF @ w_FxD)
+    return y_BxTxD if b_D is None else y_BxTxD + b_D
+
+
+def head_parallel_attention(x_BxTxD, wqkv_Dx3xHxK, wo_HxKxD, core, par: Parallel = DENSE):
+    """Multi-head attention with this shard's heads: QKV column-parallel, the output
+    projection row-parallel (Megatron-LM, figure 3b). `core(q, k, v)` is the per-head
+    attention, B x T x H x K in and out."""
+    qkv = jnp.einsum("btd,dihk->ibthk", par.f(x_BxTxD), wqkv_Dx3xHxK)
+    a_BxTxHxK = core(qkv[0], qkv[1], qkv[2])
+    return par.g(jnp.einsum("bthk,hkd->btd", a_BxTxHxK, wo_HxKxD))
+
+
+def _local_ids(ids, n_local: int, par: Parallel):
+    """ids relative to this shard's vocabulary slice, and whether they fall inside it."""
+    local = ids - par.rank() * n_local
+    inside = (local >= 0) & (local < n_local)
+    return jnp.clip(local, 0, n_local - 1), inside
+
+
+def vocab_parallel_embed(tokens_BxT, embed_VxD, par: Parallel = DENSE):
+    """Rows of an embedding table split by vocabulary: each shard looks up the tokens it
+    owns (zeros elsewhere) and g sums the shards (Megatron-LM, section 3)."""
+    local, inside = _local_ids(tokens_BxT, embed_VxD.shape[0], par)
+    e_BxTxD = jnp.where(inside[..., None], embed_VxD[local], 0)
+    return par.g(e_BxTxD)
+
+
+def vocab_parallel_cross_entropy(logits_BxTxV, targets_BxT, par: Parallel = DENSE):
+    """Mean softmax cross-entropy of logits split by vocabulary, without gathering them:
+    loss = log sum_v exp(z_v - m) - (z_target - m), with m the global maximum (from the
+    shards' maxima), the sum of exponentials and the target logit each assembled by g.
+    The gradient w.r.t. this shard's logits is softmax - onehot on its slice."""
+    z_BxTxV = logits_BxTxV.astype(jnp.float32)
+    m_BxT = lax.stop_gradient(z_BxTxV.max(-1))
+    if _active(par.model_axis):  # the max of the shards' maxima: an explicit all-gather of B x T
+        m_BxT = collectives.all_gather(m_BxT[None], par.model_axis, algorithm=_gather_algorithm(par)).max(0)
+    z_BxTxV = z_BxTxV - m_BxT[..., None]
+    sumexp_BxT = par.g(jnp.exp(z_BxTxV).sum(-1))
+    local, inside = _local_ids(targets_BxT, z_BxTxV.shape[-1], par)
+    picked_BxT = jnp.where(inside, jnp.take_along_axis(z_BxTxV, local[..., None], axis=-1)[..., 0], 0.0)
+    return (jnp.log(sumexp_BxT) - par.g(picked_BxT)).mean()
+
+
+def _gather_algorithm(par: Parallel) -> str:
+    return par.algorithm if par.algorithm in collectives.ALL_GATHER_ALGORITHMS else "ring"
