@@ -24,10 +24,8 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from dpjax.mesh import data_axes
+from dpjax.mesh import MODEL, data_axes
 from dpjax.tensor_parallel import Parallel
-
-MODEL = "model"
 
 
 def is_spec(x) -> bool:

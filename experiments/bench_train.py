@@ -26,6 +26,15 @@ step of every variant in turn (the starting variant rotates), each step is await
 step is what we want to time), and the median over repetitions is reported, so
 load from other processes on the machine hits every variant alike.
 
+With `--layouts 8x1,2x4,1x8,8x1/fsdp` the comparison is per layout instead: for each
+mesh (and `/fsdp` for ZeRO-3), xla-auto is plain `jax.jit` with the parameters and
+optimizer state given dpjax's shardings for that layout (`dpjax.sharding.make_layout`:
+split over `model` by the model's table, and over `data` too under FSDP), so XLA's SPMD
+partitioner places every collective itself, against dpjax's explicit step on the same
+layout (`--layout-algorithm` over the data axes, `--tp-algorithm` over `model`). All
+variants of all layouts are interleaved in one run; each ratio is to its own layout's
+xla-auto.
+
 On a CPU-only machine the mesh's devices are simulated (`--devices`, default 8); with
 a GPU backend that has enough devices the same script runs there unchanged.
 """
@@ -90,6 +99,11 @@ def parse_args(argv=None):
       help=f"comma-separated: xla-auto, an algorithm ({', '.join(ALGORITHMS)}) with --fusion-mb, "
            "ALG-nofusion (one allreduce per tensor), ALG@MB (bucket cap MB MiB), or no-comm (the "
            "dpjax step with the gradient average left out: a floor, not the same training step)")
+    a("--layouts", help="compare per layout instead: comma-separated meshes, '/fsdp' for ZeRO-3, "
+                        "e.g. 8x1,2x4,1x8,8x1/fsdp (each against XLA's automatic sharding of the same layout)")
+    a("--layout-algorithm", default="ring", help="with --layouts: dpjax's algorithm over the data axes")
+    a("--tp-algorithm", default="ring",
+      help="with --layouts: dpjax's allreduce over the model axis; a comma-separated list times each")
     a("--seed", type=int, default=0)
     a("--markdown", metavar="FILE", help="write the table as markdown")
     a("--json", metavar="FILE", help="write every measurement as JSON")
@@ -107,6 +121,14 @@ def parse_args(argv=None):
     if "xla-auto" not in variants:
         variants.insert(0, "xla-auto")  # the baseline every ratio refers to
     args.variants = variants
+    if args.layouts:
+        args.layouts = [v.strip() for v in args.layouts.split(",") if v.strip()]
+        for lay in args.layouts:
+            spec, _, flag = lay.partition("/")
+            if flag not in ("", "fsdp") or not all(p.isdigit() for p in spec.split("x")):
+                p.error(f"bad layout {lay!r}: use a mesh like 2x4, optionally with /fsdp")
+        args.tp_algorithms = [v.strip() for v in args.tp_algorithm.split(",") if v.strip()]
+        args.variants = [f"{lay} xla-auto" for lay in args.layouts]
     for name in ("batch_size", "seq_len", "reps", "check_steps"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1")
@@ -236,11 +258,88 @@ def build(args):
     return variants, batches, info
 
 
-def run_step(v, batch):
+def build_layouts(args):
+    """Per layout: XLA's automatic sharding vs dpjax's explicit step, same shardings."""
+    import jax
+    import optax
+    from jax.flatten_util import ravel_pytree
+
+    from dpjax import step as S
+    from dpjax.collectives.cost import hlo_comm
+    from dpjax.data import make_streams
+    from dpjax.mesh import make_mesh, mesh_size
+    from dpjax.models import get_model
+    from dpjax.sharding import make_layout
+
+    model = get_model("gpt", seq_len=args.seq_len)
+    opt = S.OptimizerConfig()
+    key = jax.random.key(args.seed)
+    stream, _ = make_streams("synthetic", args.seq_len, args.seed)
+    devs = pick_devices(max(mesh_size(lay.split("/")[0]) for lay in args.layouts))
+    variants, batches = {}, {}
+
+    def make_fn(layout, auto, opt_cfg, donate=True):
+        """auto: XLA's step with the layout's shardings; else dpjax's step on the layout."""
+        mesh = layout.mesh
+        if not auto:
+            tx = S.distributed_optimizer(opt_cfg, layout, args.batch_size, algorithm=args.layout_algorithm)
+            return tx, S.make_train_step(model, tx, layout, donate=donate)
+        tx = opt_cfg.make(args.batch_size)
+        shard_p = layout.shardings()
+        shard_o = layout.shardings(S.opt_specs(tx, layout, model))
+
+        def xla_step(params, opt_state, batch):
+            loss, grads = jax.value_and_grad(model.loss)(params, batch)
+            updates, opt_state = tx.update(grads, opt_state, params)
+            return optax.apply_updates(params, updates), opt_state, loss
+
+        return tx, jax.jit(xla_step, in_shardings=(shard_p, shard_o, S.batch_sharding(mesh)),
+                           out_shardings=(shard_p, shard_o, S.replicated(mesh)),
+                           donate_argnums=(0, 1) if donate else ())
+
+    for lay in args.layouts:
+        spec, _, flag = lay.partition("/")
+        mesh = make_mesh(spec, devs[:mesh_size(spec)])
+        batches[lay] = [S.put_batch(stream, i * args.batch_size, args.batch_size, mesh) for i in range(4)]
+        tp_algs = args.tp_algorithms if mesh.shape["model"] > 1 else args.tp_algorithms[:1]
+        for auto, tp_alg in [(True, tp_algs[0])] + [(False, a) for a in tp_algs]:
+            layout = make_layout(model, mesh, algorithm=tp_alg, fsdp=flag == "fsdp",
+                                 fsdp_algorithm=args.layout_algorithm)
+            name = f"{lay} " + ("xla-auto" if auto else f"{args.layout_algorithm} tp-{tp_alg}")
+            tx, fn = make_fn(layout, auto, opt)
+            params, opt_state = S.init_state(model, tx, layout, key)
+
+            def sgd_update(layout=layout, auto=auto, lay=lay):
+                tx, fn = make_fn(layout, auto, S.OptimizerConfig(name="sgd", lr=1.0, clip_norm=0.0), donate=False)
+                p0, o0 = S.init_state(model, tx, layout, key)
+                p1 = fn(p0, o0, batches[lay][0])[0]
+                return np.asarray(ravel_pytree(p1)[0]) - np.asarray(ravel_pytree(p0)[0])
+
+            t0 = time.perf_counter()
+            compiled = fn.lower(params, opt_state, batches[lay][0]).compile()
+            compile_s = time.perf_counter() - t0
+            comm = hlo_comm(compiled.as_text())
+            label = f"{lay}: " + ("xla-auto" if auto else f"dpjax {args.layout_algorithm}"
+                                  + (f", tp {tp_alg}" if mesh.shape["model"] > 1 else ""))
+            variants[name] = {"label": label, "fn": fn, "state": (params, opt_state), "buckets": None,
+                              "ops": dict(comm.ops), "model_bytes": comm.max_bytes, "hlo_bytes": comm.max_bytes,
+                              "compile_s": compile_s, "sgd_update": sgd_update, "batches": batches[lay],
+                              "base": f"{lay} xla-auto"}
+    info = {"mesh": {"layouts": len(args.layouts)}, "platform": devs[0].platform,
+            "params": int(sum(x.size for x in jax.tree.leaves(jax.eval_shape(model.init, key)))),
+            "param_bytes": 4 * int(sum(x.size for x in jax.tree.leaves(jax.eval_shape(model.init, key)))),
+            "tokens_per_step": args.batch_size * args.seq_len, "jax": jax.__version__, "git": git_state()}
+    return variants, batches[args.layouts[0]], info
+
+
+def run_step(v, batches, i):
+    """Step i of variant v on batch i (cycled); per-layout variants have their own copy of
+    the batches, placed on their mesh."""
     import jax
 
     params, opt_state = v["state"]
-    params, opt_state, loss = v["fn"](params, opt_state, batch)
+    batches = v.get("batches", batches)
+    params, opt_state, loss = v["fn"](params, opt_state, batches[i % len(batches)])
     jax.block_until_ready((params, opt_state, loss))
     v["state"] = (params, opt_state)
     return loss
@@ -249,13 +348,14 @@ def run_step(v, batch):
 def check(args, variants, batches):
     """Every variant takes the same AdamW steps from the same init (losses must match
     xla-auto's), and one plain SGD step (its update, the averaged gradient, must match too)."""
-    losses = {name: [float(run_step(v, batches[i % len(batches)])) for i in range(args.check_steps)]
+    losses = {name: [float(run_step(v, batches, i)) for i in range(args.check_steps)]
               for name, v in variants.items()}
     updates = {name: v["sgd_update"]() for name, v in variants.items()}
-    ref, ref_u = losses["xla-auto"], updates["xla-auto"]
-    scale = float(np.max(np.abs(ref_u)))
     result = {}
     for name, ls in losses.items():
+        base = variants[name].get("base", "xla-auto")
+        ref, ref_u = losses[base], updates[base]
+        scale = float(np.max(np.abs(ref_u)))
         rel = max(abs(a - b) / abs(b) for a, b in zip(ls, ref))
         urel = float(np.max(np.abs(updates[name] - ref_u))) / scale
         # no-comm computes another step (un-averaged gradients): shown, not judged.
@@ -268,17 +368,16 @@ def time_all(args, variants, batches):
     names = list(variants)
     for i in range(args.warmup):
         for name in names:
-            run_step(variants[name], batches[i % len(batches)])
+            run_step(variants[name], batches, i)
     times = {name: [] for name in names}
     gc.collect()
     gc.disable()
     try:
         for r in range(args.reps):
-            batch = batches[r % len(batches)]
             k = r % len(names)  # rotate who goes first, so no variant always follows the same one
             for name in names[k:] + names[:k]:
                 t0 = time.perf_counter()
-                run_step(variants[name], batch)
+                run_step(variants[name], batches, r)
                 times[name].append(time.perf_counter() - t0)
     finally:
         gc.enable()
@@ -293,17 +392,17 @@ def quantile(xs, q):
 
 
 def summarise(args, variants, times, checks, info):
-    base = statistics.median(times["xla-auto"])
     rows = []
     for name, v in variants.items():
-        ts = times[name]
+        ts, base_ts = times[name], times[v.get("base", "xla-auto")]
+        base = statistics.median(base_ts)
         med = statistics.median(ts)
         rows.append({
             "variant": name, "label": v["label"], "median_ms": med * 1e3,
             "p25_ms": quantile(ts, 0.25) * 1e3, "p75_ms": quantile(ts, 0.75) * 1e3,
             "tokens_per_s": info["tokens_per_step"] / med, "ratio": med / base,
             # Same-round ratios cancel load that drifts between rounds.
-            "paired_ratio": statistics.median(t / b for t, b in zip(ts, times["xla-auto"])),
+            "paired_ratio": statistics.median(t / b for t, b in zip(ts, base_ts)),
             "buckets": v["buckets"], "ops": v["ops"], "ops_text": format_ops(v["ops"]),
             "model_bytes_sent": v["model_bytes"], "hlo_comm_max_bytes": v["hlo_bytes"],
             "compile_s": v["compile_s"],
@@ -324,10 +423,11 @@ def table_cells(r):
 
 
 def markdown(args, rows, info, argv) -> str:
+    where = (f"layouts {', '.join(args.layouts)}, each against XLA's automatic partitioning of the same "
+             "shardings" if args.layouts else f"mesh {'x'.join(str(s) for s in info['mesh'].values())}")
     lines = [f"`python experiments/bench_train.py {' '.join(argv)}`".replace(" `", "`"), "",
              f"GPT {info['params']:,} parameters ({info['param_bytes'] / 2**20:.2f} MiB f32), "
-             f"global batch {args.batch_size} x {args.seq_len} tokens, mesh "
-             f"{'x'.join(str(s) for s in info['mesh'].values())} on {info['platform']}, "
+             f"global batch {args.batch_size} x {args.seq_len} tokens, {where} on {info['platform']}, "
              f"median of {args.reps} interleaved steps after {args.warmup} warm-up steps. "
              "\"x xla-auto\": ratio of medians; \"paired x\": median over rounds of the ratio to "
              "xla-auto's step in the same round. \"MiB sent (model)\": bytes the busiest device "
@@ -348,7 +448,7 @@ def main(argv=None) -> int:
 
     # Wide enough for the table when piped to a file (rich assumes 80 columns there).
     console = Console() if sys.stdout.isatty() else Console(width=150)
-    variants, batches, info = build(args)
+    variants, batches, info = build_layouts(args) if args.layouts else build(args)
     console.print(f"GPT {info['params']:,} params, batch {args.batch_size}x{args.seq_len}, mesh "
                   f"{info['mesh']} on {info['platform']} ({platform.processor() or platform.machine()})")
 
