@@ -59,9 +59,11 @@ class Bench:
         self.train = [S.put_batch(train, i * batch_size, batch_size, self.mesh) for i in range(steps)]
         self.val = [S.put_batch(val, i * batch_size, batch_size, self.mesh) for i in range(eval_batches)]
         self.init = jax.jit(self.model.init, out_shardings=S.replicated(self.mesh))(jax.random.key(seed))
+        self.inner = None  # an optax optimizer to use instead of self.opt's (large_batch.py's warmup)
 
     def rule(self, spec: str):
-        return U.make_rule(spec, self.opt.make(self.batch_size), self.axis, seed=self.seed, algorithm=self.algorithm)
+        inner = self.inner or self.opt.make(self.batch_size)
+        return U.make_rule(spec, inner, self.axis, seed=self.seed, algorithm=self.algorithm)
 
     def run(self, spec: str, verbose: bool = True) -> Run:
         t0 = time.perf_counter()
@@ -71,6 +73,8 @@ class Bench:
         for i, batch in enumerate(self.train):
             params, state, loss = ustep.train_step(params, state, batch)
             out.losses.append(loss)
+            if i >= 4:  # the CPU backend deadlocks with ~40+ collective programs in flight
+                out.losses[i - 4] = float(out.losses[i - 4])
             done = i + 1
             if done % self.eval_every == 0 or done == self.steps:
                 ev = np.mean([float(ustep.eval_step(params, b)) for b in self.val])
