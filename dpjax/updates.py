@@ -1,10 +1,10 @@
 """Update rules: how data-parallel workers agree on an update when the network is slow.
 
     sync                 every step, the gradient average (Horovod; `DistributedOptimizer`).
-    delayed:T            Zhu, Lu, Lin, Lin & Han, "Delayed Gradient Averaging: Tolerate the
-                         Communication Latency for Federated Learning" / "Distributed Training
-                         Across the World" (DTAW): each worker applies its own gradient at once;
-                         the average of step i arrives at step i+T and replaces the worker's
+    delayed:T            Zhu, Lu, Lin, Lin & Han, "Distributed Training Across the World"
+                         (DTAW, 2019; the same algebra as their "Delayed Gradient Averaging",
+                         NeurIPS 2021): each worker applies its own gradient at once; the
+                         average of step i arrives at step i+T and replaces the worker's
                          stale contribution, w <- w - lr * (gbar_{i-T} - g_{i-T}).
     delayed-nocomp:T     plain delayed SGD: only the stale average gbar_{i-T} is applied.
     sparse:P[,outer=LR]  temporally sparse updates / local SGD (Lin et al. 2018, "Don't use large
@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, NamedTuple
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -221,7 +221,10 @@ def delayed_gradients(inner, delay: int, axis_name="data", *, compensate: bool =
             updates, inner_state = lax.cond(
                 state.t >= T, lambda: inner.update(old_gbar, state.inner, params),
                 lambda: (jax.tree.map(jnp.zeros_like, grads), state.inner))
-        put = lambda buf, x: jax.tree.map(lambda b, v: lax.dynamic_update_index_in_dim(b, v, slot, 0), buf, x)  # noqa: E731
+
+        def put(buf, x):
+            return jax.tree.map(lambda b, v: lax.dynamic_update_index_in_dim(b, v, slot, 0), buf, x)
+
         return updates, DelayedState(inner_state, state.t + 1, put(state.gbar_TxP, gbar), put(state.g_TxP, grads))
 
     return optax.GradientTransformation(init_fn, update_fn)

@@ -30,7 +30,8 @@ from update_runs import DATE, MACHINE, Bench, plot
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--batch", type=int, default=64, help="small global batch B")
     p.add_argument("--k", type=int, default=8, help="batch multiplier")
     p.add_argument("--steps", type=int, default=80, help="steps S of the large batch (the small one runs k*S)")

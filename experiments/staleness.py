@@ -30,7 +30,8 @@ RULES = {"delayed": "delayed:{}", "delayed-nocomp": "delayed-nocomp:{}", "async"
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--stale", type=int, nargs="+", default=[0, 1, 2, 4, 8, 16], help="T / TAU values")
     p.add_argument("--periods", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32], help="P values of sparse")

@@ -57,7 +57,8 @@ def step_seconds(spec: str, compute: float, comm: float, bw_part: float) -> floa
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--rules", nargs="+", default=DEFAULT_RULES)
     p.add_argument("--algorithm", default="ring", help="allreduce whose schedule the links carry")
