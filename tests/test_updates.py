@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from dpjax import step as S
@@ -216,6 +217,38 @@ def test_async_follows_its_seeded_schedule(mesh_of, put, tau, fetch, push):
         hist.append(w.copy())
     np.testing.assert_allclose(np.asarray(ustep.consensus(params_W)["w"]), w, rtol=1e-5, atol=1e-6)
     np.testing.assert_array_equal(np.asarray(params_W["w"]), np.broadcast_to(params_W["w"][0], (N, D)))
+
+
+def test_param_specs_shard_worker_state_over_model(mesh_of, put):
+    """With param_specs, per-worker leaves are split over `model` too (the layout tensor
+    parallelism will need): the same run on data=4 x model=2 with w split over `model`
+    equals data=4 x model=1 with w whole."""
+    steps, lr = 5, 0.3
+    xs = np.random.default_rng(4).standard_normal((steps, 4, D)).astype(np.float32)
+
+    def sliced_loss(params, x_BxD):  # this model rank's columns of the quadratic
+        w = params["w"]
+        x = lax.dynamic_slice_in_dim(x_BxD, lax.axis_index("model") * w.shape[0], w.shape[0], axis=1)
+        return 0.5 * jnp.mean(jnp.sum((w[None] - x) ** 2, -1))
+
+    out = {}
+    for spec, count, pspec in (("4x2", 8, P("model")), ("4x1", 4, P())):
+        mesh = mesh_of(spec, count)
+        rule = U.delayed(optax.sgd(lr), 2, "data")
+        ustep = U.make_update_step(sliced_loss, rule, mesh, param_specs={"w": pspec}, donate=False)
+        params_W, state_W = ustep.init({"w": put(mesh, np.zeros(D, np.float32), pspec)})
+        for x in xs:
+            params_W, state_W, _ = ustep.train_step(params_W, state_W, put(mesh, x))
+        cols = D // mesh.shape["model"]  # each device: its worker's copy of its model rank's columns
+        assert params_W["w"].addressable_shards[0].data.shape == (1, cols)
+        assert state_W.gbar_TxP["w"].addressable_shards[0].data.shape == (1, 2, cols)
+        # and the global arrays are whole: a state leaf wrongly claimed replicated over
+        # `model` would hold only one rank's columns (and a checkpoint would save those)
+        assert params_W["w"].shape == (4, D) and state_W.gbar_TxP["w"].shape == (4, 2, D)
+        out[spec] = np.asarray(params_W["w"])
+    # float32 round-off only: the ring cuts a 3-element and a 6-element vector into
+    # different chunks, so the 4 workers' gradients are summed in another order
+    np.testing.assert_allclose(out["4x2"], out["4x1"], rtol=1e-6, atol=1e-7)
 
 
 # ---------------------------------------------------------------------------------------
