@@ -10,6 +10,8 @@ from dpjax.data_parallel import (
 )
 from dpjax.distributed import local_rank, process_index, rank, size
 from dpjax.mesh import data_axes, make_mesh, parse_mesh_spec, simulate_cpu_devices
+from dpjax import updates
+from dpjax.updates import delayed_gradients, make_update_step
 
 __all__ = [
     "DistributedOptimizer",
@@ -17,8 +19,10 @@ __all__ = [
     "broadcast_params",
     "collectives",
     "data_axes",
+    "delayed_gradients",
     "local_rank",
     "make_mesh",
+    "make_update_step",
     "parse_mesh_spec",
     "process_index",
     "rank",
@@ -26,5 +30,6 @@ __all__ = [
     "shard_step",
     "simulate_cpu_devices",
     "size",
+    "updates",
 ]
 __version__ = "0.1.0"

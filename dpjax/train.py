@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import functools
 import json
 import math
 import os
@@ -52,6 +53,7 @@ class TrainConfig:
     fusion_mb: float = 64.0
     compression: str = "none"
     backward_passes: int = 1
+    update: str = "sync"
     seed: int = 0
     eval_every: int = 50
     eval_batches: int = 4
@@ -99,6 +101,7 @@ def parse_args(argv=None) -> TrainConfig:
     a("--fusion-mb", type=float, default=64.0, help="tensor-fusion bucket cap in MiB (0: one allreduce per tensor)")
     a("--compression", default="none", choices=["none", "bf16", "fp16"], help="dtype of gradients on the wire")
     a("--backward-passes", type=int, default=1, help="local gradient accumulation passes per step")
+    a("--update", default="sync", help=updates_help())
     a("--seed", type=int, default=0, help="seed for initialisation and data order")
     a("--eval-every", type=int, default=50, help="steps between validation evaluations (0: only at the end)")
     a("--eval-batches", type=int, default=4, help="validation batches per evaluation")
@@ -110,6 +113,12 @@ def parse_args(argv=None) -> TrainConfig:
       help="progress display: a bar on a terminal, log lines otherwise")
     ns = p.parse_args(argv)
     return TrainConfig(**{k: v for k, v in vars(ns).items()})
+
+
+def updates_help() -> str:
+    from dpjax.updates import HELP
+
+    return HELP
 
 
 def validate(cfg: TrainConfig) -> None:
@@ -133,6 +142,10 @@ def validate(cfg: TrainConfig) -> None:
         raise UsageError("--eval-every, --warmup-steps and --fusion-mb cannot be negative")
     if cfg.resume and not cfg.ckpt_dir:
         raise UsageError("--resume needs --ckpt-dir")
+    from dpjax.updates import parse_update
+
+    if not parse_update(cfg.update).is_sync and (cfg.backward_passes > 1 or cfg.compression != "none" or cfg.fsdp):
+        raise UsageError(f"--backward-passes, --compression and --fsdp need --update sync, not {cfg.update!r}")
 
 
 def setup_devices(cfg: TrainConfig):
@@ -194,6 +207,7 @@ def run(cfg: TrainConfig) -> dict:
     from dpjax.data import make_streams
     from dpjax.mesh import data_axes
     from dpjax.models import get_model
+    from dpjax import updates as U
     from dpjax.sharding import make_layout
 
     dp = math.prod(mesh.shape[a] for a in data_axes(mesh))
@@ -202,6 +216,7 @@ def run(cfg: TrainConfig) -> dict:
                          f"mesh {dict(mesh.shape)}; use a multiple of {dp}")
     if cfg.allreduce == "hierarchical" and len(data_axes(mesh)) != 2:
         raise UsageError("--allreduce hierarchical needs a node axis: use a three-axis mesh such as 2x4x1")
+    update = U.parse_update(cfg.update)
     model = get_model(cfg.model, seq_len=cfg.seq_len, d_model=cfg.d_model, n_layers=cfg.n_layers,
                       n_heads=cfg.n_heads)
     layout = make_layout(model, mesh, algorithm=cfg.tp_allreduce, fsdp=cfg.fsdp, fsdp_algorithm=cfg.allreduce)
@@ -213,9 +228,18 @@ def run(cfg: TrainConfig) -> dict:
                                  backward_passes_per_step=cfg.backward_passes)
     record = {"model": model.describe(), "optimizer": {**asdict(opt), "backward_passes": cfg.backward_passes},
               "data": cfg.data, "seed": cfg.seed, "batch_size": cfg.batch_size}
+    if not update.is_sync:  # per-worker state: resumable only by the same rule and worker count
+        record["optimizer"].update(update=str(update), workers=dp)
 
     key = jax.random.key(cfg.seed)
-    params, opt_state = S.init_state(model, tx, layout, key)
+    if update.is_sync:
+        params, opt_state = S.init_state(model, tx, layout, key)
+    else:  # every worker's copy of the state, on a leading worker axis (dpjax.updates)
+        rule = U.make_rule(update, opt.make(cfg.batch_size, layout.specs), S.dp_axis(mesh), seed=cfg.seed,
+                           algorithm=cfg.allreduce, fusion_mb=cfg.fusion_mb)
+        loss_fn = functools.partial(model.loss, par=layout.parallel())  # tensor-parallel inside each worker
+        ustep = U.make_update_step(loss_fn, rule, mesh, param_specs=layout.specs)
+        params, opt_state = ustep.init(jax.jit(model.init, out_shardings=layout.shardings())(key))
     # The run's RNG state: nothing in the step draws from it yet (no dropout), but it is
     # saved and restored with the rest so that stochastic steps resume exactly too.
     rng = jax.device_put(jax.random.key_data(jax.random.fold_in(key, 1)), S.replicated(mesh))
@@ -236,9 +260,12 @@ def run(cfg: TrainConfig) -> dict:
     if start >= cfg.steps:
         raise UsageError(f"the checkpoint is at step {start}, not before --steps {cfg.steps}; ask for more steps")
 
-    train_step = S.make_train_step(model, tx, layout)
-    eval_step = S.make_eval_step(model, layout)
-    params = S.make_broadcast_step(layout)(params)  # Horovod: every rank starts from rank 0's weights
+    if update.is_sync:
+        train_step = S.make_train_step(model, tx, layout)
+        eval_step = S.make_eval_step(model, layout)
+        params = S.make_broadcast_step(layout)(params)  # Horovod: every rank starts from rank 0's weights
+    else:  # eval_step evaluates the workers' consensus (their mean, or the server's copy)
+        train_step, eval_step = ustep.train_step, ustep.eval_step
     tokens_per_step = cfg.batch_size * cfg.seq_len * cfg.backward_passes
     # line-buffered: each step's record is on disk as soon as it is known (tail -f works)
     metrics_file = open(cfg.metrics, "a" if start else "w", buffering=1) if cfg.metrics else None

@@ -1,0 +1,131 @@
+"""Shared by staleness.py, wan.py and large_batch.py: short training runs under an update rule.
+
+One `Bench` holds the model, the mesh, the inner optimizer's config and pre-placed
+train/validation batches, so every run of a sweep sees the same data in the same
+order from the same initial parameters; only the rule (and its compiled step) changes.
+Not a library: the experiments import it as a sibling module.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass, field
+
+from dpjax.mesh import simulate_cpu_devices
+
+simulate_cpu_devices(8)  # before jax starts: 8 simulated workers on a CPU-only machine
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+from dpjax import step as S  # noqa: E402
+from dpjax import updates as U  # noqa: E402
+from dpjax.data import make_streams  # noqa: E402
+from dpjax.mesh import make_mesh  # noqa: E402
+from dpjax.models import get_model  # noqa: E402
+
+DATE = "2026-11-21"
+MACHINE = "2-core CPU VM, 8 simulated devices (XLA host platform), jax 0.10.2"
+
+
+@dataclass
+class Run:
+    spec: str
+    losses: list  # mean train loss of the workers, per step
+    evals: list = field(default_factory=list)  # (steps done, validation loss of the consensus)
+
+    @property
+    def final_eval(self) -> float:
+        return self.evals[-1][1]
+
+    def steps_to(self, target: float) -> int | None:
+        """Steps done at the first evaluation whose loss is at or below `target`."""
+        return next((s for s, v in self.evals if v <= target), None)
+
+
+class Bench:
+    def __init__(self, *, model="mlp", mesh="8x1", batch_size=64, seq_len=32, steps=200, optimizer="momentum",
+                 lr=0.05, warmup_steps=0, lr_scaling="none", clip_norm=0.0, algorithm="ring", eval_every=20,
+                 eval_batches=4, seed=0, data="stdlib", d_model=None):
+        self.mesh = make_mesh(mesh)
+        self.axis = S.dp_axis(self.mesh)
+        self.model = get_model(model, seq_len=seq_len, d_model=d_model, n_layers=2, n_heads=4)
+        self.opt = S.OptimizerConfig(name=optimizer, lr=lr, lr_scaling=lr_scaling, warmup_steps=warmup_steps,
+                                     clip_norm=clip_norm)
+        self.batch_size, self.steps, self.seed, self.algorithm = batch_size, steps, seed, algorithm
+        self.eval_every = eval_every
+        train, val = make_streams(data, seq_len, seed)
+        self.train = [S.put_batch(train, i * batch_size, batch_size, self.mesh) for i in range(steps)]
+        self.val = [S.put_batch(val, i * batch_size, batch_size, self.mesh) for i in range(eval_batches)]
+        self.init = jax.jit(self.model.init, out_shardings=S.replicated(self.mesh))(jax.random.key(seed))
+        self.inner = None  # an optax optimizer to use instead of self.opt's (large_batch.py's warmup)
+
+    def rule(self, spec: str):
+        inner = self.inner or self.opt.make(self.batch_size)
+        return U.make_rule(spec, inner, self.axis, seed=self.seed, algorithm=self.algorithm)
+
+    def run(self, spec: str, verbose: bool = True) -> Run:
+        t0 = time.perf_counter()
+        ustep = U.make_update_step(self.model.loss, self.rule(spec), self.mesh)
+        params, state = ustep.init(self.init)
+        out = Run(spec, [])
+        for i, batch in enumerate(self.train):
+            params, state, loss = ustep.train_step(params, state, batch)
+            out.losses.append(loss)
+            if i >= 4:  # the CPU backend deadlocks with ~40+ collective programs in flight
+                out.losses[i - 4] = float(out.losses[i - 4])
+            done = i + 1
+            if done % self.eval_every == 0 or done == self.steps:
+                ev = np.mean([float(ustep.eval_step(params, b)) for b in self.val])
+                out.evals.append((done, float(ev)))
+        out.losses = [float(x) for x in out.losses]
+        if verbose:
+            print(f"  {spec:24s} final eval {out.final_eval:.4f}  ({time.perf_counter() - t0:.1f} s)", flush=True)
+        return out
+
+    def gradient_elements(self) -> int:
+        return sum(x.size for x in jax.tree.leaves(self.init))
+
+    def compute_seconds(self, reps: int = 20) -> float:
+        """Median time of one worker's step alone: its slice of the batch on one device,
+        loss, gradient and the inner optimizer, no communication."""
+        one = make_mesh("1x1", jax.devices()[:1])
+        local = self.batch_size // int(np.prod([self.mesh.shape[a] for a in self.axis] if isinstance(
+            self.axis, tuple) else [self.mesh.shape[self.axis]]))
+        tx = self.opt.make(self.batch_size)
+        step = S.make_train_step(self.model, tx, one, donate=False)
+        params, opt_state = S.init_state(self.model, tx, one, jax.random.key(self.seed))
+        batch = jax.device_put(np.asarray(self.train[0])[:local], S.batch_sharding(one))
+        jax.block_until_ready(step(params, opt_state, batch))
+        times = []
+        for _ in range(reps):
+            t = time.perf_counter()
+            jax.block_until_ready(step(params, opt_state, batch))
+            times.append(time.perf_counter() - t)
+        return statistics.median(times)
+
+
+def plot(path, series, xlabel, ylabel, title, logx=False):
+    """series: [(label, xs, ys)]. Returns False (and says why) without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print(f"not writing {path}: matplotlib is not installed", flush=True)
+        return False
+    fig, ax = plt.subplots(figsize=(7.5, 4.8))
+    for label, xs, ys in series:
+        ax.plot(xs, ys, marker="o" if len(xs) < 12 else None, label=label)
+    if logx:
+        ax.set_xscale("symlog", linthresh=1)
+    ax.set(xlabel=xlabel, ylabel=ylabel, title=title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    print(f"wrote {path}", flush=True)
+    return True

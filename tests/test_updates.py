@@ -1,0 +1,322 @@
+"""Update rules (dpjax.updates) against independent references: the sync path of
+dpjax.step bit for bit, and numpy simulations of the algebra on losses whose gradients
+are known in closed form."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+from dpjax import step as S
+from dpjax import updates as U
+from dpjax.data import make_streams
+from dpjax.models import get_model
+from dpjax.train import main
+
+from conftest import read_losses
+
+N = 8  # workers
+STEPS = 5
+
+
+# ---------------------------------------------------------------------------------------
+# delayed:0, sparse:1 and async:0 are sync, bit for bit
+
+@pytest.fixture(scope="module")
+def mlp_setup(mesh_of):
+    """A small MLP, AdamW (stateful, so a difference in the gradient stream would show)
+    and STEPS real batches; the sync reference from dpjax.step per mesh."""
+    model = get_model("mlp", seq_len=16, d_hidden=64)
+    opt = S.OptimizerConfig(name="adamw", lr=3e-3)
+    train, _ = make_streams("stdlib", 16, 0, max_bytes=200_000)
+    refs = {}
+
+    def reference(spec):
+        if spec not in refs:
+            mesh = mesh_of(spec, N)
+            tx = S.distributed_optimizer(opt, mesh, 32)
+            params, opt_state = S.init_state(model, tx, mesh, jax.random.key(0))
+            step = S.make_train_step(model, tx, mesh, donate=False)
+            batches = [S.put_batch(train, 32 * i, 32, mesh) for i in range(STEPS)]
+            losses = []
+            for b in batches:
+                params, opt_state, loss = step(params, opt_state, b)
+                losses.append(float(loss))
+            init = jax.jit(model.init, out_shardings=S.replicated(mesh))(jax.random.key(0))
+            refs[spec] = (mesh, batches, losses, params, init)
+        return refs[spec]
+
+    return model, opt, reference
+
+
+@pytest.mark.parametrize("mesh_spec", ["8x1", "2x2x2"])
+@pytest.mark.parametrize("update", ["delayed:0", "delayed-nocomp:0", "sparse:1", "async:0"])
+def test_trivial_rules_equal_sync_exactly(mlp_setup, mesh_spec, update):
+    model, opt, reference = mlp_setup
+    mesh, batches, ref_losses, ref_params, init = reference(mesh_spec)
+    assert U.parse_update(update).is_sync
+    rule = U.make_rule(update, opt.make(32), S.dp_axis(mesh))
+    ustep = U.make_update_step(model.loss, rule, mesh)
+    params_W, state_W = ustep.init(init)
+    losses = []
+    for b in batches:
+        params_W, state_W, loss = ustep.train_step(params_W, state_W, b)
+        losses.append(float(loss))
+    assert losses == ref_losses
+    # every worker's copy, not only the consensus, is the sync parameters
+    for got_W, want in zip(jax.tree.leaves(params_W), jax.tree.leaves(ref_params)):
+        assert got_W.shape == (ustep.workers, *want.shape)
+        for w in range(ustep.workers):
+            np.testing.assert_array_equal(np.asarray(got_W)[w], np.asarray(want))
+
+
+# ---------------------------------------------------------------------------------------
+# the algebra of delayed averaging, on a loss whose gradients do not depend on w
+
+D, LR = 6, 0.5
+
+
+def linear_loss(params, x_BxD):
+    """Gradient w.r.t. w: the mean of the local rows; w.r.t. m: the same in each column."""
+    return jnp.mean(x_BxD @ params["w"]) + jnp.mean(jnp.sum(x_BxD @ params["m"], -1))
+
+
+def _linear_batches(steps, seed=0):
+    # small integers with one row per worker: every sum, average (/8) and lr step (*0.5)
+    # is exact in float32, so the slide's algebra can be checked with ==
+    return np.random.default_rng(seed).integers(-4, 5, size=(steps, N, D)).astype(np.float32)
+
+
+def _linear_init():
+    return {"w": np.arange(D, dtype=np.float32), "m": np.ones((D, 2), np.float32)}
+
+
+def _run(mesh, put, rule, loss_fn, xs, init):
+    ustep = U.make_update_step(loss_fn, rule, mesh, donate=False)
+    params_W, state_W = ustep.init(jax.tree.map(lambda v: put(mesh, v, P()), init))
+    states = []
+    for x in xs:
+        params_W, state_W, _ = ustep.train_step(params_W, state_W, put(mesh, x))
+        states.append(state_W)
+    return ustep, params_W, state_W, states
+
+
+@pytest.mark.parametrize("T", [1, 3])
+@pytest.mark.parametrize("compensate", [True, False])
+def test_delayed_sgd_is_the_slide_algebra(mesh_of, put, T, compensate):
+    mesh, steps = mesh_of("8x1", N), 6
+    xs = _linear_batches(steps)
+    g_SxNxD = xs.astype(np.float64)  # worker k's gradient of w at step i
+    gbar_SxD = g_SxNxD.mean(1)
+    w0 = _linear_init()
+    rule = U.delayed(optax.sgd(LR), T, "data", compensate=compensate, algorithm="ring")
+    ustep, params_W, state_W, _ = _run(mesh, put, rule, linear_loss, xs, w0)
+
+    # before the last T averages arrive: worker k has its own g for steps N-T..N-1
+    # (with compensation) or nothing for them (without)
+    own = g_SxNxD[steps - T:].sum(0) if compensate else 0.0
+    want_W = w0["w"] - LR * (gbar_SxD[:steps - T].sum(0) + own)
+    np.testing.assert_array_equal(np.asarray(params_W["w"]), np.broadcast_to(want_W, (N, D)).astype(np.float32))
+
+    # once they have arrived: every worker holds w_0 - lr * sum of all the averages ...
+    params_W, state_W = ustep.flush(params_W, state_W)
+    want = {"w": w0["w"] - LR * gbar_SxD.sum(0), "m": w0["m"] - LR * gbar_SxD.sum(0)[:, None]}
+    for k in want:
+        np.testing.assert_array_equal(np.asarray(params_W[k]), np.broadcast_to(want[k], (N, *want[k].shape)))
+    # ... which is exactly where sync goes on a loss with constant gradients
+    _, sync_W, _, _ = _run(mesh, put, U.sync(optax.sgd(LR), "data"), linear_loss, xs, w0)
+    for k in want:
+        np.testing.assert_array_equal(np.asarray(params_W[k]), np.asarray(sync_W[k]))
+
+
+def test_delayed_momentum_compensates_the_gradient_stream(mesh_of, put):
+    """With momentum the compensated gradient g_i + gbar_{i-T} - g_{i-T} is what feeds the
+    optimizer (the docstring's statement), checked against a numpy momentum."""
+    mesh, steps, T, beta = mesh_of("8x1", N), 7, 2, 0.9
+    xs = _linear_batches(steps, seed=1)
+    w0 = _linear_init()
+    rule = U.delayed(optax.sgd(0.1, momentum=beta), T, "data")
+    _, params_W, _, _ = _run(mesh, put, rule, linear_loss, xs, w0)
+    g = xs.astype(np.float64)
+    gbar = g.mean(1, keepdims=True)
+    w, trace = np.broadcast_to(w0["w"], (N, D)).copy(), np.zeros((N, D))
+    for i in range(steps):
+        fed = g[i] + ((gbar[i - T] - g[i - T]) if i >= T else 0.0)
+        trace = fed + beta * trace
+        w -= 0.1 * trace
+    np.testing.assert_allclose(np.asarray(params_W["w"]), w, rtol=1e-6, atol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------
+# sparse (local SGD, DiLoCo) and async against numpy simulations, on a quadratic
+
+
+def quadratic_loss(params, x_BxD):
+    """0.5 |w - x|^2 averaged over the local rows: the gradient is w - mean(x)."""
+    return 0.5 * jnp.mean(jnp.sum((params["w"][None] - x_BxD) ** 2, -1))
+
+
+def _quadratic_data(steps, seed=2):
+    return np.random.default_rng(seed).standard_normal((steps, N, D)).astype(np.float32)
+
+
+@pytest.mark.parametrize("period,outer_lr", [(3, 0.0), (2, 0.7)])
+def test_sparse_is_local_sgd_with_periodic_average(mesh_of, put, period, outer_lr):
+    mesh, steps, lr, beta = mesh_of("8x1", N), 7, 0.3, 0.9
+    xs = _quadratic_data(steps)
+    outer = optax.sgd(outer_lr, momentum=beta, nesterov=True) if outer_lr else None
+    rule = U.sparse(optax.sgd(lr), period, "data", outer=outer)
+    _, params_W, _, _ = _run(mesh, put, rule, quadratic_loss, xs, {"w": np.zeros(D, np.float32)})
+    w, anchor, trace = np.zeros((N, D)), np.zeros(D), np.zeros(D)
+    for i in range(steps):
+        w -= lr * (w - xs[i])
+        if (i + 1) % period == 0:
+            if outer_lr:
+                delta = (anchor - w).mean(0)  # the outer (pseudo-)gradient
+                trace = delta + beta * trace
+                anchor = anchor - outer_lr * (delta + beta * trace)  # optax's Nesterov
+                w[:] = anchor
+            else:
+                w[:] = w.mean(0)
+    np.testing.assert_allclose(np.asarray(params_W["w"]), w, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("tau,fetch,push", [(3, 1, 1), (2, 2, 3)])
+def test_async_follows_its_seeded_schedule(mesh_of, put, tau, fetch, push):
+    mesh, steps, lr, seed = mesh_of("8x1", N), 9, 0.4, 7
+    xs = _quadratic_data(steps, seed=3)
+    rule = U.stale_async(optax.sgd(lr), tau, "data", seed=seed, fetch_every=fetch, push_every=push)
+    ustep, params_W, _, states = _run(mesh, put, rule, quadratic_loss, xs, {"w": np.zeros(D, np.float32)})
+
+    # the schedule, regenerated from the seed alone: jax.random.fold_in(key(seed), step),
+    # then the worker, then randint(0, tau + 1); clipped to the versions that exist
+    def tau_of(t, k):
+        key = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), t), k)
+        return min(int(jax.random.randint(key, (), 0, tau + 1)), t)
+
+    sched = np.array([[tau_of(t, k) for k in range(N)] for t in range(steps)])
+    np.testing.assert_array_equal(U.staleness_schedule(seed, steps, N, tau), sched)
+    assert sched.max() == tau and len(np.unique(sched)) > 1  # really stale, and mixed
+    assert not np.array_equal(U.staleness_schedule(seed + 1, steps, N, tau), sched)
+
+    hist, local, version, acc = [np.zeros(D)], np.zeros((N, D)), np.zeros(N, int), np.zeros((N, D))
+    w = np.zeros(D)
+    for t in range(steps):
+        for k in range(N):
+            if (t + k) % fetch == 0:
+                version[k] = t - sched[t, k]
+                local[k] = hist[version[k]]
+        np.testing.assert_array_equal(np.asarray(states[t].version), version)  # what the step read
+        acc += local - xs[t]
+        pushed = np.array([(t + k) % push == push - 1 for k in range(N)])
+        w = w - lr * np.where(pushed[:, None], acc, 0).mean(0)
+        acc[pushed] = 0
+        hist.append(w.copy())
+    np.testing.assert_allclose(np.asarray(ustep.consensus(params_W)["w"]), w, rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(np.asarray(params_W["w"]), np.broadcast_to(params_W["w"][0], (N, D)))
+
+
+def test_param_specs_shard_worker_state_over_model(mesh_of, put):
+    """With param_specs, per-worker leaves are split over `model` too (the layout tensor
+    parallelism will need): the same run on data=4 x model=2 with w split over `model`
+    equals data=4 x model=1 with w whole."""
+    steps, lr = 5, 0.3
+    xs = np.random.default_rng(4).standard_normal((steps, 4, D)).astype(np.float32)
+
+    def sliced_loss(params, x_BxD):  # this model rank's columns of the quadratic
+        w = params["w"]
+        x = lax.dynamic_slice_in_dim(x_BxD, lax.axis_index("model") * w.shape[0], w.shape[0], axis=1)
+        return 0.5 * jnp.mean(jnp.sum((w[None] - x) ** 2, -1))
+
+    out = {}
+    for spec, count, pspec in (("4x2", 8, P("model")), ("4x1", 4, P())):
+        mesh = mesh_of(spec, count)
+        rule = U.delayed(optax.sgd(lr), 2, "data")
+        ustep = U.make_update_step(sliced_loss, rule, mesh, param_specs={"w": pspec}, donate=False)
+        params_W, state_W = ustep.init({"w": put(mesh, np.zeros(D, np.float32), pspec)})
+        for x in xs:
+            params_W, state_W, _ = ustep.train_step(params_W, state_W, put(mesh, x))
+        cols = D // mesh.shape["model"]  # each device: its worker's copy of its model rank's columns
+        assert params_W["w"].addressable_shards[0].data.shape == (1, cols)
+        assert state_W.gbar_TxP["w"].addressable_shards[0].data.shape == (1, 2, cols)
+        # and the global arrays are whole: a state leaf wrongly claimed replicated over
+        # `model` would hold only one rank's columns (and a checkpoint would save those)
+        assert params_W["w"].shape == (4, D) and state_W.gbar_TxP["w"].shape == (4, 2, D)
+        out[spec] = np.asarray(params_W["w"])
+    # float32 round-off only: the ring cuts a 3-element and a 6-element vector into
+    # different chunks, so the 4 workers' gradients are summed in another order
+    np.testing.assert_allclose(out["4x2"], out["4x1"], rtol=1e-6, atol=1e-7)
+
+
+# ---------------------------------------------------------------------------------------
+# specs and the command line
+
+
+@pytest.mark.parametrize("text,want", [
+    ("sync", U.UpdateSpec()), ("delayed:4", U.UpdateSpec("delayed", 4)),
+    ("delayed-nocomp:2", U.UpdateSpec("delayed-nocomp", 2)),
+    ("sparse:8,outer=0.7", U.UpdateSpec("sparse", 8, outer_lr=0.7)),
+    ("async:4,fetch=2,push=3", U.UpdateSpec("async", 4, fetch=2, push=3)),
+])
+def test_parse_update_round_trips(text, want):
+    assert U.parse_update(text) == want and str(want) == text
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    from dpjax.data import load_corpus
+
+    path = tmp_path_factory.mktemp("data") / "corpus.txt"
+    path.write_bytes(load_corpus("stdlib", max_bytes=200_000).tobytes())
+    return str(path)
+
+
+def _tiny(corpus, *extra):
+    return ["--model", "mlp", "--d-model", "16", "--seq-len", "16", "--batch-size", "16", "--data", corpus,
+            "--eval-every", "0", "--eval-batches", "1", "--progress", "none", "--mesh", "8x1", *extra]
+
+
+def test_train_update_flag_resumes_exactly(corpus, tmp_path, capsys):
+    ckpt, path, straight = tmp_path / "ckpt", tmp_path / "m.jsonl", tmp_path / "s.jsonl"
+    args = _tiny(corpus, "--update", "delayed:2", "--ckpt-dir", str(ckpt), "--ckpt-every", "3",
+                 "--metrics", str(path))
+    assert main(args + ["--steps", "3"]) == 0
+    assert main(args + ["--steps", "6", "--resume"]) == 0
+    assert main(_tiny(corpus, "--update", "delayed:2", "--steps", "6", "--metrics", str(straight))) == 0
+    got = read_losses(path)
+    assert len(got) == 6 and got == read_losses(straight)  # the in-flight averages were saved too
+    assert "done: 6 steps on mesh 8x1" in capsys.readouterr().out
+    # another rule on that checkpoint: refused, naming the difference
+    assert main(_tiny(corpus, "--update", "sparse:4", "--ckpt-dir", str(ckpt), "--steps", "9", "--resume")) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "optimizer.update: saved 'delayed:2', now 'sparse:4'" in err[0], err
+
+
+@pytest.mark.parametrize("update", ["delayed:2", "sparse:3", "async:2"])
+def test_update_rules_compose_with_tensor_parallelism(corpus, tmp_path, update):
+    """The same 2 workers with their parameters split 4 ways over `model`, or whole: the
+    same losses (float32 round-off). AdamW with a small clip norm, so that the clipping
+    norm must be summed over the model shards."""
+    whole, split = tmp_path / "whole.jsonl", tmp_path / "split.jsonl"
+    common = ["--update", update, "--steps", "6", "--clip-norm", "0.05"]
+    assert main(_tiny(corpus, *common, "--mesh", "2x1", "--metrics", str(whole))) == 0
+    assert main(_tiny(corpus, *common, "--mesh", "2x4", "--metrics", str(split))) == 0
+    np.testing.assert_allclose(read_losses(split), read_losses(whole), rtol=2e-5)
+
+
+@pytest.mark.parametrize("update,needle", [
+    ("delayed:-1", "bad --update 'delayed:-1': the delay T must be an integer >= 0"),
+    ("sparse:0", "bad --update 'sparse:0': the period P must be an integer >= 1"),
+    ("foo", "bad --update 'foo': choose sync, delayed:T"),
+    ("async:2,pull=3", "unknown option 'pull=3' (options of async: fetch=..., push=...)"),
+    ("delayed:2 --fsdp", "--backward-passes, --compression and --fsdp need --update sync"),
+    ("sparse:2 --backward-passes 2", "--backward-passes, --compression and --fsdp need --update sync"),
+])
+def test_train_bad_update_one_line(corpus, capsys, update, needle):
+    rule, *extra = update.split()
+    assert main(_tiny(corpus, "--steps", "2", "--update", rule, *extra)) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and needle in err[0], err
