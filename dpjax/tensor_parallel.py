@@ -43,17 +43,17 @@ def _active(axis) -> bool:
     return axis is not None and axis_size(axis) > 1
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
-def _copy(x, axis, algorithm):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
+def _copy(x, axis, algorithm, op):
     return x
 
 
-def _copy_fwd(x, axis, algorithm):
+def _copy_fwd(x, axis, algorithm, op):
     return x, None
 
 
-def _copy_bwd(axis, algorithm, _, g):
-    return (collectives.allreduce(g, axis, algorithm=algorithm),)
+def _copy_bwd(axis, algorithm, op, _, g):
+    return (collectives.allreduce(g, axis, algorithm=algorithm, op=op),)
 
 
 _copy.defvjp(_copy_fwd, _copy_bwd)
@@ -77,7 +77,7 @@ _reduce.defvjp(_reduce_fwd, _reduce_bwd)
 
 def copy_to_model(x, axis="model", algorithm: str = "ring"):
     """Megatron's f: identity forward, allreduce (sum) of the gradient backward."""
-    return _copy(x, axis, algorithm) if _active(axis) else x
+    return _copy(x, axis, algorithm, "sum") if _active(axis) else x
 
 
 def reduce_from_model(x, axis="model", algorithm: str = "ring"):
@@ -103,22 +103,6 @@ def _gather_bwd(dim, axis, algorithm, _, g):
 _gather.defvjp(_gather_fwd, _gather_bwd)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
-def _synced(x, axis, algorithm):
-    return x
-
-
-def _synced_fwd(x, axis, algorithm):
-    return x, None
-
-
-def _synced_bwd(axis, algorithm, _, g):
-    return (collectives.allreduce(g, axis, algorithm=algorithm, op="mean"),)
-
-
-_synced.defvjp(_synced_fwd, _synced_bwd)
-
-
 def gather_param(x, dim: int, axis, algorithm: str = "ring"):
     """ZeRO-3 (Rajbhandari et al., "ZeRO", SC 2020): the full parameter from its shards
     along `dim` (an explicit all-gather over the data axes); backward, the gradient is
@@ -128,7 +112,7 @@ def gather_param(x, dim: int, axis, algorithm: str = "ring"):
     if not _active(axis):
         return x
     if dim < 0:
-        return _synced(x, axis, algorithm)
+        return _copy(x, axis, algorithm, "mean")  # f over the data axes, averaging
     return _gather(x, dim, axis, algorithm)
 
 

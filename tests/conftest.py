@@ -96,6 +96,16 @@ def put():
     return place
 
 
+@pytest.fixture(scope="session")
+def corpus(tmp_path_factory):
+    """A 300 kB slice of the stdlib corpus as a text file, for end-to-end training runs."""
+    from dpjax.data import load_corpus
+
+    path = tmp_path_factory.mktemp("data") / "corpus.txt"
+    path.write_bytes(load_corpus("stdlib", max_bytes=300_000).tobytes())
+    return str(path)
+
+
 def read_losses(path) -> list[float]:
     """Train losses of a `--metrics` file in step order, the last record of each step
     winning (a resumed run repeats the steps after its checkpoint)."""

@@ -126,14 +126,15 @@ def test_vocab_parallel_cross_entropy(mesh_of, n):
     check(got, jax.value_and_grad(dense)(logits))
 
 
-@pytest.mark.parametrize("n,dim", [(1, 0), (2, 1), (4, 0), (8, 1)])
+@pytest.mark.parametrize("n,dim", [(1, 0), (2, 1), (4, 0), (8, 1), (4, -1)])
 def test_fsdp_gather_param(mesh_of, n, dim):
     """Forward: the whole parameter from its shards; backward: every rank's cotangent
-    reduce-scattered and averaged (numpy: the mean over ranks, cut into shards)."""
+    reduce-scattered and averaged (numpy: the mean over ranks, cut into shards).
+    dim -1: a parameter too small to split, replicated; its gradient is averaged."""
     mesh = mesh_of(f"{n}x1", n)
     x = rand(0, *[s * (n if i == dim else 1) for i, s in enumerate((4, 6))])  # split over `data` on dim
     cots = rand(1, n, *x.shape)  # each rank's own cotangent of the gathered parameter
-    spec = P("data", None) if dim == 0 else P(None, "data")
+    spec = {0: P("data", None), 1: P(None, "data"), -1: P()}[dim]
 
     def body(x, cot):
         out, vjp = jax.vjp(lambda x: tp.gather_param(x, dim, "data"), x)

@@ -13,19 +13,11 @@ import numpy as np
 import pytest
 
 from dpjax.collectives import ALGORITHMS
-from dpjax.data import load_corpus
 from dpjax.train import main
 
 from conftest import read_losses as losses
 
 STEPS = 20
-
-
-@pytest.fixture(scope="session")
-def corpus(tmp_path_factory):
-    path = tmp_path_factory.mktemp("data") / "corpus.txt"
-    path.write_bytes(load_corpus("stdlib", max_bytes=300_000).tobytes())
-    return str(path)
 
 
 def tiny(corpus, *extra):

@@ -2,6 +2,8 @@
 dpjax.step bit for bit, and numpy simulations of the algebra on losses whose gradients
 are known in closed form."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -13,6 +15,7 @@ from jax.sharding import PartitionSpec as P
 from dpjax import step as S
 from dpjax import updates as U
 from dpjax.data import make_streams
+from dpjax.sharding import make_layout
 from dpjax.models import get_model
 from dpjax.train import main
 
@@ -37,16 +40,17 @@ def mlp_setup(mesh_of):
     def reference(spec):
         if spec not in refs:
             mesh = mesh_of(spec, N)
-            tx = S.distributed_optimizer(opt, mesh, 32)
-            params, opt_state = S.init_state(model, tx, mesh, jax.random.key(0))
-            step = S.make_train_step(model, tx, mesh, donate=False)
+            layout = make_layout(model, mesh)  # on 2x2x2 the MLP is split 2 ways over `model`
+            tx = S.distributed_optimizer(opt, layout, 32)
+            params, opt_state = S.init_state(model, tx, layout, jax.random.key(0))
+            step = S.make_train_step(model, tx, layout, donate=False)
             batches = [S.put_batch(train, 32 * i, 32, mesh) for i in range(STEPS)]
             losses = []
             for b in batches:
                 params, opt_state, loss = step(params, opt_state, b)
                 losses.append(float(loss))
-            init = jax.jit(model.init, out_shardings=S.replicated(mesh))(jax.random.key(0))
-            refs[spec] = (mesh, batches, losses, params, init)
+            init = jax.jit(model.init, out_shardings=layout.shardings())(jax.random.key(0))
+            refs[spec] = (layout, batches, losses, params, init)
         return refs[spec]
 
     return model, opt, reference
@@ -56,10 +60,11 @@ def mlp_setup(mesh_of):
 @pytest.mark.parametrize("update", ["delayed:0", "delayed-nocomp:0", "sparse:1", "async:0"])
 def test_trivial_rules_equal_sync_exactly(mlp_setup, mesh_spec, update):
     model, opt, reference = mlp_setup
-    mesh, batches, ref_losses, ref_params, init = reference(mesh_spec)
+    layout, batches, ref_losses, ref_params, init = reference(mesh_spec)
     assert U.parse_update(update).is_sync
-    rule = U.make_rule(update, opt.make(32), S.dp_axis(mesh))
-    ustep = U.make_update_step(model.loss, rule, mesh)
+    rule = U.make_rule(update, opt.make(32, layout.specs), S.dp_axis(layout.mesh))
+    ustep = U.make_update_step(functools.partial(model.loss, par=layout.parallel()), rule, layout.mesh,
+                               param_specs=layout.specs)
     params_W, state_W = ustep.init(init)
     losses = []
     for b in batches:
@@ -263,15 +268,6 @@ def test_param_specs_shard_worker_state_over_model(mesh_of, put):
 ])
 def test_parse_update_round_trips(text, want):
     assert U.parse_update(text) == want and str(want) == text
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    from dpjax.data import load_corpus
-
-    path = tmp_path_factory.mktemp("data") / "corpus.txt"
-    path.write_bytes(load_corpus("stdlib", max_bytes=200_000).tobytes())
-    return str(path)
 
 
 def _tiny(corpus, *extra):
