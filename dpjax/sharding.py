@@ -7,7 +7,8 @@ A model declares one table, `leaf name -> PartitionSpec` over the `model` axis
   divides, and under `fsdp` (ZeRO-3) also splits each parameter over the data axes,
   on its largest dimension that is free and divides;
 - `state_specs` gives the optimizer state the specs of the parameters it mirrors
-  (Adam's moments, accumulated gradients) and replicates the rest (step counters);
+  (Adam's moments, accumulated gradients; found by `optax.tree_map_params`) and
+  replicates the rest (step counters);
 - `sq_norm` is the global squared norm of a sharded tree, for gradient clipping:
   each leaf's local sum of squares is summed over exactly the axes that split it.
 """
@@ -20,6 +21,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import optax
 from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -75,8 +77,11 @@ class Layout:
         return self.gather_dims is not None
 
     def parallel(self) -> Parallel:
+        """The model's view: tensor-parallel layers over `model` if any parameter is split
+        over it, else the dense computation."""
         dp = data_axes(self.mesh)
-        return Parallel(model_axis=MODEL if MODEL in self.mesh.axis_names else None, algorithm=self.algorithm,
+        split = any(MODEL in spec_axes(s) for s in jax.tree.leaves(self.specs, is_leaf=is_spec))
+        return Parallel(model_axis=MODEL if split else None, algorithm=self.algorithm,
                         data_axis=dp[0] if len(dp) == 1 else dp, gather_dims=self.gather_dims,
                         fsdp_algorithm=self.fsdp_algorithm)
 
@@ -85,12 +90,16 @@ class Layout:
                             is_leaf=is_spec)
 
 
-def make_layout(model, mesh, *, algorithm: str = "ring", fsdp: bool = False,
-                fsdp_algorithm: str = "ring") -> Layout:
-    """Resolves `model.SPECS` on `mesh`. Raises ValueError (one line) when a split
+def make_layout(model, mesh, *, algorithm: str = "ring", fsdp: bool = False, fsdp_algorithm: str = "ring",
+                tensor_parallel: bool = True) -> Layout:
+    """Resolves `model.SPECS` on `mesh` (tensor_parallel=False: every parameter replicated
+    over `model`, the table ignored). Raises ValueError (one line) when a split
     dimension does not divide by its axis."""
     abstract = jax.eval_shape(model.init, jax.random.key(0))
-    table_specs = specs_from_table(abstract, model.SPECS)
+    if tensor_parallel:
+        table_specs = specs_from_table(abstract, model.SPECS)
+    else:
+        table_specs = jax.tree.map(lambda _: P(), abstract)
     names = mesh.axis_names
 
     def resolve(path, x, spec):
@@ -128,18 +137,12 @@ def make_layout(model, mesh, *, algorithm: str = "ring", fsdp: bool = False,
     return Layout(mesh, specs, dims, algorithm, fsdp_algorithm)
 
 
-def state_specs(state, params, specs):
-    """Specs for an optimizer state: every subtree shaped like the parameters gets
-    their specs; any other leaf (a step count, a scalar) is replicated."""
-    pdef = jax.tree.structure(params)
-    pshapes = [x.shape for x in jax.tree.leaves(params)]
-
-    def like_params(node) -> bool:
-        if jax.tree.structure(node) != pdef:
-            return False
-        return [getattr(x, "shape", None) for x in jax.tree.leaves(node)] == pshapes
-
-    return jax.tree.map(lambda node: specs if like_params(node) else P(), state, is_leaf=like_params)
+def state_specs(tx, state, specs):
+    """Specs for the state of optax transformation `tx`: wherever it holds a tree shaped
+    like the parameters (Adam's moments, accumulated gradients) the parameters' specs;
+    any other leaf (a step count, a scalar) is replicated."""
+    return optax.tree_map_params(tx, lambda _, spec: spec, state, specs, transform_non_params=lambda _: P(),
+                                 is_leaf=is_spec)
 
 
 def sq_norm(tree, specs):
@@ -150,12 +153,3 @@ def sq_norm(tree, specs):
         axes = spec_axes(spec)
         groups[axes] = groups.get(axes, 0.0) + jnp.sum(jnp.square(x.astype(jnp.float32)))
     return sum(lax.psum(s, axes) if axes else s for axes, s in groups.items())
-
-
-def device_bytes(tree, specs, mesh) -> int:
-    """Bytes one device holds of `tree` laid out by `specs` (every split divides)."""
-    total = 0
-    for x, spec in zip(jax.tree.leaves(tree), jax.tree.leaves(specs, is_leaf=is_spec)):
-        split = math.prod(mesh.shape[a] for a in spec_axes(spec))
-        total += x.size * jnp.dtype(x.dtype).itemsize // split
-    return total

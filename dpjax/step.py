@@ -92,13 +92,16 @@ def replicated(mesh):
 
 
 def as_layout(model, mesh_or_layout) -> Layout:
-    """A Layout; a bare mesh means the model's tensor-parallel table with the defaults."""
-    return mesh_or_layout if isinstance(mesh_or_layout, Layout) else make_layout(model, mesh_or_layout)
+    """A Layout; a bare mesh means replicated parameters (pure data parallelism), as in
+    `distributed_optimizer`, so that the steps and the optimizer agree on the layout."""
+    if isinstance(mesh_or_layout, Layout):
+        return mesh_or_layout
+    return make_layout(model, mesh_or_layout, tensor_parallel=False)
 
 
 def opt_specs(tx, layout: Layout, model):
     abstract = jax.eval_shape(model.init, jax.random.key(0))
-    return state_specs(jax.eval_shape(tx.init, abstract), abstract, layout.specs)
+    return state_specs(tx, jax.eval_shape(tx.init, abstract), layout.specs)
 
 
 def init_state(model, tx, layout, key):
@@ -147,10 +150,10 @@ def make_eval_step(model, layout):
 def make_broadcast_step(layout: Layout):
     """Horovod's broadcast_parameters over the data axes, as a jitted step (each device
     broadcasts its own shards; under FSDP there is nothing to broadcast: the data ranks
-    hold different shards)."""
-    fn = functools.partial(broadcast_params, axis_name=dp_axis(layout.mesh), root=0)
+    hold different shards, and the step is the identity)."""
     if layout.fsdp:
-        fn = lambda params: params  # noqa: E731
+        return lambda params: params
+    fn = functools.partial(broadcast_params, axis_name=dp_axis(layout.mesh), root=0)
     return shard_step(fn, layout.mesh, in_specs=(layout.specs,), out_specs=layout.specs)
 
 

@@ -45,6 +45,7 @@ from jax.sharding import PartitionSpec as P
 
 from dpjax.data_parallel import DistributedOptimizer, allreduce_gradients
 from dpjax.mesh import data_axes
+from dpjax.sharding import state_specs
 
 HELP = ("how workers agree on an update: 'sync' (gradient average every step); 'delayed:T' (DTAW: apply "
         "the own gradient now, the average T steps late with the stale own gradient swapped out); "
@@ -140,11 +141,6 @@ def _mean_fn(axis_name, allreduce):
     return lambda tree: allreduce_gradients(tree, axis_name, **allreduce)
 
 
-def _opt_specs(tx, shapes, param_specs):
-    """Specs of an optax state: the parameters' specs where it holds parameter-shaped trees."""
-    return optax.tree_map_params(tx, lambda _, s: s, shapes, param_specs, transform_non_params=lambda _: P())
-
-
 def _stacked(param_specs):
     """Specs of a buffer of parameter copies stacked on a new leading axis."""
     return jax.tree.map(lambda s: P(None, *s), param_specs)
@@ -162,7 +158,7 @@ def _from_transformation(tx, axis_name, allreduce, *, divergent, flush_steps=0) 
             params = optax.apply_updates(params, updates)
         return params, state
 
-    return UpdateRule(tx.init, step, flush, lambda ps, shapes: _opt_specs(tx, shapes, ps),
+    return UpdateRule(tx.init, step, flush, lambda ps, shapes: state_specs(tx, shapes, ps),
                       _mean_fn(axis_name, allreduce), divergent)
 
 
@@ -238,7 +234,7 @@ def delayed(inner, delay: int, axis_name="data", *, compensate: bool = True, **a
     rule = _from_transformation(tx, axis_name, allreduce, divergent=True, flush_steps=delay)
 
     def specs(ps, shapes):
-        return DelayedState(_opt_specs(inner, shapes.inner, ps), P(), _stacked(ps), _stacked(ps))
+        return DelayedState(state_specs(inner, shapes.inner, ps), P(), _stacked(ps), _stacked(ps))
 
     return rule._replace(specs=specs)
 
@@ -287,8 +283,8 @@ def sparse(inner, period: int, axis_name="data", *, outer: optax.GradientTransfo
         return params, state, loss
 
     def specs(ps, shapes):
-        return LocalState(_opt_specs(inner, shapes.inner, ps), P(), ps if outer is not None else (),
-                          _opt_specs(outer, shapes.outer, ps) if outer is not None else ())
+        return LocalState(state_specs(inner, shapes.inner, ps), P(), ps if outer is not None else (),
+                          state_specs(outer, shapes.outer, ps) if outer is not None else ())
 
     return UpdateRule(init, step, average, specs, mean, True)
 
@@ -361,7 +357,7 @@ def stale_async(inner, tau: int, axis_name="data", *, seed: int = 0, fetch_every
         return params, AsyncState(inner_state, t + 1, hist, local, version, acc), loss
 
     def specs(ps, shapes):
-        return AsyncState(_opt_specs(inner, shapes.inner, ps), P(), _stacked(ps), ps, P(), ps if Q > 1 else ())
+        return AsyncState(state_specs(inner, shapes.inner, ps), P(), _stacked(ps), ps, P(), ps if Q > 1 else ())
 
     return UpdateRule(init, step, lambda p, s: (p, s), specs, mean, False)
 

@@ -162,8 +162,8 @@ def test_state_specs_and_sharded_norm(mesh_of, put):
     mesh = mesh_of("2x4", 8)
     params = {"w": rand(0, 8, 16), "b": rand(1, 16), "s": rand(2, 4)}
     specs = {"w": P("data", "model"), "b": P("model"), "s": P()}
-    st = optax.adamw(1e-3).init(params)
-    sspecs = state_specs(st, params, specs)
+    tx = optax.adamw(1e-3)
+    sspecs = state_specs(tx, tx.init(params), specs)
     assert sspecs[0].mu == specs and sspecs[0].nu == specs and sspecs[0].count == P()
     args = [put(mesh, params[k], specs[k]) for k in "wbs"]
     got = run_sharded(mesh, lambda w, b, s: sq_norm({"w": w, "b": b, "s": s}, specs), args,
@@ -185,6 +185,26 @@ def test_init_is_the_same_on_every_mesh(mesh_of, gpt):
     params, _ = S.init_state(gpt, tx, make_layout(gpt, mesh_of("1x8", 8)), jax.random.key(3))
     w1 = params["blocks"][0]["mlp"]["w1_DxF"]  # 32 x 512: no device holds it whole
     assert {s.data.shape for s in w1.addressable_shards} == {(32, 64)}
+
+
+def test_a_bare_mesh_means_replicated_parameters(mesh_of, gpt, put):
+    """The steps and `distributed_optimizer` read a bare mesh alike: parameters replicated
+    over `model`, the dense model, a local clipping norm. AdamW with clipping on 2x4 then
+    trains like one device (a split layout with a local norm would not)."""
+    opt = S.OptimizerConfig(clip_norm=0.05)
+    batches = [np.random.default_rng(i).integers(0, 256, (8, 17)).astype(np.int32) for i in range(3)]
+
+    def losses(mesh):
+        tx = S.distributed_optimizer(opt, mesh, 8)
+        params, opt_state = S.init_state(gpt, tx, mesh, jax.random.key(0))
+        assert params["blocks"][0]["mlp"]["w1_DxF"].sharding.spec == P(None, None)  # replicated
+        step, out = S.make_train_step(gpt, tx, mesh), []
+        for b in batches:
+            params, opt_state, loss = step(params, opt_state, put(mesh, b, S.batch_sharding(mesh).spec))
+            out.append(float(loss))
+        return out
+
+    np.testing.assert_allclose(losses(mesh_of("2x4", 8)), losses(mesh_of("1x1", 1)), rtol=2e-5)
 
 
 def compiled_argument_bytes(model, mesh, fsdp):
