@@ -8,28 +8,32 @@ from dpjax.data_parallel import (
     shard_batch,
     shard_step,
 )
-from dpjax.distributed import local_rank, process_index, rank, size
-from dpjax.mesh import data_axes, make_mesh, parse_mesh_spec, simulate_cpu_devices
+from dpjax.distributed import local_rank, process_count, process_index
+from dpjax.errors import UserError
+from dpjax.mesh import data_axes, dp_size, make_mesh, parse_mesh_spec, simulate_cpu_devices
 from dpjax import updates
-from dpjax.updates import delayed_gradients, make_update_step
+from dpjax.updates import delayed_gradients
+from dpjax.step import Exchange, make_update_step
 
 __all__ = [
     "DistributedOptimizer",
+    "Exchange",
+    "UserError",
     "allreduce_gradients",
     "broadcast_params",
     "collectives",
     "data_axes",
     "delayed_gradients",
+    "dp_size",
     "local_rank",
     "make_mesh",
     "make_update_step",
     "parse_mesh_spec",
+    "process_count",
     "process_index",
-    "rank",
     "shard_batch",
     "shard_step",
     "simulate_cpu_devices",
-    "size",
     "updates",
 ]
 __version__ = "0.1.0"

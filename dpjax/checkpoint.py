@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import os
 
+from dpjax.errors import UserError
 
 CKPT_FIELDS_THAT_MUST_MATCH = ("model", "optimizer")
 
 
-class CheckpointError(ValueError):
+class CheckpointError(UserError):
     """A checkpoint that cannot be used; the message says why and what to do."""
 
 
@@ -35,16 +36,10 @@ class Checkpointer:
     def latest_step(self) -> int | None:
         return self._manager.latest_step()
 
-    def all_steps(self) -> list[int]:
-        return list(self._manager.all_steps())
-
     def save(self, step: int, state, record: dict) -> None:
         ocp = self._ocp
         self._manager.save(step, args=ocp.args.Composite(
             state=ocp.args.StandardSave(state), record=ocp.args.JsonSave(record)), force=True)
-
-    def wait(self) -> None:
-        self._manager.wait_until_finished()
 
     def read_record(self, step: int | None = None) -> dict:
         ocp = self._ocp

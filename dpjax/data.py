@@ -20,10 +20,12 @@ from functools import lru_cache
 
 import numpy as np
 
+from dpjax.errors import UserError
+
 TEXT_SUFFIXES = (".py", ".txt", ".md", ".rst", ".c", ".h", ".json", ".toml", ".cfg", ".ini", ".html", ".css", ".js")
 
 
-class DataError(ValueError):
+class DataError(UserError):
     """A problem with the data a user asked for; the message says how to fix it."""
 
 

@@ -1,7 +1,9 @@
-"""Processes: `jax.distributed` initialisation and Horovod-style rank / size helpers.
+"""Processes: `jax.distributed` initialisation and the process index / count.
 
-One process may drive several devices (JAX's model); the helpers answer for
-processes. Inside `shard_map`, a device's rank along an axis is `lax.axis_index`.
+One process may drive several devices (JAX's model); these helpers answer for
+processes. Horovod's size (data-parallel ranks, one per device) is
+`dpjax.dp_size(mesh)`; inside `shard_map`, a device's rank along an axis is
+`lax.axis_index`.
 """
 
 from __future__ import annotations
@@ -17,22 +19,28 @@ LOCAL_RANK = "DPJAX_LOCAL_RANK"
 _LOCAL_RANK_VARS = (LOCAL_RANK, "SLURM_LOCALID", "OMPI_COMM_WORLD_LOCAL_RANK", "MV2_COMM_WORLD_LOCAL_RANK")
 
 
-def rank() -> int:
+def process_index() -> int:
     """This process's index among all processes (0 in a single-process run)."""
     import jax
 
     return jax.process_index()
 
 
-def process_index() -> int:
-    return rank()
-
-
-def size() -> int:
-    """Number of processes."""
+def process_count() -> int:
+    """Number of processes. Not Horovod's `size()`: a process may drive several devices,
+    and the data-parallel rank count is `dpjax.dp_size(mesh)`."""
     import jax
 
     return jax.process_count()
+
+
+def launched_processes() -> int:
+    """The process count the launcher (ours, SLURM or Open MPI) announces in the
+    environment, readable before JAX starts (1 when there is none)."""
+    for var in (NUM_PROCESSES, "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE"):
+        if os.environ.get(var):
+            return int(os.environ[var])
+    return 1
 
 
 def local_rank() -> int:
@@ -63,7 +71,7 @@ def initialize(timeout_s: int | None = None, heartbeat_s: int | None = None) -> 
         kwargs = dict(coordinator_address=os.environ[COORDINATOR],
                       num_processes=int(os.environ[NUM_PROCESSES]),
                       process_id=int(os.environ[PROCESS_ID]))
-    elif int(os.environ.get("SLURM_NTASKS", "1")) > 1 or int(os.environ.get("OMPI_COMM_WORLD_SIZE", "1")) > 1:
+    elif launched_processes() > 1:
         kwargs = {}
     else:
         return False

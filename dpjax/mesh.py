@@ -21,23 +21,31 @@ import re
 
 import numpy as np
 
+from dpjax.errors import UserError
+
 DATA = "data"
 MODEL = "model"
 NODE = "node"
+STAGE = "stage"
+NOT_DATA = (MODEL, STAGE)  # axes that split the model; every other axis splits the batch
 
 _DEFAULT_NAMES = {1: (DATA, MODEL), 2: (DATA, MODEL), 3: (NODE, DATA, MODEL)}
 _NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
+class MeshError(UserError):
+    """A mesh spec that does not fit the devices."""
+
+
 def parse_mesh_spec(spec: str, num_devices: int) -> tuple[tuple[str, ...], tuple[int, ...]]:
     """Parses a mesh spec into (axis names, axis sizes) for `num_devices` devices.
 
-    Raises ValueError naming the spec and the device count when it does not fit.
+    Raises MeshError (a ValueError) naming the spec and the device count when it does not fit.
     """
     text = str(spec).strip()
 
-    def bad(why: str) -> ValueError:
-        return ValueError(f"mesh spec {spec!r} {why} ({num_devices} devices available)")
+    def bad(why: str) -> MeshError:
+        return MeshError(f"mesh spec {spec!r} {why} ({num_devices} devices available)")
 
     if not text:
         raise bad("is empty; use e.g. '2x4' or 'data=2,model=4'")
@@ -107,8 +115,30 @@ def make_mesh(spec: str, devices=None):
 
 
 def data_axes(mesh) -> tuple[str, ...]:
-    """The axes gradients are averaged over: every axis but `model`, outermost first."""
-    return tuple(a for a in mesh.axis_names if a != MODEL)
+    """The axes the batch is split over: every axis but `model` and `stage`, outermost first."""
+    return tuple(a for a in mesh.axis_names if a not in NOT_DATA)
+
+
+def dp_size(mesh) -> int:
+    """Data-parallel ranks: the product of the data axes' sizes. Horovod's `hvd.size()`
+    (one rank per GPU), so `lr * dp_size(mesh)` is Horovod's scaling idiom. Not the
+    number of processes (`dpjax.process_count()`), which is smaller when a process
+    drives several devices."""
+    return math.prod(mesh.shape[a] for a in data_axes(mesh))
+
+
+def parse_axes(text, mesh, what: str = "--workers") -> tuple[str, ...]:
+    """'node' or 'node,data' -> those data axes of `mesh`, in the mesh's order; '' -> ().
+    Raises MeshError (one line) for a name that is not a data axis of the mesh."""
+    names = [a.strip() for a in str(text).split(",") if a.strip()] if isinstance(text, str) else list(text)
+    axes = data_axes(mesh)
+    for a in names:
+        if a not in axes:
+            raise MeshError(f"{what} {text!r}: {a!r} is not a data axis of mesh {dict(mesh.shape)}; "
+                            f"choose from {', '.join(axes) or '(none)'}")
+    if len(set(names)) != len(names):
+        raise MeshError(f"{what} {text!r} names an axis twice")
+    return tuple(a for a in axes if a in names)
 
 
 def simulate_cpu_devices(n: int) -> None:

@@ -4,7 +4,9 @@ A model declares one table, `leaf name -> PartitionSpec` over the `model` axis
 (`models/gpt.py`'s SPECS); everything else is derived here:
 
 - `Layout` resolves the table against a mesh, checks that each split dimension
-  divides, and under `fsdp` (ZeRO-3) also splits each parameter over the data axes,
+  divides, and under `fsdp` (ZeRO-3) also splits each parameter over the data axes
+  inside a worker (all of them unless `workers` names some; over `node` x `data` with
+  `workers=("node",)` that is hybrid sharding: split inside a node, replicated across),
   on its largest dimension that is free and divides;
 - `state_specs` gives the optimizer state the specs of the parameters it mirrors
   (Adam's moments, accumulated gradients; found by `optax.tree_map_params`) and
@@ -26,6 +28,7 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from dpjax.errors import UserError
 from dpjax.mesh import MODEL, data_axes
 from dpjax.tensor_parallel import Parallel
 
@@ -64,26 +67,41 @@ def _resolve(spec: P, ndim: int, names) -> P:
 
 @dataclass(frozen=True)
 class Layout:
-    """The sharding of a model's parameters on a mesh (see the module docstring)."""
+    """The sharding of a model's parameters on a mesh (see the module docstring).
+
+    workers: the data axes that number an update rule's workers; the other data axes
+    (`inner_axes`) are synchronous data parallelism inside each worker, and FSDP splits
+    over those."""
 
     mesh: Any
     specs: Any  # pytree of PartitionSpec, like the parameters
-    gather_dims: Any = None  # FSDP: per leaf, the dimension split over the data axes (-1: none)
+    gather_dims: Any = None  # FSDP: per leaf, the dimension split over the inner axes (-1: none)
     algorithm: str = "ring"  # tensor-parallel allreduce
     fsdp_algorithm: str = "ring"  # FSDP all-gather / reduce-scatter
+    workers: tuple = ()
 
     @property
     def fsdp(self) -> bool:
         return self.gather_dims is not None
 
-    def parallel(self) -> Parallel:
+    @property
+    def inner_axes(self) -> tuple:
+        """The data axes inside one worker, outermost first."""
+        return tuple(a for a in data_axes(self.mesh) if a not in self.workers)
+
+    @property
+    def num_workers(self) -> int:
+        return math.prod(self.mesh.shape[a] for a in self.workers)
+
+    def parallel(self, fsdp_wire=None) -> Parallel:
         """The model's view: tensor-parallel layers over `model` if any parameter is split
-        over it, else the dense computation."""
-        dp = data_axes(self.mesh)
+        over it, else the dense computation; FSDP gathers over the inner axes, their
+        gradients reduce-scattered in `fsdp_wire` (a dtype, or None for full precision)."""
+        inner = self.inner_axes
         split = any(MODEL in spec_axes(s) for s in jax.tree.leaves(self.specs, is_leaf=is_spec))
         return Parallel(model_axis=MODEL if split else None, algorithm=self.algorithm,
-                        data_axis=dp[0] if len(dp) == 1 else dp, gather_dims=self.gather_dims,
-                        fsdp_algorithm=self.fsdp_algorithm)
+                        data_axis=(inner[0] if len(inner) == 1 else inner) if inner else None,
+                        gather_dims=self.gather_dims, fsdp_algorithm=self.fsdp_algorithm, fsdp_wire=fsdp_wire)
 
     def shardings(self, specs=None):
         return jax.tree.map(lambda s: NamedSharding(self.mesh, s), self.specs if specs is None else specs,
@@ -91,9 +109,10 @@ class Layout:
 
 
 def make_layout(model, mesh, *, algorithm: str = "ring", fsdp: bool = False, fsdp_algorithm: str = "ring",
-                tensor_parallel: bool = True) -> Layout:
+                tensor_parallel: bool = True, workers: tuple = ()) -> Layout:
     """Resolves `model.SPECS` on `mesh` (tensor_parallel=False: every parameter replicated
-    over `model`, the table ignored). Raises ValueError (one line) when a split
+    over `model`, the table ignored); `workers`: the data axes an update rule's workers
+    span (FSDP splits over the others). Raises UserError (one line) when a split
     dimension does not divide by its axis."""
     abstract = jax.eval_shape(model.init, jax.random.key(0))
     if tensor_parallel:
@@ -107,15 +126,16 @@ def make_layout(model, mesh, *, algorithm: str = "ring", fsdp: bool = False, fsd
         for d, e in enumerate(spec):
             n = math.prod(mesh.shape[a] for a in _axes(e))
             if x.shape[d] % n:
-                raise ValueError(f"{model.name} parameter {leaf_name(path)} {x.shape}: dimension {d} of size "
+                raise UserError(f"{model.name} parameter {leaf_name(path)} {x.shape}: dimension {d} of size "
                                  f"{x.shape[d]} does not split over the {n} devices of mesh axis {e!r}; "
                                  f"change the model size or the mesh")
         return spec
 
     specs = jax.tree_util.tree_map_with_path(resolve, abstract, table_specs)
     dims = None
+    workers = tuple(a for a in data_axes(mesh) if a in workers)
     if fsdp:
-        dp = data_axes(mesh)
+        dp = tuple(a for a in data_axes(mesh) if a not in workers)
         ndp = math.prod(mesh.shape[a] for a in dp)
 
         def split_over_data(x, spec):
@@ -134,7 +154,7 @@ def make_layout(model, mesh, *, algorithm: str = "ring", fsdp: bool = False, fsd
         is_pair = lambda t: isinstance(t, tuple) and len(t) == 2 and is_spec(t[0])  # noqa: E731
         specs = jax.tree.map(lambda t: t[0], pairs, is_leaf=is_pair)
         dims = jax.tree.map(lambda t: t[1], pairs, is_leaf=is_pair)
-    return Layout(mesh, specs, dims, algorithm, fsdp_algorithm)
+    return Layout(mesh, specs, dims, algorithm, fsdp_algorithm, workers)
 
 
 def state_specs(tx, state, specs):

@@ -1,181 +1,258 @@
-"""The sharded train and eval steps: one `jit(shard_map(...))` each.
+"""THE step builder: model x layout x update rule x exchange options -> jitted steps.
 
-All of them are `dpjax.shard_step`s over a `dpjax.sharding.Layout`. Inside the step
-every device sees its own slice of the batch (rows split over the data axes: `node`
-and `data`) and its shards of the parameters: split over `model` by the model's
-tensor-parallel table, and over the data axes too under FSDP. Every byte that crosses
-devices goes through an explicit dpjax collective: the tensor-parallel layers' f/g
-over `model`, FSDP's all-gather / reduce-scatter over the data axes, and otherwise the
-`DistributedOptimizer`'s fused allreduce of the gradients.
+Every training step dpjax runs is assembled here, whatever the rule (sync, delayed,
+sparse, async: `dpjax.updates`), the layout (replicated, tensor-parallel over `model`,
+FSDP over the data axes, workers over some data axes: `dpjax.sharding.Layout`) and the
+exchange (allreduce algorithm, tensor fusion, wire compression, gradient accumulation).
+A feature is added once and composes with the rest.
+
+Inside one `shard_map` a device holds its rows of the batch and its shards of the
+parameters; the step is, per device:
+
+    for each of the K micro-batches:        loss, g = value_and_grad(loss)(params, micro)
+    g = sum / K                             (accumulation: K backward passes, one exchange)
+    g = mean over the worker's own devices  (FSDP: already done by the reduce-scatter in the
+                                             backward; else dpjax's fused allreduce over the
+                                             inner data axes)
+    params, state = rule.step(...)          (the rule's exchanges run over the worker axes)
+
+The worker axes are `layout.workers`; the rest of the data axes are synchronous data
+parallelism inside each worker. Rules whose workers diverge (`rule.per_worker`) keep
+every worker's parameters and state on a leading worker axis, split over the worker
+axes, so each device holds its own worker's copy (sharded like the parameters it
+mirrors) and a checkpoint holds them all. Every byte between devices goes through an
+explicit dpjax collective.
+
+Shape suffixes: a dimension split over a mesh axis is marked with the axis's initial
+(`Bd`: the batch split over the data axes; `Fm`: split over `model`). Outside a
+shard_map the name is the global array, inside it this device's block.
 """
 
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
-import optax
+import numpy as np
 from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from dpjax.data_parallel import DistributedOptimizer, batch_sharding, broadcast_params, shard_step
+from dpjax.data_parallel import COMPRESSIONS, allreduce_gradients, broadcast_params
 from dpjax.mesh import data_axes
-from dpjax.sharding import Layout, make_layout, sq_norm, state_specs
-
-
-def dp_axis(mesh):
-    """The axis name gradients are averaged over: one name, or (outer, inner) for two."""
-    axes = data_axes(mesh)
-    return axes[0] if len(axes) == 1 else axes
+from dpjax.optim import OptimizerConfig
+from dpjax.sharding import Layout, is_spec
+from dpjax.updates.rules import UpdateRule, as_axes, axis_arg, make_rule
 
 
 @dataclass(frozen=True)
-class OptimizerConfig:
-    name: str = "adamw"  # adamw | sgd | momentum
-    lr: float = 3e-3
-    lr_scaling: str = "none"  # none | linear (Goyal et al.: lr * global_batch / 256)
-    warmup_steps: int = 0
-    weight_decay: float = 0.0
-    clip_norm: float = 1.0
+class Exchange:
+    """How gradients and parameters cross the data axes: dpjax's allreduce `algorithm`,
+    the tensor-fusion bucket cap, and the dtype on the wire (None, "bf16", "fp16").
+    options: extra allreduce arguments (`num_servers` for ps, `outer_algorithm` for
+    hierarchical)."""
 
-    def peak_lr(self, global_batch: int) -> float:
-        return self.lr * global_batch / 256 if self.lr_scaling == "linear" else self.lr
+    algorithm: str = "ring"
+    fusion_mb: float = 64.0
+    compression: str | None = None
+    options: dict = field(default_factory=dict)
 
-    def schedule(self, global_batch: int):
-        """Linear warmup then constant. With linear scaling the warmup starts from the
-        unscaled lr and ramps to the scaled one (Goyal et al.'s gradual warmup);
-        without, it ramps from 0."""
-        peak = self.peak_lr(global_batch)
-        if self.warmup_steps <= 0:
-            return optax.constant_schedule(peak)
-        start = self.lr if self.lr_scaling == "linear" else 0.0
-        return optax.linear_schedule(start, peak, self.warmup_steps)
+    def kwargs(self) -> dict:
+        return {"algorithm": self.algorithm, "fusion_mb": self.fusion_mb, "compression": self.compression,
+                **self.options}
 
-    def make(self, global_batch: int, specs=None) -> optax.GradientTransformation:
-        """The optimizer; `specs` (the gradients' PartitionSpecs) make the clipping norm
-        global over sharded gradients."""
-        if self.lr_scaling not in ("none", "linear"):
-            raise ValueError(f"unknown lr scaling {self.lr_scaling!r}; choose none or linear")
-        sched = self.schedule(global_batch)
-        if self.name == "adamw":
-            opt = optax.adamw(sched, b1=0.9, b2=0.95, weight_decay=self.weight_decay)
-        elif self.name == "sgd":
-            opt = optax.sgd(sched)
-        elif self.name == "momentum":
-            opt = optax.sgd(sched, momentum=0.9, nesterov=True)
+    @property
+    def wire(self):
+        return COMPRESSIONS[self.compression]
+
+
+@dataclass(frozen=True)
+class TrainStep:
+    """A rule's jitted steps over a layout. Values of per-worker rules carry the leading
+    worker axis (`params_W`); sync values are plain.
+
+    init(params) -> (params, state): from parameters laid out by the layout (broadcast
+        from rank 0 over the data axes that replicate them, Horovod's broadcast);
+    train(params, state, batch_KxBxT1) -> (params, state, mean loss over the global batch);
+    evaluate(params, batch_BxT1) -> mean loss of the consensus parameters;
+    flush(params, state) -> (params, state): what is in flight lands;
+    consensus(params) -> the parameters the workers agree on, without the worker axis.
+    """
+
+    layout: Layout
+    rule: UpdateRule
+    passes: int
+    param_specs: Any
+    state_specs: Any
+    init: Callable
+    train: Callable
+    evaluate: Callable
+    flush: Callable
+    consensus: Callable
+
+    @property
+    def workers(self) -> int:
+        return self.layout.num_workers
+
+    def shardings(self):
+        """(parameter shardings, state shardings) of the values the steps take."""
+        return self.layout.shardings(self.param_specs), self.layout.shardings(self.state_specs)
+
+
+def default_workers(mesh, per_worker: bool) -> tuple:
+    """The worker axes when none are named: every data axis for rules whose workers
+    diverge (each data-parallel rank a worker), none for sync (one synchronous group:
+    FSDP then splits over every data axis, ZeRO-3)."""
+    return data_axes(mesh) if per_worker else ()
+
+
+def build(loss_fn, layout: Layout, rule: UpdateRule, *, abstract_params, passes: int = 1,
+          exchange: Exchange = Exchange(), donate: bool = True) -> TrainStep:
+    """The steps of `rule` over `layout` for `loss_fn(params, batch_BdxT1, par) -> scalar`
+    (`par`: the `dpjax.tensor_parallel.Parallel` the layout gives; a model's `loss`).
+
+    abstract_params: the parameters' shapes (ShapeDtypeStructs). passes: micro-batches
+    per step (K backward passes, one exchange; the train batch is K x B).
+    """
+    mesh, axes = layout.mesh, data_axes(layout.mesh)
+    if as_axes(rule.axes) != tuple(layout.workers):
+        raise ValueError(f"the rule exchanges over {rule.axes!r} but the layout's workers are {layout.workers!r}; "
+                         "build both from the same worker axes")
+    par = layout.parallel(fsdp_wire=exchange.wire)
+    inner = layout.inner_axes
+    if inner and not layout.fsdp:
+        inner_mean = functools.partial(allreduce_gradients, axis_name=axis_arg(inner), **exchange.kwargs())
+    else:  # FSDP's reduce-scatter in the backward pass already averaged over the inner axes
+        inner_mean = lambda g: g  # noqa: E731
+    value_and_grad = jax.value_and_grad(lambda p, b: loss_fn(p, b, par))
+
+    def grad_fn(params, batch_KxBdxT1):
+        """The worker's loss and gradient: K micro-batches accumulated, then averaged
+        over the worker's own devices."""
+        assert batch_KxBdxT1.shape[0] == passes, (batch_KxBdxT1.shape, passes)
+        if passes == 1:
+            loss, g = value_and_grad(params, batch_KxBdxT1[0])
         else:
-            raise ValueError(f"unknown optimizer {self.name!r}; choose adamw, sgd or momentum")
-        if self.clip_norm <= 0:
-            return opt
-        clip = optax.clip_by_global_norm(self.clip_norm) if specs is None else clip_by_global_norm(
-            self.clip_norm, functools.partial(sq_norm, specs=specs))
-        return optax.chain(clip, opt)
+            def micro(carry, batch_BdxT1):
+                loss, g = value_and_grad(params, batch_BdxT1)
+                return (carry[0] + loss, jax.tree.map(jnp.add, carry[1], g)), None
+
+            zero = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
+            (loss, g), _ = lax.scan(micro, zero, batch_KxBdxT1)
+            loss, g = loss / passes, jax.tree.map(lambda x: x / passes, g)
+        return loss, inner_mean(g)
+
+    pspecs = layout.specs
+    sspecs = rule.specs(pspecs, jax.eval_shape(rule.init, abstract_params))
+    if rule.per_worker:
+        lead = layout.workers or None
+        stack = lambda tree: jax.tree.map(lambda s: P(lead, *s), tree, is_leaf=is_spec)  # noqa: E731
+        pspecs_w, sspecs_w = stack(pspecs), stack(sspecs)
+        unwrap = lambda tree: jax.tree.map(_one_worker, tree)  # noqa: E731
+        wrap = lambda tree: jax.tree.map(lambda x: x[None], tree)  # noqa: E731
+    else:
+        pspecs_w, sspecs_w = pspecs, sspecs
+        unwrap = wrap = lambda tree: tree  # noqa: E731
+    rows = axes or None
+
+    def smap(fn, in_specs, out_specs):
+        return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
+
+    # Parameters are replicated over the data axes FSDP does not split: Horovod's
+    # broadcast from rank 0 over those makes every replica start alike.
+    replicated_over = layout.workers if layout.fsdp else axes
+
+    def init_body(params):
+        if replicated_over:
+            params = broadcast_params(params, axis_arg(replicated_over), root=0)
+        return wrap(params), wrap(rule.init(params))
+
+    def train_body(params, state, batch_KxBdxT1):
+        params, state, loss = rule.step(grad_fn, unwrap(params), unwrap(state), batch_KxBdxT1)
+        return wrap(params), wrap(state), lax.pmean(loss, axes)
+
+    def eval_body(params, batch_BdxT1):
+        return lax.pmean(loss_fn(rule.consensus(unwrap(params)), batch_BdxT1, par), axes)
+
+    def flush_body(params, state):
+        return tuple(wrap(x) for x in rule.flush(unwrap(params), unwrap(state)))
+
+    def consensus_body(params):
+        return rule.consensus(unwrap(params))
+
+    return TrainStep(
+        layout, rule, passes, pspecs_w, sspecs_w,
+        init=jax.jit(smap(init_body, (pspecs,), (pspecs_w, sspecs_w))),
+        train=jax.jit(smap(train_body, (pspecs_w, sspecs_w, P(None, rows)), (pspecs_w, sspecs_w, P())),
+                      donate_argnums=(0, 1) if donate else ()),
+        evaluate=jax.jit(smap(eval_body, (pspecs_w, P(rows)), P())),
+        flush=jax.jit(smap(flush_body, (pspecs_w, sspecs_w), (pspecs_w, sspecs_w))),
+        consensus=jax.jit(smap(consensus_body, (pspecs_w,), pspecs)))
 
 
-def clip_by_global_norm(max_norm: float, sq_norm_fn) -> optax.GradientTransformation:
-    """optax.clip_by_global_norm (same rule, same empty state) with the squared norm
-    computed by `sq_norm_fn`: over sharded gradients a local norm would be wrong."""
-    def update(updates, state, params=None):
-        norm = jnp.sqrt(sq_norm_fn(updates))
-        updates = jax.tree.map(lambda t: jnp.where(norm < max_norm, t, (t / norm.astype(t.dtype)) * max_norm),
-                               updates)
-        return updates, state
+def _one_worker(x):
+    assert x.shape[0] == 1, f"a device should hold one worker's copy, got leading dim {x.shape[0]}"
+    return x[0]
 
-    return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
+
+def for_model(model, layout: Layout, *, global_batch: int, update="sync", opt: OptimizerConfig = OptimizerConfig(),
+              passes: int = 1, exchange: Exchange = Exchange(), seed: int = 0, donate: bool = True) -> TrainStep:
+    """The steps for a dpjax model (`model.loss(params, batch, par)`, `model.init`): the
+    rule `update` names (e.g. "sparse:4") between the layout's workers, wrapping the
+    optimizer `opt` (its clipping norm over the layout's shards; its lr scaled for the
+    global batch of a step, `passes` x `global_batch`), exchanging with `exchange`."""
+    rule = make_rule(update, opt.make(global_batch * passes, layout.specs), layout.workers, seed=seed,
+                     **exchange.kwargs())
+    return build(model.loss, layout, rule, abstract_params=jax.eval_shape(model.init, jax.random.key(0)),
+                 passes=passes, exchange=exchange, donate=donate)
+
+
+def make_update_step(loss_fn, rule: UpdateRule, mesh, params, *, param_specs=None, passes: int = 1,
+                     exchange: Exchange = Exchange(), donate: bool = True) -> TrainStep:
+    """The steps of `rule` for research code: `loss_fn(params, local_batch) -> scalar`.
+
+    params: the parameters (or their shapes); param_specs: a PartitionSpec per parameter
+    over the non-data axes (default P(): a replica on every `model` rank). The rule's
+    axes (its `axis_name`) are the worker axes; any other data axes average gradients
+    synchronously inside each worker. The train batch is K x B (K = passes).
+    """
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)), params)
+    specs = param_specs if param_specs is not None else jax.tree.map(lambda _: P(), abstract)
+    layout = Layout(mesh, specs, workers=as_axes(rule.axes))
+    return build(lambda p, b, par: loss_fn(p, b), layout, rule, passes=passes, exchange=exchange,
+                 abstract_params=abstract, donate=donate)
+
+
+def init_params(model, layout: Layout, key):
+    """The model's parameters, created by a jitted init directly in their sharding: no
+    device ever holds a whole sharded weight, and the values do not depend on the mesh
+    (jax's partitionable threefry)."""
+    return jax.jit(model.init, out_shardings=layout.shardings())(key)
 
 
 def replicated(mesh):
     return NamedSharding(mesh, P())
 
 
-def as_layout(model, mesh_or_layout) -> Layout:
-    """A Layout; a bare mesh means replicated parameters (pure data parallelism), as in
-    `distributed_optimizer`, so that the steps and the optimizer agree on the layout."""
-    if isinstance(mesh_or_layout, Layout):
-        return mesh_or_layout
-    return make_layout(model, mesh_or_layout, tensor_parallel=False)
-
-
-def opt_specs(tx, layout: Layout, model):
-    abstract = jax.eval_shape(model.init, jax.random.key(0))
-    return state_specs(tx, jax.eval_shape(tx.init, abstract), layout.specs)
-
-
-def init_state(model, tx, layout, key):
-    """Parameters and optimizer state, created by a jitted init directly in their
-    sharding: no device ever holds a whole sharded weight, and the values do not depend
-    on the mesh (jax's partitionable threefry)."""
-    layout = as_layout(model, layout)
-
-    def init(k):
-        params = model.init(k)
-        return params, tx.init(params)
-
-    out = (layout.shardings(), layout.shardings(opt_specs(tx, layout, model)))
-    return jax.jit(init, out_shardings=out)(key)
-
-
-def make_train_step(model, tx, layout, *, donate: bool = True):
-    """(params, opt_state, batch) -> (params, opt_state, mean loss over the global batch).
-
-    `tx` should be `distributed_optimizer(..., layout, ...)`.
-    """
-    layout = as_layout(model, layout)
-    axes, par = data_axes(layout.mesh), layout.parallel()
-    ospecs = opt_specs(tx, layout, model)
-
-    def step(params, opt_state, batch_bxT1):
-        loss, grads = jax.value_and_grad(model.loss)(params, batch_bxT1, par)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        params = optax.apply_updates(params, updates)
-        return params, opt_state, lax.pmean(loss, axes)
-
-    return shard_step(step, layout.mesh, batch_argnums=(2,), donate_argnums=(0, 1) if donate else (),
-                      in_specs=(layout.specs, ospecs, None), out_specs=(layout.specs, ospecs, P()))
-
-
-def make_eval_step(model, layout):
-    layout = as_layout(model, layout)
-    axes, par = data_axes(layout.mesh), layout.parallel()
-
-    def step(params, batch_bxT1):
-        return lax.pmean(model.loss(params, batch_bxT1, par), axes)
-
-    return shard_step(step, layout.mesh, batch_argnums=(1,), in_specs=(layout.specs, None))
-
-
-def make_broadcast_step(layout: Layout):
-    """Horovod's broadcast_parameters over the data axes, as a jitted step (each device
-    broadcasts its own shards; under FSDP there is nothing to broadcast: the data ranks
-    hold different shards, and the step is the identity)."""
-    if layout.fsdp:
-        return lambda params: params
-    fn = functools.partial(broadcast_params, axis_name=dp_axis(layout.mesh), root=0)
-    return shard_step(fn, layout.mesh, in_specs=(layout.specs,), out_specs=layout.specs)
-
-
-def distributed_optimizer(opt: OptimizerConfig, layout, global_batch: int, *, algorithm="ring", fusion_mb=64.0,
-                          compression=None, backward_passes_per_step=1, **options):
-    """The DistributedOptimizer for `layout` (or a mesh: replicated parameters). Under
-    FSDP the gradients arrive reduce-scattered and averaged, so it does not allreduce."""
-    mesh = layout.mesh if isinstance(layout, Layout) else layout
-    specs = layout.specs if isinstance(layout, Layout) else None
-    fsdp = isinstance(layout, Layout) and layout.fsdp
-    return DistributedOptimizer(opt.make(global_batch, specs), axis_name=None if fsdp else dp_axis(mesh),
-                                algorithm=algorithm, fusion_mb=fusion_mb, compression=compression,
-                                backward_passes_per_step=backward_passes_per_step, **options)
-
-
-def put_batch(stream, cursor: int, global_batch: int, mesh):
+def put_batch(stream, cursor: int, global_batch: int, mesh, passes: int | None = None):
     """The global batch at `cursor` as one sharded array; each device reads only its rows
-    (in a multi-process run, each process reads only what its devices hold)."""
-    sharding = batch_sharding(mesh)
-    shape = (global_batch, stream.seq_len + 1)
-    return jax.make_array_from_callback(
-        shape, sharding, lambda idx: stream.batch(cursor, global_batch, rows=idx[0]))
+    (in a multi-process run, each process reads only what its devices hold). passes=K:
+    K consecutive batches stacked, K x B x T+1 (the train step's micro-batches)."""
+    rows = data_axes(mesh) or None
+    if passes is None:
+        return jax.make_array_from_callback(
+            (global_batch, stream.seq_len + 1), NamedSharding(mesh, P(rows)),
+            lambda idx: stream.batch(cursor, global_batch, rows=idx[0]))
+
+    def block(idx):
+        return np.stack([stream.batch(cursor + k * global_batch, global_batch, rows=idx[1])
+                         for k in range(passes)[idx[0]]])
+
+    return jax.make_array_from_callback((passes, global_batch, stream.seq_len + 1),
+                                        NamedSharding(mesh, P(None, rows)), block)
 
 
 def num_bytes(tree) -> int:

@@ -12,6 +12,10 @@ axis holds a slice of a layer's weight, never the whole of it:
   rows; the loss is assembled from per-shard maxima and sums, so the full B x T x V
   logits are never gathered.
 
+Names carry shapes, and a dimension split over a mesh axis carries that axis's initial:
+`w_DxFm` is D x F with F split over `model`, `x_BdxTxD` has its batch split over the data
+axes; inside a shard_map the name is this device's block of that global array.
+
 Two conjugate operators carry the communication (Megatron's f and g):
 `copy_to_model` is the identity forward and an allreduce backward (a replicated input
 fans out to every shard, so its gradient is the sum of theirs); `reduce_from_model` is
@@ -43,17 +47,29 @@ def _active(axis) -> bool:
     return axis is not None and axis_size(axis) > 1
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
-def _copy(x, axis, algorithm, op):
+def _on_wire(reduce, g, wire, n: int, op: str):
+    """reduce(g) (a sum over n ranks) with g travelling in `wire` (a dtype or None), then
+    cast back and, for op="mean", divided by n in the gradient's own precision: the
+    recipe of `data_parallel.allreduce_gradients`' compression."""
+    if wire is None:
+        return reduce(g, op)
+    out = reduce(g.astype(wire), "sum").astype(g.dtype)
+    return out / jnp.asarray(n, g.dtype) if op == "mean" else out
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4))
+def _copy(x, axis, algorithm, op, wire):
     return x
 
 
-def _copy_fwd(x, axis, algorithm, op):
+def _copy_fwd(x, axis, algorithm, op, wire):
     return x, None
 
 
-def _copy_bwd(axis, algorithm, op, _, g):
-    return (collectives.allreduce(g, axis, algorithm=algorithm, op=op),)
+def _copy_bwd(axis, algorithm, op, wire, _, g):
+    def allreduce(v, how):
+        return collectives.allreduce(v, axis, algorithm=algorithm, op=how)
+    return (_on_wire(allreduce, g, wire, axis_size(axis), op),)
 
 
 _copy.defvjp(_copy_fwd, _copy_bwd)
@@ -77,7 +93,7 @@ _reduce.defvjp(_reduce_fwd, _reduce_bwd)
 
 def copy_to_model(x, axis="model", algorithm: str = "ring"):
     """Megatron's f: identity forward, allreduce (sum) of the gradient backward."""
-    return _copy(x, axis, algorithm, "sum") if _active(axis) else x
+    return _copy(x, axis, algorithm, "sum", None) if _active(axis) else x
 
 
 def reduce_from_model(x, axis="model", algorithm: str = "ring"):
@@ -85,35 +101,38 @@ def reduce_from_model(x, axis="model", algorithm: str = "ring"):
     return _reduce(x, axis, algorithm) if _active(axis) else x
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
-def _gather(x, dim, axis, algorithm):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4))
+def _gather(x, dim, axis, algorithm, wire):
     x0 = jnp.moveaxis(x, dim, 0)
     return jnp.moveaxis(collectives.all_gather(x0, axis, algorithm=algorithm), 0, dim)
 
 
-def _gather_fwd(x, dim, axis, algorithm):
-    return _gather(x, dim, axis, algorithm), None
+def _gather_fwd(x, dim, axis, algorithm, wire):
+    return _gather(x, dim, axis, algorithm, wire), None
 
 
-def _gather_bwd(dim, axis, algorithm, _, g):
+def _gather_bwd(dim, axis, algorithm, wire, _, g):
+    def reduce_scatter(v, how):
+        return collectives.reduce_scatter(v, axis, algorithm=algorithm, op=how)
     g0 = jnp.moveaxis(g, dim, 0)
-    return (jnp.moveaxis(collectives.reduce_scatter(g0, axis, algorithm=algorithm, op="mean"), 0, dim),)
+    return (jnp.moveaxis(_on_wire(reduce_scatter, g0, wire, axis_size(axis), "mean"), 0, dim),)
 
 
 _gather.defvjp(_gather_fwd, _gather_bwd)
 
 
-def gather_param(x, dim: int, axis, algorithm: str = "ring"):
+def gather_param(x, dim: int, axis, algorithm: str = "ring", wire=None):
     """ZeRO-3 (Rajbhandari et al., "ZeRO", SC 2020): the full parameter from its shards
     along `dim` (an explicit all-gather over the data axes); backward, the gradient is
-    reduce-scattered back to the shards and averaged over the data ranks. dim=-1: the
-    parameter is replicated over the data axes (too small to split); its gradient is
+    reduce-scattered back to the shards and averaged over the data ranks (travelling in
+    `wire`, a dtype, if given: gradient compression). dim=-1: the parameter is
+    replicated over the data axes (too small to split); its gradient is
     allreduce-averaged instead."""
     if not _active(axis):
         return x
     if dim < 0:
-        return _copy(x, axis, algorithm, "mean")  # f over the data axes, averaging
-    return _gather(x, dim, axis, algorithm)
+        return _copy(x, axis, algorithm, "mean", wire)  # f over the data axes, averaging
+    return _gather(x, dim, axis, algorithm, wire)
 
 
 @dataclass(frozen=True)
@@ -129,6 +148,7 @@ class Parallel:
     data_axis: Any = None
     gather_dims: Any = None
     fsdp_algorithm: str = "ring"
+    fsdp_wire: Any = None  # dtype FSDP's gradients travel in (compression), None: their own
 
     def use(self, tree, *path):
         """The parameters `tree`, found at `path` in the full parameter tree, ready to
@@ -138,7 +158,8 @@ class Parallel:
         dims = self.gather_dims
         for key in path:
             dims = dims[key]
-        return jax.tree.map(lambda x, d: gather_param(x, d, self.data_axis, self.fsdp_algorithm), tree, dims)
+        return jax.tree.map(lambda x, d: gather_param(x, d, self.data_axis, self.fsdp_algorithm, self.fsdp_wire),
+                            tree, dims)
 
     def f(self, x):
         return copy_to_model(x, self.model_axis, self.algorithm)
@@ -153,25 +174,25 @@ class Parallel:
 DENSE = Parallel()
 
 
-def column_parallel(x_BxTxD, w_DxF, b_F=None, par: Parallel = DENSE):
+def column_parallel(x_BdxTxD, w_DxFm, b_Fm=None, par: Parallel = DENSE):
     """x @ W[:, cols] (+ b[cols]): W split by columns; the output is this shard's columns."""
-    y_BxTxF = par.f(x_BxTxD) @ w_DxF
-    return y_BxTxF if b_F is None else y_BxTxF + b_F
+    y_BdxTxFm = par.f(x_BdxTxD) @ w_DxFm
+    return y_BdxTxFm if b_Fm is None else y_BdxTxFm + b_Fm
 
 
-def row_parallel(h_BxTxF, w_FxD, b_D=None, par: Parallel = DENSE):
+def row_parallel(h_BdxTxFm, w_FmxD, b_D=None, par: Parallel = DENSE):
     """sum over shards of h[:, rows] @ W[rows, :] (+ b): input split, output whole."""
-    y_BxTxD = par.g(h_BxTxF @ w_FxD)
-    return y_BxTxD if b_D is None else y_BxTxD + b_D
+    y_BdxTxD = par.g(h_BdxTxFm @ w_FmxD)
+    return y_BdxTxD if b_D is None else y_BdxTxD + b_D
 
 
-def head_parallel_attention(x_BxTxD, wqkv_Dx3xHxK, wo_HxKxD, core, par: Parallel = DENSE):
+def head_parallel_attention(x_BdxTxD, wqkv_Dx3xHmxK, wo_HmxKxD, core, par: Parallel = DENSE):
     """Multi-head attention with this shard's heads: QKV column-parallel, the output
     projection row-parallel (Megatron-LM, figure 3b). `core(q, k, v)` is the per-head
-    attention, B x T x H x K in and out."""
-    qkv = jnp.einsum("btd,dihk->ibthk", par.f(x_BxTxD), wqkv_Dx3xHxK)
-    a_BxTxHxK = core(qkv[0], qkv[1], qkv[2])
-    return par.g(jnp.einsum("bthk,hkd->btd", a_BxTxHxK, wo_HxKxD))
+    attention, Bd x T x Hm x K in and out."""
+    qkv = jnp.einsum("btd,dihk->ibthk", par.f(x_BdxTxD), wqkv_Dx3xHmxK)
+    a_BdxTxHmxK = core(qkv[0], qkv[1], qkv[2])
+    return par.g(jnp.einsum("bthk,hkd->btd", a_BdxTxHmxK, wo_HmxKxD))
 
 
 def _local_ids(ids, n_local: int, par: Parallel):
@@ -181,28 +202,28 @@ def _local_ids(ids, n_local: int, par: Parallel):
     return jnp.clip(local, 0, n_local - 1), inside
 
 
-def vocab_parallel_embed(tokens_BxT, embed_VxD, par: Parallel = DENSE):
+def vocab_parallel_embed(tokens_BdxT, embed_VmxD, par: Parallel = DENSE):
     """Rows of an embedding table split by vocabulary: each shard looks up the tokens it
     owns (zeros elsewhere) and g sums the shards (Megatron-LM, section 3)."""
-    local, inside = _local_ids(tokens_BxT, embed_VxD.shape[0], par)
-    e_BxTxD = jnp.where(inside[..., None], embed_VxD[local], 0)
-    return par.g(e_BxTxD)
+    local, inside = _local_ids(tokens_BdxT, embed_VmxD.shape[0], par)
+    e_BdxTxD = jnp.where(inside[..., None], embed_VmxD[local], 0)
+    return par.g(e_BdxTxD)
 
 
-def vocab_parallel_cross_entropy(logits_BxTxV, targets_BxT, par: Parallel = DENSE):
+def vocab_parallel_cross_entropy(logits_BdxTxVm, targets_BdxT, par: Parallel = DENSE):
     """Mean softmax cross-entropy of logits split by vocabulary, without gathering them:
     loss = log sum_v exp(z_v - m) - (z_target - m), with m the global maximum (from the
     shards' maxima), the sum of exponentials and the target logit each assembled by g.
     The gradient w.r.t. this shard's logits is softmax - onehot on its slice."""
-    z_BxTxV = logits_BxTxV.astype(jnp.float32)
-    m_BxT = lax.stop_gradient(z_BxTxV.max(-1))
-    if _active(par.model_axis):  # the max of the shards' maxima: an explicit all-gather of B x T
-        m_BxT = collectives.all_gather(m_BxT[None], par.model_axis, algorithm=_gather_algorithm(par)).max(0)
-    z_BxTxV = z_BxTxV - m_BxT[..., None]
-    sumexp_BxT = par.g(jnp.exp(z_BxTxV).sum(-1))
-    local, inside = _local_ids(targets_BxT, z_BxTxV.shape[-1], par)
-    picked_BxT = jnp.where(inside, jnp.take_along_axis(z_BxTxV, local[..., None], axis=-1)[..., 0], 0.0)
-    return (jnp.log(sumexp_BxT) - par.g(picked_BxT)).mean()
+    z_BdxTxVm = logits_BdxTxVm.astype(jnp.float32)
+    m_BdxT = lax.stop_gradient(z_BdxTxVm.max(-1))
+    if _active(par.model_axis):  # the max of the shards' maxima: an explicit all-gather of Bd x T
+        m_BdxT = collectives.all_gather(m_BdxT[None], par.model_axis, algorithm=_gather_algorithm(par)).max(0)
+    z_BdxTxVm = z_BdxTxVm - m_BdxT[..., None]
+    sumexp_BdxT = par.g(jnp.exp(z_BdxTxVm).sum(-1))
+    local, inside = _local_ids(targets_BdxT, z_BdxTxVm.shape[-1], par)
+    picked_BdxT = jnp.where(inside, jnp.take_along_axis(z_BdxTxVm, local[..., None], axis=-1)[..., 0], 0.0)
+    return (jnp.log(sumexp_BdxT) - par.g(picked_BdxT)).mean()
 
 
 def _gather_algorithm(par: Parallel) -> str:

@@ -1,25 +1,28 @@
 """`python -m dpjax.train`: train a byte-level model on a mesh, with data parallelism
-over the `data` (and `node`) axes and tensor parallelism over `model`.
+over the data axes (`data`, `node`), tensor parallelism over `model`, and any update
+rule between workers.
 
     python -m dpjax.train --mesh 2x4 --steps 200 --metrics run.jsonl
 
-Thin by design: it parses flags, builds the pieces from the library (mesh, layout,
-data, model, DistributedOptimizer, sharded steps, checkpoints) and runs the loop.
+Thin by design (nanodo's main): `TrainConfig` is the one list of settings (the command
+line is generated from it), `Trainer` builds the pieces from the library (mesh,
+layout, model, rule, the one step builder, data, checkpoints) and then `run` loops.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
-import functools
+import dataclasses
 import json
-import math
 import os
 import signal
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, field
 
+from dpjax import distributed
+from dpjax.errors import UserError
 from dpjax.mesh import mesh_size, simulate_cpu_devices
 
 # Dispatched-but-unfinished steps allowed in flight: the CPU backend deadlocks with
@@ -27,106 +30,126 @@ from dpjax.mesh import mesh_size, simulate_cpu_devices
 MAX_IN_FLIGHT = 4
 
 
-class UsageError(ValueError):
+class UsageError(UserError):
     """Bad input from the command line; printed as one line."""
+
+
+def _opt(default, help: str, **kw):
+    return field(default=default, metadata={"help": help, **kw})
 
 
 @dataclass
 class TrainConfig:
-    mesh: str | None = None
-    model: str = "gpt"
-    data: str = "stdlib"
-    steps: int = 200
-    batch_size: int = 32
-    seq_len: int = 128
-    d_model: int | None = None
-    n_layers: int | None = None
-    n_heads: int | None = None
-    optimizer: str = "adamw"
-    lr: float = 3e-3
-    lr_scaling: str = "none"
-    warmup_steps: int = 0
-    clip_norm: float = 1.0
-    allreduce: str = "ring"
-    tp_allreduce: str = "ring"
-    fsdp: bool = False
-    fusion_mb: float = 64.0
-    compression: str = "none"
-    backward_passes: int = 1
-    update: str = "sync"
-    seed: int = 0
-    eval_every: int = 50
-    eval_batches: int = 4
-    metrics: str | None = None
-    ckpt_dir: str | None = None
-    ckpt_every: int = 100
-    resume: bool = False
-    progress: str = "auto"
+    """Every setting of a run. The command line is generated from these fields (a field
+    `batch_size` is the flag `--batch-size`); model options (`--d-model`, ...) come from
+    the models' own configs into `model_options`."""
+
+    mesh: str | None = _opt(None, "device mesh: '8' or '8x1' (data x model), '2x2x2' (node x data x model), "
+                                  "'data=2,model=4'; one -1 takes the remaining devices. Default: every device "
+                                  "on data")
+    model: str = _opt("gpt", "the model: gpt or mlp")
+    data: str = _opt("stdlib", "'stdlib' (the Python standard library's source), a text file, a folder of text "
+                               "files, or 'synthetic' (random tokens)")
+    steps: int = _opt(200, "optimizer steps to run (in total, counting resumed ones)")
+    batch_size: int = _opt(32, "global batch in sequences per backward pass, split over the data axes")
+    seq_len: int = _opt(128, "tokens (bytes) per sequence")
+    optimizer: str = _opt("adamw", "adamw, sgd or momentum (Nesterov, 0.9)")
+    lr: float = _opt(3e-3, "learning rate (before any scaling)")
+    lr_scaling: str = _opt("none", "linear: lr * global batch / 256 (Goyal et al. 2017)", choices=("none", "linear"))
+    warmup_steps: int = _opt(0, "steps of linear learning-rate warmup")
+    weight_decay: float = _opt(0.0, "AdamW's decoupled weight decay")
+    clip_norm: float = _opt(1.0, "clip each worker's gradient to this global norm (0: off)")
+    update: str = _opt("sync", "")  # help: dpjax.updates.HELP
+    workers: str | None = _opt(None, "the data axes the update rule's workers span, e.g. 'node' (one worker per "
+                                     "node: synchronous data parallelism inside it, the rule between nodes). "
+                                     "Default: every data axis for delayed/sparse/async (each rank a worker), "
+                                     "none for sync. With --fsdp the parameters are split over the other data "
+                                     "axes: '--workers node --fsdp' with sync is hybrid sharding (HSDP)")
+    allreduce: str = _opt("ring", "")  # help: the algorithms
+    tp_allreduce: str = _opt("ring", "")
+    fsdp: bool = _opt(False, "fully sharded data parallelism (ZeRO-3) inside each worker: parameters and "
+                             "optimizer state split over the data axes too, all-gathered just before use, "
+                             "gradients reduce-scattered (with the --allreduce algorithm)")
+    fusion_mb: float = _opt(64.0, "tensor-fusion bucket cap in MiB (0: one allreduce per tensor)")
+    compression: str = _opt("none", "dtype of gradients (and of the rule's exchanges) on the wire",
+                            choices=("none", "bf16", "fp16"))
+    backward_passes: int = _opt(1, "micro-batches per step: gradients accumulated over this many backward "
+                                   "passes, exchanged once")
+    seed: int = _opt(0, "seed for initialisation, data order and async's staleness")
+    eval_every: int = _opt(50, "steps between validation evaluations (0: only at the end)")
+    eval_batches: int = _opt(4, "validation batches per evaluation")
+    metrics: str | None = _opt(None, "write one JSON object per step to this file (JSON lines)")
+    ckpt_dir: str | None = _opt(None, "folder for checkpoints (orbax)")
+    ckpt_every: int = _opt(100, "steps between checkpoints")
+    resume: bool = _opt(False, "continue from the latest checkpoint in --ckpt-dir")
+    progress: str = _opt("auto", "progress display: a bar on a terminal, log lines otherwise",
+                         choices=("auto", "bar", "log", "none"))
+    model_options: dict = field(default_factory=dict)  # from --d-model etc.: {option: value}
 
 
-def parse_args(argv=None) -> TrainConfig:
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def build_parser() -> argparse.ArgumentParser:
     from dpjax.collectives import ALGORITHMS
+    from dpjax.models import model_options
+    from dpjax.updates import HELP
 
+    late = {"update": HELP, "allreduce": f"gradient allreduce algorithm: {', '.join(ALGORITHMS)}",
+            "tp_allreduce": f"allreduce over the model axis inside tensor-parallel layers: {', '.join(ALGORITHMS)}"}
     p = argparse.ArgumentParser(
         prog="python -m dpjax.train",
         description="Train a byte-level GPT (or MLP) on a device mesh: data parallelism over the data axes "
-                    "(gradients averaged by dpjax's explicit collectives in fused buckets) and Megatron-style "
-                    "tensor parallelism over the model axis (each device holds 1/n of every large layer). "
-                    "On a CPU-only machine the devices the mesh needs are simulated.",
+                    "(gradients averaged by dpjax's explicit collectives in fused buckets), Megatron-style "
+                    "tensor parallelism over the model axis (each device holds 1/n of every large layer), and an "
+                    "update rule between workers (sync, delayed, sparse/local SGD/DiLoCo, async). On a CPU-only "
+                    "machine the devices the mesh needs are simulated.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    a = p.add_argument
-    a("--mesh", help="device mesh: '8' or '8x1' (data x model), '2x2x2' (node x data x model), "
-                     "'data=2,model=4'; one -1 takes the remaining devices. Default: every device on data")
-    a("--model", default="gpt", help="gpt or mlp")
-    a("--data", default="stdlib", help="'stdlib' (the Python standard library's source), a text file, "
-                                       "a folder of text files, or 'synthetic' (random tokens)")
-    a("--steps", type=int, default=200, help="optimizer steps to run (in total, counting resumed ones)")
-    a("--batch-size", type=int, default=32, help="global batch in sequences, split over the data axes")
-    a("--seq-len", type=int, default=128, help="tokens (bytes) per sequence")
-    a("--d-model", type=int, help="model width (default: the model's own)")
-    a("--n-layers", type=int, help="transformer layers (gpt)")
-    a("--n-heads", type=int, help="attention heads (gpt)")
-    a("--optimizer", default="adamw", help="adamw, sgd or momentum")
-    a("--lr", type=float, default=3e-3, help="learning rate (before any scaling)")
-    a("--lr-scaling", default="none", choices=["none", "linear"],
-      help="linear: lr * global batch / 256 (Goyal et al. 2017)")
-    a("--warmup-steps", type=int, default=0, help="steps of linear learning-rate warmup")
-    a("--clip-norm", type=float, default=1.0, help="clip the averaged gradient to this global norm (0: off)")
-    a("--allreduce", default="ring", help=f"gradient allreduce algorithm: {', '.join(ALGORITHMS)}")
-    a("--tp-allreduce", default="ring",
-      help=f"allreduce over the model axis inside tensor-parallel layers: {', '.join(ALGORITHMS)}")
-    a("--fsdp", action="store_true",
-      help="fully sharded data parallelism (ZeRO-3): parameters and optimizer state split over the data axes "
-           "too, all-gathered just before use, gradients reduce-scattered (with the --allreduce algorithm)")
-    a("--fusion-mb", type=float, default=64.0, help="tensor-fusion bucket cap in MiB (0: one allreduce per tensor)")
-    a("--compression", default="none", choices=["none", "bf16", "fp16"], help="dtype of gradients on the wire")
-    a("--backward-passes", type=int, default=1, help="local gradient accumulation passes per step")
-    a("--update", default="sync", help=updates_help())
-    a("--seed", type=int, default=0, help="seed for initialisation and data order")
-    a("--eval-every", type=int, default=50, help="steps between validation evaluations (0: only at the end)")
-    a("--eval-batches", type=int, default=4, help="validation batches per evaluation")
-    a("--metrics", help="write one JSON object per step to this file (JSON lines)")
-    a("--ckpt-dir", help="folder for checkpoints (orbax)")
-    a("--ckpt-every", type=int, default=100, help="steps between checkpoints")
-    a("--resume", action="store_true", help="continue from the latest checkpoint in --ckpt-dir")
-    a("--progress", default="auto", choices=["auto", "bar", "log", "none"],
-      help="progress display: a bar on a terminal, log lines otherwise")
-    ns = p.parse_args(argv)
-    return TrainConfig(**{k: v for k, v in vars(ns).items()})
+    for f in dataclasses.fields(TrainConfig):
+        if f.name == "model_options":
+            continue
+        help_ = late.get(f.name) or f.metadata["help"]
+        if f.type in ("bool", bool):
+            p.add_argument(_flag(f.name), action="store_true", help=help_)
+            continue
+        kind = {"int": int, "float": float}.get(str(f.type), str)
+        p.add_argument(_flag(f.name), type=kind, default=f.default, help=help_,
+                       choices=f.metadata.get("choices"))
+    seen: dict[str, list[str]] = {}
+    for model, opts in model_options().items():
+        for name in opts:
+            seen.setdefault(name, []).append(model)
+    models = model_options()
+    g = p.add_argument_group("model options (each applies to the models named; default: the model's own)")
+    for name, owners in seen.items():
+        defaults = ", ".join(f"{m}: {models[m][name]}" for m in owners)
+        g.add_argument(_flag(name), type=int, default=None, dest=f"model_{name}", help=f"({defaults})")
+    return p
 
 
-def updates_help() -> str:
-    from dpjax.updates import HELP
-
-    return HELP
+def parse_args(argv=None) -> TrainConfig:
+    ns = vars(build_parser().parse_args(argv))
+    opts = {k[len("model_"):]: ns.pop(k) for k in list(ns) if k.startswith("model_")}
+    return TrainConfig(**ns, model_options={k: v for k, v in opts.items() if v is not None})
 
 
 def validate(cfg: TrainConfig) -> None:
+    """Checks that need no devices; the rest (mesh, layout) is checked as it is built."""
     from dpjax.collectives import ALGORITHMS, REDUCE_SCATTER_ALGORITHMS
-    from dpjax.models import MODELS
+    from dpjax.models import MODELS, model_options
+    from dpjax.optim import OPTIMIZERS
+    from dpjax.updates import parse_update
 
     if cfg.model not in MODELS:
         raise UsageError(f"unknown model {cfg.model!r}; choose one of {', '.join(MODELS)}")
+    wrong = [o for o in cfg.model_options if o not in model_options()[cfg.model]]
+    if wrong:
+        has = ", ".join(_flag(o) for o in model_options()[cfg.model])
+        raise UsageError(f"{', '.join(_flag(o) for o in wrong)} does not apply to --model {cfg.model} "
+                         f"(its options: {has})")
+    if cfg.optimizer not in OPTIMIZERS:
+        raise UsageError(f"unknown --optimizer {cfg.optimizer!r}; choose one of {', '.join(OPTIMIZERS)}")
     for flag, alg in (("--allreduce", cfg.allreduce), ("--tp-allreduce", cfg.tp_allreduce)):
         if alg not in ALGORITHMS:
             raise UsageError(f"unknown {flag} algorithm {alg!r}; choose one of {', '.join(ALGORITHMS)}")
@@ -137,24 +160,22 @@ def validate(cfg: TrainConfig) -> None:
                          f"{cfg.allreduce!r} has none: choose one of {', '.join(REDUCE_SCATTER_ALGORITHMS)}")
     for name in ("steps", "batch_size", "seq_len", "backward_passes", "ckpt_every", "eval_batches"):
         if getattr(cfg, name) < 1:
-            raise UsageError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(cfg, name)}")
-    if cfg.eval_every < 0 or cfg.warmup_steps < 0 or cfg.fusion_mb < 0:
-        raise UsageError("--eval-every, --warmup-steps and --fusion-mb cannot be negative")
+            raise UsageError(f"{_flag(name)} must be at least 1, got {getattr(cfg, name)}")
+    if cfg.eval_every < 0 or cfg.warmup_steps < 0 or cfg.fusion_mb < 0 or cfg.weight_decay < 0:
+        raise UsageError("--eval-every, --warmup-steps, --fusion-mb and --weight-decay cannot be negative")
     if cfg.resume and not cfg.ckpt_dir:
         raise UsageError("--resume needs --ckpt-dir")
-    from dpjax.updates import parse_update
-
-    if not parse_update(cfg.update).is_sync and (cfg.backward_passes > 1 or cfg.compression != "none" or cfg.fsdp):
-        raise UsageError(f"--backward-passes, --compression and --fsdp need --update sync, not {cfg.update!r}")
+    parse_update(cfg.update)
 
 
 def setup_devices(cfg: TrainConfig):
-    """Simulates the CPU devices the mesh needs (before JAX starts) and builds the mesh."""
-    from dpjax import distributed
-
+    """Starts jax.distributed if launched as one of several processes, simulates the CPU
+    devices this process contributes to the mesh (before JAX starts), builds the mesh."""
     distributed.initialize()
-    want = mesh_size(cfg.mesh) if cfg.mesh else None
-    simulate_cpu_devices(want or 8)
+    want, nproc = (mesh_size(cfg.mesh) if cfg.mesh else None), distributed.launched_processes()
+    if want is not None and want % nproc:
+        raise UsageError(f"--mesh {cfg.mesh} has {want} devices, which {nproc} processes cannot share equally")
+    simulate_cpu_devices(want // nproc if want else 8)
     import jax
 
     from dpjax.mesh import make_mesh
@@ -194,162 +215,186 @@ class Progress:
             self.bar.stop()
 
 
-def run(cfg: TrainConfig) -> dict:
-    """Trains per `cfg`; returns the summary. Raises UsageError (and other ValueErrors from
-    validation) before anything is written when the input is bad."""
-    validate(cfg)
-    mesh = setup_devices(cfg)
-    import jax
-    import numpy as np
+class Trainer:
+    """Builds everything a run needs from a `TrainConfig`; `run()` then loops. Raises a
+    UserError before anything is written when the input is bad."""
 
-    from dpjax import step as S
-    from dpjax.checkpoint import Checkpointer
-    from dpjax.data import make_streams
-    from dpjax.mesh import data_axes
-    from dpjax.models import get_model
-    from dpjax import updates as U
-    from dpjax.sharding import make_layout
+    def __init__(self, cfg: TrainConfig):
+        validate(cfg)
+        self.cfg = cfg
+        self.mesh = mesh = setup_devices(cfg)
+        import jax
 
-    dp = math.prod(mesh.shape[a] for a in data_axes(mesh))
-    if cfg.batch_size % dp:
-        raise UsageError(f"--batch-size {cfg.batch_size} is not divisible by the {dp} data-parallel ranks of "
-                         f"mesh {dict(mesh.shape)}; use a multiple of {dp}")
-    if cfg.allreduce == "hierarchical" and len(data_axes(mesh)) != 2:
-        raise UsageError("--allreduce hierarchical needs a node axis: use a three-axis mesh such as 2x4x1")
-    update = U.parse_update(cfg.update)
-    model = get_model(cfg.model, seq_len=cfg.seq_len, d_model=cfg.d_model, n_layers=cfg.n_layers,
-                      n_heads=cfg.n_heads)
-    layout = make_layout(model, mesh, algorithm=cfg.tp_allreduce, fsdp=cfg.fsdp, fsdp_algorithm=cfg.allreduce)
-    train_stream, val_stream = make_streams(cfg.data, cfg.seq_len, cfg.seed)
-    opt = S.OptimizerConfig(name=cfg.optimizer, lr=cfg.lr, lr_scaling=cfg.lr_scaling,
-                            warmup_steps=cfg.warmup_steps, clip_norm=cfg.clip_norm)
-    tx = S.distributed_optimizer(opt, layout, cfg.batch_size, algorithm=cfg.allreduce, fusion_mb=cfg.fusion_mb,
-                                 compression=None if cfg.compression == "none" else cfg.compression,
-                                 backward_passes_per_step=cfg.backward_passes)
-    record = {"model": model.describe(), "optimizer": {**asdict(opt), "backward_passes": cfg.backward_passes},
-              "data": cfg.data, "seed": cfg.seed, "batch_size": cfg.batch_size}
-    if not update.is_sync:  # per-worker state: resumable only by the same rule and worker count
-        record["optimizer"].update(update=str(update), workers=dp)
+        from dpjax import step as S
+        from dpjax.data import make_streams
+        from dpjax.mesh import data_axes, dp_size, parse_axes
+        from dpjax.models import get_model
+        from dpjax.optim import OptimizerConfig
+        from dpjax.sharding import make_layout
+        from dpjax.updates import parse_update
 
-    key = jax.random.key(cfg.seed)
-    if update.is_sync:
-        params, opt_state = S.init_state(model, tx, layout, key)
-    else:  # every worker's copy of the state, on a leading worker axis (dpjax.updates)
-        rule = U.make_rule(update, opt.make(cfg.batch_size, layout.specs), S.dp_axis(mesh), seed=cfg.seed,
-                           algorithm=cfg.allreduce, fusion_mb=cfg.fusion_mb)
-        loss_fn = functools.partial(model.loss, par=layout.parallel())  # tensor-parallel inside each worker
-        ustep = U.make_update_step(loss_fn, rule, mesh, param_specs=layout.specs)
-        params, opt_state = ustep.init(jax.jit(model.init, out_shardings=layout.shardings())(key))
-    # The run's RNG state: nothing in the step draws from it yet (no dropout), but it is
-    # saved and restored with the rest so that stochastic steps resume exactly too.
-    rng = jax.device_put(jax.random.key_data(jax.random.fold_in(key, 1)), S.replicated(mesh))
-    start, cursor = 0, 0
-    ckpt = None
-    if cfg.ckpt_dir:
-        ckpt = Checkpointer(cfg.ckpt_dir)
-        latest = ckpt.latest_step()
-        if latest is not None and not cfg.resume:
-            raise UsageError(f"{cfg.ckpt_dir} already holds checkpoints (latest step {latest}); pass --resume to "
-                             "continue, or another --ckpt-dir (nothing was overwritten)")
-        if latest is not None:
-            abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
-                                    {"params": params, "opt_state": opt_state, "rng": rng})
-            state, saved = ckpt.restore(abstract, expect=record)
-            params, opt_state, rng = state["params"], state["opt_state"], state["rng"]
-            start, cursor = saved["step"], saved["cursor"]
-    if start >= cfg.steps:
-        raise UsageError(f"the checkpoint is at step {start}, not before --steps {cfg.steps}; ask for more steps")
+        dp = dp_size(mesh)
+        if cfg.batch_size % dp:
+            raise UsageError(f"--batch-size {cfg.batch_size} is not divisible by the {dp} data-parallel ranks of "
+                             f"mesh {dict(mesh.shape)}; use a multiple of {dp}")
+        self.update = update = parse_update(cfg.update)
+        per_worker = not update.is_sync  # the rule keeps every worker's copy
+        workers = (S.default_workers(mesh, per_worker) if cfg.workers is None
+                   else parse_axes(cfg.workers, mesh, "--workers"))
+        if cfg.allreduce == "hierarchical" and len(data_axes(mesh)) < 2:
+            raise UsageError("--allreduce hierarchical needs a node axis: use a three-axis mesh such as 2x4x1")
+        self.model = model = get_model(cfg.model, seq_len=cfg.seq_len, **cfg.model_options)
+        self.layout = layout = make_layout(model, mesh, algorithm=cfg.tp_allreduce, fsdp=cfg.fsdp,
+                                           fsdp_algorithm=cfg.allreduce, workers=workers)
+        self.train_stream, self.val_stream = make_streams(cfg.data, cfg.seq_len, cfg.seed)
+        self.opt = opt = OptimizerConfig(name=cfg.optimizer, lr=cfg.lr, lr_scaling=cfg.lr_scaling,
+                                         warmup_steps=cfg.warmup_steps, weight_decay=cfg.weight_decay,
+                                         clip_norm=cfg.clip_norm)
+        exchange = S.Exchange(cfg.allreduce, cfg.fusion_mb, None if cfg.compression == "none" else cfg.compression)
+        self.step = S.for_model(model, layout, global_batch=cfg.batch_size, update=update, opt=opt,
+                                passes=cfg.backward_passes, exchange=exchange, seed=cfg.seed)
+        # What must match for a checkpoint to resume: per-worker state needs the same
+        # rule and the same number of workers (the mesh may change).
+        self.record = {"model": model.describe(), "data": cfg.data, "seed": cfg.seed, "batch_size": cfg.batch_size,
+                       "optimizer": {**dataclasses.asdict(opt), "backward_passes": cfg.backward_passes,
+                                     "update": str(update)}}
+        if self.step.rule.per_worker:
+            self.record["optimizer"]["workers"] = layout.num_workers
 
-    if update.is_sync:
-        train_step = S.make_train_step(model, tx, layout)
-        eval_step = S.make_eval_step(model, layout)
-        params = S.make_broadcast_step(layout)(params)  # Horovod: every rank starts from rank 0's weights
-    else:  # eval_step evaluates the workers' consensus (their mean, or the server's copy)
-        train_step, eval_step = ustep.train_step, ustep.eval_step
-    tokens_per_step = cfg.batch_size * cfg.seq_len * cfg.backward_passes
-    # line-buffered: each step's record is on disk as soon as it is known (tail -f works)
-    metrics_file = open(cfg.metrics, "a" if start else "w", buffering=1) if cfg.metrics else None
-    is_main = jax.process_index() == 0
+        key = jax.random.key(cfg.seed)
+        self.params, self.opt_state = self.step.init(S.init_params(model, layout, key))
+        # The run's RNG state: nothing in the step draws from it yet (no dropout), but it is
+        # saved and restored with the rest so that stochastic steps resume exactly too.
+        self.rng = jax.device_put(jax.random.key_data(jax.random.fold_in(key, 1)), S.replicated(mesh))
+        self.start, self.cursor, self.ckpt = 0, 0, None
+        if cfg.ckpt_dir:
+            self._restore()
+        if self.start >= cfg.steps:
+            raise UsageError(f"the checkpoint is at step {self.start}, not before --steps {cfg.steps}; "
+                             "ask for more steps")
 
-    def evaluate():
-        losses = [eval_step(params, S.put_batch(val_stream, i * cfg.batch_size, cfg.batch_size, mesh))
+    def _state(self) -> dict:
+        return {"params": self.params, "opt_state": self.opt_state, "rng": self.rng}
+
+    def _restore(self) -> None:
+        import jax
+
+        from dpjax.checkpoint import Checkpointer
+
+        self.ckpt = Checkpointer(self.cfg.ckpt_dir)
+        latest = self.ckpt.latest_step()
+        if latest is not None and not self.cfg.resume:
+            raise UsageError(f"{self.cfg.ckpt_dir} already holds checkpoints (latest step {latest}); pass --resume "
+                             "to continue, or another --ckpt-dir (nothing was overwritten)")
+        if latest is None:
+            return
+        abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), self._state())
+        state, saved = self.ckpt.restore(abstract, expect=self.record)
+        self.params, self.opt_state, self.rng = state["params"], state["opt_state"], state["rng"]
+        self.start, self.cursor = saved["step"], saved["cursor"]
+
+    def batch(self):
+        from dpjax.step import put_batch
+
+        b = put_batch(self.train_stream, self.cursor, self.cfg.batch_size, self.mesh, passes=self.cfg.backward_passes)
+        self.cursor += self.cfg.batch_size * self.cfg.backward_passes
+        return b
+
+    def evaluate(self) -> float:
+        import numpy as np
+
+        from dpjax.step import put_batch
+
+        cfg = self.cfg
+        losses = [self.step.evaluate(self.params, put_batch(self.val_stream, i * cfg.batch_size, cfg.batch_size,
+                                                            self.mesh))
                   for i in range(cfg.eval_batches)]
         return float(np.mean([float(x) for x in losses]))
 
-    stop = {"now": False}
+    def save(self, step_done: int) -> None:
+        self.ckpt.save(step_done, self._state(), {**self.record, "step": step_done, "cursor": self.cursor})
 
-    def on_sigint(signum, frame):
-        if stop["now"]:
-            raise KeyboardInterrupt
-        stop["now"] = True
+    def run(self) -> dict:
+        import jax
+        import numpy as np
 
-    old_handler = signal.signal(signal.SIGINT, on_sigint)
-    progress = Progress(cfg.progress if is_main else "none", cfg.steps, start)
-    in_flight: collections.deque = collections.deque()
-    last_done, t0 = time.perf_counter(), time.perf_counter()
-    last = {"loss": float("nan"), "eval_loss": None, "tokens_per_s": 0.0}
-    tps_window: collections.deque = collections.deque(maxlen=20)
-    lr_at = opt.schedule(cfg.batch_size)
+        cfg, is_main = self.cfg, jax.process_index() == 0
+        tokens_per_step = cfg.batch_size * cfg.seq_len * cfg.backward_passes
+        # line-buffered: each step's record is on disk as soon as it is known (tail -f works)
+        metrics = open(cfg.metrics, "a" if self.start else "w", buffering=1) if cfg.metrics and is_main else None
+        stop = {"now": False}
 
-    def retire():
-        nonlocal last_done
-        step_i, loss = in_flight.popleft()
-        loss = float(loss)  # waits for the step
-        now = time.perf_counter()
-        dt, last_done = now - last_done, now
-        tps_window.append(tokens_per_step / dt)
-        last.update(loss=loss, tokens_per_s=float(np.median(tps_window)))
-        row = {"step": step_i, "loss": loss, "step_time": dt, "tokens_per_s": tokens_per_step / dt,
-               "lr": float(lr_at(step_i))}
-        if metrics_file and is_main:
-            metrics_file.write(json.dumps(row) + "\n")
-        progress.update(step_i, loss, last["tokens_per_s"])
-
-    def record_eval(step_i):
-        last["eval_loss"] = evaluate()
-        if metrics_file and is_main:
-            metrics_file.write(json.dumps({"step": step_i, "eval_loss": last["eval_loss"]}) + "\n")
-
-    def drain():
-        while in_flight:
-            retire()
-
-    def save(step_done):
-        drain()
-        ckpt.save(step_done, {"params": params, "opt_state": opt_state, "rng": rng},
-                  {**record, "step": step_done, "cursor": cursor})
-
-    try:
-        step_i = start
-        for step_i in range(start, cfg.steps):
-            for _ in range(cfg.backward_passes):
-                batch = S.put_batch(train_stream, cursor, cfg.batch_size, mesh)
-                params, opt_state, loss = train_step(params, opt_state, batch)
-                cursor += cfg.batch_size
-            in_flight.append((step_i, loss))
-            if len(in_flight) > MAX_IN_FLIGHT:
-                retire()
-            done = step_i + 1
-            if cfg.eval_every and done % cfg.eval_every == 0 and done < cfg.steps:
-                drain()
-                record_eval(step_i)
-            if ckpt and (done % cfg.ckpt_every == 0 or done == cfg.steps or stop["now"]):
-                save(done)
+        def on_sigint(signum, frame):
             if stop["now"]:
-                break
-        drain()
-        if not stop["now"]:
-            record_eval(cfg.steps - 1)
-    finally:
-        progress.close()
-        signal.signal(signal.SIGINT, old_handler)
-        if metrics_file:
-            metrics_file.close()
-        if ckpt:
-            ckpt.close()
-    elapsed = time.perf_counter() - t0
-    return {"steps": step_i + 1, "interrupted": stop["now"], "loss": last["loss"], "eval_loss": last["eval_loss"],
-            "tokens_per_s": last["tokens_per_s"], "seconds": elapsed, "mesh": dict(mesh.shape)}
+                raise KeyboardInterrupt
+            stop["now"] = True
+
+        old_handler = signal.signal(signal.SIGINT, on_sigint)
+        progress = Progress(cfg.progress if is_main else "none", cfg.steps, self.start)
+        in_flight: collections.deque = collections.deque()
+        last_done = t0 = time.perf_counter()
+        last = {"loss": float("nan"), "eval_loss": None, "tokens_per_s": 0.0}
+        tps_window: collections.deque = collections.deque(maxlen=20)
+        lr_at = self.opt.schedule(cfg.batch_size * cfg.backward_passes)
+
+        def write(row):
+            if metrics:
+                metrics.write(json.dumps(row) + "\n")
+
+        def retire():
+            nonlocal last_done
+            step_i, loss = in_flight.popleft()
+            loss = float(loss)  # waits for the step
+            now = time.perf_counter()
+            dt, last_done = now - last_done, now
+            tps_window.append(tokens_per_step / dt)
+            last.update(loss=loss, tokens_per_s=float(np.median(tps_window)))
+            write({"step": step_i, "loss": loss, "step_time": dt, "tokens_per_s": tokens_per_step / dt,
+                   "lr": float(lr_at(step_i))})
+            progress.update(step_i, loss, last["tokens_per_s"])
+
+        def drain():
+            while in_flight:
+                retire()
+
+        def record_eval(step_i):
+            last["eval_loss"] = self.evaluate()
+            write({"step": step_i, "eval_loss": last["eval_loss"]})
+
+        step_i = self.start
+        try:
+            for step_i in range(self.start, cfg.steps):
+                self.params, self.opt_state, loss = self.step.train(self.params, self.opt_state, self.batch())
+                in_flight.append((step_i, loss))
+                if len(in_flight) > MAX_IN_FLIGHT:
+                    retire()
+                done = step_i + 1
+                if cfg.eval_every and done % cfg.eval_every == 0 and done < cfg.steps:
+                    drain()
+                    record_eval(step_i)
+                if self.ckpt and (done % cfg.ckpt_every == 0 or done == cfg.steps or stop["now"]):
+                    drain()
+                    self.save(done)
+                if stop["now"]:
+                    break
+            drain()
+            if not stop["now"]:
+                record_eval(cfg.steps - 1)
+        finally:
+            progress.close()
+            signal.signal(signal.SIGINT, old_handler)
+            if metrics:
+                metrics.close()
+            if self.ckpt:
+                self.ckpt.close()
+        return {"steps": step_i + 1, "interrupted": stop["now"], "loss": last["loss"],
+                "eval_loss": last["eval_loss"], "tokens_per_s": last["tokens_per_s"],
+                "seconds": time.perf_counter() - t0, "mesh": dict(self.mesh.shape)}
+
+
+def run(cfg: TrainConfig) -> dict:
+    """Trains per `cfg`; returns the summary."""
+    return Trainer(cfg).run()
 
 
 def summary_line(s: dict) -> str:
@@ -364,7 +409,7 @@ def main(argv=None) -> int:
     cfg = parse_args(argv)
     try:
         summary = run(cfg)
-    except ValueError as e:  # UsageError, DataError, CheckpointError and mesh errors: one line
+    except UserError as e:  # usage, data, checkpoint, mesh, model options: one line
         if os.environ.get("DPJAX_DEBUG"):
             raise
         print(f"error: {e}", file=sys.stderr)

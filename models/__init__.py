@@ -9,19 +9,36 @@ inside a sharded step), `SPECS` (its one sharding table: leaf name -> PartitionS
 
 from __future__ import annotations
 
+import dataclasses
+
+from dpjax.errors import UserError
 from dpjax.models.gpt import GPT, GPTConfig
 from dpjax.models.mlp import MLP, MLPConfig
 
 MODELS = {"gpt": (GPT, GPTConfig), "mlp": (MLP, MLPConfig)}
+# Set by the data, not chosen per model.
+_NOT_OPTIONS = ("vocab_size", "seq_len")
+
+
+def model_options() -> dict[str, dict[str, object]]:
+    """Each model's settable options and their defaults: {model: {field: default}}."""
+    return {name: {f.name: f.default for f in dataclasses.fields(cfg) if f.name not in _NOT_OPTIONS}
+            for name, (_, cfg) in MODELS.items()}
 
 
 def get_model(name: str, **overrides):
-    """Builds a model by name; `overrides` set config fields (unknown ones are ignored)."""
+    """Builds a model by name; `overrides` set config fields (None: the default). An
+    option the model does not have is an error naming the ones it has."""
     if name not in MODELS:
-        raise ValueError(f"unknown model {name!r}; choose one of {', '.join(MODELS)}")
+        raise UserError(f"unknown model {name!r}; choose one of {', '.join(MODELS)}")
     cls, cfg_cls = MODELS[name]
-    fields = cfg_cls.__dataclass_fields__
-    return cls(cfg_cls(**{k: v for k, v in overrides.items() if k in fields and v is not None}))
+    fields = {f.name for f in dataclasses.fields(cfg_cls)}
+    given = {k: v for k, v in overrides.items() if v is not None}
+    wrong = sorted(set(given) - fields)
+    if wrong:
+        has = ", ".join(model_options()[name])
+        raise UserError(f"model {name!r} has no option {', '.join(wrong)}; its options are {has}")
+    return cls(cfg_cls(**given))
 
 
-__all__ = ["GPT", "GPTConfig", "MLP", "MLPConfig", "MODELS", "get_model"]
+__all__ = ["GPT", "GPTConfig", "MLP", "MLPConfig", "MODELS", "get_model", "model_options"]

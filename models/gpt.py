@@ -4,7 +4,10 @@ Radford et al., "Language models are unsupervised multitask learners" (GPT-2), a
 size that trains on two CPU cores. Parameters are a plain dict (a pytree) so that a
 sharding can be assigned to each leaf from one table; tensors carry their shapes in
 their names (B batch, T time, D model width, H heads, K head width, F MLP width,
-V vocabulary).
+V vocabulary), and a dimension split over a mesh axis carries that axis's initial:
+`w1_DxFm` is D x F with F split over `model` (this device holds D x F/n of it inside a
+step), `x_BdxTxD` has the batch split over the data axes. The same name is the global
+array outside a shard_map and this device's block inside it.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from jax.sharding import PartitionSpec as P
 
 from dpjax import collectives
 from dpjax import tensor_parallel as tp
+from dpjax.errors import UserError
 from dpjax.tensor_parallel import DENSE, Parallel
 
 
@@ -33,13 +37,13 @@ class GPTConfig:
     def __post_init__(self):
         check_positive(self, "GPT")
         if self.d_model % self.n_heads:
-            raise ValueError(f"GPT d_model={self.d_model} is not divisible by n_heads={self.n_heads}")
+            raise UserError(f"GPT d_model={self.d_model} is not divisible by n_heads={self.n_heads}")
 
 
 def check_positive(config, kind: str) -> None:
     for name, value in asdict(config).items():
         if value < 1:
-            raise ValueError(f"{kind} {name} must be positive, got {value}")
+            raise UserError(f"{kind} {name} must be positive, got {value}")
 
 
 class ByteModel:
@@ -50,10 +54,10 @@ class ByteModel:
     def __init__(self, config):
         self.config = config
 
-    def loss(self, params, batch_BxT1, par: Parallel = DENSE):
+    def loss(self, params, batch_BdxT1, par: Parallel = DENSE):
         """Mean next-byte cross-entropy. Inside a sharded step `par` names the model axis
         (and the FSDP gathers); the default is the plain dense computation."""
-        return cross_entropy(self.apply(params, batch_BxT1[:, :-1], par), batch_BxT1[:, 1:])
+        return cross_entropy(self.apply(params, batch_BdxT1[:, :-1], par), batch_BdxT1[:, 1:])
 
     def num_params(self, params) -> int:
         return sum(x.size for x in jax.tree.leaves(params))
@@ -68,18 +72,19 @@ def layer_norm(x, p, eps: float = 1e-5):
     return (x - mean) * jax.lax.rsqrt(var + eps) * p["scale"] + p["bias"]
 
 
-def causal_attention(q_BxTxHxK, k_BxTxHxK, v_BxTxHxK):
-    T, K = q_BxTxHxK.shape[1], q_BxTxHxK.shape[-1]
-    s_BxHxTxT = jnp.einsum("bthk,bshk->bhts", q_BxTxHxK, k_BxTxHxK) / math.sqrt(K)
+def causal_attention(q_BdxTxHmxK, k_BdxTxHmxK, v_BdxTxHmxK):
+    T, K = q_BdxTxHmxK.shape[1], q_BdxTxHmxK.shape[-1]
+    s_BdxHmxTxT = jnp.einsum("bthk,bshk->bhts", q_BdxTxHmxK, k_BdxTxHmxK) / math.sqrt(K)
     mask_TxT = jnp.tril(jnp.ones((T, T), bool))
-    s_BxHxTxT = jnp.where(mask_TxT, s_BxHxTxT, jnp.finfo(s_BxHxTxT.dtype).min)
-    p_BxHxTxT = jax.nn.softmax(s_BxHxTxT, axis=-1)
-    return jnp.einsum("bhts,bshk->bthk", p_BxHxTxT, v_BxTxHxK)
+    s_BdxHmxTxT = jnp.where(mask_TxT, s_BdxHmxTxT, jnp.finfo(s_BdxHmxTxT.dtype).min)
+    p_BdxHmxTxT = jax.nn.softmax(s_BdxHmxTxT, axis=-1)
+    return jnp.einsum("bhts,bshk->bthk", p_BdxHmxTxT, v_BdxTxHmxK)
 
 
-def cross_entropy(logits_BxTxV, targets_BxT):
-    logp = jax.nn.log_softmax(logits_BxTxV.astype(jnp.float32), axis=-1)
-    return -jnp.take_along_axis(logp, targets_BxT[..., None], axis=-1).mean()
+def cross_entropy(logits_BdxTxV, targets_BdxT):
+    """Mean next-byte cross-entropy of whole (unsplit) logits."""
+    logp = jax.nn.log_softmax(logits_BdxTxV.astype(jnp.float32), axis=-1)
+    return -jnp.take_along_axis(logp, targets_BdxT[..., None], axis=-1).mean()
 
 
 class GPT(ByteModel):
@@ -90,12 +95,12 @@ class GPT(ByteModel):
     # The one sharding table (Megatron-LM layout), by leaf name; dimensions not named are
     # replicated. FSDP adds the data axes on top (dpjax.sharding.make_layout).
     SPECS = {
-        "embed_VxD": P("model", None),  # vocabulary-parallel embedding and (tied) output head
+        "embed_VmxD": P("model", None),  # vocabulary-parallel embedding and (tied) output head
         "pos_TxD": P(),
-        "wqkv_Dx3xHxK": P(None, None, "model", None),  # heads split: column-parallel
-        "wo_HxKxD": P("model", None, None),  # heads split: row-parallel
-        "w1_DxF": P(None, "model"), "b1_F": P("model"),  # column-parallel
-        "w2_FxD": P("model", None), "b2_D": P(),  # row-parallel; the bias is added once, after g
+        "wqkv_Dx3xHmxK": P(None, None, "model", None),  # heads split: column-parallel
+        "wo_HmxKxD": P("model", None, None),  # heads split: row-parallel
+        "w1_DxFm": P(None, "model"), "b1_Fm": P("model"),  # column-parallel
+        "w2_FmxD": P("model", None), "b2_D": P(),  # row-parallel; the bias is added once, after g
         "scale": P(), "bias": P(),  # layer norms
     }
 
@@ -111,51 +116,52 @@ class GPT(ByteModel):
             blocks.append({
                 "ln1": ln(),
                 "attn": {
-                    "wqkv_Dx3xHxK": std * jax.random.normal(k[0], (D, 3, H, K)),
-                    "wo_HxKxD": out_std * jax.random.normal(k[1], (H, K, D)),
+                    "wqkv_Dx3xHmxK": std * jax.random.normal(k[0], (D, 3, H, K)),
+                    "wo_HmxKxD": out_std * jax.random.normal(k[1], (H, K, D)),
                 },
                 "ln2": ln(),
                 "mlp": {
-                    "w1_DxF": std * jax.random.normal(k[2], (D, F)),
-                    "b1_F": jnp.zeros((F,)),
-                    "w2_FxD": out_std * jax.random.normal(k[3], (F, D)),
+                    "w1_DxFm": std * jax.random.normal(k[2], (D, F)),
+                    "b1_Fm": jnp.zeros((F,)),
+                    "w2_FmxD": out_std * jax.random.normal(k[3], (F, D)),
                     "b2_D": jnp.zeros((D,)),
                 },
             })
         return {
-            "embed_VxD": std * jax.random.normal(keys[0], (c.vocab_size, D)),
+            "embed_VmxD": std * jax.random.normal(keys[0], (c.vocab_size, D)),
             "pos_TxD": std * jax.random.normal(keys[1], (c.seq_len, D)),
             "blocks": blocks,
             "ln_f": ln(),
         }
 
-    def logits(self, params, tokens_BxT, par: Parallel = DENSE):
-        """This shard's slice of the logits, B x T x V/n (all of them when dense)."""
-        T = tokens_BxT.shape[1]
-        embed_VxD = par.use(params["embed_VxD"], "embed_VxD")
-        x_BxTxD = tp.vocab_parallel_embed(tokens_BxT, embed_VxD, par) + par.use(params["pos_TxD"], "pos_TxD")[:T]
+    def logits(self, params, tokens_BdxT, par: Parallel = DENSE):
+        """This shard's slice of the logits, Bd x T x Vm (all of them when dense)."""
+        T = tokens_BdxT.shape[1]
+        embed_VmxD = par.use(params["embed_VmxD"], "embed_VmxD")
+        x_BdxTxD = tp.vocab_parallel_embed(tokens_BdxT, embed_VmxD, par) + par.use(params["pos_TxD"], "pos_TxD")[:T]
         for i, blk in enumerate(params["blocks"]):
             blk = par.use(blk, "blocks", i)
-            h_BxTxD = layer_norm(x_BxTxD, blk["ln1"])
-            x_BxTxD = x_BxTxD + tp.head_parallel_attention(h_BxTxD, blk["attn"]["wqkv_Dx3xHxK"],
-                                                           blk["attn"]["wo_HxKxD"], causal_attention, par)
-            h_BxTxD = layer_norm(x_BxTxD, blk["ln2"])
+            h_BdxTxD = layer_norm(x_BdxTxD, blk["ln1"])
+            x_BdxTxD = x_BdxTxD + tp.head_parallel_attention(h_BdxTxD, blk["attn"]["wqkv_Dx3xHmxK"],
+                                                             blk["attn"]["wo_HmxKxD"], causal_attention, par)
+            h_BdxTxD = layer_norm(x_BdxTxD, blk["ln2"])
             m = blk["mlp"]
-            h_BxTxF = jax.nn.gelu(tp.column_parallel(h_BxTxD, m["w1_DxF"], m["b1_F"], par))
-            x_BxTxD = x_BxTxD + tp.row_parallel(h_BxTxF, m["w2_FxD"], m["b2_D"], par)
-        x_BxTxD = layer_norm(x_BxTxD, par.use(params["ln_f"], "ln_f"))
-        return tp.column_parallel(x_BxTxD, embed_VxD.T, None, par)  # tied output head
+            h_BdxTxFm = jax.nn.gelu(tp.column_parallel(h_BdxTxD, m["w1_DxFm"], m["b1_Fm"], par))
+            x_BdxTxD = x_BdxTxD + tp.row_parallel(h_BdxTxFm, m["w2_FmxD"], m["b2_D"], par)
+        x_BdxTxD = layer_norm(x_BdxTxD, par.use(params["ln_f"], "ln_f"))
+        return tp.column_parallel(x_BdxTxD, embed_VmxD.T, None, par)  # tied output head
 
-    def apply(self, params, tokens_BxT, par: Parallel = DENSE):
+    def apply(self, params, tokens_BdxT, par: Parallel = DENSE):
         """The full logits (dense; with a model axis, gathered: for inspection, not training)."""
-        logits = self.logits(params, tokens_BxT, par)
+        logits = self.logits(params, tokens_BdxT, par)
         if par.model_axis is None:
             return logits
         return jnp.moveaxis(collectives.all_gather(jnp.moveaxis(logits, -1, 0), par.model_axis), 0, -1)
 
-    def loss(self, params, batch_BxT1, par: Parallel = DENSE):
+    def loss(self, params, batch_BdxT1, par: Parallel = DENSE):
         """Vocabulary-parallel cross-entropy: the full logits are never gathered."""
-        return tp.vocab_parallel_cross_entropy(self.logits(params, batch_BxT1[:, :-1], par), batch_BxT1[:, 1:], par)
+        logits_BdxTxVm = self.logits(params, batch_BdxT1[:, :-1], par)
+        return tp.vocab_parallel_cross_entropy(logits_BdxTxVm, batch_BdxT1[:, 1:], par)
 
     def flops_per_token(self) -> float:
         """Training FLOPs per token: 6 * matmul parameters + attention (Kaplan et al. 2020)."""

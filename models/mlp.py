@@ -34,7 +34,7 @@ class MLPConfig:
 class MLP(ByteModel):
     name = "mlp"
     # Hidden units split over the model axis: w1 column-parallel, w2 row-parallel.
-    SPECS = {"embed_VxE": P(), "w1_CxH": P(None, "model"), "b1_H": P("model"), "w2_HxV": P("model", None),
+    SPECS = {"embed_VxE": P(), "w1_CxHm": P(None, "model"), "b1_Hm": P("model"), "w2_HmxV": P("model", None),
              "b2_V": P()}
 
     def init(self, key):
@@ -43,22 +43,22 @@ class MLP(ByteModel):
         C = c.context * c.d_embed
         return {
             "embed_VxE": 0.1 * jax.random.normal(k[0], (c.vocab_size, c.d_embed)),
-            "w1_CxH": jax.random.normal(k[1], (C, c.d_hidden)) / math.sqrt(C),
-            "b1_H": jnp.zeros((c.d_hidden,)),
-            "w2_HxV": jax.random.normal(k[2], (c.d_hidden, c.vocab_size)) / math.sqrt(c.d_hidden),
+            "w1_CxHm": jax.random.normal(k[1], (C, c.d_hidden)) / math.sqrt(C),
+            "b1_Hm": jnp.zeros((c.d_hidden,)),
+            "w2_HmxV": jax.random.normal(k[2], (c.d_hidden, c.vocab_size)) / math.sqrt(c.d_hidden),
             "b2_V": jnp.zeros((c.vocab_size,)),
         }
 
-    def apply(self, params, tokens_BxT, par: Parallel = DENSE):
+    def apply(self, params, tokens_BdxT, par: Parallel = DENSE):
         c = self.config
         p = par.use(params)
-        e_BxTxE = p["embed_VxE"][tokens_BxT]
+        e_BdxTxE = p["embed_VxE"][tokens_BdxT]
         # window t holds bytes t-context+1 .. t (zeros before the start)
-        padded = jnp.pad(e_BxTxE, ((0, 0), (c.context - 1, 0), (0, 0)))
-        T = tokens_BxT.shape[1]
-        win_BxTxC = jnp.concatenate([padded[:, i:i + T] for i in range(c.context)], axis=-1)
-        h_BxTxH = jax.nn.relu(tp.column_parallel(win_BxTxC, p["w1_CxH"], p["b1_H"], par))
-        return tp.row_parallel(h_BxTxH, p["w2_HxV"], p["b2_V"], par)
+        padded = jnp.pad(e_BdxTxE, ((0, 0), (c.context - 1, 0), (0, 0)))
+        T = tokens_BdxT.shape[1]
+        win_BdxTxC = jnp.concatenate([padded[:, i:i + T] for i in range(c.context)], axis=-1)
+        h_BdxTxHm = jax.nn.relu(tp.column_parallel(win_BdxTxC, p["w1_CxHm"], p["b1_Hm"], par))
+        return tp.row_parallel(h_BdxTxHm, p["w2_HmxV"], p["b2_V"], par)
 
     def flops_per_token(self) -> float:
         c = self.config

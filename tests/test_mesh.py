@@ -186,5 +186,38 @@ def test_mesh_size(spec, size):
 def test_simulate_cpu_devices():
     with pytest.raises(ValueError, match="0"):
         simulate_cpu_devices(0)
-    # conftest already chose the device count through XLA_FLAGS: a no-op, no error
-    assert simulate_cpu_devices(8) is None
+
+
+def test_simulate_cpu_devices_in_a_fresh_process():
+    """In a process where nothing chose the count yet (no XLA_FLAGS), the call decides it,
+    and asking for another count once JAX is up is an error that says why."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import dpjax; dpjax.simulate_cpu_devices(3); import jax; print(len(jax.devices('cpu')))\n"
+            "try:\n    dpjax.simulate_cpu_devices(5)\nexcept RuntimeError as e:\n    print('refused:', e)")
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.strip().splitlines()
+    assert lines[0] == "3"
+    assert lines[1].startswith("refused: JAX is already initialised with 3 CPU devices")
+
+
+def test_dp_size_counts_data_parallel_ranks_not_processes(devices):
+    assert dpjax.dp_size(dpjax.make_mesh("2x4", devices)) == 2
+    assert dpjax.dp_size(dpjax.make_mesh("2x2x2", devices)) == 4
+    assert dpjax.dp_size(dpjax.make_mesh("8", devices)) == 8
+    assert dpjax.process_count() == 1  # one process drives all 8 devices here
+
+
+def test_parse_axes(devices):
+    from dpjax.mesh import MeshError, parse_axes
+
+    mesh = dpjax.make_mesh("2x2x2", devices)
+    assert parse_axes("node", mesh) == ("node",)
+    assert parse_axes("data,node", mesh) == ("node", "data")  # the mesh's order
+    assert parse_axes("", mesh) == ()
+    with pytest.raises(MeshError, match="'model' is not a data axis"):
+        parse_axes("model", mesh)

@@ -19,8 +19,13 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 STEPS = 10
 
 
-def _launch(*args, **kw):
-    cmd = [sys.executable, "-m", "dpjax.launch", "-n", "2", "--devices-per-process", "4", "--", *args]
+def _launch(*args, per_process=True, **kw):
+    """Two processes of 4 CPU devices; per_process=False leaves the count to the command
+    (dpjax.train simulates mesh size / process count), as a user's plain launch does."""
+    opts = ["--devices-per-process", "4"] if per_process else []
+    if not per_process:  # conftest's XLA_FLAGS (8 devices) would otherwise reach the processes
+        kw["env"] = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    cmd = [sys.executable, "-m", "dpjax.launch", "-n", "2", *opts, "--", *args]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=kw.pop("timeout", 600), **kw)
 
 
@@ -51,7 +56,8 @@ def single(corpus, tmp_path_factory):
 def test_two_processes_equal_one(corpus, single, tmp_path, algorithm):
     path = tmp_path / "m.jsonl"
     r = _launch(sys.executable, "-m", "dpjax.train",
-                *_train_args(corpus, "--allreduce", algorithm, "--steps", str(STEPS), "--metrics", str(path)))
+                *_train_args(corpus, "--allreduce", algorithm, "--steps", str(STEPS), "--metrics", str(path)),
+                per_process=algorithm == "hierarchical")
     assert r.returncode == 0, r.stderr[-2000:]
     assert "[0] done: 10 steps on mesh 2x2x2" in r.stdout
     # float32 round-off only: the same global batch, summed across processes in another order

@@ -149,12 +149,12 @@ def test_layout_tables_and_errors(mesh_of):
     gpt = get_model("gpt", seq_len=16, d_model=32, n_layers=1, n_heads=8)
     lay = make_layout(gpt, mesh_of("2x4", 8))
     blk = lay.specs["blocks"][0]
-    assert blk["attn"]["wqkv_Dx3xHxK"] == P(None, None, "model", None)
-    assert blk["mlp"]["w2_FxD"] == P("model", None) and blk["mlp"]["b2_D"] == P(None)
+    assert blk["attn"]["wqkv_Dx3xHmxK"] == P(None, None, "model", None)
+    assert blk["mlp"]["w2_FmxD"] == P("model", None) and blk["mlp"]["b2_D"] == P(None)
     fsdp = make_layout(gpt, mesh_of("2x4", 8), fsdp=True)  # the largest free dimension goes to `data`
-    assert fsdp.specs["blocks"][0]["mlp"]["w1_DxF"] == P("data", "model")
-    assert fsdp.specs["embed_VxD"] == P("model", "data") and fsdp.gather_dims["embed_VxD"] == 1
-    with pytest.raises(ValueError, match=r"wo_HxKxD .*dimension 0 of size 2 does not split over the 4 devices"):
+    assert fsdp.specs["blocks"][0]["mlp"]["w1_DxFm"] == P("data", "model")
+    assert fsdp.specs["embed_VmxD"] == P("model", "data") and fsdp.gather_dims["embed_VmxD"] == 1
+    with pytest.raises(ValueError, match=r"wo_HmxKxD .*dimension 0 of size 2 does not split over the 4 devices"):
         make_layout(get_model("gpt", seq_len=16, d_model=32, n_layers=1, n_heads=2), mesh_of("2x4", 8))
 
 
@@ -177,30 +177,34 @@ def gpt():
 
 
 def test_init_is_the_same_on_every_mesh(mesh_of, gpt):
-    tx = optax.sgd(0.1)
-    ref = jax.tree.map(np.asarray, S.init_state(gpt, tx, make_layout(gpt, mesh_of("1x1", 1)), jax.random.key(3))[0])
+    ref = jax.tree.map(np.asarray, S.init_params(gpt, make_layout(gpt, mesh_of("1x1", 1)), jax.random.key(3)))
     for spec, fsdp in [("2x4", False), ("1x8", False), ("8x1", True)]:
-        params, _ = S.init_state(gpt, tx, make_layout(gpt, mesh_of(spec, 8), fsdp=fsdp), jax.random.key(3))
+        params = S.init_params(gpt, make_layout(gpt, mesh_of(spec, 8), fsdp=fsdp), jax.random.key(3))
         jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, params), ref)
-    params, _ = S.init_state(gpt, tx, make_layout(gpt, mesh_of("1x8", 8)), jax.random.key(3))
-    w1 = params["blocks"][0]["mlp"]["w1_DxF"]  # 32 x 512: no device holds it whole
+    params = S.init_params(gpt, make_layout(gpt, mesh_of("1x8", 8)), jax.random.key(3))
+    w1 = params["blocks"][0]["mlp"]["w1_DxFm"]  # 32 x 512: no device holds it whole
     assert {s.data.shape for s in w1.addressable_shards} == {(32, 64)}
 
 
-def test_a_bare_mesh_means_replicated_parameters(mesh_of, gpt, put):
-    """The steps and `distributed_optimizer` read a bare mesh alike: parameters replicated
-    over `model`, the dense model, a local clipping norm. AdamW with clipping on 2x4 then
-    trains like one device (a split layout with a local norm would not)."""
+def sync_step(model, layout, opt=S.OptimizerConfig(), batch=8):
+    step = S.for_model(model, layout, global_batch=batch, opt=opt, donate=False)
+    params, state = step.init(S.init_params(model, layout, jax.random.key(0)))
+    return step, params, state
+
+
+def test_without_tensor_parallelism_parameters_are_replicated(mesh_of, gpt, put):
+    """tensor_parallel=False: parameters replicated over `model`, the dense model, a local
+    clipping norm. AdamW with clipping on 2x4 then trains like one device (a split
+    layout with a local norm would not)."""
     opt = S.OptimizerConfig(clip_norm=0.05)
-    batches = [np.random.default_rng(i).integers(0, 256, (8, 17)).astype(np.int32) for i in range(3)]
+    batches = [np.random.default_rng(i).integers(0, 256, (1, 8, 17)).astype(np.int32) for i in range(3)]
 
     def losses(mesh):
-        tx = S.distributed_optimizer(opt, mesh, 8)
-        params, opt_state = S.init_state(gpt, tx, mesh, jax.random.key(0))
-        assert params["blocks"][0]["mlp"]["w1_DxF"].sharding.spec == P(None, None)  # replicated
-        step, out = S.make_train_step(gpt, tx, mesh), []
+        step, params, state = sync_step(gpt, make_layout(gpt, mesh, tensor_parallel=False), opt)
+        assert params["blocks"][0]["mlp"]["w1_DxFm"].sharding.is_fully_replicated
+        out = []
         for b in batches:
-            params, opt_state, loss = step(params, opt_state, put(mesh, b, S.batch_sharding(mesh).spec))
+            params, state, loss = step.train(params, state, put(mesh, b, P(None, "data")))
             out.append(float(loss))
         return out
 
@@ -208,12 +212,10 @@ def test_a_bare_mesh_means_replicated_parameters(mesh_of, gpt, put):
 
 
 def compiled_argument_bytes(model, mesh, fsdp):
-    lay = make_layout(model, mesh, fsdp=fsdp)
-    tx = S.distributed_optimizer(S.OptimizerConfig(), lay, 8)
-    params, opt_state = S.init_state(model, tx, lay, jax.random.key(0))
-    batch = jax.device_put(np.zeros((8, 17), np.int32), S.batch_sharding(mesh))
-    compiled = S.make_train_step(model, tx, lay).lower(params, opt_state, batch).compile()
-    return compiled.memory_analysis().argument_size_in_bytes, params, opt_state
+    step, params, state = sync_step(model, make_layout(model, mesh, fsdp=fsdp))
+    batch = jax.device_put(np.zeros((1, 8, 17), np.int32), NamedSharding(mesh, P(None, "data")))
+    compiled = step.train.lower(params, state, batch).compile()
+    return compiled.memory_analysis().argument_size_in_bytes, params, state
 
 
 def test_per_device_bytes_from_memory_analysis(mesh_of, gpt):

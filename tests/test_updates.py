@@ -1,6 +1,7 @@
-"""Update rules (dpjax.updates) against independent references: the sync path of
-dpjax.step bit for bit, and numpy simulations of the algebra on losses whose gradients
-are known in closed form."""
+"""Update rules (dpjax.updates) against numpy simulations of their algebra, on losses
+whose gradients are known in closed form, through the research API
+(`dpjax.make_update_step`); the `--update` grammar and flag. (Every rule with every
+layout and exchange option: tests/test_step.py.)"""
 
 import functools
 
@@ -14,68 +15,12 @@ from jax.sharding import PartitionSpec as P
 
 from dpjax import step as S
 from dpjax import updates as U
-from dpjax.data import make_streams
-from dpjax.sharding import make_layout
-from dpjax.models import get_model
 from dpjax.train import main
 
 from conftest import read_losses
 
 N = 8  # workers
 STEPS = 5
-
-
-# ---------------------------------------------------------------------------------------
-# delayed:0, sparse:1 and async:0 are sync, bit for bit
-
-@pytest.fixture(scope="module")
-def mlp_setup(mesh_of):
-    """A small MLP, AdamW (stateful, so a difference in the gradient stream would show)
-    and STEPS real batches; the sync reference from dpjax.step per mesh."""
-    model = get_model("mlp", seq_len=16, d_hidden=64)
-    opt = S.OptimizerConfig(name="adamw", lr=3e-3)
-    train, _ = make_streams("stdlib", 16, 0, max_bytes=200_000)
-    refs = {}
-
-    def reference(spec):
-        if spec not in refs:
-            mesh = mesh_of(spec, N)
-            layout = make_layout(model, mesh)  # on 2x2x2 the MLP is split 2 ways over `model`
-            tx = S.distributed_optimizer(opt, layout, 32)
-            params, opt_state = S.init_state(model, tx, layout, jax.random.key(0))
-            step = S.make_train_step(model, tx, layout, donate=False)
-            batches = [S.put_batch(train, 32 * i, 32, mesh) for i in range(STEPS)]
-            losses = []
-            for b in batches:
-                params, opt_state, loss = step(params, opt_state, b)
-                losses.append(float(loss))
-            init = jax.jit(model.init, out_shardings=layout.shardings())(jax.random.key(0))
-            refs[spec] = (layout, batches, losses, params, init)
-        return refs[spec]
-
-    return model, opt, reference
-
-
-@pytest.mark.parametrize("mesh_spec", ["8x1", "2x2x2"])
-@pytest.mark.parametrize("update", ["delayed:0", "delayed-nocomp:0", "sparse:1", "async:0"])
-def test_trivial_rules_equal_sync_exactly(mlp_setup, mesh_spec, update):
-    model, opt, reference = mlp_setup
-    layout, batches, ref_losses, ref_params, init = reference(mesh_spec)
-    assert U.parse_update(update).is_sync
-    rule = U.make_rule(update, opt.make(32, layout.specs), S.dp_axis(layout.mesh))
-    ustep = U.make_update_step(functools.partial(model.loss, par=layout.parallel()), rule, layout.mesh,
-                               param_specs=layout.specs)
-    params_W, state_W = ustep.init(init)
-    losses = []
-    for b in batches:
-        params_W, state_W, loss = ustep.train_step(params_W, state_W, b)
-        losses.append(float(loss))
-    assert losses == ref_losses
-    # every worker's copy, not only the consensus, is the sync parameters
-    for got_W, want in zip(jax.tree.leaves(params_W), jax.tree.leaves(ref_params)):
-        assert got_W.shape == (ustep.workers, *want.shape)
-        for w in range(ustep.workers):
-            np.testing.assert_array_equal(np.asarray(got_W)[w], np.asarray(want))
 
 
 # ---------------------------------------------------------------------------------------
@@ -100,11 +45,11 @@ def _linear_init():
 
 
 def _run(mesh, put, rule, loss_fn, xs, init):
-    ustep = U.make_update_step(loss_fn, rule, mesh, donate=False)
+    ustep = S.make_update_step(loss_fn, rule, mesh, init, donate=False)
     params_W, state_W = ustep.init(jax.tree.map(lambda v: put(mesh, v, P()), init))
     states = []
-    for x in xs:
-        params_W, state_W, _ = ustep.train_step(params_W, state_W, put(mesh, x))
+    for x in xs:  # one micro-batch per step: K x B with K = 1
+        params_W, state_W, _ = ustep.train(params_W, state_W, put(mesh, x[None], P(None, "data")))
         states.append(state_W)
     return ustep, params_W, state_W, states
 
@@ -131,10 +76,12 @@ def test_delayed_sgd_is_the_slide_algebra(mesh_of, put, T, compensate):
     want = {"w": w0["w"] - LR * gbar_SxD.sum(0), "m": w0["m"] - LR * gbar_SxD.sum(0)[:, None]}
     for k in want:
         np.testing.assert_array_equal(np.asarray(params_W[k]), np.broadcast_to(want[k], (N, *want[k].shape)))
-    # ... which is exactly where sync goes on a loss with constant gradients
-    _, sync_W, _, _ = _run(mesh, put, U.sync(optax.sgd(LR), "data"), linear_loss, xs, w0)
+    # ... which is exactly where sync goes on a loss with constant gradients (sync keeps
+    # one copy, no worker axis)
+    _, sync_params, _, _ = _run(mesh, put, U.sync(optax.sgd(LR), "data"), linear_loss, xs, w0)
     for k in want:
-        np.testing.assert_array_equal(np.asarray(params_W[k]), np.asarray(sync_W[k]))
+        assert sync_params[k].shape == want[k].shape
+        np.testing.assert_array_equal(np.asarray(params_W[k]), np.broadcast_to(sync_params[k], params_W[k].shape))
 
 
 def test_delayed_momentum_compensates_the_gradient_stream(mesh_of, put):
@@ -240,10 +187,11 @@ def test_param_specs_shard_worker_state_over_model(mesh_of, put):
     for spec, count, pspec in (("4x2", 8, P("model")), ("4x1", 4, P())):
         mesh = mesh_of(spec, count)
         rule = U.delayed(optax.sgd(lr), 2, "data")
-        ustep = U.make_update_step(sliced_loss, rule, mesh, param_specs={"w": pspec}, donate=False)
-        params_W, state_W = ustep.init({"w": put(mesh, np.zeros(D, np.float32), pspec)})
+        w0 = {"w": put(mesh, np.zeros(D, np.float32), pspec)}
+        ustep = S.make_update_step(sliced_loss, rule, mesh, w0, param_specs={"w": pspec}, donate=False)
+        params_W, state_W = ustep.init(w0)
         for x in xs:
-            params_W, state_W, _ = ustep.train_step(params_W, state_W, put(mesh, x))
+            params_W, state_W, _ = ustep.train(params_W, state_W, put(mesh, x[None], P(None, "data")))
         cols = D // mesh.shape["model"]  # each device: its worker's copy of its model rank's columns
         assert params_W["w"].addressable_shards[0].data.shape == (1, cols)
         assert state_W.gbar_TxP["w"].addressable_shards[0].data.shape == (1, 2, cols)
@@ -271,7 +219,7 @@ def test_parse_update_round_trips(text, want):
 
 
 def _tiny(corpus, *extra):
-    return ["--model", "mlp", "--d-model", "16", "--seq-len", "16", "--batch-size", "16", "--data", corpus,
+    return ["--model", "mlp", "--d-hidden", "64", "--seq-len", "16", "--batch-size", "16", "--data", corpus,
             "--eval-every", "0", "--eval-batches", "1", "--progress", "none", "--mesh", "8x1", *extra]
 
 
@@ -308,8 +256,8 @@ def test_update_rules_compose_with_tensor_parallelism(corpus, tmp_path, update):
     ("sparse:0", "bad --update 'sparse:0': the period P must be an integer >= 1"),
     ("foo", "bad --update 'foo': choose sync, delayed:T"),
     ("async:2,pull=3", "unknown option 'pull=3' (options of async: fetch=..., push=...)"),
-    ("delayed:2 --fsdp", "--backward-passes, --compression and --fsdp need --update sync"),
-    ("sparse:2 --backward-passes 2", "--backward-passes, --compression and --fsdp need --update sync"),
+    ("sparse:2 --workers model", "--workers 'model': 'model' is not a data axis of mesh"),
+    ("sparse:2 --workers data,data", "--workers 'data,data' names an axis twice"),
 ])
 def test_train_bad_update_one_line(corpus, capsys, update, needle):
     rule, *extra = update.split()
