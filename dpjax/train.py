@@ -116,22 +116,24 @@ def build_parser() -> argparse.ArgumentParser:
         kind = {"int": int, "float": float}.get(str(f.type), str)
         p.add_argument(_flag(f.name), type=kind, default=f.default, help=help_,
                        choices=f.metadata.get("choices"))
-    seen: dict[str, list[str]] = {}
+    g = p.add_argument_group("model options (each belongs to one model; an option the chosen --model does "
+                             "not have is an error)")
     for model, opts in model_options().items():
-        for name in opts:
-            seen.setdefault(name, []).append(model)
-    models = model_options()
-    g = p.add_argument_group("model options (each applies to the models named; default: the model's own)")
-    for name, owners in seen.items():
-        defaults = ", ".join(f"{m}: {models[m][name]}" for m in owners)
-        g.add_argument(_flag(name), type=int, default=None, dest=f"model_{name}", help=f"({defaults})")
+        for name, default in opts.items():
+            g.add_argument(_flag(name), type=int, default=argparse.SUPPRESS, dest=f"model_{name}", metavar="N",
+                           help=f"{model}: {MODEL_OPTION_HELP.get(name, name)} (default: {default})")
     return p
+
+
+MODEL_OPTION_HELP = {"d_model": "model width", "n_layers": "transformer blocks", "n_heads": "attention heads",
+                     "d_ff": "MLP width", "context": "bytes of context each position sees",
+                     "d_embed": "byte embedding width", "d_hidden": "hidden units"}
 
 
 def parse_args(argv=None) -> TrainConfig:
     ns = vars(build_parser().parse_args(argv))
     opts = {k[len("model_"):]: ns.pop(k) for k in list(ns) if k.startswith("model_")}
-    return TrainConfig(**ns, model_options={k: v for k, v in opts.items() if v is not None})
+    return TrainConfig(**ns, model_options=opts)
 
 
 def validate(cfg: TrainConfig) -> None:

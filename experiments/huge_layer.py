@@ -31,6 +31,7 @@ from dpjax import step as S  # noqa: E402
 from dpjax.data import make_streams  # noqa: E402
 from dpjax.mesh import make_mesh  # noqa: E402
 from dpjax.models import get_model  # noqa: E402
+from dpjax.optim import OptimizerConfig  # noqa: E402
 from dpjax.sharding import is_spec, make_layout, spec_axes  # noqa: E402
 
 MiB = 2**20
@@ -56,7 +57,7 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     args = parse_args(argv)
     model = get_model("gpt", seq_len=args.seq_len, d_model=args.d_model, n_layers=1, n_heads=8, d_ff=args.d_ff)
-    opt = S.OptimizerConfig(name="adamw", lr=1e-3)
+    opt = OptimizerConfig(name="adamw", lr=1e-3)
     layer_bytes = 3 * args.d_model * args.d_ff * 4  # w1 and Adam's mu and nu, float32
     budget = args.budget_mib * MiB
     print(f"model: GPT d_model {args.d_model}, d_ff {args.d_ff}, 1 block, "
@@ -72,16 +73,14 @@ def main(argv=None) -> int:
         n = int(np.prod([int(v) for v in spec.split("x")]))
         mesh = make_mesh(spec, jax.devices()[:n])
         layout = make_layout(model, mesh, fsdp=fsdp)
-        tx = S.distributed_optimizer(opt, layout, args.batch_size)
-        params, opt_state = S.init_state(model, tx, layout, jax.random.key(0))
-        step = S.make_train_step(model, tx, layout)
-        batch = S.put_batch(train, 0, args.batch_size, mesh)
-        mem = step.lower(params, opt_state, batch).compile().memory_analysis()
+        step = S.for_model(model, layout, global_batch=args.batch_size, opt=opt)
+        params, opt_state = step.init(S.init_params(model, layout, jax.random.key(0)))
+        batch = S.put_batch(train, 0, args.batch_size, mesh, passes=1)
+        mem = step.train.lower(params, opt_state, batch).compile().memory_analysis()
         # The split leaves' share: (argument bytes - replicated leaves - this device's rows of the
         # batch) over the split leaves' whole size. Tensor parallelism on 2x4 should give 1/4.
-        ospecs = S.opt_specs(tx, layout, model)
         leaves = jax.tree.leaves((params, opt_state))
-        specs = jax.tree.leaves((layout.specs, ospecs), is_leaf=is_spec)
+        specs = jax.tree.leaves((step.param_specs, step.state_specs), is_leaf=is_spec)
         split = [any(mesh.shape[a] > 1 for a in spec_axes(sp)) for sp in specs]
         repl = sum(x.nbytes for x, s in zip(leaves, split) if not s)
         whole = sum(x.nbytes for x, s in zip(leaves, split) if s)
@@ -96,8 +95,8 @@ def main(argv=None) -> int:
         if n > 1:  # the one-device program is compiled for its memory figure, never run
             losses, t0 = [], time.perf_counter()
             for i in range(args.steps):
-                params, opt_state, loss = step(params, opt_state, S.put_batch(train, i * args.batch_size,
-                                                                               args.batch_size, mesh))
+                params, opt_state, loss = step.train(params, opt_state, S.put_batch(
+                    train, i * args.batch_size, args.batch_size, mesh, passes=1))
                 losses.append(float(loss))
             row["losses"] = " -> ".join(f"{v:.3f}" for v in losses)
             row["s/step"] = (time.perf_counter() - t0) / args.steps

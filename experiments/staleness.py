@@ -14,6 +14,12 @@ the run is the same data, order and initial parameters, only the rule changes:
 T, TAU in 0, 1, 2, 4, 8, 16 and P in 1, 2, 4, 8, 16, 32 (0 / 1 are sync). The loss
 is the validation loss of the workers' consensus (their mean for delayed and sparse,
 the server's copy for async) after the last step, the mean over --seeds.
+
+--hybrid adds the second table: the same 8 devices as 2 sites of 4 (mesh 2x4x1,
+node x data), each rule once between all 8 ranks (flat, 8 workers) and once between
+the 2 sites with synchronous data parallelism inside each (`--workers node`, the
+setting of training across datacenters): delayed:T, sparse:P and DiLoCo
+(sparse:P,outer=0.7).
 """
 
 from __future__ import annotations
@@ -42,9 +48,14 @@ def main(argv=None):
     p.add_argument("--quick", action="store_true", help="60 steps, T in 0 2 8, P in 1 4, one seed")
     p.add_argument("--plot", default="experiments/plots/staleness.png")
     p.add_argument("--json", help="write every run's curves here")
+    p.add_argument("--hybrid", action="store_true", help="only the second table: flat rules against --workers node "
+                                                         "hybrids on 2 sites of 4 devices")
+    p.add_argument("--hybrid-plot", default="experiments/plots/staleness_hybrid.png")
     args = p.parse_args(argv)
     if args.quick:
         args.steps, args.stale, args.periods, args.seeds = 60, [0, 2, 8], [1, 4], 1
+    if args.hybrid:
+        return hybrid(args)
 
     table = {}  # (rule, value) -> [final eval per seed]
     curves = []
@@ -87,6 +98,40 @@ def main(argv=None):
     series.append(("sparse:P (x = P)", args.periods, [shown("sparse", P) for P in args.periods]))
     plot(args.plot, series, "staleness T / TAU, or period P", "validation loss after the run",
          f"Loss against staleness (8 workers, {args.model}, {args.steps} steps)", logx=True)
+    return 0
+
+
+def hybrid(args):
+    """Each rule between 8 workers (flat) and between 2 sites of 4 synchronous devices."""
+    rules = ([f"delayed:{t}" for t in args.stale if t] + [f"sparse:{p}" for p in args.periods if p > 1]
+             + [f"sparse:{p},outer=0.7" for p in args.periods if p >= 4])
+    table: dict = {}
+    for seed in range(args.seeds):
+        print(f"seed {seed}", flush=True)
+        for workers in (None, "node"):
+            bench = Bench(model=args.model, mesh="2x4x1", optimizer=args.optimizer, lr=args.lr, steps=args.steps,
+                          seed=seed, workers=workers)
+            for spec in (["sync"] if workers is None else []) + rules:
+                table.setdefault((spec, workers), []).append(bench.run(spec).final_eval)
+    mean = {k: float(np.mean(v)) for k, v in table.items()}
+    sync = mean[("sync", None)]
+
+    def cell(k):
+        m = mean[k]
+        return "diverged" if not np.isfinite(m) or m > 20 else f"{m:.4f} ({m - sync:+.4f})"
+
+    print(f"\n{MACHINE}; {DATE}; {args.model}, {args.optimizer} lr {args.lr}, batch 64 on mesh 2x4x1, "
+          f"{args.steps} steps, mean of {args.seeds} seed(s); validation loss (sync: {sync:.4f})\n")
+    print("| rule | flat: 8 workers | hybrid: 2 sites x 4 (sync inside) |\n|---|---|---|")
+    for spec in rules:
+        print(f"| {spec} | {cell((spec, None))} | {cell((spec, 'node'))} |")
+    series = []
+    for kind, xs in (("delayed", [t for t in args.stale if t]), ("sparse", [p for p in args.periods if p > 1])):
+        for workers, label in ((None, "flat"), ("node", "2 sites")):
+            ys = [mean[(f"{kind}:{x}", workers)] for x in xs]
+            series.append((f"{kind} ({label})", xs, [y if y < 20 else np.nan for y in ys]))
+    plot(args.hybrid_plot, series, "delay T or period P", "validation loss after the run",
+         f"Flat rules vs 2-site hybrids (8 devices, {args.model}, {args.steps} steps)", logx=True)
     return 0
 
 

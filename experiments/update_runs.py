@@ -22,10 +22,12 @@ import numpy as np  # noqa: E402
 from dpjax import step as S  # noqa: E402
 from dpjax import updates as U  # noqa: E402
 from dpjax.data import make_streams  # noqa: E402
-from dpjax.mesh import make_mesh  # noqa: E402
+from dpjax.mesh import dp_size, make_mesh, parse_axes  # noqa: E402
 from dpjax.models import get_model  # noqa: E402
+from dpjax.optim import OptimizerConfig  # noqa: E402
+from dpjax.sharding import make_layout  # noqa: E402
 
-DATE = "2026-11-21"
+DATE = "2026-11-22"
 MACHINE = "2-core CPU VM, 8 simulated devices (XLA host platform), jax 0.10.2"
 
 
@@ -45,63 +47,77 @@ class Run:
 
 
 class Bench:
+    """One model, mesh and data for a sweep of rules. workers: the data axes a rule's
+    workers span ('node': one worker per node, synchronous inside; None: the rule's
+    default, every data-parallel rank a worker)."""
+
     def __init__(self, *, model="mlp", mesh="8x1", batch_size=64, seq_len=32, steps=200, optimizer="momentum",
                  lr=0.05, warmup_steps=0, lr_scaling="none", clip_norm=0.0, algorithm="ring", eval_every=20,
-                 eval_batches=4, seed=0, data="stdlib", d_model=None):
+                 eval_batches=4, seed=0, data="stdlib", d_model=None, workers=None):
         self.mesh = make_mesh(mesh)
-        self.axis = S.dp_axis(self.mesh)
-        self.model = get_model(model, seq_len=seq_len, d_model=d_model, n_layers=2, n_heads=4)
-        self.opt = S.OptimizerConfig(name=optimizer, lr=lr, lr_scaling=lr_scaling, warmup_steps=warmup_steps,
-                                     clip_norm=clip_norm)
+        self.workers = workers
+        self.model = get_model(model, seq_len=seq_len, **({"d_model": d_model, "n_layers": 2, "n_heads": 4}
+                                                          if model == "gpt" else {}))
+        self.opt = OptimizerConfig(name=optimizer, lr=lr, lr_scaling=lr_scaling, warmup_steps=warmup_steps,
+                                   clip_norm=clip_norm)
         self.batch_size, self.steps, self.seed, self.algorithm = batch_size, steps, seed, algorithm
         self.eval_every = eval_every
         train, val = make_streams(data, seq_len, seed)
-        self.train = [S.put_batch(train, i * batch_size, batch_size, self.mesh) for i in range(steps)]
+        self.train = [S.put_batch(train, i * batch_size, batch_size, self.mesh, passes=1) for i in range(steps)]
         self.val = [S.put_batch(val, i * batch_size, batch_size, self.mesh) for i in range(eval_batches)]
-        self.init = jax.jit(self.model.init, out_shardings=S.replicated(self.mesh))(jax.random.key(seed))
         self.inner = None  # an optax optimizer to use instead of self.opt's (large_batch.py's warmup)
 
-    def rule(self, spec: str):
-        inner = self.inner or self.opt.make(self.batch_size)
-        return U.make_rule(spec, inner, self.axis, seed=self.seed, algorithm=self.algorithm)
+    def layout(self, spec: str):
+        per_worker = not U.parse_update(spec).is_sync
+        workers = (S.default_workers(self.mesh, per_worker) if self.workers is None
+                   else parse_axes(self.workers, self.mesh))
+        return make_layout(self.model, self.mesh, tensor_parallel=False, workers=workers)
+
+    def step(self, spec: str):
+        layout = self.layout(spec)
+        exchange = S.Exchange(self.algorithm)
+        inner = self.inner or self.opt.make(self.batch_size, layout.specs)
+        rule = U.make_rule(spec, inner, layout.workers, seed=self.seed, **exchange.kwargs())
+        abstract = jax.eval_shape(self.model.init, jax.random.key(0))
+        return layout, S.build(self.model.loss, layout, rule, abstract_params=abstract, exchange=exchange)
 
     def run(self, spec: str, verbose: bool = True) -> Run:
         t0 = time.perf_counter()
-        ustep = U.make_update_step(self.model.loss, self.rule(spec), self.mesh)
-        params, state = ustep.init(self.init)
-        out = Run(spec, [])
+        layout, step = self.step(spec)
+        params, state = step.init(S.init_params(self.model, layout, jax.random.key(self.seed)))
+        out = Run(spec if self.workers is None else f"{spec} (workers={self.workers})", [])
         for i, batch in enumerate(self.train):
-            params, state, loss = ustep.train_step(params, state, batch)
+            params, state, loss = step.train(params, state, batch)
             out.losses.append(loss)
             if i >= 4:  # the CPU backend deadlocks with ~40+ collective programs in flight
                 out.losses[i - 4] = float(out.losses[i - 4])
             done = i + 1
             if done % self.eval_every == 0 or done == self.steps:
-                ev = np.mean([float(ustep.eval_step(params, b)) for b in self.val])
+                ev = np.mean([float(step.evaluate(params, b)) for b in self.val])
                 out.evals.append((done, float(ev)))
         out.losses = [float(x) for x in out.losses]
         if verbose:
-            print(f"  {spec:24s} final eval {out.final_eval:.4f}  ({time.perf_counter() - t0:.1f} s)", flush=True)
+            print(f"  {out.spec:34s} final eval {out.final_eval:.4f}  ({time.perf_counter() - t0:.1f} s)", flush=True)
         return out
 
     def gradient_elements(self) -> int:
-        return sum(x.size for x in jax.tree.leaves(self.init))
+        abstract = jax.eval_shape(self.model.init, jax.random.key(0))
+        return sum(x.size for x in jax.tree.leaves(abstract))
 
     def compute_seconds(self, reps: int = 20) -> float:
         """Median time of one worker's step alone: its slice of the batch on one device,
         loss, gradient and the inner optimizer, no communication."""
         one = make_mesh("1x1", jax.devices()[:1])
-        local = self.batch_size // int(np.prod([self.mesh.shape[a] for a in self.axis] if isinstance(
-            self.axis, tuple) else [self.mesh.shape[self.axis]]))
-        tx = self.opt.make(self.batch_size)
-        step = S.make_train_step(self.model, tx, one, donate=False)
-        params, opt_state = S.init_state(self.model, tx, one, jax.random.key(self.seed))
-        batch = jax.device_put(np.asarray(self.train[0])[:local], S.batch_sharding(one))
-        jax.block_until_ready(step(params, opt_state, batch))
+        local = self.batch_size // dp_size(self.mesh)
+        layout = make_layout(self.model, one, tensor_parallel=False)
+        step = S.for_model(self.model, layout, global_batch=self.batch_size, opt=self.opt, donate=False)
+        params, state = step.init(S.init_params(self.model, layout, jax.random.key(self.seed)))
+        batch = jax.device_put(np.asarray(self.train[0])[:, :local], S.replicated(one))
+        jax.block_until_ready(step.train(params, state, batch))
         times = []
         for _ in range(reps):
             t = time.perf_counter()
-            jax.block_until_ready(step(params, opt_state, batch))
+            jax.block_until_ready(step.train(params, state, batch))
             times.append(time.perf_counter() - t)
         return statistics.median(times)
 

@@ -29,10 +29,10 @@ from dpjax.tensor_parallel import DENSE, Parallel
 class GPTConfig:
     vocab_size: int = 256
     seq_len: int = 128
-    d_model: int = 128
-    n_layers: int = 2
-    n_heads: int = 8
-    d_ff: int = 512
+    d_model: int = 128  # model width
+    n_layers: int = 2  # transformer blocks
+    n_heads: int = 8  # attention heads
+    d_ff: int = 512  # MLP width
 
     def __post_init__(self):
         check_positive(self, "GPT")

@@ -23,9 +23,9 @@ from dpjax.tensor_parallel import DENSE, Parallel
 class MLPConfig:
     vocab_size: int = 256
     seq_len: int = 128
-    context: int = 4
-    d_embed: int = 32
-    d_hidden: int = 256
+    context: int = 4  # bytes of context each position sees
+    d_embed: int = 32  # byte embedding width
+    d_hidden: int = 256  # hidden units
 
     def __post_init__(self):
         check_positive(self, "MLP")
