@@ -12,6 +12,7 @@ from dpjax.distributed import local_rank, process_index, rank, size
 from dpjax.mesh import data_axes, make_mesh, parse_mesh_spec, simulate_cpu_devices
 from dpjax import updates
 from dpjax.updates import delayed_gradients, make_update_step
+from dpjax import horovod
 
 __all__ = [
     "DistributedOptimizer",
@@ -20,6 +21,7 @@ __all__ = [
     "collectives",
     "data_axes",
     "delayed_gradients",
+    "horovod",
     "local_rank",
     "make_mesh",
     "make_update_step",

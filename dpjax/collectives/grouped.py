@@ -15,7 +15,8 @@ fusing T tensors saves (T - buckets) times the algorithm's steps.
 
 compression ("bf16", "fp16"): floating-point buckets travel in that dtype (integers
 and bools as they are, as Horovod's `Compression.fp16` leaves them); the sum and any
-prescale happen on the wire, the mean and the postscale after the cast back.
+prescale happen on the wire, the mean and the postscale after the cast back (within
+process sets, `groups=`, each rank's own set size divides on the wire).
 """
 
 from __future__ import annotations
@@ -49,11 +50,13 @@ def allreduce(tensors, axis_name, *, op: str = "sum", fusion_mb: float = 64, com
     plan = plan_buckets(tensors, fusion_mb * 2**20)
     out = []
     for bucket, buf in zip(plan.buckets, pack(plan, tensors)):
-        x = buf.astype(wire) if wire is not None and kind(buf.dtype) == "float" else buf
         extra = {"segments": bucket.sizes} if op == "adasum" and len(bucket.sizes) > 1 else {}
-        y = one(x, axis_name, op="sum" if op == "mean" else op, prescale_factor=prescale_factor,
+        compress = wire is not None and kind(buf.dtype) == "float"
+        split = compress and options.get("groups") is None  # finish in buf's dtype, after the wire
+        y = one(buf.astype(wire) if compress else buf, axis_name, op="sum" if split and op == "mean" else op,
+                prescale_factor=prescale_factor, postscale_factor=1.0 if split else postscale_factor,
                 **extra, **options)
-        out.append(finish(y.astype(buf.dtype), op, n, postscale_factor))
+        out.append(finish(y.astype(buf.dtype), op, n, postscale_factor) if split else y.astype(buf.dtype))
     return unpack(plan, out)
 
 
