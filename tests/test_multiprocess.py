@@ -158,19 +158,23 @@ def test_the_launcher_escalates_to_sigkill(tmp_path, how):
            "fail" if how == "a-rank-fails" else "wait", marker]
     launcher = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                 env={**os.environ, "DPJAX_LAUNCH_GRACE": "1"})
-    deadline = time.time() + 30
-    while len(_pids_with(marker)) < 3:  # the launcher and its two processes
-        assert time.time() < deadline, "processes never started"
-        time.sleep(0.1)
-    time.sleep(0.5)  # past the children's signal set-up
-    t0 = time.time()
-    if how == "ctrl-c":
-        launcher.send_signal(signal.SIGINT)
-    out, err = launcher.communicate(timeout=30)
-    assert time.time() - t0 < 10  # 1 s after SIGINT, 1 s after SIGTERM
-    assert "sending SIGTERM" in err and "sending SIGKILL" in err, err
-    assert launcher.returncode != 0
-    if how == "a-rank-fails":
-        assert "rank 1 failed (exit code 3)" in err
-    time.sleep(0.5)
-    assert _pids_with(marker) == []
+    try:
+        deadline = time.time() + 30
+        while len(_pids_with(marker)) < 3:  # the launcher and its two processes
+            assert time.time() < deadline, "processes never started"
+            time.sleep(0.1)
+        time.sleep(0.5)  # past the children's signal set-up
+        t0 = time.time()
+        if how == "ctrl-c":
+            launcher.send_signal(signal.SIGINT)
+        out, err = launcher.communicate(timeout=30)
+        assert time.time() - t0 < 10  # 1 s after SIGINT, 1 s after SIGTERM
+        assert "sending SIGTERM" in err and "sending SIGKILL" in err, err
+        assert launcher.returncode != 0
+        if how == "a-rank-fails":
+            assert "rank 1 failed (exit code 3)" in err
+        time.sleep(0.5)
+        assert _pids_with(marker) == []
+    finally:  # whatever failed above, leave nothing of this test running
+        for pid in _pids_with(marker):
+            os.kill(pid, signal.SIGKILL)
