@@ -34,12 +34,16 @@ from dpjax.collectives._common import axis_size, index, permute, row, shift_perm
 from dpjax.collectives.ring import rows_in_rank_order
 
 
-def pairwise(x, axis_name):
+def _blocks(x, axis_name):
+    """(n, the input as n blocks, this rank) for a tiled all-to-all."""
     n = axis_size(axis_name)
-    blocks = split_dim0(x, n, "all_to_all")
+    return n, split_dim0(x, n, "all_to_all"), index(axis_name)
+
+
+def pairwise(x, axis_name):
+    n, blocks, r = _blocks(x, axis_name)
     if n == 1:
         return x
-    r = index(axis_name)
     got = [row(blocks, r)]  # got[j]: the block rank r - j sent to me
     for j in range(1, n):
         got.append(permute(row(blocks, (r + j) % n), axis_name, shift_perm(n, j)))
@@ -49,11 +53,9 @@ def pairwise(x, axis_name):
 
 
 def bruck(x, axis_name):
-    n = axis_size(axis_name)
-    blocks = split_dim0(x, n, "all_to_all")
+    n, blocks, r = _blocks(x, axis_name)
     if n == 1:
         return x
-    r = index(axis_name)
     # position j holds the block for rank r + j
     rotate = [[(i + j) % n for j in range(n)] for i in range(n)]
     pos = rows_in_rank_order([blocks], rotate, r)
