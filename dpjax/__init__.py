@@ -14,6 +14,7 @@ from dpjax.mesh import data_axes, dp_size, make_mesh, parse_mesh_spec, simulate_
 from dpjax import updates
 from dpjax.updates import delayed_gradients
 from dpjax.step import Exchange, make_update_step
+from dpjax import horovod
 
 __all__ = [
     "DistributedOptimizer",
@@ -25,6 +26,7 @@ __all__ = [
     "data_axes",
     "delayed_gradients",
     "dp_size",
+    "horovod",
     "local_rank",
     "make_mesh",
     "make_update_step",

@@ -28,31 +28,36 @@ from jax.sharding import PartitionSpec as P
 
 from dpjax import collectives
 from dpjax.collectives._common import axis_size
+from dpjax.collectives.grouped import COMPRESSIONS  # noqa: F401  (the names --compression takes)
 from dpjax.fusion import pack, plan_buckets, unpack
 from dpjax.mesh import data_axes
 
-COMPRESSIONS = {None: None, "none": None, "bf16": jnp.bfloat16, "fp16": jnp.float16}
+OPS = ("mean", "sum", "adasum")
 
 
 def allreduce_gradients(grads, axis_name="data", *, algorithm: str = "ring", fusion_mb: float = 64,
-                        compression=None, gradient_predivide_factor: float = 1.0, **options):
-    """The average of `grads` over `axis_name`: fused buckets, one allreduce per bucket.
+                        compression=None, gradient_predivide_factor: float = 1.0, op: str = "mean", **options):
+    """The average (op="mean"), sum or Adasum of `grads` over `axis_name`: fused buckets,
+    one allreduce per bucket (`collectives.grouped_allreduce`).
 
-    compression: None, "bf16" or "fp16": buckets travel in that dtype and are cast back.
-    gradient_predivide_factor f: divide by f before the sum and by n/f after it
-    (Horovod's guard against fp16 overflow in the sum).
+    compression: None, "bf16" or "fp16": floating-point buckets travel in that dtype and
+    are cast back (integer and bool gradients travel as they are; every leaf keeps its
+    dtype, an integer mean rounding toward zero as Horovod's does).
+    gradient_predivide_factor f: multiply by 1/f before the sum and by f/n after it
+    (Horovod's prescale / postscale guard against fp16 overflow in the sum).
+    op="adasum": Adasum (Maleki et al.) over the butterfly, each tensor with its own
+    coefficients; `algorithm` must then be "butterfly".
     """
-    n = axis_size(axis_name)
-    wire = COMPRESSIONS[compression]
-    plan = plan_buckets(grads, fusion_mb * 2**20)
-    out = []
-    for buf in pack(plan, grads):
-        x = buf if wire is None else buf.astype(wire)
-        if gradient_predivide_factor != 1.0:
-            x = x / jnp.asarray(gradient_predivide_factor, x.dtype)
-        x = collectives.allreduce(x, axis_name, algorithm=algorithm, op="sum", **options)
-        out.append(x.astype(buf.dtype) / jnp.asarray(n / gradient_predivide_factor, buf.dtype))
-    return unpack(plan, out)
+    axis_size(axis_name, "allreduce_gradients")
+    if op not in OPS:
+        raise ValueError(f"unknown gradient op {op!r}; choose one of {', '.join(OPS)}")
+    f = gradient_predivide_factor
+    if op == "adasum" and f != 1.0:
+        raise ValueError("gradient_predivide_factor applies to op='mean' or 'sum', not to Adasum")
+    post = f if op == "mean" else 1.0  # sum: prescale 1/f, and the sum itself is what is asked for
+    return collectives.grouped_allreduce(grads, axis_name, op=op, fusion_mb=fusion_mb, compression=compression,
+                                         algorithm=algorithm, prescale_factor=1 / f if op == "mean" else 1.0,
+                                         postscale_factor=post, **options)
 
 
 class DistributedState(NamedTuple):
@@ -63,7 +68,8 @@ class DistributedState(NamedTuple):
 
 def DistributedOptimizer(inner: optax.GradientTransformation, axis_name="data", algorithm: str = "ring",
                          fusion_mb: float = 64, compression=None, backward_passes_per_step: int = 1,
-                         gradient_predivide_factor: float = 1.0, **options) -> optax.GradientTransformation:
+                         gradient_predivide_factor: float = 1.0, op: str = "mean",
+                         **options) -> optax.GradientTransformation:
     """Wraps `inner` so that it sees gradients averaged over `axis_name`.
 
     backward_passes_per_step k > 1 accumulates k local gradients and exchanges their
@@ -72,22 +78,37 @@ def DistributedOptimizer(inner: optax.GradientTransformation, axis_name="data", 
     options go to the allreduce (`num_servers` for "ps", `outer_algorithm` for
     "hierarchical"). axis_name None: the gradients arrive averaged already (fully
     sharded data parallelism reduce-scatters them in the backward pass).
+    op: "mean" (Horovod's Average), "sum", or "adasum" with algorithm="butterfly":
+    as Horovod's Adasum optimizer, each rank's `inner` steps on its own gradient and
+    the updates are combined by Adasum (Maleki et al. apply it to the optimizer's
+    output). `inner`'s state is then each rank's own: replicated only for a stateless
+    `inner` such as SGD.
     """
     collectives.check_algorithm(algorithm)
-    if compression not in COMPRESSIONS:
-        raise ValueError(f"unknown compression {compression!r}; choose none, bf16 or fp16")
+    collectives.grouped.check_compression(compression)
     if int(backward_passes_per_step) != backward_passes_per_step or backward_passes_per_step < 1:
         raise ValueError(f"backward_passes_per_step must be a positive integer, got {backward_passes_per_step}")
     if gradient_predivide_factor <= 0:
         raise ValueError(f"gradient_predivide_factor must be positive, got {gradient_predivide_factor}")
+    if op not in OPS:
+        raise ValueError(f"unknown gradient op {op!r}; choose one of {', '.join(OPS)}")
+    if op == "adasum" and (algorithm != "butterfly" or gradient_predivide_factor != 1.0):
+        raise ValueError(f"op='adasum' runs Adasum's own butterfly and takes no gradient_predivide_factor: pass "
+                         f"algorithm='butterfly' (got {algorithm!r}, factor {gradient_predivide_factor})")
     k = int(backward_passes_per_step)
 
-    def average(grads):
+    def exchange(tree):
         if axis_name is None:
-            return grads
-        return allreduce_gradients(grads, axis_name, algorithm=algorithm, fusion_mb=fusion_mb,
-                                   compression=compression,
+            return tree
+        return allreduce_gradients(tree, axis_name, algorithm=algorithm, fusion_mb=fusion_mb,
+                                   compression=compression, op=op,
                                    gradient_predivide_factor=gradient_predivide_factor, **options)
+
+    def step(grads, inner_state, params):
+        if op == "adasum":  # the local step first, then Adasum of the updates
+            updates, inner_state = inner.update(grads, inner_state, params)
+            return exchange(updates), inner_state
+        return inner.update(exchange(grads), inner_state, params)
 
     def init_fn(params):
         acc = jax.tree.map(jnp.zeros_like, params) if k > 1 else ()
@@ -95,21 +116,20 @@ def DistributedOptimizer(inner: optax.GradientTransformation, axis_name="data", 
 
     def update_fn(grads, state, params=None):
         if k == 1:
-            updates, inner_state = inner.update(average(grads), state.inner, params)
+            updates, inner_state = step(grads, state.inner, params)
             return updates, DistributedState(inner_state, state.passes, ())
         acc = jax.tree.map(jnp.add, state.accumulated, grads)
         passes = (state.passes + 1) % k
 
-        def exchange(_):
-            mean = jax.tree.map(lambda a: a / k, acc)
-            updates, inner_state = inner.update(average(mean), state.inner, params)
+        def flush(_):
+            updates, inner_state = step(jax.tree.map(lambda a: a / k, acc), state.inner, params)
             return updates, inner_state, jax.tree.map(jnp.zeros_like, acc)
 
         def hold(_):
             return jax.tree.map(jnp.zeros_like, grads), state.inner, acc
 
         # The exchange sits in a cond, so the communication happens once per k passes.
-        updates, inner_state, acc = lax.cond(passes == 0, exchange, hold, None)
+        updates, inner_state, acc = lax.cond(passes == 0, flush, hold, None)
         return updates, DistributedState(inner_state, passes, acc)
 
     return optax.GradientTransformation(init_fn, update_fn)

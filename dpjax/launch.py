@@ -2,11 +2,13 @@
 
 Starts N processes of one command on this host, joined by `jax.distributed` through a
 coordinator on a free 127.0.0.1 port (see dpjax.distributed.initialize). Each line a
-process prints comes out prefixed with its rank. Ctrl-C is forwarded to every
-process. When one process fails the launcher stops the others and exits non-zero,
-naming the failed rank and its last error line (torchrun's behaviour). On a cluster
-the same training command runs under `srun` or `mpirun` instead, without this
-launcher (see the README).
+process prints comes out prefixed with its rank. When one process fails, or on
+Ctrl-C, the launcher stops the others by escalating, as torchrun does: SIGINT (a
+training run finishes its step and saves), then SIGTERM after a grace period, then
+SIGKILL after another (DPJAX_LAUNCH_GRACE seconds, default 10; a second Ctrl-C kills at
+once), so that no process is left behind however it is stuck; it exits non-zero,
+naming the failed rank and its last error line. On a cluster the same training
+command runs under `srun` or `mpirun` instead, without this launcher (see the README).
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ import time
 
 from dpjax import distributed
 
-GRACE_S = 10  # between SIGTERM and SIGKILL for the survivors of a failure
+GRACE_S = 10  # between the steps of the escalation (DPJAX_LAUNCH_GRACE overrides it)
+ESCALATION = (signal.SIGINT, signal.SIGTERM, signal.SIGKILL)
 
 
 def free_port() -> int:
@@ -78,11 +81,23 @@ def launch(command: list[str], n: int, devices_per_process: int | None = None, p
             t.start()
             pumps.append(t)
 
+    grace = float(os.environ.get("DPJAX_LAUNCH_GRACE", GRACE_S))
     interrupted = {"n": 0}
+    ladder = {"step": -1, "at": 0.0}  # the last signal of ESCALATION sent, and when
+
+    def escalate(step=None):
+        ladder["step"] = ladder["step"] + 1 if step is None else step
+        ladder["at"] = time.time()
+        if ladder["step"] > 0:
+            alive = [r for r, p in enumerate(procs) if p.poll() is None]
+            print(f"dpjax.launch: ranks {alive} still running {grace:g} s after "
+                  f"{ESCALATION[ladder['step'] - 1].name}; sending {ESCALATION[ladder['step']].name}",
+                  file=sys.stderr, flush=True)
+        _stop(procs, ESCALATION[ladder["step"]])
 
     def on_sigint(signum, frame):
         interrupted["n"] += 1
-        _stop(procs, signal.SIGINT if interrupted["n"] == 1 else signal.SIGKILL)
+        escalate(0 if interrupted["n"] == 1 else len(ESCALATION) - 1)
 
     old = signal.signal(signal.SIGINT, on_sigint)
     failed = None
@@ -91,11 +106,9 @@ def launch(command: list[str], n: int, devices_per_process: int | None = None, p
             for rank, p in enumerate(procs):
                 if failed is None and p.poll() not in (None, 0) and not interrupted["n"]:
                     failed = rank
-                    _stop(procs)
-                    deadline = time.time() + GRACE_S
-                    while any(q.poll() is None for q in procs) and time.time() < deadline:
-                        time.sleep(0.1)
-                    _stop(procs, signal.SIGKILL)
+                    escalate(0)
+            if 0 <= ladder["step"] < len(ESCALATION) - 1 and time.time() - ladder["at"] >= grace:
+                escalate()
             time.sleep(0.1)
     finally:
         signal.signal(signal.SIGINT, old)

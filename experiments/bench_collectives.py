@@ -1,4 +1,5 @@
-"""Allreduce algorithms against XLA's own `lax.psum`: time, bandwidth, cost model, bytes.
+"""Allreduce algorithms against XLA's own `lax.psum` (and, with `--all-to-all`, the
+all-to-alls against `lax.all_to_all`): time, bandwidth, cost model, bytes.
 
     python experiments/bench_collectives.py --floor --markdown table.md --json runs.jsonl \\
         --plot experiments/plots/collectives_busbw.png
@@ -47,6 +48,14 @@ received, no arithmetic, and a result the size of the input written at the end. 
 ratio to psum is a floor no rewrite of the local arithmetic can go below on that
 backend (up to the cut / zero-pad copies it needs where consecutive sizes differ).
 
+`--all-to-all` times the all-to-all algorithms instead (`pairwise`, `bruck`; the
+default `--algorithms` then) against XLA's own `lax.all_to_all(..., tiled=True)`, which
+takes psum's place in every column ("psum" rows and ratios then mean XLA's all-to-all):
+the same interleaving, check, HLO count against `cost.schedule(..., primitive=
+"all_to_all")`, model (fitted to XLA's all-to-all as one step moving (n-1)/n * N) and
+floor; bytes are over the lower bound (n-1)/n * N (every block but a rank's own must
+leave it) and busbw = algbw * (n-1)/n, as nccl-tests defines it for alltoall.
+
 Devices: with no accelerator requested (`--platform auto` on a machine without one,
 or `--platform cpu`) the script asks JAX for `--devices` simulated CPU devices before
 JAX starts (`dpjax.mesh.simulate_cpu_devices`, i.e. XLA's
@@ -74,6 +83,17 @@ MIB = 1024 * 1024
 DEFAULT_SIZES = tuple(4 * KIB * 4**k for k in range(8))  # 4 KiB .. 64 MiB
 QUICK_SIZES = (4 * KIB, 256 * KIB, 4 * MIB)
 ALGORITHMS = ("psum", "ring", "butterfly", "tree", "ps", "ps-n", "hierarchical")
+ALL_TO_ALL = ("psum", "pairwise", "bruck")  # "psum": XLA's own all-to-all, the baseline
+
+
+def bus_factor(primitive: str, n: int) -> float:
+    """Bytes over N the busiest device must send at least (Patarasuk-Yuan for allreduce;
+    every block but its own for all-to-all): the lower bound and nccl-tests' busbw factor."""
+    return 2 * (n - 1) / n if primitive == "allreduce" else (n - 1) / n
+
+
+def baseline_label(primitive: str) -> str:
+    return "psum (XLA all-reduce)" if primitive == "allreduce" else "XLA all-to-all"
 
 
 # ---------------------------------------------------------------------------------------
@@ -113,9 +133,12 @@ def parse_args(argv=None):
            "(default: 4 KiB .. 64 MiB in powers of 4)")
     a("--quick", action="store_true",
       help="a short run: sizes 4 KiB, 256 KiB, 4 MiB (unless --sizes), 3 reps, 1 warm-up")
-    a("--algorithms", default=",".join(ALGORITHMS),
+    a("--all-to-all", action="store_true",
+      help="time the all-to-all algorithms (pairwise, bruck) against lax.all_to_all instead")
+    a("--algorithms", default=None,
       help="comma-separated subset of " + ", ".join(ALGORITHMS)
-           + " (ps: one server; ps-n: n servers; psum is always timed as the baseline)")
+           + " (ps: one server; ps-n: n servers; psum is always timed as the baseline); with --all-to-all "
+           + "of pairwise, bruck (default: all of them)")
     a("--reps", type=int, default=7, help="timed repetitions per algorithm and size")
     a("--warmup", type=int, default=2, help="untimed calls per program before timing")
     a("--devices", type=int, default=8, help="devices in the allreduce")
@@ -140,10 +163,12 @@ def parse_args(argv=None):
         args.sizes = args.sizes or list(QUICK_SIZES)
         args.reps, args.warmup = min(args.reps, 3), min(args.warmup, 1)
     args.sizes = args.sizes or list(DEFAULT_SIZES)
-    args.algorithms = [s.strip() for s in args.algorithms.split(",") if s.strip()]
+    args.primitive = "all_to_all" if args.all_to_all else "allreduce"
+    known = ALL_TO_ALL if args.all_to_all else ALGORITHMS
+    args.algorithms = [s.strip() for s in (args.algorithms or ",".join(known)).split(",") if s.strip()]
     for name in args.algorithms:
-        if name not in ALGORITHMS:
-            p.error(f"unknown algorithm {name!r}; choose from {', '.join(ALGORITHMS)}")
+        if name not in known:
+            p.error(f"unknown algorithm {name!r}; choose from {', '.join(known)}")
     if args.reps < 1 or args.warmup < 0 or args.devices < 1:
         p.error("--reps and --devices must be >= 1 and --warmup >= 0")
     if (args.latency_us is None) != (args.bandwidth_gbps is None):
@@ -185,10 +210,10 @@ def pick_devices(args):
 class Variant:
     """One algorithm on its mesh: labels, the dpjax call, and the cost.schedule arguments."""
 
-    def __init__(self, name: str, n: int, devices):
+    def __init__(self, name: str, n: int, devices, primitive: str = "allreduce"):
         from dpjax import make_mesh
 
-        self.name, self.n = name, n
+        self.name, self.n, self.primitive = name, n, primitive
         self.algorithm = {"ps-n": "ps"}.get(name, name)
         self.options = {"ps": {"num_servers": 1}, "ps-n": {"num_servers": n}}.get(name, {})
         if name == "hierarchical":
@@ -203,27 +228,39 @@ class Variant:
             self.mesh = make_mesh(f"data={n}", devices)
             self.axis = "data"
             self.label = {"ps": "ps (1 server)", "ps-n": f"ps ({n} servers)"}.get(name, name)
+        if primitive == "all_to_all":
+            self.label = baseline_label(primitive) if name == "psum" else name
 
     def schedule(self, nelems: int):
         from dpjax.collectives import cost
 
+        if self.primitive == "all_to_all":  # nelems: one rank's whole input
+            return cost.schedule(self.call_name(), self.n, nelems, 4, primitive="all_to_all")
         if self.algorithm == "hierarchical":
             return cost.schedule("hierarchical", self.inner, nelems, 4, groups=self.groups)
         return cost.schedule(self.algorithm, self.n, nelems, 4, **self.options)
 
+    def call_name(self, algorithm=None) -> str:
+        """The dpjax algorithm name ("psum" is XLA's own op: "xla" for all-to-all)."""
+        alg = algorithm or self.algorithm
+        return "xla" if self.primitive == "all_to_all" and alg == "psum" else alg
+
     def compile(self, x, algorithm=None):
-        """Compiled `jit(shard_map(allreduce))` of this variant (or of `algorithm` on its mesh)."""
+        """Compiled `jit(shard_map(allreduce))` (or all_to_all) of this variant, or of
+        `algorithm` on its mesh."""
         import jax
         from jax.sharding import PartitionSpec as P
 
         from dpjax import collectives
 
-        alg = algorithm or self.algorithm
+        alg = self.call_name(algorithm)
         opts = self.options if algorithm is None else {}
         axis, nloc = self.axis, x.shape[0] // self.n
 
         def body(v_N):
             assert v_N.shape == (nloc,), v_N.shape
+            if self.primitive == "all_to_all":
+                return collectives.all_to_all(v_N, axis, algorithm=alg)
             return collectives.allreduce(v_N, axis, algorithm=alg, **opts)
 
         f = jax.jit(jax.shard_map(body, mesh=self.mesh, in_specs=P(axis), out_specs=P(axis)))
@@ -322,7 +359,8 @@ def run(args, log=print):
 
     n = args.devices
     devices = pick_devices(args)
-    variants = {name: Variant(name, n, devices) for name in ["psum"] + args.algorithms}
+    variants = {name: Variant(name, n, devices, args.primitive) for name in ["psum"] + args.algorithms}
+    bound = bus_factor(args.primitive, n)
     rows = []
     rng = np.random.default_rng(0)
     for nbytes in args.sizes:
@@ -368,7 +406,7 @@ def run(args, log=print):
                 floor_ratio=statistics.median(fratios) if floor else None,
                 floor_time_s=statistics.median(tf) if floor else None,
                 steps=comm.steps, bytes_sent=comm.max_bytes,
-                bytes_over_bound=comm.max_bytes / cost.lower_bound_bytes(n, nbytes),
+                bytes_over_bound=comm.max_bytes / (bound * nbytes),
                 model_steps=sched.total_steps, model_bytes=sched.total_bytes,
                 mismatch=mismatch, correct=ok, reps=args.reps))
             del x, base, prog, floor
@@ -387,10 +425,10 @@ def run(args, log=print):
             psum_times = [timed(prog, x) for _ in range(args.reps)]
         sched = v.schedule(nelems)
         rows.append(dict(
-            algorithm="psum", label="psum (XLA all-reduce)", size_bytes=nbytes,
+            algorithm="psum", label=baseline_label(args.primitive), size_bytes=nbytes,
             time_s=statistics.median(psum_times), ratio=1.0, psum_time_s=statistics.median(psum_times),
             floor_ratio=None, floor_time_s=None, steps=comm.steps, bytes_sent=comm.max_bytes,
-            bytes_over_bound=comm.max_bytes / cost.lower_bound_bytes(n, nbytes),
+            bytes_over_bound=comm.max_bytes / (bound * nbytes),
             model_steps=sched.total_steps, model_bytes=sched.total_bytes,
             mismatch=(comm.steps, comm.max_bytes) != (sched.total_steps, sched.total_bytes),
             correct=True, reps=len(psum_times)))
@@ -410,7 +448,7 @@ def fit_link(rows, n, args):
                 "given by --latency-us / --bandwidth-gbps")
     pts = sorted((r["size_bytes"], r["time_s"]) for r in rows if r["algorithm"] == "psum")
     t = np.array([p[1] for p in pts])
-    b = np.array([cost.lower_bound_bytes(n, p[0]) for p in pts])
+    b = np.array([bus_factor(args.primitive, n) * p[0] for p in pts])
     if len(pts) < 2:
         return cost.Link(float(t[0]), float("inf")), f"psum at {fmt_size(pts[0][0])} taken as pure latency"
     # alpha + b * beta = t, least squares on the relative error (each row divided by t),
@@ -420,15 +458,16 @@ def fit_link(rows, n, args):
         alpha, beta = 0.0, float(np.sum(b / t) / np.sum((b / t) ** 2))
     beta = max(beta, 1e-15)
     return cost.Link(float(alpha), float(1 / beta)), (
-        f"fitted to psum: t = alpha + 2(n-1)/n * N / bandwidth, least squares on the relative "
+        f"fitted to {baseline_label(args.primitive)}: t = alpha + "
+        f"{'2(n-1)/n' if args.primitive == 'allreduce' else '(n-1)/n'} * N / bandwidth, least squares on the relative "
         f"error over {fmt_size(pts[0][0])} .. {fmt_size(pts[-1][0])}")
 
 
-def finish_rows(rows, n, link):
+def finish_rows(rows, n, link, primitive="allreduce"):
     for r in rows:
         algbw = r["size_bytes"] / r["time_s"]
         r["algbw_GBps"] = algbw / 1e9
-        r["busbw_GBps"] = algbw * 2 * (n - 1) / n / 1e9
+        r["busbw_GBps"] = algbw * bus_factor(primitive, n) / 1e9
         r["model_time_s"] = model_time(r, link)
     return rows
 
@@ -446,6 +485,11 @@ def model_time(r, link):
 
 COLUMNS = ("size", "algorithm", "median ms", "x psum", "floor x psum", "busbw GB/s",
            "model ms", "model x psum", "steps", "bytes/bound")
+
+
+def columns(info) -> list[str]:
+    """COLUMNS, with the baseline named: psum, or XLA's all-to-all."""
+    return [c.replace("psum", "psum" if info["primitive"] == "allreduce" else "XLA") for c in COLUMNS]
 
 
 def cells(r, model_psum):
@@ -472,10 +516,10 @@ def print_table(rows, info):
         for r in rows:
             print(" | ".join(cells(r, mp[r["size_bytes"]])))
         return
-    t = Table(title=f"allreduce on {info['n']} {info['platform']} devices, float32 "
+    t = Table(title=f"{info['primitive']} on {info['n']} {info['platform']} devices, float32 "
                     f"(link: alpha {info['alpha_us']:.1f} us, {info['bandwidth_GBps']:.2f} GB/s, "
                     f"{info['link_how']})")
-    for c in COLUMNS:
+    for c in columns(info):
         t.add_column(c, justify="left" if c in ("size", "algorithm") else "right")
     last = None
     for r in rows:
@@ -499,7 +543,7 @@ def markdown(rows, info, argv) -> str:
            f"alpha = {info['alpha_us']:.1f} us, bandwidth = {info['bandwidth_GBps']:.2f} GB/s "
            f"({info['link_how']}).",
            "",
-           "Time relative to psum (median of back-to-back ratios; lower is better):",
+           f"Time relative to {info['baseline']} (median of back-to-back ratios; lower is better):",
            "",
            "| size | " + " | ".join(labels[a] for a in algs) + " |",
            "|---" * (len(algs) + 1) + "|"]
@@ -508,7 +552,7 @@ def markdown(rows, info, argv) -> str:
         out.append(f"| {fmt_size(size)} | " + " | ".join(
             f"{by[a]['ratio']:.2f}" if a in by else "" for a in algs) + " |")
     out += ["", "All figures:", "",
-            "| " + " | ".join(COLUMNS) + " |", "|---" * len(COLUMNS) + "|"]
+            "| " + " | ".join(columns(info)) + " |", "|---" * len(COLUMNS) + "|"]
     out += ["| " + " | ".join(cells(r, mp[r["size_bytes"]])) + " |" for r in rows]
     return "\n".join(out) + "\n"
 
@@ -536,7 +580,7 @@ def plot(rows, info, path):
     ax.set_xticks(ticks, [fmt_size(s).replace(" ", "") for s in ticks])
     ax.set_xlabel("message size per device")
     ax.set_ylabel("bus bandwidth (GB/s), nccl-tests definition")
-    ax.set_title(f"allreduce, {info['n']} {info['platform']} devices, float32 "
+    ax.set_title(f"{info['primitive']}, {info['n']} {info['platform']} devices, float32 "
                  f"(median of {info['reps']})")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
@@ -568,13 +612,14 @@ def main(argv=None) -> int:
         return 0
 
     t0 = time.time()
-    print(f"allreduce of {', '.join(fmt_size(s) for s in args.sizes)} per device; "
+    print(f"{args.primitive} of {', '.join(fmt_size(s) for s in args.sizes)} per device; "
           f"{args.reps} reps after {args.warmup} warm-up", flush=True)
     rows, devices = run(args, log=lambda s: print(s, flush=True))
     n = args.devices
     link, how = fit_link(rows, n, args)
-    finish_rows(rows, n, link)
-    info = dict(n=n, platform=devices[0].platform, jax=jax.__version__,
+    finish_rows(rows, n, link, args.primitive)
+    info = dict(n=n, platform=devices[0].platform, jax=jax.__version__, primitive=args.primitive,
+                baseline=baseline_label(args.primitive),
                 machine=f"{platform.machine()}, {os.cpu_count()} cores",
                 alpha_us=link.latency * 1e6, bandwidth_GBps=link.bandwidth / 1e9, link_how=how,
                 reps=args.reps, processes=args.processes, date=datetime.date.today().isoformat(),

@@ -46,4 +46,18 @@ for algo in C.ALL_GATHER_ALGORITHMS:
 for algo in C.BROADCAST_ALGORITHMS:
     got = gathered(lambda v: C.broadcast(v, axes, root=5, algorithm=algo))
     np.testing.assert_array_equal(got, np.tile(x_global[5 * 24:6 * 24], (n, 1)), err_msg=f"broadcast {algo}")
+# The other ops and primitives, across the processes too: exact ones, against numpy.
+rows = x_global.reshape(n, 24, 3)  # rank r's block
+for algo in ("ring", "butterfly", "tree"):
+    got = gathered(lambda v: C.allreduce(v, axes, algorithm=algo, op="max"))
+    np.testing.assert_array_equal(got, np.tile(rows.max(0), (n, 1)), err_msg=f"allreduce max {algo}")
+got = gathered(lambda v: C.allreduce(v, axes, algorithm="ring", groups=[[0, 5, 6], [1, 2, 3, 4, 7]]))
+for r in range(n):
+    members = [0, 5, 6] if r in (0, 5, 6) else [1, 2, 3, 4, 7]
+    np.testing.assert_allclose(got[r * 24:(r + 1) * 24], rows[members].sum(0), rtol=1e-5, atol=1e-5,
+                               err_msg="allreduce within groups")
+a2a_ref = gathered(lambda v: lax.all_to_all(v, axes, 0, 0, tiled=True))
+for algo in ("pairwise", "bruck"):
+    np.testing.assert_array_equal(gathered(lambda v: C.all_to_all(v, axes, algorithm=algo)), a2a_ref,
+                                  err_msg=f"all_to_all {algo}")
 print("collectives ok", flush=True)

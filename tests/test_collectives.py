@@ -3,8 +3,10 @@
 Layout of every check: a global host array of shape (n, *local) is sharded over the
 axis, so rank i holds block i (its own, different data); the shard_map body runs the
 collective on its block and returns the result with a leading 1, so the global output
-(n, *out) holds what every rank ended with. Each (primitive, algorithm, mesh) program
-bundles all its cases (shapes, dtypes, ops) and is compiled once per session.
+(n, *out) holds what every rank ended with. Each (algorithm, mesh) program bundles all
+the cases of every primitive the algorithm has (allreduce, reduce_scatter, all_gather,
+broadcast; shapes, dtypes, ops, including test_ops.py's other ops) and is compiled
+once per session: compiling, not running, is what these tests spend their time on.
 
 Tolerances for sums. Every algorithm here computes each output element as a binary
 tree of n-1 additions of the n ranks' values (ring: a chain; butterfly, tree,
@@ -30,6 +32,7 @@ import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
+import optax
 import pytest
 from jax import lax
 from jax.sharding import PartitionSpec as P
@@ -37,7 +40,8 @@ from jax.sharding import PartitionSpec as P
 import dpjax
 from dpjax import collectives as C
 
-DTYPES = {"f32": np.dtype(np.float32), "bf16": np.dtype(jnp.bfloat16), "f16": np.dtype(np.float16)}
+DTYPES = {"f32": np.dtype(np.float32), "bf16": np.dtype(jnp.bfloat16), "f16": np.dtype(np.float16),
+          "i32": np.dtype(np.int32), "u8": np.dtype(np.uint8), "bool": np.dtype(bool)}
 
 
 # ---------------------------------------------------------------------------------------
@@ -78,17 +82,21 @@ HIER_MESHES = [
     MeshCase("node=3,data=2", 6, ("node", "data")),
     MeshCase("node=1,data=1", 1, ("node", "data")),
 ]
+# "hierarchical" over one axis: its one-level case (the inner ring alone).
+HIER_ONE_AXIS = [MeshCase(f"data={n}", n, "data") for n in (1, 3, 4, 8)]
 
 
 @dataclass(frozen=True)
 class Case:
-    """One input: its per-rank shape, dtype, op, and (broadcast) root."""
+    """One input: its per-rank shape, dtype, op, (broadcast) root and scale factors."""
 
     shape: tuple[int, ...]
     dtype: str = "f32"
     op: str = "sum"
     per_rank: bool = False  # reduce_scatter: dim 0 is shape[0] * n
     root: int | None = None
+    pre: float = 1.0  # prescale_factor
+    post: float = 1.0  # postscale_factor
 
     def local_shape(self, n: int) -> tuple[int, ...]:
         if self.per_rank:
@@ -99,7 +107,8 @@ class Case:
     def id(self) -> str:
         dims = "x".join(map(str, self.shape)) or "scalar"
         out = f"{self.dtype}-{'nx' if self.per_rank else ''}{dims}"
-        out += "-mean" if self.op == "mean" else ""
+        out += f"-{self.op}" if self.op != "sum" else ""
+        out += f"-pre{self.pre:g}-post{self.post:g}" if (self.pre, self.post) != (1, 1) else ""
         return out + (f"-root{self.root}" if self.root is not None else "")
 
 
@@ -137,6 +146,34 @@ def one_case(n: int) -> list[Case]:
     return [Case((7,))]
 
 
+# The other ops (test_ops.py), in the same programs: a catalogue of cases that are not
+# already above (every op on float32, int32, uint8, bfloat16 and float16 but the float
+# sums and means, the bool ops, scaled sums and means), dealt out over the axis sizes:
+# the program of (algorithm, k-th mesh) takes 3 allreduce and 2 reduce_scatter cases,
+# so over the 8 sizes every algorithm runs every case of the catalogue once (at a size
+# that depends on the algorithm) while each program stays small.
+def _catalogue(per_rank: bool) -> list[Case]:
+    dtypes = ("f32", "i32", "u8", "f16") if per_rank else ("f32", "i32", "u8", "bf16", "f16")
+    shape = (2, 3) if per_rank else (5, 3)
+    out = [Case(shape, d, op, per_rank) for d in dtypes for op in ("min", "max", "product")]
+    out += [Case((9,), "i32", op, per_rank) for op in ("sum", "mean")]
+    out += [Case((7,), "u8", op, per_rank) for op in (() if per_rank else ("sum", "mean"))]
+    out += [Case((3,), "bool", op, per_rank) for op in (("max",) if per_rank else ("min", "max", "product"))]
+    out += [Case((3,), "f32", "sum", per_rank, pre=0.5, post=4.0)]
+    out += [] if per_rank else [Case((2, 2), "i32", "mean", per_rank, pre=3.0, post=2.0)]
+    return out
+
+
+OP_CATALOGUE = {"allreduce": (_catalogue(False), 3), "reduce_scatter": (_catalogue(True), 2)}
+assert [len(c) for c, _ in OP_CATALOGUE.values()] == [24, 16]  # 8 sizes x (3, 2) cases
+
+
+def op_cases(primitive: str, slot: int) -> list[Case]:
+    """The catalogue's cases for the program in `slot` (k-th mesh, shifted per algorithm)."""
+    catalogue, per_program = OP_CATALOGUE[primitive]
+    return [catalogue[(slot * per_program + i) % len(catalogue)] for i in range(per_program)]
+
+
 def mesh_cases(mc: MeshCase, cases_fn) -> list[Case]:
     # a flat algorithm over a tuple of axes only has to show the flattening is right
     return cases_fn(mc.n)[1:2] if mc.few else cases_fn(mc.n)
@@ -148,13 +185,25 @@ def params(meshes, cases_fn):
 
 
 def make_input(n: int, case: Case, salt: str) -> np.ndarray:
-    """(n, *local) values, different on every rank; deterministic per (n, case, salt)."""
+    """(n, *local) values, different on every rank; deterministic per (n, case, salt).
+
+    Integers are small (their sums and products stay far from overflow); bools mostly
+    True (so "all" is sometimes True and "any" sometimes False); a float product's
+    factors are +-[0.5, 2], so that no product of 8 underflows (float16's normal range
+    ends at 6e-5, below which the relative rounding bound does not hold)."""
     rng = np.random.default_rng(zlib.crc32(f"{n}/{case.id}/{salt}".encode()))
-    return rng.standard_normal((n, *case.local_shape(n))).astype(DTYPES[case.dtype])
+    shape, dtype = (n, *case.local_shape(n)), DTYPES[case.dtype]
+    if case.dtype == "bool":
+        return rng.random(shape) < 0.7
+    if case.dtype in ("i32", "u8"):
+        return rng.integers(-6 if case.dtype == "i32" else 0, 7, shape).astype(dtype)
+    if case.op == "product":
+        return (rng.choice([-1, 1], shape) * rng.uniform(0.5, 2, shape)).astype(dtype)
+    return rng.standard_normal(shape).astype(dtype)
 
 
 # ---------------------------------------------------------------------------------------
-# running a bundle of collectives in one program
+# one program per (algorithm variant, mesh)
 
 
 def run_bundle(mesh, axis, bodies: dict, inputs: dict) -> dict:
@@ -175,19 +224,81 @@ def run_bundle(mesh, axis, bodies: dict, inputs: dict) -> dict:
     return {k: np.asarray(o) for k, o in zip(names, fn(*placed))}
 
 
-def bundle(cache, mesh_of, mc: MeshCase, primitive: str, cases, body_for, tag):
-    """Runs body_for(case) on every case in one compiled program, once per session.
+# The primitives each algorithm has ("lax": the lax twins of the float cases).
+PRIMITIVES = {"psum": ("allreduce", "reduce_scatter", "all_gather", "broadcast"),
+              "ring": ("allreduce", "reduce_scatter", "all_gather", "broadcast"),
+              "butterfly": ("allreduce", "reduce_scatter", "all_gather"), "tree": ("allreduce", "broadcast"),
+              "ps": ("allreduce",), "hierarchical": ("allreduce", "reduce_scatter", "all_gather"),
+              "lax": ("allreduce", "reduce_scatter", "all_gather")}
+BASE_CASES = {"allreduce": allreduce_cases, "reduce_scatter": reduce_scatter_cases,
+              "all_gather": all_gather_cases, "broadcast": broadcast_cases}
 
-    Returns (inputs, outputs), dicts keyed by case id, of shape (n, ...): rank i's
-    input and what rank i ended with.
-    """
+
+def body_of(algorithm: str, opts: dict, primitive: str, axis, n: int, case: Case):
+    """The shard_map body of one case: local block -> what this rank ends with."""
+
+    def body(x):
+        assert x.shape == case.local_shape(n), (x.shape, case)  # the local shape
+        if algorithm == "lax":
+            if primitive == "allreduce":
+                return (lax.pmean if case.op == "mean" else lax.psum)(x, axis)
+            if primitive == "reduce_scatter":
+                out = lax.psum_scatter(x, axis, scatter_dimension=0, tiled=True)
+                return (out / (n if case.op == "mean" else 1)).astype(x.dtype)
+            return lax.all_gather(x, axis, axis=0, tiled=True)
+        if primitive in ("allreduce", "reduce_scatter"):
+            fn = C.allreduce if primitive == "allreduce" else C.reduce_scatter
+            kw = opts if primitive == "allreduce" else {}
+            return fn(x, axis, algorithm=algorithm, op=case.op, prescale_factor=case.pre,
+                      postscale_factor=case.post, **kw)
+        if primitive == "all_gather":
+            return C.all_gather(x, axis, algorithm=algorithm)
+        return C.broadcast(x, axis, root=case.root, algorithm=algorithm)
+
+    return body
+
+
+def program(cache, mesh_of, mc: MeshCase, variant, cases_fn=None):
+    """(inputs, outputs) of every case of every primitive of `variant` on `mc`, compiled
+    once per session; both dicts keyed "primitive/case id", values (n, ...) per rank.
+
+    cases_fn: a special family of allreduce cases only (else every primitive's base
+    cases, and the other ops' cases for the variants test_ops.py reads)."""
+    name, algorithm, options = variant
 
     def build():
-        mesh = mesh_of(mc.spec, mc.count)
-        inputs = {c.id: make_input(mc.n, c, primitive) for c in cases}
-        return inputs, run_bundle(mesh, mc.axis, {c.id: body_for(c) for c in cases}, inputs)
+        table = {"allreduce": cases_fn} if cases_fn else BASE_CASES
+        bodies, inputs = {}, {}
+        for primitive in PRIMITIVES[algorithm]:
+            cases = list(mesh_cases(mc, table[primitive])) if primitive in table else []
+            if not cases_fn and primitive in OP_CATALOGUE and (name, mc) in OP_SLOTS:
+                cases += [c for c in op_cases(primitive, OP_SLOTS[name, mc]) if op_supported(algorithm, primitive, c)]
+            for c in cases:
+                key = f"{primitive}/{c.id}"
+                inputs[key] = make_input(mc.n, c, primitive)
+                bodies[key] = body_of(algorithm, options(mc.n), primitive, mc.axis, mc.n, c)
+        return inputs, run_bundle(mesh_of(mc.spec, mc.count), mc.axis, bodies, inputs)
 
-    return cache.get((primitive, mc, tag, tuple(c.id for c in cases)), build)
+    return cache.get(("program", name, mc, getattr(cases_fn, "__name__", None)), build)
+
+
+# The programs that also hold the other ops, and their slot in the catalogue: every
+# variant on its meshes, shifted by 5 slots per variant (the ps variants differ only in
+# their server count: one of them is enough).
+OP_MESHES = {"psum": FLAT_MESHES[:8], "ring": FLAT_MESHES[:8], "butterfly": FLAT_MESHES[:8],
+             "tree": FLAT_MESHES[:8], "ps-Smid": FLAT_MESHES[:8], "hierarchical": HIER_MESHES + HIER_ONE_AXIS}
+OP_SLOTS = {(name, mc): 5 * v + k for v, (name, meshes) in enumerate(OP_MESHES.items())
+            for k, mc in enumerate(meshes)}
+
+
+def op_supported(algorithm: str, primitive: str, case: Case) -> bool:
+    """The XLA baseline reduces with psum / pmin / pmax (allreduce) and psum_scatter."""
+    if algorithm != "psum":
+        return True
+    return case.op in (("sum", "mean") if primitive == "reduce_scatter" else ("sum", "mean", "min", "max"))
+
+
+LAX = ("lax", "lax", lambda n: {})
 
 
 # ---------------------------------------------------------------------------------------
@@ -221,18 +332,9 @@ def reduce_ref(x, op):
     return s / x.shape[0] if op == "mean" else s
 
 
-def lax_twin(cache, mesh_of, mc, primitive, cases) -> dict:
-    """The same inputs through lax.psum / pmean / psum_scatter / all_gather."""
-
-    def body_for(case):
-        if primitive == "allreduce":
-            return lambda x: (lax.pmean if case.op == "mean" else lax.psum)(x, mc.axis)
-        if primitive == "reduce_scatter":
-            return lambda x: (lax.psum_scatter(x, mc.axis, scatter_dimension=0, tiled=True)
-                              / (mc.n if case.op == "mean" else 1)).astype(x.dtype)
-        return lambda x: lax.all_gather(x, mc.axis, axis=0, tiled=True)
-
-    return bundle(cache, mesh_of, mc, primitive, cases, body_for, "lax")[1]
+def lax_twin(cache, mesh_of, mc, primitive, case, cases_fn=None) -> np.ndarray:
+    """The same input through lax.psum / pmean / psum_scatter / all_gather."""
+    return program(cache, mesh_of, mc, LAX, cases_fn)[1][f"{primitive}/{case.id}"]
 
 
 def check_sum(got, x, want, bound, twin, dtype, what):
@@ -265,29 +367,18 @@ FLAT_VARIANTS = flat_variants()
 HIERARCHICAL = ("hierarchical", "hierarchical", lambda n: {})
 
 
-def check_allreduce(cache, mesh_of, mc, variant, case, cases_fn=allreduce_cases, twin=True):
-    name, algorithm, options = variant
-    opts = options(mc.n)
-    cases = mesh_cases(mc, cases_fn)
-
-    def body_for(c):
-        def body(x):
-            assert x.shape == c.shape  # the local shape, inside the shard_map body
-            return C.allreduce(x, mc.axis, algorithm=algorithm, op=c.op, **opts)
-
-        return body
-
-    inputs, outputs = bundle(cache, mesh_of, mc, "allreduce", cases, body_for,
-                             (algorithm, tuple(sorted(opts.items()))))
-    dtype, x = DTYPES[case.dtype], inputs[case.id]
+def check_allreduce(cache, mesh_of, mc, variant, case, cases_fn=None, twin=True):
+    inputs, outputs = program(cache, mesh_of, mc, variant, cases_fn)
+    key = f"allreduce/{case.id}"
+    dtype, x = DTYPES[case.dtype], inputs[key]
     want = np.broadcast_to(reduce_ref(x, case.op), x.shape)
     bound = np.broadcast_to(sum_bound(x, dtype, case.op), x.shape)
-    what = f"{name} n={mc.n} {case.id}"
+    what = f"{variant[0]} n={mc.n} {case.id}"
     if not twin:
-        assert_close_to_sum(outputs[case.id], want, bound, dtype, f"{what} vs float64")
+        assert_close_to_sum(outputs[key], want, bound, dtype, f"{what} vs float64")
         return
-    twin = lax_twin(cache, mesh_of, mc, "allreduce", cases)[case.id]
-    check_sum(outputs[case.id], x, want, bound, twin, dtype, what)
+    check_sum(outputs[key], x, want, bound, lax_twin(cache, mesh_of, mc, "allreduce", case, cases_fn),
+              dtype, what)
 
 
 @pytest.mark.parametrize("mc, case", params(FLAT_MESHES, allreduce_cases))
@@ -296,7 +387,7 @@ def test_allreduce(cache, mesh_of, variant, mc, case):
     check_allreduce(cache, mesh_of, mc, variant, case)
 
 
-@pytest.mark.parametrize("mc, case", params(HIER_MESHES, allreduce_cases))
+@pytest.mark.parametrize("mc, case", params(HIER_MESHES + HIER_ONE_AXIS, allreduce_cases))
 def test_hierarchical_allreduce(cache, mesh_of, mc, case):
     check_allreduce(cache, mesh_of, mc, HIERARCHICAL, case)
 
@@ -400,23 +491,15 @@ def test_allreduce_gradient_matches_psum(cache, mesh_of, variant, mc, op):
 
 
 def check_reduce_scatter(cache, mesh_of, mc, algorithm, case):
-    n, cases = mc.n, mesh_cases(mc, reduce_scatter_cases)
-
-    def body_for(c):
-        def body(x):
-            assert x.shape == c.local_shape(n)
-            return C.reduce_scatter(x, mc.axis, algorithm=algorithm, op=c.op)
-
-        return body
-
-    inputs, outputs = bundle(cache, mesh_of, mc, "reduce_scatter", cases, body_for, algorithm)
-    dtype, x = DTYPES[case.dtype], inputs[case.id]  # x: (n ranks, n * m, ...)
+    n = mc.n
+    inputs, outputs = program(cache, mesh_of, mc, (algorithm, algorithm, lambda n: {}))
+    key = f"reduce_scatter/{case.id}"
+    dtype, x = DTYPES[case.dtype], inputs[key]  # x: (n ranks, n * m, ...)
     # rank r ends with rows r*m:(r+1)*m of the sum over ranks
     want = reduce_ref(x, case.op).reshape(n, *case.shape)
     bound = sum_bound(x, dtype, case.op).reshape(want.shape)
-    twin = lax_twin(cache, mesh_of, mc, "reduce_scatter", cases)[case.id]
-    check_sum(outputs[case.id], x, want, bound, twin, dtype,
-              f"{algorithm} reduce_scatter n={n} {case.id}")
+    twin = lax_twin(cache, mesh_of, mc, "reduce_scatter", case)
+    check_sum(outputs[key], x, want, bound, twin, dtype, f"{algorithm} reduce_scatter n={n} {case.id}")
 
 
 @pytest.mark.parametrize("mc, case", params(FLAT_MESHES, reduce_scatter_cases))
@@ -426,7 +509,7 @@ def test_reduce_scatter(cache, mesh_of, algorithm, mc, case):
     check_reduce_scatter(cache, mesh_of, mc, algorithm, case)
 
 
-@pytest.mark.parametrize("mc, case", params(HIER_MESHES, reduce_scatter_cases))
+@pytest.mark.parametrize("mc, case", params(HIER_MESHES + HIER_ONE_AXIS, reduce_scatter_cases))
 def test_hierarchical_reduce_scatter(cache, mesh_of, mc, case):
     check_reduce_scatter(cache, mesh_of, mc, "hierarchical", case)
 
@@ -435,26 +518,18 @@ def test_hierarchical_reduce_scatter(cache, mesh_of, mc, case):
 # all_gather and broadcast: data movement only, so bit-exact
 
 
-def check_all_gather(cache, mesh_of, mc, algorithm, case, cases_fn=all_gather_cases):
-    n, cases = mc.n, mesh_cases(mc, cases_fn)
-
-    def body_for(c):
-        def body(x):
-            assert x.shape == c.shape
-            return C.all_gather(x, mc.axis, algorithm=algorithm)
-
-        return body
-
-    inputs, outputs = bundle(cache, mesh_of, mc, "all_gather", cases, body_for, algorithm)
-    x, got = inputs[case.id], outputs[case.id]
+def check_all_gather(cache, mesh_of, mc, algorithm, case):
+    n = mc.n
+    inputs, outputs = program(cache, mesh_of, mc, (algorithm, algorithm, lambda n: {}))
+    key = f"all_gather/{case.id}"
+    x, got = inputs[key], outputs[key]
     # every rank ends with all blocks in rank order (a scalar gathers to shape (n,))
     gathered = x.reshape(-1, *x.shape[2:])
     want = np.broadcast_to(gathered, (n, *gathered.shape))
     assert got.dtype == x.dtype and got.shape == want.shape, (got.dtype, got.shape, want.shape)
     assert np.array_equal(got, want), f"{algorithm} all_gather n={n} {case.id} differs from numpy"
-    if case.shape:  # lax.all_gather(tiled=True) takes no scalars
-        twin = lax_twin(cache, mesh_of, mc, "all_gather", cases)[case.id]
-        assert np.array_equal(got, twin), f"{algorithm} all_gather differs from lax.all_gather"
+    twin = lax_twin(cache, mesh_of, mc, "all_gather", case)
+    assert np.array_equal(got, twin), f"{algorithm} all_gather differs from lax.all_gather"
 
 
 @pytest.mark.parametrize("mc, case", params(FLAT_MESHES, all_gather_cases))
@@ -464,7 +539,7 @@ def test_all_gather(cache, mesh_of, algorithm, mc, case):
     check_all_gather(cache, mesh_of, mc, algorithm, case)
 
 
-@pytest.mark.parametrize("mc, case", params(HIER_MESHES, all_gather_cases))
+@pytest.mark.parametrize("mc, case", params(HIER_MESHES + HIER_ONE_AXIS, all_gather_cases))
 def test_hierarchical_all_gather(cache, mesh_of, mc, case):
     check_all_gather(cache, mesh_of, mc, "hierarchical", case)
 
@@ -491,13 +566,8 @@ def test_all_gather_scalar_is_refused(mesh_of, algorithm, mc):
 @pytest.mark.parametrize("mc, case", params(FLAT_MESHES, broadcast_cases))
 @pytest.mark.parametrize("algorithm", C.BROADCAST_ALGORITHMS)
 def test_broadcast(cache, mesh_of, algorithm, mc, case):
-    cases = mesh_cases(mc, broadcast_cases)
-
-    def body_for(c):
-        return lambda x: C.broadcast(x, mc.axis, root=c.root, algorithm=algorithm)
-
-    inputs, outputs = bundle(cache, mesh_of, mc, "broadcast", cases, body_for, algorithm)
-    x, got = inputs[case.id], outputs[case.id]
+    inputs, outputs = program(cache, mesh_of, mc, (algorithm, algorithm, lambda n: {}))
+    x, got = inputs[f"broadcast/{case.id}"], outputs[f"broadcast/{case.id}"]
     assert got.dtype == x.dtype
     assert np.array_equal(got, np.broadcast_to(x[case.root], x.shape)), (
         f"{algorithm} broadcast n={mc.n} {case.id}")
@@ -577,7 +647,7 @@ def test_broadcast_bad_root_on_one_rank(mesh_of, algorithm):
         trace(mesh_of("data=1", 1), lambda x: C.broadcast(x, "data", root=1, algorithm=algorithm))
 
 
-@pytest.mark.parametrize("op", ["max", "avg", "SUM"])
+@pytest.mark.parametrize("op", ["maximum", "avg", "SUM"])
 @pytest.mark.parametrize("algorithm", C.ALGORITHMS)
 def test_allreduce_bad_op(mesh2x2, algorithm, op):
     axis = ("node", "data") if algorithm == "hierarchical" else "data"
@@ -588,8 +658,8 @@ def test_allreduce_bad_op(mesh2x2, algorithm, op):
 @pytest.mark.parametrize("algorithm", C.REDUCE_SCATTER_ALGORITHMS)
 def test_reduce_scatter_bad_op(mesh2x2, algorithm):
     axis = ("node", "data") if algorithm == "hierarchical" else "data"
-    with pytest.raises(ValueError, match="'max'"):
-        trace(mesh2x2, lambda x: C.reduce_scatter(x, axis, algorithm=algorithm, op="max"),
+    with pytest.raises(ValueError, match="'average'"):
+        trace(mesh2x2, lambda x: C.reduce_scatter(x, axis, algorithm=algorithm, op="average"),
               (8,), axis)
 
 
@@ -600,7 +670,32 @@ def test_ps_bad_num_servers(mesh4, servers):
 
 
 @pytest.mark.parametrize("primitive", [C.allreduce, C.reduce_scatter, C.all_gather])
-@pytest.mark.parametrize("axis", ["data", ("node", "data", "data")], ids=["one", "three"])
-def test_hierarchical_needs_two_axes(mesh2x2, primitive, axis):
-    with pytest.raises(ValueError, match=r"\(outer, inner\)"):
-        trace(mesh2x2, lambda x: primitive(x, axis, algorithm="hierarchical"))
+def test_hierarchical_takes_one_or_two_axes(mesh2x2, primitive):
+    with pytest.raises(ValueError, match=r"\(outer, inner\) or one axis name"):
+        trace(mesh2x2, lambda x: primitive(x, ("node", "data", "data"), algorithm="hierarchical"))
+
+
+# Outside shard_map the axis name is unbound: one line naming the axis and the wrapper,
+# not JAX's NameError from inside the first ppermute.
+OUTSIDE = [
+    *(pytest.param(lambda x, a=a: C.allreduce(x, "data", algorithm=a), id=f"allreduce-{a}")
+      for a in C.ALGORITHMS),
+    pytest.param(lambda x: C.reduce_scatter(x, "data"), id="reduce_scatter"),
+    pytest.param(lambda x: C.all_gather(x, "data", algorithm="butterfly"), id="all_gather"),
+    pytest.param(lambda x: C.broadcast(x, "data", root=1), id="broadcast"),
+    pytest.param(lambda x: C.all_to_all(x, "data", algorithm="bruck"), id="all_to_all"),
+    pytest.param(lambda x: C.grouped_allreduce([x, x], "data"), id="grouped_allreduce"),
+    pytest.param(lambda x: dpjax.allreduce_gradients({"w": x}, "data"), id="allreduce_gradients"),
+    pytest.param(lambda x: dpjax.DistributedOptimizer(optax.sgd(0.1)).update(
+        {"w": x}, dpjax.DistributedOptimizer(optax.sgd(0.1)).init({"w": x}), {"w": x}), id="optimizer-update"),
+    pytest.param(lambda x: dpjax.broadcast_params({"w": x}, "data"), id="broadcast_params"),
+]
+
+
+@pytest.mark.parametrize("call", OUTSIDE)
+def test_outside_a_mesh_context_says_what_to_wrap(call):
+    with pytest.raises(ValueError) as info:
+        call(jnp.ones(8))
+    msg = str(info.value)
+    assert "'data'" in msg and "jax.shard_map(..., mesh=mesh)" in msg and "dpjax.shard_step(fn, mesh)" in msg
+    assert "\n" not in msg

@@ -49,6 +49,8 @@ def flat_comm(cache, mesh_of, n, primitive, algorithm, nelems, **kw):
             body, shape = (lambda x: C.reduce_scatter(x, "data", algorithm=algorithm)), (nelems,)
         elif primitive == "all_gather":  # nelems counts the gathered result
             body, shape = (lambda x: C.all_gather(x, "data", algorithm=algorithm)), (nelems // n,)
+        elif primitive == "all_to_all":  # nelems: one rank's whole input
+            body, shape = (lambda x: C.all_to_all(x, "data", algorithm=algorithm)), (nelems,)
         else:
             body, shape = (lambda x: C.broadcast(x, "data", algorithm=algorithm, **kw)), (nelems,)
         return cost.hlo_comm(compiled_text(mesh_of, f"data={n}", n, "data", body, shape))
@@ -326,3 +328,84 @@ def test_hlo_comm_parses_by_hand():
                                           2: 40 + 32 + 24, 3: 24}
     assert hlo.max_bytes == 104
     assert cost.hlo_comm("").max_bytes == 0
+
+
+# ---------------------------------------------------------------------------------------
+# all-to-all, Adasum, process sets and uneven pieces
+
+
+@pytest.mark.parametrize("algorithm", C.ALL_TO_ALL_ALGORITHMS)
+@pytest.mark.parametrize("n", [2, 3, 5, 8], ids=lambda n: f"n{n}")
+def test_all_to_all_hlo_matches_schedule(cache, mesh_of, algorithm, n):
+    hlo = flat_comm(cache, mesh_of, n, "all_to_all", algorithm, n * 35)
+    sched = cost.schedule(algorithm, n, n * 35, F32, primitive="all_to_all")
+    assert (hlo.steps, hlo.max_bytes) == (sched.steps, sched.bytes)
+    assert set(hlo.ops) <= ({"all-to-all"} if algorithm == "xla" else {"collective-permute"})
+
+
+def test_all_to_all_docstring_values():
+    B = 1000 * F32  # one block
+    # pairwise: n-1 steps of one block
+    assert cost.schedule("pairwise", 8, 8 * 1000, primitive="all_to_all") == cost.Schedule(7, 7 * B)
+    # Bruck, n = 8: 3 steps of n/2 blocks, log2(n)/2 * N
+    assert cost.schedule("bruck", 8, 8 * 1000, primitive="all_to_all") == cost.Schedule(3, 12 * B)
+    # Bruck, n = 5: bits 0, 1, 2 of positions 0..4 are set in 2, 2 and 1 of them
+    assert cost.schedule("bruck", 5, 5 * 1000, primitive="all_to_all") == cost.Schedule(3, 5 * B)
+    assert cost.schedule("bruck", 1, 1000, primitive="all_to_all") == cost.Schedule(0, 0)
+
+
+def adasum_comm(mesh_of, n, nelems, segments):
+    body = (lambda x: C.allreduce(x, "data", algorithm="butterfly", op="adasum", segments=segments))
+    return cost.hlo_comm(compiled_text(mesh_of, f"data={n}", n, "data", body, (nelems,)))
+
+
+@pytest.mark.parametrize("segments", [None, (400, 3, 600)], ids=["one-tensor", "three-tensors"])
+@pytest.mark.parametrize("n", [2, 5, 8], ids=lambda n: f"n{n}")
+def test_adasum_hlo_matches_schedule(mesh_of, n, segments):
+    hlo = adasum_comm(mesh_of, n, 1003, segments)
+    sched = cost.schedule("adasum", n, 1003, F32, tensors=len(segments or (1,)))
+    assert (hlo.steps, hlo.max_bytes) == (sched.steps, sched.bytes)
+    assert set(hlo.ops) == {"collective-permute"}
+
+
+def test_adasum_docstring_values():
+    N = 3 * MiB  # elements, divisible by 8 and 4
+    B = N * F32
+    # n = 8, k = 3: 2k + k(k+1)/2 = 12 steps; 2(p-1)/p * N + 3 T 4 k(k+1)/2 bytes
+    assert cost.schedule("adasum", 8, N) == cost.Schedule(12, 7 * B // 4 + 6 * 12)
+    assert cost.schedule("adasum", 8, N, tensors=5) == cost.Schedule(12, 7 * B // 4 + 6 * 60)
+    # n = 6: p = 4, k = 2: the fold-in adds 2 steps and N; 3 dot steps
+    assert cost.schedule("adasum", 6, N) == cost.Schedule(2 + 4 + 3, B + 3 * B // 2 + 3 * 12)
+    # float64: the dot products travel in float64
+    assert cost.schedule("adasum", 2, 1000, 8) == cost.Schedule(3, 1000 * 8 + 24)
+    assert cost.schedule("adasum", 1, 1000) == cost.Schedule(0, 0)
+
+
+SETS = [[0, 2, 4], [1, 3], [5, 6, 7]]
+
+
+@pytest.mark.parametrize("algorithm", ["ring", "butterfly", "tree"])
+def test_process_sets_hlo_matches_schedule_sets(mesh_of, algorithm):
+    """One pass per set size: steps add up over the sizes 2 and 3, a device sends what
+    its own set's pass sends; every pair stays inside a set."""
+    text = compiled_text(mesh_of, "data=8", 8, "data",
+                         lambda x: C.allreduce(x, "data", algorithm=algorithm, groups=SETS), (1003,))
+    hlo = cost.hlo_comm(text)
+    sched = cost.schedule_sets(algorithm, SETS, 1003, F32)
+    assert (hlo.steps, hlo.max_bytes) == (sched.steps, sched.bytes)
+    assert sched.steps == cost.schedule(algorithm, 2, 1003).steps + cost.schedule(algorithm, 3, 1003).steps
+    member = {r: i for i, s in enumerate(SETS) for r in s}
+    for pairs in re.findall(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}", text):
+        assert all(member[int(a)] == member[int(b)] for a, b in re.findall(r"\{(\d+),(\d+)\}", pairs))
+
+
+@pytest.mark.parametrize("primitive", ["reduce_scatter", "all_gather"])
+def test_uneven_pieces_cost_the_padded_even_collective(mesh_of, primitive):
+    sizes = [3, 0, 2, 1, 2, 1, 1, 2]
+    if primitive == "reduce_scatter":
+        body, shape = (lambda x: C.reduce_scatter(x.reshape(sum(sizes), 5), "data", sizes=sizes)), (60,)
+    else:
+        body, shape = (lambda x: C.all_gather(x.reshape(3, 5), "data", sizes=sizes)), (15,)
+    hlo = cost.hlo_comm(compiled_text(mesh_of, "data=8", 8, "data", body, shape))
+    sched = cost.schedule("ring", 8, 8 * max(sizes) * 5, F32, primitive=primitive)  # n blocks of max rows
+    assert (hlo.steps, hlo.max_bytes) == (sched.steps, sched.bytes)

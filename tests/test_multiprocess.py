@@ -2,6 +2,7 @@
 jax.distributed (gloo), against the single-process eight-device run."""
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -117,3 +118,69 @@ def test_a_killed_process_stops_the_launcher(corpus, tmp_path):
     assert "rank 1 failed (signal 9)" in err
     time.sleep(0.5)
     assert _pids_with(marker) == []  # nothing left behind
+
+
+# ---------------------------------------------------------------------------------------
+# ranks that disagree, and processes that do not stop
+
+
+DISAGREE_CASES = ["dtype-allreduce", "dtype-all_gather", "dtype-reduce_scatter", "dtype-broadcast", "reshape",
+                  "shorter-message", "roots-psum", "roots-tree", "roots-ring"]
+
+
+def test_ranks_that_disagree_get_an_error_each():
+    """Each disagreement of mp_disagree.py (a dtype, a same-size reshape, a shorter
+    message, different roots) is one ValueError on both processes, naming what each
+    passed; a call both make alike still runs; one that process 1 never makes times out
+    on process 0 with an error naming it. No hang, nothing left running."""
+    t0 = time.time()
+    r = _launch(sys.executable, os.path.join(HERE, "mp_disagree.py"), timeout=60,
+                env={**os.environ, "DPJAX_COLLECTIVE_TIMEOUT": "4", "DPJAX_LAUNCH_GRACE": "2"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert time.time() - t0 < 45
+    for case in DISAGREE_CASES:
+        for rank in (0, 1):
+            line = next((s for s in r.stdout.splitlines() if s.startswith(f"[{rank}] case {case}:")), "")
+            assert "ValueError: processes disagree on collective call" in line, (case, rank, line)
+            assert f"process {rank} has" in line and f"process {1 - rank} has" in line, line
+    assert "[0] case agree: ok" in r.stdout and "[1] case agree: ok" in r.stdout
+    assert re.search(r"\[0\] case absent: TimeoutError after [45] s: allreduce .* process 1 did not reach it",
+                     r.stdout), r.stdout[-2000:]
+    assert _pids_with("mp_disagree.py") == []
+
+
+STUBBORN = ("import signal, sys, time; signal.signal(signal.SIGINT, signal.SIG_IGN); "
+            "signal.signal(signal.SIGTERM, signal.SIG_IGN); print('up', flush=True); "
+            "sys.exit(3) if sys.argv[1] == 'fail' and __import__('os').environ['DPJAX_PROCESS_ID'] == '1' "
+            "else time.sleep(600)")
+
+
+@pytest.mark.parametrize("how", ["ctrl-c", "a-rank-fails"])
+def test_the_launcher_escalates_to_sigkill(tmp_path, how):
+    """Processes that ignore SIGINT and SIGTERM (stuck as a hung collective is) still
+    stop: SIGINT, then SIGTERM after the grace period, then SIGKILL."""
+    marker = str(tmp_path / "stubborn")
+    cmd = [sys.executable, "-m", "dpjax.launch", "-n", "2", "--", sys.executable, "-c", STUBBORN,
+           "fail" if how == "a-rank-fails" else "wait", marker]
+    launcher = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                env={**os.environ, "DPJAX_LAUNCH_GRACE": "1"})
+    try:
+        deadline = time.time() + 30
+        while len(_pids_with(marker)) < 3:  # the launcher and its two processes
+            assert time.time() < deadline, "processes never started"
+            time.sleep(0.1)
+        time.sleep(0.5)  # past the children's signal set-up
+        t0 = time.time()
+        if how == "ctrl-c":
+            launcher.send_signal(signal.SIGINT)
+        out, err = launcher.communicate(timeout=30)
+        assert time.time() - t0 < 10  # 1 s after SIGINT, 1 s after SIGTERM
+        assert "sending SIGTERM" in err and "sending SIGKILL" in err, err
+        assert launcher.returncode != 0
+        if how == "a-rank-fails":
+            assert "rank 1 failed (exit code 3)" in err
+        time.sleep(0.5)
+        assert _pids_with(marker) == []
+    finally:  # whatever failed above, leave nothing of this test running
+        for pid in _pids_with(marker):
+            os.kill(pid, signal.SIGKILL)

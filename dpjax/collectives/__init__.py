@@ -1,37 +1,57 @@
 """Explicit collective algorithms, dispatched by name. Call these inside `jax.shard_map`.
 
-Every algorithm except the `"psum"` baseline is written as point-to-point
-`lax.ppermute` steps plus local arithmetic, so the schedule a gradient follows across
-the machines is there to read. Each matches `lax.psum` / `lax.psum_scatter` /
-`lax.all_gather` (tiled, dimension 0) for any shape, float dtype and axis size >= 1.
-`axis_name` may be a tuple of axes; `"hierarchical"` requires exactly `(outer, inner)`,
-the others treat a tuple as one flattened axis.
+Every algorithm except the XLA baselines (`"psum"`, and `"xla"` for all-to-all) is
+written as point-to-point `lax.ppermute` steps plus local arithmetic, so the schedule
+a gradient follows across the machines is there to read. Each matches `lax.psum` /
+`lax.psum_scatter` / `lax.all_gather` / `lax.all_to_all` (tiled, dimension 0) for any
+shape, dtype and axis size >= 1. `axis_name` may be a tuple of axes, which the flat
+algorithms treat as one flattened axis; `"hierarchical"` takes `(outer, inner)`, or one
+axis name as its one-level case (the inner ring alone).
+
+Beyond lax (Horovod's collective API): `op` in sum, mean, min, max, product and adasum
+(`ops.py`, `adasum.py`), `prescale_factor` / `postscale_factor`, process sets
+(`groups=`, `groups.py`), uneven pieces (`sizes=`, `uneven.py`), grouped calls
+(`grouped_*`, `grouped.py`) and all-to-all (`alltoall.py`).
+
+Autodiff follows JAX's convention: the transpose of an all-gather or a broadcast sums
+the cotangents over ranks, and that of a reduce-scatter all-gathers them. Horovod
+averages instead for all-gather and broadcast, and scales by the size for a sum
+reduce-scatter; `dpjax.horovod` follows Horovod's, these follow JAX's.
+
+Across processes, every call first checks that all processes are about to make the
+same call (`dpjax.distributed.agree`: shape, dtype, op, root, algorithm, groups,
+sizes), so ranks that disagree get one clear error instead of garbage or a hang.
 """
 
 from __future__ import annotations
+
+import operator
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-from dpjax.collectives import butterfly, hierarchical, ps, ring, tree
-from dpjax.collectives._common import axis_size, finish, split_dim0
+from dpjax import distributed
+from dpjax.collectives import adasum, alltoall, butterfly, groups as process_sets, hierarchical, ops, ps, ring, tree
+from dpjax.collectives import uneven
+from dpjax.collectives._common import axis_size, split_dim0
+from dpjax.collectives.grouped import COMPRESSIONS
+from dpjax.collectives.grouped import all_gather as grouped_all_gather
+from dpjax.collectives.grouped import allreduce as grouped_allreduce
+from dpjax.collectives.grouped import reduce_scatter as grouped_reduce_scatter
+from dpjax.collectives.ops import REDUCE_OPS
 
 ALGORITHMS = ("psum", "ring", "butterfly", "tree", "ps", "hierarchical")
 REDUCE_SCATTER_ALGORITHMS = ("psum", "ring", "butterfly", "hierarchical")
 ALL_GATHER_ALGORITHMS = ("psum", "ring", "butterfly", "hierarchical")
 BROADCAST_ALGORITHMS = ("psum", "tree", "ring")
+ALL_TO_ALL_ALGORITHMS = ("xla", "pairwise", "bruck")
 
 __all__ = [
-    "ALGORITHMS",
-    "ALL_GATHER_ALGORITHMS",
-    "BROADCAST_ALGORITHMS",
-    "REDUCE_SCATTER_ALGORITHMS",
-    "all_gather",
-    "allreduce",
-    "broadcast",
-    "check_algorithm",
-    "reduce_scatter",
+    "ALGORITHMS", "ALL_GATHER_ALGORITHMS", "ALL_TO_ALL_ALGORITHMS", "BROADCAST_ALGORITHMS",
+    "COMPRESSIONS", "REDUCE_OPS", "REDUCE_SCATTER_ALGORITHMS",
+    "all_gather", "all_to_all", "allreduce", "broadcast", "check_algorithm",
+    "grouped_all_gather", "grouped_allreduce", "grouped_reduce_scatter", "reduce_scatter",
 ]
 
 
@@ -45,21 +65,67 @@ def _mesh_ordered(axis_name, what: str, reorder: bool):
     """A tuple of axes in the mesh's order. ppermute numbers the ranks of a tuple of
     axes in mesh order while lax.axis_index follows the tuple's order, so a schedule
     over an out-of-order tuple would send to the wrong ranks. A sum does not care
-    about the order (`reorder`); a scatter, gather or root does, so it must be given
-    in mesh order."""
+    about the order (`reorder`); a scatter, gather, root or group does, so it must be
+    given in mesh order."""
     if not isinstance(axis_name, (tuple, list)):
         return axis_name
     names = jax.sharding.get_abstract_mesh().axis_names
     if any(a not in names for a in axis_name):
-        return tuple(axis_name)  # not inside a mesh context: let lax report it
+        return tuple(axis_name)  # an unbound axis: axis_size has said so already
     ordered = tuple(sorted(axis_name, key=names.index))
     if ordered != tuple(axis_name) and not reorder:
         raise ValueError(f"{what} over axes {tuple(axis_name)}: give them in the mesh's order {ordered}")
     return ordered
 
 
+def _shown(value) -> str:
+    return "<traced>" if isinstance(value, jax.core.Tracer) else repr(value)
+
+
+def _prepare(what, x, axis_name, algorithm, known, *, groups=None, reorder=False, **args):
+    """The steps every public call starts with: the axis must be bound; every process
+    must be making this same call (`distributed.agree`, before any other check, so that
+    a call one process gets wrong fails on every process); the algorithm and groups
+    must exist. Returns (axis in mesh order, n, validated groups or None)."""
+    n = axis_size(axis_name, what)
+    shown = ", ".join(f"{k}={_shown(v)}" for k, v in dict(algorithm=algorithm, groups=groups, **args).items()
+                      if v is not None)
+    distributed.agree(what, f"{what}({x.dtype}{list(x.shape)} over {axis_name!r}, {shown})")
+    check_algorithm(algorithm, known, what)
+    if groups is not None:
+        if algorithm in ("psum", "xla", "hierarchical"):
+            explicit = ", ".join(a for a in known if a not in ("psum", "xla", "hierarchical"))
+            raise ValueError(f"{what}: algorithm {algorithm!r} takes no groups (process sets); choose one of "
+                             f"{explicit}")
+        groups = process_sets.check_groups(groups, n, what, partition=what not in ("allreduce", "broadcast"))
+    if algorithm != "hierarchical":
+        axis_name = _mesh_ordered(axis_name, what, reorder=reorder and groups is None)
+    return axis_name, n, groups
+
+
+def _within(groups, fn, x, axis_name, n):
+    return fn(x, axis_name) if groups is None else process_sets.run(fn, x, axis_name, groups, n)
+
+
+def _group_size(groups, n: int, axis_name):
+    """This rank's group size: an int if every rank's is the same, else traced (a rank
+    in no group is a group of one)."""
+    if groups is None:
+        return n
+    size = [1] * n
+    for g in groups:
+        for r in g:
+            size[r] = len(g)
+    return size[0] if len(set(size)) == 1 else jnp.asarray(size)[lax.axis_index(axis_name)]
+
+
 def _psum_allreduce(x, axis_name, *, op="sum"):
-    return finish(lax.psum(x, axis_name), op, axis_size(axis_name))
+    if op == "product":
+        raise ValueError("allreduce op='product' has no XLA baseline (lax has psum, pmin and pmax only); "
+                         "choose an explicit algorithm such as 'ring'")
+    wide = x.astype(jnp.uint8) if x.dtype == jnp.bool_ else x
+    fn = {"min": lax.pmin, "max": lax.pmax}.get(op, lax.psum)
+    return fn(wide, axis_name).astype(x.dtype)
 
 
 _ALLREDUCE = {
@@ -72,53 +138,115 @@ _ALLREDUCE = {
 }
 
 
-def allreduce(x, axis_name, *, algorithm: str = "ring", op: str = "sum", **options):
-    """Sum (op="sum") or average (op="mean") of `x` over `axis_name`, on every rank.
+def allreduce(x, axis_name, *, algorithm: str = "ring", op: str = "sum", prescale_factor: float = 1.0,
+              postscale_factor: float = 1.0, groups=None, **options):
+    """`x` reduced with `op` over `axis_name` (within each group of `groups`), on every rank.
 
-    options: `num_servers` for "ps"; `outer_algorithm` for "hierarchical".
+    op: sum, mean, min, max, product, or adasum (with algorithm="butterfly": Adasum has
+    its own butterfly). options: `num_servers` for "ps"; `outer_algorithm` for
+    "hierarchical"; `segments` for adasum (sizes of the tensors in a fused buffer).
     """
-    finish(x, op, 1)  # validates `op` before any communication is traced
-    check_algorithm(algorithm)
-    if algorithm != "hierarchical":
-        axis_name = _mesh_ordered(axis_name, "allreduce", reorder=True)
-    return _ALLREDUCE[algorithm](x, axis_name, op=op, **options)
+    x = jnp.asarray(x)
+    axis_name, n, groups = _prepare("allreduce", x, axis_name, algorithm, ALGORITHMS, groups=groups,
+                                    reorder=True, op=op, prescale=prescale_factor, postscale=postscale_factor,
+                                    **options)
+    ops.check(op, x.dtype, "allreduce", prescale_factor, postscale_factor)
+    if op == "adasum" and algorithm != "butterfly":
+        raise ValueError(f"allreduce op='adasum' runs Adasum's own butterfly (Maleki et al.): pass "
+                         f"algorithm='butterfly', not {algorithm!r}")
+    fn = adasum.allreduce if op == "adasum" else _ALLREDUCE[algorithm]
+    out = _within(groups, lambda v, ax: fn(v, ax, op=op, **options), ops.scale(x, prescale_factor), axis_name, n)
+    size = _group_size(groups, n, axis_name)
+    if isinstance(size, int):
+        return ops.finish(out, op, size, postscale_factor)
+    result = out  # groups of several sizes: each rank finishes with its own
+    for k in sorted({len(g) for g in groups} | {1}):
+        result = jnp.where(size == k, ops.finish(out, op, k, postscale_factor), result)
+    return result
 
 
-def reduce_scatter(x, axis_name, *, algorithm: str = "ring", op: str = "sum"):
-    """Like `lax.psum_scatter(x, axis_name, scatter_dimension=0, tiled=True)`."""
-    check_algorithm(algorithm, REDUCE_SCATTER_ALGORITHMS, "reduce_scatter")
-    n = axis_size(axis_name)
-    split_dim0(x, n, "reduce_scatter")  # the same ValueError for every algorithm
-    if algorithm != "hierarchical":
-        axis_name = _mesh_ordered(axis_name, "reduce_scatter", reorder=False)
+def reduce_scatter(x, axis_name, *, algorithm: str = "ring", op: str = "sum", prescale_factor: float = 1.0,
+                   postscale_factor: float = 1.0, sizes=None, groups=None):
+    """Like `lax.psum_scatter(x, axis_name, scatter_dimension=0, tiled=True)`, with `op`.
+
+    sizes: rows per rank when they differ (see `uneven.py`); groups: process sets of one size."""
+    x = jnp.asarray(x)
+    axis_name, n, groups = _prepare("reduce_scatter", x, axis_name, algorithm, REDUCE_SCATTER_ALGORITHMS,
+                                    groups=groups, op=op, sizes=sizes, prescale=prescale_factor,
+                                    postscale=postscale_factor)
+    ops.check(op, x.dtype, "reduce_scatter", prescale_factor, postscale_factor)
+    if op == "adasum":
+        raise ValueError("reduce_scatter has no op 'adasum' (Adasum combines whole vectors); use allreduce")
+    if algorithm == "psum" and op not in ("sum", "mean"):
+        raise ValueError(f"reduce_scatter op={op!r} has no XLA baseline (lax.psum_scatter only sums); "
+                         f"choose one of {', '.join(REDUCE_SCATTER_ALGORITHMS[1:])}")
+    k = _group_size(groups, n, axis_name)
+    if sizes is not None:
+        x = uneven.pad_blocks(x, uneven.check_sizes(sizes, k, "reduce_scatter"))
+    split_dim0(x, k, "reduce_scatter", " (or give sizes=[rows of each rank])")
+    x = ops.scale(x, prescale_factor)
     if algorithm == "psum":
-        return finish(lax.psum_scatter(x, axis_name, scatter_dimension=0, tiled=True), op, n)
-    mod = {"ring": ring, "butterfly": butterfly, "hierarchical": hierarchical}[algorithm]
-    return mod.reduce_scatter(x, axis_name, op=op)
+        out = lax.psum_scatter(x, axis_name, scatter_dimension=0, tiled=True)
+    else:
+        mod = {"ring": ring, "butterfly": butterfly, "hierarchical": hierarchical}[algorithm]
+        out = _within(groups, lambda v, ax: mod.reduce_scatter(v, ax, op=op), x, axis_name, n)
+    return ops.finish(out, op, k, postscale_factor)
 
 
-def all_gather(x, axis_name, *, algorithm: str = "ring"):
-    """Like `lax.all_gather(x, axis_name, axis=0, tiled=True)`."""
-    check_algorithm(algorithm, ALL_GATHER_ALGORITHMS, "all_gather")
-    if jnp.ndim(x) == 0:
+def all_gather(x, axis_name, *, algorithm: str = "ring", sizes=None, groups=None):
+    """Like `lax.all_gather(x, axis_name, axis=0, tiled=True)`.
+
+    sizes: rows of each rank (allgatherv; x holds max(sizes) rows, see `uneven.py`);
+    groups: process sets of one size."""
+    x = jnp.asarray(x)
+    axis_name, n, groups = _prepare("all_gather", x, axis_name, algorithm, ALL_GATHER_ALGORITHMS,
+                                    groups=groups, sizes=sizes)
+    if x.ndim == 0:
         raise ValueError("all_gather is tiled on dimension 0 and needs an array with one; got a scalar "
                          "(reshape it to (1,))")
-    if algorithm != "hierarchical":
-        axis_name = _mesh_ordered(axis_name, "all_gather", reorder=False)
+    if sizes is not None:
+        sizes = uneven.check_sizes(sizes, _group_size(groups, n, axis_name), "all_gather")
+        uneven.check_gather_input(x, sizes)
     if algorithm == "psum":
-        return lax.all_gather(x, axis_name, axis=0, tiled=True)
-    mod = {"ring": ring, "butterfly": butterfly, "hierarchical": hierarchical}[algorithm]
-    return mod.all_gather(x, axis_name)
+        out = lax.all_gather(x, axis_name, axis=0, tiled=True)
+    else:
+        mod = {"ring": ring, "butterfly": butterfly, "hierarchical": hierarchical}[algorithm]
+        out = _within(groups, mod.all_gather, x, axis_name, n)
+    return out if sizes is None else uneven.cut_blocks(out, sizes)
 
 
-def broadcast(x, axis_name, *, root: int = 0, algorithm: str = "tree"):
-    """Every rank along `axis_name` ends with the value `root` holds."""
-    check_algorithm(algorithm, BROADCAST_ALGORITHMS, "broadcast")
-    axis_name = _mesh_ordered(axis_name, "broadcast", reorder=False)
+def broadcast(x, axis_name, *, root: int = 0, algorithm: str = "tree", groups=None):
+    """Every rank along `axis_name` ends with the value `root` holds (any dtype, kept).
+
+    With groups, root is a position inside each group (0: each group's first member)."""
+    x = jnp.asarray(x)
+    axis_name, n, groups = _prepare("broadcast", x, axis_name, algorithm, BROADCAST_ALGORITHMS,
+                                    groups=groups, root=root)
+    try:
+        root = operator.index(root)
+    except TypeError:
+        raise ValueError(f"broadcast root must be a static Python int (the rank holding the value), got "
+                         f"{_shown(root)} of type {type(root).__name__}: a root computed inside the step "
+                         f"cannot choose the schedule") from None
+    k = n if groups is None else min(map(len, groups))
+    if not 0 <= root < k:
+        raise ValueError(f"broadcast root {root} is outside the " + (
+            f"axis of size {n}" if groups is None else f"smallest group, of size {k}"))
     if algorithm == "psum":
-        n = axis_size(axis_name)
-        if not 0 <= root < n:
-            raise ValueError(f"broadcast root {root} is outside the axis of size {n}")
         mine = lax.axis_index(axis_name) == root
-        return lax.psum(jnp.where(mine, x, jnp.zeros_like(x)), axis_name)
-    return {"tree": tree, "ring": ring}[algorithm].broadcast(x, axis_name, root=root)
+        wide = x.astype(jnp.uint8) if x.dtype == jnp.bool_ else x  # psum would turn bool into int32
+        return lax.psum(jnp.where(mine, wide, jnp.zeros_like(wide)), axis_name).astype(x.dtype)
+    mod = {"tree": tree, "ring": ring}[algorithm]
+    return _within(groups, lambda v, ax: mod.broadcast(v, ax, root=root), x, axis_name, n)
+
+
+def all_to_all(x, axis_name, *, algorithm: str = "pairwise", groups=None):
+    """Like `lax.all_to_all(x, axis_name, 0, 0, tiled=True)`: block j of dimension 0
+    goes to rank j (within each group), and block i of the result came from rank i."""
+    x = jnp.asarray(x)
+    axis_name, n, groups = _prepare("all_to_all", x, axis_name, algorithm, ALL_TO_ALL_ALGORITHMS,
+                                    groups=groups)
+    split_dim0(x, _group_size(groups, n, axis_name), "all_to_all")
+    if algorithm == "xla":
+        return lax.all_to_all(x, axis_name, 0, 0, tiled=True)
+    return _within(groups, getattr(alltoall, algorithm), x, axis_name, n)

@@ -1,16 +1,68 @@
-"""Helpers shared by the collective algorithms (called inside `shard_map`)."""
+"""Helpers shared by the collective algorithms (called inside `shard_map`).
+
+An algorithm addresses its ranks only through `axis_size`, `index` and `permute`. Over
+a mesh axis (or a tuple of axes) they are `lax.axis_size`, `lax.axis_index` and
+`lax.ppermute`. Over a `Subgroups` view (process sets: `groups=` in the public calls)
+they number the ranks inside each group and map every point-to-point pair onto the
+members of every group at once, so each algorithm runs within groups unchanged.
+"""
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import jax.numpy as jnp
 from jax import lax
 
 
-def axis_size(axis_name) -> int:
-    """Static size of a mesh axis (or the product of a tuple of axes)."""
-    return int(lax.axis_size(axis_name))
+@dataclass(frozen=True)
+class Subgroups:
+    """Disjoint groups of one size k along `axis`: `members[g][i]` is rank i of group g.
+
+    Ranks in no group compute along (as rank 0 of no group: they send nothing and
+    receive zeros) and their result is discarded by the caller (`groups.run`)."""
+
+    axis: object
+    members: tuple[tuple[int, ...], ...]
+
+
+def _unbound(axis_name, what: str) -> ValueError:
+    return ValueError(
+        f"{what} over axis {axis_name!r} called outside a mesh context (the axis name is unbound): "
+        f"call it inside jax.shard_map(..., mesh=mesh) or dpjax.shard_step(fn, mesh)")
+
+
+def axis_size(axis_name, what: str = "a collective") -> int:
+    """Static size of a mesh axis (or the product of a tuple of axes, or a group's size).
+
+    Outside a mesh context JAX would raise `NameError: unbound axis name` from deep
+    inside the first collective; this names the axis and what to wrap the call in."""
+    if isinstance(axis_name, Subgroups):
+        return len(axis_name.members[0])
+    try:
+        return int(lax.axis_size(axis_name))
+    except NameError:
+        raise _unbound(axis_name, what) from None
+
+
+def index(axis_name):
+    """This rank's index along the axis (within its group for a `Subgroups` view)."""
+    if isinstance(axis_name, Subgroups):
+        where = [0] * axis_size(axis_name.axis)
+        for g in axis_name.members:
+            for i, r in enumerate(g):
+                where[r] = i
+        return jnp.asarray(where, jnp.int32)[lax.axis_index(axis_name.axis)]
+    return lax.axis_index(axis_name)
+
+
+def permute(x, axis_name, pairs):
+    """`lax.ppermute` with (source, target) pairs numbered along the axis (within each group)."""
+    if isinstance(axis_name, Subgroups):
+        pairs = [(g[s], g[t]) for g in axis_name.members for s, t in pairs]
+        axis_name = axis_name.axis
+    return lax.ppermute(x, axis_name, pairs)
 
 
 def shift_perm(n: int, shift: int = 1) -> list[tuple[int, int]]:
@@ -32,23 +84,13 @@ def as_chunks(x, n: int):
     return flat.reshape(n, c), undo
 
 
-def split_dim0(x, n: int, what: str):
+def split_dim0(x, n: int, what: str, hint: str = ""):
     """(n*m, ...) -> (n, m, ...) with the tiled semantics of lax.psum_scatter."""
     if x.ndim == 0 or x.shape[0] % n:
-        raise ValueError(
-            f"{what}: dimension 0 of shape {x.shape} must be divisible by the axis size {n}"
-        )
+        raise ValueError(f"{what}: dimension 0 of shape {x.shape} must be divisible by the axis size {n}{hint}")
     return x.reshape(n, x.shape[0] // n, *x.shape[1:])
 
 
 def row(rows, index):
     """rows[index] for a traced index, without materialising anything else."""
     return lax.dynamic_index_in_dim(rows, index, 0, keepdims=False)
-
-
-def finish(x, op: str, n: int):
-    if op == "sum":
-        return x
-    if op == "mean":
-        return x / jnp.asarray(n, x.dtype)
-    raise ValueError(f"unknown op {op!r}: use 'sum' or 'mean'")

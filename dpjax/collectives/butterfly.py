@@ -27,70 +27,89 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 
-from dpjax.collectives._common import as_chunks, axis_size, finish, split_dim0
+from dpjax.collectives._common import as_chunks, axis_size, index, permute, split_dim0
+from dpjax.collectives.ops import combine
 from dpjax.collectives.ring import rows_in_rank_order
 
 
-def _pow2_below(n: int) -> int:
+def pow2_below(n: int) -> int:
     return 1 << (n.bit_length() - 1)
 
 
-def _fold(x, axis_name, n: int, p: int):
-    """Extra rank p+i adds its x into rank i."""
+def fold(x, axis_name, n: int, p: int, add):
+    """Extra rank p+i combines its x into rank i (`add`); the other ranks keep theirs
+    (they receive zeros, which only a sum could absorb)."""
     if p == n:
         return x
-    return x + lax.ppermute(x, axis_name, [(p + i, i) for i in range(n - p)])
+    got = permute(x, axis_name, [(p + i, i) for i in range(n - p)])
+    return jnp.where(index(axis_name) < n - p, add(x, got), x)
 
 
-def _unfold(x, axis_name, n: int, p: int):
+def unfold(x, axis_name, n: int, p: int):
     """Rank i (< n-p) hands its result to extra rank p+i."""
     if p == n:
         return x
-    got = lax.ppermute(x, axis_name, [(i, p + i) for i in range(n - p)])
-    return jnp.where(lax.axis_index(axis_name) >= p, got, x)
+    got = permute(x, axis_name, [(i, p + i) for i in range(n - p)])
+    return jnp.where(index(axis_name) >= p, got, x)
 
 
-def halving_rows(rows, axis_name, p: int):
-    """Recursive halving over ranks 0..p-1: rows (p, ...) -> sum over ranks of rows[rank]."""
-    r = lax.axis_index(axis_name)
-    cur, d = rows, p // 2
-    while d >= 1:
-        upper = (r // d) % 2  # this rank keeps the upper half of its current segment
-        keep = lax.dynamic_slice_in_dim(cur, upper * d, d, 0)
-        send = lax.dynamic_slice_in_dim(cur, (1 - upper) * d, d, 0)
-        cur = keep + lax.ppermute(send, axis_name, [(i, i ^ d) for i in range(p)])
-        d //= 2
+def halving_rows(rows, axis_name, p: int, add, ascending: bool = False):
+    """Recursive halving over ranks 0..p-1: rows (p, ...) -> one row reduced over ranks.
+
+    At each step a rank keeps one half of its current rows, sends the other half to
+    the partner at distance d and combines what arrives: `add(kept, received, d)`
+    (received is the partner's copy of the kept half). Distances p/2, ..., 2, 1
+    (Rabenseifner's order) leave rank r with row r. `ascending` (1, 2, ..., p/2,
+    Horovod's "vector halving, distance doubling" for Adasum) leaves it with row
+    bitrev(r): ranks close together combine first."""
+    r = index(axis_name)
+    cur = rows
+    distances = [1 << k for k in range(p.bit_length() - 1)]
+    for d in (distances if ascending else distances[::-1]):
+        h = cur.shape[0] // 2
+        upper = (r // d) % 2  # this rank keeps the upper half of its current rows
+        keep = lax.dynamic_slice_in_dim(cur, upper * h, h, 0)
+        send = lax.dynamic_slice_in_dim(cur, (1 - upper) * h, h, 0)
+        cur = add(keep, permute(send, axis_name, [(i, i ^ d) for i in range(p)]), d)
     return cur[0]
 
 
-def doubling_rows(mine, axis_name, p: int):
-    """Recursive doubling over ranks 0..p-1: this rank's row -> (p, ...) all rows in order."""
-    r = lax.axis_index(axis_name)
-    # Rows are held in "XOR order": position j holds row j ^ r. The partner r ^ d
-    # holds rows (j ^ d) ^ r at its positions j < d, which are my positions j + d, so
-    # every step appends what arrives at a static offset; only the last write is
+def doubling_rows(mine, axis_name, p: int, owner=None):
+    """Recursive doubling over ranks 0..p-1: this rank's row -> (p, ...) all rows in order.
+
+    owner(k): the rank that holds row k (default k; `bitrev` after an ascending halving)."""
+    r = index(axis_name)
+    # Rows are held in "XOR order": position j holds the row of rank j ^ r. The partner
+    # r ^ d holds rows (j ^ d) ^ r at its positions j < d, which are my positions j + d,
+    # so every step appends what arrives at a static offset; only the last write is
     # rank-dependent. (A select between two orders at every step reads both
     # operands and copies the growing buffer once more.)
     cur, d = mine[None], 1
     while True:
-        got = lax.ppermute(cur, axis_name, [(i, i ^ d) for i in range(p)])
+        got = permute(cur, axis_name, [(i, i ^ d) for i in range(p)])
         d *= 2
         if d == p:
             break
         cur = jnp.concatenate([cur, got])
-    order = [[k ^ i for k in range(p)] for i in range(p)]  # result row k sits at k ^ r
+    owner = owner or (lambda k: k)
+    order = [[owner(k) ^ i for k in range(p)] for i in range(p)]  # row k sits at owner(k) ^ r
     return rows_in_rank_order([cur, got], order, jnp.minimum(r, p - 1))
+
+
+def _add(op):
+    add = combine(op)
+    return lambda keep, got, d: add(keep, got)
 
 
 def allreduce(x, axis_name, *, op: str = "sum"):
     """Rabenseifner allreduce: recursive halving + recursive doubling, any axis size."""
     n = axis_size(axis_name)
     if n == 1:
-        return finish(x, op, n)
-    p = _pow2_below(n)
-    rows, undo = as_chunks(_fold(x, axis_name, n, p), p)
-    full = doubling_rows(halving_rows(rows, axis_name, p), axis_name, p)
-    return finish(_unfold(undo(full), axis_name, n, p), op, n)
+        return x
+    p = pow2_below(n)
+    rows, undo = as_chunks(fold(x, axis_name, n, p, combine(op)), p)
+    full = doubling_rows(halving_rows(rows, axis_name, p, _add(op)), axis_name, p)
+    return unfold(undo(full), axis_name, n, p)
 
 
 def reduce_scatter(x, axis_name, *, op: str = "sum"):
@@ -98,18 +117,18 @@ def reduce_scatter(x, axis_name, *, op: str = "sum"):
     n = axis_size(axis_name)
     rows = split_dim0(x, n, "reduce_scatter")
     if n == 1:
-        return finish(rows[0], op, n)
-    p = _pow2_below(n)
+        return rows[0]
+    p = pow2_below(n)
     if p == n:
-        return finish(halving_rows(rows, axis_name, p), op, n)
-    rows = _fold(rows, axis_name, n, p)
+        return halving_rows(rows, axis_name, p, _add(op))
+    rows = fold(rows, axis_name, n, p, combine(op))
     pad = jnp.zeros((2 * p - n, *rows.shape[1:]), rows.dtype)
     # Segment i holds chunks i and p+i (zeros past n): rank i reduces both, keeps
     # chunk i and hands chunk p+i to the extra rank p+i.
     segs = jnp.concatenate([rows, pad]).reshape(2, p, *rows.shape[1:]).swapaxes(0, 1)
-    mine = halving_rows(segs, axis_name, p)
-    got = lax.ppermute(mine[1], axis_name, [(i, p + i) for i in range(n - p)])
-    return finish(jnp.where(lax.axis_index(axis_name) >= p, got, mine[0]), op, n)
+    mine = halving_rows(segs, axis_name, p, _add(op))
+    got = permute(mine[1], axis_name, [(i, p + i) for i in range(n - p)])
+    return jnp.where(index(axis_name) >= p, got, mine[0])
 
 
 def all_gather(x, axis_name):
@@ -117,11 +136,11 @@ def all_gather(x, axis_name):
     n = axis_size(axis_name)
     if n == 1:
         return x
-    p = _pow2_below(n)
+    p = pow2_below(n)
     if p == n:
         full = doubling_rows(x, axis_name, p)
     else:
-        extra = lax.ppermute(x, axis_name, [(p + i, i) for i in range(n - p)])
+        extra = permute(x, axis_name, [(p + i, i) for i in range(n - p)])
         segs = doubling_rows(jnp.stack([x, extra]), axis_name, p)  # (p, 2, ...)
-        full = _unfold(segs.swapaxes(0, 1).reshape(2 * p, *x.shape)[:n], axis_name, n, p)
+        full = unfold(segs.swapaxes(0, 1).reshape(2 * p, *x.shape)[:n], axis_name, n, p)
     return full.reshape(n * x.shape[0], *x.shape[1:])

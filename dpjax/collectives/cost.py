@@ -72,15 +72,22 @@ def _log2(n: int) -> int:
 
 def schedule(algorithm: str, n: int, nelems: int, itemsize: int = 4, *,
              primitive: str = "allreduce", groups: int = 1, num_servers: int = 1,
-             root_busiest: bool = True) -> Schedule:
+             root_busiest: bool = True, tensors: int = 1) -> Schedule:
     """(steps, bytes the busiest device sends) for one collective.
 
     n: ranks along the axis (for "hierarchical", the inner size L; `groups` is G).
-    nelems: elements of the full vector (for all_gather, of the gathered result).
-    primitive: "allreduce", "reduce_scatter", "all_gather" or "broadcast".
+    nelems: elements of the full vector (for all_gather, of the gathered result; for
+    all_to_all, of one rank's whole input).
+    primitive: "allreduce", "reduce_scatter", "all_gather", "broadcast" or "all_to_all"
+    ("pairwise", "bruck" and XLA's "xla"). algorithm "adasum": the Adasum allreduce of
+    `tensors` fused tensors (adasum.py).
     """
     if n < 1 or nelems < 0:
         raise ValueError(f"need n >= 1 and nelems >= 0, got n={n}, nelems={nelems}")
+    if primitive == "all_to_all":
+        return _all_to_all(algorithm, n, nelems // n * itemsize)
+    if algorithm == "adasum" and primitive == "allreduce":
+        return _adasum(n, nelems, itemsize, tensors)
     if algorithm == "hierarchical":
         L, G = n, groups
         c = math.ceil(nelems / L) if primitive == "allreduce" else nelems // (G * L) * G
@@ -136,6 +143,40 @@ def schedule(algorithm: str, n: int, nelems: int, itemsize: int = 4, *,
         server = (S - 1) * shard + (n - 1) * shard
         return Schedule(2 * (n - 1), max(server, S * shard if S < n else 0))
     raise ValueError(f"no cost model for {primitive} with algorithm {algorithm!r}")
+
+
+def _all_to_all(algorithm: str, n: int, block: int) -> Schedule:
+    """alltoall.py: pairwise n-1 steps of one block; Bruck ceil(log2 n) steps, step k
+    sending every block whose position has bit k set."""
+    if algorithm == "xla":  # XLA's all-to-all: one op, charged as each block sent once
+        return Schedule(1, (n - 1) * block)
+    if n == 1:
+        return Schedule(0, 0)
+    if algorithm == "pairwise":
+        return Schedule(n - 1, (n - 1) * block)
+    if algorithm == "bruck":
+        bits = range(_log2(n))
+        return Schedule(len(bits), block * sum(1 for k in bits for j in range(n) if j >> k & 1))
+    raise ValueError(f"no cost model for all_to_all with algorithm {algorithm!r}")
+
+
+def _adasum(n: int, nelems: int, itemsize: int, tensors: int) -> Schedule:
+    """adasum.py: the butterfly's halving and doubling, plus k(k+1)/2 steps that sum
+    3 dot products per tensor (float32, float64 for float64 input) over each block."""
+    if n == 1:
+        return Schedule(0, 0)
+    butterfly = schedule("butterfly", n, nelems, itemsize)
+    k = _log2(_pow2_below(n))
+    dot_steps = k * (k + 1) // 2
+    return Schedule(butterfly.steps + dot_steps,
+                    butterfly.bytes + dot_steps * 3 * tensors * max(4, itemsize))
+
+
+def schedule_sets(algorithm: str, sets, nelems: int, itemsize: int = 4, **kw) -> Schedule:
+    """A collective within process sets (groups.py): one pass per distinct set size, so
+    the steps add up over the sizes; a device sends what its own set's pass sends."""
+    passes = [schedule(algorithm, k, nelems, itemsize, **kw) for k in sorted({len(s) for s in sets})]
+    return Schedule(sum(p.steps for p in passes), max(p.bytes for p in passes))
 
 
 def lower_bound_bytes(n: int, nbytes: int) -> float:
@@ -217,9 +258,10 @@ def hlo_comm(hlo_text: str) -> HloComm:
         # Compiled HLO names operands without their shapes; the result (the first
         # array of an async -start tuple) has the operand's shape for permutes and
         # all-reduces, the gathered shape for all-gather, the piece for reduce-scatter.
-        # XLA's combiner gives one all-reduce a tuple of results: charge them all.
+        # XLA's combiner gives one all-reduce a tuple of results, and an all-to-all has
+        # one result per block: charge them all.
         first = _SHAPE_RE.search(m.group("result"))
-        if op == "all-reduce" and not m.group("start"):
+        if op in ("all-reduce", "all-to-all") and not m.group("start"):
             nbytes = _shape_bytes(m.group("result"))
         else:
             nbytes = _shape_bytes(first.group(0)) if first else 0

@@ -12,49 +12,58 @@ Per device, N the bytes of the vector, with ring phases:
 
 so each rank's traffic across groups is 1/L of what a flat ring over the G groups
 would send (and a flat ring over all G*L ranks sends 2(n-1)/n * N through its boundary ranks).
+
+A single axis name (not a pair) is the one-level case: the inner level alone over
+that axis (G = 1, no outer phase), i.e. the ring. A caller that exchanges over one
+data axis at a time can keep `algorithm="hierarchical"` for every axis.
 """
 
 from __future__ import annotations
 
 from dpjax.collectives import ring
-from dpjax.collectives._common import as_chunks, axis_size, finish, split_dim0
+from dpjax.collectives._common import as_chunks, axis_size, split_dim0
 
 
 def _axes(axis_name):
+    """(outer or None, inner)."""
+    if isinstance(axis_name, str):
+        return None, axis_name
     if not (isinstance(axis_name, (tuple, list)) and len(axis_name) == 2):
         raise ValueError(
-            f"hierarchical collectives need axis_name=(outer, inner), got {axis_name!r}"
+            f"hierarchical collectives need axis_name=(outer, inner) or one axis name, got {axis_name!r}"
         )
     return tuple(axis_name)
+
+
+def _sizes(axis_name):
+    outer, inner = _axes(axis_name)
+    return outer, inner, (1 if outer is None else axis_size(outer)), axis_size(inner)
 
 
 def allreduce(x, axis_name, *, op: str = "sum", outer_algorithm: str = "ring"):
     from dpjax.collectives import allreduce as flat_allreduce
 
-    outer, inner = _axes(axis_name)
-    L, G = axis_size(inner), axis_size(outer)
+    outer, inner, G, L = _sizes(axis_name)
     rows, undo = as_chunks(x, L)
-    mine = rows[0] if L == 1 else ring.reduce_scatter_rows(rows, inner, L)
-    mine = flat_allreduce(mine, outer, algorithm=outer_algorithm)
+    mine = rows[0] if L == 1 else ring.reduce_scatter_rows(rows, inner, L, op)
+    if G > 1:  # the public call finishes "mean" itself, so the outer level only combines
+        mine = flat_allreduce(mine, outer, algorithm=outer_algorithm, op="sum" if op == "mean" else op)
     full = mine[None] if L == 1 else ring.all_gather_rows(mine, inner, L)
-    return finish(undo(full), op, G * L)
+    return undo(full)
 
 
 def reduce_scatter(x, axis_name, *, op: str = "sum"):
     """Tiled on dimension 0 over the linearised (outer, inner) index, like lax.psum_scatter."""
-    outer, inner = _axes(axis_name)
-    L, G = axis_size(inner), axis_size(outer)
+    outer, inner, G, L = _sizes(axis_name)
     rows = split_dim0(x, G * L, "reduce_scatter")
     # chunk (g, l) sits at row g*L + l; group rows by inner rank first.
     by_inner = rows.reshape(G, L, *rows.shape[1:]).swapaxes(0, 1)
-    mine = by_inner[0] if L == 1 else ring.reduce_scatter_rows(by_inner, inner, L)  # (G, ...)
-    out = mine[0] if G == 1 else ring.reduce_scatter_rows(mine, outer, G)
-    return finish(out, op, G * L)
+    mine = by_inner[0] if L == 1 else ring.reduce_scatter_rows(by_inner, inner, L, op)  # (G, ...)
+    return mine[0] if G == 1 else ring.reduce_scatter_rows(mine, outer, G, op)
 
 
 def all_gather(x, axis_name):
-    outer, inner = _axes(axis_name)
-    L, G = axis_size(inner), axis_size(outer)
+    outer, inner, G, L = _sizes(axis_name)
     across = x[None] if G == 1 else ring.all_gather_rows(x, outer, G)  # (G, ...)
     full = across[None] if L == 1 else ring.all_gather_rows(across, inner, L)  # (L, G, ...)
     return full.swapaxes(0, 1).reshape(G * L * x.shape[0], *x.shape[1:])

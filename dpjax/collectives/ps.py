@@ -23,7 +23,8 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 
-from dpjax.collectives._common import as_chunks, axis_size, finish, row
+from dpjax.collectives._common import as_chunks, axis_size, index, permute, row
+from dpjax.collectives.ops import combine
 from dpjax.collectives.ring import rows_in_rank_order
 
 
@@ -32,18 +33,17 @@ def allreduce(x, axis_name, *, op: str = "sum", num_servers: int = 1):
     if not 1 <= num_servers <= n:
         raise ValueError(f"num_servers={num_servers} must be between 1 and the axis size {n}")
     if n == 1:
-        return finish(x, op, n)
-    S = num_servers
-    r = lax.axis_index(axis_name)
+        return x
+    S, add = num_servers, combine(op)
+    r = index(axis_name)
     shards, undo = as_chunks(x, S)
     acc = row(shards, jnp.minimum(r, S - 1))  # a server starts from its own shard
     for j in range(1, n):
         send = row(shards, jnp.minimum((r - j) % n, S - 1))  # shard (r-j) mod n, if a server owns it
-        acc = acc + lax.ppermute(send, axis_name, [((k + j) % n, k) for k in range(S)])
+        acc = add(acc, permute(send, axis_name, [((k + j) % n, k) for k in range(S)]))
     got = [acc]
     for j in range(1, n):
-        got.append(lax.ppermute(acc, axis_name, [(k, (k + j) % n) for k in range(S)]))
+        got.append(permute(acc, axis_name, [(k, (k + j) % n) for k in range(S)]))
     # got[j] holds shard (r - j) mod n, sent by its server j steps round.
     order = [[(i - k) % n for k in range(S)] for i in range(n)]
-    out = rows_in_rank_order([g[None] for g in got], order, r)
-    return finish(undo(out), op, n)
+    return undo(rows_in_rank_order([g[None] for g in got], order, r))

@@ -30,25 +30,26 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 
-from dpjax.collectives._common import as_chunks, axis_size, finish, row, shift_perm, split_dim0
+from dpjax.collectives._common import as_chunks, axis_size, index, permute, row, shift_perm, split_dim0
+from dpjax.collectives.ops import combine
 
 # A switch over the rank has n branches of n slices each; past this many ranks the
 # compile time is not worth the faster copy, and the gather is used everywhere.
 _SWITCH_MAX_RANKS = 32
 
 
-def rows_in_rank_order(pieces, table, index):
-    """Stacks rows of `pieces` in an order that depends on a traced rank `index`.
+def rows_in_rank_order(pieces, table, rank):
+    """Stacks rows of `pieces` in an order that depends on a traced `rank`.
 
     pieces: arrays with a leading row axis (all rows the same shape), read as one
-    list of rows; table: for each value of `index`, the row ids of the result in
-    order (a static Python table). Returns `rows[table[index]]` stacked.
+    list of rows; table: for each value of `rank`, the row ids of the result in
+    order (a static Python table). Returns `rows[table[rank]]` stacked.
     """
     pieces = list(pieces)
 
     def by_gather(*ps):
         rows = ps[0] if len(ps) == 1 else jnp.concatenate(ps)
-        return jnp.take(rows, jnp.asarray(table, jnp.int32)[index], axis=0, mode="clip")
+        return jnp.take(rows, jnp.asarray(table, jnp.int32)[rank], axis=0, mode="clip")
 
     if len(table) > _SWITCH_MAX_RANKS:
         return by_gather(*pieces)
@@ -61,30 +62,30 @@ def rows_in_rank_order(pieces, table, index):
                 return jnp.stack([rows[k] for k in t])
             return copy_rows
 
-        return lax.switch(index, [branch(t) for t in table], *ps)
+        return lax.switch(rank, [branch(t) for t in table], *ps)
 
     return lax.platform_dependent(*pieces, cpu=by_switch, default=by_gather)
 
 
-def reduce_scatter_rows(rows, axis_name, n: int):
-    """rows: (n, ...) local chunks -> the sum over ranks of rows[rank]."""
-    r = lax.axis_index(axis_name)
+def reduce_scatter_rows(rows, axis_name, n: int, op: str = "sum"):
+    """rows: (n, ...) local chunks -> rows[rank] reduced over ranks with `op`."""
+    r, add = index(axis_name), combine(op)
     right = shift_perm(n)
-    # After step s a rank holds the partial sum of chunk (r - s - 2) mod n; chunk c
-    # starts at rank c+1 and travels n-1 hops, ending fully reduced at rank c.
+    # After step s a rank holds the partial reduction of chunk (r - s - 2) mod n;
+    # chunk c starts at rank c+1 and travels n-1 hops, ending fully reduced at rank c.
     acc = row(rows, (r - 1) % n)
     for s in range(n - 1):
-        acc = lax.ppermute(acc, axis_name, right) + row(rows, (r - s - 2) % n)
+        acc = add(permute(acc, axis_name, right), row(rows, (r - s - 2) % n))
     return acc
 
 
 def all_gather_rows(mine, axis_name, n: int):
     """mine: this rank's chunk -> (n, ...) every rank's chunk, in rank order."""
-    r = lax.axis_index(axis_name)
+    r = index(axis_name)
     right = shift_perm(n)
     got = [mine]
     for _ in range(n - 1):
-        got.append(lax.ppermute(got[-1], axis_name, right))
+        got.append(permute(got[-1], axis_name, right))
     # got[j] came from j hops to the left: it is chunk (r - j) mod n.
     table = [[(i - k) % n for k in range(n)] for i in range(n)]
     return rows_in_rank_order([g[None] for g in got], table, r)
@@ -94,8 +95,7 @@ def reduce_scatter(x, axis_name, *, op: str = "sum"):
     """Ring reduce-scatter, tiled on dimension 0 like `lax.psum_scatter(..., tiled=True)`."""
     n = axis_size(axis_name)
     rows = split_dim0(x, n, "reduce_scatter")
-    out = rows[0] if n == 1 else reduce_scatter_rows(rows, axis_name, n)
-    return finish(out, op, n)
+    return rows[0] if n == 1 else reduce_scatter_rows(rows, axis_name, n, op)
 
 
 def all_gather(x, axis_name):
@@ -111,10 +111,10 @@ def allreduce(x, axis_name, *, op: str = "sum"):
     """Ring allreduce: reduce-scatter then all-gather, any shape (padded to n chunks)."""
     n = axis_size(axis_name)
     if n == 1:
-        return finish(x, op, n)
+        return x
     rows, undo = as_chunks(x, n)
-    mine = reduce_scatter_rows(rows, axis_name, n)
-    return finish(undo(all_gather_rows(mine, axis_name, n)), op, n)
+    mine = reduce_scatter_rows(rows, axis_name, n, op)
+    return undo(all_gather_rows(mine, axis_name, n))
 
 
 def broadcast(x, axis_name, *, root: int = 0):
@@ -125,15 +125,13 @@ def broadcast(x, axis_name, *, root: int = 0):
     sending 2(n-1)/n * N bytes, against the binomial tree's ceil(log2 n) * N.
     """
     n = axis_size(axis_name)
-    if not 0 <= root < n:
-        raise ValueError(f"broadcast root {root} is outside the axis of size {n}")
     if n == 1:
         return x
-    r = lax.axis_index(axis_name)
+    r = index(axis_name)
     rows, undo = as_chunks(x, n)
     mine = row(rows, r)
     for j in range(1, n):
         dest = (root + j) % n
-        got = lax.ppermute(row(rows, (r + j) % n), axis_name, [(root, dest)])
+        got = permute(row(rows, (r + j) % n), axis_name, [(root, dest)])
         mine = jnp.where(r == dest, got, mine)
     return undo(all_gather_rows(mine, axis_name, n))

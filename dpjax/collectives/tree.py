@@ -18,15 +18,23 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 
-from dpjax.collectives._common import axis_size, finish
+from dpjax.collectives._common import axis_size, index, permute
+from dpjax.collectives.ops import combine
 
 
-def reduce(x, axis_name, n: int, root: int = 0):
-    """Sum over ranks, valid on `root` only (other ranks hold partial sums)."""
-    d = 1
+def reduce(x, axis_name, n: int, root: int = 0, op: str = "sum"):
+    """Reduction over ranks, valid on `root` only (other ranks hold partial results).
+
+    A rank that receives nothing at a step gets zeros from the ppermute; only the
+    receivers' values are ever read again, so each step combines only where a partner
+    sent (for "sum" adding zeros is exact, so no select is needed)."""
+    d, add = 1, combine(op)
+    rel = (index(axis_name) - root) % n
     while d < n:
         pairs = [((root + a) % n, (root + a - d) % n) for a in range(n) if a % (2 * d) == d]
-        x = x + lax.ppermute(x, axis_name, pairs)
+        got = add(x, permute(x, axis_name, pairs))
+        receiver = (rel % (2 * d) == 0) & (rel + d < n)
+        x = got if op in ("sum", "mean") else jnp.where(receiver, got, x)
         d *= 2
     return x
 
@@ -34,13 +42,11 @@ def reduce(x, axis_name, n: int, root: int = 0):
 def broadcast(x, axis_name, *, root: int = 0):
     """Every rank ends with root's x, over a binomial tree."""
     n = axis_size(axis_name)
-    if not 0 <= root < n:
-        raise ValueError(f"broadcast root {root} is outside the axis of size {n}")
-    rel = (lax.axis_index(axis_name) - root) % n
+    rel = (index(axis_name) - root) % n
     d = 1 << max(0, (n - 1).bit_length() - 1)
     while d >= 1 and n > 1:
         pairs = [((root + a) % n, (root + a + d) % n) for a in range(0, n - d, 2 * d)]
-        got = lax.ppermute(x, axis_name, pairs)
+        got = permute(x, axis_name, pairs)
         x = jnp.where(rel % (2 * d) == d, got, x)
         d //= 2
     return x
@@ -50,5 +56,5 @@ def allreduce(x, axis_name, *, op: str = "sum"):
     """Binomial-tree reduce to rank 0, then binomial-tree broadcast."""
     n = axis_size(axis_name)
     if n == 1:
-        return finish(x, op, n)
-    return finish(broadcast(reduce(x, axis_name, n), axis_name, root=0), op, n)
+        return x
+    return broadcast(reduce(x, axis_name, n, op=op), axis_name, root=0)

@@ -1,0 +1,105 @@
+"""Grouped collectives: many tensors in one call, fused into buckets (Horovod's grouped_*).
+
+`allreduce`, `all_gather` and `reduce_scatter` take a list (any pytree) of tensors and
+return the same structure. The tensors are packed into tensor-fusion buckets as the
+`DistributedOptimizer` packs gradients (`dpjax.fusion`: one dtype per bucket, at most
+`fusion_mb` MiB, tree order) and each bucket is exchanged once, with any algorithm:
+
+    allreduce        the flat concatenation of the bucket's tensors
+    all_gather       the same, then every rank's piece of each tensor cut out again
+    reduce_scatter   row j of every tensor (its (n, -1) view) side by side, so that
+                     rank j's share of the bucket is rank j's share of every tensor
+
+Per device each bucket costs what one collective of its size costs (cost.schedule);
+fusing T tensors saves (T - buckets) times the algorithm's steps.
+
+compression ("bf16", "fp16"): floating-point buckets travel in that dtype (integers
+and bools as they are, as Horovod's `Compression.fp16` leaves them); the sum and any
+prescale happen on the wire, the mean and the postscale after the cast back (within
+process sets, `groups=`, each rank's own set size divides on the wire).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dpjax.collectives._common import axis_size
+from dpjax.collectives.ops import finish, kind
+from dpjax.fusion import pack, plan_buckets, unpack
+
+COMPRESSIONS = {None: None, "none": None, "bf16": jnp.bfloat16, "fp16": jnp.float16}
+
+
+def check_compression(compression):
+    if compression not in COMPRESSIONS:
+        raise ValueError(f"unknown compression {compression!r}; choose none, bf16 or fp16")
+    return COMPRESSIONS[compression]
+
+
+def allreduce(tensors, axis_name, *, op: str = "sum", fusion_mb: float = 64, compression=None,
+              prescale_factor: float = 1.0, postscale_factor: float = 1.0, **options):
+    """`collectives.allreduce` of every tensor, one call per fusion bucket.
+
+    op="adasum": each tensor of a bucket gets its own Adasum coefficients (`segments`)."""
+    from dpjax.collectives import allreduce as one
+
+    n = axis_size(axis_name, "grouped allreduce")
+    wire = check_compression(compression)
+    plan = plan_buckets(tensors, fusion_mb * 2**20)
+    out = []
+    for bucket, buf in zip(plan.buckets, pack(plan, tensors)):
+        extra = {"segments": bucket.sizes} if op == "adasum" and len(bucket.sizes) > 1 else {}
+        compress = wire is not None and kind(buf.dtype) == "float"
+        split = compress and options.get("groups") is None  # finish in buf's dtype, after the wire
+        y = one(buf.astype(wire) if compress else buf, axis_name, op="sum" if split and op == "mean" else op,
+                prescale_factor=prescale_factor, postscale_factor=1.0 if split else postscale_factor,
+                **extra, **options)
+        out.append(finish(y.astype(buf.dtype), op, n, postscale_factor) if split else y.astype(buf.dtype))
+    return unpack(plan, out)
+
+
+def _pieces(plan, bucket):
+    """(leaf index, shape, offset, size) of each tensor in a flat bucket."""
+    offsets = np.cumsum((0,) + bucket.sizes)
+    return [(i, plan.shapes[i], int(o), s) for i, o, s in zip(bucket.leaves, offsets[:-1], bucket.sizes)]
+
+
+def _check_rows(plan, what: str, n: int | None = None):
+    for shape in plan.shapes:
+        if not shape or (n is not None and shape[0] % n):
+            need = f"dimension 0 divisible by the axis size {n}" if n else "at least one dimension"
+            raise ValueError(f"{what}: every tensor needs {need}; got shape {shape}")
+
+
+def all_gather(tensors, axis_name, *, fusion_mb: float = 64, **options):
+    """`collectives.all_gather` (tiled on dimension 0) of every tensor."""
+    from dpjax.collectives import all_gather as one
+
+    n = axis_size(axis_name, "grouped all_gather")
+    plan = plan_buckets(tensors, fusion_mb * 2**20)
+    _check_rows(plan, "grouped all_gather")
+    leaves = [None] * len(plan.shapes)
+    for bucket, buf in zip(plan.buckets, pack(plan, tensors)):
+        full = one(buf, axis_name, **options).reshape(n, -1)  # row r: rank r's bucket
+        for i, shape, start, size in _pieces(plan, bucket):
+            leaves[i] = full[:, start:start + size].reshape(n * shape[0], *shape[1:])
+    return jax.tree.unflatten(plan.treedef, leaves)
+
+
+def reduce_scatter(tensors, axis_name, *, op: str = "sum", fusion_mb: float = 64, **options):
+    """`collectives.reduce_scatter` (tiled on dimension 0) of every tensor."""
+    from dpjax.collectives import reduce_scatter as one
+
+    n = axis_size(axis_name, "grouped reduce_scatter")
+    plan = plan_buckets(tensors, fusion_mb * 2**20)
+    _check_rows(plan, "grouped reduce_scatter", n)
+    flat = jax.tree.leaves(tensors)
+    leaves = [None] * len(plan.shapes)
+    for bucket in plan.buckets:
+        rows = jnp.concatenate([flat[i].reshape(n, -1) for i in bucket.leaves], axis=1)
+        mine = one(rows.reshape(-1), axis_name, op=op, **options)  # my row of every tensor
+        for i, shape, start, size in _pieces(plan, bucket):
+            leaves[i] = mine[start // n:(start + size) // n].reshape(shape[0] // n, *shape[1:])
+    return jax.tree.unflatten(plan.treedef, leaves)
