@@ -112,19 +112,18 @@ class Clock:
             self._done[ticket] = start + wire + latency
         return ticket
 
-    def join(self, tickets) -> int:
-        """One ticket for the latest of several."""
+    def join(self, device: int, key: int, tickets) -> None:
+        """Files the latest of several transfers under (device, key): a key the program
+        knows again later (a step number), unlike the tickets."""
         with self._lock:
             done = max((self._done.pop(int(t), 0.0) for t in tickets), default=0.0)
-            ticket = next(self._ids) % (2**31 - 1) + 1
-            self._done[ticket] = done
-        return ticket
+            self._done[(int(device), int(key))] = done
 
-    def wait(self, ticket: int) -> None:
-        """Sleeps until the transfer named by `ticket` is done (at once for 0 or an
-        unknown ticket, e.g. one restored from a checkpoint of an earlier process)."""
+    def wait(self, ticket) -> None:
+        """Sleeps until the transfer named by `ticket` (or (device, key)) is done; at once
+        for one it does not know (e.g. one filed before a checkpoint was restored)."""
         with self._lock:
-            done = self._done.pop(int(ticket), None)
+            done = self._done.pop(ticket, None)
         if done is not None:
             time.sleep(max(0.0, done - time.perf_counter()))
 
@@ -193,6 +192,21 @@ def account(axis_name, pairs, nbytes: int) -> None:
         em._frames[-1].wire += wire
 
 
+def account_xla(axis_name, nbytes: int) -> None:
+    """An XLA collective (the `psum` baselines) at trace time: one step (a latency on
+    every linked axis it spans) and `nbytes` from the busiest device, as `cost.schedule`
+    charges it; its real schedule is XLA's."""
+    em = _ACTIVE.get()
+    if em is None or not em._frames:
+        return
+    axes = tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
+    crossed = [link for link in em.links if link.axis in axes and em.mesh.shape[link.axis] > 1]
+    if crossed:
+        slowest = max(crossed, key=lambda link: link.latency + nbytes / link.bandwidth)
+        em._frames[-1].latency += slowest.latency
+        em._frames[-1].wire += nbytes / slowest.bandwidth
+
+
 def timed(collective):
     """Decorator for a public collective `f(x, axis_name, ...)`: under an active emulator
     its result waits for the emulated wire (or, inside `deferred()`, carries a ticket)."""
@@ -234,50 +248,55 @@ def _issue(em: Emulator, x, frame: _Frame):
 
 
 def wait(value, ticket):
-    """`value`, available only once the transfer `ticket` names is done (emulated).
-    Without an active emulator (or for ticket 0 known at trace time) it is `value`."""
+    """`value`, available only once the transfer `ticket` names is done (emulated)."""
     em = _ACTIVE.get()
-    if em is None:
-        return value
 
     def host(t):
         em.clock.wait(int(t))
         return np.int32(0)
 
-    token = io_callback(host, jax.ShapeDtypeStruct((), jnp.int32), ticket)
+    return _after(value, io_callback(host, jax.ShapeDtypeStruct((), jnp.int32), ticket))
+
+
+def wait_deferred(value, key):
+    """`value`, once the transfers filed under `key` by `deferred(key)` are done. Without
+    links: `value`, and nothing is compiled in."""
+    em = _ACTIVE.get()
+    if em is None:
+        return value
+
+    def host(device, k):
+        em.clock.wait((int(device), int(k)))
+        return np.int32(0)
+
+    return _after(value, io_callback(host, jax.ShapeDtypeStruct((), jnp.int32), _device(em.mesh), key))
+
+
+def _after(value, token):
+    """`value` held back until `token` exists (an optimization barrier ties them)."""
     value, _ = lax.optimization_barrier((value, token))
     return value
 
 
-class Pending:
-    """The transfers issued inside `deferred()`; `ticket()` names them all (0 if none)."""
-
-    def __init__(self, em: Emulator | None):
-        self._em, self.tickets = em, []
-
-    def ticket(self):
-        if self._em is None or not self.tickets:
-            return jnp.zeros((), jnp.int32)
-        em = self._em
-
-        def host(*ts):
-            return np.int32(em.clock.join(ts))
-
-        return io_callback(host, jax.ShapeDtypeStruct((), jnp.int32), *self.tickets)
-
-
 @contextlib.contextmanager
-def deferred():
-    """Collectives called inside do not wait for their emulated wire; the caller keeps
-    `pending.ticket()` with their results and calls `wait(value, ticket)` where it uses
-    them (a rule that consumes an exchange later than it issues it)."""
+def deferred(key):
+    """Collectives called inside do not wait for their emulated wire: their transfers are
+    filed under `key` (a traced int the program will know again, e.g. the step number),
+    and `wait_deferred(value, key)` waits for them where the value is used: a rule that
+    consumes an exchange later than it issues it. Without links: nothing happens."""
     em = _ACTIVE.get()
-    pending = Pending(em)
     if em is None:
-        yield pending
+        yield
         return
-    em._pending.append(pending.tickets)
+    tickets: list = []
+    em._pending.append(tickets)
     try:
-        yield pending
+        yield
     finally:
         em._pending.pop()
+    if tickets:
+        def host(device, k, *ts):
+            em.clock.join(int(device), int(k), ts)
+            return np.int32(0)
+
+        io_callback(host, jax.ShapeDtypeStruct((), jnp.int32), _device(em.mesh), key, *tickets)

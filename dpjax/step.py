@@ -41,6 +41,7 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from dpjax import links as emulation
 from dpjax.data_parallel import COMPRESSIONS, allreduce_gradients, broadcast_params
 from dpjax.mesh import data_axes
 from dpjax.optim import OptimizerConfig
@@ -110,12 +111,14 @@ def default_workers(mesh, per_worker: bool) -> tuple:
 
 
 def build(loss_fn, layout: Layout, rule: UpdateRule, *, abstract_params, passes: int = 1,
-          exchange: Exchange = Exchange(), donate: bool = True) -> TrainStep:
+          exchange: Exchange = Exchange(), links: tuple = (), donate: bool = True) -> TrainStep:
     """The steps of `rule` over `layout` for `loss_fn(params, batch_BdxT1, par) -> scalar`
     (`par`: the `dpjax.tensor_parallel.Parallel` the layout gives; a model's `loss`).
 
     abstract_params: the parameters' shapes (ShapeDtypeStructs). passes: micro-batches
-    per step (K backward passes, one exchange; the train batch is K x B).
+    per step (K backward passes, one exchange; the train batch is K x B). links:
+    `dpjax.links.AxisLink`s: every collective crossing one of those axes waits for its
+    emulated wire (no callback is compiled in without them).
     """
     mesh, axes = layout.mesh, data_axes(layout.mesh)
     if as_axes(rule.axes) != tuple(layout.workers):
@@ -158,7 +161,11 @@ def build(loss_fn, layout: Layout, rule: UpdateRule, *, abstract_params, passes:
         unwrap = wrap = lambda tree: tree  # noqa: E731
     rows = axes or None
 
+    emulator = emulation.Emulator(mesh, tuple(links)) if links else None
+
     def smap(fn, in_specs, out_specs):
+        if emulator is not None:  # collectives traced inside time themselves on the links
+            fn = _traced_under(emulator, fn)
         return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
 
     # Parameters are replicated over the data axes FSDP does not split: Horovod's
@@ -193,13 +200,22 @@ def build(loss_fn, layout: Layout, rule: UpdateRule, *, abstract_params, passes:
         consensus=jax.jit(smap(consensus_body, (pspecs_w,), pspecs)))
 
 
+def _traced_under(emulator, fn):
+    @functools.wraps(fn)
+    def traced(*args):
+        with emulator.active():
+            return fn(*args)
+    return traced
+
+
 def _one_worker(x):
     assert x.shape[0] == 1, f"a device should hold one worker's copy, got leading dim {x.shape[0]}"
     return x[0]
 
 
 def for_model(model, layout: Layout, *, global_batch: int, update="sync", opt: OptimizerConfig = OptimizerConfig(),
-              passes: int = 1, exchange: Exchange = Exchange(), seed: int = 0, donate: bool = True) -> TrainStep:
+              passes: int = 1, exchange: Exchange = Exchange(), links: tuple = (), seed: int = 0,
+              donate: bool = True) -> TrainStep:
     """The steps for a dpjax model (`model.loss(params, batch, par)`, `model.init`): the
     rule `update` names (e.g. "sparse:4") between the layout's workers, wrapping the
     optimizer `opt` (its clipping norm over the layout's shards; its lr scaled for the
@@ -207,7 +223,7 @@ def for_model(model, layout: Layout, *, global_batch: int, update="sync", opt: O
     rule = make_rule(update, opt.make(global_batch * passes, layout.specs), layout.workers, seed=seed,
                      **exchange.kwargs())
     return build(model.loss, layout, rule, abstract_params=jax.eval_shape(model.init, jax.random.key(0)),
-                 passes=passes, exchange=exchange, donate=donate)
+                 passes=passes, exchange=exchange, links=links, donate=donate)
 
 
 def make_update_step(loss_fn, rule: UpdateRule, mesh, params, *, param_specs=None, passes: int = 1,

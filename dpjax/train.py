@@ -65,6 +65,9 @@ class TrainConfig:
                                      "Default: every data axis for delayed/sparse/async (each rank a worker), "
                                      "none for sync. With --fsdp the parameters are split over the other data "
                                      "axes: '--workers node --fsdp' with sync is hybrid sharding (HSDP)")
+    link: list | None = _opt(None, "emulate a slow link on a mesh axis, e.g. 'node=183ms,23mbit' (repeatable): every "
+                                   "collective crossing that axis waits for its alpha-beta time; values are "
+                                   "unchanged, only time", action="append")
     allreduce: str = _opt("ring", "")  # help: the algorithms
     tp_allreduce: str = _opt("ring", "")
     fsdp: bool = _opt(False, "fully sharded data parallelism (ZeRO-3) inside each worker: parameters and "
@@ -112,6 +115,9 @@ def build_parser() -> argparse.ArgumentParser:
         help_ = late.get(f.name) or f.metadata["help"]
         if f.type in ("bool", bool):
             p.add_argument(_flag(f.name), action="store_true", help=help_)
+            continue
+        if f.metadata.get("action") == "append":
+            p.add_argument(_flag(f.name), action="append", default=f.default, help=help_, metavar="AXIS=LAT,BW")
             continue
         kind = {"int": int, "float": float}.get(str(f.type), str)
         p.add_argument(_flag(f.name), type=kind, default=f.default, help=help_,
@@ -229,6 +235,7 @@ class Trainer:
 
         from dpjax import step as S
         from dpjax.data import make_streams
+        from dpjax.links import parse_link
         from dpjax.mesh import data_axes, dp_size, parse_axes
         from dpjax.models import get_model
         from dpjax.optim import OptimizerConfig
@@ -253,8 +260,12 @@ class Trainer:
                                          warmup_steps=cfg.warmup_steps, weight_decay=cfg.weight_decay,
                                          clip_norm=cfg.clip_norm)
         exchange = S.Exchange(cfg.allreduce, cfg.fusion_mb, None if cfg.compression == "none" else cfg.compression)
+        links = tuple(parse_link(text) for text in cfg.link or ())
+        for link in links:
+            if link.axis not in mesh.axis_names:
+                raise UsageError(f"--link {link}: mesh {dict(mesh.shape)} has no axis {link.axis!r}")
         self.step = S.for_model(model, layout, global_batch=cfg.batch_size, update=update, opt=opt,
-                                passes=cfg.backward_passes, exchange=exchange, seed=cfg.seed)
+                                passes=cfg.backward_passes, exchange=exchange, links=links, seed=cfg.seed)
         # What must match for a checkpoint to resume: per-worker state needs the same
         # rule and the same number of workers (the mesh may change).
         self.record = {"model": model.describe(), "data": cfg.data, "seed": cfg.seed, "batch_size": cfg.batch_size,

@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from dpjax import distributed
+from dpjax import distributed, links
 from dpjax.collectives import adasum, alltoall, butterfly, groups as process_sets, hierarchical, ops, ps, ring, tree
 from dpjax.collectives import uneven
 from dpjax.collectives._common import axis_size, split_dim0
@@ -125,6 +125,8 @@ def _psum_allreduce(x, axis_name, *, op="sum"):
                          "choose an explicit algorithm such as 'ring'")
     wide = x.astype(jnp.uint8) if x.dtype == jnp.bool_ else x
     fn = {"min": lax.pmin, "max": lax.pmax}.get(op, lax.psum)
+    n = axis_size(axis_name)
+    links.account_xla(axis_name, 2 * (n - 1) * -(-wide.size * wide.dtype.itemsize // n))  # as cost.schedule
     return fn(wide, axis_name).astype(x.dtype)
 
 
@@ -138,6 +140,7 @@ _ALLREDUCE = {
 }
 
 
+@links.timed
 def allreduce(x, axis_name, *, algorithm: str = "ring", op: str = "sum", prescale_factor: float = 1.0,
               postscale_factor: float = 1.0, groups=None, **options):
     """`x` reduced with `op` over `axis_name` (within each group of `groups`), on every rank.
@@ -165,6 +168,7 @@ def allreduce(x, axis_name, *, algorithm: str = "ring", op: str = "sum", prescal
     return result
 
 
+@links.timed
 def reduce_scatter(x, axis_name, *, algorithm: str = "ring", op: str = "sum", prescale_factor: float = 1.0,
                    postscale_factor: float = 1.0, sizes=None, groups=None):
     """Like `lax.psum_scatter(x, axis_name, scatter_dimension=0, tiled=True)`, with `op`.
@@ -186,6 +190,7 @@ def reduce_scatter(x, axis_name, *, algorithm: str = "ring", op: str = "sum", pr
     split_dim0(x, k, "reduce_scatter", " (or give sizes=[rows of each rank])")
     x = ops.scale(x, prescale_factor)
     if algorithm == "psum":
+        links.account_xla(axis_name, (n - 1) * (x.size * x.dtype.itemsize // n))
         out = lax.psum_scatter(x, axis_name, scatter_dimension=0, tiled=True)
     else:
         mod = {"ring": ring, "butterfly": butterfly, "hierarchical": hierarchical}[algorithm]
@@ -193,6 +198,7 @@ def reduce_scatter(x, axis_name, *, algorithm: str = "ring", op: str = "sum", pr
     return ops.finish(out, op, k, postscale_factor)
 
 
+@links.timed
 def all_gather(x, axis_name, *, algorithm: str = "ring", sizes=None, groups=None):
     """Like `lax.all_gather(x, axis_name, axis=0, tiled=True)`.
 
@@ -208,6 +214,7 @@ def all_gather(x, axis_name, *, algorithm: str = "ring", sizes=None, groups=None
         sizes = uneven.check_sizes(sizes, _group_size(groups, n, axis_name), "all_gather")
         uneven.check_gather_input(x, sizes)
     if algorithm == "psum":
+        links.account_xla(axis_name, (n - 1) * x.size * x.dtype.itemsize)
         out = lax.all_gather(x, axis_name, axis=0, tiled=True)
     else:
         mod = {"ring": ring, "butterfly": butterfly, "hierarchical": hierarchical}[algorithm]
@@ -215,6 +222,7 @@ def all_gather(x, axis_name, *, algorithm: str = "ring", sizes=None, groups=None
     return out if sizes is None else uneven.cut_blocks(out, sizes)
 
 
+@links.timed
 def broadcast(x, axis_name, *, root: int = 0, algorithm: str = "tree", groups=None):
     """Every rank along `axis_name` ends with the value `root` holds (any dtype, kept).
 
@@ -235,11 +243,13 @@ def broadcast(x, axis_name, *, root: int = 0, algorithm: str = "tree", groups=No
     if algorithm == "psum":
         mine = lax.axis_index(axis_name) == root
         wide = x.astype(jnp.uint8) if x.dtype == jnp.bool_ else x  # psum would turn bool into int32
+        links.account_xla(axis_name, 2 * (n - 1) * -(-wide.size * wide.dtype.itemsize // n))
         return lax.psum(jnp.where(mine, wide, jnp.zeros_like(wide)), axis_name).astype(x.dtype)
     mod = {"tree": tree, "ring": ring}[algorithm]
     return _within(groups, lambda v, ax: mod.broadcast(v, ax, root=root), x, axis_name, n)
 
 
+@links.timed
 def all_to_all(x, axis_name, *, algorithm: str = "pairwise", groups=None):
     """Like `lax.all_to_all(x, axis_name, 0, 0, tiled=True)`: block j of dimension 0
     goes to rank j (within each group), and block i of the result came from rank i."""
@@ -248,5 +258,6 @@ def all_to_all(x, axis_name, *, algorithm: str = "pairwise", groups=None):
                                     groups=groups)
     split_dim0(x, _group_size(groups, n, axis_name), "all_to_all")
     if algorithm == "xla":
+        links.account_xla(axis_name, (n - 1) * (x.size * x.dtype.itemsize // n))
         return lax.all_to_all(x, axis_name, 0, 0, tiled=True)
     return _within(groups, getattr(alltoall, algorithm), x, axis_name, n)

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 import jax.numpy as jnp
 from jax import lax
 
+from dpjax import links
+
 
 @dataclass(frozen=True)
 class Subgroups:
@@ -58,10 +60,14 @@ def index(axis_name):
 
 
 def permute(x, axis_name, pairs):
-    """`lax.ppermute` with (source, target) pairs numbered along the axis (within each group)."""
+    """`lax.ppermute` with (source, target) pairs numbered along the axis (within each group).
+
+    Every point-to-point step of every algorithm passes here, so this is also where an
+    emulated slow link (`dpjax.links`) learns which steps cross it and what they carry."""
     if isinstance(axis_name, Subgroups):
         pairs = [(g[s], g[t]) for g in axis_name.members for s, t in pairs]
         axis_name = axis_name.axis
+    links.account(axis_name, pairs, x.size * x.dtype.itemsize)
     return lax.ppermute(x, axis_name, pairs)
 
 

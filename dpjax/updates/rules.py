@@ -39,6 +39,7 @@ import optax
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
+from dpjax import links
 from dpjax.data_parallel import DistributedOptimizer, allreduce_gradients
 from dpjax.sharding import state_specs
 from dpjax.updates.grammar import UpdateSpec, parse_update
@@ -142,9 +143,10 @@ def delayed_gradients(inner, delay: int, axis_name="data", *, compensate: bool =
     and its past states (momentum from local gradients, Adam's second moment) are not
     corrected afterwards. delay=0 returns `DistributedOptimizer` (sync).
 
-    Here the allreduce of step i runs inside step i's program and its result waits in
-    the state; nothing depends on it before step i+T, so a runtime that overlaps
-    programs can hide it behind T steps of compute (experiments/wan.py models that).
+    The allreduce of step i runs inside step i's program and its result waits in the
+    state; nothing depends on it before step i+T. Over an emulated slow link
+    (`dpjax.links`) its transfer is filed under step i and waited for at step i+T only,
+    so T steps of compute hide it, as communication on its own stream would.
     """
     if delay == 0:
         return DistributedOptimizer(inner, axis_name, **allreduce)
@@ -156,10 +158,12 @@ def delayed_gradients(inner, delay: int, axis_name="data", *, compensate: bool =
         return DelayedState(inner.init(params), jnp.zeros((), jnp.int32), buf, buf)
 
     def update_fn(grads, state, params=None):
-        gbar = mean(grads)
+        with links.deferred(state.t):
+            gbar = mean(grads)
         slot = state.t % T
         old_gbar, old_g = (jax.tree.map(lambda b: lax.dynamic_index_in_dim(b, slot, 0, keepdims=False), buf)
                            for buf in (state.gbar_TxP, state.g_TxP))
+        old_gbar = links.wait_deferred(old_gbar, state.t - T)  # the average of step t-T has arrived
         if compensate:
             fed = jax.tree.map(lambda g, a, b: g + (a - b), grads, old_gbar, old_g)
             updates, inner_state = inner.update(fed, state.inner, params)
