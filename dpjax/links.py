@@ -151,6 +151,7 @@ class Emulator:
                 raise UserError(f"--link {link}: the mesh {dict(self.mesh.shape)} has no axis {link.axis!r}")
         self._frames: list[_Frame] = []
         self._pending: list[list] = []
+        self.traced: list[tuple[str, float, float]] = []  # (collective, latency s, wire s) as traced
 
     @contextlib.contextmanager
     def active(self):
@@ -224,6 +225,7 @@ def timed(collective):
             frame = em._frames.pop()
         if frame.latency == 0.0 and frame.wire == 0.0:
             return y
+        em.traced.append((collective.__name__, frame.latency, frame.wire))
         ticket = _issue(em, x, frame)
         if em._pending:
             em._pending[-1].append(ticket)

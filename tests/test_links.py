@@ -1,0 +1,209 @@
+"""Emulated slow links (dpjax.links): what each collective sends over a linked axis, the
+host clock, the time a training step takes under each rule, and that only time changes.
+
+The timing tests use a 200 ms link between the two nodes of a node=2 x data=4 mesh and
+the hierarchical allreduce, whose only steps across nodes are the outer ring's 2: one
+exchange costs 2 x (200 ms + bytes / bandwidth), far above the few milliseconds a step
+of the tiny model computes, so the bounds below hold on a loaded 2-core machine.
+"""
+
+import time
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from dpjax import collectives as C
+from dpjax import links
+from dpjax import step as S
+from dpjax.models import get_model
+from dpjax.optim import OptimizerConfig
+from dpjax.sharding import make_layout
+from dpjax.train import main
+
+from conftest import read_losses
+
+
+@pytest.mark.parametrize("text,axis,latency,bandwidth", [
+    ("node=183ms,23mbit", "node", 0.183, 23e6 / 8),
+    ("data=50us,10gbit", "data", 50e-6, 10e9 / 8),
+    ("node = 1s , 100MB/s", "node", 1.0, 100e6),
+    ("node=0.01ms,10Gbps", "node", 1e-5, 10e9 / 8),
+])
+def test_parse_link(text, axis, latency, bandwidth):
+    link = links.parse_link(text)
+    assert link.axis == axis
+    assert link.latency == pytest.approx(latency) and link.bandwidth == pytest.approx(bandwidth)
+
+
+@pytest.mark.parametrize("text", ["node", "node=183ms", "node=183,23mbit", "node=183ms,23", "=1ms,1mbit",
+                                  "node=1ms,0mbit", "node=1ms,2furlongs"])
+def test_parse_link_refuses_in_one_line(text):
+    with pytest.raises(links.UserError, match=r"bad --link .*write e.g. node=183ms,23mbit") as info:
+        links.parse_link(text)
+    assert "\n" not in str(info.value)
+
+
+def test_clock_queues_bytes_and_overlaps_latencies():
+    clock = links.Clock()
+    t0 = time.perf_counter()
+    a = clock.issue(0, latency=0.20, wire=0.10)
+    b = clock.issue(0, latency=0.20, wire=0.10)  # its bytes wait behind a's: done at +0.40
+    c = clock.issue(1, latency=0.20, wire=0.10)  # another device's wire: done at +0.30
+    clock.wait(a)
+    ta = time.perf_counter() - t0
+    clock.wait(c)
+    tc = time.perf_counter() - t0
+    clock.wait(b)
+    tb = time.perf_counter() - t0
+    assert 0.30 <= ta < 0.38 and 0.30 <= tc < 0.38 and 0.40 <= tb < 0.48, (ta, tc, tb)
+    clock.wait(12345)  # unknown: at once
+    assert time.perf_counter() - t0 < tb + 0.05
+
+
+LINK = links.AxisLink("node", latency=0.2, bandwidth=1e9)
+
+
+def _traced_cost(mesh, fn, x):
+    """(collective, latency, wire) of every timed collective `fn` calls, as traced."""
+    em = links.Emulator(mesh, (LINK,))
+
+    def body(v):
+        with em.active():
+            return fn(v)
+
+    jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(("node", "data")), out_specs=P(("node", "data")),
+                          check_vma=False)).lower(x)
+    return em.traced
+
+
+@pytest.mark.parametrize("algorithm,crossing_steps", [
+    # 8 ranks numbered node-major: the ring's (3, 4) and (7, 0) pairs cross at every one of
+    # its 2(n-1) steps; the butterfly's partners at distance 4 cross, once in the halving
+    # and once in the doubling; hierarchical crosses only in its outer ring over 2 nodes.
+    ("ring", 14), ("butterfly", 2), ("hierarchical", 2), ("tree", 2),
+])
+def test_which_steps_cross_the_link(mesh_of, algorithm, crossing_steps):
+    mesh = mesh_of("node=2,data=4", 8)
+    x = jax.ShapeDtypeStruct((8 * 32,), np.float32)
+    axis = ("node", "data")
+    (name, latency, wire), = _traced_cost(mesh, lambda v: C.allreduce(v, axis, algorithm=algorithm), x)
+    assert name == "allreduce" and latency == pytest.approx(crossing_steps * LINK.latency)
+    assert wire > 0
+
+
+def test_collectives_off_the_linked_axis_cost_nothing(mesh_of):
+    mesh = mesh_of("node=2,data=4", 8)
+    x = jax.ShapeDtypeStruct((8 * 32,), np.float32)
+    assert _traced_cost(mesh, lambda v: C.allreduce(v, "data"), x) == []
+    (_, latency, _), = _traced_cost(mesh, lambda v: C.allreduce(v, "node"), x)  # a ring over 2 nodes
+    assert latency == pytest.approx(2 * LINK.latency)
+
+
+# ---------------------------------------------------------------------------------------
+# training steps under a 200 ms link
+
+MODEL = get_model("mlp", seq_len=8, context=2, d_embed=8, d_hidden=16)
+SLOW = links.AxisLink("node", latency=0.2, bandwidth=100e6)
+B = 16
+
+
+@pytest.fixture(scope="module")
+def batches():
+    rng = np.random.default_rng(0)
+    return [rng.integers(0, 256, (1, B, MODEL.config.seq_len + 1)).astype(np.int32) for _ in range(12)]
+
+
+def _run(mesh_of, put, batches, update, with_link, workers=None):
+    mesh = mesh_of("node=2,data=4", 8)
+    from dpjax.updates import parse_update
+
+    workers = S.default_workers(mesh, not parse_update(update).is_sync) if workers is None else workers
+    layout = make_layout(MODEL, mesh, workers=workers)
+    step = S.for_model(MODEL, layout, global_batch=B, update=update, opt=OptimizerConfig("sgd", lr=0.1, clip_norm=0),
+                       exchange=S.Exchange("hierarchical"), links=(SLOW,) if with_link else (), donate=False)
+    params, state = step.init(S.init_params(MODEL, layout, jax.random.key(0)))
+    placed = [put(mesh, b, P(None, ("node", "data"))) for b in batches]
+    params, state, loss = step.train(params, state, placed[0])  # compile
+    jax.block_until_ready(loss)
+    losses, times = [float(loss)], []
+    for b in placed[1:]:
+        t = time.perf_counter()
+        params, state, loss = step.train(params, state, b)
+        losses.append(float(loss))  # waits for the step
+        times.append(time.perf_counter() - t)
+    return losses, times, step
+
+
+def _comm(step_batch_bytes=None):
+    """The modelled time of one hierarchical exchange of the MLP's gradient across nodes:
+    the outer ring over 2 nodes, 2 steps of latency, each rank's 1/4 of the gradient."""
+    n_params = sum(x.size for x in jax.tree.leaves(jax.eval_shape(MODEL.init, jax.random.key(0))))
+    chunk = -(-n_params // 4)  # the inner reduce-scatter's piece, padded
+    return 2 * SLOW.latency + 2 * (-(-chunk // 2)) * 4 / SLOW.bandwidth
+
+
+@pytest.fixture(scope="module")
+def compute(mesh_of, put, batches):
+    """The unemulated step time (median) and losses of each rule."""
+    out = {}
+    for update in ("sync", "delayed:4", "sparse:4"):
+        losses, times, step = _run(mesh_of, put, batches, update, False)
+        out[update] = (losses, float(np.median(times)))
+    return out
+
+
+def test_sync_waits_for_the_link_every_step(mesh_of, put, batches, compute):
+    losses, times, _ = _run(mesh_of, put, batches[:4], "sync", True)
+    assert losses == compute["sync"][0][:4]  # only time changes
+    assert min(times) >= _comm()  # every step pays the whole exchange
+
+
+def test_delayed_hides_the_link_behind_T_steps(mesh_of, put, batches, compute):
+    losses, times, _ = _run(mesh_of, put, batches, "delayed:4", True)
+    assert losses == compute["delayed:4"][0]
+    # steps 1-3 find nothing to wait for; from step 4 on each waits for the exchange issued
+    # 4 steps earlier, so the pace is max(compute, comm / 4). (Exchanges issued in a burst
+    # arrive in a burst: steps 4..11, two whole periods, average out where they land.)
+    steady = float(np.mean(times[3:11]))
+    expect = max(compute["delayed:4"][1], _comm() / 4)
+    assert 0.85 * expect <= steady <= 1.5 * expect + 0.02, (steady, expect)
+    assert steady < 0.5 * _comm()  # far from sync's pace
+
+
+def test_sparse_pays_the_link_once_a_period(mesh_of, put, batches, compute):
+    losses, times, _ = _run(mesh_of, put, batches[:9], "sparse:4", True)
+    assert losses == compute["sparse:4"][0][:9]
+    per_step = float(np.mean(times[:8]))  # steps 1..8: two averages (after steps 3 and 7)
+    expect = compute["sparse:4"][1] + _comm() / 4
+    assert 0.85 * expect <= per_step <= 1.5 * expect + 0.02, (per_step, expect)
+
+
+def test_without_links_no_callback_is_compiled_in(mesh_of, put, batches):
+    texts = {}
+    for with_link in (False, True):
+        mesh = mesh_of("node=2,data=4", 8)
+        layout = make_layout(MODEL, mesh, workers=("node", "data"))
+        step = S.for_model(MODEL, layout, global_batch=B, update="delayed:4", links=(SLOW,) if with_link else (),
+                           donate=False)
+        params, state = jax.eval_shape(step.init, jax.tree.map(
+            lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+            jax.eval_shape(MODEL.init, jax.random.key(0)), layout.shardings()))
+        batch = jax.ShapeDtypeStruct((1, B, 9), np.int32, sharding=jax.sharding.NamedSharding(mesh, P(None, ("node", "data"))))
+        texts[with_link] = step.train.lower(params, state, batch).as_text()
+    assert "callback" not in texts[False] and "callback" in texts[True]
+
+
+def test_train_link_flag(corpus, tmp_path, capsys):
+    plain, linked = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    args = ["--model", "mlp", "--seq-len", "8", "--batch-size", "16", "--data", corpus, "--eval-every", "0",
+            "--eval-batches", "1", "--progress", "none", "--mesh", "2x4x1", "--steps", "3", "--allreduce",
+            "hierarchical"]
+    assert main(args + ["--metrics", str(plain)]) == 0
+    assert main(args + ["--link", "node=100ms,1gbit", "--metrics", str(linked)]) == 0
+    assert read_losses(linked) == read_losses(plain)
+    capsys.readouterr()
+    assert main(args + ["--link", "stage=1ms,1gbit"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "has no axis 'stage'" in err[0], err
