@@ -9,6 +9,12 @@ SIGKILL after another (DPJAX_LAUNCH_GRACE seconds, default 10; a second Ctrl-C k
 once), so that no process is left behind however it is stuck; it exits non-zero,
 naming the failed rank and its last error line. On a cluster the same training
 command runs under `srun` or `mpirun` instead, without this launcher (see the README).
+
+`--shape-mbit R` (Linux, as root) runs all the processes in a private network
+namespace whose loopback is shaped to R Mbit/s with a token bucket (`tc ... tbf`), so
+that the real traffic between them (gloo on CPU) is bandwidth-limited. Latency cannot
+be added this way (netem is not available everywhere); `dpjax.train --link` emulates
+both, inside the program.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -26,6 +33,7 @@ import time
 from dpjax import distributed
 
 GRACE_S = 10  # between the steps of the escalation (DPJAX_LAUNCH_GRACE overrides it)
+SHAPED = "DPJAX_SHAPED_MBIT"  # set inside the shaped namespace: the launcher there does not shape again
 ESCALATION = (signal.SIGINT, signal.SIGTERM, signal.SIGKILL)
 
 
@@ -127,6 +135,31 @@ def launch(command: list[str], n: int, devices_per_process: int | None = None, p
     return code if code > 0 else 1
 
 
+def shaped(argv: list[str], mbit: float) -> int:
+    """Runs `python -m dpjax.launch argv` again inside a new network namespace whose
+    loopback is shaped to `mbit` Mbit/s; returns its exit status."""
+    missing = [tool for tool in ("unshare", "ip", "tc") if shutil.which(tool) is None]
+    if missing:
+        return _refuse(f"--shape-mbit needs {', '.join(missing)} (Linux iproute2 and util-linux)")
+    probe = subprocess.run(["unshare", "--net", "true"], capture_output=True, text=True)
+    if probe.returncode != 0:
+        why = (probe.stderr.strip().splitlines() or ["refused"])[-1]
+        return _refuse(f"--shape-mbit needs a private network namespace, which this user may not create ({why}); "
+                       "run as root, or use dpjax.train --link to emulate the link inside the program")
+    rate = mbit * 1e6 / 8
+    burst = int(max(2 * 65536, rate / 100))  # at least two loopback MTUs, or big packets never pass
+    script = (f"ip link set lo up && tc qdisc add dev lo root tbf rate {mbit:g}mbit burst {burst} latency 2s "
+              '&& exec "$@"')
+    env = {**os.environ, SHAPED: f"{mbit:g}"}
+    return subprocess.run(["unshare", "--net", "sh", "-c", script, "sh", sys.executable, "-m", "dpjax.launch",
+                           *argv], env=env).returncode
+
+
+def _refuse(message: str) -> int:
+    print(f"dpjax.launch: {message}", file=sys.stderr, flush=True)
+    return 2
+
+
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if "--" in argv:
@@ -138,18 +171,28 @@ def main(argv=None) -> int:
         prog="python -m dpjax.launch",
         description="Run a command in N processes on this host, joined by jax.distributed "
                     "(gloo on CPU, NCCL on GPU). Example: python -m dpjax.launch -n 2 "
-                    "--devices-per-process 4 -- python -m dpjax.train --mesh 2x2x2",
+                    "-- python -m dpjax.train --mesh 2x2x2",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("-n", "--nproc", type=int, default=2, help="processes to start")
     p.add_argument("--devices-per-process", type=int,
-                   help="simulated CPU devices per process (sets XLA_FLAGS; GPUs are not affected)")
+                   help="simulated CPU devices per process (sets XLA_FLAGS; GPUs are not affected). Default: "
+                        "dpjax.train simulates its mesh's size / the process count")
     p.add_argument("--port", type=int, help="coordinator port on 127.0.0.1 (default: a free one)")
+    p.add_argument("--shape-mbit", type=float,
+                   help="shape the loopback the processes talk over to this many Mbit/s (tc tbf in a private "
+                        "network namespace; Linux, root)")
     args, rest = p.parse_known_args(argv)
     command = rest + command
     if not command:
         p.error("no command given; put it after '--', e.g. -- python -m dpjax.train --mesh 2x2x2")
     if args.nproc < 1:
         p.error("-n must be at least 1")
+    if args.shape_mbit is not None and args.shape_mbit <= 0:
+        p.error("--shape-mbit must be positive")
+    if args.shape_mbit is not None and not os.environ.get(SHAPED):
+        unshaped = [a for i, a in enumerate(argv) if a != "--shape-mbit" and not a.startswith("--shape-mbit=")
+                    and (i == 0 or argv[i - 1] != "--shape-mbit")]
+        return shaped(unshaped + ["--", *command], args.shape_mbit)
     return launch(command, args.nproc, args.devices_per_process, args.port)
 
 
