@@ -43,8 +43,9 @@ def allreduce_gradients(grads, axis_name="data", *, algorithm: str = "ring", fus
     compression: None, "bf16" or "fp16": floating-point buckets travel in that dtype and
     are cast back (integer and bool gradients travel as they are; every leaf keeps its
     dtype, an integer mean rounding toward zero as Horovod's does).
-    gradient_predivide_factor f: multiply by 1/f before the sum and by f/n after it
-    (Horovod's prescale / postscale guard against fp16 overflow in the sum).
+    gradient_predivide_factor f (op="mean" only, as in Horovod): multiply by 1/f before
+    the sum and by f/n after it (Horovod's prescale / postscale guard against fp16
+    overflow in the sum).
     op="adasum": Adasum (Maleki et al.) over the butterfly, each tensor with its own
     coefficients; `algorithm` must then be "butterfly".
     """
@@ -52,12 +53,10 @@ def allreduce_gradients(grads, axis_name="data", *, algorithm: str = "ring", fus
     if op not in OPS:
         raise ValueError(f"unknown gradient op {op!r}; choose one of {', '.join(OPS)}")
     f = gradient_predivide_factor
-    if op == "adasum" and f != 1.0:
-        raise ValueError("gradient_predivide_factor applies to op='mean' or 'sum', not to Adasum")
-    post = f if op == "mean" else 1.0  # sum: prescale 1/f, and the sum itself is what is asked for
+    if op != "mean" and f != 1.0:
+        raise ValueError(f"gradient_predivide_factor applies to op='mean' only, not to op={op!r}")
     return collectives.grouped_allreduce(grads, axis_name, op=op, fusion_mb=fusion_mb, compression=compression,
-                                         algorithm=algorithm, prescale_factor=1 / f if op == "mean" else 1.0,
-                                         postscale_factor=post, **options)
+                                         algorithm=algorithm, prescale_factor=1 / f, postscale_factor=f, **options)
 
 
 class DistributedState(NamedTuple):
@@ -92,9 +91,10 @@ def DistributedOptimizer(inner: optax.GradientTransformation, axis_name="data", 
         raise ValueError(f"gradient_predivide_factor must be positive, got {gradient_predivide_factor}")
     if op not in OPS:
         raise ValueError(f"unknown gradient op {op!r}; choose one of {', '.join(OPS)}")
-    if op == "adasum" and (algorithm != "butterfly" or gradient_predivide_factor != 1.0):
-        raise ValueError(f"op='adasum' runs Adasum's own butterfly and takes no gradient_predivide_factor: pass "
-                         f"algorithm='butterfly' (got {algorithm!r}, factor {gradient_predivide_factor})")
+    if op == "adasum" and algorithm != "butterfly":
+        raise ValueError(f"op='adasum' runs Adasum's own butterfly: pass algorithm='butterfly', not {algorithm!r}")
+    if op != "mean" and gradient_predivide_factor != 1.0:
+        raise ValueError(f"gradient_predivide_factor applies to op='mean' only, not to op={op!r}")
     k = int(backward_passes_per_step)
 
     def exchange(tree):

@@ -112,10 +112,6 @@ def init():
     distributed.initialize()
 
 
-def is_initialized() -> bool:
-    return True
-
-
 def size(axis_name=None, *, mesh=None):
     """Ranks along the data axes inside a step, or of `mesh`; else processes.
 

@@ -53,7 +53,14 @@ def test_compression_rounds_on_the_wire_only(mesh_of, put, compression, tol):
         lambda g: allreduce_gradients(g, "data", algorithm="ring", compression=compression,
                                       gradient_predivide_factor=2.0),
         mesh=mesh, in_specs=P("data"), out_specs=P("data"), check_vma=False))
-    out = f({k: put(mesh, v) for k, v in local.items()})
+    steps = np.random.default_rng(2).integers(-50, 50, (N, 3)).astype(np.int32)  # an integer "gradient"
+    out = f({**{k: put(mesh, v) for k, v in local.items()}, "steps": put(mesh, steps.reshape(-1))})
+    # integers travel uncompressed and keep their dtype; as Horovod scales them: each rank's
+    # value times 1/2 (the predivide), truncated, summed, times 2/8, truncated
+    assert out["steps"].dtype == jnp.int32
+    halves = np.trunc(steps * np.float32(0.5)).astype(np.int32)
+    np.testing.assert_array_equal(np.asarray(out["steps"]).reshape(N, 3)[5],
+                                  np.trunc(halves.sum(0) * np.float32(2 / N)).astype(np.int32))
     for k, x in tree.items():
         assert out[k].dtype == jnp.float32
         want = x.astype(np.float64).mean(0)
@@ -155,3 +162,7 @@ def test_bad_arguments():
         DistributedOptimizer(optax.sgd(0.1), compression="int8")
     with pytest.raises(ValueError, match="backward_passes_per_step"):
         DistributedOptimizer(optax.sgd(0.1), backward_passes_per_step=0)
+    with pytest.raises(ValueError, match="unknown gradient op 'average'; choose one of mean, sum, adasum"):
+        DistributedOptimizer(optax.sgd(0.1), op="average")
+    with pytest.raises(ValueError, match="gradient_predivide_factor applies to op='mean' only, not to op='sum'"):
+        DistributedOptimizer(optax.sgd(0.1), op="sum", gradient_predivide_factor=2.0)

@@ -20,7 +20,6 @@ import optax
 import pytest
 from jax.sharding import PartitionSpec as P
 
-import dpjax
 import dpjax.horovod as hvd
 from test_collectives import run_bundle
 

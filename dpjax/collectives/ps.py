@@ -21,7 +21,6 @@ sharded servers and then allreduce. With S = n it sends 2(n-1)/n * N, like the r
 from __future__ import annotations
 
 import jax.numpy as jnp
-from jax import lax
 
 from dpjax.collectives._common import as_chunks, axis_size, index, permute, row
 from dpjax.collectives.ops import combine

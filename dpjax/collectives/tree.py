@@ -16,7 +16,6 @@ Per device, N the bytes of the vector, n ranks, k = ceil(log2 n):
 from __future__ import annotations
 
 import jax.numpy as jnp
-from jax import lax
 
 from dpjax.collectives._common import axis_size, index, permute
 from dpjax.collectives.ops import combine
