@@ -10,6 +10,8 @@ from dpjax.data_parallel import (
 )
 from dpjax.distributed import local_rank, process_count, process_index
 from dpjax.errors import UserError
+from dpjax.replicas import ReplicationError
+from dpjax.rng import device_key
 from dpjax.mesh import data_axes, dp_size, make_mesh, parse_mesh_spec, simulate_cpu_devices
 from dpjax import updates
 from dpjax.updates import delayed_gradients
@@ -18,12 +20,14 @@ from dpjax.step import Exchange, make_update_step
 __all__ = [
     "DistributedOptimizer",
     "Exchange",
+    "ReplicationError",
     "UserError",
     "allreduce_gradients",
     "broadcast_params",
     "collectives",
     "data_axes",
     "delayed_gradients",
+    "device_key",
     "dp_size",
     "local_rank",
     "make_mesh",
