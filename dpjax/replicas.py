@@ -146,3 +146,28 @@ def _message(bad, where: str, hint) -> str:
     return (f"{where}{name} {tuple(x.shape)} is declared replicated over {', '.join(over)} but its copies "
             f"differ: {len(differ)} of {len(devs)} devices hold other values than device {devs[0]}, {size}"
             f"{more}{'; ' + tip if tip else ''}")
+
+
+def named_leaves(tree, names=None) -> dict:
+    """{'params/w1': leaf, ...}: tree's leaves by path; names: one prefix per top-level item of a tuple."""
+    out = {}
+    for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        keys = [str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path]
+        if names is not None and keys:
+            keys[0] = names[int(keys[0])]
+        out["/".join(keys) or "output"] = x
+    return out
+
+
+def checked(fn, names, where: str):
+    """fn with its outputs checked on every call, for dpjax's own steps (`python -m dpjax.train`
+    under DPJAX_CHECK=1): a divergence there is a bug of ours, so it is an AssertionError,
+    with its traceback, rather than a user error."""
+    check = ReplicaCheck()
+
+    def call(*args):
+        out = fn(*args)
+        check(named_leaves(out, names), where=f"{where}: ", error=AssertionError)
+        return out
+
+    return call

@@ -168,8 +168,7 @@ class ShardedStep:
         if nodes:
             nnx.update(nodes, state_def.unflatten(list(new_state)))
         if self.check is True or check_always() or (self.check is None and self.calls <= FIRST_CALLS):
-            named = {f"{self.__name__}(...) output{jax.tree_util.keystr(path)}": x
-                     for path, x in jax.tree_util.tree_flatten_with_path(out)[0]}
+            named = {_path_name("output", path): x for path, x in jax.tree_util.tree_flatten_with_path(out)[0]}
             named.update({m.name: x for m, x in zip(meta, new_state)})
             kinds = {m.name: m.kind for m in meta[:k]}
             self._replicas(named, where=f"{self.__name__}: ", hint=lambda name: _hint(kinds.get(name, "output")))
@@ -187,7 +186,7 @@ class ShardedStep:
         is_var = lambda x: isinstance(x, nnx.Variable)  # noqa: E731
         for path, var in jax.tree_util.tree_flatten_with_path(state, is_leaf=is_var)[0]:
             keys = tuple(getattr(k, "key", getattr(k, "idx", k)) for k in path)
-            name = "/".join([self._argname(nnx_idx[keys[0]])] + [str(k) for k in keys[1:]])
+            name = _path_name(self._argname(nnx_idx[keys[0]]), path[1:])
             kind = type(var).__name__ if is_var(var) else "array"
             spec = self._resolve(spmd.get_var_pspec(var) if is_var(var) else P(), mesh, name)
             summed = kind == "MetricState" and keys[:-1] in averages
@@ -205,7 +204,7 @@ class ShardedStep:
             raise UserError(f"{self.__name__}: in_specs for argument {self._argname(i)} does not match its "
                             f"structure ({e})") from None
         paths = [p for p, _ in jax.tree_util.tree_flatten_with_path(arg)[0]]
-        return [_Leaf(self._argname(i) + jax.tree_util.keystr(p), "array", self._resolve(s, mesh, self._argname(i)), i)
+        return [_Leaf(_path_name(self._argname(i), p), "array", self._resolve(s, mesh, self._argname(i)), i)
                 for p, s in zip(paths, specs)]
 
     def _resolve(self, spec, mesh, name) -> P:
@@ -259,6 +258,13 @@ class ShardedStep:
 
         smap = jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=(self.out_specs, specs[:k]), check_vma=False)
         return jax.jit(smap, donate_argnums=donate)
+
+
+def _path_name(prefix: str, path) -> str:
+    """'model/conv1/kernel' for the path (DictKey('conv1'), DictKey('kernel')) under `prefix`."""
+    keys = [getattr(k, "key", getattr(k, "idx", getattr(k, "name", k))) for k in path
+            if not (isinstance(k, jax.tree_util.GetAttrKey) and k.name == "value")]  # a Variable's own value
+    return "/".join([prefix] + [str(k) for k in keys])
 
 
 def _spec_axes(spec) -> list:
