@@ -22,6 +22,7 @@ when the environment sets `DPJAX_CHECK=1` (which `python -m dpjax.train` honours
 
 from __future__ import annotations
 
+import hashlib
 import os
 from typing import Callable
 
@@ -48,8 +49,7 @@ def check_always() -> bool:
 
 def _bits_U(x):
     """The bits of x as a flat uint32 vector (narrow types widened exactly first)."""
-    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
-        x = jax.random.key_data(x)
+    x = _raw(x)
     if x.dtype == jnp.bool_:
         x = x.astype(jnp.int32)
     if x.dtype.itemsize < 4:
@@ -65,7 +65,7 @@ def _fingerprint(x):
     odd1 = i_U * jnp.uint32(2654435761) | jnp.uint32(1)
     odd2 = (i_U + jnp.uint32(0x9E3779B9)) * jnp.uint32(2246822519) | jnp.uint32(1)
     hashes = jnp.stack([jnp.sum(b_U * odd1), jnp.sum((b_U ^ (b_U >> 15)) * odd2)])
-    numeric = not jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key) and x.size
+    numeric = not _is_key(x) and x.size
     scale = jnp.max(jnp.abs(x.astype(jnp.float32))) if numeric else jnp.zeros((), jnp.float32)
     return hashes, scale
 
@@ -76,9 +76,14 @@ def _spec_axes(spec) -> set:
 
 class ReplicaCheck:
     """Checks that the copies of every jax.Array in a tree agree (see the module
-    docstring). Holds its compiled hash programs, one per mesh and list of specs."""
+    docstring). Holds its compiled hash programs, one per mesh and list of specs.
 
-    def __init__(self):
+    host_bytes: below this many bytes in all (every device's copies counted), the
+    copies are compared on the host directly, which costs a transfer but no compile
+    (small models, tests); above it, on the devices."""
+
+    def __init__(self, host_bytes: int = 32 << 20):
+        self.host_bytes = host_bytes
         self._programs: dict = {}
 
     def _program(self, mesh, specs):
@@ -94,6 +99,25 @@ class ReplicaCheck:
                                                         out_specs=(P(axes), P(axes)), check_vma=False))
         return self._programs[key]
 
+    def _on_devices(self, mesh, items) -> list:
+        """Per leaf, {device position in the mesh: (its block's hashes, largest |value|)}."""
+        hashes, scales = self._program(mesh, tuple(x.sharding.spec for _, x in items))(*[x for _, x in items])
+        hashes, scales = _host(hashes), _host(scales)
+        return [{d: (tuple(hashes[d, j]), float(scales[d, j])) for d in range(hashes.shape[0])}
+                for j in range(len(items))]
+
+    def _on_host(self, mesh, items) -> list:
+        order = {d: i for i, d in enumerate(mesh.devices.flat)}
+        out = []
+        for _, x in items:
+            prints = {}
+            for shard in x.addressable_shards:
+                block = np.asarray(_raw(shard.data))
+                scale = float(np.max(np.abs(block))) if block.size and not _is_key(x) else 0.0
+                prints[order[shard.device]] = (hashlib.blake2b(block.tobytes()).digest(), scale)
+            out.append(prints)
+        return out
+
     def __call__(self, named: dict, *, where: str = "", hint: Callable[[str], str] | None = None,
                  error: type = ReplicationError) -> None:
         """named: {leaf name: jax.Array}. Raises `error` (one line) naming the first
@@ -104,22 +128,30 @@ class ReplicaCheck:
                 by_mesh.setdefault(x.sharding.mesh, []).append((name, x))
         bad = []
         for mesh, items in by_mesh.items():
-            specs = tuple(x.sharding.spec for _, x in items)
-            hashes, scales = self._program(mesh, specs)(*[x for _, x in items])
-            hashes, scales = _host(hashes), _host(scales)
+            copies = sum(x.nbytes * x.sharding.num_devices for _, x in items)
+            small = jax.process_count() == 1 and copies <= self.host_bytes
+            prints = (self._on_host if small else self._on_devices)(mesh, items)
             order = {d: i for i, d in enumerate(mesh.devices.flat)}
-            for j, (name, x) in enumerate(items):
+            for (name, x), p in zip(items, prints):
                 groups: dict = {}
                 for d, index in x.sharding.devices_indices_map(x.shape).items():
                     groups.setdefault(tuple((s.start, s.stop) for s in index), []).append(order[d])
                 for devs in groups.values():
                     devs = sorted(devs)
-                    differ = [d for d in devs if (hashes[d, j] != hashes[devs[0], j]).any()]
+                    differ = [d for d in devs if p[d][0] != p[devs[0]][0]]
                     if differ:
-                        bad.append((name, x, mesh, devs, differ, scales[devs, j]))
+                        bad.append((name, x, mesh, devs, differ, np.array([p[d][1] for d in devs])))
                         break
         if bad:
             raise error(_message(bad, where, hint))
+
+
+def _is_key(x) -> bool:
+    return jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+
+
+def _raw(x):
+    return jax.random.key_data(x) if _is_key(x) else x
 
 
 def _host(x) -> np.ndarray:
@@ -137,7 +169,7 @@ def _message(bad, where: str, hint) -> str:
     ref = held.get(flat[devs[0]])
     gaps = [np.max(np.abs(np.asarray(held[flat[d]], np.float64) - np.asarray(ref, np.float64)))
             for d in differ if ref is not None and flat[d] in held
-            and not jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key) and x.size]
+            and not _is_key(x) and x.size]
     size = (f"max |difference| {max(gaps):.3g} (largest |value| {float(scales.max()):.3g})" if gaps
             else f"largest |value| from {float(scales.min()):.3g} to {float(scales.max()):.3g}")
     more = f"; {len(bad) - 1} more {'differs' if len(bad) == 2 else 'differ'} ({', '.join(b[0] for b in bad[1:4])}{', ...' if len(bad) > 4 else ''})" \
