@@ -61,6 +61,9 @@ def test_check_passes_replicas_and_sees_one_bit(mesh_of, where):
     flipped[3] = np.frombuffer((flipped[3:4].view(np.uint16) ^ 1).tobytes(), jnp.bfloat16)[0]  # last mantissa bit
     with pytest.raises(ReplicationError, match="bf16 .8,. is declared replicated over data, model"):
         ReplicaCheck(where)({**same, "bf16": per_device(mesh, P(), [leaves["bf16"]] * 7 + [flipped])})
+    reversed_ = leaves["bf16"][::-1].copy()  # the same numbers in another order: equal sums, other values
+    with pytest.raises(ReplicationError, match="bf16 .8,. is declared replicated over data, model"):
+        ReplicaCheck(where)({**same, "bf16": per_device(mesh, P(), [leaves["bf16"]] * 7 + [reversed_])})
 
 
 class Net(nnx.Module):

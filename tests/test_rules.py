@@ -112,6 +112,8 @@ def test_path_rules_match_the_full_path_first_match_wins(cnn):
     assert specs["params"]["Dense_1"]["kernel"] == P(None, "model")
     assert specs["params"]["Conv_0"]["bias"] == P()
     # a pattern must match the whole path: 'Dense_0/kernel' and 'kernel' match nothing here
+    tail = R.specs_from_rules(params, [(r"Dense_0/kernel", P("data")), (r"kernel", P("data")), (r".*", P("model"))])
+    assert set(jax.tree.leaves(tail, is_leaf=lambda s: isinstance(s, P))) == {P("model")}
     for rules in ([(r"Dense_0/kernel", P("data"))], [(r"kernel", P("data"))], []):
         with pytest.raises(dpjax.UserError, match=r"^parameter params/Conv_0/bias \(8,\) matches no sharding rule"):
             R.specs_from_rules(params, rules)
