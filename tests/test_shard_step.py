@@ -1,12 +1,13 @@
-"""Loud instead of silent: values declared replicated are checked (dpjax.replicas), by
-shard_step on its first calls and on every call under DPJAX_CHECK=1, and by
-`python -m dpjax.train` under DPJAX_CHECK=1.
+"""dpjax.shard_step's promises. Loud instead of silent: values declared replicated are
+checked (dpjax.replicas), by shard_step on its first calls and on every call under
+DPJAX_CHECK=1, and by `python -m dpjax.train` under DPJAX_CHECK=1.
 
 The check is first given arrays whose per-device buffers are built by hand (what a
 shard_map with check_vma=False returns when devices disagree), so the expected verdict
 and distance are known independently; then the mistakes of the issue: a forgotten
 gradient average, BatchNorm without axis_name, a loss of one shard, and the same
-mistake planted in dpjax.train's own step.
+mistake planted in dpjax.train's own step. Last, a Linen TrainState with
+DistributedOptimizer as its tx against the plain optimizer on one device.
 """
 
 import numpy as np
@@ -147,3 +148,30 @@ def test_dpjax_train_checks_its_step_under_dpjax_check(monkeypatch, tmp_path):
     monkeypatch.setattr(S, "allreduce_gradients", lambda grads, **kw: grads)
     with pytest.raises(AssertionError, match=r"^dpjax.train step: params/\w+ .* differ"):
         train(cfg)
+
+
+def test_train_state_with_distributed_optimizer_equals_one_device(mesh_of):
+    """A Linen TrainState whose tx is DistributedOptimizer, in one shard_step (decorator
+    form, an explicit mesh), steps like the plain optimizer on one device."""
+    from flax import linen as nn
+    from flax.training.train_state import TrainState
+
+    model = nn.Dense(3)
+    data = batch()
+    params = jax.jit(model.init)(jax.random.key(0), data["x"][:1])
+
+    def train_step(state, batch):
+        def loss_fn(params):
+            logits = state.apply_fn(params, batch["x"])
+            return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+
+        return state.apply_gradients(grads=jax.grad(loss_fn)(state.params))
+
+    dist = dpjax.shard_step(mesh_of("8x1", 8), batch_argnums=1)(train_step)
+    plain = jax.jit(train_step)
+    a = TrainState.create(apply_fn=model.apply, params=params, tx=dpjax.DistributedOptimizer(optax.adam(0.1)))
+    b = TrainState.create(apply_fn=model.apply, params=params, tx=optax.adam(0.1))
+    for _ in range(3):
+        a, b = dist(a, data), plain(b, data)
+    for x, y in zip(jax.tree.leaves(a.params), jax.tree.leaves(b.params)):
+        np.testing.assert_allclose(x, y, rtol=2e-5, atol=2e-6)
