@@ -120,7 +120,7 @@ def test_path_rules_match_the_full_path_first_match_wins(cnn):
     assert R.specs_from_rules(params, [], default=P())["params"]["Dense_1"]["bias"] == P()
 
 
-def test_logical_names_map_to_mesh_axes():
+def test_logical_names_map_to_mesh_axes(mesh_of):
     rules = [("mlp", "model"), ("embed", None), ("mlp", "data")]  # the first rule for a name wins
 
     class Linen(nn.Module):
@@ -131,6 +131,8 @@ def test_logical_names_map_to_mesh_axes():
     boxed = jax.eval_shape(Linen().init, jax.random.key(0), jax.ShapeDtypeStruct((1, 4), np.float32))
     specs = R.specs_from_logical(boxed, rules)
     assert specs["params"]["Dense_0"] == {"kernel": P(None, "model"), "bias": P()}
+    layout = R.layout(boxed, mesh_of("1x4", 4), logical=rules)  # the layout of the unboxed parameters
+    assert layout.specs == {"params": {"Dense_0": {"kernel": P(None, "model"), "bias": P(None)}}}  # padded to ndim
     with nnx.use_eager_sharding(False):
         linear = nnx.Linear(4, 8, kernel_init=nnx.with_partitioning(nnx.initializers.lecun_normal(), ("embed", "vocab")),
                             rngs=nnx.Rngs(0))
