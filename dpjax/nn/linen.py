@@ -24,42 +24,38 @@ from dpjax.nn._common import local, parallel
 from dpjax.nn.nnx import causal_attention
 
 
-class ColumnParallelDense(nn.Module):
-    """x @ W + b, W split by columns over `axis`; the output stays split."""
-
+class _ParallelDense(nn.Module):
     features: int
     use_bias: bool = True
     axis: str = MODEL
     algorithm: str = "ring"
     kernel_init: Callable = nn.initializers.lecun_normal()
+
+    def _weights(self, rows: int, cols: int, kernel_axes: tuple):
+        kernel = self.param("kernel", nn.with_partitioning(self.kernel_init, kernel_axes), (rows, cols))
+        bias = self.param("bias", nn.with_partitioning(nn.initializers.zeros, kernel_axes[1:]), (cols,)) \
+            if self.use_bias else None
+        return kernel, bias
+
+
+class ColumnParallelDense(_ParallelDense):
+    """x @ W + b, W split by columns over `axis`; the output stays split."""
 
     @nn.compact
     def __call__(self, x_BxD):
         Fm = local(self.features, self.axis, "ColumnParallelDense")
-        kernel_DxFm = self.param("kernel", nn.with_partitioning(self.kernel_init, (None, self.axis)),
-                                 (x_BxD.shape[-1], Fm))
-        bias_Fm = self.param("bias", nn.with_partitioning(nn.initializers.zeros, (self.axis,)), (Fm,)) \
-            if self.use_bias else None
+        kernel_DxFm, bias_Fm = self._weights(x_BxD.shape[-1], Fm, (None, self.axis))
         return tp.column_parallel(x_BxD, kernel_DxFm, bias_Fm, parallel(self.axis, self.algorithm))
 
 
-class RowParallelDense(nn.Module):
+class RowParallelDense(_ParallelDense):
     """x @ W + b, W split by rows over `axis`: the input arrives split, the partial
     outputs are summed (g); the output and the bias are whole."""
-
-    features: int
-    use_bias: bool = True
-    axis: str = MODEL
-    algorithm: str = "ring"
-    kernel_init: Callable = nn.initializers.lecun_normal()
 
     @nn.compact
     def __call__(self, h_BxFm):
         # the input's last dimension is already this device's block of the rows
-        kernel_FmxD = self.param("kernel", nn.with_partitioning(self.kernel_init, (self.axis, None)),
-                                 (h_BxFm.shape[-1], self.features))
-        bias_D = self.param("bias", nn.with_partitioning(nn.initializers.zeros, (None,)), (self.features,)) \
-            if self.use_bias else None
+        kernel_FmxD, bias_D = self._weights(h_BxFm.shape[-1], self.features, (self.axis, None))
         return tp.row_parallel(h_BxFm, kernel_FmxD, bias_D, parallel(self.axis, self.algorithm))
 
 

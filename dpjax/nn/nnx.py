@@ -39,42 +39,49 @@ def _param(value, sharding):
     return nnx.Param(value, out_sharding=sharding, eager_sharding=mesh_is_set())
 
 
-class ColumnParallelLinear(nnx.Module):
+class _ParallelLinear(nnx.Module):
+    """A kernel (in x out) split over `axis` on dimension `split` and a bias."""
+
+    split: int  # the kernel's dimension split over the axis: 1 columns, 0 rows
+
+    def __init__(self, in_features: int, out_features: int, *, use_bias: bool = True, axis: str = MODEL,
+                 algorithm: str = "ring", kernel_init=default_init, rngs: nnx.Rngs):
+        self.in_features, self.out_features, self.axis, self.algorithm = in_features, out_features, axis, algorithm
+        kernel_axes = (None, axis) if self.split == 1 else (axis, None)
+        self.kernel = _param(kernel_init(rngs.params(), (in_features, out_features)), kernel_axes)
+        self.bias = _param(jnp.zeros((out_features,)), kernel_axes[1:]) if use_bias else None
+
+    def _weights(self):
+        """(kernel, bias or None): this device's blocks, their shapes checked."""
+        shape = [self.in_features, self.out_features]
+        shape[self.split] = local(shape[self.split], self.axis, type(self).__name__)
+        kernel = self.kernel[...]
+        assert kernel.shape == tuple(shape), (kernel.shape, shape)
+        return kernel, None if self.bias is None else self.bias[...]
+
+
+class ColumnParallelLinear(_ParallelLinear):
     """y = x @ W + b with W (in x out) split by columns over `axis`: each device computes
     its slice of the outputs; the output stays split (feed it to a RowParallelLinear,
     or to `cross_entropy` when the columns are the vocabulary)."""
 
-    def __init__(self, in_features: int, out_features: int, *, use_bias: bool = True, axis: str = MODEL,
-                 algorithm: str = "ring", kernel_init=default_init, rngs: nnx.Rngs):
-        self.in_features, self.out_features, self.axis, self.algorithm = in_features, out_features, axis, algorithm
-        self.kernel = _param(kernel_init(rngs.params(), (in_features, out_features)), (None, axis))
-        self.bias = _param(jnp.zeros((out_features,)), (axis,)) if use_bias else None
+    split = 1
 
     def __call__(self, x_BxD):
-        Fm = local(self.out_features, self.axis, "ColumnParallelLinear")
-        kernel_DxFm = self.kernel[...]
-        assert kernel_DxFm.shape == (self.in_features, Fm), kernel_DxFm.shape
-        bias_Fm = None if self.bias is None else self.bias[...]
+        kernel_DxFm, bias_Fm = self._weights()
         return tp.column_parallel(x_BxD, kernel_DxFm, bias_Fm, parallel(self.axis, self.algorithm))
 
 
-class RowParallelLinear(nnx.Module):
+class RowParallelLinear(_ParallelLinear):
     """y = x @ W + b with W (in x out) split by rows over `axis`: the input arrives split
     (a ColumnParallelLinear's output), each device multiplies its slice, and the partial
     outputs are summed (Megatron's g); the output and the bias are whole."""
 
-    def __init__(self, in_features: int, out_features: int, *, use_bias: bool = True, axis: str = MODEL,
-                 algorithm: str = "ring", kernel_init=default_init, rngs: nnx.Rngs):
-        self.in_features, self.out_features, self.axis, self.algorithm = in_features, out_features, axis, algorithm
-        self.kernel = _param(kernel_init(rngs.params(), (in_features, out_features)), (axis, None))
-        self.bias = _param(jnp.zeros((out_features,)), (None,)) if use_bias else None
+    split = 0
 
     def __call__(self, h_BxFm):
-        Fm = local(self.in_features, self.axis, "RowParallelLinear")
-        kernel_FmxD = self.kernel[...]
-        assert kernel_FmxD.shape == (Fm, self.out_features) and h_BxFm.shape[-1] == Fm, (kernel_FmxD.shape,
-                                                                                         h_BxFm.shape)
-        bias_D = None if self.bias is None else self.bias[...]
+        kernel_FmxD, bias_D = self._weights()
+        assert h_BxFm.shape[-1] == kernel_FmxD.shape[0], (h_BxFm.shape, kernel_FmxD.shape)
         return tp.row_parallel(h_BxFm, kernel_FmxD, bias_D, parallel(self.axis, self.algorithm))
 
 
