@@ -212,16 +212,18 @@ class ShardedStep:
         if unknown:
             raise UserError(f"{self.__name__}: {name} is annotated with sharding {tuple(spec)}, naming "
                             f"{', '.join(map(repr, unknown))}, not an axis of the mesh {dict(mesh.shape)}; map "
-                            "logical names to mesh axes first (dpjax.rules.logical_to_mesh, or flax's "
-                            "logical_axis_rules)")
+                            "logical names to mesh axes around the call: with nnx.logical_axis_rules([(name, "
+                            "axis or None), ...]): ...")
         return spec
 
     def _check_splits(self, leaves, meta, mesh) -> None:
         for x, m in zip(leaves, meta):
             shape = tuple(getattr(x, "shape", ()))
+            if len(m.spec) > len(shape):
+                raise UserError(f"{self.__name__}: {m.name} {shape} has fewer dimensions than its spec {m.spec}")
             for d, e in enumerate(m.spec):
                 n = math.prod(mesh.shape[a] for a in _spec_axes(P(e)))
-                if d >= len(shape) or shape[d] % n:
+                if shape[d] % n:
                     what = "rows" if m.owner in self.batch_argnums else f"dimension {d}"
                     raise UserError(f"{self.__name__}: {m.name} {shape} is split over {e!r}, but its {what} "
                                     f"do not divide into {n} parts; use a multiple of {n}")

@@ -175,3 +175,22 @@ def test_train_state_with_distributed_optimizer_equals_one_device(mesh_of):
         a, b = dist(a, data), plain(b, data)
     for x, y in zip(jax.tree.leaves(a.params), jax.tree.leaves(b.params)):
         np.testing.assert_allclose(x, y, rtol=2e-5, atol=2e-6)
+
+
+def test_logical_names_need_rules_around_the_call():
+    """An NNX parameter annotated with logical names is one error line naming it, and runs
+    once flax's logical_axis_rules map the names to mesh axes (here: replicated)."""
+    with nnx.use_eager_sharding(False):
+        model = nnx.Linear(6, 4, kernel_init=nnx.with_partitioning(nnx.initializers.lecun_normal(), ("embed", "mlp")),
+                           rngs=nnx.Rngs(0))
+
+    def forward(model, batch):
+        return jax.lax.psum(model(batch["x"]).sum(), "data")
+
+    step = dpjax.shard_step(forward, batch_argnums=1)
+    with pytest.raises(dpjax.UserError, match=r"^forward: model/kernel is annotated with sharding \('embed', 'mlp'\), "
+                                              r"naming 'embed', 'mlp', not an axis of the mesh"):
+        step(model, batch())
+    with nnx.logical_axis_rules([("embed", None), ("mlp", None)]):
+        got = step(model, batch())
+    np.testing.assert_allclose(got, model(batch()["x"]).sum(), rtol=1e-5)
