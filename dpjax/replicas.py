@@ -8,11 +8,12 @@ never synchronised, the metrics of one shard: all come back looking fine.
 
 The devices' copies are still there, though: a `jax.Array` keeps one buffer per device,
 and the devices that hold the same block of the global array (the same index in its
-sharding) must hold the same bits. `ReplicaCheck` hashes each device's own block with a
-small jitted `shard_map` (two 32-bit multiply-add hashes of the bits, plus the block's
-largest magnitude for the message), brings the devices x leaves hashes to the host (not
-the arrays) and raises `ReplicationError` naming the first leaf whose copies differ and
-how far apart they are. The comparison is bitwise: replicas that drift apart by
+sharding) must hold the same bits. `ReplicaCheck` compares them: small values on the
+host (every copy fetched, no compile), large ones on the devices, where a small jitted
+`shard_map` hashes each device's own block (two 32-bit multiply-add hashes of the bits,
+plus the block's largest magnitude for the message) and only the devices x leaves
+hashes travel. It raises `ReplicationError` naming the first leaf whose copies differ
+and how far apart they are. The comparison is bitwise: replicas that drift apart by
 round-off drift further every step (Horovod users met this as parameters that slowly
 diverge), so they count too.
 
@@ -172,8 +173,8 @@ def _message(bad, where: str, hint) -> str:
             and not _is_key(x) and x.size]
     size = (f"max |difference| {max(gaps):.3g} (largest |value| {float(scales.max()):.3g})" if gaps
             else f"largest |value| from {float(scales.min()):.3g} to {float(scales.max()):.3g}")
-    more = f"; {len(bad) - 1} more {'differs' if len(bad) == 2 else 'differ'} ({', '.join(b[0] for b in bad[1:4])}{', ...' if len(bad) > 4 else ''})" \
-        if len(bad) > 1 else ""
+    others = ", ".join(b[0] for b in bad[1:4]) + (", ..." if len(bad) > 4 else "")
+    more = f"; {len(bad) - 1} more {'differs' if len(bad) == 2 else 'differ'} ({others})" if len(bad) > 1 else ""
     tip = hint(name) if hint else ""
     return (f"{where}{name} {tuple(x.shape)} is declared replicated over {', '.join(over)} but its copies "
             f"differ: {len(differ)} of {len(devs)} devices hold other values than device {devs[0]}, {size}"
