@@ -118,6 +118,7 @@ class ShardedStep:
 
     def __init__(self, fn, mesh, batch_argnums, donate_argnums, in_specs, out_specs, check):
         functools.update_wrapper(self, fn)
+        self.__name__ = getattr(fn, "__name__", type(fn).__name__)  # a functools.partial has none
         self.fn, self._mesh, self.batch_argnums, self.donate_argnums = fn, mesh, batch_argnums, donate_argnums
         self.in_specs, self.out_specs, self.check = in_specs, out_specs, check
         self.calls = 0

@@ -22,7 +22,7 @@ from jax.sharding import PartitionSpec as P
 import dpjax
 
 EXAMPLES = pathlib.Path(__file__).resolve().parent.parent / "examples"
-STEPS, EVAL_EVERY = 6, 3
+STEPS, EVAL_EVERY = 4, 2
 TOL = dict(rtol=2e-5, atol=2e-6)  # float32: the global batch's sums are added in another order
 
 

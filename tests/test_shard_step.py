@@ -134,20 +134,25 @@ def test_bad_batch_is_one_line():
         dpjax.shard_step(forward, batch_argnums=1)(Net(nnx.Rngs(0), "data"), batch(rows=12))
 
 
-def test_dpjax_train_checks_its_step_under_dpjax_check(monkeypatch, tmp_path):
-    """dpjax.train with DPJAX_CHECK=1: silent on a correct run; with the gradient average
-    taken out of dpjax's step builder, an AssertionError (our bug: a traceback) naming a
-    parameter."""
+def test_dpjax_train_checks_its_step_under_dpjax_check(monkeypatch):
+    """dpjax.train's Trainer with DPJAX_CHECK=1: silent on a correct step; with the gradient
+    average taken out of dpjax's step builder, an AssertionError (our bug: a traceback)
+    naming a parameter."""
     from dpjax import step as S
-    from dpjax.train import TrainConfig, run as train
+    from dpjax.train import TrainConfig, Trainer
 
     monkeypatch.setenv("DPJAX_CHECK", "1")
-    cfg = TrainConfig(model="mlp", mesh="8x1", data="synthetic", steps=2, batch_size=16, seq_len=8, eval_every=0,
-                      eval_batches=1, progress="none", model_options={"d_hidden": 16, "d_embed": 8})
-    assert train(cfg)["steps"] == 2
+    cfg = TrainConfig(model="mlp", mesh="2x2", data="synthetic", steps=1, batch_size=8, seq_len=8,
+                      progress="none", model_options={"d_hidden": 16, "d_embed": 8})
+
+    def one_step():
+        t = Trainer(cfg)
+        return t.step.train(t.params, t.opt_state, t.batch())
+
+    one_step()
     monkeypatch.setattr(S, "allreduce_gradients", lambda grads, **kw: grads)
     with pytest.raises(AssertionError, match=r"^dpjax.train step: params/\w+ .* differ"):
-        train(cfg)
+        one_step()
 
 
 def test_train_state_with_distributed_optimizer_equals_one_device(mesh_of):
