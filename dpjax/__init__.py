@@ -10,8 +10,10 @@ from dpjax.data_parallel import (
 )
 from dpjax.distributed import local_rank, process_count, process_index
 from dpjax.errors import UserError
+from dpjax.replicas import ReplicationError
+from dpjax.rng import device_key
 from dpjax.mesh import data_axes, dp_size, make_mesh, parse_mesh_spec, simulate_cpu_devices
-from dpjax import updates
+from dpjax import rules, updates
 from dpjax.updates import delayed_gradients
 from dpjax.step import Exchange, make_update_step
 from dpjax import horovod
@@ -19,12 +21,14 @@ from dpjax import horovod
 __all__ = [
     "DistributedOptimizer",
     "Exchange",
+    "ReplicationError",
     "UserError",
     "allreduce_gradients",
     "broadcast_params",
     "collectives",
     "data_axes",
     "delayed_gradients",
+    "device_key",
     "dp_size",
     "horovod",
     "local_rank",
@@ -33,6 +37,7 @@ __all__ = [
     "parse_mesh_spec",
     "process_count",
     "process_index",
+    "rules",
     "shard_batch",
     "shard_step",
     "simulate_cpu_devices",

@@ -31,6 +31,7 @@ from dpjax.collectives._common import axis_size
 from dpjax.collectives.grouped import COMPRESSIONS  # noqa: F401  (the names --compression takes)
 from dpjax.fusion import pack, plan_buckets, unpack
 from dpjax.mesh import data_axes
+from dpjax.wrapper import shard_step  # noqa: F401  (the step wrapper lives in its own module)
 
 OPS = ("mean", "sum", "adasum")
 
@@ -151,23 +152,6 @@ def broadcast_params(params, axis_name="data", *, root: int = 0, algorithm: str 
 def batch_sharding(mesh):
     """Rows split over the mesh's data axes (`node` and `data`), replicated over `model`."""
     return NamedSharding(mesh, P(data_axes(mesh)))
-
-
-def shard_step(fn, mesh, batch_argnums=(), *, donate_argnums=(), in_specs=None, out_specs=P()):
-    """`jit(shard_map(fn))` for a data-parallel step: the arguments in `batch_argnums`
-    are split by rows over the mesh's data axes, the rest (and every output) are
-    replicated. Gradients inside `fn` stay local (check_vma=False), so the
-    DistributedOptimizer's explicit allreduce is the one that averages them.
-    in_specs / out_specs: explicit specs (trees of PartitionSpec) for sharded state;
-    in_specs replaces the rule above, with `None` entries meaning "the rule above"."""
-    batch = P(data_axes(mesh))
-
-    def wrapped(*args):
-        rule = tuple(batch if i in batch_argnums else P() for i in range(len(args)))
-        specs = rule if in_specs is None else tuple(r if s is None else s for r, s in zip(rule, in_specs))
-        return jax.shard_map(fn, mesh=mesh, in_specs=specs, out_specs=out_specs, check_vma=False)(*args)
-
-    return jax.jit(wrapped, donate_argnums=donate_argnums)
 
 
 def shard_batch(mesh, *arrays):

@@ -107,6 +107,12 @@ class Layout:
         return jax.tree.map(lambda s: NamedSharding(self.mesh, s), self.specs if specs is None else specs,
                             is_leaf=is_spec)
 
+    def gather(self, params):
+        """Inside the step: the parameters whole, ready for an unchanged model's apply
+        (FSDP's all-gather, whose backward reduce-scatters and averages the gradient
+        over the data axes); the parameters as they are when nothing is split over them."""
+        return self.parallel().use(params)
+
 
 def make_layout(model, mesh, *, algorithm: str = "ring", fsdp: bool = False, fsdp_algorithm: str = "ring",
                 tensor_parallel: bool = True, workers: tuple = ()) -> Layout:
@@ -119,41 +125,59 @@ def make_layout(model, mesh, *, algorithm: str = "ring", fsdp: bool = False, fsd
         table_specs = specs_from_table(abstract, model.SPECS)
     else:
         table_specs = jax.tree.map(lambda _: P(), abstract)
+    return layout_from_specs(abstract, table_specs, mesh, what=f"{model.name} parameter", algorithm=algorithm,
+                             fsdp=fsdp, fsdp_algorithm=fsdp_algorithm, workers=workers)
+
+
+def layout_from_specs(abstract, specs, mesh, *, what: str = "parameter", algorithm: str = "ring", fsdp: bool = False,
+                      fsdp_algorithm: str = "ring", workers: tuple = ()) -> Layout:
+    """The layout of parameters shaped like `abstract` with the given specs (a tree of
+    PartitionSpec, from a model's table or `dpjax.rules`). A spec that names the data
+    axes itself (a rule splitting a parameter over `data`) is FSDP on that dimension;
+    `fsdp` splits every other parameter too, on its largest free dimension that divides.
+    Raises UserError (one line) when a split dimension does not divide by its axis."""
     names = mesh.axis_names
+    workers = tuple(a for a in data_axes(mesh) if a in workers)
+    dp = tuple(a for a in data_axes(mesh) if a not in workers)
+    ndp = math.prod(mesh.shape[a] for a in dp)
 
     def resolve(path, x, spec):
         spec = _resolve(spec, x.ndim, names)
         for d, e in enumerate(spec):
             n = math.prod(mesh.shape[a] for a in _axes(e))
             if x.shape[d] % n:
-                raise UserError(f"{model.name} parameter {leaf_name(path)} {x.shape}: dimension {d} of size "
-                                 f"{x.shape[d]} does not split over the {n} devices of mesh axis {e!r}; "
-                                 f"change the model size or the mesh")
+                raise UserError(f"{what} {leaf_name(path)} {x.shape}: dimension {d} of size "
+                                f"{x.shape[d]} does not split over the {n} devices of mesh axis {e!r}; "
+                                f"change the model size or the mesh")
         return spec
 
-    specs = jax.tree_util.tree_map_with_path(resolve, abstract, table_specs)
-    dims = None
-    workers = tuple(a for a in data_axes(mesh) if a in workers)
-    if fsdp:
-        dp = tuple(a for a in data_axes(mesh) if a not in workers)
-        ndp = math.prod(mesh.shape[a] for a in dp)
+    def split_over_data(path, x, spec):
+        named = [d for d, e in enumerate(spec) if set(_axes(e)) & set(data_axes(mesh))]
+        if named:  # the spec chose: FSDP on that dimension, over exactly the inner data axes, last
+            e = _axes(spec[named[0]])
+            if len(named) > 1 or e[len(e) - len(dp):] != dp or set(e[:len(e) - len(dp)]) & set(data_axes(mesh)):
+                raise UserError(f"{what} {leaf_name(path)}: spec {spec} splits it over data axes other than "
+                                f"{dp} on one dimension (after any model axis); FSDP splits one dimension over "
+                                f"all of them")
+            return spec, named[0] if ndp > 1 else -1
+        # A dimension already split over `model` can take the data axes too (inside
+        # each model shard); a free one is preferred, then the largest local size.
+        local = [x.shape[d] // math.prod(mesh.shape[a] for a in _axes(e)) for d, e in enumerate(spec)]
+        fits = [d for d in range(x.ndim) if local[d] % ndp == 0]
+        if not fsdp or ndp == 1 or not fits:
+            return spec, -1
+        d = max(fits, key=lambda i: (spec[i] is None, local[i], -i))
+        joint = _axes(spec[d]) + dp
+        entries = [(joint[0] if len(joint) == 1 else joint) if i == d else e for i, e in enumerate(spec)]
+        return P(*entries), d
 
-        def split_over_data(x, spec):
-            # A dimension already split over `model` can take the data axes too (inside
-            # each model shard); a free one is preferred, then the largest local size.
-            local = [x.shape[d] // math.prod(mesh.shape[a] for a in _axes(e)) for d, e in enumerate(spec)]
-            fits = [d for d in range(x.ndim) if local[d] % ndp == 0]
-            if ndp == 1 or not fits:
-                return spec, -1
-            d = max(fits, key=lambda i: (spec[i] is None, local[i], -i))
-            joint = _axes(spec[d]) + dp
-            entries = [(joint[0] if len(joint) == 1 else joint) if i == d else e for i, e in enumerate(spec)]
-            return P(*entries), d
-
-        pairs = jax.tree.map(split_over_data, abstract, specs, is_leaf=is_spec)
-        is_pair = lambda t: isinstance(t, tuple) and len(t) == 2 and is_spec(t[0])  # noqa: E731
-        specs = jax.tree.map(lambda t: t[0], pairs, is_leaf=is_pair)
-        dims = jax.tree.map(lambda t: t[1], pairs, is_leaf=is_pair)
+    specs = jax.tree_util.tree_map_with_path(resolve, abstract, specs)
+    pairs = jax.tree_util.tree_map_with_path(split_over_data, abstract, specs)
+    is_pair = lambda t: isinstance(t, tuple) and len(t) == 2 and is_spec(t[0])  # noqa: E731
+    specs = jax.tree.map(lambda t: t[0], pairs, is_leaf=is_pair)
+    dims = jax.tree.map(lambda t: t[1], pairs, is_leaf=is_pair)
+    if not fsdp and all(d < 0 for d in jax.tree.leaves(dims)):
+        dims = None  # no parameter split over the data axes: not FSDP
     return Layout(mesh, specs, dims, algorithm, fsdp_algorithm, workers)
 
 

@@ -266,6 +266,10 @@ class Trainer:
                 raise UsageError(f"--link {link}: mesh {dict(mesh.shape)} has no axis {link.axis!r}")
         self.step = S.for_model(model, layout, global_batch=cfg.batch_size, update=update, opt=opt,
                                 passes=cfg.backward_passes, exchange=exchange, links=links, seed=cfg.seed)
+        from dpjax.replicas import check_always, checked
+        if check_always():  # DPJAX_CHECK=1: every step's replicated values are checked (dpjax.replicas)
+            self.step = dataclasses.replace(self.step, train=checked(self.step.train, ("params", "opt_state", "loss"),
+                                                                     "dpjax.train step"))
         # What must match for a checkpoint to resume: per-worker state needs the same
         # rule and the same number of workers (the mesh may change).
         self.record = {"model": model.describe(), "data": cfg.data, "seed": cfg.seed, "batch_size": cfg.batch_size,

@@ -1,0 +1,278 @@
+"""`dpjax.shard_step`: research code's own step on a mesh, for NNX modules, Linen
+TrainStates and plain pytrees alike.
+
+    @dpjax.shard_step(batch_argnums=3)                   # where flax's tutorial says @nnx.jit
+    def train_step(model, optimizer, metrics, batch): ...
+
+Each call is one `jax.jit(jax.shard_map(...))` (compiled once per structure):
+
+1. Arguments. NNX objects (modules, `nnx.Optimizer`, metrics) are split into a graph
+   and a state, the way flax's own transforms do it (`nnx.jit`, `nnx.shard_map`); the
+   state travels as arrays, each with the spec of its Variable's sharding metadata
+   (`nnx.with_partitioning`, dpjax's parallel layers; none: replicated). Any other
+   argument is a pytree (a Linen `TrainState`, a dict of arrays), replicated unless it is
+   in `batch_argnums` (rows split over the data axes) or `in_specs` says otherwise.
+   Host arrays are placed by the wrapper; a batch whose rows do not split is one error line.
+2. Inside, each device merges its blocks back into modules and calls `fn`. Every
+   `nnx.Rngs` stream draws per device (`dpjax.rng`: dropout differs across devices).
+   Gradients stay local (check_vma=False, see `dpjax.data_parallel`): the averaging is
+   explicit, by `DistributedOptimizer` as the optimizer's tx, or
+   `dpjax.allreduce_gradients` / `lax.pmean` where the user wants it.
+3. In-place updates come back: the modules' new state is split off again and written
+   into the caller's objects (`nnx.update`). The update of an `nnx.metrics.Average`
+   (`Accuracy` is one: a total and a count) is summed over the data axes, so a metric
+   counts the global batch; another metric must synchronise itself.
+4. Whatever comes back declared replicated (the outputs under `out_specs`, default P();
+   the new state) is checked to be equal on the devices that share it
+   (`dpjax.replicas`) on the first calls and on every call under DPJAX_CHECK=1; a
+   divergence is one error line naming the value, how far apart the copies are, and
+   the usual cause.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import math
+from dataclasses import dataclass
+
+import sys
+
+import jax
+from jax import lax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from dpjax.errors import UserError
+from dpjax.mesh import data_axes, make_mesh
+from dpjax.replicas import FIRST_CALLS, ReplicaCheck, check_always
+from dpjax.rng import bound_data_axes, fold_rng_keys
+
+HINTS = {
+    "Param": "were its gradients averaged over the data axes? give the optimizer dpjax.DistributedOptimizer(...) "
+             "as its tx, or average them with dpjax.allreduce_gradients",
+    "Opt": "were the gradients averaged over the data axes? give the optimizer dpjax.DistributedOptimizer(...) "
+           "as its tx, or average them with dpjax.allreduce_gradients",
+    "BatchStat": "give the BatchNorm axis_name='data' (the mesh's data axes) so that its batch statistics are "
+                 "averaged across devices",
+    "MetricState": "dpjax sums the updates of nnx.metrics.Average and Accuracy over the data axes; another metric "
+                   "must synchronise itself (lax.psum) inside the step",
+    "output": "average it inside the step (jax.lax.pmean(x, 'data'), dpjax.allreduce_gradients) or declare it "
+              "split with out_specs",
+}
+
+
+def _is_spec(x) -> bool:
+    return isinstance(x, P)
+
+
+def _argnums(x) -> tuple:
+    return (x,) if isinstance(x, int) else tuple(x)
+
+
+def _flax_nnx():
+    """flax.nnx if the program imported it (else it holds no NNX objects: dpjax does not
+    import flax for code that does not use it)."""
+    return sys.modules.get("flax.nnx")
+
+
+def _has_nnx(tree, variables: bool = True) -> bool:
+    """Whether tree holds NNX objects (modules, optimizers, metrics) or, if `variables`, Variables."""
+    nnx = _flax_nnx()
+    if nnx is None:
+        return False
+    kinds = (nnx.Pytree, nnx.Variable) if variables else (nnx.Pytree,)
+    return any(isinstance(x, kinds) for x in jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, kinds)))
+
+
+def shard_step(fn=None, mesh=None, batch_argnums=(), *, donate_argnums=(), in_specs=None, out_specs=P(),
+               check=None):
+    """`fn` as one jit(shard_map) step over `mesh` (default: every device on a `data` axis).
+
+    batch_argnums: arguments whose leaves are split by rows over the data axes.
+    in_specs: per argument, None (the rule above) or a PartitionSpec / tree of them
+    for a pytree argument (sharded state: FSDP, tensor parallelism). out_specs: a
+    PartitionSpec or tree of them for fn's outputs (default P(): replicated, checked).
+    check: None checks the first calls (dpjax.replicas.FIRST_CALLS), True every call,
+    False none; DPJAX_CHECK=1 checks every call whatever this says.
+    Also a decorator: `@shard_step(batch_argnums=3)`, `@shard_step(mesh, batch_argnums=3)`.
+    See the module docstring for what it does with NNX objects, RNGs and metrics.
+    """
+    if fn is None or isinstance(fn, Mesh):
+        return functools.partial(shard_step, mesh=mesh if fn is None else fn, batch_argnums=batch_argnums,
+                                 donate_argnums=donate_argnums, in_specs=in_specs, out_specs=out_specs, check=check)
+    return ShardedStep(fn, mesh, _argnums(batch_argnums), _argnums(donate_argnums), in_specs, out_specs, check)
+
+
+@dataclass(frozen=True)
+class _Leaf:
+    name: str  # "model/conv1/kernel": the argument's name, then the path
+    kind: str  # the Variable type ("Param", "BatchStat", "RngKey", ...), or "array" for a pytree leaf
+    spec: P
+    owner: int  # the argument it belongs to
+    summed: bool = False  # an nnx.metrics.Average's total or count: its update is summed over the data axes
+
+
+class ShardedStep:
+    """The callable `shard_step` returns; `calls` counts its calls."""
+
+    def __init__(self, fn, mesh, batch_argnums, donate_argnums, in_specs, out_specs, check):
+        functools.update_wrapper(self, fn)
+        self.__name__ = getattr(fn, "__name__", type(fn).__name__)  # a functools.partial has none
+        self.fn, self._mesh, self.batch_argnums, self.donate_argnums = fn, mesh, batch_argnums, donate_argnums
+        self.in_specs, self.out_specs, self.check = in_specs, out_specs, check
+        self.calls = 0
+        self._programs: dict = {}
+        self._replicas = ReplicaCheck()
+        try:
+            self._argnames = list(inspect.signature(fn).parameters)
+        except (TypeError, ValueError):
+            self._argnames = []
+
+    @property
+    def mesh(self):
+        if self._mesh is None:  # chosen at the first call: the device count is known by then
+            self._mesh = make_mesh(f"{jax.device_count()}x1")
+        return self._mesh
+
+    def _argname(self, i: int) -> str:
+        return self._argnames[i] if i < len(self._argnames) else f"arg{i}"
+
+    def __call__(self, *args):
+        mesh = self.mesh
+        self.calls += 1
+        nnx_idx = tuple(i for i, a in enumerate(args) if _has_nnx(a))
+        clash = sorted(set(nnx_idx) & set(self.batch_argnums))
+        if clash:
+            raise UserError(f"{self.__name__}: argument {self._argname(clash[0])} holds NNX objects and cannot be a "
+                            "batch argument; pass the batch as arrays")
+        nodes, nnx = tuple(args[i] for i in nnx_idx), _flax_nnx()
+        graphdef, state = nnx.split(nodes) if nodes else (None, None)
+        leaves, state_def = jax.tree.flatten(state)
+        meta = self._nnx_leaves(nodes, nnx_idx, state, mesh)
+        tree_idx = tuple(i for i in range(len(args)) if i not in nnx_idx)
+        tree_defs = []
+        for i in tree_idx:
+            arg_leaves, treedef = jax.tree.flatten(args[i])
+            tree_defs.append((treedef, len(arg_leaves)))
+            leaves += arg_leaves
+            meta += self._tree_leaves(i, args[i], mesh)
+        self._check_splits(leaves, meta, mesh)
+        specs = tuple(m.spec for m in meta)
+        k = len(leaves) - sum(n for _, n in tree_defs)
+        key = (graphdef, state_def, tuple(tree_defs), nnx_idx, tree_idx, specs,
+               tuple(m.kind == "RngKey" for m in meta[:k]), tuple(m.summed for m in meta[:k]),
+               tuple(j for j, m in enumerate(meta) if m.owner in self.donate_argnums), len(args))
+        if key not in self._programs:
+            self._programs[key] = self._build(mesh, *key)
+        out, new_state = self._programs[key](*jax.device_put(leaves, [NamedSharding(mesh, s) for s in specs]))
+        if nodes:
+            nnx.update(nodes, state_def.unflatten(list(new_state)))
+        if self.check is True or check_always() or (self.check is None and self.calls <= FIRST_CALLS):
+            named = {_path_name("output", path): x for path, x in jax.tree_util.tree_flatten_with_path(out)[0]}
+            named.update({m.name: x for m, x in zip(meta, new_state)})
+            kinds = {m.name: m.kind for m in meta[:k]}
+            self._replicas(named, where=f"{self.__name__}: ", hint=lambda name: _hint(kinds.get(name, "output")))
+        return out
+
+    def _nnx_leaves(self, nodes, nnx_idx, state, mesh) -> list:
+        """A _Leaf for each array of the NNX state, in the order of jax.tree.flatten(state)."""
+        if not nodes:
+            return []
+        from flax import nnx
+        from flax.nnx import spmd
+
+        averages = {path for path, node in nnx.iter_graph(nodes) if isinstance(node, nnx.metrics.Average)}
+        out = []
+        is_var = lambda x: isinstance(x, nnx.Variable)  # noqa: E731
+        for path, var in jax.tree_util.tree_flatten_with_path(state, is_leaf=is_var)[0]:
+            keys = tuple(getattr(k, "key", getattr(k, "idx", k)) for k in path)
+            name = _path_name(self._argname(nnx_idx[keys[0]]), path[1:])
+            kind = type(var).__name__ if is_var(var) else "array"
+            spec = self._resolve(spmd.get_var_pspec(var) if is_var(var) else P(), mesh, name)
+            summed = kind == "MetricState" and keys[:-1] in averages
+            out += [_Leaf(name, kind, spec, nnx_idx[keys[0]], summed) for _ in jax.tree.leaves(var)]
+        return out
+
+    def _tree_leaves(self, i, arg, mesh) -> list:
+        """A _Leaf for each leaf of pytree argument i: its spec from in_specs, else the batch rule."""
+        entry = None if self.in_specs is None or i >= len(self.in_specs) else self.in_specs[i]
+        if entry is None:
+            entry = P(data_axes(mesh)) if i in self.batch_argnums else P()
+        try:
+            specs = jax.tree.leaves(jax.tree.broadcast(entry, arg, is_leaf=_is_spec), is_leaf=_is_spec)
+        except ValueError as e:
+            raise UserError(f"{self.__name__}: in_specs for argument {self._argname(i)} does not match its "
+                            f"structure ({e})") from None
+        paths = [p for p, _ in jax.tree_util.tree_flatten_with_path(arg)[0]]
+        return [_Leaf(_path_name(self._argname(i), p), "array", self._resolve(s, mesh, self._argname(i)), i)
+                for p, s in zip(paths, specs)]
+
+    def _resolve(self, spec, mesh, name) -> P:
+        unknown = [a for a in _spec_axes(spec) if a not in mesh.axis_names]
+        if unknown:
+            raise UserError(f"{self.__name__}: {name} is annotated with sharding {tuple(spec)}, naming "
+                            f"{', '.join(map(repr, unknown))}, not an axis of the mesh {dict(mesh.shape)}; map "
+                            "logical names to mesh axes around the call: with nnx.logical_axis_rules([(name, "
+                            "axis or None), ...]): ...")
+        return spec
+
+    def _check_splits(self, leaves, meta, mesh) -> None:
+        for x, m in zip(leaves, meta):
+            shape = tuple(getattr(x, "shape", ()))
+            if len(m.spec) > len(shape):
+                raise UserError(f"{self.__name__}: {m.name} {shape} has fewer dimensions than its spec {m.spec}")
+            for d, e in enumerate(m.spec):
+                n = math.prod(mesh.shape[a] for a in _spec_axes(P(e)))
+                if shape[d] % n:
+                    what = "rows" if m.owner in self.batch_argnums else f"dimension {d}"
+                    raise UserError(f"{self.__name__}: {m.name} {shape} is split over {e!r}, but its {what} "
+                                    f"do not divide into {n} parts; use a multiple of {n}")
+
+    def _build(self, mesh, graphdef, state_def, tree_defs, nnx_idx, tree_idx, specs, is_rng, summed, donate, nargs):
+        fn, k, nnx = self.fn, len(is_rng), _flax_nnx()
+
+        def body(*local):
+            args = [None] * nargs
+            if k:  # each device's blocks merged back into modules; nnx.Rngs draw per device
+                nodes = nnx.merge(graphdef, state_def.unflatten(fold_rng_keys(local[:k], is_rng)))
+                for pos, node in zip(nnx_idx, nodes):
+                    args[pos] = node
+            start = k
+            for i, (treedef, n) in zip(tree_idx, tree_defs):
+                args[i] = treedef.unflatten(local[start:start + n])
+                start += n
+            out = fn(*args)
+            if _has_nnx(out, variables=False):
+                raise UserError(f"{self.__name__} returns NNX objects; return arrays (the modules passed in are "
+                                "updated in place)")
+            if not k:
+                return out, ()
+            new, new_def = jax.tree.flatten(nnx.split(nodes)[1])
+            if new_def != state_def:
+                raise UserError(f"{self.__name__} changed the structure of its NNX arguments (added or removed a "
+                                "Variable); dpjax.shard_step keeps in-place updates of existing Variables only")
+            axes = bound_data_axes()
+            # the stored keys stay the replicated ones (the streams' counters advanced alike);
+            # a metric's update on this device's rows is summed with the other devices'
+            new = [old if rng else (old + lax.psum(x - old, axes) if add and axes else x)
+                   for x, old, rng, add in zip(new, local[:k], is_rng, summed)]
+            return out, tuple(new)
+
+        smap = jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=(self.out_specs, specs[:k]), check_vma=False)
+        return jax.jit(smap, donate_argnums=donate)
+
+
+def _path_name(prefix: str, path) -> str:
+    """'model/conv1/kernel' for the path (DictKey('conv1'), DictKey('kernel')) under `prefix`."""
+    keys = [getattr(k, "key", getattr(k, "idx", getattr(k, "name", k))) for k in path
+            if not (isinstance(k, jax.tree_util.GetAttrKey) and k.name == "value")]  # a Variable's own value
+    return "/".join([prefix] + [str(k) for k in keys])
+
+
+def _spec_axes(spec) -> list:
+    return [a for e in spec if e is not None for a in (e if isinstance(e, tuple) else (e,))]
+
+
+def _hint(kind: str) -> str:
+    return HINTS["Opt"] if kind.startswith("Opt") else HINTS.get(kind, "")
