@@ -12,7 +12,10 @@ A model declares one table, `leaf name -> PartitionSpec` over the `model` axis
   (Adam's moments, accumulated gradients; found by `optax.tree_map_params`) and
   replicates the rest (step counters);
 - `sq_norm` is the global squared norm of a sharded tree, for gradient clipping:
-  each leaf's local sum of squares is summed over exactly the axes that split it.
+  each leaf's local sum of squares is summed over exactly the axes that split it;
+- with a `stage` axis the layer stack (`model.LAYERS`, `Ls` in the table) is split over
+  it, so each stage holds its layers and their optimizer state only; the layout then
+  carries the `dpjax.pipeline.Pipeline` that runs the stages.
 """
 
 from __future__ import annotations
@@ -29,7 +32,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from dpjax.errors import UserError
-from dpjax.mesh import MODEL, data_axes
+from dpjax import pipeline as pp
+from dpjax.mesh import MODEL, STAGE, data_axes
 from dpjax.tensor_parallel import Parallel
 
 
@@ -79,6 +83,8 @@ class Layout:
     algorithm: str = "ring"  # tensor-parallel allreduce
     fsdp_algorithm: str = "ring"  # FSDP all-gather / reduce-scatter
     workers: tuple = ()
+    pipeline: Any = None  # a dpjax.pipeline.Pipeline when the mesh has a stage axis
+    layers: str | None = None  # the key of the model's layer stack (pipelines store it per `pipeline`)
 
     @property
     def fsdp(self) -> bool:
@@ -107,18 +113,44 @@ class Layout:
         return jax.tree.map(lambda s: NamedSharding(self.mesh, s), self.specs if specs is None else specs,
                             is_leaf=is_spec)
 
+    def store(self, params):
+        """A model's parameters as this layout keeps them (the same but for interleaved
+        pipelines, whose layer stack is kept as V x L/V: `dpjax.pipeline.store`)."""
+        if self.pipeline is None:
+            return params
+        return pp.store(params, self.layers, self.pipeline.virtual_stages)
+
 
 def make_layout(model, mesh, *, algorithm: str = "ring", fsdp: bool = False, fsdp_algorithm: str = "ring",
-                tensor_parallel: bool = True, workers: tuple = ()) -> Layout:
+                tensor_parallel: bool = True, workers: tuple = (), pipeline: pp.Pipeline | None = None) -> Layout:
     """Resolves `model.SPECS` on `mesh` (tensor_parallel=False: every parameter replicated
-    over `model`, the table ignored); `workers`: the data axes an update rule's workers
-    span (FSDP splits over the others). Raises UserError (one line) when a split
-    dimension does not divide by its axis."""
-    abstract = jax.eval_shape(model.init, jax.random.key(0))
+    over `model`); `workers`: the data axes an update rule's workers span (FSDP splits over
+    the others). On a mesh with a `stage` axis the layer stack is split over it and run by
+    `pipeline` (default `Pipeline()`: 1F1B, one micro-batch per stage). Raises UserError
+    (one line) when a split dimension does not divide by its axis, or the pipeline does
+    not fit the model."""
+    layers = getattr(model, "LAYERS", None)
+    if STAGE in mesh.axis_names:
+        pipeline = pp.check(model, mesh, pipeline or pp.Pipeline())
+    elif pipeline is not None:
+        raise UserError(f"a pipeline schedule needs a stage axis; mesh {dict(mesh.shape)} has none "
+                        "(name one, e.g. 'stage=2,data=4')")
+    V = pipeline.virtual_stages if pipeline else 1
+    abstract = jax.eval_shape(lambda k: pp.store(model.init(k), layers, V), jax.random.key(0))
     if tensor_parallel:
         table_specs = specs_from_table(abstract, model.SPECS)
+    elif pipeline is not None:  # replicated over `model`, the layers still split over `stage`
+        table_specs = jax.tree.map(lambda s: P(*[STAGE if STAGE in _axes(e) else None for e in s]),
+                                   specs_from_table(abstract, model.SPECS), is_leaf=is_spec)
     else:
         table_specs = jax.tree.map(lambda _: P(), abstract)
+    if V > 1:  # the stored stack is V x L/V: the stage split moves to the second dimension
+        table_specs = {**table_specs, layers: jax.tree.map(lambda s: P(None, *s), table_specs[layers],
+                                                           is_leaf=is_spec)}
+    # FSDP never splits the leading dimensions that number a stack's layers: a layer is
+    # gathered on its own, just before use (Parallel.use_layer)
+    layer_dims = {k: jax.tree.map(lambda _: pp.layer_dims(pipeline) if k == layers else 0, v)
+                  for k, v in abstract.items()} if isinstance(abstract, dict) else jax.tree.map(lambda _: 0, abstract)
     names = mesh.axis_names
 
     def resolve(path, x, spec):
@@ -138,11 +170,11 @@ def make_layout(model, mesh, *, algorithm: str = "ring", fsdp: bool = False, fsd
         dp = tuple(a for a in data_axes(mesh) if a not in workers)
         ndp = math.prod(mesh.shape[a] for a in dp)
 
-        def split_over_data(x, spec):
+        def split_over_data(x, spec, skip):
             # A dimension already split over `model` can take the data axes too (inside
             # each model shard); a free one is preferred, then the largest local size.
             local = [x.shape[d] // math.prod(mesh.shape[a] for a in _axes(e)) for d, e in enumerate(spec)]
-            fits = [d for d in range(x.ndim) if local[d] % ndp == 0]
+            fits = [d for d in range(skip, x.ndim) if local[d] % ndp == 0]
             if ndp == 1 or not fits:
                 return spec, -1
             d = max(fits, key=lambda i: (spec[i] is None, local[i], -i))
@@ -150,11 +182,11 @@ def make_layout(model, mesh, *, algorithm: str = "ring", fsdp: bool = False, fsd
             entries = [(joint[0] if len(joint) == 1 else joint) if i == d else e for i, e in enumerate(spec)]
             return P(*entries), d
 
-        pairs = jax.tree.map(split_over_data, abstract, specs, is_leaf=is_spec)
+        pairs = jax.tree.map(split_over_data, abstract, specs, layer_dims, is_leaf=is_spec)
         is_pair = lambda t: isinstance(t, tuple) and len(t) == 2 and is_spec(t[0])  # noqa: E731
         specs = jax.tree.map(lambda t: t[0], pairs, is_leaf=is_pair)
         dims = jax.tree.map(lambda t: t[1], pairs, is_leaf=is_pair)
-    return Layout(mesh, specs, dims, algorithm, fsdp_algorithm, workers)
+    return Layout(mesh, specs, dims, algorithm, fsdp_algorithm, workers, pipeline, layers)
 
 
 def state_specs(tx, state, specs):
