@@ -79,7 +79,9 @@ def run(tt: Timetable, pieces: Pieces, shared, chunks_VxLc, batch_MxbxT1, *, axi
     S, M, V = tt.stages, tt.microbatches, tt.chunks
     assert batch_MxbxT1.shape[0] == M, (batch_MxbxT1.shape, M)
     assert all(c.shape[0] == V for c in jax.tree.leaves(chunks_VxLc)), (jax.tree.map(jnp.shape, chunks_VxLc), V)
-    s = lax.axis_index(axis)
+    # Opaque to XLA even where the axis has one stage: no stage's program may fold away an
+    # idle slot's work or its masks, so every program executes what its timetable says.
+    s = lax.optimization_barrier(lax.axis_index(axis))
     x_spec = jax.eval_shape(pieces.embed, shared, batch_MxbxT1[0, :, :-1])
     zeros_x = jnp.zeros(x_spec.shape, x_spec.dtype)
 

@@ -31,6 +31,7 @@ from dpjax.pipeline import engine, timetable
 class Staged(NamedTuple):
     loss: Callable  # (params, batch_BdxT1, par) -> mean loss over the replica's batch
     value_and_grad: Callable  # (params, batch_BdxT1, par) -> (loss, gradients like params)
+    schedule: Callable  # (params, batch_BdxT1, par) -> engine.run's (loss, d_shared, d_chunks): the ticks alone
     timetable: object
 
 
@@ -78,6 +79,10 @@ def for_model(model, layout, algorithm: str = "ring") -> Staged:
         pieces, shared, chunks_VxLc, batch_MxbxT1, _ = prepare(params, batch_BdxT1, par)
         return engine.run(tt, pieces, shared, chunks_VxLc, batch_MxbxT1, axis=STAGE, grad=False, unroll=pipe.unroll)
 
+    def schedule(params, batch_BdxT1, par):
+        pieces, shared, chunks_VxLc, batch_MxbxT1, _ = prepare(params, batch_BdxT1, par)
+        return engine.run(tt, pieces, shared, chunks_VxLc, batch_MxbxT1, axis=STAGE, unroll=pipe.unroll)
+
     def value_and_grad(params, batch_BdxT1, par):
         pieces, shared, chunks_VxLc, batch_MxbxT1, unshard = prepare(params, batch_BdxT1, par)
         loss, d_shared, d_chunks = engine.run(tt, pieces, shared, chunks_VxLc, batch_MxbxT1, axis=STAGE,
@@ -92,4 +97,4 @@ def for_model(model, layout, algorithm: str = "ring") -> Staged:
                  for k, g in grads.items()}
         return loss, grads
 
-    return Staged(loss, value_and_grad, tt)
+    return Staged(loss, value_and_grad, schedule, tt)
