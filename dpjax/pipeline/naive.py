@@ -24,11 +24,13 @@ def timetable(stages: int, microbatches: int) -> Timetable:
     n = M * S  # forward ticks, then as many backward ticks
 
     def forward(t, s):
-        return t // S, 0, t % S == s
+        m = t // S
+        return m, 0, (t % S == s) & (m >= 0) & (m < M)
 
     def backward(t, s):
         u = t - n
-        return u // S, 0, S - 1 - u % S == s
+        m = u // S
+        return m, 0, (S - 1 - u % S == s) & (m >= 0) & (m < M)
 
     return Timetable("naive", S, M, 1, (Phase(0, n, True, False), Phase(n, n, False, True)), forward, backward,
                      stash_slots=M, stash_slot=lambda m, r, s: m, seed_slots=M)

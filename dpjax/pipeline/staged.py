@@ -23,7 +23,7 @@ from typing import Callable, NamedTuple
 
 import jax
 
-from dpjax import collectives
+from dpjax import collectives, fusion
 from dpjax.mesh import STAGE
 from dpjax.pipeline import engine, timetable
 
@@ -91,10 +91,13 @@ def for_model(model, layout, algorithm: str = "ring") -> Staged:
         if unshard is not None:
             (grads,) = unshard(grads)
         # The shared leaves' gradient lives on the stages that used them (embedding: first;
-        # tied head, final norm: last): summed over the stage axis, each stage ends with it whole.
-        grads = {k: g if k == key else jax.tree.map(
-                     lambda x: collectives.allreduce(x, STAGE, algorithm=algorithm, op="sum"), g)
-                 for k, g in grads.items()}
-        return loss, grads
+        # tied head, final norm: last): summed over the stage axis, each stage ends with it
+        # whole. One fused buffer, one allreduce: XLA:CPU's runtime can mix up independent
+        # collective-permutes over the same devices running at once (a rendezvous check
+        # fails, seen with a ring per leaf on a 4-of-8-device mesh).
+        shared = {k: g for k, g in grads.items() if k != key}
+        plan = fusion.plan_buckets(shared, float("inf"))
+        summed = [collectives.allreduce(buf, STAGE, algorithm=algorithm, op="sum") for buf in fusion.pack(plan, shared)]
+        return loss, {**fusion.unpack(plan, summed), key: grads[key]}
 
     return Staged(loss, value_and_grad, schedule, tt)
