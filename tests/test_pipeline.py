@@ -124,8 +124,10 @@ def test_interleaved_timetable():
 
 STEPS, B, LR = 10, 16, 0.1
 MESHES = {"stage=2,data=4": 8, "stage=4,data=2": 8, "stage=2,data=2,model=2": 8, "stage=8": 8}
-CHEAP = {("naive", "stage=2,data=4"), ("gpipe", "stage=4,data=2"), ("1f1b", "stage=2,data=2,model=2"),
-         ("interleaved", "stage=2,data=4")}
+# Run always (the rest is slow-marked): one case per schedule, the first with
+# FSDP inside the stages (parameters split over `data` too, gathered once a step).
+CHEAP = {("naive", "stage=2,data=4"): {"fsdp": True}, ("gpipe", "stage=4,data=2"): {},
+         ("1f1b", "stage=2,data=2,model=2"): {}, ("interleaved", "stage=2,data=4"): {}}
 
 
 def tiny(n_layers):
@@ -175,22 +177,34 @@ class RecordingSGD:
         return optax.chain(keep, optax.sgd(LR))
 
 
-def pipelined_run(mesh, n_layers, pipe, steps=STEPS, **kw):
-    """(gradient of the first step, losses) of the pipelined sync step on `mesh`."""
+@functools.cache
+def built(mesh, n_layers, pipe, update="sync", workers=(), fsdp=False, algorithm="ring"):
+    """(layout, step) of the sync (or `update`) step with RecordingSGD, built once per
+    configuration: tests that train the same configuration share its compiled program."""
     from dpjax import step as S
 
     model = tiny(n_layers)
-    layout = make_layout(model, mesh, pipeline=pipe, **{k: v for k, v in kw.items() if k in ("fsdp", "workers")})
-    step = S.for_model(model, layout, global_batch=B, opt=RecordingSGD(), donate=False,
-                       **{k: v for k, v in kw.items() if k in ("update", "exchange")})
-    params, state = step.init(placed(layout, n_layers))
+    layout = make_layout(model, mesh, pipeline=pipe, fsdp=fsdp, workers=workers, fsdp_algorithm=algorithm)
+    step = S.for_model(model, layout, global_batch=B, opt=RecordingSGD(), donate=False, update=update,
+                       exchange=S.Exchange(algorithm))
+    return layout, step
+
+
+def train(layout, step, params, state, batches):
     losses, first = [], None
-    for batch in train_batches(steps):
-        on_mesh = jax.device_put(batch[None], NamedSharding(mesh, P(None, data_axes(mesh) or None)))
+    for batch in batches:
+        on_mesh = jax.device_put(batch[None], NamedSharding(layout.mesh, P(None, data_axes(layout.mesh) or None)))
         params, state, loss = step.train(params, state, on_mesh)
-        if first is None:
-            first = layout_to_model(jax.tree.map(np.asarray, state[0]), pipe)
+        if first is None and not step.rule.per_worker:
+            first = layout_to_model(jax.tree.map(np.asarray, state[0]), layout.pipeline)
         losses.append(float(loss))
+    return params, state, first, losses
+
+
+def pipelined_run(mesh, n_layers, pipe, steps=STEPS, **kw):
+    """(gradient of the first step, losses) of the step on `mesh`, from the initial parameters."""
+    layout, step = built(mesh, n_layers, pipe, **kw)
+    _, _, first, losses = train(layout, step, *step.init(placed(layout, n_layers)), train_batches(steps))
     return first, losses
 
 
@@ -209,23 +223,174 @@ def assert_gradients_equal(got, want):
         assert err <= 2e-6 * np.max(np.abs(w)), (jax.tree_util.keystr(path), err, np.max(np.abs(w)))
 
 
+def microbatches(mesh):
+    S, rows = mesh.shape["stage"], B // math.prod(mesh.shape[a] for a in data_axes(mesh))
+    return 2 * S if rows % (2 * S) == 0 else S
+
+
 def training_cases():
     for schedule, spec in itertools.product(SCHEDULES, MESHES):
-        marks = () if (schedule, spec) in CHEAP else (pytest.mark.slow,)
-        yield pytest.param(schedule, spec, marks=marks, id=f"{schedule}|{spec}")
+        cheap = CHEAP.get((schedule, spec))
+        yield pytest.param(schedule, spec, cheap or {}, marks=() if cheap is not None else (pytest.mark.slow,),
+                           id=f"{schedule}|{spec}" + ("|fsdp" if cheap and cheap.get("fsdp") else ""))
+    for schedule, spec in CHEAP:  # the always-run ones' plain variant
+        if CHEAP[schedule, spec]:
+            yield pytest.param(schedule, spec, {}, marks=pytest.mark.slow, id=f"{schedule}|{spec}")
 
 
-@pytest.mark.parametrize("schedule,spec", training_cases())
-def test_pipeline_equals_one_device(mesh_of, schedule, spec):
-    """One layer per chunk (S*V layers), twice as many micro-batches as stages where the
+@pytest.mark.parametrize("schedule,spec,options", training_cases())
+def test_pipeline_equals_one_device(mesh_of, schedule, spec, options):
+    """4 layers (S*V where that is more), twice as many micro-batches as stages where the
     replica's rows allow (else one per stage): the first step's gradient (every leaf, the
     shared embedding and the stages' layers) is the unpipelined model's, and 10 steps of
     SGD give its losses."""
     mesh = mesh_of(spec, MESHES[spec])
     S, V = mesh.shape["stage"], 2 if schedule == "interleaved" else 1
-    rows = B // math.prod(mesh.shape[a] for a in data_axes(mesh))
-    M = 2 * S if rows % (2 * S) == 0 else S
-    grads, losses = pipelined_run(mesh, S * V, Pipeline(schedule, M, V))
-    want_grads, want_losses = one_device(S * V)
+    L = max(4, S * V)
+    grads, losses = pipelined_run(mesh, L, Pipeline(schedule, microbatches(mesh), V), **options)
+    want_grads, want_losses = one_device(L)
     assert_gradients_equal(grads, want_grads)
     np.testing.assert_allclose(losses, want_losses, rtol=2e-5, atol=0)
+
+
+# ---------------------------------------------------------------------------------------
+# Composition: FSDP, an update rule between workers, every allreduce, a checkpoint
+# resumed on another stage count
+
+
+def test_update_rule_between_pipelined_workers(mesh_of):
+    """Local SGD (sparse:3) between the 4 data ranks of stage=2,data=4 (each a pipeline of
+    2 stages): plain JAX written out, each worker stepping on its own rows and the
+    parameters averaged every 3 steps, gives the same losses."""
+    steps, workers, period = 6, 4, 3
+    _, losses = pipelined_run(mesh_of("stage=2,data=4", 8), 4, Pipeline("gpipe", 2), steps=steps, update="sparse:3",
+                              workers=("data",))
+    grad = jax.jit(jax.value_and_grad(tiny(4).loss))
+    params, want, rows = [initial(4)] * workers, [], B // workers
+    for t, batch in enumerate(train_batches(steps)):
+        out = [grad(params[w], batch[w * rows:(w + 1) * rows]) for w in range(workers)]
+        params = [jax.tree.map(lambda p, g: p - LR * g, params[w], out[w][1]) for w in range(workers)]
+        if (t + 1) % period == 0:
+            params = [jax.tree.map(lambda *ps: sum(ps) / workers, *params)] * workers
+        want.append(np.mean([float(loss) for loss, _ in out]))
+    np.testing.assert_allclose(losses, want, rtol=2e-5, atol=0)
+
+
+ALLREDUCES = [pytest.param("hierarchical", "node=2,stage=2,data=2", id="hierarchical", marks=pytest.mark.slow)] + [
+    pytest.param(a, "stage=2,data=4", id=a, marks=pytest.mark.slow) for a in ("psum", "ring", "butterfly", "tree", "ps")]
+
+
+@pytest.mark.parametrize("algorithm,spec", ALLREDUCES)
+def test_every_allreduce(mesh_of, algorithm, spec):
+    """The data-parallel average (and the shared leaves' sum over `stage`) with each of
+    dpjax's allreduces: the losses of one device."""
+    _, losses = pipelined_run(mesh_of(spec, 8), 4, Pipeline("1f1b", 2), steps=4, algorithm=algorithm)
+    np.testing.assert_allclose(losses, one_device(4)[1][:4], rtol=2e-5, atol=0)
+
+
+def test_checkpoint_resumes_on_another_stage_count(mesh_of, tmp_path):
+    """Global arrays in the checkpoint: 5 steps on stage=4,data=2 (GPipe), saved, restored
+    onto stage=2,data=2,model=2 (1F1B) for 5 more: the losses of 10 uninterrupted steps on
+    one device. (The two programs are the equality test's.)"""
+    from dpjax.checkpoint import Checkpointer
+
+    batches, ckpt = train_batches(), str(tmp_path / "ckpt")
+    mesh = mesh_of("stage=4,data=2", 8)
+    layout, step = built(mesh, 4, Pipeline("gpipe", microbatches(mesh)))
+    params, state, _, first = train(layout, step, *step.init(placed(layout, 4)), batches[:5])
+    saver = Checkpointer(ckpt)
+    saver.save(5, {"params": params, "opt_state": state}, {"model": tiny(4).describe()})
+    saver.close()
+
+    mesh = mesh_of("stage=2,data=2,model=2", 8)
+    layout, step = built(mesh, 4, Pipeline("1f1b", microbatches(mesh)))
+    shapes = jax.eval_shape(step.init, placed(layout, 4))
+    target = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes, step.shardings())
+    loader = Checkpointer(ckpt)
+    restored, _ = loader.restore({"params": target[0], "opt_state": target[1]})
+    loader.close()
+    w1 = restored["params"]["blocks"]["mlp"]["w1_LsxDxFm"]  # 4 layers on 2 stages, F over 2 model ranks
+    assert {s.data.shape for s in w1.addressable_shards} == {(2, 16, 16)}
+    *_, second = train(layout, step, restored["params"], restored["opt_state"], batches[5:])
+    np.testing.assert_allclose(first + second, one_device(4)[1], rtol=2e-5, atol=0)
+
+
+# ---------------------------------------------------------------------------------------
+# Memory and the bubble, from compiled programs
+
+
+MEMORY_MODEL = dict(seq_len=32, d_model=32, n_layers=2, n_heads=2, d_ff=32)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+def test_memory_of_the_stages(mesh_of, schedule):
+    """From the compiled AdamW step on stage=2, micro-batches of 2 sequences, M = 4 and 16:
+    per device, the arguments are the layers' parameters and both moments halved, the
+    shared leaves whole, Adam's step counts and the device's rows (numpy arithmetic on the
+    shapes); 1F1B's temporaries do not change with M, GPipe's grow by its stash and its
+    loss gradients, 2 x b x T x D floats a micro-batch. (M = 8 too: experiments/bench_train.py.)"""
+    from dpjax.optim import OptimizerConfig
+
+    model, b, S, T, D = get_model("gpt", **MEMORY_MODEL), 2, 2, MEMORY_MODEL["seq_len"], MEMORY_MODEL["d_model"]
+    shapes = jax.eval_shape(model.init, jax.random.key(0))
+    layers = sum(x.size * 4 for x in jax.tree.leaves(shapes["blocks"]))
+    shared = sum(x.size * 4 for k, v in shapes.items() if k != "blocks" for x in jax.tree.leaves(v))
+    scalars = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(jax.eval_shape(OptimizerConfig().make(8).init,
+                                                                                   shapes)) if x.ndim == 0)
+    temp = {}
+    for M in (4, 16):
+        ma = cost.train_memory(model, mesh_of(f"stage={S}", S), Pipeline(schedule, M), b * M)
+        assert ma.argument_size_in_bytes == 3 * (layers // S + shared) + scalars + b * M * (T + 1) * 4
+        temp[M] = ma.temp_size_in_bytes
+    if schedule == "1f1b":
+        assert temp[16] == temp[4]
+    else:
+        assert temp[16] - temp[4] >= 12 * 2 * b * T * D * 4, temp
+
+
+BUBBLES = [pytest.param("gpipe", 2, 2, 1, id="gpipe-S2-M2")] + [
+    pytest.param(s, 4, 4, v, id=f"{s}-S4-M4-V{v}", marks=pytest.mark.slow)
+    for s, v in (("naive", 1), ("gpipe", 1), ("1f1b", 1), ("interleaved", 2))]
+
+
+@pytest.mark.parametrize("schedule,stages,M,V", BUBBLES)
+def test_bubble_from_flops(schedule, stages, M, V):
+    """Executed FLOPs of the S-stage program against the one-stage program over the same
+    layers: 1 - useful/executed within 5% of the papers' bubble."""
+    model = get_model("gpt", seq_len=16, d_model=32, n_layers=stages * V, n_heads=4, d_ff=128)
+    r = cost.measure_bubble(model, stages, Pipeline(schedule, M, V), rows=2 * M)
+    assert r["formula"] == pytest.approx(bubble_formula(schedule, stages, M, V))
+    assert abs(r["bubble"] - r["formula"]) <= 0.05 * r["formula"], r
+
+
+# ---------------------------------------------------------------------------------------
+# Bad input: one line, exit 2
+
+
+def _cli(corpus, *extra):
+    model = [] if "mlp" in extra else ["--model", "gpt", "--d-model", "16", "--n-heads", "2", "--d-ff", "32"]
+    return [*model, "--seq-len", "8", "--batch-size", "16", "--data", corpus, "--steps", "2", "--eval-every", "0",
+            "--progress", "none", *extra]
+
+
+@pytest.mark.parametrize("extra,needle", [
+    (["--mesh", "stage=4,data=2", "--n-layers", "6"],
+     "gpt has 6 layers, which do not split evenly into the 4 stages of mesh {'stage': 4, 'data': 2}: use a multiple "
+     "of 4 layers"),
+    (["--mesh", "stage=2,data=4", "--n-layers", "2", "--microbatches", "3"],
+     "--microbatches 3 does not divide the per-replica batch of 4 sequences (--batch-size 16 over 4 data-parallel "
+     "ranks)"),
+    (["--mesh", "2x4", "--schedule", "gpipe"], "--schedule needs a stage axis: name one in --mesh, e.g. --mesh "
+                                               "stage=2,data=4"),
+    (["--mesh", "8x1", "--microbatches", "4"], "--microbatches needs a stage axis"),
+    (["--mesh", "stage=2,data=4", "--virtual-stages", "2"], "--virtual-stages applies to --schedule interleaved"),
+    (["--mesh", "stage=2,data=4", "--n-layers", "4", "--schedule", "interleaved", "--microbatches", "3"],
+     "--microbatches 3 is not a multiple of 2"),
+    (["--mesh", "stage=2,data=4", "--n-layers", "2", "--schedule", "interleaved"],
+     "do not split evenly into the 2 stages x 2 virtual stages"),
+    (["--mesh", "stage=2,data=4", "--model", "mlp"], "model mlp has no stack of layers to split over the stage axis"),
+])
+def test_bad_input_one_line(corpus, capsys, extra, needle):
+    assert main(_cli(corpus, *extra)) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and needle in err[0], err
