@@ -356,11 +356,15 @@ BUBBLES = [pytest.param("gpipe", 2, 2, 1, id="gpipe-S2-M2")] + [
 @pytest.mark.parametrize("schedule,stages,M,V", BUBBLES)
 def test_bubble_from_flops(schedule, stages, M, V):
     """Executed FLOPs of the S-stage program against the one-stage program over the same
-    layers: 1 - useful/executed within 5% of the papers' bubble."""
+    layers: 1 - useful/executed within 5% of the papers' bubble; and the one-stage program
+    does the unpipelined model's work (value_and_grad per micro-batch) plus at most the
+    re-materialised forward of its layers (XLA drops what of the recomputed forward the
+    backward does not need, and its fusions differ: observed 0.95 to 1.01 of it)."""
     model = get_model("gpt", seq_len=16, d_model=32, n_layers=stages * V, n_heads=4, d_ff=128)
     r = cost.measure_bubble(model, stages, Pipeline(schedule, M, V), rows=2 * M)
     assert r["formula"] == pytest.approx(bubble_formula(schedule, stages, M, V))
     assert abs(r["bubble"] - r["formula"]) <= 0.05 * r["formula"], r
+    assert 0.9 <= r["useful_vs_plain"] <= 1.05, r
 
 
 # ---------------------------------------------------------------------------------------

@@ -14,9 +14,10 @@ useful: the FLOPs of the same per-device work with no idle slot: the one-stage p
     S-stage program it embeds and runs the head in each forward slot (masked where they
     do not belong), so the two differ only in the slots executed.
 
-`one_stage_overhead` sets the one-stage program against the unpipelined model
+`plain_flops` sets the one-stage program against the unpipelined model
 (`jax.value_and_grad(model.loss)` on each micro-batch): it must be that work plus the
-re-materialised forward of the layers, and nothing else. Memory: `train_memory` is the
+re-materialised forward of the layers, and nothing else (an engine that ran idle work in
+every program alike would pass the bubble check, not this one). Memory: `train_memory` is the
 compiled train step's memory analysis (arguments: parameters, optimizer state, batch;
 temporaries: activations, stash, gradients).
 """
@@ -74,37 +75,37 @@ def one_stage_mesh():
 
 def measure_bubble(model, stages: int, pipe: Pipeline, rows: int) -> dict:
     """executed / useful FLOPs of `pipe` on a `stage=S` mesh (S devices, one replica of
-    `rows` sequences) and the bubble they give, beside the papers' formula."""
+    `rows` sequences) and the bubble they give, beside the papers' formula; and the useful
+    program against the unpipelined model (`plain_flops`): `useful / plain` is 1 when the
+    schedule adds no work beyond the re-materialised forward."""
     mesh = make_mesh(f"stage={stages}", jax.devices()[:stages])
     pipe = pipe.resolved(stages)
     executed = gradient_flops(model, mesh, pipe, rows)
-    useful = gradient_flops(with_layers(model, model.config.n_layers // stages), one_stage_mesh(), pipe, rows)
+    one = with_layers(model, model.config.n_layers // stages)
+    useful = gradient_flops(one, one_stage_mesh(), pipe, rows)
+    plain = plain_flops(one, pipe.microbatches, rows // pipe.microbatches)
     return {"executed": executed, "useful": useful, "bubble": 1 - useful / executed,
-            "formula": bubble_formula(pipe.schedule, stages, pipe.microbatches, pipe.virtual_stages)}
+            "formula": bubble_formula(pipe.schedule, stages, pipe.microbatches, pipe.virtual_stages),
+            "plain": plain, "useful_vs_plain": useful / plain}
 
 
-def one_stage_overhead(model, pipe: Pipeline, rows: int) -> dict:
-    """The one-stage pipeline's FLOPs against the unpipelined model's work on the same
-    micro-batches: value_and_grad of the loss, plus one more forward of the layers (the
-    backward re-materialises it from the stage's input)."""
-    from dpjax.models.gpt import layer_norm  # noqa: F401  (the GPT's pieces are what is measured)
-
-    pipe = pipe.resolved(1)
-    M, b, T = pipe.microbatches, rows // pipe.microbatches, model.config.seq_len
-    pipelined = gradient_flops(model, one_stage_mesh(), pipe, rows)
+def plain_flops(model, microbatches: int, rows: int) -> float:
+    """The unpipelined model's work on `microbatches` micro-batches of `rows` sequences:
+    `jax.value_and_grad(model.loss)` on each, plus one more forward of its layers (a
+    pipeline's backward re-materialises it from the stage's input)."""
+    T = model.config.seq_len
     params = jax.eval_shape(model.init, jax.random.key(0))
-    micro = jax.ShapeDtypeStruct((b, T + 1), np.int32)
-    plain = jax.jit(jax.value_and_grad(model.loss)).lower(params, micro).compile().cost_analysis()["flops"]
+    micro = jax.ShapeDtypeStruct((rows, T + 1), np.int32)
+    value_and_grad = jax.jit(jax.value_and_grad(model.loss)).lower(params, micro).compile().cost_analysis()["flops"]
 
     def layers(stack, x_bxTxD):
         for i in range(model.config.n_layers):
             x_bxTxD = model.layer(jax.tree.map(lambda w: w[i], stack), x_bxTxD)
         return x_bxTxD
 
-    x = jax.ShapeDtypeStruct((b, T, model.config.d_model), np.float32)
+    x = jax.ShapeDtypeStruct((rows, T, model.config.d_model), np.float32)
     forward = jax.jit(layers).lower(params[model.LAYERS], x).compile().cost_analysis()["flops"]
-    return {"pipelined": pipelined, "plain": M * plain, "remat": M * forward,
-            "ratio": pipelined / (M * (plain + forward))}
+    return microbatches * (value_and_grad + forward)
 
 
 def train_memory(model, mesh, pipe: Pipeline | None, global_batch: int, opt=None):
@@ -120,4 +121,4 @@ def train_memory(model, mesh, pipe: Pipeline | None, global_batch: int, opt=None
         .memory_analysis()
 
 
-__all__ = ["gradient_flops", "measure_bubble", "one_stage_overhead", "train_memory", "STAGE"]
+__all__ = ["gradient_flops", "measure_bubble", "plain_flops", "train_memory"]
