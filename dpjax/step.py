@@ -16,6 +16,10 @@ parameters; the step is, per device:
                                              inner data axes)
     params, state = rule.step(...)          (the rule's exchanges run over the worker axes)
 
+With a `stage` axis (`layout.pipeline`) each pass's value_and_grad is the pipeline's
+schedule (`dpjax.pipeline.staged`): the replica's rows cut into micro-batches that flow
+through the stages, explicit ppermutes between them.
+
 The worker axes are `layout.workers`; the rest of the data axes are synchronous data
 parallelism inside each worker. Rules whose workers diverge (`rule.per_worker`) keep
 every worker's parameters and state on a leading worker axis, split over the worker

@@ -16,8 +16,9 @@ useful: the FLOPs of the same per-device work with no idle slot: the one-stage p
 
 `plain_flops` sets the one-stage program against the unpipelined model
 (`jax.value_and_grad(model.loss)` on each micro-batch): it must be that work plus the
-re-materialised forward of the layers, and nothing else (an engine that ran idle work in
-every program alike would pass the bubble check, not this one). Memory: `train_memory` is the
+re-materialised forward of the layers (and, with V chunks, the ends of the model in
+every chunk's slot), and nothing else: an engine that ran idle work in every program
+alike would pass the bubble check, not this one. Memory: `train_memory` is the
 compiled train step's memory analysis (arguments: parameters, optimizer state, batch;
 temporaries: activations, stash, gradients).
 """
@@ -76,17 +77,40 @@ def one_stage_mesh():
 def measure_bubble(model, stages: int, pipe: Pipeline, rows: int) -> dict:
     """executed / useful FLOPs of `pipe` on a `stage=S` mesh (S devices, one replica of
     `rows` sequences) and the bubble they give, beside the papers' formula; and the useful
-    program against the unpipelined model (`plain_flops`): `useful / plain` is 1 when the
-    schedule adds no work beyond the re-materialised forward."""
+    program against the work expected of it (`useful_vs_expected`, 1 when the engine adds
+    nothing else): the unpipelined model's (`plain_flops`, with the re-materialised
+    forward) and, with V chunks, the V - 1 extra passes of the ends a micro-batch
+    (`ends_flops`; `ends_share`: their part of a slot's FLOPs)."""
     mesh = make_mesh(f"stage={stages}", jax.devices()[:stages])
     pipe = pipe.resolved(stages)
     executed = gradient_flops(model, mesh, pipe, rows)
     one = with_layers(model, model.config.n_layers // stages)
     useful = gradient_flops(one, one_stage_mesh(), pipe, rows)
-    plain = plain_flops(one, pipe.microbatches, rows // pipe.microbatches)
+    M, V, b = pipe.microbatches, pipe.virtual_stages, rows // pipe.microbatches
+    ends = ends_flops(one, b)
+    # every chunk slot carries the head and the embedding (masked but in the slots of a
+    # micro-batch's first and last chunk): V - 1 more of them a micro-batch than needed
+    expected = plain_flops(one, M, b) + (V - 1) * M * ends
     return {"executed": executed, "useful": useful, "bubble": 1 - useful / executed,
-            "formula": bubble_formula(pipe.schedule, stages, pipe.microbatches, pipe.virtual_stages),
-            "plain": plain, "useful_vs_plain": useful / plain}
+            "formula": bubble_formula(pipe.schedule, stages, M, V), "expected": expected,
+            "useful_vs_expected": useful / expected, "ends_share": ends / (useful / (M * V))}
+
+
+def ends_flops(model, rows: int) -> float:
+    """FLOPs of a slot's work at the ends of the model, which each forward slot runs (masked
+    where it does not belong): the embedding and its VJP, the head's loss and gradient."""
+    T, D = model.config.seq_len, model.config.d_model
+    params = jax.eval_shape(model.init, jax.random.key(0))
+    shared = {k: v for k, v in params.items() if k != model.LAYERS}
+    tokens = jax.ShapeDtypeStruct((rows, T), np.int32)
+    y = jax.ShapeDtypeStruct((rows, T, D), np.float32)
+
+    def ends(sh, tok, y):
+        x, embed_vjp = jax.vjp(lambda s: model.embed(s, tok), sh)
+        head = jax.value_and_grad(lambda s, y: model.head_loss(s, y, tok), (0, 1))(sh, y)
+        return x, embed_vjp(y), head
+
+    return float(jax.jit(ends).lower(shared, tokens, y).compile().cost_analysis()["flops"])
 
 
 def plain_flops(model, microbatches: int, rows: int) -> float:
@@ -121,4 +145,4 @@ def train_memory(model, mesh, pipe: Pipeline | None, global_batch: int, opt=None
         .memory_analysis()
 
 
-__all__ = ["gradient_flops", "measure_bubble", "plain_flops", "train_memory"]
+__all__ = ["ends_flops", "gradient_flops", "measure_bubble", "plain_flops", "train_memory"]
