@@ -149,8 +149,8 @@ def make_layout(model, mesh, *, algorithm: str = "ring", fsdp: bool = False, fsd
                                                            is_leaf=is_spec)}
     # FSDP never splits the leading dimensions that number a stack's layers: a layer is
     # gathered on its own, just before use (Parallel.use_layer)
-    layer_dims = {k: jax.tree.map(lambda _: pp.layer_dims(pipeline) if k == layers else 0, v)
-                  for k, v in abstract.items()} if isinstance(abstract, dict) else jax.tree.map(lambda _: 0, abstract)
+    layer_dims = jax.tree_util.tree_map_with_path(
+        lambda path, _: pp.layer_dims(pipeline) if getattr(path[0], "key", None) == layers else 0, abstract)
     names = mesh.axis_names
 
     def resolve(path, x, spec):
