@@ -2,16 +2,21 @@
 
 - the timetables, walked tick by tick in plain Python: every forward and backward once,
   in dependency order, stash slots never overwritten while live, the bubble as the
-  papers state it;
-- the pipelined loss and gradients against `jax.value_and_grad` of the unpipelined GPT;
-- training: 10 SGD steps (no clipping: a wrong scale shows) on stage=2,data=4,
-  stage=4,data=2, stage=2,data=2,model=2 and stage=8 equal `--mesh 1x1`, for every
-  schedule; with an update rule, FSDP, every allreduce; resume on another stage count;
+  papers state it, 1F1B's live inputs bounded by the stages;
+- training on stage=2,data=4, stage=4,data=2, stage=2,data=2,model=2 and stage=8 with
+  every schedule, against plain JAX on one device (the unpipelined GPT, no dpjax step):
+  the first step's gradients, then 10 SGD steps' losses (no clipping: a wrong scale
+  shows). One case per schedule runs always (one of them with FSDP inside the stages),
+  the other 13 are slow-marked;
+- composition (slow-marked but the checkpoint): local SGD between pipelined workers
+  against plain JAX, every --allreduce, a checkpoint resumed on another stage count (and
+  evaluated by the forward-only pipeline);
 - memory from compiled programs: parameters and optimizer state 1/S of the layers' per
   device, 1F1B's temporaries flat in M where GPipe's grow; the bubble from FLOPs;
 - bad input: one line, exit 2.
-"""
 
+Tests that train the same configuration share its compiled step (`built`).
+"""
 import functools
 import itertools
 import math
@@ -26,11 +31,9 @@ from jax.sharding import PartitionSpec as P
 
 from dpjax.mesh import data_axes
 from dpjax.models import get_model
-from dpjax.pipeline import SCHEDULES, Pipeline, bubble_formula, cost, staged, timetable
+from dpjax.pipeline import SCHEDULES, Pipeline, bubble_formula, cost, timetable
 from dpjax.sharding import make_layout
 from dpjax.train import main
-
-from conftest import read_losses
 
 # ---------------------------------------------------------------------------------------
 # Timetables
@@ -258,6 +261,7 @@ def test_pipeline_equals_one_device(mesh_of, schedule, spec, options):
 # resumed on another stage count
 
 
+@pytest.mark.slow
 def test_update_rule_between_pipelined_workers(mesh_of):
     """Local SGD (sparse:3) between the 4 data ranks of stage=2,data=4 (each a pipeline of
     2 stages): plain JAX written out, each worker stepping on its own rows and the

@@ -32,7 +32,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from dpjax.mesh import STAGE, data_axes, make_mesh
+from dpjax.mesh import data_axes, make_mesh
 from dpjax.pipeline import Pipeline, bubble_formula
 
 
