@@ -12,11 +12,15 @@ A model declares one table, `leaf name -> PartitionSpec` over the `model` axis
   (Adam's moments, accumulated gradients; found by `optax.tree_map_params`) and
   replicates the rest (step counters);
 - `sq_norm` is the global squared norm of a sharded tree, for gradient clipping:
-  each leaf's local sum of squares is summed over exactly the axes that split it.
+  each leaf's local sum of squares is summed over exactly the axes that split it;
+- with a `stage` axis the layer stack (`model.LAYERS`, `Ls` in the table) is split over
+  it, so each stage holds its layers and their optimizer state only; the layout then
+  carries the `dpjax.pipeline.Pipeline` that runs the stages.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -29,7 +33,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from dpjax.errors import UserError
-from dpjax.mesh import MODEL, data_axes
+from dpjax import pipeline as pp
+from dpjax.mesh import MODEL, STAGE, data_axes
 from dpjax.tensor_parallel import Parallel
 
 
@@ -79,6 +84,8 @@ class Layout:
     algorithm: str = "ring"  # tensor-parallel allreduce
     fsdp_algorithm: str = "ring"  # FSDP all-gather / reduce-scatter
     workers: tuple = ()
+    pipeline: Any = None  # a dpjax.pipeline.Pipeline when the mesh has a stage axis
+    layers: str | None = None  # the key of the model's layer stack (pipelines store it per `pipeline`)
 
     @property
     def fsdp(self) -> bool:
@@ -113,28 +120,57 @@ class Layout:
         over the data axes); the parameters as they are when nothing is split over them."""
         return self.parallel().use(params)
 
+    def store(self, params):
+        """A model's parameters as this layout keeps them (the same but for interleaved
+        pipelines, whose layer stack is kept as V x L/V: `dpjax.pipeline.store`)."""
+        if self.pipeline is None:
+            return params
+        return pp.store(params, self.layers, self.pipeline.virtual_stages)
+
 
 def make_layout(model, mesh, *, algorithm: str = "ring", fsdp: bool = False, fsdp_algorithm: str = "ring",
-                tensor_parallel: bool = True, workers: tuple = ()) -> Layout:
+                tensor_parallel: bool = True, workers: tuple = (), pipeline: pp.Pipeline | None = None) -> Layout:
     """Resolves `model.SPECS` on `mesh` (tensor_parallel=False: every parameter replicated
-    over `model`, the table ignored); `workers`: the data axes an update rule's workers
-    span (FSDP splits over the others). Raises UserError (one line) when a split
-    dimension does not divide by its axis."""
-    abstract = jax.eval_shape(model.init, jax.random.key(0))
+    over `model`); `workers`: the data axes an update rule's workers span (FSDP splits over
+    the others). On a mesh with a `stage` axis the layer stack is split over it and run by
+    `pipeline` (default `Pipeline()`: 1F1B, one micro-batch per stage). Raises UserError
+    (one line) when a split dimension does not divide by its axis, or the pipeline does
+    not fit the model."""
+    layers = getattr(model, "LAYERS", None)
+    if STAGE in mesh.axis_names:
+        pipeline = pp.check(model, mesh, pipeline or pp.Pipeline())
+    elif pipeline is not None:
+        raise UserError(f"a pipeline schedule needs a stage axis; mesh {dict(mesh.shape)} has none "
+                        "(name one, e.g. 'stage=2,data=4')")
+    V = pipeline.virtual_stages if pipeline else 1
+    abstract = jax.eval_shape(lambda k: pp.store(model.init(k), layers, V), jax.random.key(0))
     if tensor_parallel:
         table_specs = specs_from_table(abstract, model.SPECS)
+    elif pipeline is not None:  # replicated over `model`, the layers still split over `stage`
+        table_specs = jax.tree.map(lambda s: P(*[STAGE if STAGE in _axes(e) else None for e in s]),
+                                   specs_from_table(abstract, model.SPECS), is_leaf=is_spec)
     else:
         table_specs = jax.tree.map(lambda _: P(), abstract)
-    return layout_from_specs(abstract, table_specs, mesh, what=f"{model.name} parameter", algorithm=algorithm,
-                             fsdp=fsdp, fsdp_algorithm=fsdp_algorithm, workers=workers)
+    if V > 1:  # the stored stack is V x L/V: the stage split moves to the second dimension
+        table_specs = {**table_specs, layers: jax.tree.map(lambda s: P(None, *s), table_specs[layers],
+                                                           is_leaf=is_spec)}
+    # FSDP never splits the leading dimensions that number a stack's layers: a layer is
+    # gathered on its own, just before use (Parallel.use_layer)
+    layer_dims = jax.tree_util.tree_map_with_path(
+        lambda path, _: pp.layer_dims(pipeline) if getattr(path[0], "key", None) == layers else 0, abstract)
+    layout = layout_from_specs(abstract, table_specs, mesh, what=f"{model.name} parameter", algorithm=algorithm,
+                               fsdp=fsdp, fsdp_algorithm=fsdp_algorithm, workers=workers, skip_dims=layer_dims)
+    return dataclasses.replace(layout, pipeline=pipeline, layers=layers)
 
 
 def layout_from_specs(abstract, specs, mesh, *, what: str = "parameter", algorithm: str = "ring", fsdp: bool = False,
-                      fsdp_algorithm: str = "ring", workers: tuple = ()) -> Layout:
+                      fsdp_algorithm: str = "ring", workers: tuple = (), skip_dims=None) -> Layout:
     """The layout of parameters shaped like `abstract` with the given specs (a tree of
     PartitionSpec, from a model's table or `dpjax.rules`). A spec that names the data
     axes itself (a rule splitting a parameter over `data`) is FSDP on that dimension;
-    `fsdp` splits every other parameter too, on its largest free dimension that divides.
+    `fsdp` splits every other parameter too, on its largest free dimension that divides
+    (past the first `skip_dims` dimensions of each leaf, a tree of ints: a layer stack's
+    layer axes, which a pipeline gathers one layer at a time).
     Raises UserError (one line) when a split dimension does not divide by its axis."""
     names = mesh.axis_names
     workers = tuple(a for a in data_axes(mesh) if a in workers)
@@ -151,7 +187,7 @@ def layout_from_specs(abstract, specs, mesh, *, what: str = "parameter", algorit
                                 f"change the model size or the mesh")
         return spec
 
-    def split_over_data(path, x, spec):
+    def split_over_data(path, x, spec, skip):
         named = [d for d, e in enumerate(spec) if set(_axes(e)) & set(data_axes(mesh))]
         if named:  # the spec chose: FSDP on that dimension, over exactly the inner data axes, last
             e = _axes(spec[named[0]])
@@ -163,7 +199,7 @@ def layout_from_specs(abstract, specs, mesh, *, what: str = "parameter", algorit
         # A dimension already split over `model` can take the data axes too (inside
         # each model shard); a free one is preferred, then the largest local size.
         local = [x.shape[d] // math.prod(mesh.shape[a] for a in _axes(e)) for d, e in enumerate(spec)]
-        fits = [d for d in range(x.ndim) if local[d] % ndp == 0]
+        fits = [d for d in range(skip, x.ndim) if local[d] % ndp == 0]
         if not fsdp or ndp == 1 or not fits:
             return spec, -1
         d = max(fits, key=lambda i: (spec[i] is None, local[i], -i))
@@ -172,7 +208,8 @@ def layout_from_specs(abstract, specs, mesh, *, what: str = "parameter", algorit
         return P(*entries), d
 
     specs = jax.tree_util.tree_map_with_path(resolve, abstract, specs)
-    pairs = jax.tree_util.tree_map_with_path(split_over_data, abstract, specs)
+    skip_dims = jax.tree.map(lambda _: 0, abstract) if skip_dims is None else skip_dims
+    pairs = jax.tree_util.tree_map_with_path(split_over_data, abstract, specs, skip_dims)
     is_pair = lambda t: isinstance(t, tuple) and len(t) == 2 and is_spec(t[0])  # noqa: E731
     specs = jax.tree.map(lambda t: t[0], pairs, is_leaf=is_pair)
     dims = jax.tree.map(lambda t: t[1], pairs, is_leaf=is_pair)

@@ -16,6 +16,10 @@ parameters; the step is, per device:
                                              inner data axes)
     params, state = rule.step(...)          (the rule's exchanges run over the worker axes)
 
+With a `stage` axis (`layout.pipeline`) each pass's value_and_grad is the pipeline's
+schedule (`dpjax.pipeline.staged`): the replica's rows cut into micro-batches that flow
+through the stages, explicit ppermutes between them.
+
 The worker axes are `layout.workers`; the rest of the data axes are synchronous data
 parallelism inside each worker. Rules whose workers diverge (`rule.per_worker`) keep
 every worker's parameters and state on a leading worker axis, split over the worker
@@ -43,8 +47,10 @@ from jax.sharding import PartitionSpec as P
 
 from dpjax import links as emulation
 from dpjax.data_parallel import COMPRESSIONS, allreduce_gradients, broadcast_params
-from dpjax.mesh import data_axes
+from dpjax.mesh import data_axes, dp_size
 from dpjax.optim import OptimizerConfig
+from dpjax.pipeline import check_batch
+from dpjax.pipeline import staged as pipeline_staged
 from dpjax.sharding import Layout, is_spec
 from dpjax.updates.rules import UpdateRule, as_axes, axis_arg, make_rule
 
@@ -111,7 +117,8 @@ def default_workers(mesh, per_worker: bool) -> tuple:
 
 
 def build(loss_fn, layout: Layout, rule: UpdateRule, *, abstract_params, passes: int = 1,
-          exchange: Exchange = Exchange(), links: tuple = (), donate: bool = True) -> TrainStep:
+          exchange: Exchange = Exchange(), links: tuple = (), donate: bool = True,
+          value_and_grad=None) -> TrainStep:
     """The steps of `rule` over `layout` for `loss_fn(params, batch_BdxT1, par) -> scalar`
     (`par`: the `dpjax.tensor_parallel.Parallel` the layout gives; a model's `loss`).
 
@@ -119,6 +126,9 @@ def build(loss_fn, layout: Layout, rule: UpdateRule, *, abstract_params, passes:
     per step (K backward passes, one exchange; the train batch is K x B). links:
     `dpjax.links.AxisLink`s: every collective crossing one of those axes waits for its
     emulated wire (no callback is compiled in without them).
+    value_and_grad(params, batch_BdxT1, par) -> (loss, gradient): how this device's
+    gradient is computed (default: `jax.value_and_grad(loss_fn)`; a pipeline's schedule,
+    `dpjax.pipeline.staged`, on a layout with a stage axis).
     """
     mesh, axes = layout.mesh, data_axes(layout.mesh)
     if as_axes(rule.axes) != tuple(layout.workers):
@@ -130,7 +140,9 @@ def build(loss_fn, layout: Layout, rule: UpdateRule, *, abstract_params, passes:
         inner_mean = functools.partial(allreduce_gradients, axis_name=axis_arg(inner), **exchange.kwargs())
     else:  # FSDP's reduce-scatter in the backward pass already averaged over the inner axes
         inner_mean = lambda g: g  # noqa: E731
-    value_and_grad = jax.value_and_grad(lambda p, b: loss_fn(p, b, par))
+    if value_and_grad is None:
+        value_and_grad = jax.value_and_grad(loss_fn)
+    value_and_grad = functools.partial(value_and_grad, par=par)
 
     def grad_fn(params, batch_KxBdxT1):
         """The worker's loss and gradient: K micro-batches accumulated, then averaged
@@ -222,8 +234,16 @@ def for_model(model, layout: Layout, *, global_batch: int, update="sync", opt: O
     global batch of a step, `passes` x `global_batch`), exchanging with `exchange`."""
     rule = make_rule(update, opt.make(global_batch * passes, layout.specs), layout.workers, seed=seed,
                      **exchange.kwargs())
-    return build(model.loss, layout, rule, abstract_params=jax.eval_shape(model.init, jax.random.key(0)),
-                 passes=passes, exchange=exchange, links=links, donate=donate)
+    abstract = jax.eval_shape(lambda k: layout.store(model.init(k)), jax.random.key(0))
+    if layout.pipeline is None:
+        return build(model.loss, layout, rule, abstract_params=abstract, passes=passes, exchange=exchange,
+                     links=links, donate=donate)
+    # a stage axis: the pipeline's schedule replaces value_and_grad(model.loss)
+    check_batch(layout.pipeline, global_batch // dp_size(layout.mesh),
+                f"--batch-size {global_batch} over {dp_size(layout.mesh)} data-parallel ranks")
+    staged = pipeline_staged.for_model(model, layout, exchange.algorithm)
+    return build(staged.loss, layout, rule, abstract_params=abstract, passes=passes, exchange=exchange,
+                 links=links, donate=donate, value_and_grad=staged.value_and_grad)
 
 
 def make_update_step(loss_fn, rule: UpdateRule, mesh, params, *, param_specs=None, passes: int = 1,
@@ -246,7 +266,7 @@ def init_params(model, layout: Layout, key):
     """The model's parameters, created by a jitted init directly in their sharding: no
     device ever holds a whole sharded weight, and the values do not depend on the mesh
     (jax's partitionable threefry)."""
-    return jax.jit(model.init, out_shardings=layout.shardings())(key)
+    return jax.jit(lambda k: layout.store(model.init(k)), out_shardings=layout.shardings())(key)
 
 
 def replicated(mesh):

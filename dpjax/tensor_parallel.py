@@ -161,6 +161,20 @@ class Parallel:
         return jax.tree.map(lambda x, d: gather_param(x, d, self.data_axis, self.fsdp_algorithm, self.fsdp_wire),
                             tree, dims)
 
+    def use_layer(self, stack, i: int, *path):
+        """Layer `i` of `stack` (a tree of layers stacked on each leaf's leading axis, found
+        at `path`), ready to compute with: sliced out, then gathered under FSDP, one layer at
+        a time. The layer axis itself is never split over the data axes (`make_layout`)."""
+        layer = jax.tree.map(lambda x: x[i], stack)
+        if self.gather_dims is None:
+            return layer
+        dims = self.gather_dims
+        for key in path:
+            dims = dims[key]
+        assert all(d != 0 for d in jax.tree.leaves(dims)), "FSDP split a layer axis"
+        return jax.tree.map(lambda x, d: gather_param(x, d - 1 if d > 0 else d, self.data_axis, self.fsdp_algorithm,
+                                                      self.fsdp_wire), layer, dims)
+
     def f(self, x):
         return copy_to_model(x, self.model_axis, self.algorithm)
 

@@ -78,6 +78,15 @@ class TrainConfig:
                             choices=("none", "bf16", "fp16"))
     backward_passes: int = _opt(1, "micro-batches per step: gradients accumulated over this many backward "
                                    "passes, exchanged once")
+    microbatches: int | None = _opt(None, "with a stage axis: micro-batches each data-parallel replica's batch is "
+                                          "cut into, to flow through the pipeline's stages. Default: one per stage")
+    schedule: str | None = _opt(None, "with a stage axis: the pipeline schedule (naive: one stage at a time; "
+                                      "gpipe: all forwards, then all backwards; 1f1b: one forward, one backward, "
+                                      "memory bounded by the stages; interleaved: 1f1b over --virtual-stages "
+                                      "chunks per stage). Default: 1f1b",
+                                choices=("naive", "gpipe", "1f1b", "interleaved"))
+    virtual_stages: int | None = _opt(None, "with --schedule interleaved: chunks of layers per stage, visited "
+                                            "round robin (bubble (S-1)/(V*M+S-1)). Default: 2")
     seed: int = _opt(0, "seed for initialisation, data order and async's staleness")
     eval_every: int = _opt(50, "steps between validation evaluations (0: only at the end)")
     eval_batches: int = _opt(4, "validation batches per evaluation")
@@ -119,7 +128,7 @@ def build_parser() -> argparse.ArgumentParser:
         if f.metadata.get("action") == "append":
             p.add_argument(_flag(f.name), action="append", default=f.default, help=help_, metavar="AXIS=LAT,BW")
             continue
-        kind = {"int": int, "float": float}.get(str(f.type), str)
+        kind = {"int": int, "int | None": int, "float": float}.get(str(f.type), str)
         p.add_argument(_flag(f.name), type=kind, default=f.default, help=help_,
                        choices=f.metadata.get("choices"))
     g = p.add_argument_group("model options (each belongs to one model; an option the chosen --model does "
@@ -173,6 +182,11 @@ def validate(cfg: TrainConfig) -> None:
         raise UsageError("--eval-every, --warmup-steps, --fusion-mb and --weight-decay cannot be negative")
     if cfg.resume and not cfg.ckpt_dir:
         raise UsageError("--resume needs --ckpt-dir")
+    for name in ("microbatches", "virtual_stages"):
+        if getattr(cfg, name) is not None and getattr(cfg, name) < 1:
+            raise UsageError(f"{_flag(name)} must be at least 1, got {getattr(cfg, name)}")
+    if cfg.virtual_stages is not None and cfg.schedule != "interleaved":
+        raise UsageError(f"--virtual-stages applies to --schedule interleaved, not {cfg.schedule or '1f1b'}")
     parse_update(cfg.update)
 
 
@@ -193,6 +207,23 @@ def setup_devices(cfg: TrainConfig):
     if want is not None and want < len(devices) and jax.process_count() == 1:
         devices = devices[:want]  # e.g. --mesh 1x1 on a machine with several GPUs
     return make_mesh(spec, devices)
+
+
+def pipeline_config(cfg: TrainConfig, mesh):
+    """The `dpjax.pipeline.Pipeline` the flags ask for on a mesh with a stage axis (None
+    without one); pipeline flags on a mesh without a stage axis are a UsageError."""
+    from dpjax.mesh import STAGE
+    from dpjax.pipeline import Pipeline
+
+    given = [_flag(n) for n in ("schedule", "microbatches", "virtual_stages") if getattr(cfg, n) is not None]
+    if STAGE not in mesh.axis_names:
+        if given:
+            raise UsageError(f"{', '.join(given)} needs a stage axis: name one in --mesh, e.g. "
+                             f"--mesh stage=2,data={max(1, mesh.size // 2)}")
+        return None
+    schedule = cfg.schedule or "1f1b"
+    virtual = cfg.virtual_stages or (2 if schedule == "interleaved" else 1)
+    return Pipeline(schedule, cfg.microbatches, virtual)
 
 
 class Progress:
@@ -254,7 +285,8 @@ class Trainer:
             raise UsageError("--allreduce hierarchical needs a node axis: use a three-axis mesh such as 2x4x1")
         self.model = model = get_model(cfg.model, seq_len=cfg.seq_len, **cfg.model_options)
         self.layout = layout = make_layout(model, mesh, algorithm=cfg.tp_allreduce, fsdp=cfg.fsdp,
-                                           fsdp_algorithm=cfg.allreduce, workers=workers)
+                                           fsdp_algorithm=cfg.allreduce, workers=workers,
+                                           pipeline=pipeline_config(cfg, mesh))
         self.train_stream, self.val_stream = make_streams(cfg.data, cfg.seq_len, cfg.seed)
         self.opt = opt = OptimizerConfig(name=cfg.optimizer, lr=cfg.lr, lr_scaling=cfg.lr_scaling,
                                          warmup_steps=cfg.warmup_steps, weight_decay=cfg.weight_decay,
@@ -277,6 +309,9 @@ class Trainer:
                                      "update": str(update)}}
         if self.step.rule.per_worker:
             self.record["optimizer"]["workers"] = layout.num_workers
+        if layout.pipeline is not None and layout.pipeline.virtual_stages > 1:
+            # the layer stack is stored V x L/V: it resumes on any stage count, with the same V
+            self.record["model"]["virtual_stages"] = layout.pipeline.virtual_stages
 
         key = jax.random.key(cfg.seed)
         self.params, self.opt_state = self.step.init(S.init_params(model, layout, key))
@@ -416,7 +451,8 @@ def run(cfg: TrainConfig) -> dict:
 
 def summary_line(s: dict) -> str:
     ev = "n/a" if s["eval_loss"] is None else f"{s['eval_loss']:.4f}"
-    mesh = "x".join(str(v) for v in s["mesh"].values())
+    positional = tuple(s["mesh"]) in (("data", "model"), ("node", "data", "model"))
+    mesh = ("x" if positional else ",").join(str(v) if positional else f"{k}={v}" for k, v in s["mesh"].items())
     head = "interrupted" if s["interrupted"] else "done"
     return (f"{head}: {s['steps']} steps on mesh {mesh}, train loss {s['loss']:.4f}, eval loss {ev}, "
             f"{s['tokens_per_s']:,.0f} tokens/s, {s['seconds']:.1f} s")

@@ -35,6 +35,20 @@ layout (`--layout-algorithm` over the data axes, `--tp-algorithm` over `model`).
 variants of all layouts are interleaved in one run; each ratio is to its own layout's
 xla-auto.
 
+With `--pipeline stage=4,data=2` the comparison is pipeline parallelism against no
+stages on the same devices: the same GPT (`--n-layers`, default 8) and global batch
+trained by dpjax's step on the `stage` mesh with each schedule in `--schedules` and each
+micro-batch count in `--microbatches` (interleaved with `--virtual-stages`), against
+the plain data-parallel step on `data=<all devices>` (the `stage=1` row: no stage axis,
+every device a data rank). Each variant first takes `--check-steps` SGD steps (no
+clipping) from the same initial parameters, whose losses must match the baseline's;
+then the AdamW steps are timed, interleaved as above. Per variant the compiled step's
+memory analysis (arguments: parameters, optimizer state and the batch; temporaries)
+and the papers' bubble; with `--flops` also the bubble measured from the compiled
+programs' FLOPs (`dpjax.pipeline.cost.measure_bubble`, ticks unrolled: slow to
+compile). `--memory-sweep` instead tabulates each schedule's memory against M =
+`--microbatches` at a fixed micro-batch of `--microbatch-rows` sequences (no timing).
+
 On a CPU-only machine the mesh's devices are simulated (`--devices`, default 8); with
 a GPU backend that has enough devices the same script runs there unchanged.
 """
@@ -104,6 +118,17 @@ def parse_args(argv=None):
     a("--layout-algorithm", default="ring", help="with --layouts: dpjax's algorithm over the data axes")
     a("--tp-algorithm", default="ring",
       help="with --layouts: dpjax's allreduce over the model axis; a comma-separated list times each")
+    a("--pipeline", metavar="MESH", help="compare pipeline schedules on this stage mesh (e.g. stage=4,data=2) "
+                                          "against no stages on the same devices")
+    a("--schedules", default="naive,gpipe,1f1b,interleaved", help="with --pipeline: the schedules compared")
+    a("--microbatches", default="4,8", help="with --pipeline: micro-batches per replica (comma-separated)")
+    a("--virtual-stages", type=int, default=2, help="with --pipeline: chunks per stage of interleaved")
+    a("--n-layers", type=int, default=8, help="with --pipeline: the GPT's layers")
+    a("--d-model", type=int, default=128, help="with --pipeline: the GPT's width")
+    a("--flops", action="store_true", help="with --pipeline: measure each bubble from compiled FLOPs (slow)")
+    a("--memory-sweep", action="store_true",
+      help="with --pipeline: memory per schedule against --microbatches at --microbatch-rows sequences each")
+    a("--microbatch-rows", type=int, default=2, help="with --memory-sweep: sequences per micro-batch")
     a("--seed", type=int, default=0)
     a("--markdown", metavar="FILE", help="write the table as markdown")
     a("--json", metavar="FILE", help="write every measurement as JSON")
@@ -121,6 +146,18 @@ def parse_args(argv=None):
     if "xla-auto" not in variants:
         variants.insert(0, "xla-auto")  # the baseline every ratio refers to
     args.variants = variants
+    if args.pipeline:
+        from dpjax.pipeline import SCHEDULES
+
+        args.schedules = [v.strip() for v in args.schedules.split(",") if v.strip()]
+        if any(v not in SCHEDULES for v in args.schedules):
+            p.error(f"--schedules: choose from {', '.join(SCHEDULES)}")
+        try:
+            args.microbatches = [int(v) for v in args.microbatches.split(",") if v.strip()]
+        except ValueError:
+            p.error("--microbatches takes comma-separated integers")
+        if "stage=" not in args.pipeline:
+            p.error("--pipeline takes a named mesh with a stage axis, e.g. stage=4,data=2")
     if args.layouts:
         args.layouts = [v.strip() for v in args.layouts.split(",") if v.strip()]
         for lay in args.layouts:
@@ -332,6 +369,119 @@ def build_layouts(args):
     return variants, batches[args.layouts[0]], info
 
 
+def build_pipeline(args):
+    """Per schedule and M: dpjax's pipelined step on the stage mesh; the baseline: the plain
+    data-parallel step on every device (no stage axis). Same model, batch, initial values."""
+    import jax
+
+    from dpjax import step as S
+    from dpjax.collectives.cost import hlo_comm
+    from dpjax.data import make_streams
+    from dpjax.mesh import STAGE, make_mesh, mesh_size
+    from dpjax.models import get_model
+    from dpjax.pipeline import Pipeline, bubble_formula
+    from dpjax.sharding import make_layout
+
+    n = mesh_size(args.pipeline)
+    if n is None:
+        raise SystemExit(f"error: give the mesh sizes explicitly, not {args.pipeline!r}")
+    devs = pick_devices(n)
+    model = get_model("gpt", seq_len=args.seq_len, n_layers=args.n_layers, d_model=args.d_model)
+    stream, _ = make_streams("synthetic", args.seq_len, args.seed)
+    host = jax.tree.map(np.asarray, jax.jit(model.init)(jax.random.key(args.seed)))  # one init for all
+    variants, batches = {}, {}
+
+    def make(mesh, pipe, opt):
+        layout = make_layout(model, mesh, pipeline=pipe)
+        step = S.for_model(model, layout, global_batch=args.batch_size, opt=opt, donate=False)
+        return layout, step
+
+    def add(name, label, mesh, pipe, extra):
+        batches[name] = [S.put_batch(stream, i * args.batch_size, args.batch_size, mesh, passes=1)
+                         for i in range(4)]
+        layout, step = make(mesh, pipe, S.OptimizerConfig())
+        params, state = step.init(jax.device_put(layout.store(host), layout.shardings()))
+        t0 = time.perf_counter()
+        compiled = step.train.lower(params, state, batches[name][0]).compile()
+        mem = compiled.memory_analysis()
+
+        def sgd_losses(mesh=mesh, pipe=pipe, name=name):
+            lay, st = make(mesh, pipe, S.OptimizerConfig(name="sgd", lr=0.1, clip_norm=0.0))
+            p, o = st.init(jax.device_put(lay.store(host), lay.shardings()))
+            out = []
+            for i in range(args.check_steps):
+                p, o, loss = st.train(p, o, batches[name][i % 4])
+                out.append(float(loss))
+            return out
+
+        variants[name] = {"label": label, "fn": step.train, "state": (params, state), "buckets": None,
+                          "ops": dict(hlo_comm(compiled.as_text()).ops), "model_bytes": 0, "hlo_bytes": 0,
+                          "compile_s": time.perf_counter() - t0, "batches": batches[name], "base": "stage=1",
+                          "sgd_losses": sgd_losses, "args_bytes": mem.argument_size_in_bytes,
+                          "temp_bytes": mem.temp_size_in_bytes, **extra}
+
+    flat = make_mesh(f"data={n}", devs)
+    add("stage=1", f"data={n}, no stages (stage=1)", flat, None, {"bubble_formula": 0.0})
+    mesh = make_mesh(args.pipeline, devs)
+    S_ = mesh.shape[STAGE]
+    for schedule, M in ((s, m) for s in args.schedules for m in args.microbatches):
+        V = args.virtual_stages if schedule == "interleaved" else 1
+        pipe = Pipeline(schedule, M, V)
+        name = f"{schedule} M={M}" + (f" V={V}" if V > 1 else "")
+        extra = {"bubble_formula": bubble_formula(schedule, S_, M, V), "pipe": pipe}
+        add(name, f"{args.pipeline} {name}", mesh, pipe, extra)
+    info = {"mesh": {"pipeline": args.pipeline}, "platform": devs[0].platform,
+            "params": int(sum(x.size for x in jax.tree.leaves(host))), "param_bytes": S.num_bytes(host),
+            "tokens_per_step": args.batch_size * args.seq_len, "jax": jax.__version__, "git": git_state(),
+            "stages": S_, "devices": n, "replica_rows": args.batch_size // (n // S_ // mesh.shape.get("model", 1)),
+            "model": model}
+    return variants, batches["stage=1"], info
+
+
+def check_pipeline(args, variants):
+    """--check-steps SGD steps (no clipping) per variant from the same initial parameters:
+    the losses must match the stage-free baseline's (float32 round-off)."""
+    losses = {name: v["sgd_losses"]() for name, v in variants.items()}
+    ref = losses["stage=1"]
+    out = {}
+    for name, ls in losses.items():
+        rel = max(abs(a - b) / abs(b) for a, b in zip(ls, ref))
+        out[name] = {"losses": ls, "max_rel_diff": rel, "grad_max_diff_rel": float("nan"), "ok": rel <= args.rtol}
+    return out
+
+
+def pipeline_flops(args, variants, info):
+    """Each schedule's bubble from compiled FLOPs (one replica on a stage-only mesh)."""
+    from dpjax.pipeline import cost
+
+    for v in variants.values():
+        if "pipe" in v:
+            r = cost.measure_bubble(info["model"], info["stages"], v["pipe"], rows=info["replica_rows"])
+            v["bubble_measured"], v["useful_vs_expected"], v["ends_share"] = (r["bubble"], r["useful_vs_expected"],
+                                                                              r["ends_share"])
+
+
+def memory_sweep(args, console) -> list:
+    """temp / argument bytes of the AdamW step against M at a fixed micro-batch size."""
+    from dpjax.mesh import make_mesh, mesh_size
+    from dpjax.models import get_model
+    from dpjax.pipeline import Pipeline, cost
+
+    mesh = make_mesh(args.pipeline, pick_devices(mesh_size(args.pipeline)))
+    model = get_model("gpt", seq_len=args.seq_len, n_layers=args.n_layers, d_model=args.d_model)
+    dp = mesh.size // mesh.shape["stage"] // mesh.shape.get("model", 1)
+    rows = []
+    for schedule in args.schedules:
+        V = args.virtual_stages if schedule == "interleaved" else 1
+        for M in args.microbatches:
+            ma = cost.train_memory(model, mesh, Pipeline(schedule, M, V), args.microbatch_rows * M * dp)
+            rows.append({"schedule": schedule + (f" V={V}" if V > 1 else ""), "M": M,
+                         "temp_bytes": ma.temp_size_in_bytes, "args_bytes": ma.argument_size_in_bytes})
+            console.print(f"{rows[-1]['schedule']:>16} M={M:<3} temp {ma.temp_size_in_bytes / 2**20:8.3f} MiB  "
+                          f"arguments {ma.argument_size_in_bytes / 2**20:8.3f} MiB")
+    return rows
+
+
 def run_step(v, batches, i):
     """Step i of variant v on batch i (cycled); per-layout variants have their own copy of
     the batches, placed on their mesh."""
@@ -448,6 +598,8 @@ def main(argv=None) -> int:
 
     # Wide enough for the table when piped to a file (rich assumes 80 columns there).
     console = Console() if sys.stdout.isatty() else Console(width=150)
+    if args.pipeline:
+        return main_pipeline(args, argv, console)
     variants, batches, info = build_layouts(args) if args.layouts else build(args)
     console.print(f"GPT {info['params']:,} params, batch {args.batch_size}x{args.seq_len}, mesh "
                   f"{info['mesh']} on {info['platform']} ({platform.processor() or platform.machine()})")
@@ -490,6 +642,75 @@ def main(argv=None) -> int:
         with open(args.json, "w") as f:
             json.dump({"args": {k: v for k, v in vars(args).items()}, "info": info, "loss_check_ok": all_ok,
                        "rows": rows}, f, indent=1)
+    return 0 if all_ok else 1
+
+
+def main_pipeline(args, argv, console) -> int:
+    from rich.table import Table
+
+    if args.memory_sweep:
+        rows = memory_sweep(args, console)
+        if args.markdown:
+            with open(args.markdown, "w") as f:
+                f.write(f"`python experiments/bench_train.py {' '.join(argv)}`\n\n| schedule | M | temporaries MiB "
+                        "| arguments MiB |\n|---|---:|---:|---:|\n")
+                f.writelines(f"| {r['schedule']} | {r['M']} | {r['temp_bytes'] / 2**20:.3f} | "
+                             f"{r['args_bytes'] / 2**20:.3f} |\n" for r in rows)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"args": vars(args), "rows": rows}, f, indent=1)
+        return 0
+    variants, batches, info = build_pipeline(args)
+    console.print(f"GPT {info['params']:,} params, {args.n_layers} layers, batch {args.batch_size}x{args.seq_len}, "
+                  f"{args.pipeline} against data={info['devices']} on {info['platform']}")
+    checks = check_pipeline(args, variants)
+    all_ok = all(c["ok"] for c in checks.values())
+    for name, c in checks.items():
+        console.print(f"check {variants[name]['label']}: SGD losses {', '.join(f'{x:.6f}' for x in c['losses'])} "
+                      f"(max rel. diff {c['max_rel_diff']:.1e}) {'ok' if c['ok'] else '[red]DIFFERS[/red]'}")
+    if args.flops:
+        pipeline_flops(args, variants, info)
+    load = [os.getloadavg()[0]]
+    times = time_all(args, variants, batches)
+    load.append(os.getloadavg()[0])
+    base = statistics.median(times["stage=1"])
+    head = ("variant", "median ms (p25-p75)", "x stage=1", "paired x", "bubble (papers)", "bubble, FLOPs",
+            "arguments MiB", "temporaries MiB")
+    t = Table(title=f"train step (AdamW), median of {args.reps} interleaved reps ({args.warmup} warm-up)")
+    for h in head:
+        t.add_column(h, justify="left" if h == "variant" else "right")
+    rows = []
+    for name, v in variants.items():
+        ts = times[name]
+        med = statistics.median(ts)
+        row = {"variant": name, "label": v["label"], "median_ms": med * 1e3, "p25_ms": quantile(ts, 0.25) * 1e3,
+               "p75_ms": quantile(ts, 0.75) * 1e3, "ratio": med / base,
+               "paired_ratio": statistics.median(a / b for a, b in zip(ts, times["stage=1"])),
+               "bubble_formula": v["bubble_formula"], "bubble_measured": v.get("bubble_measured"),
+               "useful_vs_expected": v.get("useful_vs_expected"), "ends_share": v.get("ends_share"),
+               "args_bytes": v["args_bytes"],
+               "temp_bytes": v["temp_bytes"], "compile_s": v["compile_s"], "loss_check": checks[name],
+               "times_ms": [x * 1e3 for x in ts]}
+        rows.append(row)
+        t.add_row(v["label"], f"{row['median_ms']:.1f} ({row['p25_ms']:.1f}-{row['p75_ms']:.1f})",
+                  f"{row['ratio']:.2f}", f"{row['paired_ratio']:.2f}", f"{row['bubble_formula']:.3f}",
+                  "-" if row["bubble_measured"] is None else f"{row['bubble_measured']:.3f}",
+                  f"{row['args_bytes'] / 2**20:.2f}", f"{row['temp_bytes'] / 2**20:.2f}")
+    console.print(t)
+    console.print(f"1-minute load average before / after timing: {load[0]:.1f} / {load[1]:.1f} on {os.cpu_count()} cores")
+    if args.markdown:
+        with open(args.markdown, "w") as f:
+            f.write(f"`python experiments/bench_train.py {' '.join(argv)}`\n\n| " + " | ".join(head) + " |\n|"
+                    + "|".join(["---"] + ["---:"] * (len(head) - 1)) + "|\n")
+            for r in rows:
+                f.write(f"| {r['label']} | {r['median_ms']:.1f} ({r['p25_ms']:.1f}-{r['p75_ms']:.1f}) | "
+                        f"{r['ratio']:.2f} | {r['paired_ratio']:.2f} | {r['bubble_formula']:.3f} | "
+                        + ("-" if r["bubble_measured"] is None else f"{r['bubble_measured']:.3f}")
+                        + f" | {r['args_bytes'] / 2**20:.2f} | {r['temp_bytes'] / 2**20:.2f} |\n")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": {k: v for k, v in vars(args).items()}, "load_avg_1min": load, "loss_check_ok": all_ok,
+                       "rows": rows}, f, indent=1, default=str)
     return 0 if all_ok else 1
 
 

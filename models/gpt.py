@@ -4,10 +4,11 @@ Radford et al., "Language models are unsupervised multitask learners" (GPT-2), a
 size that trains on two CPU cores. Parameters are a plain dict (a pytree) so that a
 sharding can be assigned to each leaf from one table; tensors carry their shapes in
 their names (B batch, T time, D model width, H heads, K head width, F MLP width,
-V vocabulary), and a dimension split over a mesh axis carries that axis's initial:
-`w1_DxFm` is D x F with F split over `model` (this device holds D x F/n of it inside a
-step), `x_BdxTxD` has the batch split over the data axes. The same name is the global
-array outside a shard_map and this device's block inside it.
+V vocabulary, L layers), and a dimension split over a mesh axis carries that axis's
+initial: `w1_LsxDxFm` is L x D x F with the layers split over `stage` and F over `model`
+(inside a step this device holds L/S x D x F/n of it), `x_BdxTxD` has the batch split
+over the data axes. The same name is the global array outside a shard_map and this
+device's block inside it.
 """
 
 from __future__ import annotations
@@ -66,10 +67,10 @@ class ByteModel:
         return {"model": self.name, **asdict(self.config)}
 
 
-def layer_norm(x, p, eps: float = 1e-5):
+def layer_norm(x, scale, bias, eps: float = 1e-5):
     mean = x.mean(-1, keepdims=True)
     var = ((x - mean) ** 2).mean(-1, keepdims=True)
-    return (x - mean) * jax.lax.rsqrt(var + eps) * p["scale"] + p["bias"]
+    return (x - mean) * jax.lax.rsqrt(var + eps) * scale + bias
 
 
 def causal_attention(q_BdxTxHmxK, k_BdxTxHmxK, v_BdxTxHmxK):
@@ -89,67 +90,88 @@ def cross_entropy(logits_BdxTxV, targets_BdxT):
 
 class GPT(ByteModel):
     """Every matmul is a dpjax.tensor_parallel layer: with the model axis of size n, each
-    device holds 1/n of the heads, of the MLP width and of the vocabulary."""
+    device holds 1/n of the heads, of the MLP width and of the vocabulary.
+
+    The blocks are stacked: every leaf under `blocks` carries a leading layer axis L
+    (`w1_LsxDxFm` is L x D x F), which a `stage` axis splits (`Ls`): stage s holds layers
+    s*L/S .. (s+1)*L/S - 1 (`dpjax.pipeline`). The parameter tree is the same on every
+    mesh, so a checkpoint resumes on another stage count. For a pipeline the model is cut
+    into `embed` (first stage), `layer` (L times) and `head_loss` (last stage)."""
 
     name = "gpt"
+    LAYERS = "blocks"  # the key of the stacked layers, which a pipeline divides over `stage`
     # The one sharding table (Megatron-LM layout), by leaf name; dimensions not named are
     # replicated. FSDP adds the data axes on top (dpjax.sharding.make_layout).
     SPECS = {
         "embed_VmxD": P("model", None),  # vocabulary-parallel embedding and (tied) output head
         "pos_TxD": P(),
-        "wqkv_Dx3xHmxK": P(None, None, "model", None),  # heads split: column-parallel
-        "wo_HmxKxD": P("model", None, None),  # heads split: row-parallel
-        "w1_DxFm": P(None, "model"), "b1_Fm": P("model"),  # column-parallel
-        "w2_FmxD": P("model", None), "b2_D": P(),  # row-parallel; the bias is added once, after g
-        "scale": P(), "bias": P(),  # layer norms
+        "scale_D": P(), "bias_D": P(),  # the final layer norm
+        "scale_LsxD": P("stage", None), "bias_LsxD": P("stage", None),  # the blocks' layer norms
+        "wqkv_LsxDx3xHmxK": P("stage", None, None, "model", None),  # heads split: column-parallel
+        "wo_LsxHmxKxD": P("stage", "model", None, None),  # heads split: row-parallel
+        "w1_LsxDxFm": P("stage", None, "model"), "b1_LsxFm": P("stage", "model"),  # column-parallel
+        "w2_LsxFmxD": P("stage", "model", None), "b2_LsxD": P("stage", None),  # row-parallel; b2 added after g
     }
 
     def init(self, key):
         c = self.config
-        D, F, H, K = c.d_model, c.d_ff, c.n_heads, c.d_model // c.n_heads
-        std, out_std = 0.02, 0.02 / math.sqrt(2 * c.n_layers)
-        keys = jax.random.split(key, 2 + 4 * c.n_layers)
-        ln = lambda: {"scale": jnp.ones((D,)), "bias": jnp.zeros((D,))}  # noqa: E731
-        blocks = []
-        for i in range(c.n_layers):
-            k = keys[2 + 4 * i: 6 + 4 * i]
-            blocks.append({
-                "ln1": ln(),
-                "attn": {
-                    "wqkv_Dx3xHmxK": std * jax.random.normal(k[0], (D, 3, H, K)),
-                    "wo_HmxKxD": out_std * jax.random.normal(k[1], (H, K, D)),
-                },
-                "ln2": ln(),
-                "mlp": {
-                    "w1_DxFm": std * jax.random.normal(k[2], (D, F)),
-                    "b1_Fm": jnp.zeros((F,)),
-                    "w2_FmxD": out_std * jax.random.normal(k[3], (F, D)),
-                    "b2_D": jnp.zeros((D,)),
-                },
-            })
+        D, F, H, K, L = c.d_model, c.d_ff, c.n_heads, c.d_model // c.n_heads, c.n_layers
+        std, out_std = 0.02, 0.02 / math.sqrt(2 * L)
+        keys = jax.random.split(key, 2 + 4 * L)
+
+        def stacked(j, shape, scale):  # layer i draws from keys[2 + 4i + j], whatever L is split into
+            return jnp.stack([scale * jax.random.normal(keys[2 + 4 * i + j], shape) for i in range(L)])
+
+        ln = lambda: {"scale_LsxD": jnp.ones((L, D)), "bias_LsxD": jnp.zeros((L, D))}  # noqa: E731
         return {
             "embed_VmxD": std * jax.random.normal(keys[0], (c.vocab_size, D)),
             "pos_TxD": std * jax.random.normal(keys[1], (c.seq_len, D)),
-            "blocks": blocks,
-            "ln_f": ln(),
+            "blocks": {
+                "ln1": ln(),
+                "attn": {"wqkv_LsxDx3xHmxK": stacked(0, (D, 3, H, K), std),
+                         "wo_LsxHmxKxD": stacked(1, (H, K, D), out_std)},
+                "ln2": ln(),
+                "mlp": {"w1_LsxDxFm": stacked(2, (D, F), std), "b1_LsxFm": jnp.zeros((L, F)),
+                        "w2_LsxFmxD": stacked(3, (F, D), out_std), "b2_LsxD": jnp.zeros((L, D))},
+            },
+            "ln_f": {"scale_D": jnp.ones((D,)), "bias_D": jnp.zeros((D,))},
         }
+
+    # The pieces below compute with parameters ready to use (under FSDP: gathered; `logits`
+    # gathers them, a pipeline gathers a stage's once per step).
+
+    def embed(self, params, tokens_BdxT, par: Parallel = DENSE):
+        """Token plus position embeddings (the first stage's work): Bd x T x D."""
+        T = tokens_BdxT.shape[1]
+        return tp.vocab_parallel_embed(tokens_BdxT, params["embed_VmxD"], par) + params["pos_TxD"][:T]
+
+    def layer(self, blk, x_BdxTxD, par: Parallel = DENSE):
+        """One pre-LN transformer block; `blk` is one layer of the stack (its leaves without
+        the leading L: `w1_LsxDxFm` is D x Fm here)."""
+        a, m = blk["attn"], blk["mlp"]
+        h_BdxTxD = layer_norm(x_BdxTxD, blk["ln1"]["scale_LsxD"], blk["ln1"]["bias_LsxD"])
+        x_BdxTxD = x_BdxTxD + tp.head_parallel_attention(h_BdxTxD, a["wqkv_LsxDx3xHmxK"], a["wo_LsxHmxKxD"],
+                                                         causal_attention, par)
+        h_BdxTxD = layer_norm(x_BdxTxD, blk["ln2"]["scale_LsxD"], blk["ln2"]["bias_LsxD"])
+        h_BdxTxFm = jax.nn.gelu(tp.column_parallel(h_BdxTxD, m["w1_LsxDxFm"], m["b1_LsxFm"], par))
+        return x_BdxTxD + tp.row_parallel(h_BdxTxFm, m["w2_LsxFmxD"], m["b2_LsxD"], par)
+
+    def head(self, params, x_BdxTxD, par: Parallel = DENSE):
+        """Final layer norm and the tied output head (the last stage's work): Bd x T x Vm."""
+        x_BdxTxD = layer_norm(x_BdxTxD, params["ln_f"]["scale_D"], params["ln_f"]["bias_D"])
+        return tp.column_parallel(x_BdxTxD, params["embed_VmxD"].T, None, par)  # tied output head
+
+    def head_loss(self, params, x_BdxTxD, targets_BdxT, par: Parallel = DENSE):
+        """Vocabulary-parallel cross-entropy of the head's logits: the full logits are never gathered."""
+        return tp.vocab_parallel_cross_entropy(self.head(params, x_BdxTxD, par), targets_BdxT, par)
 
     def logits(self, params, tokens_BdxT, par: Parallel = DENSE):
         """This shard's slice of the logits, Bd x T x Vm (all of them when dense)."""
-        T = tokens_BdxT.shape[1]
-        embed_VmxD = par.use(params["embed_VmxD"], "embed_VmxD")
-        x_BdxTxD = tp.vocab_parallel_embed(tokens_BdxT, embed_VmxD, par) + par.use(params["pos_TxD"], "pos_TxD")[:T]
-        for i, blk in enumerate(params["blocks"]):
-            blk = par.use(blk, "blocks", i)
-            h_BdxTxD = layer_norm(x_BdxTxD, blk["ln1"])
-            x_BdxTxD = x_BdxTxD + tp.head_parallel_attention(h_BdxTxD, blk["attn"]["wqkv_Dx3xHmxK"],
-                                                             blk["attn"]["wo_HmxKxD"], causal_attention, par)
-            h_BdxTxD = layer_norm(x_BdxTxD, blk["ln2"])
-            m = blk["mlp"]
-            h_BdxTxFm = jax.nn.gelu(tp.column_parallel(h_BdxTxD, m["w1_DxFm"], m["b1_Fm"], par))
-            x_BdxTxD = x_BdxTxD + tp.row_parallel(h_BdxTxFm, m["w2_FmxD"], m["b2_D"], par)
-        x_BdxTxD = layer_norm(x_BdxTxD, par.use(params["ln_f"], "ln_f"))
-        return tp.column_parallel(x_BdxTxD, embed_VmxD.T, None, par)  # tied output head
+        outer = {k: par.use(v, k) for k, v in params.items() if k != self.LAYERS}
+        x_BdxTxD = self.embed(outer, tokens_BdxT, par)
+        for i in range(self.config.n_layers):  # FSDP gathers one layer at a time, just before use
+            x_BdxTxD = self.layer(par.use_layer(params[self.LAYERS], i, self.LAYERS), x_BdxTxD, par)
+        return self.head(outer, x_BdxTxD, par)
 
     def apply(self, params, tokens_BdxT, par: Parallel = DENSE):
         """The full logits (dense; with a model axis, gathered: for inspection, not training)."""

@@ -148,13 +148,13 @@ def test_fsdp_gather_param(mesh_of, n, dim):
 def test_layout_tables_and_errors(mesh_of):
     gpt = get_model("gpt", seq_len=16, d_model=32, n_layers=1, n_heads=8)
     lay = make_layout(gpt, mesh_of("2x4", 8))
-    blk = lay.specs["blocks"][0]
-    assert blk["attn"]["wqkv_Dx3xHmxK"] == P(None, None, "model", None)
-    assert blk["mlp"]["w2_FmxD"] == P("model", None) and blk["mlp"]["b2_D"] == P(None)
+    blk = lay.specs["blocks"]  # the stacked layers: no stage axis here, so L is not split
+    assert blk["attn"]["wqkv_LsxDx3xHmxK"] == P(None, None, None, "model", None)
+    assert blk["mlp"]["w2_LsxFmxD"] == P(None, "model", None) and blk["mlp"]["b2_LsxD"] == P(None, None)
     fsdp = make_layout(gpt, mesh_of("2x4", 8), fsdp=True)  # the largest free dimension goes to `data`
-    assert fsdp.specs["blocks"][0]["mlp"]["w1_DxFm"] == P("data", "model")
+    assert fsdp.specs["blocks"]["mlp"]["w1_LsxDxFm"] == P(None, "data", "model")  # never the layer axis
     assert fsdp.specs["embed_VmxD"] == P("model", "data") and fsdp.gather_dims["embed_VmxD"] == 1
-    with pytest.raises(ValueError, match=r"wo_HmxKxD .*dimension 0 of size 2 does not split over the 4 devices"):
+    with pytest.raises(ValueError, match=r"wo_LsxHmxKxD .*dimension 1 of size 2 does not split over the 4 devices"):
         make_layout(get_model("gpt", seq_len=16, d_model=32, n_layers=1, n_heads=2), mesh_of("2x4", 8))
 
 
@@ -182,8 +182,8 @@ def test_init_is_the_same_on_every_mesh(mesh_of, gpt):
         params = S.init_params(gpt, make_layout(gpt, mesh_of(spec, 8), fsdp=fsdp), jax.random.key(3))
         jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, params), ref)
     params = S.init_params(gpt, make_layout(gpt, mesh_of("1x8", 8)), jax.random.key(3))
-    w1 = params["blocks"][0]["mlp"]["w1_DxFm"]  # 32 x 512: no device holds it whole
-    assert {s.data.shape for s in w1.addressable_shards} == {(32, 64)}
+    w1 = params["blocks"]["mlp"]["w1_LsxDxFm"]  # 2 x 32 x 512: no device holds it whole
+    assert {s.data.shape for s in w1.addressable_shards} == {(2, 32, 64)}
 
 
 def sync_step(model, layout, opt=S.OptimizerConfig(), batch=8):
@@ -201,7 +201,7 @@ def test_without_tensor_parallelism_parameters_are_replicated(mesh_of, gpt, put)
 
     def losses(mesh):
         step, params, state = sync_step(gpt, make_layout(gpt, mesh, tensor_parallel=False), opt)
-        assert params["blocks"][0]["mlp"]["w1_DxFm"].sharding.is_fully_replicated
+        assert params["blocks"]["mlp"]["w1_LsxDxFm"].sharding.is_fully_replicated
         out = []
         for b in batches:
             params, state, loss = step.train(params, state, put(mesh, b, P(None, "data")))

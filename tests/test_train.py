@@ -141,8 +141,8 @@ def _one_error_line(capsys):
     (["--allreduce", "hierarchical", "--mesh", "8x1"], "needs a node axis"),
     (["--seq-len", "200000"], "use a shorter --seq-len"),
     (["--resume"], "--resume needs --ckpt-dir"),
-    (["--mesh", "1x8", "--n-heads", "4"], "wo_HmxKxD (4, 8, 32): dimension 0 of size 4 does not split over "
-                                          "the 8 devices of mesh axis 'model'"),
+    (["--mesh", "1x8", "--n-heads", "4"], "wo_LsxHmxKxD (1, 4, 8, 32): dimension 1 of size 4 does not split "
+                                          "over the 8 devices of mesh axis 'model'"),
     (["--fsdp", "--allreduce", "tree"], "--fsdp all-gathers and reduce-scatters with the --allreduce algorithm"),
     (["--tp-allreduce", "nccl"], "unknown --tp-allreduce algorithm 'nccl'"),
 ])

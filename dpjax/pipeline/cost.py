@@ -1,0 +1,148 @@
+"""The bubble and the memory of a pipeline, read from compiled programs.
+
+XLA's cost analysis of a compiled program counts the FLOPs one device executes (every
+device runs the same SPMD program). In lockstep a stage's idle slots compute on
+placeholder data (`engine`), so they are executed FLOPs: the bubble is
+
+    1 - useful / executed,
+
+executed: the FLOPs of the pipelined gradient program on S stages, its tick loops
+    unrolled (the cost analysis counts a loop's body once);
+useful: the FLOPs of the same per-device work with no idle slot: the one-stage program
+    over the device's own L/S layers, the same micro-batches (for interleaved, the same
+    V chunks of L/(SV) layers), which has no fill or drain. Like every stage of the
+    S-stage program it embeds and runs the head in each forward slot (masked where they
+    do not belong), so the two differ only in the slots executed.
+
+`plain_flops` sets the one-stage program against the unpipelined model
+(`jax.value_and_grad(model.loss)` on each micro-batch): it must be that work plus the
+re-materialised forward of the layers (and, with V chunks, the ends of the model in
+every chunk's slot), and nothing else: an engine that ran idle work in every program
+alike would pass the bubble check, not this one. Memory: `train_memory` is the
+compiled train step's memory analysis (arguments: parameters, optimizer state, batch;
+temporaries: activations, stash, gradients).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from dpjax.mesh import data_axes, make_mesh
+from dpjax.pipeline import Pipeline, bubble_formula
+
+
+def _placed(layout, model):
+    shapes = jax.eval_shape(lambda k: layout.store(model.init(k)), jax.random.key(0))
+    return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), shapes, layout.shardings())
+
+
+def _batch(mesh, rows: int, seq_len: int, lead=()):
+    spec = P(*[None] * len(lead), data_axes(mesh) or None)
+    return jax.ShapeDtypeStruct((*lead, rows, seq_len + 1), np.int32, sharding=NamedSharding(mesh, spec))
+
+
+def gradient_flops(model, mesh, pipe: Pipeline, rows: int) -> float:
+    """FLOPs of one device's pipeline schedule (its ticks: loss and this stage's gradients)
+    on a global batch of `rows` sequences, ticks unrolled."""
+    from dpjax.pipeline import staged
+    from dpjax.sharding import make_layout
+
+    layout = make_layout(model, mesh, pipeline=dataclasses.replace(pipe, unroll=True))
+    st = staged.for_model(model, layout)
+    par = layout.parallel()
+    # The ticks alone: the shared leaves' allreduce over `stage` after them is no slot's work
+    # (and unrolled, XLA fuses the chain of per-tick sums into each slice of its ring, so
+    # the sums would be counted once a slice). Each device's outputs are its own (P():
+    # only their FLOPs are read).
+    fn = jax.jit(jax.shard_map(lambda p, b: st.schedule(p, b, par), mesh=mesh,
+                               in_specs=(layout.specs, P(data_axes(mesh) or None)), out_specs=P(),
+                               check_vma=False))
+    return float(fn.lower(_placed(layout, model), _batch(mesh, rows, model.config.seq_len)).compile()
+                 .cost_analysis()["flops"])
+
+
+def with_layers(model, n_layers: int):
+    return type(model)(dataclasses.replace(model.config, n_layers=n_layers))
+
+
+def one_stage_mesh():
+    return make_mesh("stage=1", jax.devices()[:1])
+
+
+def measure_bubble(model, stages: int, pipe: Pipeline, rows: int) -> dict:
+    """executed / useful FLOPs of `pipe` on a `stage=S` mesh (S devices, one replica of
+    `rows` sequences) and the bubble they give, beside the papers' formula; and the useful
+    program against the work expected of it (`useful_vs_expected`, 1 when the engine adds
+    nothing else): the unpipelined model's (`plain_flops`, with the re-materialised
+    forward) and, with V chunks, the V - 1 extra passes of the ends a micro-batch
+    (`ends_flops`; `ends_share`: their part of a slot's FLOPs)."""
+    mesh = make_mesh(f"stage={stages}", jax.devices()[:stages])
+    pipe = pipe.resolved(stages)
+    executed = gradient_flops(model, mesh, pipe, rows)
+    one = with_layers(model, model.config.n_layers // stages)
+    useful = gradient_flops(one, one_stage_mesh(), pipe, rows)
+    M, V, b = pipe.microbatches, pipe.virtual_stages, rows // pipe.microbatches
+    ends = ends_flops(one, b)
+    # every chunk slot carries the head and the embedding (masked but in the slots of a
+    # micro-batch's first and last chunk): V - 1 more of them a micro-batch than needed
+    expected = plain_flops(one, M, b) + (V - 1) * M * ends
+    return {"executed": executed, "useful": useful, "bubble": 1 - useful / executed,
+            "formula": bubble_formula(pipe.schedule, stages, M, V), "expected": expected,
+            "useful_vs_expected": useful / expected, "ends_share": ends / (useful / (M * V))}
+
+
+def ends_flops(model, rows: int) -> float:
+    """FLOPs of a slot's work at the ends of the model, which each forward slot runs (masked
+    where it does not belong): the embedding and its VJP, the head's loss and gradient."""
+    T, D = model.config.seq_len, model.config.d_model
+    params = jax.eval_shape(model.init, jax.random.key(0))
+    shared = {k: v for k, v in params.items() if k != model.LAYERS}
+    tokens = jax.ShapeDtypeStruct((rows, T), np.int32)
+    y = jax.ShapeDtypeStruct((rows, T, D), np.float32)
+
+    def ends(sh, tok, y):
+        x, embed_vjp = jax.vjp(lambda s: model.embed(s, tok), sh)
+        head = jax.value_and_grad(lambda s, y: model.head_loss(s, y, tok), (0, 1))(sh, y)
+        return x, embed_vjp(y), head
+
+    return float(jax.jit(ends).lower(shared, tokens, y).compile().cost_analysis()["flops"])
+
+
+def plain_flops(model, microbatches: int, rows: int) -> float:
+    """The unpipelined model's work on `microbatches` micro-batches of `rows` sequences:
+    `jax.value_and_grad(model.loss)` on each, plus one more forward of its layers (a
+    pipeline's backward re-materialises it from the stage's input)."""
+    T = model.config.seq_len
+    params = jax.eval_shape(model.init, jax.random.key(0))
+    micro = jax.ShapeDtypeStruct((rows, T + 1), np.int32)
+    value_and_grad = jax.jit(jax.value_and_grad(model.loss)).lower(params, micro).compile().cost_analysis()["flops"]
+
+    def layers(stack, x_bxTxD):
+        for i in range(model.config.n_layers):
+            x_bxTxD = model.layer(jax.tree.map(lambda w: w[i], stack), x_bxTxD)
+        return x_bxTxD
+
+    x = jax.ShapeDtypeStruct((rows, T, model.config.d_model), np.float32)
+    forward = jax.jit(layers).lower(params[model.LAYERS], x).compile().cost_analysis()["flops"]
+    return microbatches * (value_and_grad + forward)
+
+
+def train_memory(model, mesh, pipe: Pipeline | None, global_batch: int, opt=None):
+    """The compiled train step's memory analysis (per device) for a sync step with
+    AdamW (default), one backward pass."""
+    from dpjax import step as S
+    from dpjax.sharding import make_layout
+
+    layout = make_layout(model, mesh, pipeline=pipe)
+    step = S.for_model(model, layout, global_batch=global_batch, opt=opt or S.OptimizerConfig(), donate=False)
+    params, state = jax.eval_shape(step.init, _placed(layout, model))
+    return step.train.lower(params, state, _batch(mesh, global_batch, model.config.seq_len, (1,))).compile() \
+        .memory_analysis()
+
+
+__all__ = ["ends_flops", "gradient_flops", "measure_bubble", "plain_flops", "train_memory"]

@@ -1,0 +1,103 @@
+"""A model cut into stages for `dpjax.step.build`: the pipelined loss and gradient.
+
+`for_model(model, layout)` gives the two functions the step builder takes in place of
+`model.loss` and `jax.value_and_grad(model.loss)` when the layout has a stage axis. Per
+device, inside the step's shard_map:
+
+    FSDP: the stage's parameters all-gathered over the data axes once per step (not once
+          per micro-batch); the gather's VJP reduce-scatters the summed gradient at the end
+    the replica's batch, Bd x T+1, cut into M micro-batches of Bd/M rows
+    engine.run(timetable, ...)      the schedule: loss and this stage's gradients
+    the gradient of the shared leaves (embedding, final norm) summed over `stage`: the
+    embedding's from the first stage plus the tied head's from the last
+
+Everything else (the average over the data axes, the update rule, clipping with a norm
+summed over every axis that splits a leaf, `stage` included) is the step builder's, as
+for any layout.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, NamedTuple
+
+import jax
+
+from dpjax import collectives, fusion
+from dpjax.mesh import STAGE
+from dpjax.pipeline import engine, timetable
+
+
+class Staged(NamedTuple):
+    loss: Callable  # (params, batch_BdxT1, par) -> mean loss over the replica's batch
+    value_and_grad: Callable  # (params, batch_BdxT1, par) -> (loss, gradients like params)
+    schedule: Callable  # (params, batch_BdxT1, par) -> engine.run's (loss, d_shared, d_chunks): the ticks alone
+    timetable: object
+
+
+def _stage_algorithm(algorithm: str) -> str:
+    # hierarchical needs two axes; `stage` is one
+    return "ring" if algorithm == "hierarchical" else algorithm
+
+
+def for_model(model, layout, algorithm: str = "ring") -> Staged:
+    """The pipelined loss and gradient of `model` (its `LAYERS` stack split over `stage`,
+    `embed`, `layer` and `head_loss` pieces) on `layout` (which carries the `Pipeline`);
+    `algorithm`: dpjax's allreduce for the shared leaves' gradient over `stage`."""
+    pipe, S = layout.pipeline, layout.mesh.shape[STAGE]
+    tt = timetable(pipe, S)
+    M, V, key = tt.microbatches, tt.chunks, model.LAYERS
+    algorithm = _stage_algorithm(algorithm)
+
+    def chunk_fn(par):
+        def chunk(chunk_Lc, x_bxTxD):
+            for j in range(jax.tree.leaves(chunk_Lc)[0].shape[0]):
+                x_bxTxD = model.layer(jax.tree.map(lambda w: w[j], chunk_Lc), x_bxTxD, par)
+            return x_bxTxD
+        return chunk
+
+    def prepare(params, batch_BdxT1, par):
+        """(pieces, shared, chunks_VxLc, micro-batches, the FSDP gather's VJP or None)."""
+        B, T1 = batch_BdxT1.shape
+        assert B % M == 0, f"{M} micro-batches do not divide the replica's {B} rows (dpjax.pipeline.check_batch)"
+        unshard = None
+        if par.gather_dims is not None:
+            params, unshard = jax.vjp(par.use, params)
+        dense = dataclasses.replace(par, gather_dims=None)  # gathered already: the pieces use them as they are
+        stack_Ls = params[key]
+        # V = 1: the stage's L/S layers are its one chunk; V > 1: stored V x L/(SV) already
+        chunks_VxLc = jax.tree.map(lambda w: w[None] if V == 1 else w, stack_Ls)
+        n = jax.tree.leaves(chunks_VxLc)[0].shape[1]
+        assert all(w.shape[:2] == (V, n) for w in jax.tree.leaves(chunks_VxLc)), jax.tree.map(jax.numpy.shape,
+                                                                                             chunks_VxLc)
+        shared = {k: v for k, v in params.items() if k != key}
+        pieces = engine.Pieces(embed=lambda sh, tok: model.embed(sh, tok, dense), chunk=chunk_fn(dense),
+                               loss=lambda sh, y, tgt: model.head_loss(sh, y, tgt, dense))
+        return pieces, shared, chunks_VxLc, batch_BdxT1.reshape(M, B // M, T1), unshard
+
+    def loss(params, batch_BdxT1, par):
+        pieces, shared, chunks_VxLc, batch_MxbxT1, _ = prepare(params, batch_BdxT1, par)
+        return engine.run(tt, pieces, shared, chunks_VxLc, batch_MxbxT1, axis=STAGE, grad=False, unroll=pipe.unroll)
+
+    def schedule(params, batch_BdxT1, par):
+        pieces, shared, chunks_VxLc, batch_MxbxT1, _ = prepare(params, batch_BdxT1, par)
+        return engine.run(tt, pieces, shared, chunks_VxLc, batch_MxbxT1, axis=STAGE, unroll=pipe.unroll)
+
+    def value_and_grad(params, batch_BdxT1, par):
+        pieces, shared, chunks_VxLc, batch_MxbxT1, unshard = prepare(params, batch_BdxT1, par)
+        loss, d_shared, d_chunks = engine.run(tt, pieces, shared, chunks_VxLc, batch_MxbxT1, axis=STAGE,
+                                              unroll=pipe.unroll)
+        grads = {**d_shared, key: jax.tree.map(lambda g: g[0] if V == 1 else g, d_chunks)}
+        if unshard is not None:
+            (grads,) = unshard(grads)
+        # The shared leaves' gradient lives on the stages that used them (embedding: first;
+        # tied head, final norm: last): summed over the stage axis, each stage ends with it
+        # whole. One fused buffer, one allreduce: XLA:CPU's runtime can mix up independent
+        # collective-permutes over the same devices running at once (a rendezvous check
+        # fails, seen with a ring per leaf on a 4-of-8-device mesh).
+        shared = {k: g for k, g in grads.items() if k != key}
+        plan = fusion.plan_buckets(shared, float("inf"))
+        summed = [collectives.allreduce(buf, STAGE, algorithm=algorithm, op="sum") for buf in fusion.pack(plan, shared)]
+        return loss, {**fusion.unpack(plan, summed), key: grads[key]}
+
+    return Staged(loss, value_and_grad, schedule, tt)
