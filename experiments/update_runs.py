@@ -27,7 +27,7 @@ from dpjax.models import get_model  # noqa: E402
 from dpjax.optim import OptimizerConfig  # noqa: E402
 from dpjax.sharding import make_layout  # noqa: E402
 
-DATE = "2026-11-22"
+DATE = time.strftime("%Y-%m-%d")
 MACHINE = "2-core CPU VM, 8 simulated devices (XLA host platform), jax 0.10.2"
 
 
@@ -73,13 +73,15 @@ class Bench:
                    else parse_axes(self.workers, self.mesh))
         return make_layout(self.model, self.mesh, tensor_parallel=False, workers=workers)
 
-    def step(self, spec: str):
+    def step(self, spec: str, links=(), donate: bool = True):
+        """(layout, TrainStep) of the rule `spec`; links: emulated slow links (dpjax.links)."""
         layout = self.layout(spec)
         exchange = S.Exchange(self.algorithm)
         inner = self.inner or self.opt.make(self.batch_size, layout.specs)
         rule = U.make_rule(spec, inner, layout.workers, seed=self.seed, **exchange.kwargs())
         abstract = jax.eval_shape(self.model.init, jax.random.key(0))
-        return layout, S.build(self.model.loss, layout, rule, abstract_params=abstract, exchange=exchange)
+        return layout, S.build(self.model.loss, layout, rule, abstract_params=abstract, exchange=exchange,
+                               links=links, donate=donate)
 
     def run(self, spec: str, verbose: bool = True) -> Run:
         t0 = time.perf_counter()

@@ -1,118 +1,183 @@
-"""Training across a WAN, simulated: loss against wall-clock for sync, delayed and sparse.
+"""Training across a WAN, measured: real runs over emulated links, beside the alpha-beta prediction.
 
     python experiments/wan.py --plot experiments/plots/wan.png
 
-A SIMULATION from measured compute plus the alpha-beta model, not a measurement on
-a WAN. The losses are real (8 simulated workers train the byte-level MLP on the
-default corpus, one run per rule); the wall-clock is modelled per step from
+Eight simulated devices as two sites of four (mesh 2x4x1: node x data) train the
+byte-level MLP on the default corpus. The link between the sites (the `node` axis) is
+emulated by `dpjax.links` (`dpjax.train --link node=183ms,23mbit`): every collective
+that crosses it waits, inside the running program, for the latency and the bytes of
+its steps that cross; everything else (the computation, the collectives on this
+machine, the loop) is real, and the values are exactly those of the run without
+links. The variants:
 
-    compute  the measured median time of one worker's step alone (its slice of the
-             batch on one device: loss, gradient, optimizer; no communication);
-    comm     `dpjax.collectives.cost.schedule(algorithm, 8, parameters).time(link)`:
-             the allreduce of the gradient (or of the parameters, for sparse),
-             latency * steps + bytes sent by the busiest worker / bandwidth.
+    sync, hierarchical   the gradient average every step; inside each site first, only
+                         1/4 of it crosses (2 ring steps over the 2 sites)
+    sync, flat ring      the same average as one ring over all 8 devices: its 14 steps
+                         all cross (the ring passes the site boundary at every step)
+    delayed:4, flat      DTAW between all 8 devices (ring over 8, 4 steps to arrive)
+    delayed:4 / sparse:P / DiLoCo, sites
+                         the rule between the 2 sites (`--workers node`), synchronous
+                         data parallelism inside each site
 
-Per step:
-    sync         compute + comm                      (no overlap)
+The time to the target loss (the hierarchical sync's final validation loss + 1%) is
+the wall-clock of the training steps up to the evaluation that reaches it
+(evaluations are done on the side, outside the emulation). A run that would take
+longer than --budget seconds is timed over its first --cap steps and extrapolated
+(marked ~). The prediction beside it: the measured compute of a step without links
+plus the alpha-beta time of what crosses the link (`cost.schedule`), per step
+    sync         compute + comm
     delayed:T    max(compute, comm / T, bytes / bandwidth)
-                 (the allreduce of step i is issued at step i and needed at step
-                 i+T; T of them are in flight at once, sharing the bandwidth)
-    sparse:P     compute + comm / P                  (one exchange every P steps)
-
-The links are the ones "Distributed Training Across the World" (Zhu et al.) quotes
-for long-haul connections (latency / bandwidth), plus a datacenter link for scale;
-the 140 ms link's bandwidth is not given there and is assumed (marked *).
+    sparse:P     compute + comm / P
+The links are those "Distributed Training Across the World" (Zhu et al.) quotes, and
+a datacenter link for scale.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
+import time
+
+import jax
+import numpy as np
 
 from update_runs import DATE, MACHINE, Bench, plot
 
+from dpjax import step as S
 from dpjax.collectives.cost import Link, schedule
+from dpjax.links import AxisLink
 
 LINKS = {  # name -> (ms, Mbps)
     "datacenter 0.01 ms / 10 Gbps": (0.01, 10_000),
     "35 ms / 63 Mbps": (35, 63),
-    "140 ms / 40 Mbps*": (140, 40),
     "183 ms / 23 Mbps": (183, 23),
     "277 ms / 13 Mbps": (277, 13),
 }
-DEFAULT_RULES = ["sync", "delayed:4", "delayed:16", "sparse:8", "sparse:32", "sparse:32,outer=0.7"]
+# label -> (rule, --workers, allreduce)
+VARIANTS = {
+    "sync, hierarchical": ("sync", None, "hierarchical"),
+    "sync, flat ring": ("sync", None, "ring"),
+    "delayed:4, flat": ("delayed:4", None, "ring"),
+    "delayed:4, sites": ("delayed:4", "node", "ring"),
+    "sparse:8, sites": ("sparse:8", "node", "ring"),
+    "sparse:32, sites": ("sparse:32", "node", "ring"),
+    "DiLoCo sparse:32,outer=0.7, sites": ("sparse:32,outer=0.7", "node", "ring"),
+}
 
 
-def step_seconds(spec: str, compute: float, comm: float, bw_part: float) -> float:
-    kind, _, rest = spec.partition(":")
-    n = int(rest.split(",")[0]) if rest else 0
-    if kind == "sync" or n == 0 or (kind == "sparse" and n == 1):
-        return compute + comm
-    if kind.startswith("delayed"):
-        return max(compute, comm / n, bw_part)
+def predict(label, nelems, compute, link: Link) -> float:
+    """Seconds per step from the alpha-beta model of what crosses the node link."""
+    rule, workers, algorithm = VARIANTS[label]
+    if algorithm == "hierarchical":  # only the outer phase, over the 2 sites, crosses
+        s = schedule("hierarchical", 4, nelems, groups=2)
+        steps, nbytes = s.outer_steps, s.outer_bytes
+    elif workers == "node":  # inside a site first; the rule's ring over the 2 sites crosses
+        s = schedule("ring", 2, nelems)
+        steps, nbytes = s.steps, s.bytes
+    else:  # a ring over all 8: every step crosses
+        s = schedule("ring", 8, nelems)
+        steps, nbytes = s.steps, s.bytes
+    comm, wire = steps * link.latency + nbytes / link.bandwidth, nbytes / link.bandwidth
+    kind, _, n = rule.partition(":")
+    n = int(n.split(",")[0]) if n else 0
+    if kind == "delayed":
+        return max(compute, comm / n, wire)
     if kind == "sparse":
         return compute + comm / n
-    raise ValueError(f"no time model for {spec!r}")
+    return compute + comm
+
+
+def timed_run(bench, label, links, steps):
+    """Per-step wall-clock seconds of `steps` training steps (each awaited), compiled first."""
+    rule = VARIANTS[label][0]
+    layout, step = bench.step(rule, links=links, donate=False)
+    params, state = step.init(S.init_params(bench.model, layout, jax.random.key(bench.seed)))
+    jax.block_until_ready(step.train(params, state, bench.train[0]))  # compile (and a throw-away step)
+    times = []
+    for batch in bench.train[:steps]:
+        t = time.perf_counter()
+        params, state, loss = step.train(params, state, batch)
+        float(loss)
+        times.append(time.perf_counter() - t)
+    return times
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--steps", type=int, default=300)
-    p.add_argument("--rules", nargs="+", default=DEFAULT_RULES)
-    p.add_argument("--algorithm", default="ring", help="allreduce whose schedule the links carry")
+    p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS), metavar="VARIANT")
+    p.add_argument("--links", nargs="+", default=list(LINKS), choices=list(LINKS), metavar="LINK")
     p.add_argument("--lr", type=float, default=0.2)
-    p.add_argument("--optimizer", default="momentum")
-    p.add_argument("--target", type=float, help="target validation loss (default: sync's final loss + 1%%)")
-    p.add_argument("--quick", action="store_true", help="80 steps, sync / delayed:4 / sparse:8")
-    p.add_argument("--plot", default="experiments/plots/wan.png", help="loss against simulated time, one link")
+    p.add_argument("--budget", type=float, default=240.0, help="seconds a timed run may take before it is cut")
+    p.add_argument("--cap", type=int, default=24, help="steps timed when a run is cut (then extrapolated)")
+    p.add_argument("--quick", action="store_true", help="60 steps; sync, hierarchical / delayed:4, sites / "
+                                                         "sparse:8, sites; the 183 ms link")
+    p.add_argument("--plot", default="experiments/plots/wan.png", help="loss against measured time, one link")
     p.add_argument("--plot-link", default="183 ms / 23 Mbps")
     p.add_argument("--json")
     args = p.parse_args(argv)
     if args.quick:
-        args.steps, args.rules = 80, ["sync", "delayed:4", "sparse:8"]
+        args.steps, args.links = 60, ["183 ms / 23 Mbps"]
+        args.variants = ["sync, hierarchical", "delayed:4, sites", "sparse:8, sites"]
 
-    bench = Bench(optimizer=args.optimizer, lr=args.lr, steps=args.steps, eval_every=10, algorithm=args.algorithm)
-    runs = {spec: bench.run(spec) for spec in args.rules}
-    compute = min(bench.compute_seconds(reps=30) for _ in range(3))  # the median, taken 3 times: the quietest
-    nelems = bench.gradient_elements()
-    sched = schedule(args.algorithm, 8, nelems, 4)
-    target = args.target or round(runs.get("sync", next(iter(runs.values()))).final_eval * 1.01, 4)
+    benches, curves, compute = {}, {}, {}
+    for label in args.variants:  # the losses, and the compute of a step, without links
+        rule, workers, algorithm = VARIANTS[label]
+        bench = Bench(mesh="2x4x1", optimizer="momentum", lr=args.lr, steps=args.steps, eval_every=10,
+                      algorithm=algorithm, workers=workers)
+        benches[label] = bench
+        curves[label] = bench.run(rule, verbose=False)
+        compute[label] = statistics.median(timed_run(bench, label, (), 30)[5:])
+        print(f"  {label:36s} final eval {curves[label].final_eval:.4f}, compute {1e3 * compute[label]:.1f} ms/step",
+              flush=True)
+    nelems = next(iter(benches.values())).gradient_elements()
+    base = "sync, hierarchical" if "sync, hierarchical" in curves else args.variants[0]
+    target = round(curves[base].final_eval * 1.01, 4)
+    steps_to = {label: curves[label].steps_to(target) for label in args.variants}
 
-    print(f"\nSIMULATION (measured compute + alpha-beta model). {MACHINE}; {DATE}; mlp, {nelems:,} "
-          f"parameters ({4 * nelems / 2**20:.2f} MiB float32), {args.algorithm} allreduce over 8 workers: "
-          f"{sched.steps} steps, {sched.bytes:,} bytes sent by the busiest worker; compute {1e3 * compute:.2f} "
-          f"ms/step (median of 30, one worker alone); target validation loss {target}\n")
-    steps_to = {spec: r.steps_to(target) for spec, r in runs.items()}
-    print("| rule | final loss | steps to target |\n|---|---|---|")
-    for spec, r in runs.items():
-        print(f"| {spec} | {r.final_eval:.4f} | {steps_to[spec] or 'not reached'} |")
-    print("\nSimulated time to the target loss (s; per-step ms in brackets):\n")
-    print("| link | " + " | ".join(args.rules) + " |\n|---|" + "---|" * len(args.rules))
-    per_link = {}
-    for name, (ms, mbps) in LINKS.items():
+    rows, results = [], {}
+    for name in args.links:
+        ms, mbps = LINKS[name]
         link = Link.from_ms_mbps(ms, mbps)
-        comm, bw = sched.time(link), sched.bytes / link.bandwidth
-        cells = []
-        for spec in args.rules:
-            t = step_seconds(spec, compute, comm, bw)
-            s = steps_to[spec]
-            per_link.setdefault(name, {})[spec] = {"step_s": t, "to_target_s": None if s is None else s * t}
-            cells.append(("not reached" if s is None else f"{s * t:,.1f}") + f" ({1e3 * t:,.1f})")
-        print(f"| {name} | " + " | ".join(cells) + " |")
+        axis_link = (AxisLink("node", link.latency, link.bandwidth),)
+        for label in args.variants:
+            s = steps_to[label]
+            predicted = predict(label, nelems, compute[label], link)
+            n = s or args.steps
+            cut = predicted * n > args.budget
+            times = timed_run(benches[label], label, axis_link, min(n, args.cap) if cut else n)
+            per_step = sum(times) / len(times)
+            to_target = None if s is None else (per_step * s if cut else sum(times[:s]))
+            results.setdefault(name, {})[label] = {"predicted_s": predicted, "measured_s": per_step, "cut": cut,
+                                                   "timed_steps": len(times), "to_target_s": to_target}
+            rows.append((name, label, predicted, per_step, cut, to_target, s))
+            print(f"  {name:28s} {label:36s} predicted {predicted:.3f} s/step, measured {per_step:.3f} s/step "
+                  f"({len(times)} steps{', cut' if cut else ''})", flush=True)
+
+    print(f"\nMEASURED over emulated links (dpjax.links: the wire emulated, the rest real). {MACHINE}; {DATE}; "
+          f"mlp, {nelems:,} parameters, mesh 2x4x1 (2 sites of 4), batch 64, momentum lr {args.lr}; target "
+          f"validation loss {target} (sync, hierarchical's final {curves[base].final_eval:.4f} + 1%)\n")
+    print("| variant | final loss | steps to target | compute ms/step |\n|---|---|---|---|")
+    for label in args.variants:
+        print(f"| {label} | {curves[label].final_eval:.4f} | {steps_to[label] or 'not reached'} | "
+              f"{1e3 * compute[label]:.1f} |")
+    print("\n| link | variant | predicted s/step | measured s/step | measured / predicted | time to target (s) |")
+    print("|---|---|---:|---:|---:|---:|")
+    for name, label, predicted, per_step, cut, to_target, s in rows:
+        tt = "not reached" if to_target is None else f"{'~' if cut else ''}{to_target:,.1f}"
+        print(f"| {name} | {label} | {predicted:.3f} | {per_step:.3f} | {per_step / predicted:.2f} | {tt} |")
     if args.json:
         with open(args.json, "w") as fh:
-            json.dump({"args": vars(args), "compute_s": compute, "target": target, "links": per_link,
-                       "evals": {s: r.evals for s, r in runs.items()}}, fh)
-    ms, mbps = LINKS[args.plot_link]
-    link = Link.from_ms_mbps(ms, mbps)
-    series = []
-    for spec, r in runs.items():
-        t = step_seconds(spec, compute, sched.time(link), sched.bytes / link.bandwidth)
-        series.append((spec, [s * t for s, _ in r.evals], [v for _, v in r.evals]))
-    plot(args.plot, series, f"simulated wall-clock (s) on a {args.plot_link} link",
-         "validation loss", "SIMULATION: measured compute + alpha-beta model (8 workers)", logx=True)
+            json.dump({"args": vars(args), "target": target, "compute_s": compute, "results": results,
+                       "evals": {k: v.evals for k, v in curves.items()}}, fh)
+    if args.plot_link in results:
+        series = [(label, [s * results[args.plot_link][label]["measured_s"] for s, _ in curves[label].evals],
+                   [v for _, v in curves[label].evals]) for label in args.variants]
+        plot(args.plot, series, f"measured wall-clock (s) over an emulated {args.plot_link} link",
+             "validation loss", "Across 2 sites of 4 devices (dpjax.links)", logx=True)
     return 0
 
 
