@@ -26,7 +26,7 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from dpjax import collectives
+from dpjax import collectives, scopes
 from dpjax.collectives._common import axis_size
 from dpjax.collectives.grouped import COMPRESSIONS  # noqa: F401  (the names --compression takes)
 from dpjax.fusion import pack, plan_buckets, unpack
@@ -55,9 +55,10 @@ def allreduce_gradients(grads, axis_name="data", *, algorithm: str = "ring", fus
     if op == "adasum" and f != 1.0:
         raise ValueError("gradient_predivide_factor applies to op='mean' or 'sum', not to Adasum")
     post = f if op == "mean" else 1.0  # sum: prescale 1/f, and the sum itself is what is asked for
-    return collectives.grouped_allreduce(grads, axis_name, op=op, fusion_mb=fusion_mb, compression=compression,
-                                         algorithm=algorithm, prescale_factor=1 / f if op == "mean" else 1.0,
-                                         postscale_factor=post, **options)
+    with scopes.phase("exchange"):  # every rule's exchange passes here (dpjax.scopes, dpjax.timeline)
+        return collectives.grouped_allreduce(grads, axis_name, op=op, fusion_mb=fusion_mb, compression=compression,
+                                             algorithm=algorithm, prescale_factor=1 / f if op == "mean" else 1.0,
+                                             postscale_factor=post, **options)
 
 
 class DistributedState(NamedTuple):

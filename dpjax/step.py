@@ -42,6 +42,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from dpjax import links as emulation
+from dpjax import scopes
 from dpjax.data_parallel import COMPRESSIONS, allreduce_gradients, broadcast_params
 from dpjax.mesh import data_axes
 from dpjax.optim import OptimizerConfig
@@ -130,7 +131,11 @@ def build(loss_fn, layout: Layout, rule: UpdateRule, *, abstract_params, passes:
         inner_mean = functools.partial(allreduce_gradients, axis_name=axis_arg(inner), **exchange.kwargs())
     else:  # FSDP's reduce-scatter in the backward pass already averaged over the inner axes
         inner_mean = lambda g: g  # noqa: E731
-    value_and_grad = jax.value_and_grad(lambda p, b: loss_fn(p, b, par))
+    loss_and_grad = jax.value_and_grad(lambda p, b: loss_fn(p, b, par))
+
+    def value_and_grad(p, b):
+        with scopes.phase("forward_backward"):  # names only (dpjax.scopes): the program is the same
+            return loss_and_grad(p, b)
 
     def grad_fn(params, batch_KxBdxT1):
         """The worker's loss and gradient: K micro-batches accumulated, then averaged
@@ -178,8 +183,11 @@ def build(loss_fn, layout: Layout, rule: UpdateRule, *, abstract_params, passes:
         return wrap(params), wrap(rule.init(params))
 
     def train_body(params, state, batch_KxBdxT1):
-        params, state, loss = rule.step(grad_fn, unwrap(params), unwrap(state), batch_KxBdxT1)
-        return wrap(params), wrap(state), lax.pmean(loss, axes)
+        with scopes.phase("optimizer"):  # the rule's own work; grad_fn's phases name themselves inside
+            params, state, loss = rule.step(grad_fn, unwrap(params), unwrap(state), batch_KxBdxT1)
+        with scopes.phase("loss"):
+            loss = lax.pmean(loss, axes)
+        return wrap(params), wrap(state), loss
 
     def eval_body(params, batch_BdxT1):
         return lax.pmean(loss_fn(rule.consensus(unwrap(params)), batch_BdxT1, par), axes)
