@@ -8,11 +8,15 @@ program's metadata and reads these names back:
 
     dpjax:phase(forward_backward)                   a phase of the step (PHASES)
     dpjax:bucket(index=0,of=2,tensors=12,bytes=N)   one tensor-fusion bucket of a grouped collective
-    dpjax:allreduce(algorithm=ring,axis=data,n=8,bytes=S)
+    dpjax:allreduce(algorithm=ring,axis=data,n=8,bytes=S,call=k)
                                                     one call of a public collective (COLLECTIVES);
                                                     S is nccl-tests' size: the whole buffer
                                                     (allreduce, broadcast, reduce_scatter's input,
-                                                    all_gather's output, all_to_all's input)
+                                                    all_gather's output, all_to_all's input); k
+                                                    numbers the calls of one traced step
+                                                    (`numbered_calls`), so that two calls with the
+                                                    same arguments stay apart even when XLA
+                                                    interleaves their steps
     dpjax:step(index=3,bytes=B)                     the 3rd point-to-point step (one ppermute, B
                                                     bytes from each sender) of the enclosing call
 
@@ -38,6 +42,7 @@ _TOKEN = re.compile(r"dpjax:(\w+)(?:\(([^()]*)\))?")
 # named by its place in the schedule. A context variable (not module state): set for
 # the duration of one public call's tracing and restored after it.
 _STEPS: contextvars.ContextVar[list | None] = contextvars.ContextVar("dpjax_p2p_steps", default=None)
+_CALLS: contextvars.ContextVar[list | None] = contextvars.ContextVar("dpjax_calls", default=None)
 
 
 def name(kind: str, label: str | None = None, **args) -> str:
@@ -67,9 +72,24 @@ def phase(which: str):
 
 
 @contextlib.contextmanager
+def numbered_calls():
+    """While a step is traced inside (`dpjax.step.build` does), its public collective
+    calls are numbered 1, 2, ... in their names."""
+    token = _CALLS.set([0])
+    try:
+        yield
+    finally:
+        _CALLS.reset(token)
+
+
+@contextlib.contextmanager
 def collective(kind: str, **args):
     """The named scope of one public collective call; the point-to-point steps traced
     inside are numbered from 1 (`p2p_step`)."""
+    calls = _CALLS.get()
+    if calls is not None:
+        calls[0] += 1
+        args = {**args, "call": calls[0]}
     token = _STEPS.set([0])
     try:
         with scope(kind, **args):

@@ -171,6 +171,7 @@ def build(loss_fn, layout: Layout, rule: UpdateRule, *, abstract_params, passes:
     def smap(fn, in_specs, out_specs):
         if emulator is not None:  # collectives traced inside time themselves on the links
             fn = _traced_under(emulator, fn)
+        fn = _numbered(fn)
         return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
 
     # Parameters are replicated over the data axes FSDP does not split: Horovod's
@@ -212,6 +213,16 @@ def _traced_under(emulator, fn):
     @functools.wraps(fn)
     def traced(*args):
         with emulator.active():
+            return fn(*args)
+    return traced
+
+
+def _numbered(fn):
+    """fn traced with its collective calls numbered in their names (`dpjax.scopes`), so
+    that a timeline tells apart calls XLA interleaves. Names only: the program is the same."""
+    @functools.wraps(fn)
+    def traced(*args):
+        with scopes.numbered_calls():
             return fn(*args)
     return traced
 

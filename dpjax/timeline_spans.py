@@ -9,11 +9,13 @@ between two times"; it is the set of ops that carry its name:
     phase          consecutive ops of one phase (the innermost `dpjax:phase`; "other"
                    when none), each span ending where the next begins
     call           ops named by one collective call (the path down to its innermost
-                   `dpjax:<collective>`; an XLA collective outside any is its own call).
-                   Calls with the same name (every layer's tensor-parallel allreduce) are
-                   told apart by their point-to-point steps: a step index that does not
-                   grow starts the next call; an op between steps (an add, a slice)
-                   belongs to the call whose steps are nearest in time
+                   `dpjax:<collective>`, whose `call=k` numbers the calls of a step built
+                   by `dpjax.step`; its autodiff transpose, run in the backward pass, is
+                   a call of its own; an XLA collective outside any is its own call).
+                   Executions of one name (a call inside a scan, or unnumbered calls of
+                   research code) are told apart by their point-to-point steps: a step
+                   index the call has made already starts the next one; an op between
+                   steps (an add, a slice) belongs to the call whose steps are nearest
     step           the ops of one `dpjax:step(index=k)` inside a call (a ring step: its
                    ppermute, with the rendezvous inside it)
 """
@@ -57,7 +59,9 @@ def call_key(op):
     """The name path that identifies the collective call an op belongs to, or None."""
     last = max((i for i, (k, _) in enumerate(op.path) if k in scopes.COLLECTIVES), default=None)
     if last is not None:
-        return tuple((k, tuple(sorted(a.items()))) for k, a in op.path[:last + 1])
+        key = tuple((k, tuple(sorted(a.items()))) for k, a in op.path[:last + 1])
+        # autodiff's transpose of a call carries the call's name: it is the call's backward
+        return key + ((("pass", (("name", "backward"),)),) if "transpose(" in op.op_name else ())
     if op.comm:  # an XLA collective that no dpjax call names (e.g. a psum in the model)
         return tuple((k, tuple(sorted(a.items()))) for k, a in op.path) + (
             ("xla", (("hlo", op.hlo), ("opcode", op.opcode))),)
@@ -71,7 +75,9 @@ def step_index(op):
 
 def split_calls(ops) -> list[list]:
     """The calls among ops that share one call key (see the module docstring)."""
-    anchors = [op for op in ops if step_index(op) is not None or is_collective(op.opcode)]
+    # anchors: the ops that move data (a step's ppermute; XLA's own collective); the
+    # others (adds, slices, a transpose's accumulations) go to the nearest call
+    anchors = [op for op in ops if is_collective(op.opcode)]
     if not anchors:
         return [list(ops)]
     calls: list[dict] = []
@@ -79,8 +85,8 @@ def split_calls(ops) -> list[list]:
         idx, cur = step_index(op), calls[-1] if calls else None
         if cur is None:
             new = True
-        elif idx is not None:
-            new = cur["max"] is not None and (idx < cur["max"] or (idx == cur["max"] and idx in cur["seen"]))
+        elif idx is not None:  # a step the call has made already: the next call (or execution)
+            new = idx in cur["seen"]
         else:  # an unnumbered collective (XLA's): one per call unless numbered steps are around it
             new = cur["max"] is None and cur["bare"]
         if new:
@@ -167,17 +173,20 @@ def collective_spans(ops, pid: int, step, t0: float, span) -> list[dict]:
     out = []
     for lane, (s, e, (key, cops)) in lanes(sorted(calls, key=lambda t: (t[0], -t[1])), nest=False):
         tid = 1 + lane
-        kind, args = key[-1][0], dict(key[-1][1])
         names = dict((k, dict(a)) for k, a in key)
+        backward = "pass" in names
+        kind, args = key[-1 - backward][0], dict(key[-1 - backward][1])
         bucket = names.get("bucket", {})
         phase = [dict(a).get("name") for k, a in key if k == "phase"]
         title = (f"{kind} {args.get('algorithm', '')} {args.get('axis', '')}".strip() if kind != "xla"
                  else f"{args['opcode']} {args['hlo']} (XLA)")
         if bucket:
             title += f", bucket {bucket['index'] + 1}/{bucket['of']}"
+        if backward:
+            title += " (backward)"
         steps = defaultdict(list)
         for op in cops:
-            if step_index(op) is not None:
+            if step_index(op) is not None and is_collective(op.opcode):
                 steps[step_index(op)].append(op)
         out.append(span(title, pid, tid, s, e, t0, type="collective", step=step, collective=kind,
                         algorithm=args.get("algorithm", "xla"), axis=str(args.get("axis", "")),

@@ -184,6 +184,50 @@ def test_named_scopes_change_no_op(profiled, monkeypatch):
     assert opcodes(bare) == opcodes(profiled.text)
 
 
+def test_calls_with_the_same_arguments_stay_apart(mesh_of):
+    """Two allreduces of one shape, independent (XLA may interleave their steps), and
+    their transposes in the backward pass: four calls of a full ring each, per device."""
+    import jax.numpy as jnp
+    import optax
+
+    from dpjax import collectives as C
+    from dpjax.updates import make_rule
+
+    def loss_fn(params, batch):
+        x = batch.astype(jnp.float32)
+        a = C.allreduce(x[:, :8] * params["w"], "data")
+        b = C.allreduce(x[:, 8:16] * params["w"], "data")
+        return jnp.mean(a * b)
+
+    mesh = mesh_of("8x1", 8)
+    params = {"w": jnp.ones(8)}
+    st = S.make_update_step(loss_fn, make_rule("sync", optax.sgd(0.1), "data"), mesh, params)
+    params, state = st.init(jax.device_put(params, NamedSharding(mesh, P())))
+    batch = S.put_batch(make_streams("synthetic", 16, 0)[0], 0, 16, mesh, passes=1)
+    params, state, _ = st.train(params, state, batch)
+    rec = timeline.Recorder()
+    rec.program(st.train, params, state, batch)
+    with rec.profile():
+        with rec.step(0):
+            params, state, _ = st.train(params, state, batch)
+            jax.block_until_ready((params, state))
+    calls = Counter()
+    for e in build_events(rec):
+        a = e["args"]
+        if a.get("type") == "collective" and a["bucket"] is None and a["collective"] == "allreduce":
+            assert a["p2p_steps"] == schedule("ring", 8, 16).steps == 14, e
+            calls[(e["pid"], e["name"])] += 1
+    assert calls == Counter({(d + 1, name): 2 for d in range(8)
+                             for name in ("allreduce ring data", "allreduce ring data (backward)")})
+
+
+def build_events(rec):
+    from dpjax.timeline_build import build
+
+    data = build(rec.raw_events(), list(rec.programs.values()), main=rec.main)
+    return [e for e in data["traceEvents"] if e["ph"] == "X"]
+
+
 def test_cli_prints_the_summary_and_draws_it(profiled, capsys, tmp_path):
     assert summary_main([profiled.path]) == 0
     out = capsys.readouterr().out
