@@ -9,13 +9,16 @@ dpjax's knobs are discrete: the allreduce algorithm, and a fusion cap, of which 
 caps that change the bucket plan matter (every cap between two plans' thresholds compiles
 the same program: `fusion_caps` keeps one per plan). So the search is successive halving
 (Karnin, Koren & Somekh 2013; Jamieson & Talwalkar 2016) over that short list: every
-candidate runs `per_round` real training steps, interleaved round-robin (the starting
-candidate rotating) so that the load of a shared machine hits all alike; the slower half
-by median step time is dropped; repeat until one is left, which takes
-ceil(log2 k) rounds: it converges by construction. The score is the step time, not
-bytes per second: candidates move different bytes (the parameter server sends four
-times the ring's), and the step is what the user waits for. Each candidate's first
-step compiles it and is not timed. With both knobs asked for, they are searched one
+candidate runs `per_round` real training steps, in passes that run every candidate once
+back to back (the starting candidate rotating) so that the load of a shared machine
+hits all alike; the slower half by median step time is dropped; repeat until one is
+left, which takes ceil(log2 k) rounds: it converges by construction. A winner that is
+not the starting setting must then confirm, in `per_round` more passes of the two, that
+it is at least MIN_GAIN faster (median over the passes that ran both of their ratio),
+or the starting setting stays: noise must not move a run off a setting that works.
+The score is the step time, not bytes per second: candidates move different bytes (the
+parameter server sends four times the ring's), and the step is what the user waits
+for. Each candidate's first step compiles it and is not timed. With both knobs asked for, they are searched one
 after the other (the algorithm at the given cap, then the cap for that algorithm).
 
 The steps are the run's own: the candidates compute the same update (up to float
@@ -28,13 +31,17 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections import deque
+from collections import defaultdict, deque
 from dataclasses import dataclass
 
 from dpjax.fusion import plan_buckets
 
 # Fusion caps tried, in MiB: Horovod's default 64 down to 1/64, then 0 (no fusion).
 CAPS = tuple(2.0 ** k for k in range(6, -7, -1)) + (0.0,)
+# A search's winner replaces the starting value only if it is at least this much faster
+# (paired); on the 2-core machine of experiments/RESULTS.md one step's time varies by
+# +-20% under other jobs' load, and settings closer than a few percent are not told apart.
+MIN_GAIN = 1.03
 
 
 @dataclass(frozen=True)
@@ -69,15 +76,20 @@ def halving_steps(k: int, per_round: int, warmup: int | None = None) -> int:
 
 class Halving:
     """Successive halving over `candidates`, one training step at a time: `ask()` says
-    which candidate runs the next step and whether it is timed; `tell()` reports it."""
+    which candidate runs the next step and whether it is timed; `tell()` reports it.
+
+    A round is `per_round` passes; a pass runs every candidate still in once, back to
+    back, the first one rotating; candidates are ranked by their median step time. The
+    passes are kept (`by_pass`) for paired comparisons (`paired_ratio`)."""
 
     def __init__(self, candidates, per_round: int = 3, compiled=()):
         if per_round < 1 or not candidates:
             raise ValueError(f"need candidates and per_round >= 1, got {len(candidates)}, {per_round}")
         self.alive = list(dict.fromkeys(candidates))
-        self.per_round, self.round = per_round, 0
-        self.samples: dict = {c: [] for c in self.alive}
-        self.queue = deque((c, False) for c in self.alive if c not in compiled)
+        self.per_round, self.round, self.passes = per_round, 0, 0
+        self.samples: dict = {c: [] for c in self.alive}  # seconds of each timed step
+        self.by_pass: dict = defaultdict(dict)  # pass -> {candidate: seconds}
+        self.queue = deque((c, False, None) for c in self.alive if c not in compiled)
         if len(self.alive) > 1:
             self._fill()
 
@@ -92,15 +104,21 @@ class Halving:
     def median(self, c) -> float:
         return statistics.median(self.samples[c]) if self.samples[c] else math.inf
 
+    def paired_ratio(self, a, b) -> float | None:
+        """Median over the passes that ran both of a's step time / b's."""
+        rel = [p[a] / p[b] for p in self.by_pass.values() if a in p and b in p]
+        return statistics.median(rel) if rel else None
+
     def ask(self):
-        return None if self.done else self.queue[0]
+        return None if self.done else self.queue[0][:2]
 
     def tell(self, candidate, seconds: float, timed: bool) -> None:
-        if (candidate, timed) != self.queue[0]:
-            raise ValueError(f"told {candidate} (timed={timed}), but {self.queue[0]} was asked for")
-        self.queue.popleft()
+        if (candidate, timed) != self.queue[0][:2]:
+            raise ValueError(f"told {candidate} (timed={timed}), but {self.queue[0][:2]} was asked for")
+        _, _, pass_id = self.queue.popleft()
         if timed:
             self.samples[candidate].append(seconds)
+            self.by_pass[pass_id][candidate] = seconds
         if not self.queue:  # a round is over: keep the faster half
             ranked = sorted(self.alive, key=self.median)
             self.alive = ranked[:math.ceil(len(ranked) / 2)]
@@ -110,85 +128,116 @@ class Halving:
 
     def _fill(self) -> None:
         n = len(self.alive)
-        for k in range(self.per_round):
-            shift = (self.round * self.per_round + k) % n
-            self.queue.extend((c, True) for c in self.alive[shift:] + self.alive[:shift])
+        for _ in range(self.per_round):
+            shift = self.passes % n  # the starting candidate rotates
+            self.queue.extend((c, True, self.passes) for c in self.alive[shift:] + self.alive[:shift])
+            self.passes += 1
 
 
 class Tuner:
     """The search over the knobs asked for, from `start` (the setting a run would use).
 
     algorithms: candidate algorithms, or None to keep start's; caps_for(algorithm) -> the
-    fusion caps to try (`fusion_caps`, with start's cap among them so that the gain is
-    measured against it), or None to keep start's cap."""
+    fusion caps to try (`fusion_caps`, with start's cap among them), or None to keep
+    start's cap. Each knob is searched (successive halving), then, if the winner is not
+    the setting the knob started from, confirmed: `per_round` more passes of the two,
+    and the winner is kept only if, over every pass that ran both, its paired step time
+    is at least `min_gain` times faster; else the starting value stays (on a shared
+    machine smaller differences are noise, and the starting value is the one known)."""
 
-    def __init__(self, start: Setting, algorithms=None, caps_for=None, per_round: int = 3):
-        self.start, self.caps_for, self.per_round = start, caps_for, per_round
+    def __init__(self, start: Setting, algorithms=None, caps_for=None, per_round: int = 3,
+                 min_gain: float = MIN_GAIN):
+        self.start = self.current = start
+        self.algorithms, self.caps_for, self.per_round, self.min_gain = algorithms, caps_for, per_round, min_gain
+        self.pending = [k for k, on in (("allreduce", algorithms), ("fusion_mb", caps_for is not None)) if on]
         self.compiled: set = set()
-        self.stages: list[tuple[str, Halving]] = []
+        self.stages: list[dict] = []  # {"knob", "from", "search": Halving, "confirm": Halving or None, ...}
         self.steps = 0
-        # the steps the whole search takes, known before it starts (the cap stage's
-        # candidate at the starting cap ran in the algorithm stage: it compiled there)
+        # at most this many steps (the confirmation runs only if a search's winner is new;
+        # the cap search's candidate at the chosen algorithm and starting cap has compiled)
         k1 = len(set(algorithms or ()))
         caps = caps_for(start.algorithm) if caps_for is not None else []
         k2, warm2 = len(set(caps)), len(set(caps)) - (k1 > 0 and start.fusion_mb in caps)
-        self.budget = (halving_steps(k1, per_round) if k1 > 1 else 0) + (
-            halving_steps(k2, per_round, warm2) if k2 > 1 else 0)
-        if algorithms:
-            self._stage("allreduce", [Setting(a, start.fusion_mb) for a in algorithms])
-        elif caps_for is not None:
-            self._next_stage(start)
+        self.budget = sum(halving_steps(k, per_round, warm) + 2 * per_round
+                          for k, warm in ((k1, k1), (k2, warm2)) if k > 1)
+        self._advance()
 
-    def _stage(self, knob: str, candidates) -> None:
-        self.stages.append((knob, Halving(candidates, self.per_round, compiled=self.compiled)))
+    def _candidates(self, knob: str) -> list:
+        if knob == "allreduce":
+            return [Setting(a, self.current.fusion_mb) for a in self.algorithms]
+        return [Setting(self.current.algorithm, c) for c in self.caps_for(self.current.algorithm)]
 
-    def _next_stage(self, best: Setting) -> None:
-        caps = self.caps_for(best.algorithm)
-        self._stage("fusion_mb", [Setting(best.algorithm, c) for c in caps])
+    def _advance(self) -> None:
+        """Moves on from every finished stage: confirm a new winner, decide, open the next knob."""
+        while True:
+            stage = self.stages[-1] if self.stages else None
+            if stage is not None and "choice" not in stage:
+                h = stage["confirm"] or stage["search"]
+                if not h.done:
+                    return
+                winner, ref = stage["search"].winner, stage["from"]
+                if winner != ref and stage["confirm"] is None:
+                    stage["confirm"] = Halving([ref, winner], self.per_round, compiled=self.compiled)
+                    continue
+                ratio = self._paired(stage, ref, winner) if winner != ref else 1.0
+                stage["ratio"] = ratio
+                stage["choice"] = winner if ratio is not None and ratio >= self.min_gain else ref
+                self.current = stage["choice"]
+                continue
+            if not self.pending:
+                return
+            knob = self.pending.pop(0)
+            self.stages.append({"knob": knob, "from": self.current, "confirm": None,
+                                "search": Halving(self._candidates(knob), self.per_round, compiled=self.compiled)})
+
+    @staticmethod
+    def _paired(stage, a, b) -> float | None:
+        """a's step time over b's, median over every pass (search and confirmation) that ran both."""
+        rel = [p[a] / p[b] for h in (stage["search"], stage["confirm"]) if h is not None
+               for p in h.by_pass.values() if a in p and b in p]
+        return statistics.median(rel) if rel else None
 
     @property
     def done(self) -> bool:
-        return not self.stages or (self.stages[-1][1].done and not self._more())
-
-    def _more(self) -> bool:
-        return self.caps_for is not None and self.stages[-1][0] == "allreduce"
+        return not self.pending and all("choice" in st for st in self.stages)
 
     def ask(self):
         """(setting, timed) for the next step; None once the search is over."""
-        while self.stages and self.stages[-1][1].done and self._more():
-            self._next_stage(self.stages[-1][1].winner)
-        return None if self.done else self.stages[-1][1].ask()
+        if self.done:
+            return None
+        st = self.stages[-1]
+        return (st["confirm"] or st["search"]).ask()
 
     def tell(self, setting: Setting, seconds: float, timed: bool) -> None:
-        self.stages[-1][1].tell(setting, seconds, timed)
+        st = self.stages[-1]
+        (st["confirm"] or st["search"]).tell(setting, seconds, timed)
         self.compiled.add(setting)
         self.steps += 1
-        self.ask()  # opens the next stage if this one just finished
+        self._advance()
 
     @property
     def choice(self) -> Setting:
-        return self.stages[-1][1].winner if self.stages else self.start
+        return self.current
 
     def gain(self) -> float | None:
-        """How much faster the choice ran than the starting setting: per stage, the
-        median step time of the stage's candidate with the starting value over its
-        winner's (measured in the same interleaved rounds), multiplied over the stages.
-        None if a stage had no candidate with the starting value."""
+        """How much faster the choice ran than the starting setting: the product over the
+        knobs of the paired ratio of the knob's starting value to its choice (1 where the
+        starting value stayed)."""
         g = 1.0
-        for knob, h in self.stages:
-            ref = Setting(h.winner.algorithm, self.start.fusion_mb) if knob == "fusion_mb" else self.start
-            if not h.samples.get(ref):
-                return None
-            g *= h.median(ref) / h.median(h.winner)
+        for st in self.stages:
+            if st["choice"] != st["from"]:
+                g *= st["ratio"]
         return g
 
     def record(self) -> dict:
-        """What the metrics and the checkpoint keep: the choice, its gain, and each
-        stage's median step time (ms) per candidate."""
-        gain = self.gain()
+        """What the metrics and the checkpoint keep: the choice, its gain, and per knob the
+        search's median step time (ms) per candidate, its winner and the confirmation."""
         return {"allreduce": self.choice.algorithm, "fusion_mb": self.choice.fusion_mb,
-                "tuned": [k for k, _ in self.stages], "gain": None if gain is None else round(gain, 4),
-                "steps": self.steps, "start": str(self.start),
-                "stages": [{"knob": k, "winner": str(h.winner),
-                            "medians_ms": {str(c): round(h.median(c) * 1e3, 3) for c in h.samples if h.samples[c]}}
-                           for k, h in self.stages]}
+                "tuned": [st["knob"] for st in self.stages], "gain": round(self.gain(), 4), "steps": self.steps,
+                "start": str(self.start), "min_gain": self.min_gain,
+                "stages": [{"knob": st["knob"], "from": str(st["from"]), "winner": str(st["search"].winner),
+                            "winner_vs_from": None if st.get("ratio") is None else round(st["ratio"], 4),
+                            "choice": str(st["choice"]),
+                            "medians_ms": {str(c): round(st["search"].median(c) * 1e3, 3)
+                                           for c in st["search"].samples if st["search"].samples[c]}}
+                           for st in self.stages]}

@@ -408,11 +408,12 @@ class Trainer:
         self.setting = self.tuner.choice
         self.step, self.tuner, self.record["autotune"] = self.step_for(self.setting), None, rec
         write({"step": step_i, "autotune": rec})
-        gain = "n/a" if rec["gain"] is None else f"{rec['gain']:.3f}x"
-        median = rec["stages"][-1]["medians_ms"].get(str(self.setting), float("nan")) if rec["stages"] else float("nan")
-        self._say(f"autotune: --allreduce {self.setting.algorithm} --fusion-mb {self.setting.fusion_mb:g} "
-                  f"(against {rec['start']}: {gain} as fast, median step {median:.1f} ms; searched "
-                  f"{', '.join(rec['tuned'])} in {rec['steps']} steps)")
+        how = "; ".join(f"{st['knob']}: {st['winner']} won" + (
+            "" if st["winner"] == st["from"] else f", {st['winner_vs_from']:.3f}x {st['from']}'s speed"
+            + ("" if st["choice"] == st["winner"] else f", under {rec['min_gain']}x: kept {st['from']}"))
+            for st in rec["stages"])
+        self._say(f"autotune: --allreduce {self.setting.algorithm} --fusion-mb {self.setting.fusion_mb:g}, "
+                  f"{rec['gain']:.3f}x the speed of {rec['start']} ({how}; {rec['steps']} steps)")
 
     def _comm_bytes(self, step, args) -> int:
         """What the busiest device sends per step, read from the compiled step
