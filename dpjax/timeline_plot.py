@@ -60,6 +60,8 @@ def plot(data: dict, summary, out: str, step=None) -> None:
         top.broken_barh([((h["ts"] - t0) / 1e3, h["dur"] / 1e3) for h in host], (len(pids) - 0.4, 0.8),
                         color="#dd8452")
         for h in host:
+            if h["dur"] < 0.04 * max(d for _, d in run.values()):
+                continue  # too short to label
             top.text((h["ts"] - t0 + h["dur"] / 2) / 1e3, len(pids), h["args"]["phase"], ha="center",
                      va="center", fontsize=7)
     top.set_yticks(range(len(pids) + (1 if host else 0)),

@@ -11,7 +11,11 @@
    grid the search chose from (each algorithm it tried x each cap it could have tried)
    runs `--rounds` more training steps, interleaved round-robin (starting point rotating),
    each step awaited; medians. The autotuned setting is a point of that grid; its median
-   over the best median is the figure (the issue asks for within 5%).
+   over the best median is the figure (the issue asks for within 5%). The best of many
+   noisy medians is the luckiest, so the script also picks the best on half the rounds
+   and compares on the other half (both ways), and gives the spread of the psum row,
+   whose points are one program (XLA's combiner merges the psums whatever the cap): the
+   noise floor of the grid on this machine.
 
 On a CPU-only machine the mesh's devices are simulated. Load from other jobs on a shared
 machine moves every point alike only within a round; the load average is recorded.
@@ -81,6 +85,18 @@ def main(argv=None):
     med = {s: statistics.median(v) for s, v in ms.items()}
     best = min(med, key=med.get)
     ratio = med[chosen] / med[best]
+    # The best of 35 noisy medians is biased low (it is the luckiest): also pick the best
+    # on half the rounds and compare on the other half, both ways.
+    held_out = []
+    for pick, judge in ((range(0, args.rounds, 2), range(1, args.rounds, 2)),
+                        (range(1, args.rounds, 2), range(0, args.rounds, 2))):
+        b = min(grid, key=lambda s: statistics.median(ms[s][r] for r in pick))
+        held_out.append({"best_on_other_half": str(b), "ratio": statistics.median(ms[chosen][r] for r in judge)
+                         / statistics.median(ms[b][r] for r in judge)})
+    # The noise floor: psum at every cap is one program up to the packing (XLA's combiner
+    # merges the psums), so their spread is what this machine's load alone does.
+    same = [med[s] for s in grid if s.algorithm == "psum"]
+    floor = max(same) / min(same) if same else None
     lines = [f"| algorithm | " + " | ".join(f"{c:g} MiB" for c in caps) + " |",
              "|---|" + "---:|" * len(caps)]
     for a in algorithms:
@@ -92,14 +108,17 @@ def main(argv=None):
         lines.append(f"| {a} | " + " | ".join(cells) + " |")
     table = "\n".join(lines)
     print(f"\n{table}\n\nautotuned {chosen}: {med[chosen]:.1f} ms; best of the grid {best}: {med[best]:.1f} ms; "
-          f"ratio {ratio:.3f}; search gain over ring@64 {auto['gain']}; load {load}", flush=True)
+          f"ratio {ratio:.3f}; held out {[round(h['ratio'], 3) for h in held_out]} (best picked on the other half: "
+          f"{[h['best_on_other_half'] for h in held_out]}); psum at every cap (one program) spreads "
+          f"{floor:.3f}x; search gain over ring@64 {auto['gain']}; load {load}", flush=True)
     if args.json:
         with open(args.json, "w") as fh:
             json.dump({"argv": sys.argv, "date": time.strftime("%Y-%m-%d %H:%M"), "mesh": args.mesh,
                        "autotune": auto, "search_seconds": search_s, "grid_compile_seconds": compile_s,
                        "rounds": args.rounds, "grid_ms": {str(s): v for s, v in ms.items()},
                        "grid_median_ms": {str(s): m for s, m in med.items()}, "best": str(best),
-                       "chosen": str(chosen), "ratio": ratio, "load_1_5_15": load, "table": table}, fh, indent=1)
+                       "chosen": str(chosen), "ratio": ratio, "held_out": held_out, "psum_spread": floor,
+                       "load_1_5_15": load, "table": table}, fh, indent=1)
 
 
 if __name__ == "__main__":
