@@ -4,7 +4,10 @@ The state (parameters, optimizer state, RNG key data) is saved as global arrays,
 it can be restored onto any mesh: the restore target's shardings decide the layout.
 The JSON record holds the step, the data position and the configuration that must
 match for a resume to be meaningful (the model and the optimizer); a checkpoint made
-with another configuration is refused with the differences named.
+with another configuration is refused with the differences named. It also keeps what a
+run chose for itself and a resumed run should keep rather than choose again: the
+autotuned exchange (`"autotune"`: the allreduce algorithm, the fusion cap, the measured
+gain; `dpjax.autotune`), which need not match and is not checked.
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from dpjax import collectives
+from dpjax import collectives, scopes
 from dpjax.collectives._common import axis_size
 from dpjax.collectives.grouped import COMPRESSIONS  # noqa: F401  (the names --compression takes)
 from dpjax.fusion import pack, plan_buckets, unpack
@@ -56,8 +56,10 @@ def allreduce_gradients(grads, axis_name="data", *, algorithm: str = "ring", fus
     f = gradient_predivide_factor
     if op != "mean" and f != 1.0:
         raise ValueError(f"gradient_predivide_factor applies to op='mean' only, not to op={op!r}")
-    return collectives.grouped_allreduce(grads, axis_name, op=op, fusion_mb=fusion_mb, compression=compression,
-                                         algorithm=algorithm, prescale_factor=1 / f, postscale_factor=f, **options)
+    with scopes.phase("exchange"):  # every rule's exchange passes here (dpjax.scopes, dpjax.timeline)
+        return collectives.grouped_allreduce(grads, axis_name, op=op, fusion_mb=fusion_mb, compression=compression,
+                                             algorithm=algorithm, prescale_factor=1 / f, postscale_factor=f,
+                                             **options)
 
 
 class DistributedState(NamedTuple):

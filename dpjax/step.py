@@ -46,6 +46,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from dpjax import links as emulation
+from dpjax import scopes
 from dpjax.data_parallel import COMPRESSIONS, allreduce_gradients, broadcast_params
 from dpjax.mesh import data_axes, dp_size
 from dpjax.optim import OptimizerConfig
@@ -140,9 +141,11 @@ def build(loss_fn, layout: Layout, rule: UpdateRule, *, abstract_params, passes:
         inner_mean = functools.partial(allreduce_gradients, axis_name=axis_arg(inner), **exchange.kwargs())
     else:  # FSDP's reduce-scatter in the backward pass already averaged over the inner axes
         inner_mean = lambda g: g  # noqa: E731
-    if value_and_grad is None:
-        value_and_grad = jax.value_and_grad(loss_fn)
-    value_and_grad = functools.partial(value_and_grad, par=par)
+    loss_and_grad = functools.partial(value_and_grad or jax.value_and_grad(loss_fn), par=par)
+
+    def value_and_grad(p, b):
+        with scopes.phase("forward_backward"):  # names only (dpjax.scopes): the program is the same
+            return loss_and_grad(p, b)
 
     def grad_fn(params, batch_KxBdxT1):
         """The worker's loss and gradient: K micro-batches accumulated, then averaged
@@ -178,6 +181,7 @@ def build(loss_fn, layout: Layout, rule: UpdateRule, *, abstract_params, passes:
     def smap(fn, in_specs, out_specs):
         if emulator is not None:  # collectives traced inside time themselves on the links
             fn = _traced_under(emulator, fn)
+        fn = _numbered(fn)
         return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
 
     # Parameters are replicated over the data axes FSDP does not split: Horovod's
@@ -190,8 +194,11 @@ def build(loss_fn, layout: Layout, rule: UpdateRule, *, abstract_params, passes:
         return wrap(params), wrap(rule.init(params))
 
     def train_body(params, state, batch_KxBdxT1):
-        params, state, loss = rule.step(grad_fn, unwrap(params), unwrap(state), batch_KxBdxT1)
-        return wrap(params), wrap(state), lax.pmean(loss, axes)
+        with scopes.phase("optimizer"):  # the rule's own work; grad_fn's phases name themselves inside
+            params, state, loss = rule.step(grad_fn, unwrap(params), unwrap(state), batch_KxBdxT1)
+        with scopes.phase("loss"):
+            loss = lax.pmean(loss, axes)
+        return wrap(params), wrap(state), loss
 
     def eval_body(params, batch_BdxT1):
         return lax.pmean(loss_fn(rule.consensus(unwrap(params)), batch_BdxT1, par), axes)
@@ -216,6 +223,16 @@ def _traced_under(emulator, fn):
     @functools.wraps(fn)
     def traced(*args):
         with emulator.active():
+            return fn(*args)
+    return traced
+
+
+def _numbered(fn):
+    """fn traced with its collective calls numbered in their names (`dpjax.scopes`), so
+    that a timeline tells apart calls XLA interleaves. Names only: the program is the same."""
+    @functools.wraps(fn)
+    def traced(*args):
+        with scopes.numbered_calls():
             return fn(*args)
     return traced
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import dataclasses
 import json
 import os
@@ -68,12 +69,13 @@ class TrainConfig:
     link: list | None = _opt(None, "emulate a slow link on a mesh axis, e.g. 'node=183ms,23mbit' (repeatable): every "
                                    "collective crossing that axis waits for its alpha-beta time; values are "
                                    "unchanged, only time", action="append")
-    allreduce: str = _opt("ring", "")  # help: the algorithms
+    allreduce: str = _opt("ring", "")  # help: the algorithms, or auto
     tp_allreduce: str = _opt("ring", "")
     fsdp: bool = _opt(False, "fully sharded data parallelism (ZeRO-3) inside each worker: parameters and "
                              "optimizer state split over the data axes too, all-gathered just before use, "
                              "gradients reduce-scattered (with the --allreduce algorithm)")
-    fusion_mb: float = _opt(64.0, "tensor-fusion bucket cap in MiB (0: one allreduce per tensor)")
+    fusion_mb: float | str = _opt(64.0, "tensor-fusion bucket cap in MiB (0: one allreduce per tensor); 'auto': "
+                                        "timed on the first steps like --allreduce auto", type="mib")
     compression: str = _opt("none", "dtype of gradients (and of the rule's exchanges) on the wire",
                             choices=("none", "bf16", "fp16"))
     backward_passes: int = _opt(1, "micro-batches per step: gradients accumulated over this many backward "
@@ -96,6 +98,15 @@ class TrainConfig:
     resume: bool = _opt(False, "continue from the latest checkpoint in --ckpt-dir")
     progress: str = _opt("auto", "progress display: a bar on a terminal, log lines otherwise",
                          choices=("auto", "bar", "log", "none"))
+    # Timeline and autotune (dpjax.timeline, dpjax.autotune)
+    timeline: str | None = _opt(None, "write a Chrome trace / Perfetto timeline (a track per device: phases, every "
+                                      "collective and ring step, every op) of --timeline-steps profiled steps to "
+                                      "this file (.json or .json.gz); summarise it with python -m dpjax.timeline "
+                                      "FILE. Only those steps are profiled")
+    timeline_steps: int = _opt(3, "steps --timeline profiles: the ones after the first step (which compiles) and "
+                                  "after any autotune")
+    autotune_samples: int = _opt(3, "with --allreduce auto or --fusion-mb auto: timed steps per candidate in each "
+                                    "round of the search (successive halving; the slower half goes each round)")
     model_options: dict = field(default_factory=dict)  # from --d-model etc.: {option: value}
 
 
@@ -108,7 +119,9 @@ def build_parser() -> argparse.ArgumentParser:
     from dpjax.models import model_options
     from dpjax.updates import HELP
 
-    late = {"update": HELP, "allreduce": f"gradient allreduce algorithm: {', '.join(ALGORITHMS)}",
+    late = {"update": HELP, "allreduce": f"gradient allreduce algorithm: {', '.join(ALGORITHMS)}; or auto: each "
+                                         "is timed on the first steps of the run and the fastest kept (recorded in "
+                                         "the metrics and the checkpoint; a resumed run keeps it)",
             "tp_allreduce": f"allreduce over the model axis inside tensor-parallel layers: {', '.join(ALGORITHMS)}"}
     p = argparse.ArgumentParser(
         prog="python -m dpjax.train",
@@ -128,7 +141,8 @@ def build_parser() -> argparse.ArgumentParser:
         if f.metadata.get("action") == "append":
             p.add_argument(_flag(f.name), action="append", default=f.default, help=help_, metavar="AXIS=LAT,BW")
             continue
-        kind = {"int": int, "int | None": int, "float": float}.get(str(f.type), str)
+        kind = {"int": int, "int | None": int, "float": float, "mib": _mib}.get(
+            f.metadata.get("type") or str(f.type), str)
         p.add_argument(_flag(f.name), type=kind, default=f.default, help=help_,
                        choices=f.metadata.get("choices"))
     g = p.add_argument_group("model options (each belongs to one model; an option the chosen --model does "
@@ -138,6 +152,16 @@ def build_parser() -> argparse.ArgumentParser:
             g.add_argument(_flag(name), type=int, default=argparse.SUPPRESS, dest=f"model_{name}", metavar="N",
                            help=f"{model}: {MODEL_OPTION_HELP.get(name, name)} (default: {default})")
     return p
+
+
+def _mib(text: str):
+    """--fusion-mb: MiB, or 'auto'."""
+    if text == "auto":
+        return text
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of MiB or auto, got {text!r}") from None
 
 
 MODEL_OPTION_HELP = {"d_model": "model width", "n_layers": "transformer blocks", "n_heads": "attention heads",
@@ -168,17 +192,21 @@ def validate(cfg: TrainConfig) -> None:
     if cfg.optimizer not in OPTIMIZERS:
         raise UsageError(f"unknown --optimizer {cfg.optimizer!r}; choose one of {', '.join(OPTIMIZERS)}")
     for flag, alg in (("--allreduce", cfg.allreduce), ("--tp-allreduce", cfg.tp_allreduce)):
-        if alg not in ALGORITHMS:
+        if alg not in ALGORITHMS and (flag, alg) != ("--allreduce", "auto"):
             raise UsageError(f"unknown {flag} algorithm {alg!r}; choose one of {', '.join(ALGORITHMS)}")
     if cfg.tp_allreduce == "hierarchical":
         raise UsageError("--tp-allreduce hierarchical needs two axes; the model axis is one")
-    if cfg.fsdp and cfg.allreduce not in REDUCE_SCATTER_ALGORITHMS:
+    if cfg.fsdp and cfg.allreduce not in (*REDUCE_SCATTER_ALGORITHMS, "auto"):
         raise UsageError(f"--fsdp all-gathers and reduce-scatters with the --allreduce algorithm; "
                          f"{cfg.allreduce!r} has none: choose one of {', '.join(REDUCE_SCATTER_ALGORITHMS)}")
-    for name in ("steps", "batch_size", "seq_len", "backward_passes", "ckpt_every", "eval_batches"):
+    for name in ("steps", "batch_size", "seq_len", "backward_passes", "ckpt_every", "eval_batches", "timeline_steps",
+                 "autotune_samples"):
         if getattr(cfg, name) < 1:
             raise UsageError(f"{_flag(name)} must be at least 1, got {getattr(cfg, name)}")
-    if cfg.eval_every < 0 or cfg.warmup_steps < 0 or cfg.fusion_mb < 0 or cfg.weight_decay < 0:
+    if not isinstance(cfg.fusion_mb, (int, float)) and cfg.fusion_mb != "auto":
+        raise UsageError(f"--fusion-mb takes MiB or auto, got {cfg.fusion_mb!r}")
+    if cfg.eval_every < 0 or cfg.warmup_steps < 0 or cfg.weight_decay < 0 or (
+            cfg.fusion_mb != "auto" and cfg.fusion_mb < 0):
         raise UsageError("--eval-every, --warmup-steps, --fusion-mb and --weight-decay cannot be negative")
     if cfg.resume and not cfg.ckpt_dir:
         raise UsageError("--resume needs --ckpt-dir")
@@ -188,6 +216,15 @@ def validate(cfg: TrainConfig) -> None:
     if cfg.virtual_stages is not None and cfg.schedule != "interleaved":
         raise UsageError(f"--virtual-stages applies to --schedule interleaved, not {cfg.schedule or '1f1b'}")
     parse_update(cfg.update)
+
+
+def start_setting(cfg: TrainConfig):
+    """The allreduce and fusion cap a run starts with: the flags', or for `auto` the
+    defaults (the autotune's baseline)."""
+    from dpjax.autotune import Setting
+
+    return Setting("ring" if cfg.allreduce == "auto" else cfg.allreduce,
+                   64.0 if cfg.fusion_mb == "auto" else float(cfg.fusion_mb))
 
 
 def setup_devices(cfg: TrainConfig):
@@ -284,24 +321,23 @@ class Trainer:
         if cfg.allreduce == "hierarchical" and len(data_axes(mesh)) < 2:
             raise UsageError("--allreduce hierarchical needs a node axis: use a three-axis mesh such as 2x4x1")
         self.model = model = get_model(cfg.model, seq_len=cfg.seq_len, **cfg.model_options)
+        self.setting = start_setting(cfg)  # the allreduce and fusion cap (an autotune may change them)
         self.layout = layout = make_layout(model, mesh, algorithm=cfg.tp_allreduce, fsdp=cfg.fsdp,
-                                           fsdp_algorithm=cfg.allreduce, workers=workers,
+                                           fsdp_algorithm=self.setting.algorithm, workers=workers,
                                            pipeline=pipeline_config(cfg, mesh))
         self.train_stream, self.val_stream = make_streams(cfg.data, cfg.seq_len, cfg.seed)
         self.opt = opt = OptimizerConfig(name=cfg.optimizer, lr=cfg.lr, lr_scaling=cfg.lr_scaling,
                                          warmup_steps=cfg.warmup_steps, weight_decay=cfg.weight_decay,
                                          clip_norm=cfg.clip_norm)
-        exchange = S.Exchange(cfg.allreduce, cfg.fusion_mb, None if cfg.compression == "none" else cfg.compression)
         links = tuple(parse_link(text) for text in cfg.link or ())
         for link in links:
             if link.axis not in mesh.axis_names:
                 raise UsageError(f"--link {link}: mesh {dict(mesh.shape)} has no axis {link.axis!r}")
-        self.step = S.for_model(model, layout, global_batch=cfg.batch_size, update=update, opt=opt,
-                                passes=cfg.backward_passes, exchange=exchange, links=links, seed=cfg.seed)
-        from dpjax.replicas import check_always, checked
-        if check_always():  # DPJAX_CHECK=1: every step's replicated values are checked (dpjax.replicas)
-            self.step = dataclasses.replace(self.step, train=checked(self.step.train, ("params", "opt_state", "loss"),
-                                                                     "dpjax.train step"))
+        self._for_layout = lambda lay, exchange: S.for_model(  # noqa: E731
+            model, lay, global_batch=cfg.batch_size, update=update, opt=opt, passes=cfg.backward_passes,
+            exchange=exchange, links=links, seed=cfg.seed)
+        self._steps, self._sent = {}, {}
+        self.step = self.step_for(self.setting)
         # What must match for a checkpoint to resume: per-worker state needs the same
         # rule and the same number of workers (the mesh may change).
         self.record = {"model": model.describe(), "data": cfg.data, "seed": cfg.seed, "batch_size": cfg.batch_size,
@@ -318,9 +354,15 @@ class Trainer:
         # The run's RNG state: nothing in the step draws from it yet (no dropout), but it is
         # saved and restored with the rest so that stochastic steps resume exactly too.
         self.rng = jax.device_put(jax.random.key_data(jax.random.fold_in(key, 1)), S.replicated(mesh))
-        self.start, self.cursor, self.ckpt = 0, 0, None
+        self.start, self.cursor, self.ckpt, self.resumed = 0, 0, None, {}
         if cfg.ckpt_dir:
             self._restore()
+        self.tuner = self._plan_autotune()
+        self.recorder = None
+        if cfg.timeline:
+            from dpjax.timeline import Recorder
+
+            self.recorder = Recorder()
         if self.start >= cfg.steps:
             raise UsageError(f"the checkpoint is at step {self.start}, not before --steps {cfg.steps}; "
                              "ask for more steps")
@@ -343,7 +385,112 @@ class Trainer:
         abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), self._state())
         state, saved = self.ckpt.restore(abstract, expect=self.record)
         self.params, self.opt_state, self.rng = state["params"], state["opt_state"], state["rng"]
-        self.start, self.cursor = saved["step"], saved["cursor"]
+        self.start, self.cursor, self.resumed = saved["step"], saved["cursor"], saved
+
+    # --- the exchange setting and its autotune (dpjax.autotune) ---
+
+    def step_for(self, setting):
+        """The steps with this allreduce algorithm and fusion cap, built once each."""
+        if setting not in self._steps:
+            from dpjax import step as S
+            from dpjax.sharding import make_layout
+
+            cfg = self.cfg
+            from dpjax.replicas import check_always, checked
+
+            layout = make_layout(self.model, self.mesh, algorithm=cfg.tp_allreduce, fsdp=cfg.fsdp,
+                                 fsdp_algorithm=setting.algorithm, workers=self.layout.workers,
+                                 pipeline=self.layout.pipeline)
+            wire = None if cfg.compression == "none" else cfg.compression
+            step = self._for_layout(layout, S.Exchange(setting.algorithm, setting.fusion_mb, wire))
+            if check_always():  # DPJAX_CHECK=1: every step's replicated values are checked (dpjax.replicas)
+                step = dataclasses.replace(step, train=checked(step.train, ("params", "opt_state", "loss"),
+                                                               "dpjax.train step"))
+            self._steps[setting] = step
+        return self._steps[setting]
+
+    def _plan_autotune(self):
+        """The search `--allreduce auto` / `--fusion-mb auto` ask for (None if neither, or
+        if the checkpoint resumed recorded a choice for them: that choice is kept)."""
+        import jax
+
+        from dpjax import autotune
+        from dpjax.collectives import ALGORITHMS, REDUCE_SCATTER_ALGORITHMS
+        from dpjax.mesh import data_axes
+
+        cfg = self.cfg
+        knobs = [k for k, v in (("allreduce", cfg.allreduce), ("fusion_mb", cfg.fusion_mb)) if v == "auto"]
+        kept = self.resumed.get("autotune")
+        if not knobs:
+            return None
+        if kept and set(knobs) <= set(kept["tuned"]):
+            self.setting = autotune.Setting(kept["allreduce"], kept["fusion_mb"])
+            self.step, self.record["autotune"] = self.step_for(self.setting), kept
+            self._say(f"autotune: keeping the checkpoint's choice --allreduce {self.setting.algorithm} "
+                      f"--fusion-mb {self.setting.fusion_mb:g}")
+            return None
+        algorithms = None
+        if "allreduce" in knobs:
+            algorithms = [a for a in (REDUCE_SCATTER_ALGORITHMS if cfg.fsdp else ALGORITHMS)
+                          if a != "hierarchical" or len(data_axes(self.mesh)) >= 2]
+        caps = None
+        if "fusion_mb" in knobs:  # on the shapes each device's gradients have (its shards)
+            local = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(sh.shard_shape(x.shape), x.dtype),
+                                 jax.eval_shape(self.model.init, jax.random.key(0)), self.layout.shardings())
+            caps = autotune.fusion_caps(local, (self.setting.fusion_mb, *autotune.CAPS))
+        tuner = autotune.Tuner(self.setting, algorithms, caps and (lambda alg: caps), per_round=cfg.autotune_samples)
+        need = tuner.budget
+        if self.start + need > cfg.steps:
+            raise UsageError(f"the autotune needs up to {need} steps from step {self.start}, more than --steps "
+                             f"{cfg.steps}; ask for more steps or fewer --autotune-samples")
+        return tuner
+
+    def _tuned(self, write, step_i: int) -> None:
+        """The search is over: its choice runs from now on, in the metrics and the checkpoint."""
+        rec = self.tuner.record()
+        self.setting = self.tuner.choice
+        self.step, self.tuner, self.record["autotune"] = self.step_for(self.setting), None, rec
+        write({"step": step_i, "autotune": rec})
+        how = "; ".join(f"{st['knob']}: {st['winner']} won" + (
+            "" if st["winner"] == st["from"] else f", {st['winner_vs_from']:.3f}x {st['from']}'s speed"
+            + ("" if st["choice"] == st["winner"] else f", under {rec['min_gain']}x: kept {st['from']}"))
+            for st in rec["stages"])
+        self._say(f"autotune: --allreduce {self.setting.algorithm} --fusion-mb {self.setting.fusion_mb:g}, "
+                  f"{rec['gain']:.3f}x the speed of {rec['start']} ({how}; {rec['steps']} steps)")
+
+    def _comm_bytes(self, step, args) -> int:
+        """What the busiest device sends per step, read from the compiled step
+        (`cost.hlo_comm`; JAX's cached executable, so no compile)."""
+        if id(step) not in self._sent:
+            from dpjax.collectives.cost import hlo_comm
+            from dpjax.timeline import compiled_text
+
+            self._sent[id(step)] = hlo_comm(compiled_text(step.train, *args)).max_bytes
+        return self._sent[id(step)]
+
+    def _write_timeline(self, args, write, steps) -> None:
+        """The profiled steps' timeline to --timeline; their comm_fraction to the metrics."""
+        import jax
+
+        from dpjax.timeline_summary import summarize
+
+        rec, path = self.recorder, self.cfg.timeline
+        rec.stop()
+        if jax.process_count() > 1:  # each process profiles its own devices
+            path = os.path.join(os.path.dirname(path), f"rank{jax.process_index()}-{os.path.basename(path)}")
+        rec.program(self.step.train, *args)
+        summary = summarize(rec.write(path))
+        for row in summary.steps:
+            write({"step": row["step"], "comm_fraction": round(row["comm_fraction"], 4)})
+        share = sum(r["comm_fraction"] for r in summary.steps) / len(summary.steps)
+        self._say(f"timeline: steps {steps.start}-{steps[-1]} in {path}, communication {100 * share:.0f}% of a step "
+                  f"(python -m dpjax.timeline {path})")
+
+    def _say(self, line: str) -> None:
+        import jax
+
+        if jax.process_index() == 0 and self.cfg.progress != "none":
+            print(line, flush=True)
 
     def batch(self):
         from dpjax.step import put_batch
@@ -388,6 +535,10 @@ class Trainer:
         last = {"loss": float("nan"), "eval_loss": None, "tokens_per_s": 0.0}
         tps_window: collections.deque = collections.deque(maxlen=20)
         lr_at = self.opt.schedule(cfg.batch_size * cfg.backward_passes)
+        # --timeline: the steps profiled, fixed at the first step of the final setting;
+        # host phases are annotations that cost nothing outside the profile
+        rec, window = self.recorder, None
+        phase = rec.phase if rec is not None else (lambda _: contextlib.nullcontext())
 
         def write(row):
             if metrics:
@@ -395,14 +546,15 @@ class Trainer:
 
         def retire():
             nonlocal last_done
-            step_i, loss = in_flight.popleft()
-            loss = float(loss)  # waits for the step
+            step_i, loss, extra = in_flight.popleft()
+            with phase("host_wait"):
+                loss = float(loss)  # waits for the step
             now = time.perf_counter()
             dt, last_done = now - last_done, now
             tps_window.append(tokens_per_step / dt)
             last.update(loss=loss, tokens_per_s=float(np.median(tps_window)))
             write({"step": step_i, "loss": loss, "step_time": dt, "tokens_per_s": tokens_per_step / dt,
-                   "lr": float(lr_at(step_i))})
+                   "lr": float(lr_at(step_i)), **extra})
             progress.update(step_i, loss, last["tokens_per_s"])
 
         def drain():
@@ -416,23 +568,60 @@ class Trainer:
         step_i = self.start
         try:
             for step_i in range(self.start, cfg.steps):
-                self.params, self.opt_state, loss = self.step.train(self.params, self.opt_state, self.batch())
-                in_flight.append((step_i, loss))
-                if len(in_flight) > MAX_IN_FLIGHT:
+                trial = self.tuner.ask() if self.tuner is not None else None  # (setting, timed) while tuning
+                if self.tuner is not None and trial is None:  # nothing left to compare (one candidate)
+                    self._tuned(write, step_i)
+                step = self.step if trial is None else self.step_for(trial[0])
+                if rec is not None and window is None and trial is None:
+                    window = range(step_i + 1, min(cfg.steps, step_i + 1 + cfg.timeline_steps))
+                profiled = window is not None and step_i in window
+                if profiled and step_i == window.start:
+                    drain()
+                    jax.block_until_ready((self.params, self.opt_state))  # no earlier step's tail in the trace
+                    rec.start()
+                host = contextlib.ExitStack()
+                if profiled:
+                    host.enter_context(rec.step(step_i))
+                with phase("data"):
+                    batch = self.batch()
+                args, began = (self.params, self.opt_state, batch), time.perf_counter()
+                with phase("dispatch"):
+                    self.params, self.opt_state, loss = step.train(*args)
+                extra = {"trial": str(trial[0])} if trial is not None else {}
+                if metrics:
+                    extra["comm_bytes"] = self._comm_bytes(step, args)
+                in_flight.append((step_i, loss, extra))
+                if trial is not None or profiled:  # autotuned and profiled steps run alone, to their end
                     retire()
+                    with phase("host_wait"):
+                        jax.block_until_ready((self.params, self.opt_state))
+                elif len(in_flight) > MAX_IN_FLIGHT:
+                    retire()
+                if trial is not None:
+                    self.tuner.tell(trial[0], time.perf_counter() - began, trial[1])
+                    if self.tuner.done:
+                        self._tuned(write, step_i)
                 done = step_i + 1
                 if cfg.eval_every and done % cfg.eval_every == 0 and done < cfg.steps:
                     drain()
-                    record_eval(step_i)
+                    with phase("eval"):
+                        record_eval(step_i)
                 if self.ckpt and (done % cfg.ckpt_every == 0 or done == cfg.steps or stop["now"]):
                     drain()
-                    self.save(done)
+                    with phase("checkpoint"):
+                        self.save(done)
+                host.close()
+                if profiled and step_i == window[-1]:
+                    self._write_timeline(args, write, window)
+                    last_done = time.perf_counter()  # reading the trace is not the next step's time
                 if stop["now"]:
                     break
             drain()
             if not stop["now"]:
                 record_eval(cfg.steps - 1)
         finally:
+            if rec is not None and rec.active:
+                rec.stop()  # interrupted inside the profiled steps
             progress.close()
             signal.signal(signal.SIGINT, old_handler)
             if metrics:

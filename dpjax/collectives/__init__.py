@@ -25,13 +25,16 @@ sizes), so ranks that disagree get one clear error instead of garbage or a hang.
 
 from __future__ import annotations
 
+import functools
+import inspect
+import math
 import operator
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-from dpjax import distributed, links
+from dpjax import distributed, links, scopes
 from dpjax.collectives import adasum, alltoall, butterfly, groups as process_sets, hierarchical, ops, ps, ring, tree
 from dpjax.collectives import uneven
 from dpjax.collectives._common import axis_size, split_dim0
@@ -130,6 +133,34 @@ def _psum_allreduce(x, axis_name, *, op="sum"):
     return fn(wide, axis_name).astype(x.dtype)
 
 
+def _named(what: str):
+    """The call traces under `dpjax:<what>(algorithm=,axis=,n=,bytes=)` (`dpjax.scopes`), so
+    that `dpjax.timeline` finds its ops and numbers its point-to-point steps. Trace-time
+    only: a named scope changes the ops' metadata, not the program."""
+    def decorate(collective):
+        default = inspect.signature(collective).parameters["algorithm"].default
+
+        @functools.wraps(collective)
+        def wrapper(x, axis_name, *args, **kwargs):
+            try:
+                label = _label(what, x, axis_name, kwargs.get("algorithm", default), kwargs.get("groups"))
+            except (ValueError, TypeError):  # not a collective that can run: let it say why
+                return collective(x, axis_name, *args, **kwargs)
+            with scopes.collective(what, **label):
+                return collective(x, axis_name, *args, **kwargs)
+
+        return wrapper
+
+    return decorate
+
+
+def _label(what, x, axis_name, algorithm, groups) -> dict:
+    n = len(groups[0]) if groups else axis_size(axis_name, what)
+    nbytes = math.prod(jnp.shape(x)) * jnp.dtype(jnp.result_type(x)).itemsize
+    # nccl-tests' size S: the gathered result for all_gather, else the whole input
+    return {"algorithm": algorithm, "axis": axis_name, "n": n, "bytes": nbytes * (n if what == "all_gather" else 1)}
+
+
 _ALLREDUCE = {
     "psum": _psum_allreduce,
     "ring": ring.allreduce,
@@ -140,6 +171,7 @@ _ALLREDUCE = {
 }
 
 
+@_named("allreduce")
 @links.timed
 def allreduce(x, axis_name, *, algorithm: str = "ring", op: str = "sum", prescale_factor: float = 1.0,
               postscale_factor: float = 1.0, groups=None, **options):
@@ -168,6 +200,7 @@ def allreduce(x, axis_name, *, algorithm: str = "ring", op: str = "sum", prescal
     return result
 
 
+@_named("reduce_scatter")
 @links.timed
 def reduce_scatter(x, axis_name, *, algorithm: str = "ring", op: str = "sum", prescale_factor: float = 1.0,
                    postscale_factor: float = 1.0, sizes=None, groups=None):
@@ -198,6 +231,7 @@ def reduce_scatter(x, axis_name, *, algorithm: str = "ring", op: str = "sum", pr
     return ops.finish(out, op, k, postscale_factor)
 
 
+@_named("all_gather")
 @links.timed
 def all_gather(x, axis_name, *, algorithm: str = "ring", sizes=None, groups=None):
     """Like `lax.all_gather(x, axis_name, axis=0, tiled=True)`.
@@ -222,6 +256,7 @@ def all_gather(x, axis_name, *, algorithm: str = "ring", sizes=None, groups=None
     return out if sizes is None else uneven.cut_blocks(out, sizes)
 
 
+@_named("broadcast")
 @links.timed
 def broadcast(x, axis_name, *, root: int = 0, algorithm: str = "tree", groups=None):
     """Every rank along `axis_name` ends with the value `root` holds (any dtype, kept).
@@ -249,6 +284,7 @@ def broadcast(x, axis_name, *, root: int = 0, algorithm: str = "tree", groups=No
     return _within(groups, lambda v, ax: mod.broadcast(v, ax, root=root), x, axis_name, n)
 
 
+@_named("all_to_all")
 @links.timed
 def all_to_all(x, axis_name, *, algorithm: str = "pairwise", groups=None):
     """Like `lax.all_to_all(x, axis_name, 0, 0, tiled=True)`: block j of dimension 0

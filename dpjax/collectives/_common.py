@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import jax.numpy as jnp
 from jax import lax
 
-from dpjax import links
+from dpjax import links, scopes
 
 
 @dataclass(frozen=True)
@@ -63,12 +63,16 @@ def permute(x, axis_name, pairs):
     """`lax.ppermute` with (source, target) pairs numbered along the axis (within each group).
 
     Every point-to-point step of every algorithm passes here, so this is also where an
-    emulated slow link (`dpjax.links`) learns which steps cross it and what they carry."""
+    emulated slow link (`dpjax.links`) learns which steps cross it and what they carry,
+    and where each step gets its name in the compiled program (`dpjax.scopes`: the
+    step's place in the schedule and its bytes, for `dpjax.timeline`)."""
     if isinstance(axis_name, Subgroups):
         pairs = [(g[s], g[t]) for g in axis_name.members for s, t in pairs]
         axis_name = axis_name.axis
-    links.account(axis_name, pairs, x.size * x.dtype.itemsize)
-    return lax.ppermute(x, axis_name, pairs)
+    nbytes = x.size * x.dtype.itemsize
+    links.account(axis_name, pairs, nbytes)
+    with scopes.p2p_step(nbytes):
+        return lax.ppermute(x, axis_name, pairs)
 
 
 def shift_perm(n: int, shift: int = 1) -> list[tuple[int, int]]:

@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dpjax import scopes
 from dpjax.collectives._common import axis_size
 from dpjax.collectives.ops import finish, kind
 from dpjax.fusion import pack, plan_buckets, unpack
@@ -49,15 +50,22 @@ def allreduce(tensors, axis_name, *, op: str = "sum", fusion_mb: float = 64, com
     wire = check_compression(compression)
     plan = plan_buckets(tensors, fusion_mb * 2**20)
     out = []
-    for bucket, buf in zip(plan.buckets, pack(plan, tensors)):
+    for i, (bucket, buf) in enumerate(zip(plan.buckets, pack(plan, tensors))):
         extra = {"segments": bucket.sizes} if op == "adasum" and len(bucket.sizes) > 1 else {}
         compress = wire is not None and kind(buf.dtype) == "float"
         split = compress and options.get("groups") is None  # finish in buf's dtype, after the wire
-        y = one(buf.astype(wire) if compress else buf, axis_name, op="sum" if split and op == "mean" else op,
-                prescale_factor=prescale_factor, postscale_factor=1.0 if split else postscale_factor,
-                **extra, **options)
-        out.append(finish(y.astype(buf.dtype), op, n, postscale_factor) if split else y.astype(buf.dtype))
+        with _bucket(plan, i):
+            y = one(buf.astype(wire) if compress else buf, axis_name, op="sum" if split and op == "mean" else op,
+                    prescale_factor=prescale_factor, postscale_factor=1.0 if split else postscale_factor,
+                    **extra, **options)
+            out.append(finish(y.astype(buf.dtype), op, n, postscale_factor) if split else y.astype(buf.dtype))
     return unpack(plan, out)
+
+
+def _bucket(plan, i: int):
+    """The named scope of bucket i (`dpjax.scopes`): a timeline shows the exchange per bucket."""
+    b = plan.buckets[i]
+    return scopes.scope("bucket", index=i, of=len(plan.buckets), tensors=len(b.sizes), bytes=b.nbytes)
 
 
 def _pieces(plan, bucket):
@@ -81,8 +89,9 @@ def all_gather(tensors, axis_name, *, fusion_mb: float = 64, **options):
     plan = plan_buckets(tensors, fusion_mb * 2**20)
     _check_rows(plan, "grouped all_gather")
     leaves = [None] * len(plan.shapes)
-    for bucket, buf in zip(plan.buckets, pack(plan, tensors)):
-        full = one(buf, axis_name, **options).reshape(n, -1)  # row r: rank r's bucket
+    for b, (bucket, buf) in enumerate(zip(plan.buckets, pack(plan, tensors))):
+        with _bucket(plan, b):
+            full = one(buf, axis_name, **options).reshape(n, -1)  # row r: rank r's bucket
         for i, shape, start, size in _pieces(plan, bucket):
             leaves[i] = full[:, start:start + size].reshape(n * shape[0], *shape[1:])
     return jax.tree.unflatten(plan.treedef, leaves)
@@ -97,9 +106,10 @@ def reduce_scatter(tensors, axis_name, *, op: str = "sum", fusion_mb: float = 64
     _check_rows(plan, "grouped reduce_scatter", n)
     flat = jax.tree.leaves(tensors)
     leaves = [None] * len(plan.shapes)
-    for bucket in plan.buckets:
+    for b, bucket in enumerate(plan.buckets):
         rows = jnp.concatenate([flat[i].reshape(n, -1) for i in bucket.leaves], axis=1)
-        mine = one(rows.reshape(-1), axis_name, op=op, **options)  # my row of every tensor
+        with _bucket(plan, b):
+            mine = one(rows.reshape(-1), axis_name, op=op, **options)  # my row of every tensor
         for i, shape, start, size in _pieces(plan, bucket):
             leaves[i] = mine[start // n:(start + size) // n].reshape(shape[0] // n, *shape[1:])
     return jax.tree.unflatten(plan.treedef, leaves)
