@@ -606,10 +606,12 @@ class Trainer:
                     drain()
                     with phase("eval"):
                         record_eval(step_i)
+                    last_done = time.perf_counter()  # evaluating is not the next step's time
                 if self.ckpt and (done % cfg.ckpt_every == 0 or done == cfg.steps or stop["now"]):
                     drain()
                     with phase("checkpoint"):
                         self.save(done)
+                    last_done = time.perf_counter()  # nor is saving
                 host.close()
                 if profiled and step_i == window[-1]:
                     self._write_timeline(args, write, window)

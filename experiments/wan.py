@@ -23,7 +23,7 @@ The time to the target loss (the hierarchical sync's final validation loss + 1%)
 the wall-clock of the training steps up to the evaluation that reaches it
 (evaluations are done on the side, outside the emulation). A run that would take
 longer than --budget seconds is timed over its first --cap steps and extrapolated
-(marked ~). The prediction beside it: the measured compute of a step without links
+(marked ~), after one cycle of the rule untimed, over whole cycles. The prediction beside it: the measured compute of a step without links
 plus the alpha-beta time of what crosses the link (`cost.schedule`), per step
     sync         compute + comm
     delayed:T    max(compute, comm / T, bytes / bandwidth)
@@ -80,8 +80,7 @@ def predict(label, nelems, compute, link: Link) -> float:
         s = schedule("ring", 8, nelems)
         steps, nbytes = s.steps, s.bytes
     comm, wire = steps * link.latency + nbytes / link.bandwidth, nbytes / link.bandwidth
-    kind, _, n = rule.partition(":")
-    n = int(n.split(",")[0]) if n else 0
+    kind, n = rule.partition(":")[0], period(label)
     if kind == "delayed":
         return max(compute, comm / n, wire)
     if kind == "sparse":
@@ -89,18 +88,27 @@ def predict(label, nelems, compute, link: Link) -> float:
     return compute + comm
 
 
-def timed_run(bench, label, links, steps):
-    """Per-step wall-clock seconds of `steps` training steps (each awaited), compiled first."""
+def period(label) -> int:
+    """Steps in one cycle of the rule's exchange (T of delayed:T, P of sparse:P; 1 for sync)."""
+    _, _, n = VARIANTS[label][0].partition(":")
+    return int(n.split(",")[0]) if n else 1
+
+
+def timed_run(bench, label, links, steps, skip=0):
+    """Per-step wall-clock seconds of `steps` training steps (each awaited), compiled
+    first; the first `skip` steps run untimed (a cut run's warm-up: delayed:T's first T
+    steps have nothing to wait for yet)."""
     rule = VARIANTS[label][0]
     layout, step = bench.step(rule, links=links, donate=False)
     params, state = step.init(S.init_params(bench.model, layout, jax.random.key(bench.seed)))
     jax.block_until_ready(step.train(params, state, bench.train[0]))  # compile (and a throw-away step)
     times = []
-    for batch in bench.train[:steps]:
+    for i, batch in enumerate(bench.train[:skip + steps]):
         t = time.perf_counter()
         params, state, loss = step.train(params, state, batch)
         float(loss)
-        times.append(time.perf_counter() - t)
+        if i >= skip:
+            times.append(time.perf_counter() - t)
     return times
 
 
@@ -148,7 +156,10 @@ def main(argv=None):
             predicted = predict(label, nelems, compute[label], link)
             n = s or args.steps
             cut = predicted * n > args.budget
-            times = timed_run(benches[label], label, axis_link, min(n, args.cap) if cut else n)
+            k = period(label)
+            # a cut run: whole cycles of the rule, after one cycle of warm-up
+            times = (timed_run(benches[label], label, axis_link, -(-args.cap // k) * k, skip=k) if cut
+                     else timed_run(benches[label], label, axis_link, n))
             per_step = sum(times) / len(times)
             to_target = None if s is None else (per_step * s if cut else sum(times[:s]))
             results.setdefault(name, {})[label] = {"predicted_s": predicted, "measured_s": per_step, "cut": cut,

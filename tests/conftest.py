@@ -1,4 +1,4 @@
-"""Shared test setup: 8 simulated CPU devices, meshes over device subsets, a compile cache.
+"""Shared test setup: 8 simulated CPU devices, meshes over device subsets, compile caches.
 
 XLA reads XLA_FLAGS once, when JAX initialises its backends, so the flag is set here,
 before anything imports jax. Every test module then sees 8 CPU devices (whatever else
@@ -16,6 +16,19 @@ _COUNT_FLAG = "--xla_force_host_platform_device_count"
 # XLA's parsing order.
 _flags = re.sub(rf"{_COUNT_FLAG}=\S*", "", os.environ.get("XLA_FLAGS", "")).split()
 os.environ["XLA_FLAGS"] = " ".join([*_flags, f"{_COUNT_FLAG}=8"])
+
+# A compile cache for the session, shared with the processes tests start: a resumed run
+# compiles the program the interrupted one compiled (the cache key is the program, so a
+# hit is the same executable). Fresh per session; removed at exit.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    import atexit
+    import shutil
+    import tempfile
+
+    _cache = tempfile.mkdtemp(prefix="dpjax-test-jit-")
+    atexit.register(shutil.rmtree, _cache, ignore_errors=True)
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache
+    os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
 
 import jax  # noqa: E402  (must come after XLA_FLAGS)
 import numpy as np  # noqa: E402

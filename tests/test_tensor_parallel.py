@@ -176,6 +176,7 @@ def gpt():
     return get_model("gpt", seq_len=16, d_model=32, n_layers=2, n_heads=8)
 
 
+@pytest.mark.slow
 def test_init_is_the_same_on_every_mesh(mesh_of, gpt):
     ref = jax.tree.map(np.asarray, S.init_params(gpt, make_layout(gpt, mesh_of("1x1", 1)), jax.random.key(3)))
     for spec, fsdp in [("2x4", False), ("1x8", False), ("8x1", True)]:
@@ -192,6 +193,7 @@ def sync_step(model, layout, opt=S.OptimizerConfig(), batch=8):
     return step, params, state
 
 
+@pytest.mark.slow
 def test_without_tensor_parallelism_parameters_are_replicated(mesh_of, gpt, put):
     """tensor_parallel=False: parameters replicated over `model`, the dense model, a local
     clipping norm. AdamW with clipping on 2x4 then trains like one device (a split
@@ -218,6 +220,7 @@ def compiled_argument_bytes(model, mesh, fsdp):
     return compiled.memory_analysis().argument_size_in_bytes, params, state
 
 
+@pytest.mark.slow  # tests/test_nn.py and test_pipeline.py read the memory analysis in the quick set
 def test_per_device_bytes_from_memory_analysis(mesh_of, gpt):
     """Parameters + Adam state per device, from the compiled step: the model-split leaves
     take a quarter on 2x4, and everything but scalars an eighth under FSDP on 8x1."""

@@ -41,12 +41,18 @@ def reference(corpus, tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize("mesh,algorithm,extra", [("8x1", a, ()) for a in ALGORITHMS if a != "hierarchical"]
-                         + [("2x4x1", "hierarchical", ()), ("4x2x1", "ring", ())]
+SLOW = pytest.mark.slow  # the same property on more meshes and algorithms: `pytest -m slow`
+
+
+@pytest.mark.parametrize("mesh,algorithm,extra",
+                         [pytest.param("8x1", a, (), marks=() if a == "ring" else SLOW)
+                          for a in ALGORITHMS if a != "hierarchical"]
+                         + [("2x4x1", "hierarchical", ()), pytest.param("4x2x1", "ring", (), marks=SLOW)]
                          # tensor parallelism over `model`, then FSDP (ZeRO-3) over `data`
-                         + [("2x4", "ring", ()), ("1x8", "ring", ()), ("4x2", "ring", ()),
-                            ("2x4", "ring", ("--tp-allreduce", "butterfly")),
-                            ("8x1", "ring", ("--fsdp",)), ("2x4", "butterfly", ("--fsdp",)),
+                         + [("2x4", "ring", ()), pytest.param("1x8", "ring", (), marks=SLOW),
+                            pytest.param("4x2", "ring", (), marks=SLOW),
+                            pytest.param("2x4", "ring", ("--tp-allreduce", "butterfly"), marks=SLOW),
+                            ("8x1", "ring", ("--fsdp",)), pytest.param("2x4", "butterfly", ("--fsdp",), marks=SLOW),
                             ("2x2x2", "hierarchical", ("--fsdp",))])
 def test_parallel_equals_one_device(corpus, reference, tmp_path, mesh, algorithm, extra):
     path = tmp_path / "m.jsonl"
@@ -57,13 +63,18 @@ def test_parallel_equals_one_device(corpus, reference, tmp_path, mesh, algorithm
     np.testing.assert_allclose(losses(path), reference, rtol=2e-5, atol=0)
 
 
-def test_metrics_and_summary(corpus, tmp_path, capsys):
+def test_metrics_and_summary(corpus, tmp_path, capsys, monkeypatch):
+    from dpjax.train import Trainer
+
+    evaluate = Trainer.evaluate
+    monkeypatch.setattr(Trainer, "evaluate", lambda self: (time.sleep(1.5), evaluate(self))[1])  # a slow eval
     path = tmp_path / "m.jsonl"
     assert main(tiny(corpus, "--mesh", "8x1", "--steps", "6", "--eval-every", "3", "--metrics", str(path))) == 0
     recs = [json.loads(line) for line in open(path)]
     train = [r for r in recs if "loss" in r]
     assert [r["step"] for r in train] == list(range(6))
     assert all(r["tokens_per_s"] > 0 and r["step_time"] > 0 for r in train)
+    assert train[3]["step_time"] < 1.5  # the evaluation before step 3 is not its time
     assert [r["step"] for r in recs if "eval_loss" in r] == [2, 5]
     last = capsys.readouterr().out.strip().splitlines()[-1]
     assert last.startswith("done: 6 steps on mesh 8x1, train loss ") and "eval loss" in last and "tokens/s" in last
@@ -87,7 +98,8 @@ COMPOSED = ("--mesh", "2x2x2", "--fsdp", "--update", "sparse:4", "--workers", "n
             "--backward-passes", "2")
 
 
-@pytest.mark.parametrize("how,extra", [("kill", COMPOSED), ("ctrl-c", ("--mesh", "8x1"))], ids=["kill", "ctrl-c"])
+@pytest.mark.parametrize("how,extra", [("kill", COMPOSED), pytest.param("ctrl-c", ("--mesh", "8x1"), marks=SLOW)],
+                         ids=["kill", "ctrl-c"])
 def test_interrupt_and_resume_equals_uninterrupted(corpus, tmp_path, how, extra):
     ckpt, path = tmp_path / "ckpt", tmp_path / "m.jsonl"
     steps = 30  # interrupted after ~10, so well before the end
@@ -115,7 +127,8 @@ def test_interrupt_and_resume_equals_uninterrupted(corpus, tmp_path, how, extra)
     assert resumed == losses(straight)
 
 
-@pytest.mark.parametrize("first,second", [(("2x4",), ("4x2",)), (("2x4",), ("1x1",)),
+@pytest.mark.parametrize("first,second", [pytest.param(("2x4",), ("4x2",), marks=SLOW),
+                                          pytest.param(("2x4",), ("1x1",), marks=SLOW),
                                           (("8x1", "--fsdp"), ("1x8",))])
 def test_resume_on_another_mesh(corpus, reference, tmp_path, first, second):
     """Checkpoints hold global arrays: half the run on one layout, the rest on another,

@@ -239,6 +239,7 @@ def test_train_update_flag_resumes_exactly(corpus, tmp_path, capsys):
     assert len(err) == 1 and "optimizer.update: saved 'delayed:2', now 'sparse:4'" in err[0], err
 
 
+@pytest.mark.slow  # tests/test_step.py covers every rule on 2x4 against a simulation
 @pytest.mark.parametrize("update", ["delayed:2", "sparse:3", "async:2"])
 def test_update_rules_compose_with_tensor_parallelism(corpus, tmp_path, update):
     """The same 2 workers with their parameters split 4 ways over `model`, or whole: the
