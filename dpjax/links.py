@@ -11,7 +11,8 @@ bytes the busiest device sends over it (Hockney's alpha-beta model, as
 two host callbacks are compiled around it:
 
     issue  when its input is ready: the host clock computes when it would finish,
-           t + sum of latencies + bytes / bandwidth, where the bytes wait behind the
+           t + sum of latencies + bytes / bandwidth (t: when the first device issued
+           this call; see `Clock`), where the bytes wait behind the
            transfers this device already has in flight on the wire (one queue per
            device: its bandwidth is shared, its latencies overlap);
     wait   where its result is consumed: sleep until that time (no sleep if it is past).
@@ -95,17 +96,36 @@ class Clock:
 
     A device's wire is a queue: a transfer's bytes start when the bytes before them have
     left (`busy`) and take bytes / bandwidth; its latencies then add (they overlap with
-    other transfers'). Tickets are small ints that name a finish time."""
+    other transfers'). Tickets are small ints that name a finish time.
 
-    def __init__(self):
+    One call of a collective is issued by every device (`devices` of them), each when
+    its own input is ready. The call's transfers start when the first device issues it:
+    on this machine the devices are threads that take turns on a few cores, and a device
+    whose thread is held up (e.g. behind the other devices' sleeping waits; the runtime
+    has a bounded pool) would otherwise start its transfer, and so the step's end, one
+    whole transfer late. `site` names the call in the program; the n-th issue of a site
+    by a device belongs to the site's n-th call."""
+
+    def __init__(self, devices: int = 1):
         self._lock = threading.Lock()
         self._busy: dict[int, float] = {}
         self._done: dict[int, float] = {}
         self._ids = itertools.count(1)
+        self._devices = devices
+        self._calls: dict[tuple, int] = {}  # (site, device) -> calls issued
+        self._first: dict[tuple, list] = {}  # (site, call) -> [first issue time, devices issued]
 
-    def issue(self, device: int, latency: float, wire: float) -> int:
+    def issue(self, device: int, latency: float, wire: float, site: int | None = None) -> int:
         now = time.perf_counter()
         with self._lock:
+            if site is not None:
+                n = self._calls.get((site, device), 0)
+                self._calls[site, device] = n + 1
+                first = self._first.setdefault((site, n), [now, 0])
+                first[1] += 1
+                if first[1] >= self._devices:
+                    del self._first[site, n]
+                now = first[0]
             start = max(now, self._busy.get(device, now))
             self._busy[device] = start + wire
             ticket = next(self._ids) % (2**31 - 1) + 1
@@ -143,9 +163,11 @@ class Emulator:
 
     mesh: object
     links: tuple
-    clock: Clock = field(default_factory=Clock)
+    clock: Clock | None = None
 
     def __post_init__(self):
+        if self.clock is None:
+            self.clock = Clock(self.mesh.size)
         for link in self.links:
             if link.axis not in self.mesh.axis_names:
                 raise UserError(f"--link {link}: the mesh {dict(self.mesh.shape)} has no axis {link.axis!r}")
@@ -226,7 +248,7 @@ def timed(collective):
         if frame.latency == 0.0 and frame.wire == 0.0:
             return y
         em.traced.append((collective.__name__, frame.latency, frame.wire))
-        ticket = _issue(em, x, frame)
+        ticket = _issue(em, x, frame, site=len(em.traced))
         if em._pending:
             em._pending[-1].append(ticket)
             return y
@@ -239,12 +261,12 @@ def _device(mesh):
     return lax.axis_index(tuple(mesh.axis_names))
 
 
-def _issue(em: Emulator, x, frame: _Frame):
+def _issue(em: Emulator, x, frame: _Frame, site: int):
     # The input as a dependency: the transfer starts when the input is ready.
     first = jnp.ravel(jax.tree.leaves(x)[0])[:1].astype(jnp.float32)
 
     def host(device, _):
-        return np.int32(em.clock.issue(int(device), frame.latency, frame.wire))
+        return np.int32(em.clock.issue(int(device), frame.latency, frame.wire, site))
 
     return io_callback(host, jax.ShapeDtypeStruct((), jnp.int32), _device(em.mesh), first)
 

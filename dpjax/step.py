@@ -180,8 +180,8 @@ def build(loss_fn, layout: Layout, rule: UpdateRule, *, abstract_params, passes:
 
     def smap(fn, in_specs, out_specs):
         if emulator is not None:  # collectives traced inside time themselves on the links
-            fn = _traced_under(emulator, fn)
-        fn = _numbered(fn)
+            fn = _traced_within(emulator.active, fn)
+        fn = _traced_within(scopes.numbered_calls, fn)
         return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
 
     # Parameters are replicated over the data axes FSDP does not split: Horovod's
@@ -219,20 +219,13 @@ def build(loss_fn, layout: Layout, rule: UpdateRule, *, abstract_params, passes:
         consensus=jax.jit(smap(consensus_body, (pspecs_w,), pspecs)))
 
 
-def _traced_under(emulator, fn):
+def _traced_within(context, fn):
+    """fn, traced inside `context()`: `scopes.numbered_calls` numbers its collective calls
+    in their names (so that a timeline tells apart calls XLA interleaves; names only, the
+    program is the same); an emulator's `active` makes them time themselves on its links."""
     @functools.wraps(fn)
     def traced(*args):
-        with emulator.active():
-            return fn(*args)
-    return traced
-
-
-def _numbered(fn):
-    """fn traced with its collective calls numbered in their names (`dpjax.scopes`), so
-    that a timeline tells apart calls XLA interleaves. Names only: the program is the same."""
-    @functools.wraps(fn)
-    def traced(*args):
-        with scopes.numbered_calls():
+        with context():
             return fn(*args)
     return traced
 

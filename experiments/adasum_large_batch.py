@@ -32,7 +32,8 @@ import sys
 import optax
 
 from dpjax import updates as U
-from update_runs import MACHINE, Bench, plot
+from large_batch import report
+from update_runs import MACHINE, Bench
 
 
 def main(argv=None):
@@ -75,15 +76,8 @@ def compare(args, eta, plot_path):
         run = bench.run("sync", verbose=False)
         results.append((label, batch, steps, run))
 
-    half = k * args.batch * args.steps // 2
-    for label, batch, steps, run in results:
-        at_half = min(run.evals, key=lambda e: abs(e[0] * batch - half))[1]
-        fmt = lambda v: "diverged" if not v < 20 else f"{v:.4f}"  # noqa: E731
-        print(f"| {eta:g} | {label} | {fmt(at_half)} | {fmt(run.final_eval)} |", flush=True)
-    series = [(label, [s * batch for s, _ in run.evals], [min(v, 6.0) for _, v in run.evals])
-              for label, batch, _, run in results]
-    plot(plot_path, series, "sequences seen", "validation loss (clipped at 6)",
-         f"Batch x{k}, eta {eta:g}: Adasum against averaging, 8 workers, SGD")
+    report(results, eta, k * args.batch * args.steps, plot_path,
+           f"Batch x{k}, eta {eta:g}: Adasum against averaging, 8 workers, SGD")
 
 
 if __name__ == "__main__":

@@ -73,15 +73,20 @@ def compare(args, eta, plot_path):
         run = bench.run("sync", verbose=False)
         results.append((label, batch, steps, run))
 
-    half = k * args.batch * args.steps // 2
+    report(results, eta, k * args.batch * args.steps, plot_path,
+           f"Batch x{k}, eta {eta:g}: linear scaling and warmup (Goyal et al.), 8 workers")
+
+
+def report(results, eta, sequences, plot_path, title):
+    """One table row per run (the loss at half the sequences and at the end) and the plot.
+    results: (label, batch, steps, Run); sequences: what every run sees in all."""
     for label, batch, steps, run in results:
-        at_half = min(run.evals, key=lambda e: abs(e[0] * batch - half))[1]
+        at_half = min(run.evals, key=lambda e: abs(e[0] * batch - sequences // 2))[1]
         fmt = lambda v: "diverged" if not v < 20 else f"{v:.4f}"  # noqa: E731
         print(f"| {eta:g} | {label} | {fmt(at_half)} | {fmt(run.final_eval)} |", flush=True)
     series = [(label, [s * batch for s, _ in run.evals], [min(v, 6.0) for _, v in run.evals])
               for label, batch, _, run in results]
-    plot(plot_path, series, "sequences seen", "validation loss (clipped at 6)",
-         f"Batch x{k}, eta {eta:g}: linear scaling and warmup (Goyal et al.), 8 workers")
+    plot(plot_path, series, "sequences seen", "validation loss (clipped at 6)", title)
 
 
 if __name__ == "__main__":

@@ -62,6 +62,23 @@ def test_clock_queues_bytes_and_overlaps_latencies():
     assert time.perf_counter() - t0 < tb + 0.05
 
 
+def test_a_call_starts_when_its_first_device_issues_it():
+    """A device that issues a call late (its thread held up) finishes with the others;
+    its next call of the same site is a call of its own."""
+    clock = links.Clock(devices=2)
+    t0 = time.perf_counter()
+    a = clock.issue(0, latency=0.20, wire=0.0, site=7)
+    time.sleep(0.15)
+    b = clock.issue(1, latency=0.20, wire=0.0, site=7)  # late: done with a, at +0.20
+    clock.wait(b)
+    tb = time.perf_counter() - t0
+    c = clock.issue(1, latency=0.20, wire=0.0, site=7)  # the site's next call: from now
+    clock.wait(a)
+    clock.wait(c)
+    tc = time.perf_counter() - t0
+    assert 0.20 <= tb < 0.28 and tb + 0.20 <= tc < tb + 0.28, (tb, tc)
+
+
 LINK = links.AxisLink("node", latency=0.2, bandwidth=1e9)
 
 
