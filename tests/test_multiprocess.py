@@ -166,7 +166,8 @@ def test_the_launcher_escalates_to_sigkill(tmp_path, how):
                                 env={**os.environ, "DPJAX_LAUNCH_GRACE": "1"})
     try:
         deadline = time.time() + 30
-        while len(_pids_with(marker)) < 3:  # the launcher and its two processes
+        # the launcher and its two processes; a failing rank 1 may be gone before it is seen
+        while len(_pids_with(marker)) < (3 if how == "ctrl-c" else 2):
             assert time.time() < deadline, "processes never started"
             time.sleep(0.1)
         time.sleep(0.5)  # past the children's signal set-up

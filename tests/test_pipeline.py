@@ -241,7 +241,7 @@ def training_cases():
             yield pytest.param(schedule, spec, {}, marks=pytest.mark.slow, id=f"{schedule}|{spec}")
 
 
-@pytest.mark.parametrize("schedule,spec,options", training_cases())
+@pytest.mark.parametrize("schedule,spec,options", list(training_cases()))
 def test_pipeline_equals_one_device(mesh_of, schedule, spec, options):
     """4 layers (S*V where that is more), twice as many micro-batches as stages where the
     replica's rows allow (else one per stage): the first step's gradient (every leaf, the
