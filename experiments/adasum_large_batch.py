@@ -29,9 +29,6 @@ import argparse
 import datetime
 import sys
 
-import optax
-
-from dpjax import updates as U
 from large_batch import report
 from update_runs import MACHINE, Bench
 
@@ -69,10 +66,9 @@ def compare(args, eta, plot_path):
     ]
     results = []
     for label, batch, steps, lr, op in variants:
-        bench = Bench(batch_size=batch, steps=steps, eval_every=max(1, steps // 16), optimizer="sgd", lr=lr)
         # Every variant the sync rule; Adasum's runs over its own butterfly.
-        bench.rule = lambda spec, bench=bench, lr=lr, op=op: U.sync(
-            optax.sgd(lr), bench.axis, algorithm="butterfly" if op == "adasum" else "ring", op=op)
+        bench = Bench(batch_size=batch, steps=steps, eval_every=max(1, steps // 16), optimizer="sgd", lr=lr,
+                      algorithm="butterfly" if op == "adasum" else "ring", options={"op": op})
         run = bench.run("sync", verbose=False)
         results.append((label, batch, steps, run))
 

@@ -53,8 +53,9 @@ class Bench:
 
     def __init__(self, *, model="mlp", mesh="8x1", batch_size=64, seq_len=32, steps=200, optimizer="momentum",
                  lr=0.05, warmup_steps=0, lr_scaling="none", clip_norm=0.0, algorithm="ring", eval_every=20,
-                 eval_batches=4, seed=0, data="stdlib", d_model=None, workers=None):
+                 eval_batches=4, seed=0, data="stdlib", d_model=None, workers=None, options=None):
         self.mesh = make_mesh(mesh)
+        self.options = dict(options or {})  # more allreduce arguments (e.g. op="adasum")
         self.workers = workers
         self.model = get_model(model, seq_len=seq_len, **({"d_model": d_model, "n_layers": 2, "n_heads": 4}
                                                           if model == "gpt" else {}))
@@ -76,7 +77,7 @@ class Bench:
     def step(self, spec: str, links=(), donate: bool = True):
         """(layout, TrainStep) of the rule `spec`; links: emulated slow links (dpjax.links)."""
         layout = self.layout(spec)
-        exchange = S.Exchange(self.algorithm)
+        exchange = S.Exchange(self.algorithm, options=self.options)
         inner = self.inner or self.opt.make(self.batch_size, layout.specs)
         rule = U.make_rule(spec, inner, layout.workers, seed=self.seed, **exchange.kwargs())
         abstract = jax.eval_shape(self.model.init, jax.random.key(0))
