@@ -29,7 +29,7 @@ import argparse
 import datetime
 import sys
 
-from large_batch import report
+from large_batch import plot_path, report
 from update_runs import MACHINE, Bench
 
 
@@ -50,12 +50,11 @@ def main(argv=None):
           f"variant; validation loss (lower is better)\n")
     print("| eta | variant | loss at half the samples | final loss |\n|---|---|---|---|")
     for eta in args.lr:
-        stem, dot, ext = args.plot.rpartition(".")
-        compare(args, eta, f"{stem}_eta{eta:g}.{ext}" if dot else f"{args.plot}_eta{eta:g}")
+        compare(args, eta, plot_path(args.plot, eta))
     return 0
 
 
-def compare(args, eta, plot_path):
+def compare(args, eta, png):
     k = args.k
     variants = [  # (label, batch, steps, lr, op)
         (f"small: batch {args.batch}, lr {eta:g}", args.batch, k * args.steps, eta, "mean"),
@@ -72,7 +71,7 @@ def compare(args, eta, plot_path):
         run = bench.run("sync", verbose=False)
         results.append((label, batch, steps, run))
 
-    report(results, eta, k * args.batch * args.steps, plot_path,
+    report(results, eta, k * args.batch * args.steps, png,
            f"Batch x{k}, eta {eta:g}: Adasum against averaging, 8 workers, SGD")
 
 

@@ -48,12 +48,11 @@ def main(argv=None):
           f"of 32 bytes seen by every variant; validation loss (lower is better)\n")
     print("| eta | variant | loss at half the samples | final loss |\n|---|---|---|---|")
     for eta in args.lr:
-        stem, dot, ext = args.plot.rpartition(".")
-        compare(args, eta, f"{stem}_eta{eta:g}.{ext}" if dot else f"{args.plot}_eta{eta:g}")
+        compare(args, eta, plot_path(args.plot, eta))
     return 0
 
 
-def compare(args, eta, plot_path):
+def compare(args, eta, png):
     k = args.k
 
     def sgd(lr):
@@ -73,11 +72,17 @@ def compare(args, eta, plot_path):
         run = bench.run("sync", verbose=False)
         results.append((label, batch, steps, run))
 
-    report(results, eta, k * args.batch * args.steps, plot_path,
+    report(results, eta, k * args.batch * args.steps, png,
            f"Batch x{k}, eta {eta:g}: linear scaling and warmup (Goyal et al.), 8 workers")
 
 
-def report(results, eta, sequences, plot_path, title):
+def plot_path(plot: str, eta: float) -> str:
+    """One picture per eta: plots/x.png -> plots/x_eta0.1.png."""
+    stem, dot, ext = plot.rpartition(".")
+    return f"{stem}_eta{eta:g}.{ext}" if dot else f"{plot}_eta{eta:g}"
+
+
+def report(results, eta, sequences, png, title):
     """One table row per run (the loss at half the sequences and at the end) and the plot.
     results: (label, batch, steps, Run); sequences: what every run sees in all."""
     for label, batch, steps, run in results:
@@ -86,7 +91,7 @@ def report(results, eta, sequences, plot_path, title):
         print(f"| {eta:g} | {label} | {fmt(at_half)} | {fmt(run.final_eval)} |", flush=True)
     series = [(label, [s * batch for s, _ in run.evals], [min(v, 6.0) for _, v in run.evals])
               for label, batch, _, run in results]
-    plot(plot_path, series, "sequences seen", "validation loss (clipped at 6)", title)
+    plot(png, series, "sequences seen", "validation loss (clipped at 6)", title)
 
 
 if __name__ == "__main__":
