@@ -28,12 +28,13 @@ import sys
 from collections import defaultdict
 from dataclasses import dataclass
 
+from dpjax.collectives.cost import bus_factor
 from dpjax.errors import UserError
 from dpjax.timeline import FORMAT
 from dpjax.timeline_spans import intersect, length, subtract, union
 
-BUS_FACTOR = {"allreduce": lambda n: 2 * (n - 1) / n, "reduce_scatter": lambda n: (n - 1) / n,
-              "all_gather": lambda n: (n - 1) / n, "all_to_all": lambda n: (n - 1) / n, "broadcast": lambda n: 1.0}
+BUS_KINDS = ("allreduce", "reduce_scatter", "all_gather", "all_to_all", "broadcast")
+
 
 
 def load(path: str) -> dict:
@@ -131,7 +132,7 @@ def _collectives(ev, device_steps: int) -> list:
     for (phase, kind, alg, axis, n, nbytes, bucket, name), calls in groups.items():
         t = statistics.fmean(c["own_us"] for c in calls) * 1e-6
         algbw = nbytes / t if nbytes and t > 0 else None
-        factor = BUS_FACTOR.get(kind, lambda n: None)(n) if n else None
+        factor = bus_factor(kind, n) if n and kind in BUS_KINDS else None
         rows.append({"name": name, "phase": phase, "collective": kind, "algorithm": alg, "axis": axis, "n": n,
                      "bytes": nbytes, "calls": len(calls) / device_steps, "time": t,
                      "p2p_steps": statistics.fmean(c["p2p_steps"] for c in calls),

@@ -86,12 +86,6 @@ ALGORITHMS = ("psum", "ring", "butterfly", "tree", "ps", "ps-n", "hierarchical")
 ALL_TO_ALL = ("psum", "pairwise", "bruck")  # "psum": XLA's own all-to-all, the baseline
 
 
-def bus_factor(primitive: str, n: int) -> float:
-    """Bytes over N the busiest device must send at least (Patarasuk-Yuan for allreduce;
-    every block but its own for all-to-all): the lower bound and nccl-tests' busbw factor."""
-    return 2 * (n - 1) / n if primitive == "allreduce" else (n - 1) / n
-
-
 def baseline_label(primitive: str) -> str:
     return "psum (XLA all-reduce)" if primitive == "allreduce" else "XLA all-to-all"
 
@@ -360,7 +354,7 @@ def run(args, log=print):
     n = args.devices
     devices = pick_devices(args)
     variants = {name: Variant(name, n, devices, args.primitive) for name in ["psum"] + args.algorithms}
-    bound = bus_factor(args.primitive, n)
+    bound = cost.bus_factor(args.primitive, n)
     rows = []
     rng = np.random.default_rng(0)
     for nbytes in args.sizes:
@@ -448,7 +442,7 @@ def fit_link(rows, n, args):
                 "given by --latency-us / --bandwidth-gbps")
     pts = sorted((r["size_bytes"], r["time_s"]) for r in rows if r["algorithm"] == "psum")
     t = np.array([p[1] for p in pts])
-    b = np.array([bus_factor(args.primitive, n) * p[0] for p in pts])
+    b = np.array([cost.bus_factor(args.primitive, n) * p[0] for p in pts])
     if len(pts) < 2:
         return cost.Link(float(t[0]), float("inf")), f"psum at {fmt_size(pts[0][0])} taken as pure latency"
     # alpha + b * beta = t, least squares on the relative error (each row divided by t),
@@ -464,10 +458,12 @@ def fit_link(rows, n, args):
 
 
 def finish_rows(rows, n, link, primitive="allreduce"):
+    from dpjax.collectives import cost
+
     for r in rows:
         algbw = r["size_bytes"] / r["time_s"]
         r["algbw_GBps"] = algbw / 1e9
-        r["busbw_GBps"] = algbw * bus_factor(primitive, n) / 1e9
+        r["busbw_GBps"] = algbw * cost.bus_factor(primitive, n) / 1e9
         r["model_time_s"] = model_time(r, link)
     return rows
 

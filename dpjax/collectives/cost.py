@@ -179,9 +179,23 @@ def schedule_sets(algorithm: str, sets, nelems: int, itemsize: int = 4, **kw) ->
     return Schedule(sum(p.steps for p in passes), max(p.bytes for p in passes))
 
 
+def bus_factor(collective: str, n: int) -> float:
+    """nccl-tests' bus-bandwidth factor (busbw = algbw x this): the share of N bytes the
+    busiest link must carry, 2(n-1)/n for an allreduce, (n-1)/n for a reduce-scatter,
+    an all-gather or an all-to-all, 1 for a broadcast. For the allreduce it is also the
+    Patarasuk-Yuan lower bound on the bytes some device sends, over N."""
+    if collective == "allreduce":
+        return 2 * (n - 1) / n
+    if collective == "broadcast":
+        return 1.0
+    if collective in ("reduce_scatter", "all_gather", "all_to_all"):
+        return (n - 1) / n
+    raise ValueError(f"no bus factor for collective {collective!r}")
+
+
 def lower_bound_bytes(n: int, nbytes: int) -> float:
     """Patarasuk & Yuan: any allreduce sends at least 2(n-1)/n * N bytes from some device."""
-    return 2 * (n - 1) / n * nbytes
+    return bus_factor("allreduce", n) * nbytes
 
 
 # ---------------------------------------------------------------------------------------
