@@ -133,15 +133,14 @@ def make_layout(model, mesh, *, algorithm: str = "ring", fsdp: bool = False, fsd
     """Resolves `model.SPECS` on `mesh` (tensor_parallel=False: every parameter replicated
     over `model`); `workers`: the data axes an update rule's workers span (FSDP splits over
     the others). On a mesh with a `stage` axis the layer stack is split over it and run by
-    `pipeline` (default `Pipeline()`: 1F1B, one micro-batch per stage). Raises UserError
-    (one line) when a split dimension does not divide by its axis, or the pipeline does
-    not fit the model."""
+    `pipeline` (default `Pipeline()`: 1F1B, one micro-batch per stage; `dpjax.plan` checks
+    that it fits the model). Raises UserError (one line) when a split dimension does not
+    divide by its axis."""
     layers = getattr(model, "LAYERS", None)
-    if STAGE in mesh.axis_names:
-        pipeline = pp.check(model, mesh, pipeline or pp.Pipeline())
+    if STAGE in mesh.axis_names:  # checked by dpjax.plan; here only its micro-batches resolved
+        pipeline = (pipeline or pp.Pipeline()).resolved(mesh.shape[STAGE])
     elif pipeline is not None:
-        raise UserError(f"a pipeline schedule needs a stage axis; mesh {dict(mesh.shape)} has none "
-                        "(name one, e.g. 'stage=2,data=4')")
+        raise ValueError(f"a pipeline needs a stage axis; mesh {dict(mesh.shape)} has none")
     V = pipeline.virtual_stages if pipeline else 1
     abstract = jax.eval_shape(lambda k: pp.store(model.init(k), layers, V), jax.random.key(0))
     if tensor_parallel:

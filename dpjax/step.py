@@ -1,10 +1,11 @@
-"""THE step builder: model x layout x update rule x exchange options -> jitted steps.
+"""THE step builder: a plan (`dpjax.plan`) -> jitted steps.
 
-Every training step dpjax runs is assembled here, whatever the rule (sync, delayed,
-sparse, async: `dpjax.updates`), the layout (replicated, tensor-parallel over `model`,
-FSDP over the data axes, workers over some data axes: `dpjax.sharding.Layout`) and the
-exchange (allreduce algorithm, tensor fusion, wire compression, gradient accumulation).
-A feature is added once and composes with the rest.
+Every training step dpjax runs is assembled here from one `Plan`, whatever the rule
+(sync, delayed, sparse, async: `dpjax.updates`), the layout (replicated, tensor-parallel
+over `model`, FSDP over the data axes, workers over some data axes, stages:
+`dpjax.sharding.Layout`) and the exchange (allreduce algorithm, tensor fusion, wire
+compression, gradient accumulation). A feature is added once and composes with the
+rest. Nothing here checks settings: the plan did.
 
 Inside one `shard_map` a device holds its rows of the batch and its shards of the
 parameters; the step is, per device:
@@ -24,8 +25,9 @@ The worker axes are `layout.workers`; the rest of the data axes are synchronous 
 parallelism inside each worker. Rules whose workers diverge (`rule.per_worker`) keep
 every worker's parameters and state on a leading worker axis, split over the worker
 axes, so each device holds its own worker's copy (sharded like the parameters it
-mirrors) and a checkpoint holds them all. Every byte between devices goes through an
-explicit dpjax collective.
+mirrors) and a checkpoint holds them all. Every gradient and parameter byte between
+devices goes through an explicit dpjax collective; the two scalar means (the reported
+loss and the evaluation loss) are XLA's `lax.pmean` of one float.
 
 Shape suffixes: a dimension split over a mesh axis is marked with the axis's initial
 (`Bd`: the batch split over the data axes; `Fm`: split over `model`). Outside a
@@ -35,7 +37,7 @@ shard_map the name is the global array, inside it this device's block.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import jax
@@ -47,34 +49,12 @@ from jax.sharding import PartitionSpec as P
 
 from dpjax import links as emulation
 from dpjax import scopes
-from dpjax.data_parallel import COMPRESSIONS, allreduce_gradients, broadcast_params
+from dpjax.data_parallel import allreduce_gradients, broadcast_params
 from dpjax.mesh import data_axes, dp_size
-from dpjax.optim import OptimizerConfig
-from dpjax.pipeline import check_batch
 from dpjax.pipeline import staged as pipeline_staged
+from dpjax.plan import Exchange, Plan, for_rule
 from dpjax.sharding import Layout, is_spec
-from dpjax.updates.rules import UpdateRule, as_axes, axis_arg, make_rule
-
-
-@dataclass(frozen=True)
-class Exchange:
-    """How gradients and parameters cross the data axes: dpjax's allreduce `algorithm`,
-    the tensor-fusion bucket cap, and the dtype on the wire (None, "bf16", "fp16").
-    options: extra allreduce arguments (`num_servers` for ps, `outer_algorithm` for
-    hierarchical)."""
-
-    algorithm: str = "ring"
-    fusion_mb: float = 64.0
-    compression: str | None = None
-    options: dict = field(default_factory=dict)
-
-    def kwargs(self) -> dict:
-        return {"algorithm": self.algorithm, "fusion_mb": self.fusion_mb, "compression": self.compression,
-                **self.options}
-
-    @property
-    def wire(self):
-        return COMPRESSIONS[self.compression]
+from dpjax.updates.rules import UpdateRule, as_axes, axis_arg
 
 
 @dataclass(frozen=True)
@@ -110,31 +90,21 @@ class TrainStep:
         return self.layout.shardings(self.param_specs), self.layout.shardings(self.state_specs)
 
 
-def default_workers(mesh, per_worker: bool) -> tuple:
-    """The worker axes when none are named: every data axis for rules whose workers
-    diverge (each data-parallel rank a worker), none for sync (one synchronous group:
-    FSDP then splits over every data axis, ZeRO-3)."""
-    return data_axes(mesh) if per_worker else ()
+def build(loss_fn, plan: Plan, *, abstract_params, donate: bool = True, value_and_grad=None) -> TrainStep:
+    """The steps of `plan` (`dpjax.plan`: its layout, rule between the workers, exchange,
+    passes and links) for `loss_fn(params, batch_BdxT1, par) -> scalar` (`par`: the
+    `dpjax.tensor_parallel.Parallel` the layout gives; a model's `loss`).
 
-
-def build(loss_fn, layout: Layout, rule: UpdateRule, *, abstract_params, passes: int = 1,
-          exchange: Exchange = Exchange(), links: tuple = (), donate: bool = True,
-          value_and_grad=None) -> TrainStep:
-    """The steps of `rule` over `layout` for `loss_fn(params, batch_BdxT1, par) -> scalar`
-    (`par`: the `dpjax.tensor_parallel.Parallel` the layout gives; a model's `loss`).
-
-    abstract_params: the parameters' shapes (ShapeDtypeStructs). passes: micro-batches
-    per step (K backward passes, one exchange; the train batch is K x B). links:
-    `dpjax.links.AxisLink`s: every collective crossing one of those axes waits for its
-    emulated wire (no callback is compiled in without them).
-    value_and_grad(params, batch_BdxT1, par) -> (loss, gradient): how this device's
-    gradient is computed (default: `jax.value_and_grad(loss_fn)`; a pipeline's schedule,
-    `dpjax.pipeline.staged`, on a layout with a stage axis).
+    abstract_params: the parameters' shapes (ShapeDtypeStructs). The train batch is K x B
+    (K = plan.passes micro-batches: K backward passes, one exchange). Collectives that
+    cross an axis of `plan.links` wait for their emulated wire (no callback is compiled
+    in without links). value_and_grad(params, batch_BdxT1, par) -> (loss, gradient): how
+    this device's gradient is computed (default: `jax.value_and_grad(loss_fn)`; a
+    pipeline's schedule, `dpjax.pipeline.staged`, on a layout with a stage axis).
     """
+    layout, rule, exchange, passes, links = plan.layout, plan.rule, plan.exchange, plan.passes, plan.links
     mesh, axes = layout.mesh, data_axes(layout.mesh)
-    if as_axes(rule.axes) != tuple(layout.workers):
-        raise ValueError(f"the rule exchanges over {rule.axes!r} but the layout's workers are {layout.workers!r}; "
-                         "build both from the same worker axes")
+    assert as_axes(rule.axes) == tuple(layout.workers), (rule.axes, layout.workers)  # one plan made both
     par = layout.parallel(fsdp_wire=exchange.wire)
     inner = layout.inner_axes
     if inner and not layout.fsdp:
@@ -193,7 +163,11 @@ def build(loss_fn, layout: Layout, rule: UpdateRule, *, abstract_params, passes:
             params = broadcast_params(params, axis_arg(replicated_over), root=0)
         return wrap(params), wrap(rule.init(params))
 
+    local_rows = plan.global_batch // dp_size(mesh) if plan.global_batch else None  # B / dp
+
     def train_body(params, state, batch_KxBdxT1):
+        assert batch_KxBdxT1.ndim == 3 and batch_KxBdxT1.shape[:2] == (passes, local_rows or batch_KxBdxT1.shape[1]), (
+            batch_KxBdxT1.shape, passes, local_rows)
         with scopes.phase("optimizer"):  # the rule's own work; grad_fn's phases name themselves inside
             params, state, loss = rule.step(grad_fn, unwrap(params), unwrap(state), batch_KxBdxT1)
         with scopes.phase("loss"):
@@ -201,6 +175,8 @@ def build(loss_fn, layout: Layout, rule: UpdateRule, *, abstract_params, passes:
         return wrap(params), wrap(state), loss
 
     def eval_body(params, batch_BdxT1):
+        assert batch_BdxT1.ndim == 2 and batch_BdxT1.shape[0] == (local_rows or batch_BdxT1.shape[0]), (
+            batch_BdxT1.shape, local_rows)
         return lax.pmean(loss_fn(rule.consensus(unwrap(params)), batch_BdxT1, par), axes)
 
     def flush_body(params, state):
@@ -235,25 +211,16 @@ def _one_worker(x):
     return x[0]
 
 
-def for_model(model, layout: Layout, *, global_batch: int, update="sync", opt: OptimizerConfig = OptimizerConfig(),
-              passes: int = 1, exchange: Exchange = Exchange(), links: tuple = (), seed: int = 0,
-              donate: bool = True) -> TrainStep:
-    """The steps for a dpjax model (`model.loss(params, batch, par)`, `model.init`): the
-    rule `update` names (e.g. "sparse:4") between the layout's workers, wrapping the
-    optimizer `opt` (its clipping norm over the layout's shards; its lr scaled for the
-    global batch of a step, `passes` x `global_batch`), exchanging with `exchange`."""
-    rule = make_rule(update, opt.make(global_batch * passes, layout.specs), layout.workers, seed=seed,
-                     **exchange.kwargs())
+def for_plan(plan: Plan, donate: bool = True) -> TrainStep:
+    """The steps of a plan made for a dpjax model (`plan.model`: `loss(params, batch,
+    par)`, `init`): its own loss, or on a layout with a stage axis the pipeline's schedule
+    in place of value_and_grad(model.loss)."""
+    model, layout = plan.model, plan.layout
     abstract = jax.eval_shape(lambda k: layout.store(model.init(k)), jax.random.key(0))
     if layout.pipeline is None:
-        return build(model.loss, layout, rule, abstract_params=abstract, passes=passes, exchange=exchange,
-                     links=links, donate=donate)
-    # a stage axis: the pipeline's schedule replaces value_and_grad(model.loss)
-    check_batch(layout.pipeline, global_batch // dp_size(layout.mesh),
-                f"--batch-size {global_batch} over {dp_size(layout.mesh)} data-parallel ranks")
-    staged = pipeline_staged.for_model(model, layout, exchange.algorithm)
-    return build(staged.loss, layout, rule, abstract_params=abstract, passes=passes, exchange=exchange,
-                 links=links, donate=donate, value_and_grad=staged.value_and_grad)
+        return build(model.loss, plan, abstract_params=abstract, donate=donate)
+    staged = pipeline_staged.for_model(model, layout, plan.exchange.algorithm)
+    return build(staged.loss, plan, abstract_params=abstract, donate=donate, value_and_grad=staged.value_and_grad)
 
 
 def make_update_step(loss_fn, rule: UpdateRule, mesh, params, *, param_specs=None, passes: int = 1,
@@ -263,13 +230,12 @@ def make_update_step(loss_fn, rule: UpdateRule, mesh, params, *, param_specs=Non
     params: the parameters (or their shapes); param_specs: a PartitionSpec per parameter
     over the non-data axes (default P(): a replica on every `model` rank). The rule's
     axes (its `axis_name`) are the worker axes; any other data axes average gradients
-    synchronously inside each worker. The train batch is K x B (K = passes).
+    synchronously inside each worker (`dpjax.plan.for_rule`). The train batch is K x B
+    (K = passes).
     """
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)), params)
-    specs = param_specs if param_specs is not None else jax.tree.map(lambda _: P(), abstract)
-    layout = Layout(mesh, specs, workers=as_axes(rule.axes))
-    return build(lambda p, b, par: loss_fn(p, b), layout, rule, passes=passes, exchange=exchange,
-                 abstract_params=abstract, donate=donate)
+    plan = for_rule(rule, mesh, abstract, param_specs=param_specs, passes=passes, exchange=exchange)
+    return build(lambda p, b, par: loss_fn(p, b), plan, abstract_params=abstract, donate=donate)
 
 
 def init_params(model, layout: Layout, key):

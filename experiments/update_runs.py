@@ -8,6 +8,7 @@ Not a library: the experiments import it as a sibling module.
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -20,12 +21,11 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from dpjax import step as S  # noqa: E402
-from dpjax import updates as U  # noqa: E402
 from dpjax.data import make_streams  # noqa: E402
-from dpjax.mesh import dp_size, make_mesh, parse_axes  # noqa: E402
+from dpjax.mesh import dp_size, make_mesh  # noqa: E402
 from dpjax.models import get_model  # noqa: E402
-from dpjax.optim import OptimizerConfig  # noqa: E402
-from dpjax.sharding import make_layout  # noqa: E402
+from dpjax.plan import Exchange, resolve  # noqa: E402
+from dpjax.settings import Settings  # noqa: E402
 
 DATE = time.strftime("%Y-%m-%d")
 MACHINE = "2-core CPU VM, 8 simulated devices (XLA host platform), jax 0.10.2"
@@ -57,32 +57,36 @@ class Bench:
         self.mesh = make_mesh(mesh)
         self.options = dict(options or {})  # more allreduce arguments (e.g. op="adasum")
         self.workers = workers
-        self.model = get_model(model, seq_len=seq_len, **({"d_model": d_model, "n_layers": 2, "n_heads": 4}
-                                                          if model == "gpt" else {}))
-        self.opt = OptimizerConfig(name=optimizer, lr=lr, lr_scaling=lr_scaling, warmup_steps=warmup_steps,
-                                   clip_norm=clip_norm)
+        options = {"d_model": d_model, "n_layers": 2, "n_heads": 4} if model == "gpt" else {}
+        self.settings = Settings(mesh=mesh, model=model, batch_size=batch_size, seq_len=seq_len, steps=steps,
+                                 optimizer=optimizer, lr=lr, warmup_steps=warmup_steps, lr_scaling=lr_scaling,
+                                 clip_norm=clip_norm, allreduce=algorithm, seed=seed, data=data, workers=workers,
+                                 model_options={k: v for k, v in options.items() if v is not None})
+        self.model = get_model(model, seq_len=seq_len, **options)
         self.batch_size, self.steps, self.seed, self.algorithm = batch_size, steps, seed, algorithm
         self.eval_every = eval_every
         train, val = make_streams(data, seq_len, seed)
         self.train = [S.put_batch(train, i * batch_size, batch_size, self.mesh, passes=1) for i in range(steps)]
         self.val = [S.put_batch(val, i * batch_size, batch_size, self.mesh) for i in range(eval_batches)]
-        self.inner = None  # an optax optimizer to use instead of self.opt's (large_batch.py's warmup)
+        self.inner = None  # an optax optimizer to use instead of the settings' (large_batch.py's warmup)
 
-    def layout(self, spec: str):
-        per_worker = not U.parse_update(spec).is_sync
-        workers = (S.default_workers(self.mesh, per_worker) if self.workers is None
-                   else parse_axes(self.workers, self.mesh))
-        return make_layout(self.model, self.mesh, tensor_parallel=False, workers=workers)
+    def plan(self, spec: str, links=(), mesh=None):
+        """The plan of the rule `spec` (dpjax.plan); links: emulated slow links (dpjax.links).
+        Parameters are replicated over `model` (the benches' meshes have a model axis of 1)."""
+        settings = dataclasses.replace(self.settings, update=spec, link=[str(x) for x in links] or None)
+        inner = self.inner
+        if mesh is not None:  # one worker's step alone: its rows, the settings' own optimizer
+            inner = None
+            settings = dataclasses.replace(settings, mesh="1x1", workers=None,
+                                           batch_size=self.batch_size // dp_size(self.mesh))
+        exchange = Exchange(self.algorithm, options=self.options)
+        return resolve(settings, mesh=mesh or self.mesh, model=self.model, optimizer=inner, exchange=exchange,
+                       tensor_parallel=False)
 
     def step(self, spec: str, links=(), donate: bool = True):
         """(layout, TrainStep) of the rule `spec`; links: emulated slow links (dpjax.links)."""
-        layout = self.layout(spec)
-        exchange = S.Exchange(self.algorithm, options=self.options)
-        inner = self.inner or self.opt.make(self.batch_size, layout.specs)
-        rule = U.make_rule(spec, inner, layout.workers, seed=self.seed, **exchange.kwargs())
-        abstract = jax.eval_shape(self.model.init, jax.random.key(0))
-        return layout, S.build(self.model.loss, layout, rule, abstract_params=abstract, exchange=exchange,
-                               links=links, donate=donate)
+        plan = self.plan(spec, links)
+        return plan.layout, S.for_plan(plan, donate=donate)
 
     def run(self, spec: str, verbose: bool = True) -> Run:
         t0 = time.perf_counter()
@@ -112,8 +116,8 @@ class Bench:
         loss, gradient and the inner optimizer, no communication."""
         one = make_mesh("1x1", jax.devices()[:1])
         local = self.batch_size // dp_size(self.mesh)
-        layout = make_layout(self.model, one, tensor_parallel=False)
-        step = S.for_model(self.model, layout, global_batch=self.batch_size, opt=self.opt, donate=False)
+        plan = self.plan("sync", mesh=one)
+        layout, step = plan.layout, S.for_plan(plan, donate=False)
         params, state = step.init(S.init_params(self.model, layout, jax.random.key(self.seed)))
         batch = jax.device_put(np.asarray(self.train[0])[:, :local], S.replicated(one))
         jax.block_until_ready(step.train(params, state, batch))

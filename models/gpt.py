@@ -185,6 +185,16 @@ class GPT(ByteModel):
         logits_BdxTxVm = self.logits(params, batch_BdxT1[:, :-1], par)
         return tp.vocab_parallel_cross_entropy(logits_BdxTxVm, batch_BdxT1[:, 1:], par)
 
+    def activation_bytes(self, rows: int) -> int:
+        """Bytes of float32 activations the backward pass of `rows` sequences keeps (an
+        estimate, dense): per layer about 12 d_model- and 2 d_ff-wide values per token
+        plus the attention's scores and probabilities (heads x T x T per sequence), and
+        the embedding and the logits. What `dpjax.plan` weighs against a device's memory."""
+        c = self.config
+        T = c.seq_len
+        per_layer = rows * T * (12 * c.d_model + 2 * c.d_ff) + 2 * rows * c.n_heads * T * T
+        return 4 * (c.n_layers * per_layer + rows * T * (c.d_model + 2 * c.vocab_size))
+
     def flops_per_token(self) -> float:
         """Training FLOPs per token: 6 * matmul parameters + attention (Kaplan et al. 2020)."""
         c = self.config

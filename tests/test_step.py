@@ -28,10 +28,10 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from dpjax import step as S
-from dpjax.mesh import data_axes, parse_axes
+from dpjax.mesh import data_axes
 from dpjax.models import get_model
-from dpjax.sharding import make_layout
-from dpjax.updates import make_rule, parse_update
+from dpjax.plan import resolve
+from dpjax.settings import Settings
 
 MODEL = get_model("mlp", seq_len=8, context=2, d_embed=8, d_hidden=16)
 B, STEPS, LR, MOMENTUM, SEED = 16, 4, 0.1, 0.9, 5
@@ -76,17 +76,14 @@ def inner_optimizer():
 
 
 def build(mesh_of, rule_text, layout_name, compression, passes):
+    """The step built the way every run is: settings -> dpjax.plan.resolve -> dpjax.step."""
     spec, fsdp, workers = LAYOUTS[layout_name]
     mesh = mesh_of(spec, 8)
-    workers = (S.default_workers(mesh, not parse_update(rule_text).is_sync) if workers is None
-               else parse_axes(workers, mesh))
-    layout = make_layout(MODEL, mesh, fsdp=fsdp, workers=workers)
-    exchange = S.Exchange("ring", 64.0, compression)
-    rule = make_rule(rule_text, inner_optimizer(), workers, seed=SEED, **exchange.kwargs())
+    settings = Settings(mesh=spec, model="mlp", update=rule_text, workers=workers, fsdp=fsdp, batch_size=B,
+                        compression=compression or "none", backward_passes=passes, seed=SEED)
+    plan = resolve(settings, mesh=mesh, model=MODEL, optimizer=inner_optimizer())
     abstract = jax.eval_shape(MODEL.init, jax.random.key(0))
-    step = S.build(MODEL.loss, layout, rule, abstract_params=abstract, passes=passes, exchange=exchange,
-                   donate=False)
-    return mesh, layout, step
+    return mesh, plan.layout, S.build(MODEL.loss, plan, abstract_params=abstract, donate=False)
 
 
 def run_dpjax(mesh_of, put, rule_text, layout_name, compression, passes):
@@ -115,7 +112,9 @@ def _mean(trees):
 def simulate(rule_text, ranks, workers, passes):
     """(losses, consensus parameters) of `rule_text` on `workers` workers of ranks / workers
     data-parallel ranks each, written without dpjax.step or dpjax.updates."""
-    spec = parse_update(rule_text)
+    kind, _, rest = rule_text.partition(":")  # read here, not by dpjax's own grammar
+    n, *opts = rest.split(",") if rest else ("0",)
+    n, outer_lr = int(n), float(dict(o.split("=") for o in opts).get("outer", 0))
     per = ranks // workers  # ranks inside a worker
     rows = B // ranks
     tx = inner_optimizer()
@@ -133,7 +132,7 @@ def simulate(rule_text, ranks, workers, passes):
         return float(np.mean(losses)), _mean(grads)
 
     losses = []
-    if spec.is_sync:  # the gradient averaged over every rank, one optimizer
+    if kind == "sync":  # the gradient averaged over every rank, one optimizer
         params, opt = p0, tx.init(p0)
         for t in range(STEPS):
             ls, gs = zip(*[worker_grad(params, t, w) for w in range(workers)])
@@ -143,8 +142,8 @@ def simulate(rule_text, ranks, workers, passes):
         return losses, params
 
     W = range(workers)
-    if spec.kind == "async":  # a server and stale workers (the schedule regenerated from the seed)
-        tau = spec.n
+    if kind == "async":  # a server and stale workers (the schedule regenerated from the seed)
+        tau = n
         server, opt, history = p0, tx.init(p0), [p0]
         for t in range(STEPS):
             stale = [min(int(jax.random.randint(jax.random.fold_in(jax.random.fold_in(jax.random.key(SEED), t), w),
@@ -157,8 +156,8 @@ def simulate(rule_text, ranks, workers, passes):
         return losses, server
 
     params, opts = [p0] * workers, [tx.init(p0)] * workers
-    if spec.kind == "delayed":  # DTAW: own gradient now, the average T steps later replaces it
-        T, own, avg = spec.n, [], []
+    if kind == "delayed":  # DTAW: own gradient now, the average T steps later replaces it
+        T, own, avg = n, [], []
         for t in range(STEPS):
             ls, gs = zip(*[worker_grad(params[w], t, w) for w in W])
             own.append(gs)
@@ -172,7 +171,7 @@ def simulate(rule_text, ranks, workers, passes):
 
     # sparse: local steps, every P steps an average of the parameters (or DiLoCo's outer
     # Nesterov step on the average of the updates since the last one)
-    period, outer_lr = spec.n, spec.outer_lr
+    period = n
     anchor, outer = p0, optax.sgd(outer_lr, momentum=0.9, nesterov=True)
     outer_state = outer.init(p0)
     for t in range(STEPS):

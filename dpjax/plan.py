@@ -1,0 +1,365 @@
+"""Settings -> Plan: the ONE place a run's settings are checked and resolved.
+
+    settings (flags, a library call)
+       -> check(settings)                  what needs no devices (before JAX starts)
+       -> resolve(settings, devices)       mesh, workers, layout (TP / FSDP / stages),
+                                           exchange, update rule, links, batch and
+                                           micro-batches, autotune knobs, memory
+       -> Plan                             immutable; `dpjax.step` builds from it
+
+Every check of the settings is made here, once, and raises a one-line `UserError`;
+nothing below the plan checks them again (the library functions keep their own
+contracts: a `ValueError` for a call that makes no sense). A plan can be made again for
+another device count (`Plan.for_devices`): an elastic restart on fewer processes is a new
+plan plus a resharding restore. Research code that brings its own loss and `UpdateRule`
+gets its plan from `for_rule` (what `dpjax.make_update_step` does).
+
+The plan knows nothing of how a step is traced; `dpjax.step.build(loss, plan)` does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from dpjax.errors import UserError
+from dpjax.settings import Settings
+
+# The autotune's starting point for a knob set to `auto` (its baseline).
+DEFAULT_ALGORITHM, DEFAULT_FUSION_MB = "ring", 64.0
+
+
+class UsageError(UserError):
+    """Settings that do not make sense; printed as one line."""
+
+
+def flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+@dataclass(frozen=True)
+class Exchange:
+    """How gradients and parameters cross the data axes: dpjax's allreduce `algorithm`,
+    the tensor-fusion bucket cap, and the compression on the wire (None, "bf16", "fp16").
+    options: extra allreduce arguments (`num_servers` for ps, `outer_algorithm` for
+    hierarchical)."""
+
+    algorithm: str = DEFAULT_ALGORITHM
+    fusion_mb: float = DEFAULT_FUSION_MB
+    compression: str | None = None
+    options: dict = field(default_factory=dict)
+
+    def kwargs(self) -> dict:
+        return {"algorithm": self.algorithm, "fusion_mb": self.fusion_mb, "compression": self.compression,
+                **self.options}
+
+    @property
+    def wire(self):
+        from dpjax.data_parallel import COMPRESSIONS
+
+        return COMPRESSIONS[self.compression]
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Everything a run is built from, resolved for one set of devices.
+
+    layout: where every parameter lives (`dpjax.sharding.Layout`: tensor-parallel, FSDP,
+    the workers, the pipeline); rule: the `dpjax.updates.UpdateRule` between the workers,
+    wrapping the inner optimizer; passes: micro-batches per step (one exchange); links:
+    emulated slow links (`dpjax.links.AxisLink`); model, opt, global_batch: for runs of a
+    dpjax model (None for research code's own loss); autotune: the knobs set to `auto`.
+    """
+
+    mesh: Any
+    layout: Any
+    rule: Any
+    exchange: Exchange = Exchange()
+    passes: int = 1
+    links: tuple = ()
+    global_batch: int | None = None
+    model: Any = None
+    opt: Any = None
+    update: Any = None  # the parsed --update (dpjax.updates.UpdateSpec)
+    autotune: tuple = ()
+    settings: Settings | None = None
+    optimizer: Any = None  # an optax transformation given instead of `opt`
+    tensor_parallel: bool = True
+
+    @property
+    def workers(self) -> tuple:
+        return self.layout.workers
+
+    def with_exchange(self, algorithm: str, fusion_mb: float) -> "Plan":
+        """The same run with another allreduce algorithm and fusion cap (the autotune's
+        candidates): the FSDP gathers and the rule's exchanges follow the algorithm."""
+        exchange = dataclasses.replace(self.exchange, algorithm=algorithm, fusion_mb=float(fusion_mb))
+        return resolve(self.settings, mesh=self.mesh, model=self.model, optimizer=self.optimizer, exchange=exchange,
+                       tensor_parallel=self.tensor_parallel)
+
+    def for_devices(self, devices) -> "Plan":
+        """The same settings planned again for another set of devices."""
+        return resolve(self.settings, devices, model=self.model, optimizer=self.optimizer, exchange=self.exchange,
+                       tensor_parallel=self.tensor_parallel)
+
+    def describe(self) -> dict:
+        """The resolved plan as plain values (the run record)."""
+        lay = self.layout
+        out = {"mesh": dict(self.mesh.shape), "workers": list(lay.workers), "num_workers": lay.num_workers,
+               "fsdp": lay.fsdp, "tp_allreduce": lay.algorithm, "update": str(self.update or self.rule.name),
+               "exchange": {k: v for k, v in self.exchange.kwargs().items()}, "passes": self.passes,
+               "global_batch": self.global_batch, "links": [str(x) for x in self.links],
+               "autotune": list(self.autotune)}
+        if lay.pipeline is not None:
+            out["pipeline"] = dataclasses.asdict(lay.pipeline)
+        return out
+
+
+# ---------------------------------------------------------------------------------------
+# Checks that need no devices
+
+
+_AT_LEAST_1 = ("steps", "batch_size", "seq_len", "backward_passes", "ckpt_every", "eval_batches", "timeline_steps",
+               "autotune_samples")
+_NOT_NEGATIVE = ("eval_every", "warmup_steps", "weight_decay", "clip_norm", "lr")
+
+
+def check(s: Settings) -> None:
+    """Every check that needs no devices; run before JAX starts, so a bad flag costs
+    nothing. Raises UsageError (one line)."""
+    from dpjax.collectives import ALGORITHMS, REDUCE_SCATTER_ALGORITHMS
+    from dpjax.data_parallel import COMPRESSIONS
+    from dpjax.models import MODELS, model_options
+    from dpjax.optim import LR_SCALINGS, OPTIMIZERS
+    from dpjax.pipeline import SCHEDULES
+    from dpjax.updates import parse_update
+
+    def one_of(what, value, known):
+        if value not in known:
+            raise UsageError(f"unknown {what} {value!r}; choose one of {', '.join(map(str, known))}")
+
+    one_of("model", s.model, MODELS)
+    wrong = [o for o in s.model_options if o not in model_options()[s.model]]
+    if wrong:
+        has = ", ".join(flag(o) for o in model_options()[s.model])
+        raise UsageError(f"{', '.join(flag(o) for o in wrong)} does not apply to --model {s.model} (its options: {has})")
+    one_of("--optimizer", s.optimizer, OPTIMIZERS)
+    one_of("--lr-scaling", s.lr_scaling, LR_SCALINGS)
+    one_of("--allreduce algorithm", s.allreduce, (*ALGORITHMS, "auto"))
+    one_of("--tp-allreduce algorithm", s.tp_allreduce, ALGORITHMS)
+    one_of("--compression", s.compression, tuple(k for k in COMPRESSIONS if k is not None))
+    if s.schedule is not None:
+        one_of("--schedule", s.schedule, SCHEDULES)
+    if s.tp_allreduce == "hierarchical":
+        raise UsageError("--tp-allreduce hierarchical needs two axes; the model axis is one")
+    if s.fsdp and s.allreduce not in (*REDUCE_SCATTER_ALGORITHMS, "auto"):
+        raise UsageError(f"--fsdp all-gathers and reduce-scatters with the --allreduce algorithm; "
+                         f"{s.allreduce!r} has none: choose one of {', '.join(REDUCE_SCATTER_ALGORITHMS)}")
+    for name in _AT_LEAST_1 + ("microbatches", "virtual_stages"):
+        value = getattr(s, name)
+        if value is not None and value < 1:
+            raise UsageError(f"{flag(name)} must be at least 1, got {value}")
+    if not isinstance(s.fusion_mb, (int, float)) and s.fusion_mb != "auto":
+        raise UsageError(f"--fusion-mb takes MiB or auto, got {s.fusion_mb!r}")
+    for name in _NOT_NEGATIVE + (() if s.fusion_mb == "auto" else ("fusion_mb",)):
+        if getattr(s, name) < 0:
+            raise UsageError(f"{flag(name)} cannot be negative, got {getattr(s, name)}")
+    if s.resume and not s.ckpt_dir:
+        raise UsageError("--resume needs --ckpt-dir")
+    if s.virtual_stages is not None and s.schedule != "interleaved":
+        raise UsageError(f"--virtual-stages applies to --schedule interleaved, not {s.schedule or '1f1b'}")
+    parse_update(s.update)
+    for name in ("metrics", "timeline"):
+        if getattr(s, name):
+            _check_output_file(flag(name), getattr(s, name))
+    if s.ckpt_dir:
+        _check_output_dir("--ckpt-dir", s.ckpt_dir)
+
+
+def _check_output_file(what: str, path: str) -> None:
+    """A file the run will write: its folder must exist and be writable, now rather than
+    after the run (a missing folder would lose the whole run's output at its end)."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise UsageError(f"{what} {path}: is a folder; give a file name")
+    if not os.path.isdir(folder):
+        raise UsageError(f"{what} {path}: the folder {folder} does not exist; create it or choose another path")
+    if not os.access(folder, os.W_OK):
+        raise UsageError(f"{what} {path}: the folder {folder} is not writable")
+
+
+def _check_output_dir(what: str, path: str) -> None:
+    """A folder the run will create if need be: it must not be a file, and the nearest
+    folder that exists on its way must be writable."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise UsageError(f"{what} {path}: is a file, not a folder; pass a folder")
+    probe = os.path.abspath(path)
+    while not os.path.exists(probe):
+        probe = os.path.dirname(probe)
+    if not os.path.isdir(probe) or not os.access(probe, os.W_OK):
+        raise UsageError(f"{what} {path}: cannot be created under {probe} (not a writable folder)")
+
+
+def devices_per_process(s: Settings, processes: int) -> int | None:
+    """How many devices each of `processes` processes contributes to the mesh (None:
+    every device it has); the mesh must share out equally."""
+    from dpjax.mesh import mesh_size
+
+    want = mesh_size(s.mesh) if s.mesh else None
+    if want is not None and want % processes:
+        raise UsageError(f"--mesh {s.mesh} has {want} devices, which {processes} processes cannot share equally")
+    return None if want is None else want // processes
+
+
+# ---------------------------------------------------------------------------------------
+# Resolving for a set of devices
+
+
+def resolve(s: Settings, devices=None, *, mesh=None, model=None, optimizer=None, exchange: Exchange | None = None,
+            tensor_parallel: bool = True) -> Plan:
+    """The plan of settings `s` on `devices` (default: every device; or an already built
+    `mesh`). model: a model object instead of `s.model` and its options; optimizer: an
+    optax transformation instead of the one `s.optimizer` names (tests' reference
+    optimizers); exchange: the allreduce setting instead of the settings' (an autotune's
+    candidate); tensor_parallel=False: every parameter replicated over `model` (the
+    experiments' dense baselines). Raises UsageError (one line) for anything that does
+    not fit."""
+    from dpjax.links import parse_link
+    from dpjax.mesh import data_axes, dp_size, make_mesh, parse_axes
+    from dpjax.models import get_model
+    from dpjax.optim import OptimizerConfig
+    from dpjax.mesh import STAGE
+    from dpjax.pipeline import Pipeline, check_batch
+    from dpjax.pipeline import check as check_pipeline
+    from dpjax.sharding import make_layout
+    from dpjax.updates import make_rule, parse_update
+
+    check(s)
+    if mesh is None:
+        import jax
+
+        devs = list(jax.devices() if devices is None else devices)
+        mesh = make_mesh(s.mesh or f"{len(devs)}x1", devs)
+    dp = dp_size(mesh)
+    if s.batch_size % dp:
+        raise UsageError(f"--batch-size {s.batch_size} is not divisible by the {dp} data-parallel ranks of "
+                         f"mesh {dict(mesh.shape)}; use a multiple of {dp}")
+    update = parse_update(s.update)
+    workers = default_workers(mesh, not update.is_sync) if s.workers is None else parse_axes(s.workers, mesh)
+    if s.allreduce == "hierarchical" and len(data_axes(mesh)) < 2:
+        raise UsageError("--allreduce hierarchical needs a node axis: use a three-axis mesh such as 2x4x1")
+    if model is None:
+        model = get_model(s.model, seq_len=s.seq_len, **s.model_options)
+    if exchange is None:
+        exchange = Exchange(DEFAULT_ALGORITHM if s.allreduce == "auto" else s.allreduce,
+                            DEFAULT_FUSION_MB if s.fusion_mb == "auto" else float(s.fusion_mb),
+                            None if s.compression == "none" else s.compression)
+    given = [flag(n) for n in ("schedule", "microbatches", "virtual_stages") if getattr(s, n) is not None]
+    pipeline = None
+    if STAGE in mesh.axis_names:
+        schedule = s.schedule or "1f1b"
+        pipeline = check_pipeline(model, mesh, Pipeline(schedule, s.microbatches,
+                                               s.virtual_stages or (2 if schedule == "interleaved" else 1)))
+    elif given:
+        raise UsageError(f"{', '.join(given)} needs a stage axis: name one in --mesh, e.g. "
+                         f"--mesh stage=2,data={max(1, mesh.size // 2)}")
+    layout = make_layout(model, mesh, algorithm=s.tp_allreduce, fsdp=s.fsdp, fsdp_algorithm=exchange.algorithm,
+                         workers=workers, pipeline=pipeline, tensor_parallel=tensor_parallel)
+    if layout.pipeline is not None:
+        check_batch(layout.pipeline, s.batch_size // dp, f"--batch-size {s.batch_size} over {dp} data-parallel ranks")
+    links = tuple(parse_link(text) for text in s.link or ())
+    for link in links:
+        if link.axis not in mesh.axis_names:
+            raise UsageError(f"--link {link}: mesh {dict(mesh.shape)} has no axis {link.axis!r}")
+    opt = OptimizerConfig(name=s.optimizer, lr=s.lr, lr_scaling=s.lr_scaling, warmup_steps=s.warmup_steps,
+                          weight_decay=s.weight_decay, clip_norm=s.clip_norm)
+    inner = optimizer if optimizer is not None else opt.make(s.batch_size * s.backward_passes, layout.specs)
+    rule = make_rule(update, inner, layout.workers, seed=s.seed, **exchange.kwargs())
+    knobs = tuple(k for k, v in (("allreduce", s.allreduce), ("fusion_mb", s.fusion_mb)) if v == "auto")
+    plan = Plan(mesh, layout, rule, exchange, s.backward_passes, links, s.batch_size, model,
+                opt if optimizer is None else None, update, knobs, s, optimizer, tensor_parallel)
+    check_memory(plan)
+    return plan
+
+
+def default_workers(mesh, per_worker: bool) -> tuple:
+    """The worker axes when none are named: every data axis for rules whose workers
+    diverge (each data-parallel rank a worker), none for sync (one synchronous group:
+    FSDP then splits over every data axis, ZeRO-3)."""
+    from dpjax.mesh import data_axes
+
+    return data_axes(mesh) if per_worker else ()
+
+
+def for_rule(rule, mesh, abstract_params, *, param_specs=None, passes: int = 1,
+             exchange: Exchange = Exchange()) -> Plan:
+    """The plan of research code's own `rule` (a `dpjax.updates.UpdateRule`) for
+    parameters shaped like `abstract_params`, each split over the non-data axes as
+    `param_specs` says (default: replicated). The rule's axes are the worker axes; any
+    other data axes average gradients synchronously inside each worker."""
+    import jax
+    from jax.sharding import PartitionSpec as P
+
+    from dpjax.sharding import Layout
+    from dpjax.updates import as_axes
+
+    if passes < 1:
+        raise ValueError(f"passes must be at least 1, got {passes}")
+    specs = param_specs if param_specs is not None else jax.tree.map(lambda _: P(), abstract_params)
+    return Plan(mesh, Layout(mesh, specs, workers=as_axes(rule.axes)), rule, exchange, passes)
+
+
+# ---------------------------------------------------------------------------------------
+# Memory: refuse what cannot fit before compiling it
+
+
+def check_memory(plan: Plan) -> None:
+    """Estimates the bytes each device needs (its shards of the parameters and of the
+    optimizer / rule state, the activations one micro-batch keeps for the backward
+    pass) and refuses, in one line, a run that cannot fit in what the device has."""
+    model, s = plan.model, plan.settings
+    if model is None or s is None or not hasattr(model, "activation_bytes"):
+        return
+    need = estimate_memory(plan)
+    have = device_memory(plan.mesh)
+    if have is not None and need["total"] > have:
+        gib = lambda b: f"{b / 2**30:,.1f} GiB"  # noqa: E731
+        raise UsageError(f"this run needs about {gib(need['total'])} per device (parameters {gib(need['params'])}, "
+                         f"optimizer state {gib(need['state'])}, activations {gib(need['activations'])}) and a "
+                         f"device has {gib(have)}: lower --batch-size, --seq-len or the model size, add "
+                         "--backward-passes, or use more devices")
+
+
+def estimate_memory(plan: Plan) -> dict:
+    """Bytes per device: {'params', 'state', 'activations', 'total'} (an estimate)."""
+    import jax
+
+    from dpjax.mesh import dp_size
+
+    stored = jax.eval_shape(lambda k: plan.layout.store(plan.model.init(k)), jax.random.key(0))
+    local = jax.tree.map(lambda x, sh: math.prod(sh.shard_shape(x.shape)) * x.dtype.itemsize,
+                         stored, plan.layout.shardings())
+    params = sum(jax.tree.leaves(local))
+    state = 3 * params  # Adam's two moments and the gradient, at most, sharded like the parameters
+    rows = max(1, plan.global_batch // dp_size(plan.mesh))
+    model_split = plan.mesh.shape.get("model", 1)
+    activations = plan.model.activation_bytes(rows) // model_split
+    return {"params": params, "state": state, "activations": activations, "total": params + state + activations}
+
+
+def device_memory(mesh) -> int | None:
+    """What one device of `mesh` can hold: the accelerator's limit, or on CPU the host's
+    physical memory shared by this process's devices (None if unknown)."""
+    dev = mesh.devices.flat[0]
+    stats = dev.memory_stats() if hasattr(dev, "memory_stats") else None
+    if stats and stats.get("bytes_limit"):
+        return int(stats["bytes_limit"])
+    try:
+        host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+    local = sum(1 for d in mesh.devices.flat if d.process_index == dev.process_index)
+    return host // max(1, local)

@@ -1,0 +1,126 @@
+"""The settings of a run: one typed dataclass, from which `python -m dpjax.train`'s
+command line, `--help` and the run record are generated (levanter's typed configs).
+
+What the fields mean is here; whether a combination makes sense, and what it resolves
+to on a given set of devices, is `dpjax.plan`'s business, and only its.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+def _models():
+    from dpjax.models import MODELS
+
+    return MODELS
+
+
+def _optimizers():
+    from dpjax.optim import OPTIMIZERS
+
+    return OPTIMIZERS
+
+
+def _algorithms():
+    from dpjax.collectives import ALGORITHMS
+
+    return tuple(ALGORITHMS)
+
+
+def _compressions():
+    from dpjax.data_parallel import COMPRESSIONS
+
+    return tuple(k for k in COMPRESSIONS if k is not None)
+
+
+def _schedules():
+    from dpjax.pipeline import SCHEDULES
+
+    return SCHEDULES
+
+
+def _updates_help():
+    from dpjax.updates import HELP
+
+    return HELP
+
+
+def _opt(default, help: str, **kw):
+    return field(default=default, metadata={"help": help, **kw})
+
+
+@dataclass
+class Settings:
+    """Every setting of a run, as the user gave it (nothing here is checked: that is
+    `dpjax.plan.resolve`'s job). The command line is generated from these fields (a field
+    `batch_size` is the flag `--batch-size`; `choices` and `help` may be callables that read
+    a registry when the parser is built); model options (`--d-model`, ...) come from the
+    models' own configs into `model_options`."""
+
+    mesh: str | None = _opt(None, "device mesh: '8' or '8x1' (data x model), '2x2x2' (node x data x model), "
+                                  "'data=2,model=4'; one -1 takes the remaining devices. Default: every device "
+                                  "on data")
+    model: str = _opt("gpt", lambda: f"the model: {', '.join(_models())}", choices=lambda: tuple(_models()))
+    data: str = _opt("stdlib", "'stdlib' (the Python standard library's source), a text file, a folder of text "
+                               "files, or 'synthetic' (random tokens)")
+    steps: int = _opt(200, "optimizer steps to run (in total, counting resumed ones)")
+    batch_size: int = _opt(32, "global batch in sequences per backward pass, split over the data axes")
+    seq_len: int = _opt(128, "tokens (bytes) per sequence")
+    optimizer: str = _opt("adamw", "the inner optimizer (momentum: Nesterov, 0.9)", choices=lambda: _optimizers())
+    lr: float = _opt(3e-3, "learning rate (before any scaling)")
+    lr_scaling: str = _opt("none", "linear: lr * global batch / 256 (Goyal et al. 2017)", choices=("none", "linear"))
+    warmup_steps: int = _opt(0, "steps of linear learning-rate warmup")
+    weight_decay: float = _opt(0.0, "AdamW's decoupled weight decay")
+    clip_norm: float = _opt(1.0, "clip each worker's gradient to this global norm (0: off)")
+    update: str = _opt("sync", lambda: _updates_help())
+    workers: str | None = _opt(None, "the data axes the update rule's workers span, e.g. 'node' (one worker per "
+                                     "node: synchronous data parallelism inside it, the rule between nodes). "
+                                     "Default: every data axis for delayed/sparse/async (each rank a worker), "
+                                     "none for sync. With --fsdp the parameters are split over the other data "
+                                     "axes: '--workers node --fsdp' with sync is hybrid sharding (HSDP)")
+    link: list | None = _opt(None, "emulate a slow link on a mesh axis, e.g. 'node=183ms,23mbit' (repeatable): every "
+                                   "collective crossing that axis waits for its alpha-beta time; values are "
+                                   "unchanged, only time", action="append")
+    allreduce: str = _opt("ring", lambda: f"gradient allreduce algorithm: {', '.join(_algorithms())}; or auto: "
+                                        "each is timed on the first steps of the run and the fastest kept "
+                                        "(recorded in the metrics and the checkpoint; a resumed run keeps it)")
+    tp_allreduce: str = _opt("ring", lambda: "allreduce over the model axis inside tensor-parallel layers: "
+                                           f"{', '.join(a for a in _algorithms() if a != 'hierarchical')}")
+    fsdp: bool = _opt(False, "fully sharded data parallelism (ZeRO-3) inside each worker: parameters and "
+                             "optimizer state split over the data axes too, all-gathered just before use, "
+                             "gradients reduce-scattered (with the --allreduce algorithm)")
+    fusion_mb: float | str = _opt(64.0, "tensor-fusion bucket cap in MiB (0: one allreduce per tensor); 'auto': "
+                                        "timed on the first steps like --allreduce auto", type="mib")
+    compression: str = _opt("none", "how gradients (and the rule's exchanges) travel on the wire",
+                            choices=lambda: ("none", *_compressions()))
+    backward_passes: int = _opt(1, "micro-batches per step: gradients accumulated over this many backward "
+                                   "passes, exchanged once")
+    microbatches: int | None = _opt(None, "with a stage axis: micro-batches each data-parallel replica's batch is "
+                                          "cut into, to flow through the pipeline's stages. Default: one per stage")
+    schedule: str | None = _opt(None, "with a stage axis: the pipeline schedule (naive: one stage at a time; "
+                                      "gpipe: all forwards, then all backwards; 1f1b: one forward, one backward, "
+                                      "memory bounded by the stages; interleaved: 1f1b over --virtual-stages "
+                                      "chunks per stage). Default: 1f1b",
+                                choices=lambda: tuple(_schedules()))
+    virtual_stages: int | None = _opt(None, "with --schedule interleaved: chunks of layers per stage, visited "
+                                            "round robin (bubble (S-1)/(V*M+S-1)). Default: 2")
+    seed: int = _opt(0, "seed for initialisation, data order and async's staleness")
+    eval_every: int = _opt(50, "steps between validation evaluations (0: only at the end)")
+    eval_batches: int = _opt(4, "validation batches per evaluation")
+    metrics: str | None = _opt(None, "write one JSON object per step to this file (JSON lines)")
+    ckpt_dir: str | None = _opt(None, "folder for checkpoints (orbax)")
+    ckpt_every: int = _opt(100, "steps between checkpoints")
+    resume: bool = _opt(False, "continue from the latest checkpoint in --ckpt-dir")
+    progress: str = _opt("auto", "progress display: a bar on a terminal, log lines otherwise",
+                         choices=("auto", "bar", "log", "none"))
+    # Timeline and autotune (dpjax.timeline, dpjax.autotune)
+    timeline: str | None = _opt(None, "write a Chrome trace / Perfetto timeline (a track per device: phases, every "
+                                      "collective and ring step, every op) of --timeline-steps profiled steps to "
+                                      "this file (.json or .json.gz); summarise it with python -m dpjax.timeline "
+                                      "FILE. Only those steps are profiled")
+    timeline_steps: int = _opt(3, "steps --timeline profiles: the ones after the first step (which compiles) and "
+                                  "after any autotune")
+    autotune_samples: int = _opt(3, "with --allreduce auto or --fusion-mb auto: timed steps per candidate in each "
+                                    "round of the search (successive halving; the slower half goes each round)")
+    model_options: dict = field(default_factory=dict)  # from --d-model etc.: {option: value}

@@ -1,0 +1,17 @@
+"""`python -m dpjax.train`: train a byte-level model on a mesh, with data parallelism
+over the data axes (`data`, `node`), tensor parallelism over `model`, pipeline stages
+over `stage`, and any update rule between workers.
+
+    python -m dpjax.train --mesh 2x4 --steps 200 --metrics run.jsonl
+
+parse (`cli.py`, generated from `dpjax.settings.Settings`) -> plan (`dpjax.plan`) ->
+loop (`loop.py`'s `Trainer`, `run.py`).
+"""
+
+from dpjax.settings import Settings
+from dpjax.train.cli import build_parser, main, parse_args, summary_line
+from dpjax.train.loop import Trainer, run
+
+TrainConfig = Settings  # the name this class had before dpjax.settings
+
+__all__ = ["Settings", "TrainConfig", "Trainer", "build_parser", "main", "parse_args", "run", "summary_line"]

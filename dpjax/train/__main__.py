@@ -1,0 +1,5 @@
+import sys
+
+from dpjax.train.cli import main
+
+sys.exit(main())

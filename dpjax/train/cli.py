@@ -1,0 +1,99 @@
+"""`python -m dpjax.train`: parse, plan, loop (nanodo's thin main).
+
+The command line is generated from `dpjax.settings.Settings`; its choices and help read
+the registries (algorithms, schedules, compressions, update rules, models). User errors
+(`dpjax.errors.UserError`) are one line and exit 2; anything else is a bug of ours and
+keeps its traceback (`DPJAX_DEBUG=1` shows the traceback of user errors too).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+
+from dpjax.errors import UserError
+from dpjax.plan import flag
+from dpjax.settings import Settings
+
+DESCRIPTION = ("Train a byte-level GPT (or MLP) on a device mesh: data parallelism over the data axes (gradients "
+               "averaged by dpjax's explicit collectives in fused buckets), Megatron-style tensor parallelism over "
+               "the model axis (each device holds 1/n of every large layer), pipeline stages over a stage axis, "
+               "and an update rule between workers (sync, delayed, sparse/local SGD/DiLoCo, async). On a CPU-only "
+               "machine the devices the mesh needs are simulated.")
+
+MODEL_OPTION_HELP = {"d_model": "model width", "n_layers": "transformer blocks", "n_heads": "attention heads",
+                     "d_ff": "MLP width", "context": "bytes of context each position sees",
+                     "d_embed": "byte embedding width", "d_hidden": "hidden units"}
+
+
+def _resolved(value):
+    return value() if callable(value) else value
+
+
+def _mib(text: str):
+    """--fusion-mb: MiB, or 'auto'."""
+    if text == "auto":
+        return text
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of MiB or auto, got {text!r}") from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from dpjax.models import model_options
+
+    p = argparse.ArgumentParser(prog="python -m dpjax.train", description=DESCRIPTION,
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    for f in dataclasses.fields(Settings):
+        if f.name == "model_options":
+            continue
+        help_ = _resolved(f.metadata["help"])
+        if f.type in ("bool", bool):
+            p.add_argument(flag(f.name), action="store_true", help=help_)
+        elif f.metadata.get("action") == "append":
+            p.add_argument(flag(f.name), action="append", default=f.default, help=help_, metavar="AXIS=LAT,BW")
+        else:
+            kind = {"int": int, "int | None": int, "float": float, "mib": _mib}.get(
+                f.metadata.get("type") or str(f.type), str)
+            p.add_argument(flag(f.name), type=kind, default=f.default, help=help_,
+                           choices=_resolved(f.metadata.get("choices")))
+    g = p.add_argument_group("model options (each belongs to one model; an option the chosen --model does "
+                             "not have is an error)")
+    for model, opts in model_options().items():
+        for name, default in opts.items():
+            g.add_argument(flag(name), type=int, default=argparse.SUPPRESS, dest=f"model_{name}", metavar="N",
+                           help=f"{model}: {MODEL_OPTION_HELP.get(name, name)} (default: {default})")
+    return p
+
+
+def parse_args(argv=None) -> Settings:
+    ns = vars(build_parser().parse_args(argv))
+    opts = {k[len("model_"):]: ns.pop(k) for k in list(ns) if k.startswith("model_")}
+    return Settings(**ns, model_options=opts)
+
+
+def summary_line(s: dict) -> str:
+    ev = "n/a" if s["eval_loss"] is None else f"{s['eval_loss']:.4f}"
+    positional = tuple(s["mesh"]) in (("data", "model"), ("node", "data", "model"))
+    mesh = ("x" if positional else ",").join(str(v) if positional else f"{k}={v}" for k, v in s["mesh"].items())
+    head = "interrupted" if s["interrupted"] else "done"
+    return (f"{head}: {s['steps']} steps on mesh {mesh}, train loss {s['loss']:.4f}, eval loss {ev}, "
+            f"{s['tokens_per_s']:,.0f} tokens/s, {s['seconds']:.1f} s")
+
+
+def main(argv=None) -> int:
+    from dpjax.train.loop import run
+
+    settings = parse_args(argv)
+    try:
+        summary = run(settings)
+    except UserError as e:  # usage, data, checkpoint, mesh, model options: one line
+        if os.environ.get("DPJAX_DEBUG"):
+            raise
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(summary_line(summary), flush=True)
+    return 130 if summary["interrupted"] else 0

@@ -1,0 +1,170 @@
+"""The training loop: a `Trainer` built from one plan, then `run()`.
+
+    settings -> dpjax.plan.resolve -> Trainer (steps from dpjax.step, parameters,
+    data streams, checkpoint restore) -> run(): data -> step -> metrics / eval /
+    checkpoint
+
+The loop itself is `run.py`; beside it, not in it: the progress display
+(`progress.py`), the autotune's glue (`tuning.py`), what a run measures about itself
+(`observe.py`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from dpjax import distributed
+from dpjax.plan import check, devices_per_process, resolve
+from dpjax.settings import Settings
+from dpjax.train import observe, tuning
+
+
+def setup_devices(cfg: Settings):
+    """Starts jax.distributed if launched as one of several processes and simulates the
+    CPU devices this process contributes to the mesh (before JAX starts); the devices
+    the mesh is made of."""
+    from dpjax.mesh import mesh_size, simulate_cpu_devices
+
+    distributed.initialize()
+    per_process = devices_per_process(cfg, distributed.launched_processes())
+    simulate_cpu_devices(per_process or 8)
+    import jax
+
+    devices = jax.devices()
+    want = mesh_size(cfg.mesh) if cfg.mesh else None
+    if want is not None and want < len(devices) and jax.process_count() == 1:
+        devices = devices[:want]  # e.g. --mesh 1x1 on a machine with several GPUs
+    return devices
+
+
+class Trainer:
+    """Everything a run needs, built from its plan; `run()` then loops. Raises a
+    UserError before anything is written when the settings are bad."""
+
+    def __init__(self, cfg: Settings):
+        check(cfg)  # before JAX starts: a bad flag costs nothing
+        self.cfg = cfg
+        self.plan = plan = resolve(cfg, setup_devices(cfg))
+        import jax
+
+        from dpjax import step as S
+        from dpjax.autotune import Setting
+        from dpjax.data import make_streams
+
+        self.mesh, self.model, self.layout, self.opt = plan.mesh, plan.model, plan.layout, plan.opt
+        self.train_stream, self.val_stream = make_streams(cfg.data, cfg.seq_len, cfg.seed)
+        self._steps, self.comm_bytes = {}, observe.CommBytes()
+        self.use(Setting(plan.exchange.algorithm, plan.exchange.fusion_mb))
+        # What must match for a checkpoint to resume: per-worker state needs the same
+        # rule and the same number of workers (the mesh may change).
+        self.record = {"model": self.model.describe(), "data": cfg.data, "seed": cfg.seed,
+                       "batch_size": cfg.batch_size,
+                       "optimizer": {**dataclasses.asdict(self.opt), "backward_passes": cfg.backward_passes,
+                                     "update": str(plan.update)}}
+        if self.step.rule.per_worker:
+            self.record["optimizer"]["workers"] = self.layout.num_workers
+        if self.layout.pipeline is not None and self.layout.pipeline.virtual_stages > 1:
+            # the layer stack is stored V x L/V: it resumes on any stage count, with the same V
+            self.record["model"]["virtual_stages"] = self.layout.pipeline.virtual_stages
+        key = jax.random.key(cfg.seed)
+        self.params, self.opt_state = self.step.init(S.init_params(self.model, self.layout, key))
+        # The run's RNG state: nothing in the step draws from it yet (no dropout), but it is
+        # saved and restored with the rest so that stochastic steps resume exactly too.
+        self.rng = jax.device_put(jax.random.key_data(jax.random.fold_in(key, 1)), S.replicated(self.mesh))
+        self.start, self.cursor, self.ckpt, self.resumed = 0, 0, None, {}
+        if cfg.ckpt_dir:
+            self._restore()
+        self.tuner = tuning.plan_search(self)
+        self.recorder = None
+        if cfg.timeline:
+            from dpjax.timeline import Recorder
+
+            self.recorder = Recorder()
+        if self.start >= cfg.steps:
+            from dpjax.plan import UsageError
+
+            raise UsageError(f"the checkpoint is at step {self.start}, not before --steps {cfg.steps}; "
+                             "ask for more steps")
+
+    # --- the steps, one per exchange setting (an autotune tries several) ---
+
+    def step_for(self, setting):
+        """The steps with this allreduce algorithm and fusion cap, built once each."""
+        if setting not in self._steps:
+            from dpjax import step as S
+            from dpjax.replicas import check_always, checked
+
+            plan = self.plan
+            if (setting.algorithm, setting.fusion_mb) != (plan.exchange.algorithm, plan.exchange.fusion_mb):
+                plan = plan.with_exchange(setting.algorithm, setting.fusion_mb)
+            step = S.for_plan(plan)
+            if check_always():  # DPJAX_CHECK=1: every step's replicated values are checked (dpjax.replicas)
+                step = dataclasses.replace(step, train=checked(step.train, ("params", "opt_state", "loss"),
+                                                               "dpjax.train step"))
+            self._steps[setting] = step
+        return self._steps[setting]
+
+    def use(self, setting) -> None:
+        self.setting, self.step = setting, self.step_for(setting)
+
+    # --- state ---
+
+    def _state(self) -> dict:
+        return {"params": self.params, "opt_state": self.opt_state, "rng": self.rng}
+
+    def _restore(self) -> None:
+        import jax
+
+        from dpjax.checkpoint import Checkpointer
+        from dpjax.plan import UsageError
+
+        self.ckpt = Checkpointer(self.cfg.ckpt_dir)
+        latest = self.ckpt.latest_step()
+        if latest is not None and not self.cfg.resume:
+            raise UsageError(f"{self.cfg.ckpt_dir} already holds checkpoints (latest step {latest}); pass --resume "
+                             "to continue, or another --ckpt-dir (nothing was overwritten)")
+        if latest is None:
+            return
+        abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), self._state())
+        state, saved = self.ckpt.restore(abstract, expect=self.record)
+        self.params, self.opt_state, self.rng = state["params"], state["opt_state"], state["rng"]
+        self.start, self.cursor, self.resumed = saved["step"], saved["cursor"], saved
+
+    def save(self, step_done: int) -> None:
+        self.ckpt.save(step_done, self._state(), {**self.record, "step": step_done, "cursor": self.cursor})
+
+    def say(self, line: str) -> None:
+        import jax
+
+        if jax.process_index() == 0 and self.cfg.progress != "none":
+            print(line, flush=True)
+
+    # --- data and evaluation ---
+
+    def batch(self):
+        from dpjax.step import put_batch
+
+        b = put_batch(self.train_stream, self.cursor, self.cfg.batch_size, self.mesh, passes=self.cfg.backward_passes)
+        self.cursor += self.cfg.batch_size * self.cfg.backward_passes
+        return b
+
+    def evaluate(self) -> float:
+        import numpy as np
+
+        from dpjax.step import put_batch
+
+        cfg = self.cfg
+        losses = [self.step.evaluate(self.params, put_batch(self.val_stream, i * cfg.batch_size, cfg.batch_size,
+                                                            self.mesh))
+                  for i in range(cfg.eval_batches)]
+        return float(np.mean([float(x) for x in losses]))
+
+    def run(self) -> dict:
+        from dpjax.train.run import run_loop
+
+        return run_loop(self)
+
+
+def run(cfg: Settings) -> dict:
+    """Trains per `cfg`; returns the summary."""
+    return Trainer(cfg).run()

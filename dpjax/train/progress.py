@@ -1,0 +1,33 @@
+"""What a person watching a run sees: a rich bar on a terminal, log lines otherwise."""
+
+from __future__ import annotations
+
+import sys
+
+
+class Progress:
+    """A rich bar on a terminal; otherwise a log line every ~10% of the run."""
+
+    def __init__(self, mode: str, total: int, start: int):
+        self.mode = ("bar" if sys.stdout.isatty() else "log") if mode == "auto" else mode
+        self.total, self.every = total, max(1, (total - start) // 10)
+        self.bar = None
+        if self.mode == "bar":
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress as RichProgress
+            from rich.progress import TextColumn, TimeRemainingColumn
+
+            self.bar = RichProgress(TextColumn("train"), BarColumn(), MofNCompleteColumn(),
+                                    TextColumn("loss {task.fields[loss]:.4f}"),
+                                    TextColumn("{task.fields[tps]:,.0f} tok/s"), TimeRemainingColumn())
+            self.task = self.bar.add_task("train", total=total, completed=start, loss=float("nan"), tps=0.0)
+            self.bar.start()
+
+    def update(self, step: int, loss: float, tps: float) -> None:
+        if self.bar is not None:
+            self.bar.update(self.task, completed=step + 1, loss=loss, tps=tps)
+        elif self.mode == "log" and ((step + 1) % self.every == 0 or step + 1 == self.total):
+            print(f"step {step + 1}/{self.total}  loss {loss:.4f}  {tps:,.0f} tok/s", flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.stop()

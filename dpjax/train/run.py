@@ -1,0 +1,141 @@
+"""The loop of a run: data -> step -> metrics / evaluation / checkpoint, with a few
+steps in flight, Ctrl-C finishing the step and saving, and the autotune's and the
+timeline's steps run alone to their end."""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import json
+import signal
+import time
+
+from dpjax.train import observe, tuning
+from dpjax.train.progress import Progress
+
+# Dispatched-but-unfinished steps allowed in flight: the CPU backend deadlocks with
+# ~40+ collective programs dispatched and not awaited, and a few hide dispatch latency.
+MAX_IN_FLIGHT = 4
+
+
+def run_loop(self) -> dict:
+    """Runs `self` (a `dpjax.train.loop.Trainer`) to --steps; returns the summary."""
+    import jax
+    import numpy as np
+
+    cfg, is_main = self.cfg, jax.process_index() == 0
+    tokens_per_step = cfg.batch_size * cfg.seq_len * cfg.backward_passes
+    # line-buffered: each step's record is on disk as soon as it is known (tail -f works)
+    metrics = open(cfg.metrics, "a" if self.start else "w", buffering=1) if cfg.metrics and is_main else None
+    stop = {"now": False}
+
+    def on_sigint(signum, frame):
+        if stop["now"]:
+            raise KeyboardInterrupt
+        stop["now"] = True
+
+    old_handler = signal.signal(signal.SIGINT, on_sigint)
+    progress = Progress(cfg.progress if is_main else "none", cfg.steps, self.start)
+    in_flight: collections.deque = collections.deque()
+    last_done = t0 = time.perf_counter()
+    last = {"loss": float("nan"), "eval_loss": None, "tokens_per_s": 0.0}
+    tps_window: collections.deque = collections.deque(maxlen=20)
+    lr_at = self.opt.schedule(cfg.batch_size * cfg.backward_passes)
+    # --timeline: the steps profiled, fixed at the first step of the final setting;
+    # host phases are annotations that cost nothing outside the profile
+    rec, window = self.recorder, None
+    phase = rec.phase if rec is not None else (lambda _: contextlib.nullcontext())
+
+    def write(row):
+        if metrics:
+            metrics.write(json.dumps(row) + "\n")
+
+    def retire():
+        nonlocal last_done
+        step_i, loss, extra = in_flight.popleft()
+        with phase("host_wait"):
+            loss = float(loss)  # waits for the step
+        now = time.perf_counter()
+        dt, last_done = now - last_done, now
+        tps_window.append(tokens_per_step / dt)
+        last.update(loss=loss, tokens_per_s=float(np.median(tps_window)))
+        write({"step": step_i, "loss": loss, "step_time": dt, "tokens_per_s": tokens_per_step / dt,
+               "lr": float(lr_at(step_i)), **extra})
+        progress.update(step_i, loss, last["tokens_per_s"])
+
+    def drain():
+        while in_flight:
+            retire()
+
+    def record_eval(step_i):
+        last["eval_loss"] = self.evaluate()
+        write({"step": step_i, "eval_loss": last["eval_loss"]})
+
+    step_i = self.start
+    try:
+        for step_i in range(self.start, cfg.steps):
+            trial = self.tuner.ask() if self.tuner is not None else None  # (setting, timed) while tuning
+            if self.tuner is not None and trial is None:  # nothing left to compare (one candidate)
+                tuning.finish(self, write, step_i)
+            step = self.step if trial is None else self.step_for(trial[0])
+            if rec is not None and window is None and trial is None:
+                window = range(step_i + 1, min(cfg.steps, step_i + 1 + cfg.timeline_steps))
+            profiled = window is not None and step_i in window
+            if profiled and step_i == window.start:
+                drain()
+                jax.block_until_ready((self.params, self.opt_state))  # no earlier step's tail in the trace
+                rec.start()
+            host = contextlib.ExitStack()
+            if profiled:
+                host.enter_context(rec.step(step_i))
+            with phase("data"):
+                batch = self.batch()
+            args, began = (self.params, self.opt_state, batch), time.perf_counter()
+            with phase("dispatch"):
+                self.params, self.opt_state, loss = step.train(*args)
+            extra = {"trial": str(trial[0])} if trial is not None else {}
+            if metrics:
+                extra["comm_bytes"] = self.comm_bytes(step, args)
+            in_flight.append((step_i, loss, extra))
+            if trial is not None or profiled:  # autotuned and profiled steps run alone, to their end
+                retire()
+                with phase("host_wait"):
+                    jax.block_until_ready((self.params, self.opt_state))
+            elif len(in_flight) > MAX_IN_FLIGHT:
+                retire()
+            if trial is not None:
+                self.tuner.tell(trial[0], time.perf_counter() - began, trial[1])
+                if self.tuner.done:
+                    tuning.finish(self, write, step_i)
+            done = step_i + 1
+            if cfg.eval_every and done % cfg.eval_every == 0 and done < cfg.steps:
+                drain()
+                with phase("eval"):
+                    record_eval(step_i)
+                last_done = time.perf_counter()  # evaluating is not the next step's time
+            if self.ckpt and (done % cfg.ckpt_every == 0 or done == cfg.steps or stop["now"]):
+                drain()
+                with phase("checkpoint"):
+                    self.save(done)
+                last_done = time.perf_counter()  # nor is saving
+            host.close()
+            if profiled and step_i == window[-1]:
+                observe.write_timeline(rec, cfg.timeline, self.step, args, write, window, self.say)
+                last_done = time.perf_counter()  # reading the trace is not the next step's time
+            if stop["now"]:
+                break
+        drain()
+        if not stop["now"]:
+            record_eval(cfg.steps - 1)
+    finally:
+        if rec is not None and rec.active:
+            rec.stop()  # interrupted inside the profiled steps
+        progress.close()
+        signal.signal(signal.SIGINT, old_handler)
+        if metrics:
+            metrics.close()
+        if self.ckpt:
+            self.ckpt.close()
+    return {"steps": step_i + 1, "interrupted": stop["now"], "loss": last["loss"],
+            "eval_loss": last["eval_loss"], "tokens_per_s": last["tokens_per_s"],
+            "seconds": time.perf_counter() - t0, "mesh": dict(self.mesh.shape)}
