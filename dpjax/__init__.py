@@ -1,4 +1,24 @@
-"""dpjax: sharded training on JAX/XLA with explicit, readable collectives."""
+"""dpjax: sharded training on JAX/XLA with explicit, readable collectives.
+
+Shape names. An array's name ends in its shape, one letter per dimension, each letter
+with one meaning across the package; a dimension split over mesh axes carries their
+initials (`Bd`: the batch split over the data axes, `Fm`: F split over `model`, `Ls`:
+the layers split over `stage`). Outside a shard_map the name is the global array,
+inside it this device's block, and every shard_map body asserts its local shapes.
+
+    B  sequences in a batch          A  accumulated micro-batches (--backward-passes)
+    T  tokens in a sequence (T1: +1) M  pipeline micro-batches (--microbatches)
+    D  model width (d_model)         L  layers of a stack
+    F  MLP width (d_ff)              S  pipeline stages
+    H  attention heads               W  workers of an update rule
+    K  width of one head             R  slots of an update rule's history (its delay)
+    V  vocabulary                    P  a parameter's own shape (any rank)
+    E  embedding width (mlp)         N  elements of a flattened buffer
+    C  context window (mlp)          U  unique values (the replica check)
+
+Scalars are words, not letters: `delay` (delayed:T), `tau` (async:TAU), `period`
+(sparse:P), `virtual_stages` (V in the papers' bubble formulas).
+"""
 
 from dpjax import collectives
 from dpjax.data_parallel import (

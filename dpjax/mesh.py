@@ -141,6 +141,19 @@ def parse_axes(text, mesh, what: str = "--workers") -> tuple[str, ...]:
     return tuple(a for a in axes if a in names)
 
 
+def spec_axes(entry) -> tuple[str, ...]:
+    """The mesh axes one PartitionSpec entry names: None -> (), 'data' -> ('data',),
+    ('node', 'data') -> both."""
+    return () if entry is None else (tuple(entry) if isinstance(entry, (tuple, list)) else (entry,))
+
+
+def local_shape(shape, spec, mesh) -> tuple[int, ...]:
+    """The shape of one device's block of a global array of `shape` laid out by `spec`
+    on `mesh` (what a shard_map body sees, and asserts)."""
+    entries = list(spec) + [None] * (len(shape) - len(spec))
+    return tuple(n // math.prod(mesh.shape[a] for a in spec_axes(e)) for n, e in zip(shape, entries))
+
+
 def simulate_cpu_devices(n: int) -> None:
     """Asks for `n` simulated CPU devices; must run before JAX initialises its backends.
 

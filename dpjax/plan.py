@@ -20,7 +20,6 @@ The plan knows nothing of how a step is traced; `dpjax.step.build(loss, plan)` d
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -228,14 +227,13 @@ def resolve(s: Settings, devices=None, *, mesh=None, model=None, optimizer=None,
     experiments' dense baselines). Raises UsageError (one line) for anything that does
     not fit."""
     from dpjax.links import parse_link
-    from dpjax.mesh import data_axes, dp_size, make_mesh, parse_axes
+    from dpjax.mesh import STAGE, data_axes, make_mesh, parse_axes
     from dpjax.models import get_model
     from dpjax.optim import OptimizerConfig
-    from dpjax.mesh import STAGE
-    from dpjax.pipeline import Pipeline, check_batch
+    from dpjax.pipeline import Pipeline
     from dpjax.pipeline import check as check_pipeline
     from dpjax.sharding import make_layout
-    from dpjax.updates import make_rule, parse_update
+    from dpjax.updates import parse_update
 
     check(s)
     if mesh is None:
@@ -243,10 +241,6 @@ def resolve(s: Settings, devices=None, *, mesh=None, model=None, optimizer=None,
 
         devs = list(jax.devices() if devices is None else devices)
         mesh = make_mesh(s.mesh or f"{len(devs)}x1", devs)
-    dp = dp_size(mesh)
-    if s.batch_size % dp:
-        raise UsageError(f"--batch-size {s.batch_size} is not divisible by the {dp} data-parallel ranks of "
-                         f"mesh {dict(mesh.shape)}; use a multiple of {dp}")
     update = parse_update(s.update)
     workers = default_workers(mesh, not update.is_sync) if s.workers is None else parse_axes(s.workers, mesh)
     if s.allreduce == "hierarchical" and len(data_axes(mesh)) < 2:
@@ -268,21 +262,44 @@ def resolve(s: Settings, devices=None, *, mesh=None, model=None, optimizer=None,
                          f"--mesh stage=2,data={max(1, mesh.size // 2)}")
     layout = make_layout(model, mesh, algorithm=s.tp_allreduce, fsdp=s.fsdp, fsdp_algorithm=exchange.algorithm,
                          workers=workers, pipeline=pipeline, tensor_parallel=tensor_parallel)
-    if layout.pipeline is not None:
-        check_batch(layout.pipeline, s.batch_size // dp, f"--batch-size {s.batch_size} over {dp} data-parallel ranks")
     links = tuple(parse_link(text) for text in s.link or ())
     for link in links:
         if link.axis not in mesh.axis_names:
             raise UsageError(f"--link {link}: mesh {dict(mesh.shape)} has no axis {link.axis!r}")
     opt = OptimizerConfig(name=s.optimizer, lr=s.lr, lr_scaling=s.lr_scaling, warmup_steps=s.warmup_steps,
                           weight_decay=s.weight_decay, clip_norm=s.clip_norm)
-    inner = optimizer if optimizer is not None else opt.make(s.batch_size * s.backward_passes, layout.specs)
-    rule = make_rule(update, inner, layout.workers, seed=s.seed, **exchange.kwargs())
     knobs = tuple(k for k, v in (("allreduce", s.allreduce), ("fusion_mb", s.fusion_mb)) if v == "auto")
-    plan = Plan(mesh, layout, rule, exchange, s.backward_passes, links, s.batch_size, model,
-                opt if optimizer is None else None, update, knobs, s, optimizer, tensor_parallel)
+    plan = for_layout(model, layout, global_batch=s.batch_size, update=update, opt=opt, optimizer=optimizer,
+                      passes=s.backward_passes, exchange=exchange, links=links, seed=s.seed)
+    plan = dataclasses.replace(plan, autotune=knobs, settings=s, tensor_parallel=tensor_parallel)
     check_memory(plan)
     return plan
+
+
+def for_layout(model, layout, *, global_batch: int, update="sync", opt=None, optimizer=None, passes: int = 1,
+               exchange: Exchange = Exchange(), links: tuple = (), seed: int = 0) -> Plan:
+    """The plan of a dpjax model on a layout already made (`dpjax.sharding.make_layout`;
+    what `resolve` does after making it, and what tests that build layouts by hand call):
+    the rule `update` names (e.g. "sparse:4") between the layout's workers, wrapping the
+    optimizer `opt` (a `dpjax.optim.OptimizerConfig`: its clipping norm over the layout's
+    shards, its lr scaled for `passes` x `global_batch`) or an optax `optimizer` as is."""
+    from dpjax.mesh import dp_size
+    from dpjax.optim import OptimizerConfig
+    from dpjax.pipeline import check_batch
+    from dpjax.updates import make_rule, parse_update
+
+    update = parse_update(update) if isinstance(update, str) else update
+    opt = opt if opt is not None or optimizer is not None else OptimizerConfig()
+    inner = optimizer if optimizer is not None else opt.make(global_batch * passes, layout.specs)
+    dp = dp_size(layout.mesh)
+    if global_batch % dp:
+        raise UsageError(f"--batch-size {global_batch} is not divisible by the {dp} data-parallel ranks of "
+                         f"mesh {dict(layout.mesh.shape)}; use a multiple of {dp}")
+    if layout.pipeline is not None:
+        check_batch(layout.pipeline, global_batch // dp, f"--batch-size {global_batch} over {dp} data-parallel ranks")
+    rule = make_rule(update, inner, layout.workers, seed=seed, **exchange.kwargs())
+    return Plan(layout.mesh, layout, rule, exchange, passes, tuple(links), global_batch, model,
+                opt if optimizer is None else None, update, optimizer=optimizer)
 
 
 def default_workers(mesh, per_worker: bool) -> tuple:
@@ -323,7 +340,9 @@ def check_memory(plan: Plan) -> None:
     model, s = plan.model, plan.settings
     if model is None or s is None or not hasattr(model, "activation_bytes"):
         return
-    need = estimate_memory(plan)
+    from dpjax.memory import device_memory, estimate
+
+    need = estimate(plan.model, plan.layout, plan.global_batch)
     have = device_memory(plan.mesh)
     if have is not None and need["total"] > have:
         gib = lambda b: f"{b / 2**30:,.1f} GiB"  # noqa: E731
@@ -331,35 +350,3 @@ def check_memory(plan: Plan) -> None:
                          f"optimizer state {gib(need['state'])}, activations {gib(need['activations'])}) and a "
                          f"device has {gib(have)}: lower --batch-size, --seq-len or the model size, add "
                          "--backward-passes, or use more devices")
-
-
-def estimate_memory(plan: Plan) -> dict:
-    """Bytes per device: {'params', 'state', 'activations', 'total'} (an estimate)."""
-    import jax
-
-    from dpjax.mesh import dp_size
-
-    stored = jax.eval_shape(lambda k: plan.layout.store(plan.model.init(k)), jax.random.key(0))
-    local = jax.tree.map(lambda x, sh: math.prod(sh.shard_shape(x.shape)) * x.dtype.itemsize,
-                         stored, plan.layout.shardings())
-    params = sum(jax.tree.leaves(local))
-    state = 3 * params  # Adam's two moments and the gradient, at most, sharded like the parameters
-    rows = max(1, plan.global_batch // dp_size(plan.mesh))
-    model_split = plan.mesh.shape.get("model", 1)
-    activations = plan.model.activation_bytes(rows) // model_split
-    return {"params": params, "state": state, "activations": activations, "total": params + state + activations}
-
-
-def device_memory(mesh) -> int | None:
-    """What one device of `mesh` can hold: the accelerator's limit, or on CPU the host's
-    physical memory shared by this process's devices (None if unknown)."""
-    dev = mesh.devices.flat[0]
-    stats = dev.memory_stats() if hasattr(dev, "memory_stats") else None
-    if stats and stats.get("bytes_limit"):
-        return int(stats["bytes_limit"])
-    try:
-        host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return None
-    local = sum(1 for d in mesh.devices.flat if d.process_index == dev.process_index)
-    return host // max(1, local)

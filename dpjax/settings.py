@@ -61,13 +61,14 @@ class Settings:
     mesh: str | None = _opt(None, "device mesh: '8' or '8x1' (data x model), '2x2x2' (node x data x model), "
                                   "'data=2,model=4'; one -1 takes the remaining devices. Default: every device "
                                   "on data")
-    model: str = _opt("gpt", lambda: f"the model: {', '.join(_models())}", choices=lambda: tuple(_models()))
+    model: str = _opt("gpt", lambda: f"the model: {', '.join(_models())}")
     data: str = _opt("stdlib", "'stdlib' (the Python standard library's source), a text file, a folder of text "
                                "files, or 'synthetic' (random tokens)")
     steps: int = _opt(200, "optimizer steps to run (in total, counting resumed ones)")
     batch_size: int = _opt(32, "global batch in sequences per backward pass, split over the data axes")
     seq_len: int = _opt(128, "tokens (bytes) per sequence")
-    optimizer: str = _opt("adamw", "the inner optimizer (momentum: Nesterov, 0.9)", choices=lambda: _optimizers())
+    optimizer: str = _opt("adamw", lambda: f"the inner optimizer: {', '.join(_optimizers())} (momentum: Nesterov, "
+                                           "0.9)")
     lr: float = _opt(3e-3, "learning rate (before any scaling)")
     lr_scaling: str = _opt("none", "linear: lr * global batch / 256 (Goyal et al. 2017)", choices=("none", "linear"))
     warmup_steps: int = _opt(0, "steps of linear learning-rate warmup")

@@ -10,8 +10,8 @@ rest. Nothing here checks settings: the plan did.
 Inside one `shard_map` a device holds its rows of the batch and its shards of the
 parameters; the step is, per device:
 
-    for each of the K micro-batches:        loss, g = value_and_grad(loss)(params, micro)
-    g = sum / K                             (accumulation: K backward passes, one exchange)
+    for each of the A micro-batches:        loss, g = value_and_grad(loss)(params, micro)
+    g = sum / A                             (accumulation: A backward passes, one exchange)
     g = mean over the worker's own devices  (FSDP: already done by the reduce-scatter in the
                                              backward; else dpjax's fused allreduce over the
                                              inner data axes)
@@ -50,9 +50,10 @@ from jax.sharding import PartitionSpec as P
 from dpjax import links as emulation
 from dpjax import scopes
 from dpjax.data_parallel import allreduce_gradients, broadcast_params
-from dpjax.mesh import data_axes, dp_size
+from dpjax.mesh import data_axes, dp_size, local_shape
 from dpjax.pipeline import staged as pipeline_staged
-from dpjax.plan import Exchange, Plan, for_rule
+from dpjax.optim import OptimizerConfig  # noqa: F401  (dpjax.step.OptimizerConfig, as before)
+from dpjax.plan import Exchange, Plan, for_layout, for_rule
 from dpjax.sharding import Layout, is_spec
 from dpjax.updates.rules import UpdateRule, as_axes, axis_arg
 
@@ -64,7 +65,7 @@ class TrainStep:
 
     init(params) -> (params, state): from parameters laid out by the layout (broadcast
         from rank 0 over the data axes that replicate them, Horovod's broadcast);
-    train(params, state, batch_KxBxT1) -> (params, state, mean loss over the global batch);
+    train(params, state, batch_AxBxT1) -> (params, state, mean loss over the global batch);
     evaluate(params, batch_BxT1) -> mean loss of the consensus parameters;
     flush(params, state) -> (params, state): what is in flight lands;
     consensus(params) -> the parameters the workers agree on, without the worker axis.
@@ -95,8 +96,8 @@ def build(loss_fn, plan: Plan, *, abstract_params, donate: bool = True, value_an
     passes and links) for `loss_fn(params, batch_BdxT1, par) -> scalar` (`par`: the
     `dpjax.tensor_parallel.Parallel` the layout gives; a model's `loss`).
 
-    abstract_params: the parameters' shapes (ShapeDtypeStructs). The train batch is K x B
-    (K = plan.passes micro-batches: K backward passes, one exchange). Collectives that
+    abstract_params: the parameters' shapes (ShapeDtypeStructs). The train batch is A x B
+    (A = plan.passes micro-batches: A backward passes, one exchange). Collectives that
     cross an axis of `plan.links` wait for their emulated wire (no callback is compiled
     in without links). value_and_grad(params, batch_BdxT1, par) -> (loss, gradient): how
     this device's gradient is computed (default: `jax.value_and_grad(loss_fn)`; a
@@ -117,19 +118,19 @@ def build(loss_fn, plan: Plan, *, abstract_params, donate: bool = True, value_an
         with scopes.phase("forward_backward"):  # names only (dpjax.scopes): the program is the same
             return loss_and_grad(p, b)
 
-    def grad_fn(params, batch_KxBdxT1):
-        """The worker's loss and gradient: K micro-batches accumulated, then averaged
+    def grad_fn(params, batch_AxBdxT1):
+        """The worker's loss and gradient: A micro-batches accumulated, then averaged
         over the worker's own devices."""
-        assert batch_KxBdxT1.shape[0] == passes, (batch_KxBdxT1.shape, passes)
+        assert batch_AxBdxT1.shape[0] == passes, (batch_AxBdxT1.shape, passes)
         if passes == 1:
-            loss, g = value_and_grad(params, batch_KxBdxT1[0])
+            loss, g = value_and_grad(params, batch_AxBdxT1[0])
         else:
             def micro(carry, batch_BdxT1):
                 loss, g = value_and_grad(params, batch_BdxT1)
                 return (carry[0] + loss, jax.tree.map(jnp.add, carry[1], g)), None
 
             zero = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
-            (loss, g), _ = lax.scan(micro, zero, batch_KxBdxT1)
+            (loss, g), _ = lax.scan(micro, zero, batch_AxBdxT1)
             loss, g = loss / passes, jax.tree.map(lambda x: x / passes, g)
         return loss, inner_mean(g)
 
@@ -145,6 +146,14 @@ def build(loss_fn, plan: Plan, *, abstract_params, donate: bool = True, value_an
         pspecs_w, sspecs_w = pspecs, sspecs
         unwrap = wrap = lambda tree: tree  # noqa: E731
     rows = axes or None
+    # what each device holds inside the shard_maps below, asserted in every body
+    lead = (layout.num_workers,) if rule.per_worker else ()
+    local_p = jax.tree.map(lambda a, sp: local_shape(lead + tuple(a.shape), sp, mesh), abstract_params, pspecs_w,
+                           is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct))
+
+    def assert_local(params_w):
+        got = jax.tree.map(lambda x: tuple(x.shape), params_w)
+        assert got == local_p, f"local parameter shapes {got} != {local_p}"
 
     emulator = emulation.Emulator(mesh, tuple(links)) if links else None
 
@@ -159,30 +168,37 @@ def build(loss_fn, plan: Plan, *, abstract_params, donate: bool = True, value_an
     replicated_over = layout.workers if layout.fsdp else axes
 
     def init_body(params):
+        assert jax.tree.map(lambda x: tuple(x.shape), params) == jax.tree.map(
+            lambda a, sp: local_shape(a.shape, sp, mesh), abstract_params, pspecs,
+            is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct)), "init: local parameter shapes"
         if replicated_over:
             params = broadcast_params(params, axis_arg(replicated_over), root=0)
         return wrap(params), wrap(rule.init(params))
 
     local_rows = plan.global_batch // dp_size(mesh) if plan.global_batch else None  # B / dp
 
-    def train_body(params, state, batch_KxBdxT1):
-        assert batch_KxBdxT1.ndim == 3 and batch_KxBdxT1.shape[:2] == (passes, local_rows or batch_KxBdxT1.shape[1]), (
-            batch_KxBdxT1.shape, passes, local_rows)
+    def train_body(params, state, batch_AxBdxT1):
+        assert_local(params)
+        assert batch_AxBdxT1.ndim == 3 and batch_AxBdxT1.shape[:2] == (passes, local_rows or batch_AxBdxT1.shape[1]), (
+            batch_AxBdxT1.shape, passes, local_rows)
         with scopes.phase("optimizer"):  # the rule's own work; grad_fn's phases name themselves inside
-            params, state, loss = rule.step(grad_fn, unwrap(params), unwrap(state), batch_KxBdxT1)
+            params, state, loss = rule.step(grad_fn, unwrap(params), unwrap(state), batch_AxBdxT1)
         with scopes.phase("loss"):
             loss = lax.pmean(loss, axes)
         return wrap(params), wrap(state), loss
 
     def eval_body(params, batch_BdxT1):
+        assert_local(params)
         assert batch_BdxT1.ndim == 2 and batch_BdxT1.shape[0] == (local_rows or batch_BdxT1.shape[0]), (
             batch_BdxT1.shape, local_rows)
         return lax.pmean(loss_fn(rule.consensus(unwrap(params)), batch_BdxT1, par), axes)
 
     def flush_body(params, state):
+        assert_local(params)
         return tuple(wrap(x) for x in rule.flush(unwrap(params), unwrap(state)))
 
     def consensus_body(params):
+        assert_local(params)
         return rule.consensus(unwrap(params))
 
     return TrainStep(
@@ -223,6 +239,14 @@ def for_plan(plan: Plan, donate: bool = True) -> TrainStep:
     return build(staged.loss, plan, abstract_params=abstract, donate=donate, value_and_grad=staged.value_and_grad)
 
 
+def for_model(model, layout: Layout, *, global_batch: int, update="sync", opt=None, passes: int = 1,
+              exchange: Exchange = Exchange(), links: tuple = (), seed: int = 0, donate: bool = True) -> TrainStep:
+    """The steps of a dpjax model on a layout made by hand: `for_plan` of
+    `dpjax.plan.for_layout(...)` (the same arguments)."""
+    return for_plan(for_layout(model, layout, global_batch=global_batch, update=update, opt=opt, passes=passes,
+                               exchange=exchange, links=links, seed=seed), donate=donate)
+
+
 def make_update_step(loss_fn, rule: UpdateRule, mesh, params, *, param_specs=None, passes: int = 1,
                      exchange: Exchange = Exchange(), donate: bool = True) -> TrainStep:
     """The steps of `rule` for research code: `loss_fn(params, local_batch) -> scalar`.
@@ -230,8 +254,8 @@ def make_update_step(loss_fn, rule: UpdateRule, mesh, params, *, param_specs=Non
     params: the parameters (or their shapes); param_specs: a PartitionSpec per parameter
     over the non-data axes (default P(): a replica on every `model` rank). The rule's
     axes (its `axis_name`) are the worker axes; any other data axes average gradients
-    synchronously inside each worker (`dpjax.plan.for_rule`). The train batch is K x B
-    (K = passes).
+    synchronously inside each worker (`dpjax.plan.for_rule`). The train batch is A x B
+    (A = passes).
     """
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)), params)
     plan = for_rule(rule, mesh, abstract, param_specs=param_specs, passes=passes, exchange=exchange)
@@ -251,8 +275,8 @@ def replicated(mesh):
 
 def put_batch(stream, cursor: int, global_batch: int, mesh, passes: int | None = None):
     """The global batch at `cursor` as one sharded array; each device reads only its rows
-    (in a multi-process run, each process reads only what its devices hold). passes=K:
-    K consecutive batches stacked, K x B x T+1 (the train step's micro-batches)."""
+    (in a multi-process run, each process reads only what its devices hold). passes=A:
+    A consecutive batches stacked, A x B x T+1 (the train step's micro-batches)."""
     rows = data_axes(mesh) or None
     if passes is None:
         return jax.make_array_from_callback(

@@ -9,7 +9,7 @@ import optax
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from dpjax import plan as planning
+from dpjax import memory
 from dpjax import step as S
 from dpjax.mesh import data_axes
 from dpjax.models import get_model
@@ -48,8 +48,8 @@ def test_memory_refusal_says_what_it_needs_and_has():
 
 def test_the_default_run_fits():
     plan = resolve(Settings())  # the main job on this machine's 8 devices: not refused
-    need = planning.estimate_memory(plan)
-    assert 0 < need["total"] < planning.device_memory(plan.mesh)
+    need = memory.estimate(plan.model, plan.layout, plan.global_batch)
+    assert 0 < need["total"] < memory.device_memory(plan.mesh)
 
 
 def test_a_plan_is_made_again_for_fewer_devices():

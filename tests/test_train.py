@@ -152,7 +152,7 @@ def _one_error_line(capsys):
     (["--model", "resnet"], "unknown model 'resnet'; choose one of gpt, mlp"),
     (["--allreduce", "nccl"], "unknown --allreduce algorithm 'nccl'; choose one of"),
     (["--allreduce", "hierarchical", "--mesh", "8x1"], "needs a node axis"),
-    (["--seq-len", "200000"], "use a shorter --seq-len"),
+    (["--seq-len", "200000"], "this run needs about"),  # the plan's memory estimate refuses it first
     (["--resume"], "--resume needs --ckpt-dir"),
     (["--mesh", "1x8", "--n-heads", "4"], "wo_LsxHmxKxD (1, 4, 8, 32): dimension 1 of size 4 does not split "
                                           "over the 8 devices of mesh axis 'model'"),
@@ -170,6 +170,9 @@ def test_bad_data_paths(tmp_path, capsys):
     (tmp_path / "empty.txt").write_text("")
     assert main(tiny(str(tmp_path / "empty.txt"), "--steps", "2")) == 2
     assert "is empty" in _one_error_line(capsys)
+    (tmp_path / "short.txt").write_text("x" * 1000)
+    assert main(tiny(str(tmp_path / "short.txt"), "--steps", "2", "--seq-len", "600")) == 2
+    assert "use a shorter --seq-len" in _one_error_line(capsys)
 
 
 def _snapshot(folder):
