@@ -17,6 +17,7 @@ from jax.sharding import PartitionSpec as P
 from dpjax import collectives as C
 from dpjax import links
 from dpjax import step as S
+from dpjax.errors import UserError
 from dpjax.models import get_model
 from dpjax.optim import OptimizerConfig
 from dpjax.sharding import make_layout
@@ -40,43 +41,69 @@ def test_parse_link(text, axis, latency, bandwidth):
 @pytest.mark.parametrize("text", ["node", "node=183ms", "node=183,23mbit", "node=183ms,23", "=1ms,1mbit",
                                   "node=1ms,0mbit", "node=1ms,2furlongs"])
 def test_parse_link_refuses_in_one_line(text):
-    with pytest.raises(links.UserError, match=r"bad --link .*write e.g. node=183ms,23mbit") as info:
+    with pytest.raises(UserError, match=r"bad --link .*write e.g. node=183ms,23mbit") as info:
         links.parse_link(text)
     assert "\n" not in str(info.value)
 
 
 def test_clock_queues_bytes_and_overlaps_latencies():
-    clock = links.Clock()
-    t0 = time.perf_counter()
-    a = clock.issue(0, latency=0.20, wire=0.10)
-    b = clock.issue(0, latency=0.20, wire=0.10)  # its bytes wait behind a's: done at +0.40
-    c = clock.issue(1, latency=0.20, wire=0.10)  # another device's wire: done at +0.30
+    """On a virtual clock (time moves only when a transfer is waited for): a device's bytes
+    queue on its wire, latencies overlap, another device's wire is its own."""
+    now = links.VirtualTime(10.0)
+    clock = links.Clock(source=now)
+    a = clock.issue(0, latency=0.20, wire=0.10)  # 10.0 + 0.10 + 0.20
+    b = clock.issue(0, latency=0.20, wire=0.10)  # its bytes wait behind a's: 10.1 + 0.1 + 0.2
+    c = clock.issue(1, latency=0.20, wire=0.10)  # another device's wire: as a
     clock.wait(a)
-    ta = time.perf_counter() - t0
-    clock.wait(c)
-    tc = time.perf_counter() - t0
+    assert now.now() == pytest.approx(10.30, abs=1e-12)
+    clock.wait(c)  # done already: no time passes
+    assert now.now() == pytest.approx(10.30, abs=1e-12)
     clock.wait(b)
-    tb = time.perf_counter() - t0
-    assert 0.30 <= ta < 0.38 and 0.30 <= tc < 0.38 and 0.40 <= tb < 0.48, (ta, tc, tb)
+    assert now.now() == pytest.approx(10.40, abs=1e-12)
+    d = clock.issue(0, latency=0.20, wire=0.10)  # the wire is free again: from now
+    clock.wait(d)
+    assert now.now() == pytest.approx(10.70, abs=1e-12)
     clock.wait(12345)  # unknown: at once
-    assert time.perf_counter() - t0 < tb + 0.05
+    clock.wait(a)  # waited for already: forgotten, at once
+    assert now.now() == pytest.approx(10.70, abs=1e-12)
 
 
 def test_a_call_starts_when_its_first_device_issues_it():
     """A device that issues a call late (its thread held up) finishes with the others;
     its next call of the same site is a call of its own."""
-    clock = links.Clock(devices=2)
-    t0 = time.perf_counter()
+    now = links.VirtualTime()
+    clock = links.Clock(devices=2, source=now)
     a = clock.issue(0, latency=0.20, wire=0.0, site=7)
-    time.sleep(0.15)
-    b = clock.issue(1, latency=0.20, wire=0.0, site=7)  # late: done with a, at +0.20
+    now.advance(0.15)
+    b = clock.issue(1, latency=0.20, wire=0.0, site=7)  # late: done with a, at 0.20
     clock.wait(b)
-    tb = time.perf_counter() - t0
+    assert now.now() == pytest.approx(0.20, abs=1e-12)
     c = clock.issue(1, latency=0.20, wire=0.0, site=7)  # the site's next call: from now
     clock.wait(a)
     clock.wait(c)
-    tc = time.perf_counter() - t0
-    assert 0.20 <= tb < 0.28 and tb + 0.20 <= tc < tb + 0.28, (tb, tc)
+    assert now.now() == pytest.approx(0.40, abs=1e-12)
+
+
+def test_joined_transfers_are_waited_for_under_their_key():
+    """`deferred`'s host side: the latest of several transfers, filed under (device, key),
+    is what a later wait for that key waits for."""
+    now = links.VirtualTime()
+    clock = links.Clock(source=now)
+    t1 = clock.issue(0, latency=0.5, wire=0.0)
+    t2 = clock.issue(0, latency=0.1, wire=0.3)  # done at 0.4
+    clock.join(0, 3, [t1, t2])
+    clock.wait((0, 2))  # another key: nothing filed
+    assert now.now() == 0.0
+    clock.wait((0, 3))
+    assert now.now() == pytest.approx(0.5, abs=1e-12)
+
+
+def test_real_time_sleeps_until_the_deadline():
+    """The default source sleeps: a wait returns no earlier than the transfer's end."""
+    clock = links.Clock()
+    t0 = time.perf_counter()
+    clock.wait(clock.issue(0, latency=0.05, wire=0.02))
+    assert time.perf_counter() - t0 >= 0.07
 
 
 LINK = links.AxisLink("node", latency=0.2, bandwidth=1e9)
