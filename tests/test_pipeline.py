@@ -96,7 +96,7 @@ def check_timetable(tt):
 GRID = [(S, M) for S in (1, 2, 3, 4, 8) for M in (1, 2, 3, 4, 8, 16)]
 
 
-@pytest.mark.parametrize("schedule", ["naive", "gpipe", "1f1b"])
+@pytest.mark.parametrize("schedule", [n for n, s in SCHEDULES.items() if not s.virtual_stages])
 def test_timetables(schedule):
     for S, M in GRID:
         live = check_timetable(timetable(Pipeline(schedule, M), S))
@@ -248,7 +248,7 @@ def test_pipeline_equals_one_device(mesh_of, schedule, spec, options):
     shared embedding and the stages' layers) is the unpipelined model's, and 10 steps of
     SGD give its losses."""
     mesh = mesh_of(spec, MESHES[spec])
-    S, V = mesh.shape["stage"], 2 if schedule == "interleaved" else 1
+    S, V = mesh.shape["stage"], 2 if SCHEDULES[schedule].virtual_stages else 1
     L = max(4, S * V)
     grads, losses = pipelined_run(mesh, L, Pipeline(schedule, microbatches(mesh), V), **options)
     want_grads, want_losses = one_device(L)
@@ -337,6 +337,7 @@ def test_memory_of_the_stages(mesh_of, schedule):
     shared leaves whole, Adam's step counts and the device's rows (numpy arithmetic on the
     shapes); 1F1B's temporaries do not change with M, GPipe's grow by its stash and its
     loss gradients, 2 x b x T x D floats a micro-batch. (M = 8 too: experiments/bench_train.py.)"""
+    from dpjax import step as steps
     from dpjax.optim import OptimizerConfig
 
     model, b, S, T, D = get_model("gpt", **MEMORY_MODEL), 2, 2, MEMORY_MODEL["seq_len"], MEMORY_MODEL["d_model"]
@@ -347,7 +348,9 @@ def test_memory_of_the_stages(mesh_of, schedule):
                                                                                    shapes)) if x.ndim == 0)
     temp = {}
     for M in (4, 16):
-        ma = cost.train_memory(model, mesh_of(f"stage={S}", S), Pipeline(schedule, M), b * M)
+        layout = make_layout(model, mesh_of(f"stage={S}", S), pipeline=Pipeline(schedule, M))
+        step = steps.for_model(model, layout, global_batch=b * M, opt=OptimizerConfig(), donate=False)
+        ma = cost.train_memory(step, model, b * M)
         assert ma.argument_size_in_bytes == 3 * (layers // S + shared) + scalars + b * M * (T + 1) * 4
         temp[M] = ma.temp_size_in_bytes
     if schedule == "1f1b":
@@ -358,7 +361,7 @@ def test_memory_of_the_stages(mesh_of, schedule):
 
 BUBBLES = [pytest.param("gpipe", 2, 2, 1, id="gpipe-S2-M2")] + [
     pytest.param(s, 4, 4, v, id=f"{s}-S4-M4-V{v}", marks=pytest.mark.slow)
-    for s, v in (("naive", 1), ("gpipe", 1), ("1f1b", 1), ("interleaved", 2))]
+    for s, v in ((name, 2 if sch.virtual_stages else 1) for name, sch in SCHEDULES.items())]
 
 
 @pytest.mark.parametrize("schedule,stages,M,V", BUBBLES)

@@ -13,14 +13,15 @@ Inside `shard_map` over the stage axis, every stage runs this same program. A ti
                    recompute chunk_r from its stashed input and pull dy back through it
                    (`jax.vjp`): the chunk's parameter gradient (accumulated) and dx;
                    on the first chunk dx goes on into the embedding's VJP
-    sends          y -> stage s+1, dx -> stage s-1: one explicit `lax.ppermute` each
-                   (round the ring, last <-> first, when V > 1)
+    sends          y -> stage s+1, dx -> stage s-1: one `collectives.p2p.send` each
+                   ("activations", "gradients"; round the ring, last <-> first, when
+                   V > 1), through the point-to-point helper every collective uses
 
 Slots that are not `ok` (fill and drain) compute on whatever the stage holds and their
 results are masked away: in lockstep an idle stage waits for the busiest one anyway, and
 one program for all stages keeps every collective in step. The embedding and the loss
 are masked the same way on the stages that do not own them. Everything crossing a stage
-boundary is in the two ppermutes; the parameters never move.
+boundary is in the two sends; the parameters never move.
 
 `pieces`: embed(shared, tokens_bxT) -> x_bxTxD, chunk(chunk_params_Lc, x) -> x (one chunk:
 its leaves carry the chunk's layers on the leading axis) and loss(shared, y, targets_bxT)
@@ -36,6 +37,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from dpjax.collectives.p2p import send
 from dpjax.pipeline.timetable import Timetable
 
 
@@ -45,15 +47,16 @@ class Pieces(NamedTuple):
     loss: Callable
 
 
-def shift(x, axis: str, stages: int, step: int, circular: bool):
-    """x sent `step` (+1 or -1) stages along `axis`: the pipeline's one collective. Without
-    `circular`, the stage at the end receives zeros."""
+def shift(x, axis: str, stages: int, step: int, circular: bool, name: str):
+    """x sent `step` (+1 or -1) stages along `axis`, named `name`: the pipeline's one kind
+    of collective (`collectives.p2p.send`, so `--link stage=...` charges it and a timeline
+    names it). Without `circular`, the stage at the end receives zeros."""
     pairs = [(i, (i + step) % stages) for i in range(stages) if circular or 0 <= i + step < stages]
     if not pairs:
         return jnp.zeros_like(x)
     if pairs == [(0, 0)]:
         return x
-    return lax.ppermute(x, axis, pairs)
+    return send(x, axis, pairs, name=name)
 
 
 def _get(buf, i):
@@ -129,9 +132,9 @@ def run(tt: Timetable, pieces: Pieces, shared, chunks_VxLc, batch_MxbxT1, *, axi
     def tick(c, t, do_forward: bool, do_backward: bool):
         c = dict(c)
         if do_forward:  # before the backward: on the last chunk the backward needs this tick's seed
-            c["recv_x"] = shift(forward(c, t), axis, S, +1, V > 1)
+            c["recv_x"] = shift(forward(c, t), axis, S, +1, V > 1, "activations")
         if do_backward:
-            c["recv_dx"] = shift(backward(c, t), axis, S, -1, V > 1)
+            c["recv_dx"] = shift(backward(c, t), axis, S, -1, V > 1, "gradients")
         return c, None
 
     carry = {"recv_x": zeros_x, "loss": jnp.zeros((), jnp.float32)}
