@@ -114,6 +114,7 @@ def _traced_cost(mesh, fn, x):
     em = links.Emulator(mesh, (LINK,))
 
     def body(v):
+        assert v.shape == (x.shape[0] // mesh.size,), (v.shape, x.shape)
         with em.active():
             return fn(v)
 

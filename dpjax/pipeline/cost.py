@@ -59,8 +59,13 @@ def gradient_flops(model, mesh, pipe: Pipeline, rows: int) -> float:
     # (and unrolled, XLA fuses the chain of per-tick sums into each slice of its ring, so
     # the sums would be counted once a slice). Each device's outputs are its own (P():
     # only their FLOPs are read).
-    fn = jax.jit(jax.shard_map(lambda p, b: st.schedule(p, b, par), mesh=mesh,
-                               in_specs=(layout.specs, P(data_axes(mesh) or None)), out_specs=P(),
+    dp = int(np.prod([mesh.shape[a] for a in data_axes(mesh)], dtype=np.int64))
+
+    def ticks(params, batch_BdxT1):
+        assert batch_BdxT1.shape == (rows // dp, model.config.seq_len + 1), (batch_BdxT1.shape, rows, dp)
+        return st.schedule(params, batch_BdxT1, par)
+
+    fn = jax.jit(jax.shard_map(ticks, mesh=mesh, in_specs=(layout.specs, P(data_axes(mesh) or None)), out_specs=P(),
                                check_vma=False))
     return float(fn.lower(_placed(layout, model), _batch(mesh, rows, model.config.seq_len)).compile()
                  .cost_analysis()["flops"])

@@ -80,12 +80,14 @@ def run(tt: Timetable, pieces: Pieces, shared, chunks_VxLc, batch_MxbxT1, *, axi
     the caller sums it over the stage axis. unroll: the tick loops as straight-line code
     (XLA's cost analysis counts a loop body once; the bubble measurement needs every tick)."""
     S, M, V = tt.stages, tt.microbatches, tt.chunks
-    assert batch_MxbxT1.shape[0] == M, (batch_MxbxT1.shape, M)
+    assert batch_MxbxT1.ndim == 3 and batch_MxbxT1.shape[0] == M, (batch_MxbxT1.shape, M)
+    _, b, T1 = batch_MxbxT1.shape
     assert all(c.shape[0] == V for c in jax.tree.leaves(chunks_VxLc)), (jax.tree.map(jnp.shape, chunks_VxLc), V)
     # Opaque to XLA even where the axis has one stage: no stage's program may fold away an
     # idle slot's work or its masks, so every program executes what its timetable says.
     s = lax.optimization_barrier(lax.axis_index(axis))
     x_spec = jax.eval_shape(pieces.embed, shared, batch_MxbxT1[0, :, :-1])
+    assert x_spec.shape[:2] == (b, T1 - 1), (x_spec.shape, b, T1)  # b x T x D: what every send carries
     zeros_x = jnp.zeros(x_spec.shape, x_spec.dtype)
 
     def micro(m):  # tokens and targets of micro-batch m (clamped: an idle slot's are masked away)
@@ -106,6 +108,7 @@ def run(tt: Timetable, pieces: Pieces, shared, chunks_VxLc, batch_MxbxT1, *, axi
         tokens, targets = micro(m)
         x = jnp.where(first(r), pieces.embed(shared, tokens), c["recv_x"])
         y = pieces.chunk(chunk(r), x)
+        assert x.shape == y.shape == x_spec.shape, (x.shape, y.shape, x_spec.shape)
         done = ok & last(r)
         if grad:
             c["stash"] = _put(c["stash"], tt.stash_slot(m, r, s), x, ok)
@@ -123,6 +126,7 @@ def run(tt: Timetable, pieces: Pieces, shared, chunks_VxLc, batch_MxbxT1, *, axi
         dy = jnp.where(last(r), _get(c["seeds"], m % tt.seed_slots), c["recv_dx"])
         _, chunk_vjp = jax.vjp(pieces.chunk, chunk(r), _get(c["stash"], tt.stash_slot(m, r, s)))
         d_chunk, dx = chunk_vjp(dy)
+        assert dy.shape == dx.shape == x_spec.shape, (dy.shape, dx.shape, x_spec.shape)
         c["d_chunks"] = jax.tree.map(lambda a, g: a.at[r].add(jnp.where(ok, g, jnp.zeros_like(g))),
                                      c["d_chunks"], d_chunk)
         _, embed_vjp = jax.vjp(lambda sh: pieces.embed(sh, tokens), shared)
