@@ -141,17 +141,24 @@ def parse_axes(text, mesh, what: str = "--workers") -> tuple[str, ...]:
     return tuple(a for a in axes if a in names)
 
 
-def spec_axes(entry) -> tuple[str, ...]:
-    """The mesh axes one PartitionSpec entry names: None -> (), 'data' -> ('data',),
-    ('node', 'data') -> both."""
-    return () if entry is None else (tuple(entry) if isinstance(entry, (tuple, list)) else (entry,))
+def as_axes(axis_name) -> tuple[str, ...]:
+    """An axis argument or a PartitionSpec entry as a tuple of axis names: None or () ->
+    (), 'data' -> ('data',), ('node', 'data') as is."""
+    if axis_name is None:
+        return ()
+    return tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
+
+
+def axis_arg(axes: tuple):
+    """The axis argument collectives take: one name, or a tuple for several."""
+    return axes[0] if len(axes) == 1 else tuple(axes)
 
 
 def local_shape(shape, spec, mesh) -> tuple[int, ...]:
     """The shape of one device's block of a global array of `shape` laid out by `spec`
     on `mesh` (what a shard_map body sees, and asserts)."""
     entries = list(spec) + [None] * (len(shape) - len(spec))
-    return tuple(n // math.prod(mesh.shape[a] for a in spec_axes(e)) for n, e in zip(shape, entries))
+    return tuple(n // math.prod(mesh.shape[a] for a in as_axes(e)) for n, e in zip(shape, entries))
 
 
 def simulate_cpu_devices(n: int) -> None:

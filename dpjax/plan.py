@@ -320,8 +320,8 @@ def for_rule(rule, mesh, abstract_params, *, param_specs=None, passes: int = 1,
     import jax
     from jax.sharding import PartitionSpec as P
 
+    from dpjax.mesh import as_axes
     from dpjax.sharding import Layout
-    from dpjax.updates import as_axes
 
     if passes < 1:
         raise ValueError(f"passes must be at least 1, got {passes}")

@@ -17,6 +17,9 @@ program's metadata and reads these names back:
                                                     (`numbered_calls`), so that two calls with the
                                                     same arguments stay apart even when XLA
                                                     interleaves their steps
+    dpjax:send(name=activations,axis=stage,n=S,bytes=B)
+                                                    one point-to-point send (`collectives.p2p`:
+                                                    a pipeline's activations or gradients)
     dpjax:step(index=3,bytes=B)                     the 3rd point-to-point step (one ppermute, B
                                                     bytes from each sender) of the enclosing call
 
@@ -34,7 +37,7 @@ import jax
 
 PHASES = ("forward_backward", "exchange", "optimizer", "loss")
 HOST_PHASES = ("data", "dispatch", "host_wait", "checkpoint", "eval")
-COLLECTIVES = ("allreduce", "reduce_scatter", "all_gather", "broadcast", "all_to_all")
+COLLECTIVES = ("allreduce", "reduce_scatter", "all_gather", "broadcast", "all_to_all", "send")
 
 _TOKEN = re.compile(r"dpjax:(\w+)(?:\(([^()]*)\))?")
 

@@ -34,7 +34,7 @@ from jax.sharding import PartitionSpec as P
 
 from dpjax.errors import UserError
 from dpjax import pipeline as pp
-from dpjax.mesh import MODEL, STAGE, data_axes
+from dpjax.mesh import MODEL, STAGE, as_axes, data_axes
 from dpjax.tensor_parallel import Parallel
 
 
@@ -56,17 +56,13 @@ def specs_from_table(tree, table: dict):
     return jax.tree_util.tree_map_with_path(spec, tree)
 
 
-def _axes(entry) -> tuple:
-    return () if entry is None else (tuple(entry) if isinstance(entry, (tuple, list)) else (entry,))
-
-
 def spec_axes(spec: P) -> tuple:
-    return tuple(a for e in spec for a in _axes(e))
+    return tuple(a for e in spec for a in as_axes(e))
 
 
 def _resolve(spec: P, ndim: int, names) -> P:
     """The spec padded to `ndim` entries, without axes the mesh does not have."""
-    entries = [tuple(a for a in _axes(e) if a in names) for e in list(spec) + [None] * (ndim - len(spec))]
+    entries = [tuple(a for a in as_axes(e) if a in names) for e in list(spec) + [None] * (ndim - len(spec))]
     return P(*[None if not e else (e[0] if len(e) == 1 else e) for e in entries])
 
 
@@ -146,7 +142,7 @@ def make_layout(model, mesh, *, algorithm: str = "ring", fsdp: bool = False, fsd
     if tensor_parallel:
         table_specs = specs_from_table(abstract, model.SPECS)
     elif pipeline is not None:  # replicated over `model`, the layers still split over `stage`
-        table_specs = jax.tree.map(lambda s: P(*[STAGE if STAGE in _axes(e) else None for e in s]),
+        table_specs = jax.tree.map(lambda s: P(*[STAGE if STAGE in as_axes(e) else None for e in s]),
                                    specs_from_table(abstract, model.SPECS), is_leaf=is_spec)
     else:
         table_specs = jax.tree.map(lambda _: P(), abstract)
@@ -179,7 +175,7 @@ def layout_from_specs(abstract, specs, mesh, *, what: str = "parameter", algorit
     def resolve(path, x, spec):
         spec = _resolve(spec, x.ndim, names)
         for d, e in enumerate(spec):
-            n = math.prod(mesh.shape[a] for a in _axes(e))
+            n = math.prod(mesh.shape[a] for a in as_axes(e))
             if x.shape[d] % n:
                 raise UserError(f"{what} {leaf_name(path)} {x.shape}: dimension {d} of size "
                                 f"{x.shape[d]} does not split over the {n} devices of mesh axis {e!r}; "
@@ -187,9 +183,9 @@ def layout_from_specs(abstract, specs, mesh, *, what: str = "parameter", algorit
         return spec
 
     def split_over_data(path, x, spec, skip):
-        named = [d for d, e in enumerate(spec) if set(_axes(e)) & set(data_axes(mesh))]
+        named = [d for d, e in enumerate(spec) if set(as_axes(e)) & set(data_axes(mesh))]
         if named:  # the spec chose: FSDP on that dimension, over exactly the inner data axes, last
-            e = _axes(spec[named[0]])
+            e = as_axes(spec[named[0]])
             if len(named) > 1 or e[len(e) - len(dp):] != dp or set(e[:len(e) - len(dp)]) & set(data_axes(mesh)):
                 raise UserError(f"{what} {leaf_name(path)}: spec {spec} splits it over data axes other than "
                                 f"{dp} on one dimension (after any model axis); FSDP splits one dimension over "
@@ -197,12 +193,12 @@ def layout_from_specs(abstract, specs, mesh, *, what: str = "parameter", algorit
             return spec, named[0] if ndp > 1 else -1
         # A dimension already split over `model` can take the data axes too (inside
         # each model shard); a free one is preferred, then the largest local size.
-        local = [x.shape[d] // math.prod(mesh.shape[a] for a in _axes(e)) for d, e in enumerate(spec)]
+        local = [x.shape[d] // math.prod(mesh.shape[a] for a in as_axes(e)) for d, e in enumerate(spec)]
         fits = [d for d in range(skip, x.ndim) if local[d] % ndp == 0]
         if not fsdp or ndp == 1 or not fits:
             return spec, -1
         d = max(fits, key=lambda i: (spec[i] is None, local[i], -i))
-        joint = _axes(spec[d]) + dp
+        joint = as_axes(spec[d]) + dp
         entries = [(joint[0] if len(joint) == 1 else joint) if i == d else e for i, e in enumerate(spec)]
         return P(*entries), d
 

@@ -50,12 +50,12 @@ from jax.sharding import PartitionSpec as P
 from dpjax import links as emulation
 from dpjax import scopes
 from dpjax.data_parallel import allreduce_gradients, broadcast_params
-from dpjax.mesh import data_axes, dp_size, local_shape
+from dpjax.mesh import as_axes, axis_arg, data_axes, dp_size, local_shape
 from dpjax.pipeline import staged as pipeline_staged
 from dpjax.optim import OptimizerConfig  # noqa: F401  (dpjax.step.OptimizerConfig, as before)
 from dpjax.plan import Exchange, Plan, for_layout, for_rule
 from dpjax.sharding import Layout, is_spec
-from dpjax.updates.rules import UpdateRule, as_axes, axis_arg
+from dpjax.updates import UpdateRule
 
 
 @dataclass(frozen=True)
@@ -91,7 +91,8 @@ class TrainStep:
         return self.layout.shardings(self.param_specs), self.layout.shardings(self.state_specs)
 
 
-def build(loss_fn, plan: Plan, *, abstract_params, donate: bool = True, value_and_grad=None) -> TrainStep:
+def build(loss_fn, plan: Plan, *, abstract_params, donate: bool = True, value_and_grad=None,
+          clock=None) -> TrainStep:
     """The steps of `plan` (`dpjax.plan`: its layout, rule between the workers, exchange,
     passes and links) for `loss_fn(params, batch_BdxT1, par) -> scalar` (`par`: the
     `dpjax.tensor_parallel.Parallel` the layout gives; a model's `loss`).
@@ -101,7 +102,9 @@ def build(loss_fn, plan: Plan, *, abstract_params, donate: bool = True, value_an
     cross an axis of `plan.links` wait for their emulated wire (no callback is compiled
     in without links). value_and_grad(params, batch_BdxT1, par) -> (loss, gradient): how
     this device's gradient is computed (default: `jax.value_and_grad(loss_fn)`; a
-    pipeline's schedule, `dpjax.pipeline.staged`, on a layout with a stage axis).
+    pipeline's schedule, `dpjax.pipeline.staged`, on a layout with a stage axis). clock:
+    the emulated links' `dpjax.links.Clock` (default: one on real time; a test passes one
+    on `VirtualTime`).
     """
     layout, rule, exchange, passes, links = plan.layout, plan.rule, plan.exchange, plan.passes, plan.links
     mesh, axes = layout.mesh, data_axes(layout.mesh)
@@ -155,7 +158,7 @@ def build(loss_fn, plan: Plan, *, abstract_params, donate: bool = True, value_an
         got = jax.tree.map(lambda x: tuple(x.shape), params_w)
         assert got == local_p, f"local parameter shapes {got} != {local_p}"
 
-    emulator = emulation.Emulator(mesh, tuple(links)) if links else None
+    emulator = emulation.Emulator(mesh, tuple(links), clock) if links else None
 
     def smap(fn, in_specs, out_specs):
         if emulator is not None:  # collectives traced inside time themselves on the links
@@ -227,24 +230,26 @@ def _one_worker(x):
     return x[0]
 
 
-def for_plan(plan: Plan, donate: bool = True) -> TrainStep:
+def for_plan(plan: Plan, donate: bool = True, clock=None) -> TrainStep:
     """The steps of a plan made for a dpjax model (`plan.model`: `loss(params, batch,
     par)`, `init`): its own loss, or on a layout with a stage axis the pipeline's schedule
     in place of value_and_grad(model.loss)."""
     model, layout = plan.model, plan.layout
     abstract = jax.eval_shape(lambda k: layout.store(model.init(k)), jax.random.key(0))
     if layout.pipeline is None:
-        return build(model.loss, plan, abstract_params=abstract, donate=donate)
+        return build(model.loss, plan, abstract_params=abstract, donate=donate, clock=clock)
     staged = pipeline_staged.for_model(model, layout, plan.exchange.algorithm)
-    return build(staged.loss, plan, abstract_params=abstract, donate=donate, value_and_grad=staged.value_and_grad)
+    return build(staged.loss, plan, abstract_params=abstract, donate=donate, value_and_grad=staged.value_and_grad,
+                 clock=clock)
 
 
 def for_model(model, layout: Layout, *, global_batch: int, update="sync", opt=None, passes: int = 1,
-              exchange: Exchange = Exchange(), links: tuple = (), seed: int = 0, donate: bool = True) -> TrainStep:
+              exchange: Exchange = Exchange(), links: tuple = (), seed: int = 0, donate: bool = True,
+              clock=None) -> TrainStep:
     """The steps of a dpjax model on a layout made by hand: `for_plan` of
     `dpjax.plan.for_layout(...)` (the same arguments)."""
     return for_plan(for_layout(model, layout, global_batch=global_batch, update=update, opt=opt, passes=passes,
-                               exchange=exchange, links=links, seed=seed), donate=donate)
+                               exchange=exchange, links=links, seed=seed), donate=donate, clock=clock)
 
 
 def make_update_step(loss_fn, rule: UpdateRule, mesh, params, *, param_specs=None, passes: int = 1,

@@ -120,7 +120,8 @@ def parse_args(argv=None):
       help="with --layouts: dpjax's allreduce over the model axis; a comma-separated list times each")
     a("--pipeline", metavar="MESH", help="compare pipeline schedules on this stage mesh (e.g. stage=4,data=2) "
                                           "against no stages on the same devices")
-    a("--schedules", default="naive,gpipe,1f1b,interleaved", help="with --pipeline: the schedules compared")
+    a("--schedules", default=None, help="with --pipeline: the schedules compared (default: every registered one, "
+                                         "dpjax.pipeline.SCHEDULES)")
     a("--microbatches", default="4,8", help="with --pipeline: micro-batches per replica (comma-separated)")
     a("--virtual-stages", type=int, default=2, help="with --pipeline: chunks per stage of interleaved")
     a("--n-layers", type=int, default=8, help="with --pipeline: the GPT's layers")
@@ -149,7 +150,8 @@ def parse_args(argv=None):
     if args.pipeline:
         from dpjax.pipeline import SCHEDULES
 
-        args.schedules = [v.strip() for v in args.schedules.split(",") if v.strip()]
+        args.schedules = (list(SCHEDULES) if args.schedules is None
+                          else [v.strip() for v in args.schedules.split(",") if v.strip()])
         if any(v not in SCHEDULES for v in args.schedules):
             p.error(f"--schedules: choose from {', '.join(SCHEDULES)}")
         try:
@@ -379,7 +381,7 @@ def build_pipeline(args):
     from dpjax.data import make_streams
     from dpjax.mesh import STAGE, make_mesh, mesh_size
     from dpjax.models import get_model
-    from dpjax.pipeline import Pipeline, bubble_formula
+    from dpjax.pipeline import SCHEDULES, Pipeline, bubble_formula
     from dpjax.sharding import make_layout
 
     n = mesh_size(args.pipeline)
@@ -425,7 +427,7 @@ def build_pipeline(args):
     mesh = make_mesh(args.pipeline, devs)
     S_ = mesh.shape[STAGE]
     for schedule, M in ((s, m) for s in args.schedules for m in args.microbatches):
-        V = args.virtual_stages if schedule == "interleaved" else 1
+        V = args.virtual_stages if SCHEDULES[schedule].virtual_stages else 1
         pipe = Pipeline(schedule, M, V)
         name = f"{schedule} M={M}" + (f" V={V}" if V > 1 else "")
         extra = {"bubble_formula": bubble_formula(schedule, S_, M, V), "pipe": pipe}
@@ -463,18 +465,23 @@ def pipeline_flops(args, variants, info):
 
 def memory_sweep(args, console) -> list:
     """temp / argument bytes of the AdamW step against M at a fixed micro-batch size."""
+    from dpjax import step as S
     from dpjax.mesh import make_mesh, mesh_size
     from dpjax.models import get_model
-    from dpjax.pipeline import Pipeline, cost
+    from dpjax.pipeline import SCHEDULES, Pipeline, cost
+    from dpjax.sharding import make_layout
 
     mesh = make_mesh(args.pipeline, pick_devices(mesh_size(args.pipeline)))
     model = get_model("gpt", seq_len=args.seq_len, n_layers=args.n_layers, d_model=args.d_model)
     dp = mesh.size // mesh.shape["stage"] // mesh.shape.get("model", 1)
     rows = []
     for schedule in args.schedules:
-        V = args.virtual_stages if schedule == "interleaved" else 1
+        V = args.virtual_stages if SCHEDULES[schedule].virtual_stages else 1
         for M in args.microbatches:
-            ma = cost.train_memory(model, mesh, Pipeline(schedule, M, V), args.microbatch_rows * M * dp)
+            global_batch = args.microbatch_rows * M * dp
+            layout = make_layout(model, mesh, pipeline=Pipeline(schedule, M, V))
+            step = S.for_model(model, layout, global_batch=global_batch, opt=S.OptimizerConfig(), donate=False)
+            ma = cost.train_memory(step, model, global_batch)
             rows.append({"schedule": schedule + (f" V={V}" if V > 1 else ""), "M": M,
                          "temp_bytes": ma.temp_size_in_bytes, "args_bytes": ma.argument_size_in_bytes})
             console.print(f"{rows[-1]['schedule']:>16} M={M:<3} temp {ma.temp_size_in_bytes / 2**20:8.3f} MiB  "

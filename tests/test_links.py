@@ -17,9 +17,10 @@ from jax.sharding import PartitionSpec as P
 from dpjax import collectives as C
 from dpjax import links
 from dpjax import step as S
+from dpjax.errors import UserError
 from dpjax.models import get_model
-from dpjax.optim import OptimizerConfig
-from dpjax.sharding import make_layout
+from dpjax.plan import resolve
+from dpjax.settings import Settings
 from dpjax.train import main
 
 from conftest import read_losses
@@ -40,43 +41,69 @@ def test_parse_link(text, axis, latency, bandwidth):
 @pytest.mark.parametrize("text", ["node", "node=183ms", "node=183,23mbit", "node=183ms,23", "=1ms,1mbit",
                                   "node=1ms,0mbit", "node=1ms,2furlongs"])
 def test_parse_link_refuses_in_one_line(text):
-    with pytest.raises(links.UserError, match=r"bad --link .*write e.g. node=183ms,23mbit") as info:
+    with pytest.raises(UserError, match=r"bad --link .*write e.g. node=183ms,23mbit") as info:
         links.parse_link(text)
     assert "\n" not in str(info.value)
 
 
 def test_clock_queues_bytes_and_overlaps_latencies():
-    clock = links.Clock()
-    t0 = time.perf_counter()
-    a = clock.issue(0, latency=0.20, wire=0.10)
-    b = clock.issue(0, latency=0.20, wire=0.10)  # its bytes wait behind a's: done at +0.40
-    c = clock.issue(1, latency=0.20, wire=0.10)  # another device's wire: done at +0.30
+    """On a virtual clock (time moves only when a transfer is waited for): a device's bytes
+    queue on its wire, latencies overlap, another device's wire is its own."""
+    now = links.VirtualTime(10.0)
+    clock = links.Clock(source=now)
+    a = clock.issue(0, latency=0.20, wire=0.10)  # 10.0 + 0.10 + 0.20
+    b = clock.issue(0, latency=0.20, wire=0.10)  # its bytes wait behind a's: 10.1 + 0.1 + 0.2
+    c = clock.issue(1, latency=0.20, wire=0.10)  # another device's wire: as a
     clock.wait(a)
-    ta = time.perf_counter() - t0
-    clock.wait(c)
-    tc = time.perf_counter() - t0
+    assert now.now() == pytest.approx(10.30, abs=1e-12)
+    clock.wait(c)  # done already: no time passes
+    assert now.now() == pytest.approx(10.30, abs=1e-12)
     clock.wait(b)
-    tb = time.perf_counter() - t0
-    assert 0.30 <= ta < 0.38 and 0.30 <= tc < 0.38 and 0.40 <= tb < 0.48, (ta, tc, tb)
+    assert now.now() == pytest.approx(10.40, abs=1e-12)
+    d = clock.issue(0, latency=0.20, wire=0.10)  # the wire is free again: from now
+    clock.wait(d)
+    assert now.now() == pytest.approx(10.70, abs=1e-12)
     clock.wait(12345)  # unknown: at once
-    assert time.perf_counter() - t0 < tb + 0.05
+    clock.wait(a)  # waited for already: forgotten, at once
+    assert now.now() == pytest.approx(10.70, abs=1e-12)
 
 
 def test_a_call_starts_when_its_first_device_issues_it():
     """A device that issues a call late (its thread held up) finishes with the others;
     its next call of the same site is a call of its own."""
-    clock = links.Clock(devices=2)
-    t0 = time.perf_counter()
+    now = links.VirtualTime()
+    clock = links.Clock(devices=2, source=now)
     a = clock.issue(0, latency=0.20, wire=0.0, site=7)
-    time.sleep(0.15)
-    b = clock.issue(1, latency=0.20, wire=0.0, site=7)  # late: done with a, at +0.20
+    now.advance(0.15)
+    b = clock.issue(1, latency=0.20, wire=0.0, site=7)  # late: done with a, at 0.20
     clock.wait(b)
-    tb = time.perf_counter() - t0
+    assert now.now() == pytest.approx(0.20, abs=1e-12)
     c = clock.issue(1, latency=0.20, wire=0.0, site=7)  # the site's next call: from now
     clock.wait(a)
     clock.wait(c)
-    tc = time.perf_counter() - t0
-    assert 0.20 <= tb < 0.28 and tb + 0.20 <= tc < tb + 0.28, (tb, tc)
+    assert now.now() == pytest.approx(0.40, abs=1e-12)
+
+
+def test_joined_transfers_are_waited_for_under_their_key():
+    """`deferred`'s host side: the latest of several transfers, filed under (device, key),
+    is what a later wait for that key waits for."""
+    now = links.VirtualTime()
+    clock = links.Clock(source=now)
+    t1 = clock.issue(0, latency=0.5, wire=0.0)
+    t2 = clock.issue(0, latency=0.1, wire=0.3)  # done at 0.4
+    clock.join(0, 3, [t1, t2])
+    clock.wait((0, 2))  # another key: nothing filed
+    assert now.now() == 0.0
+    clock.wait((0, 3))
+    assert now.now() == pytest.approx(0.5, abs=1e-12)
+
+
+def test_real_time_sleeps_until_the_deadline():
+    """The default source sleeps: a wait returns no earlier than the transfer's end."""
+    clock = links.Clock()
+    t0 = time.perf_counter()
+    clock.wait(clock.issue(0, latency=0.05, wire=0.02))
+    assert time.perf_counter() - t0 >= 0.07
 
 
 LINK = links.AxisLink("node", latency=0.2, bandwidth=1e9)
@@ -87,6 +114,7 @@ def _traced_cost(mesh, fn, x):
     em = links.Emulator(mesh, (LINK,))
 
     def body(v):
+        assert v.shape == (x.shape[0] // mesh.size,), (v.shape, x.shape)
         with em.active():
             return fn(v)
 
@@ -134,12 +162,11 @@ def batches():
 
 def _run(mesh_of, put, batches, update, with_link, workers=None):
     mesh = mesh_of("node=2,data=4", 8)
-    from dpjax.updates import parse_update
-
-    workers = S.default_workers(mesh, not parse_update(update).is_sync) if workers is None else workers
-    layout = make_layout(MODEL, mesh, workers=workers)
-    step = S.for_model(MODEL, layout, global_batch=B, update=update, opt=OptimizerConfig("sgd", lr=0.1, clip_norm=0),
-                       exchange=S.Exchange("hierarchical"), links=(SLOW,) if with_link else (), donate=False)
+    settings = Settings(mesh="node=2,data=4", model="mlp", update=update, batch_size=B, optimizer="sgd", lr=0.1,
+                        clip_norm=0, allreduce="hierarchical", link=[str(SLOW)] if with_link else None,
+                        workers=None if workers is None else ",".join(workers))
+    plan = resolve(settings, mesh=mesh, model=MODEL)
+    layout, step = plan.layout, S.for_plan(plan, donate=False)
     params, state = step.init(S.init_params(MODEL, layout, jax.random.key(0)))
     placed = [put(mesh, b, P(None, ("node", "data"))) for b in batches]
     params, state, loss = step.train(params, state, placed[0])  # compile
@@ -201,9 +228,9 @@ def test_without_links_no_callback_is_compiled_in(mesh_of, put, batches):
     texts = {}
     for with_link in (False, True):
         mesh = mesh_of("node=2,data=4", 8)
-        layout = make_layout(MODEL, mesh, workers=("node", "data"))
-        step = S.for_model(MODEL, layout, global_batch=B, update="delayed:4", links=(SLOW,) if with_link else (),
-                           donate=False)
+        plan = resolve(Settings(mesh="node=2,data=4", model="mlp", update="delayed:4", batch_size=B,
+                                link=[str(SLOW)] if with_link else None), mesh=mesh, model=MODEL)
+        layout, step = plan.layout, S.for_plan(plan, donate=False)
         params, state = jax.eval_shape(step.init, jax.tree.map(
             lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
             jax.eval_shape(MODEL.init, jax.random.key(0)), layout.shardings()))

@@ -96,7 +96,7 @@ def check_timetable(tt):
 GRID = [(S, M) for S in (1, 2, 3, 4, 8) for M in (1, 2, 3, 4, 8, 16)]
 
 
-@pytest.mark.parametrize("schedule", ["naive", "gpipe", "1f1b"])
+@pytest.mark.parametrize("schedule", [n for n, s in SCHEDULES.items() if not s.virtual_stages])
 def test_timetables(schedule):
     for S, M in GRID:
         live = check_timetable(timetable(Pipeline(schedule, M), S))
@@ -118,6 +118,24 @@ def test_interleaved_timetable():
         a, b = timetable(Pipeline("interleaved", M, 1), S), timetable(Pipeline("1f1b", M), S)
         assert a.phases == b.phases and walk(a) == walk(b)
         assert all(a.stash_slot(m, 0, s) == b.stash_slot(m, 0, s) for m in range(M) for s in range(S))
+
+
+def test_a_registered_schedule_is_known_everywhere(mesh_of, monkeypatch):
+    """A schedule is one file and one registration: a copy of GPipe registered under a new
+    name is dispatched by `timetable`, checked by `check`, costed by `bubble_formula`."""
+    from dpjax import pipeline
+    from dpjax.pipeline import gpipe
+
+    monkeypatch.setattr(pipeline, "SCHEDULES", dict(SCHEDULES))
+    pipeline.register(pipeline.Schedule("gpipe-copy", gpipe.timetable, bubble=lambda S, M, V: (S - 1) / (M + S - 1)))
+    tt = timetable(Pipeline("gpipe-copy", 3), 2)
+    assert walk(tt) == walk(gpipe.timetable(2, 3)) and check_timetable(tt) == 3
+    assert bubble_formula("gpipe-copy", 2, 3) == pytest.approx(1 / 4)
+    assert pipeline.check(tiny(4), mesh_of("stage=2,data=4", 8), Pipeline("gpipe-copy")).microbatches == 2
+    with pytest.raises(pipeline.UserError, match="choose one of naive, gpipe, 1f1b, interleaved, gpipe-copy"):
+        pipeline.check(tiny(4), mesh_of("stage=2,data=4", 8), Pipeline("nope"))
+    with pytest.raises(ValueError, match="registered already"):
+        pipeline.register(pipeline.SCHEDULES["gpipe"])
 
 
 # ---------------------------------------------------------------------------------------
@@ -248,7 +266,7 @@ def test_pipeline_equals_one_device(mesh_of, schedule, spec, options):
     shared embedding and the stages' layers) is the unpipelined model's, and 10 steps of
     SGD give its losses."""
     mesh = mesh_of(spec, MESHES[spec])
-    S, V = mesh.shape["stage"], 2 if schedule == "interleaved" else 1
+    S, V = mesh.shape["stage"], 2 if SCHEDULES[schedule].virtual_stages else 1
     L = max(4, S * V)
     grads, losses = pipelined_run(mesh, L, Pipeline(schedule, microbatches(mesh), V), **options)
     want_grads, want_losses = one_device(L)
@@ -337,6 +355,7 @@ def test_memory_of_the_stages(mesh_of, schedule):
     shared leaves whole, Adam's step counts and the device's rows (numpy arithmetic on the
     shapes); 1F1B's temporaries do not change with M, GPipe's grow by its stash and its
     loss gradients, 2 x b x T x D floats a micro-batch. (M = 8 too: experiments/bench_train.py.)"""
+    from dpjax import step as steps
     from dpjax.optim import OptimizerConfig
 
     model, b, S, T, D = get_model("gpt", **MEMORY_MODEL), 2, 2, MEMORY_MODEL["seq_len"], MEMORY_MODEL["d_model"]
@@ -347,7 +366,9 @@ def test_memory_of_the_stages(mesh_of, schedule):
                                                                                    shapes)) if x.ndim == 0)
     temp = {}
     for M in (4, 16):
-        ma = cost.train_memory(model, mesh_of(f"stage={S}", S), Pipeline(schedule, M), b * M)
+        layout = make_layout(model, mesh_of(f"stage={S}", S), pipeline=Pipeline(schedule, M))
+        step = steps.for_model(model, layout, global_batch=b * M, opt=OptimizerConfig(), donate=False)
+        ma = cost.train_memory(step, model, b * M)
         assert ma.argument_size_in_bytes == 3 * (layers // S + shared) + scalars + b * M * (T + 1) * 4
         temp[M] = ma.temp_size_in_bytes
     if schedule == "1f1b":
@@ -358,7 +379,7 @@ def test_memory_of_the_stages(mesh_of, schedule):
 
 BUBBLES = [pytest.param("gpipe", 2, 2, 1, id="gpipe-S2-M2")] + [
     pytest.param(s, 4, 4, v, id=f"{s}-S4-M4-V{v}", marks=pytest.mark.slow)
-    for s, v in (("naive", 1), ("gpipe", 1), ("1f1b", 1), ("interleaved", 2))]
+    for s, v in ((name, 2 if sch.virtual_stages else 1) for name, sch in SCHEDULES.items())]
 
 
 @pytest.mark.parametrize("schedule,stages,M,V", BUBBLES)

@@ -23,8 +23,8 @@ from dpjax.data import make_streams
 from dpjax.fusion import plan_buckets
 from dpjax.models import get_model
 from dpjax.sharding import make_layout
-from dpjax.timeline_summary import main as summary_main
-from dpjax.timeline_summary import summarize
+from dpjax.timeline import main as summary_main
+from dpjax.timeline import summarize
 
 FUSION_MB = 0.01  # the MLP's 5 gradients in 4 buckets
 PROFILED = (5, 6)
@@ -223,7 +223,7 @@ def test_calls_with_the_same_arguments_stay_apart(mesh_of):
 
 
 def build_events(rec):
-    from dpjax.timeline_build import build
+    from dpjax.timeline import build
 
     data = build(rec.raw_events(), list(rec.programs.values()), main=rec.main)
     return [e for e in data["traceEvents"] if e["ph"] == "X"]

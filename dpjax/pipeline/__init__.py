@@ -10,7 +10,8 @@ gradient summed over the stage axis, Megatron-LM's embedding all-reduce between 
 first and last stage.
 
 Each data-parallel replica's batch is cut into M micro-batches that flow through the
-stages by a schedule, one file each, each citing its source and stating its bubble:
+stages by a schedule, one file each, each citing its source and stating its bubble, and
+registered in `SCHEDULES` (a `timetable.Schedule`: the one list of schedule names):
 
     naive        one stage at a time, all forwards then all backwards    (S-1)/S
     gpipe        Huang et al. 2019: all forwards, then all backwards     (S-1)/(M+S-1)
@@ -18,8 +19,9 @@ stages by a schedule, one file each, each citing its source and stating its bubb
     interleaved  Megatron-LM (Narayanan et al. 2021), V chunks a stage    (S-1)/(V*M+S-1)
 
 A schedule is a `Timetable` (who does what at which tick); `engine.run` executes it with
-explicit VJPs, one `ppermute` forward and one backward per tick; `staged.for_model` wires
-a model into `dpjax.step.build`; `cost` measures the bubble from compiled programs.
+explicit VJPs, one send (`collectives.p2p.send`) forward and one backward per tick;
+`staged.for_model` wires a model into `dpjax.step.build`; `cost` measures the bubble
+from compiled programs.
 Activation memory: gpipe and naive keep every micro-batch's stage input until the
 backward (grows with M), 1f1b at most 2S - 1 of them, interleaved 2SV - 1 chunk inputs
 (both bounded by the stages, not by M).
@@ -38,9 +40,21 @@ import jax
 from dpjax.errors import UserError
 from dpjax.mesh import STAGE
 from dpjax.pipeline import gpipe, interleaved, naive, one_f_one_b
-from dpjax.pipeline.timetable import Phase, Timetable
+from dpjax.pipeline.timetable import Phase, Schedule, Timetable
 
-SCHEDULES = ("naive", "gpipe", "1f1b", "interleaved")
+SCHEDULES: dict[str, Schedule] = {}  # name -> Schedule: the one list of schedules
+
+
+def register(schedule: Schedule) -> Schedule:
+    """Adds a schedule (one file: its timetable and its bubble) under its name."""
+    if schedule.name in SCHEDULES:
+        raise ValueError(f"a pipeline schedule {schedule.name!r} is registered already")
+    SCHEDULES[schedule.name] = schedule
+    return schedule
+
+
+for _module in (naive, gpipe, one_f_one_b, interleaved):
+    register(_module.SCHEDULE)
 
 
 @dataclass(frozen=True)
@@ -60,22 +74,12 @@ class Pipeline:
 
 
 def timetable(pipe: Pipeline, stages: int) -> Timetable:
-    S, M, V = stages, pipe.resolved(stages).microbatches, pipe.virtual_stages
-    if pipe.schedule == "naive":
-        return naive.timetable(S, M)
-    if pipe.schedule == "gpipe":
-        return gpipe.timetable(S, M)
-    if pipe.schedule == "1f1b":
-        return one_f_one_b.timetable(S, M)
-    return interleaved.timetable(S, M, V)
+    return SCHEDULES[pipe.schedule].timetable(stages, pipe.resolved(stages).microbatches, pipe.virtual_stages)
 
 
 def bubble_formula(schedule: str, stages: int, microbatches: int, virtual_stages: int = 1) -> float:
     """The idle share of a stage's executed work, as the papers state it."""
-    S, M, V = stages, microbatches, virtual_stages
-    if schedule == "naive":
-        return (S - 1) / S
-    return (S - 1) / ((V if schedule == "interleaved" else 1) * M + S - 1)
+    return SCHEDULES[schedule].bubble(stages, microbatches, virtual_stages)
 
 
 def check(model, mesh, pipe: Pipeline) -> Pipeline:
@@ -91,15 +95,16 @@ def check(model, mesh, pipe: Pipeline) -> Pipeline:
     M, V = pipe.microbatches, pipe.virtual_stages
     if M < 1 or V < 1:
         raise UserError(f"--microbatches and --virtual-stages must be at least 1, got {M} and {V}")
-    if V > 1 and pipe.schedule != "interleaved":
-        raise UserError(f"--virtual-stages {V} applies to --schedule interleaved, not {pipe.schedule}")
+    if V > 1 and not SCHEDULES[pipe.schedule].virtual_stages:
+        chunked = ", ".join(n for n, s in SCHEDULES.items() if s.virtual_stages)
+        raise UserError(f"--virtual-stages {V} applies to --schedule {chunked}, not {pipe.schedule}")
     L = jax.tree.leaves(jax.eval_shape(model.init, jax.random.key(0))[layers])[0].shape[0]
     if L % (S * V):
         chunks = f"{S} stages" + (f" x {V} virtual stages" if V > 1 else "")
         raise UserError(f"{model.name} has {L} layers, which do not split evenly into the {chunks} of mesh "
                         f"{dict(mesh.shape)}: use a multiple of {S * V} layers (--n-layers) or another stage count")
     if V > 1 and M % S:
-        raise UserError(f"--schedule interleaved feeds micro-batches in groups of the {S} stages: "
+        raise UserError(f"--schedule {pipe.schedule} feeds micro-batches in groups of the {S} stages: "
                         f"--microbatches {M} is not a multiple of {S}")
     return pipe
 
@@ -126,5 +131,5 @@ def layer_dims(pipe: Pipeline | None) -> int:
     return 2 if pipe is not None and pipe.virtual_stages > 1 else 1
 
 
-__all__ = ["Phase", "Pipeline", "SCHEDULES", "Timetable", "bubble_formula", "check", "check_batch", "layer_dims",
-           "store", "timetable"]
+__all__ = ["Phase", "Pipeline", "SCHEDULES", "Schedule", "Timetable", "bubble_formula", "check", "check_batch",
+           "layer_dims", "register", "store", "timetable"]

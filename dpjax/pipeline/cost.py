@@ -20,7 +20,7 @@ re-materialised forward of the layers (and, with V chunks, the ends of the model
 every chunk's slot), and nothing else: an engine that ran idle work in every program
 alike would pass the bubble check, not this one. Memory: `train_memory` is the
 compiled train step's memory analysis (arguments: parameters, optimizer state, batch;
-temporaries: activations, stash, gradients).
+temporaries: activations, stash, gradients), of a step the caller built.
 """
 
 from __future__ import annotations
@@ -59,8 +59,13 @@ def gradient_flops(model, mesh, pipe: Pipeline, rows: int) -> float:
     # (and unrolled, XLA fuses the chain of per-tick sums into each slice of its ring, so
     # the sums would be counted once a slice). Each device's outputs are its own (P():
     # only their FLOPs are read).
-    fn = jax.jit(jax.shard_map(lambda p, b: st.schedule(p, b, par), mesh=mesh,
-                               in_specs=(layout.specs, P(data_axes(mesh) or None)), out_specs=P(),
+    dp = int(np.prod([mesh.shape[a] for a in data_axes(mesh)], dtype=np.int64))
+
+    def ticks(params, batch_BdxT1):
+        assert batch_BdxT1.shape == (rows // dp, model.config.seq_len + 1), (batch_BdxT1.shape, rows, dp)
+        return st.schedule(params, batch_BdxT1, par)
+
+    fn = jax.jit(jax.shard_map(ticks, mesh=mesh, in_specs=(layout.specs, P(data_axes(mesh) or None)), out_specs=P(),
                                check_vma=False))
     return float(fn.lower(_placed(layout, model), _batch(mesh, rows, model.config.seq_len)).compile()
                  .cost_analysis()["flops"])
@@ -132,17 +137,13 @@ def plain_flops(model, microbatches: int, rows: int) -> float:
     return microbatches * (value_and_grad + forward)
 
 
-def train_memory(model, mesh, pipe: Pipeline | None, global_batch: int, opt=None):
-    """The compiled train step's memory analysis (per device) for a sync step with
-    AdamW (default), one backward pass."""
-    from dpjax import step as S
-    from dpjax.sharding import make_layout
-
-    layout = make_layout(model, mesh, pipeline=pipe)
-    step = S.for_model(model, layout, global_batch=global_batch, opt=opt or S.OptimizerConfig(), donate=False)
-    params, state = jax.eval_shape(step.init, _placed(layout, model))
-    return step.train.lower(params, state, _batch(mesh, global_batch, model.config.seq_len, (1,))).compile() \
-        .memory_analysis()
+def train_memory(step, model, global_batch: int):
+    """The compiled train step's memory analysis (per device) of `step`, a built
+    `dpjax.step.TrainStep` of `model` (the caller builds it: the pipeline sits below the
+    step builder and does not import it), one backward pass of `global_batch` sequences."""
+    params, state = jax.eval_shape(step.init, _placed(step.layout, model))
+    batch = _batch(step.layout.mesh, global_batch, model.config.seq_len, (1,))
+    return step.train.lower(params, state, batch).compile().memory_analysis()
 
 
 __all__ = ["ends_flops", "gradient_flops", "measure_bubble", "plain_flops", "train_memory"]

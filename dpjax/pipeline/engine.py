@@ -13,14 +13,15 @@ Inside `shard_map` over the stage axis, every stage runs this same program. A ti
                    recompute chunk_r from its stashed input and pull dy back through it
                    (`jax.vjp`): the chunk's parameter gradient (accumulated) and dx;
                    on the first chunk dx goes on into the embedding's VJP
-    sends          y -> stage s+1, dx -> stage s-1: one explicit `lax.ppermute` each
-                   (round the ring, last <-> first, when V > 1)
+    sends          y -> stage s+1, dx -> stage s-1: one `collectives.p2p.send` each
+                   ("activations", "gradients"; round the ring, last <-> first, when
+                   V > 1), through the point-to-point helper every collective uses
 
 Slots that are not `ok` (fill and drain) compute on whatever the stage holds and their
 results are masked away: in lockstep an idle stage waits for the busiest one anyway, and
 one program for all stages keeps every collective in step. The embedding and the loss
 are masked the same way on the stages that do not own them. Everything crossing a stage
-boundary is in the two ppermutes; the parameters never move.
+boundary is in the two sends; the parameters never move.
 
 `pieces`: embed(shared, tokens_bxT) -> x_bxTxD, chunk(chunk_params_Lc, x) -> x (one chunk:
 its leaves carry the chunk's layers on the leading axis) and loss(shared, y, targets_bxT)
@@ -36,6 +37,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from dpjax.collectives.p2p import send
 from dpjax.pipeline.timetable import Timetable
 
 
@@ -45,15 +47,16 @@ class Pieces(NamedTuple):
     loss: Callable
 
 
-def shift(x, axis: str, stages: int, step: int, circular: bool):
-    """x sent `step` (+1 or -1) stages along `axis`: the pipeline's one collective. Without
-    `circular`, the stage at the end receives zeros."""
+def shift(x, axis: str, stages: int, step: int, circular: bool, name: str):
+    """x sent `step` (+1 or -1) stages along `axis`, named `name`: the pipeline's one kind
+    of collective (`collectives.p2p.send`, so `--link stage=...` charges it and a timeline
+    names it). Without `circular`, the stage at the end receives zeros."""
     pairs = [(i, (i + step) % stages) for i in range(stages) if circular or 0 <= i + step < stages]
     if not pairs:
         return jnp.zeros_like(x)
     if pairs == [(0, 0)]:
         return x
-    return lax.ppermute(x, axis, pairs)
+    return send(x, axis, pairs, name=name)
 
 
 def _get(buf, i):
@@ -77,12 +80,14 @@ def run(tt: Timetable, pieces: Pieces, shared, chunks_VxLc, batch_MxbxT1, *, axi
     the caller sums it over the stage axis. unroll: the tick loops as straight-line code
     (XLA's cost analysis counts a loop body once; the bubble measurement needs every tick)."""
     S, M, V = tt.stages, tt.microbatches, tt.chunks
-    assert batch_MxbxT1.shape[0] == M, (batch_MxbxT1.shape, M)
+    assert batch_MxbxT1.ndim == 3 and batch_MxbxT1.shape[0] == M, (batch_MxbxT1.shape, M)
+    _, b, T1 = batch_MxbxT1.shape
     assert all(c.shape[0] == V for c in jax.tree.leaves(chunks_VxLc)), (jax.tree.map(jnp.shape, chunks_VxLc), V)
     # Opaque to XLA even where the axis has one stage: no stage's program may fold away an
     # idle slot's work or its masks, so every program executes what its timetable says.
     s = lax.optimization_barrier(lax.axis_index(axis))
     x_spec = jax.eval_shape(pieces.embed, shared, batch_MxbxT1[0, :, :-1])
+    assert x_spec.shape[:2] == (b, T1 - 1), (x_spec.shape, b, T1)  # b x T x D: what every send carries
     zeros_x = jnp.zeros(x_spec.shape, x_spec.dtype)
 
     def micro(m):  # tokens and targets of micro-batch m (clamped: an idle slot's are masked away)
@@ -103,6 +108,7 @@ def run(tt: Timetable, pieces: Pieces, shared, chunks_VxLc, batch_MxbxT1, *, axi
         tokens, targets = micro(m)
         x = jnp.where(first(r), pieces.embed(shared, tokens), c["recv_x"])
         y = pieces.chunk(chunk(r), x)
+        assert x.shape == y.shape == x_spec.shape, (x.shape, y.shape, x_spec.shape)
         done = ok & last(r)
         if grad:
             c["stash"] = _put(c["stash"], tt.stash_slot(m, r, s), x, ok)
@@ -120,6 +126,7 @@ def run(tt: Timetable, pieces: Pieces, shared, chunks_VxLc, batch_MxbxT1, *, axi
         dy = jnp.where(last(r), _get(c["seeds"], m % tt.seed_slots), c["recv_dx"])
         _, chunk_vjp = jax.vjp(pieces.chunk, chunk(r), _get(c["stash"], tt.stash_slot(m, r, s)))
         d_chunk, dx = chunk_vjp(dy)
+        assert dy.shape == dx.shape == x_spec.shape, (dy.shape, dx.shape, x_spec.shape)
         c["d_chunks"] = jax.tree.map(lambda a, g: a.at[r].add(jnp.where(ok, g, jnp.zeros_like(g))),
                                      c["d_chunks"], d_chunk)
         _, embed_vjp = jax.vjp(lambda sh: pieces.embed(sh, tokens), shared)
@@ -129,9 +136,9 @@ def run(tt: Timetable, pieces: Pieces, shared, chunks_VxLc, batch_MxbxT1, *, axi
     def tick(c, t, do_forward: bool, do_backward: bool):
         c = dict(c)
         if do_forward:  # before the backward: on the last chunk the backward needs this tick's seed
-            c["recv_x"] = shift(forward(c, t), axis, S, +1, V > 1)
+            c["recv_x"] = shift(forward(c, t), axis, S, +1, V > 1, "activations")
         if do_backward:
-            c["recv_dx"] = shift(backward(c, t), axis, S, -1, V > 1)
+            c["recv_dx"] = shift(backward(c, t), axis, S, -1, V > 1, "gradients")
         return c, None
 
     carry = {"recv_x": zeros_x, "loss": jnp.zeros((), jnp.float32)}

@@ -17,11 +17,12 @@ activation memory grows with M (1F1B's does not).
 
 from __future__ import annotations
 
-from dpjax.pipeline.timetable import Phase, Timetable
+from dpjax.pipeline.timetable import Phase, Schedule, Timetable
 
 
-def timetable(stages: int, microbatches: int) -> Timetable:
+def timetable(stages: int, microbatches: int, virtual_stages: int = 1) -> Timetable:
     S, M = stages, microbatches
+    assert virtual_stages == 1, "gpipe: one chunk a stage (checked in dpjax.pipeline.check)"
     n = M + S - 1  # ticks of each pass
 
     def forward(t, s):
@@ -34,3 +35,6 @@ def timetable(stages: int, microbatches: int) -> Timetable:
 
     return Timetable("gpipe", S, M, 1, (Phase(0, n, True, False), Phase(n, n, False, True)), forward, backward,
                      stash_slots=M, stash_slot=lambda m, r, s: m, seed_slots=M)
+
+
+SCHEDULE = Schedule("gpipe", timetable, bubble=lambda S, M, V: (S - 1) / (M + S - 1))

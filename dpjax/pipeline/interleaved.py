@@ -28,7 +28,7 @@ whatever M is. V = 1 is 1F1B exactly (tests/test_pipeline.py checks the timetabl
 
 from __future__ import annotations
 
-from dpjax.pipeline.timetable import Timetable, phases
+from dpjax.pipeline.timetable import Schedule, Timetable, phases
 
 
 def timetable(stages: int, microbatches: int, virtual_stages: int) -> Timetable:
@@ -55,3 +55,7 @@ def timetable(stages: int, microbatches: int, virtual_stages: int) -> Timetable:
 
     return Timetable("interleaved", S, M, V, phases(V * S - 1, V * M - (V - 1) * S, V * S - 1), forward, backward,
                      stash_slots=K, stash_slot=stash_slot, seed_slots=1)
+
+
+SCHEDULE = Schedule("interleaved", timetable, bubble=lambda S, M, V: (S - 1) / (V * M + S - 1),
+                    virtual_stages=True)

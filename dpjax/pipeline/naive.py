@@ -16,11 +16,12 @@ measured against.
 
 from __future__ import annotations
 
-from dpjax.pipeline.timetable import Phase, Timetable
+from dpjax.pipeline.timetable import Phase, Schedule, Timetable
 
 
-def timetable(stages: int, microbatches: int) -> Timetable:
+def timetable(stages: int, microbatches: int, virtual_stages: int = 1) -> Timetable:
     S, M = stages, microbatches
+    assert virtual_stages == 1, "naive: one chunk a stage (checked in dpjax.pipeline.check)"
     n = M * S  # forward ticks, then as many backward ticks
 
     def forward(t, s):
@@ -34,3 +35,6 @@ def timetable(stages: int, microbatches: int) -> Timetable:
 
     return Timetable("naive", S, M, 1, (Phase(0, n, True, False), Phase(n, n, False, True)), forward, backward,
                      stash_slots=M, stash_slot=lambda m, r, s: m, seed_slots=M)
+
+
+SCHEDULE = Schedule("naive", timetable, bubble=lambda S, M, V: (S - 1) / S)

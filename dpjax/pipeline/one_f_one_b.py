@@ -23,11 +23,12 @@ one forward or one backward, here one tick of both.)
 
 from __future__ import annotations
 
-from dpjax.pipeline.timetable import Timetable, phases
+from dpjax.pipeline.timetable import Schedule, Timetable, phases
 
 
-def timetable(stages: int, microbatches: int) -> Timetable:
+def timetable(stages: int, microbatches: int, virtual_stages: int = 1) -> Timetable:
     S, M = stages, microbatches
+    assert virtual_stages == 1, "1f1b: one chunk a stage (checked in dpjax.pipeline.check)"
     K = 2 * S - 1  # stash slots: a forward's input lives 2(S-1-s) + 1 ticks at most
 
     def forward(t, s):
@@ -40,3 +41,6 @@ def timetable(stages: int, microbatches: int) -> Timetable:
 
     return Timetable("1f1b", S, M, 1, phases(S - 1, M, S - 1), forward, backward,
                      stash_slots=K, stash_slot=lambda m, r, s: (m + s) % K, seed_slots=1)
+
+
+SCHEDULE = Schedule("1f1b", timetable, bubble=lambda S, M, V: (S - 1) / (M + S - 1))

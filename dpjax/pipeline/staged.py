@@ -59,6 +59,7 @@ def for_model(model, layout, algorithm: str = "ring") -> Staged:
     def prepare(params, batch_BdxT1, par):
         """(pieces, shared, chunks_VxLc, micro-batches, the FSDP gather's VJP or None)."""
         B, T1 = batch_BdxT1.shape
+        assert T1 == model.config.seq_len + 1, (batch_BdxT1.shape, model.config.seq_len)
         assert B % M == 0, f"{M} micro-batches do not divide the replica's {B} rows (dpjax.pipeline.check_batch)"
         unshard = None
         if par.gather_dims is not None:

@@ -3,7 +3,7 @@
 dpjax's schedules are SPMD and run in lockstep: every device runs the same program, and
 at each tick each stage runs at most one forward and one backward, each of one chunk of
 its layers (of different micro-batches), then passes activations to the next stage and
-gradients to the previous one with one `ppermute` each. A timetable says, for tick t on
+gradients to the previous one with one send each. A timetable says, for tick t on
 stage s, which micro-batch m and which of the stage's V chunks r the forward (and the
 backward) works on, and whether that slot holds real work at all: in the pipeline's fill
 and drain it does not, and the stage computes on whatever it holds and throws the result
@@ -24,11 +24,26 @@ stash: the input of each chunk's forward, kept until its backward, which recompu
     `stash_slot(m, r, s)`, which no other forward overwrites before that backward.
 seeds: the loss gradient of the model's output, computed with the loss at the forward of
     the last chunk, kept until that chunk's backward, in slot m % `seed_slots`.
+
+A schedule is one file that makes its timetable and states its bubble, and one
+`Schedule` record of both, registered in `dpjax.pipeline.SCHEDULES` (the CLI's choices,
+the checks and the tests read the names there).
 """
 
 from __future__ import annotations
 
 from typing import Callable, NamedTuple
+
+
+class Schedule(NamedTuple):
+    """A pipeline schedule: its name, `timetable(S, M, V)` and the bubble its paper states,
+    `bubble(S, M, V)` (the idle share of a stage's executed slots). virtual_stages: it
+    runs V > 1 chunks a stage (else V is 1)."""
+
+    name: str
+    timetable: Callable  # (stages S, microbatches M, virtual_stages V) -> Timetable
+    bubble: Callable  # (S, M, V) -> float
+    virtual_stages: bool = False
 
 
 class Phase(NamedTuple):

@@ -27,7 +27,7 @@ def write_timeline(recorder, path: str, step, args, write, steps, say) -> None:
     comm_fraction to the metrics; one line saying where it went."""
     import jax
 
-    from dpjax.timeline_summary import summarize  # MERGE: dpjax.timeline
+    from dpjax.timeline import summarize
 
     recorder.stop()
     if jax.process_count() > 1:  # each process profiles its own devices

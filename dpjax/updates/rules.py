@@ -39,6 +39,7 @@ import optax
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
+from dpjax.mesh import as_axes, axis_arg  # noqa: F401  (re-exported: the rules and step use them)
 from dpjax import links
 from dpjax.data_parallel import DistributedOptimizer, allreduce_gradients
 from dpjax.sharding import state_specs
@@ -68,18 +69,6 @@ class UpdateRule(NamedTuple):
     consensus: Callable
     axes: tuple
     per_worker: bool
-
-
-def as_axes(axis_name) -> tuple:
-    """'data' -> ('data',); ('node', 'data') as is; None or () -> ()."""
-    if axis_name is None:
-        return ()
-    return tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
-
-
-def axis_arg(axes: tuple):
-    """The axis argument collectives take: one name, or a tuple for several."""
-    return axes[0] if len(axes) == 1 else tuple(axes)
 
 
 def mean_over(axes: tuple, allreduce: dict):

@@ -1,24 +1,9 @@
-"""Timelines: where each profiled step's time goes, per device, as a Chrome trace / Perfetto file.
+"""Capturing a timeline: profile what runs inside `profile()`, then `write` the file.
 
-Horovod found tensor fusion by reading timelines ("models with a large amount of tensors
-... tended to have many tiny allreduce operations"; Sergeev & Del Balso 2018, and
-`HOROVOD_TIMELINE`). A dpjax timeline is made from the runtime's own trace, not from
-Python timers: `jax.profiler` records every HLO op each device executes (`hlo_module`,
-`hlo_op`, `device_ordinal`, `run_id`) and, on the CPU backend, the rendezvous of every
-collective ("Wait: pending_threads=k/n", "Wait for rendezvous callback": a device waiting
-for the others). The compiled program's text gives each op its `op_name`, in which
-dpjax's named scopes (`dpjax.scopes`) say which phase, fusion bucket, collective call and
-point-to-point step it belongs to. Joined by `hlo_op`, they become, per device (one
-Perfetto process each): the step and its phases; each collective call (algorithm, axis,
-bucket, bytes) with each ring / butterfly step inside it; and every op, with the
-rendezvous waits inside the collectives. The host (pid 0) shows the steps' data,
-dispatch, host wait and checkpoint phases (`Recorder.phase`).
-
-Nothing here runs unless asked: a `Recorder` profiles only between `start()` and
-`stop()` (or inside `profile()`), and the named scopes change no op. This module
-captures; `timeline_build` joins the trace to the programs, `timeline_spans` groups a
-device's ops into spans, `timeline_summary` is `python -m dpjax.timeline FILE` (the
-tables) and `timeline_plot` its `--png`. They read traces and import no step code.
+A `Recorder` profiles only between `start()` and `stop()` (or inside `profile()`) with
+`jax.profiler`, into a temporary folder; `write` joins the raw trace to the registered
+programs (`dpjax.timeline.build`) and saves the timeline. Host annotations (`step(i)`,
+`phase(name)`) mark the loop's steps and phases and cost nothing outside a profile.
 
     with dpjax.timeline.record("step.trace.json", step, params, state, batch) as tl:
         for i in range(3):
@@ -26,7 +11,6 @@ tables) and `timeline_plot` its `--png`. They read traces and import no step cod
                 params, state, loss = step(params, state, batch)
                 jax.block_until_ready(loss)
 """
-
 from __future__ import annotations
 
 import contextlib
@@ -34,62 +18,12 @@ import glob
 import gzip
 import json
 import os
-import re
 import shutil
 import tempfile
-from dataclasses import dataclass
 
 from dpjax import scopes
-from dpjax.timeline_spans import is_collective
-
-FORMAT = "dpjax-timeline/1"
-_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%(?P<name>[^\s=]+)\s*=\s*.*?\s(?P<opcode>[a-z][\w\-]*)\((?P<rest>.*)$")
-_OP_NAME = re.compile(r'op_name="((?:[^"\\]|\\.)*)"')
-_MODULE = re.compile(r"^HloModule\s+([^\s,]+)", re.M)
-
-
-@dataclass(frozen=True)
-class Program:
-    """A compiled program's ops: hlo op name -> (opcode, op_name)."""
-
-    module: str
-    ops: dict
-
-    @classmethod
-    def from_text(cls, hlo_text: str) -> "Program":
-        m = _MODULE.search(hlo_text)
-        if m is None:
-            raise ValueError("not compiled HLO text: no 'HloModule' line")
-        ops = {}
-        for line in hlo_text.splitlines():
-            i = _INSTR.match(line)
-            if i:
-                name = _OP_NAME.search(i.group("rest"))
-                ops[i.group("name")] = (i.group("opcode"), name.group(1) if name else "")
-        return cls(m.group(1), ops)
-
-    def collective_ops(self) -> list[str]:
-        """The collective instructions (the ops that move data between devices)."""
-        return [n for n, (opc, _) in self.ops.items() if is_collective(opc)]
-
-
-def compiled_text(fn, *args, **kwargs) -> str:
-    """The compiled HLO of jitted `fn` at these arguments (arrays or ShapeDtypeStructs).
-    After a call with the same shapes and shardings this is JAX's cached executable:
-    its op names are the ones a profile of those calls records."""
-    import jax
-
-    abstract = jax.tree.map(_abstract, (args, kwargs))
-    return fn.lower(*abstract[0], **abstract[1]).compile().as_text()
-
-
-def _abstract(x):
-    import jax
-
-    if hasattr(x, "shape") and hasattr(x, "dtype"):
-        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None))
-    return x
-
+from dpjax.timeline.build import build
+from dpjax.timeline.program import Program, compiled_text
 
 class Recorder:
     """Profiles what runs inside `profile()` (and nothing else), then `write`s the timeline.
@@ -170,8 +104,6 @@ class Recorder:
         ends in .gz), deletes the raw trace, and returns the timeline."""
         if not self.programs:
             raise ValueError("register the profiled step with Recorder.program(fn, *args) before write()")
-        from dpjax.timeline_build import build
-
         timeline = build(self.raw_events(), list(self.programs.values()), main=self.main)
         save(timeline, path)
         shutil.rmtree(self._dir or "", ignore_errors=True)
@@ -195,14 +127,3 @@ def save(timeline: dict, path: str) -> None:
     with opener(path, "wt") as fh:
         json.dump(timeline, fh, separators=(",", ":"))
 
-
-def main(argv=None) -> int:
-    from dpjax.timeline_summary import main as summary_main
-
-    return summary_main(argv)
-
-
-if __name__ == "__main__":
-    import sys
-
-    sys.exit(main())

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections import defaultdict
 
 from dpjax.errors import UserError
+from dpjax.timeline.spans import union
 
 PHASE_COLOURS = {"forward_backward": "#4c72b0", "optimizer": "#55a868", "exchange": "#8172b2", "loss": "#ccb974",
                  "other": "#b0b0b0"}
@@ -25,8 +26,6 @@ def plot(data: dict, summary, out: str, step=None) -> None:
         import matplotlib.pyplot as plt
     except ImportError:
         raise UserError("--png needs matplotlib: pip install -e '.[plot]'") from None
-    from dpjax.timeline_spans import union
-
     steps = [r["step"] for r in summary.steps]
     step = steps[len(steps) // 2] if step is None else step  # a middle step: warm, not the first
     ev = [e for e in data["traceEvents"] if e.get("ph") == "X" and e["args"].get("step") == step]

@@ -1,4 +1,4 @@
-"""`python -m dpjax.timeline FILE [--png OUT]`: where the profiled steps' time went.
+"""Where the profiled steps' time went: the tables of `python -m dpjax.timeline FILE`.
 
 Read from a timeline file alone (`dpjax.timeline` writes it). Per device and step, each
 instant of the step (its program's first op to its last) is counted once, in this order:
@@ -20,21 +20,18 @@ the others wait for.
 
 from __future__ import annotations
 
-import argparse
 import gzip
 import json
 import statistics
-import sys
 from collections import defaultdict
 from dataclasses import dataclass
 
 from dpjax.collectives.cost import bus_factor
 from dpjax.errors import UserError
-from dpjax.timeline import FORMAT
-from dpjax.timeline_spans import intersect, length, subtract, union
+from dpjax.timeline.format import FORMAT
+from dpjax.timeline.spans import intersect, length, subtract, union
 
 BUS_KINDS = ("allreduce", "reduce_scatter", "all_gather", "all_to_all", "broadcast")
-
 
 
 def load(path: str) -> dict:
@@ -175,26 +172,3 @@ def render(s: Summary) -> str:
     out += ["", f"slowest device: {slow['device']} (compute {_ms(slow['compute'])} ms per step, waits "
                 f"{_ms(slow['wait'])} ms; the others wait for it)"]
     return "\n".join(out)
-
-
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m dpjax.timeline",
-                                description="Summarise a dpjax timeline: per step compute / communication / "
-                                            "waiting at rendezvous, per device, per phase, per collective "
-                                            "(time, bytes, nccl-tests bus bandwidth).")
-    p.add_argument("file", help="a timeline written by python -m dpjax.train --timeline FILE")
-    p.add_argument("--png", metavar="OUT", help="also draw one step per device and the split per device")
-    args = p.parse_args(argv)
-    try:
-        data = load(args.file)
-        summary = summarize(data)
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    print(render(summary))
-    if args.png:
-        from dpjax.timeline_plot import plot
-
-        plot(data, summary, args.png)
-        print(f"wrote {args.png}")
-    return 0

@@ -9,7 +9,7 @@ collective op that contains it on its thread). A device's ops of one run may run
 several threads at once. Here every op is named from the program's metadata
 (`Program.ops`: `hlo_op` -> op_name), runs of the main program become numbered steps
 (by the host's `step(i)` annotations), and each device-run becomes its spans
-(`dpjax.timeline_spans`): pid = device + 1, tid 0 the step and its phases, tids 1.. the
+(`dpjax.timeline.spans`): pid = device + 1, tid 0 the step and its phases, tids 1.. the
 collective calls with their point-to-point steps, tids 100.. the ops (lanes, so that no
 two overlap; a rendezvous wait is drawn inside its op). pid 0 is the host.
 """
@@ -21,8 +21,9 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 from dpjax import scopes
-from dpjax.timeline import FORMAT, Program
-from dpjax.timeline_spans import collective_spans, is_collective, lanes, phase_spans
+from dpjax.timeline.format import FORMAT
+from dpjax.timeline.program import Program
+from dpjax.timeline.spans import collective_spans, is_collective, lanes, phase_spans
 
 _WAITS = ("Wait: pending_threads", "Wait for rendezvous callback")  # XLA CPU's rendezvous, waiting
 
