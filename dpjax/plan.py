@@ -108,8 +108,8 @@ class Plan:
         """The resolved plan as plain values (the run record)."""
         lay = self.layout
         out = {"mesh": dict(self.mesh.shape), "workers": list(lay.workers), "num_workers": lay.num_workers,
-               "fsdp": lay.fsdp, "tp_allreduce": lay.algorithm, "update": str(self.update or self.rule.name),
-               "exchange": {k: v for k, v in self.exchange.kwargs().items()}, "passes": self.passes,
+               "fsdp": lay.fsdp, "tp_allreduce": lay.algorithm, "update": str(self.update),
+               "exchange": dict(self.exchange.kwargs()), "passes": self.passes,
                "global_batch": self.global_batch, "links": [str(x) for x in self.links],
                "autotune": list(self.autotune)}
         if lay.pipeline is not None:
@@ -168,8 +168,9 @@ def check(s: Settings) -> None:
             raise UsageError(f"{flag(name)} cannot be negative, got {getattr(s, name)}")
     if s.resume and not s.ckpt_dir:
         raise UsageError("--resume needs --ckpt-dir")
-    if s.virtual_stages is not None and s.schedule != "interleaved":
-        raise UsageError(f"--virtual-stages applies to --schedule interleaved, not {s.schedule or '1f1b'}")
+    chunked = [name for name, sched in SCHEDULES.items() if sched.virtual_stages]
+    if s.virtual_stages is not None and s.schedule not in chunked:
+        raise UsageError(f"--virtual-stages applies to --schedule {', '.join(chunked)}, not {s.schedule or '1f1b'}")
     parse_update(s.update)
     for name in ("metrics", "timeline"):
         if getattr(s, name):
@@ -230,7 +231,7 @@ def resolve(s: Settings, devices=None, *, mesh=None, model=None, optimizer=None,
     from dpjax.mesh import STAGE, data_axes, make_mesh, parse_axes
     from dpjax.models import get_model
     from dpjax.optim import OptimizerConfig
-    from dpjax.pipeline import Pipeline
+    from dpjax.pipeline import SCHEDULES, Pipeline
     from dpjax.pipeline import check as check_pipeline
     from dpjax.sharding import make_layout
     from dpjax.updates import parse_update
@@ -254,9 +255,9 @@ def resolve(s: Settings, devices=None, *, mesh=None, model=None, optimizer=None,
     given = [flag(n) for n in ("schedule", "microbatches", "virtual_stages") if getattr(s, n) is not None]
     pipeline = None
     if STAGE in mesh.axis_names:
-        schedule = s.schedule or "1f1b"
-        pipeline = check_pipeline(model, mesh, Pipeline(schedule, s.microbatches,
-                                               s.virtual_stages or (2 if schedule == "interleaved" else 1)))
+        schedule = s.schedule or "1f1b"  # a chunked schedule (interleaved) defaults to 2 chunks a stage
+        chunks = s.virtual_stages or (2 if SCHEDULES[schedule].virtual_stages else 1)
+        pipeline = check_pipeline(model, mesh, Pipeline(schedule, s.microbatches, chunks))
     elif given:
         raise UsageError(f"{', '.join(given)} needs a stage axis: name one in --mesh, e.g. "
                          f"--mesh stage=2,data={max(1, mesh.size // 2)}")

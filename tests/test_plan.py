@@ -67,6 +67,18 @@ def test_a_plan_is_made_again_for_fewer_devices():
         eight.for_devices(jax.devices()[:3])
 
 
+def test_the_plan_describes_itself_in_plain_values():
+    import json
+
+    plan = resolve(Settings(mesh="stage=2,data=2,model=2", data="synthetic", update="sparse:4", workers="data",
+                            link=["data=5ms,1gbit"], backward_passes=2))
+    d = json.loads(json.dumps(plan.describe()))
+    assert d["mesh"] == {"stage": 2, "data": 2, "model": 2} and d["workers"] == ["data"] and d["num_workers"] == 2
+    assert d["update"] == "sparse:4" and d["passes"] == 2 and d["global_batch"] == 32
+    assert d["links"] == ["data=5ms,1000mbit"] and d["pipeline"]["schedule"] == "1f1b"
+    assert d["pipeline"]["microbatches"] == 2 and d["exchange"]["algorithm"] == "ring"
+
+
 def test_with_exchange_changes_only_the_exchange():
     plan = resolve(Settings(mesh="2x2x2", data="synthetic", fsdp=True, allreduce="auto"))
     assert plan.autotune == ("allreduce",) and plan.exchange.algorithm == "ring"

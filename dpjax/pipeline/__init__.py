@@ -91,13 +91,8 @@ def check(model, mesh, pipe: Pipeline) -> Pipeline:
     layers = getattr(model, "LAYERS", None)
     if layers is None:
         raise UserError(f"model {model.name} has no stack of layers to split over the stage axis; use --model gpt")
-    pipe = pipe.resolved(S)
+    pipe = pipe.resolved(S)  # --microbatches and --virtual-stages themselves: dpjax.plan.check
     M, V = pipe.microbatches, pipe.virtual_stages
-    if M < 1 or V < 1:
-        raise UserError(f"--microbatches and --virtual-stages must be at least 1, got {M} and {V}")
-    if V > 1 and not SCHEDULES[pipe.schedule].virtual_stages:
-        chunked = ", ".join(n for n, s in SCHEDULES.items() if s.virtual_stages)
-        raise UserError(f"--virtual-stages {V} applies to --schedule {chunked}, not {pipe.schedule}")
     L = jax.tree.leaves(jax.eval_shape(model.init, jax.random.key(0))[layers])[0].shape[0]
     if L % (S * V):
         chunks = f"{S} stages" + (f" x {V} virtual stages" if V > 1 else "")
