@@ -44,11 +44,11 @@ from dpjax.collectives import ops, registry, uneven
 # Each algorithm registers itself when imported; this order is the order of the views.
 from dpjax.collectives import xla, ring, butterfly, tree, ps, hierarchical, alltoall, adasum  # noqa: E401
 from dpjax.collectives._common import axis_size, split_dim0
-from dpjax.collectives.grouped import COMPRESSIONS
 from dpjax.collectives.grouped import all_gather as grouped_all_gather
 from dpjax.collectives.grouped import allreduce as grouped_allreduce
 from dpjax.collectives.grouped import reduce_scatter as grouped_reduce_scatter
 from dpjax.collectives.ops import REDUCE_OPS
+from dpjax.compression import COMPRESSIONS
 
 REGISTERED_BY = (xla, ring, butterfly, tree, ps, hierarchical, alltoall, adasum)
 ALGORITHMS = registry.Names("allreduce")
@@ -171,8 +171,8 @@ def allreduce(x, axis_name, *, algorithm: str = "ring", op: str = "sum", prescal
     "hierarchical"; `segments` for adasum (sizes of the tensors in a fused buffer).
     """
     x = jnp.asarray(x)
-    alg, axis_name, n, groups = _prepare("allreduce", x, axis_name, algorithm, groups=groups, reorder=True, op=op, prescale=prescale_factor, postscale=postscale_factor,
-                                    **options)
+    alg, axis_name, n, groups = _prepare("allreduce", x, axis_name, algorithm, groups=groups, reorder=True,
+                                         op=op, prescale=prescale_factor, postscale=postscale_factor, **options)
     ops.check(op, x.dtype, "allreduce", prescale_factor, postscale_factor)
     if op == "adasum" and algorithm != "butterfly":
         raise ValueError(f"allreduce op='adasum' runs Adasum's own butterfly (Maleki et al.): pass "
@@ -196,8 +196,8 @@ def reduce_scatter(x, axis_name, *, algorithm: str = "ring", op: str = "sum", pr
 
     sizes: rows per rank when they differ (see `uneven.py`); groups: process sets of one size."""
     x = jnp.asarray(x)
-    alg, axis_name, n, groups = _prepare("reduce_scatter", x, axis_name, algorithm, groups=groups, op=op, sizes=sizes, prescale=prescale_factor,
-                                    postscale=postscale_factor)
+    alg, axis_name, n, groups = _prepare("reduce_scatter", x, axis_name, algorithm, groups=groups, op=op,
+                                         sizes=sizes, prescale=prescale_factor, postscale=postscale_factor)
     ops.check(op, x.dtype, "reduce_scatter", prescale_factor, postscale_factor)
     if op == "adasum":
         raise ValueError("reduce_scatter has no op 'adasum' (Adasum combines whole vectors); use allreduce")
