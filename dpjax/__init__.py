@@ -33,7 +33,7 @@ from dpjax.errors import UserError
 from dpjax.replicas import ReplicationError
 from dpjax.rng import device_key
 from dpjax.mesh import data_axes, dp_size, make_mesh, parse_mesh_spec, simulate_cpu_devices
-from dpjax import rules, updates
+from dpjax import sharding_rules, updates
 from dpjax.updates import delayed_gradients
 from dpjax.step import Exchange, make_update_step
 from dpjax import horovod
@@ -57,7 +57,7 @@ __all__ = [
     "parse_mesh_spec",
     "process_count",
     "process_index",
-    "rules",
+    "sharding_rules",
     "shard_batch",
     "shard_step",
     "simulate_cpu_devices",

@@ -28,7 +28,8 @@ from jax.sharding import PartitionSpec as P
 
 from dpjax import collectives, scopes
 from dpjax.collectives._common import axis_size
-from dpjax.collectives.grouped import COMPRESSIONS  # noqa: F401  (the names --compression takes)
+from dpjax.compression import COMPRESSIONS  # noqa: F401  (the names --compression takes; step.Exchange reads it)
+from dpjax.compression import check as check_compression
 from dpjax.fusion import pack, plan_buckets, unpack
 from dpjax.mesh import data_axes
 from dpjax.wrapper import shard_step  # noqa: F401  (the step wrapper lives in its own module)
@@ -41,9 +42,10 @@ def allreduce_gradients(grads, axis_name="data", *, algorithm: str = "ring", fus
     """The average (op="mean"), sum or Adasum of `grads` over `axis_name`: fused buckets,
     one allreduce per bucket (`collectives.grouped_allreduce`).
 
-    compression: None, "bf16" or "fp16": floating-point buckets travel in that dtype and
-    are cast back (integer and bool gradients travel as they are; every leaf keeps its
-    dtype, an integer mean rounding toward zero as Horovod's does).
+    compression: None or a method of `dpjax.compression` ("bf16", "fp16"): floating-point
+    buckets travel in that dtype and are cast back (integer and bool gradients travel as
+    they are; every leaf keeps its dtype, an integer mean rounding toward zero as
+    Horovod's does).
     gradient_predivide_factor f (op="mean" only, as in Horovod): multiply by 1/f before
     the sum and by f/n after it (Horovod's prescale / postscale guard against fp16
     overflow in the sum).
@@ -87,7 +89,7 @@ def DistributedOptimizer(inner: optax.GradientTransformation, axis_name="data", 
     `inner` such as SGD.
     """
     collectives.check_algorithm(algorithm)
-    collectives.grouped.check_compression(compression)
+    check_compression(compression)
     if int(backward_passes_per_step) != backward_passes_per_step or backward_passes_per_step < 1:
         raise ValueError(f"backward_passes_per_step must be a positive integer, got {backward_passes_per_step}")
     if gradient_predivide_factor <= 0:

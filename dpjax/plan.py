@@ -42,7 +42,8 @@ def flag(name: str) -> str:
 @dataclass(frozen=True)
 class Exchange:
     """How gradients and parameters cross the data axes: dpjax's allreduce `algorithm`,
-    the tensor-fusion bucket cap, and the compression on the wire (None, "bf16", "fp16").
+    the tensor-fusion bucket cap, and the compression on the wire (a `dpjax.compression`
+    method's name, or None).
     options: extra allreduce arguments (`num_servers` for ps, `outer_algorithm` for
     hierarchical)."""
 
@@ -57,7 +58,7 @@ class Exchange:
 
     @property
     def wire(self):
-        from dpjax.data_parallel import COMPRESSIONS
+        from dpjax.compression import COMPRESSIONS
 
         return COMPRESSIONS[self.compression]
 
@@ -130,7 +131,7 @@ def check(s: Settings) -> None:
     """Every check that needs no devices; run before JAX starts, so a bad flag costs
     nothing. Raises UsageError (one line)."""
     from dpjax.collectives import ALGORITHMS, REDUCE_SCATTER_ALGORITHMS
-    from dpjax.data_parallel import COMPRESSIONS
+    from dpjax import compression
     from dpjax.models import MODELS, model_options
     from dpjax.optim import LR_SCALINGS, OPTIMIZERS
     from dpjax.pipeline import SCHEDULES
@@ -149,7 +150,7 @@ def check(s: Settings) -> None:
     one_of("--lr-scaling", s.lr_scaling, LR_SCALINGS)
     one_of("--allreduce algorithm", s.allreduce, (*ALGORITHMS, "auto"))
     one_of("--tp-allreduce algorithm", s.tp_allreduce, ALGORITHMS)
-    one_of("--compression", s.compression, tuple(k for k in COMPRESSIONS if k is not None))
+    one_of("--compression", s.compression, ("none", *compression.names()))
     if s.schedule is not None:
         one_of("--schedule", s.schedule, SCHEDULES)
     if s.tp_allreduce == "hierarchical":

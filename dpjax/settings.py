@@ -29,9 +29,9 @@ def _algorithms():
 
 
 def _compressions():
-    from dpjax.data_parallel import COMPRESSIONS
+    from dpjax import compression
 
-    return tuple(k for k in COMPRESSIONS if k is not None)
+    return compression.names()
 
 
 def _schedules():

@@ -99,7 +99,7 @@ class Layout:
     def parallel(self, fsdp_wire=None) -> Parallel:
         """The model's view: tensor-parallel layers over `model` if any parameter is split
         over it, else the dense computation; FSDP gathers over the inner axes, their
-        gradients reduce-scattered in `fsdp_wire` (a dtype, or None for full precision)."""
+        gradients reduce-scattered in `fsdp_wire` (a `dpjax.compression` method, or None for full precision)."""
         inner = self.inner_axes
         split = any(MODEL in spec_axes(s) for s in jax.tree.leaves(self.specs, is_leaf=is_spec))
         return Parallel(model_axis=MODEL if split else None, algorithm=self.algorithm,
@@ -161,7 +161,7 @@ def make_layout(model, mesh, *, algorithm: str = "ring", fsdp: bool = False, fsd
 def layout_from_specs(abstract, specs, mesh, *, what: str = "parameter", algorithm: str = "ring", fsdp: bool = False,
                       fsdp_algorithm: str = "ring", workers: tuple = (), skip_dims=None) -> Layout:
     """The layout of parameters shaped like `abstract` with the given specs (a tree of
-    PartitionSpec, from a model's table or `dpjax.rules`). A spec that names the data
+    PartitionSpec, from a model's table or `dpjax.sharding_rules`). A spec that names the data
     axes itself (a rule splitting a parameter over `data`) is FSDP on that dimension;
     `fsdp` splits every other parameter too, on its largest free dimension that divides
     (past the first `skip_dims` dimensions of each leaf, a tree of ints: a layer stack's

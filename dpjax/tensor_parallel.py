@@ -48,12 +48,13 @@ def _active(axis) -> bool:
 
 
 def _on_wire(reduce, g, wire, n: int, op: str):
-    """reduce(g) (a sum over n ranks) with g travelling in `wire` (a dtype or None), then
-    cast back and, for op="mean", divided by n in the gradient's own precision: the
-    recipe of `data_parallel.allreduce_gradients`' compression."""
-    if wire is None:
+    """reduce(g) (a sum over n ranks) with g encoded by `wire` (a `dpjax.compression`
+    method, or None) on the way, then decoded and, for op="mean", divided by n in the
+    gradient's own precision: the recipe of `data_parallel.allreduce_gradients`'
+    compression."""
+    if wire is None or not wire.compresses(g.dtype):
         return reduce(g, op)
-    out = reduce(g.astype(wire), "sum").astype(g.dtype)
+    out = wire.decode(reduce(wire.encode(g), "sum"), g)
     return out / jnp.asarray(n, g.dtype) if op == "mean" else out
 
 
@@ -124,9 +125,9 @@ _gather.defvjp(_gather_fwd, _gather_bwd)
 def gather_param(x, dim: int, axis, algorithm: str = "ring", wire=None):
     """ZeRO-3 (Rajbhandari et al., "ZeRO", SC 2020): the full parameter from its shards
     along `dim` (an explicit all-gather over the data axes); backward, the gradient is
-    reduce-scattered back to the shards and averaged over the data ranks (travelling in
-    `wire`, a dtype, if given: gradient compression). dim=-1: the parameter is
-    replicated over the data axes (too small to split); its gradient is
+    reduce-scattered back to the shards and averaged over the data ranks (encoded by
+    `wire`, a `dpjax.compression` method, if given: gradient compression). dim=-1: the
+    parameter is replicated over the data axes (too small to split); its gradient is
     allreduce-averaged instead."""
     if not _active(axis):
         return x
@@ -148,7 +149,7 @@ class Parallel:
     data_axis: Any = None
     gather_dims: Any = None
     fsdp_algorithm: str = "ring"
-    fsdp_wire: Any = None  # dtype FSDP's gradients travel in (compression), None: their own
+    fsdp_wire: Any = None  # the compression method FSDP's gradients travel in, None: as they are
 
     def use(self, tree, *path):
         """The parameters `tree`, found at `path` in the full parameter tree, ready to

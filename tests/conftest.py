@@ -131,3 +131,12 @@ def read_losses(path) -> list[float]:
             if "loss" in rec:
                 out[rec["step"]] = rec["loss"]
     return [out[s] for s in sorted(out)]
+
+
+def flat_algorithms(names) -> list[str]:
+    """The algorithms of a registry view (`dpjax.collectives.ALGORITHMS`, ...) that run
+    over one (flattened) axis, as the flat meshes' parametrisations need: not those
+    whose axis is (outer, inner) levels ("hierarchical" has meshes of its own)."""
+    from dpjax.collectives import registry
+
+    return [a for a in names if not registry.get(a).nested_axes]

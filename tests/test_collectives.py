@@ -40,6 +40,8 @@ from jax.sharding import PartitionSpec as P
 import dpjax
 from dpjax import collectives as C
 
+from conftest import flat_algorithms
+
 DTYPES = {"f32": np.dtype(np.float32), "bf16": np.dtype(jnp.bfloat16), "f16": np.dtype(np.float16),
           "i32": np.dtype(np.int32), "u8": np.dtype(np.uint8), "bool": np.dtype(bool)}
 
@@ -349,11 +351,9 @@ def check_sum(got, x, want, bound, twin, dtype, what):
 
 
 def flat_variants():
-    """(id, algorithm, options(n)) for every non-hierarchical allreduce algorithm."""
+    """(id, algorithm, options(n)) for every flat allreduce algorithm."""
     out = []
-    for alg in C.ALGORITHMS:
-        if alg == "hierarchical":
-            continue
+    for alg in flat_algorithms(C.ALGORITHMS):
         if alg == "ps":  # one server, a middle number, every rank a server
             out += [("ps-S1", alg, lambda n: {"num_servers": 1}),
                     ("ps-Smid", alg, lambda n: {"num_servers": (n + 1) // 2}),
@@ -397,7 +397,7 @@ def outer_cases(n):
 
 
 @pytest.mark.parametrize("mc, case", params(HIER_MESHES[1:2], outer_cases))
-@pytest.mark.parametrize("outer", [a for a in C.ALGORITHMS if a not in ("ring", "hierarchical")])
+@pytest.mark.parametrize("outer", [a for a in flat_algorithms(C.ALGORITHMS) if a != "ring"])
 def test_hierarchical_outer_algorithm(cache, mesh_of, outer, mc, case):
     variant = (f"hierarchical/{outer}", "hierarchical", lambda n: {"outer_algorithm": outer})
     check_allreduce(cache, mesh_of, mc, variant, case, outer_cases)
@@ -503,8 +503,7 @@ def check_reduce_scatter(cache, mesh_of, mc, algorithm, case):
 
 
 @pytest.mark.parametrize("mc, case", params(FLAT_MESHES, reduce_scatter_cases))
-@pytest.mark.parametrize("algorithm", [a for a in C.REDUCE_SCATTER_ALGORITHMS
-                                       if a != "hierarchical"])
+@pytest.mark.parametrize("algorithm", flat_algorithms(C.REDUCE_SCATTER_ALGORITHMS))
 def test_reduce_scatter(cache, mesh_of, algorithm, mc, case):
     check_reduce_scatter(cache, mesh_of, mc, algorithm, case)
 
@@ -533,8 +532,7 @@ def check_all_gather(cache, mesh_of, mc, algorithm, case):
 
 
 @pytest.mark.parametrize("mc, case", params(FLAT_MESHES, all_gather_cases))
-@pytest.mark.parametrize("algorithm", [a for a in C.ALL_GATHER_ALGORITHMS
-                                       if a != "hierarchical"])
+@pytest.mark.parametrize("algorithm", flat_algorithms(C.ALL_GATHER_ALGORITHMS))
 def test_all_gather(cache, mesh_of, algorithm, mc, case):
     check_all_gather(cache, mesh_of, mc, algorithm, case)
 
@@ -548,8 +546,8 @@ def test_hierarchical_all_gather(cache, mesh_of, mc, case):
 # refuses it with the same ValueError (lax.all_gather(tiled=True) refuses it too).
 SCALAR_GATHER = [
     pytest.param(alg, mc, id=f"{alg}-{mc.id}")
-    for alg, meshes in [(a, FLAT_MESHES[:3]) for a in C.ALL_GATHER_ALGORITHMS
-                        if a != "hierarchical"] + [("hierarchical", HIER_MESHES[-2:])]
+    for alg, meshes in [(a, FLAT_MESHES[:3]) for a in flat_algorithms(C.ALL_GATHER_ALGORITHMS)]
+    + [("hierarchical", HIER_MESHES[-2:])]
     for mc in meshes
 ]
 
@@ -617,7 +615,7 @@ def test_unknown_algorithm_names_the_choices(mesh4, call, choices):
 
 INDIVISIBLE = [
     pytest.param(alg, shape, id=f"{alg}-{'x'.join(map(str, shape)) or 'scalar'}")
-    for alg in C.REDUCE_SCATTER_ALGORITHMS if alg != "hierarchical"
+    for alg in flat_algorithms(C.REDUCE_SCATTER_ALGORITHMS)
     for shape in [(6,), (3, 2), ()]
 ]
 

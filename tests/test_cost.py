@@ -22,7 +22,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from dpjax import collectives as C
-from dpjax.collectives import cost
+from dpjax.collectives import cost, registry
+
+from conftest import flat_algorithms
 
 F32 = 4
 
@@ -158,9 +160,7 @@ def schedule_cases():
     out = []
     for n in (1, 2, 3, 5, 6, 8):
         for nelems in (840, 1003):  # 1003 is padded for every n > 1
-            for alg in C.ALGORITHMS:
-                if alg == "hierarchical":
-                    continue
+            for alg in flat_algorithms(C.ALGORITHMS):
                 servers = sorted({1, (n + 1) // 2, n}) if alg == "ps" else [None]
                 for s in servers:
                     kw = {"num_servers": s} if s else {}
@@ -169,12 +169,10 @@ def schedule_cases():
                 continue
             for alg in C.BROADCAST_ALGORITHMS:
                 out.append(("broadcast", alg, n, nelems, {"root": n // 2}))
-        for alg in C.REDUCE_SCATTER_ALGORITHMS:
-            if alg != "hierarchical" and n > 1:
-                out += [("reduce_scatter", alg, n, n * m, {}) for m in (105, 125)]
-        for alg in C.ALL_GATHER_ALGORITHMS:
-            if alg != "hierarchical" and n > 1:
-                out += [("all_gather", alg, n, n * m, {}) for m in (105, 125)]
+        for alg in flat_algorithms(C.REDUCE_SCATTER_ALGORITHMS) if n > 1 else ():
+            out += [("reduce_scatter", alg, n, n * m, {}) for m in (105, 125)]
+        for alg in flat_algorithms(C.ALL_GATHER_ALGORITHMS) if n > 1 else ():
+            out += [("all_gather", alg, n, n * m, {}) for m in (105, 125)]
     return [pytest.param(*c, id=f"{c[0]}-{c[1]}-n{c[2]}-N{c[3]}" + "".join(
         f"-{k}{v}" for k, v in c[4].items())) for c in out]
 
@@ -265,8 +263,9 @@ def test_hierarchical_docstring_values():
 
 
 def test_one_rank_sends_nothing():
-    for alg in ("ring", "butterfly", "tree", "ps"):
-        assert cost.schedule(alg, 1, 1000) == cost.Schedule(0, 0)
+    for alg in C.ALGORITHMS:
+        if alg != "psum":
+            assert cost.schedule(alg, 1, 1000) == cost.Schedule(0, 0), alg
     # XLA keeps its one-rank all-reduce as an op: a step that sends nothing
     assert cost.schedule("psum", 1, 1000) == cost.Schedule(1, 0)
 
@@ -384,7 +383,7 @@ def test_adasum_docstring_values():
 SETS = [[0, 2, 4], [1, 3], [5, 6, 7]]
 
 
-@pytest.mark.parametrize("algorithm", ["ring", "butterfly", "tree"])
+@pytest.mark.parametrize("algorithm", [a for a in C.ALGORITHMS if registry.get(a).groups])
 def test_process_sets_hlo_matches_schedule_sets(mesh_of, algorithm):
     """One pass per set size: steps add up over the sizes 2 and 3, a device sends what
     its own set's pass sends; every pair stays inside a set."""

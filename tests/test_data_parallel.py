@@ -12,6 +12,8 @@ from dpjax.collectives import ALGORITHMS, cost
 from dpjax.data_parallel import allreduce_gradients
 from dpjax.fusion import plan_buckets
 
+from conftest import flat_algorithms
+
 N = 8
 
 
@@ -27,7 +29,7 @@ def _shard_tree(mesh, put, tree):
     return jax.tree.map(lambda x: put(mesh, x.reshape(-1, *x.shape[2:]) if x.ndim > 2 else x, P("data")), tree)
 
 
-@pytest.mark.parametrize("algorithm", [a for a in ALGORITHMS if a != "hierarchical"])
+@pytest.mark.parametrize("algorithm", flat_algorithms(ALGORITHMS))
 @pytest.mark.parametrize("fusion_mb", [0, 64])
 def test_allreduce_gradients_is_the_mean(mesh_of, put, algorithm, fusion_mb):
     mesh = mesh_of("8x1", N)

@@ -19,6 +19,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from dpjax import collectives as C
+from dpjax.collectives import registry
 from dpjax.collectives.uneven import default_sizes
 from test_collectives import run_bundle
 
@@ -27,6 +28,7 @@ UNEQUAL = [[0, 2, 4], [1, 3], [5, 6, 7]]  # three sizes, every rank in a set
 PARTIAL = [[6, 1], [0, 3, 5]]  # ranks 2, 4 and 7 in none: each a set of its own
 HALVES = [[0, 2, 4, 6], [1, 3, 5, 7]]  # one size, for the collectives that change shapes
 SIZES = [3, 0, 2, 1, 2, 1, 1, 2]  # rows per rank; rank 1 owns none
+WITHIN_SETS = [a for a in C.ALGORITHMS if registry.get(a).groups]  # the allreduces that take groups=
 TENSORS = [((3, 2), jnp.float32), ((5,), jnp.int32), ((2, 2, 2), jnp.bfloat16), ((8,), jnp.float32)]
 
 
@@ -59,7 +61,7 @@ def scatter_inputs(v):
 
 BODIES = {
     **{f"allreduce-{alg}": (lambda v, alg=alg: C.allreduce(v, "data", algorithm=alg, groups=UNEQUAL))
-       for alg in ("ring", "butterfly", "tree", "ps")},
+       for alg in WITHIN_SETS},
     "allreduce-mean": lambda v: C.allreduce(v, "data", algorithm="butterfly", op="mean", groups=UNEQUAL),
     "allreduce-max-int": lambda v: C.allreduce(v.astype(jnp.int32), "data", op="max", groups=UNEQUAL),
     "allreduce-partial": lambda v: C.allreduce(v, "data", algorithm="tree", groups=PARTIAL),
@@ -93,7 +95,7 @@ def results(cache, mesh_of):
     return cache.get(("process-sets", N), build)
 
 
-@pytest.mark.parametrize("alg", ["ring", "butterfly", "tree", "ps"])
+@pytest.mark.parametrize("alg", WITHIN_SETS)
 def test_allreduce_within_sets_of_unequal_size(results, alg):
     x, out = results
     want = np.stack([x[groups_of(r, UNEQUAL)].sum(0) for r in range(N)])

@@ -3,7 +3,6 @@ whose gradients are known in closed form, through the research API
 (`dpjax.make_update_step`); the `--update` grammar and flag. (Every rule with every
 layout and exchange option: tests/test_step.py.)"""
 
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -15,6 +14,8 @@ from jax.sharding import PartitionSpec as P
 
 from dpjax import step as S
 from dpjax import updates as U
+from dpjax.errors import UserError
+from dpjax.updates import registry
 from dpjax.train import main
 
 from conftest import read_losses
@@ -143,16 +144,10 @@ def test_async_follows_its_seeded_schedule(mesh_of, put, tau, fetch, push):
     rule = U.stale_async(optax.sgd(lr), tau, "data", seed=seed, fetch_every=fetch, push_every=push)
     ustep, params_W, _, states = _run(mesh, put, rule, quadratic_loss, xs, {"w": np.zeros(D, np.float32)})
 
-    # the schedule, regenerated from the seed alone: jax.random.fold_in(key(seed), step),
-    # then the worker, then randint(0, tau + 1); clipped to the versions that exist
-    def tau_of(t, k):
-        key = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), t), k)
-        return min(int(jax.random.randint(key, (), 0, tau + 1)), t)
-
-    sched = np.array([[tau_of(t, k) for k in range(N)] for t in range(steps)])
-    np.testing.assert_array_equal(U.staleness_schedule(seed, steps, N, tau), sched)
+    # the seeded schedule is this simulation's input (its properties: the tests below);
+    # the step must read the versions it names
+    sched = U.staleness_schedule(seed, steps, N, tau)
     assert sched.max() == tau and len(np.unique(sched)) > 1  # really stale, and mixed
-    assert not np.array_equal(U.staleness_schedule(seed + 1, steps, N, tau), sched)
 
     hist, local, version, acc = [np.zeros(D)], np.zeros((N, D)), np.zeros(N, int), np.zeros((N, D))
     w = np.zeros(D)
@@ -169,6 +164,42 @@ def test_async_follows_its_seeded_schedule(mesh_of, put, tau, fetch, push):
         hist.append(w.copy())
     np.testing.assert_allclose(np.asarray(ustep.consensus(params_W)["w"]), w, rtol=1e-5, atol=1e-6)
     np.testing.assert_array_equal(np.asarray(params_W["w"]), np.broadcast_to(params_W["w"][0], (N, D)))
+
+
+def test_staleness_schedule_small_cases():
+    """By hand: TAU=0 is never stale; nothing is staler than the versions that exist
+    (step t has versions 0..t), so step 0 is fresh for every worker and step 1 at most
+    one version old."""
+    np.testing.assert_array_equal(U.staleness_schedule(3, 6, 4, 0), np.zeros((6, 4), int))
+    for seed in range(5):
+        sched = U.staleness_schedule(seed, 3, 8, 5)
+        assert sched.shape == (3, 8) and sched.dtype.kind == "i"
+        np.testing.assert_array_equal(sched[0], 0)
+        assert set(sched[1]) <= {0, 1} and set(sched[2]) <= {0, 1, 2}
+
+
+def test_staleness_schedule_properties():
+    """What `staleness` documents: uniform on 0..TAU, from (seed, step, worker) alone."""
+    tau, steps, workers, seed = 3, 2000, 8, 11
+    sched = U.staleness_schedule(seed, steps, workers, tau)
+    t = np.arange(steps)[:, None]
+    assert sched.min() >= 0 and (sched <= np.minimum(tau, t)).all()
+    # reproducible from the seed: again, and as a corner of a larger schedule (any process
+    # regenerates its own entries without the others'); another seed, another schedule
+    np.testing.assert_array_equal(U.staleness_schedule(seed, steps, workers, tau), sched)
+    np.testing.assert_array_equal(U.staleness_schedule(seed, 40, 3, tau), sched[:40, :3])
+    assert (U.staleness_schedule(seed + 1, steps, workers, tau) != sched).mean() > 0.5
+    # uniform on 0..TAU once every version exists: 15976 draws, each value expected 3994
+    # times with a standard deviation of 55; the draws are fixed by the seed, so 5
+    # standard deviations is a bound this schedule meets, not a flaky test
+    full = sched[tau:]
+    counts = np.bincount(full.ravel(), minlength=tau + 1)
+    expected = full.size / (tau + 1)
+    sd = np.sqrt(full.size * (1 / (tau + 1)) * (tau / (tau + 1)))
+    assert len(counts) == tau + 1 and np.all(np.abs(counts - expected) < 5 * sd), counts
+    # workers draw independently: neighbours agree as often as two uniform draws would (1/4)
+    agree = (full[:, :-1] == full[:, 1:]).mean()
+    assert abs(agree - 1 / (tau + 1)) < 0.02, agree
 
 
 def test_param_specs_shard_worker_state_over_model(mesh_of, put):
@@ -216,6 +247,35 @@ def test_param_specs_shard_worker_state_over_model(mesh_of, put):
 ])
 def test_parse_update_round_trips(text, want):
     assert U.parse_update(text) == want and str(want) == text
+
+
+def test_unknown_rule_is_an_error_not_async():
+    with pytest.raises(UserError, match="unknown update rule 'foo'; choose one of sync, delayed, "):
+        U.make_rule(U.UpdateSpec("foo", 2), optax.sgd(0.1), "data")
+    with pytest.raises(UserError, match="bad --update 'foo:2': choose sync, delayed:T"):
+        U.make_rule("foo:2", optax.sgd(0.1), "data")
+
+
+def test_a_registered_rule_is_in_the_grammar_help_and_make_rule():
+    """A rule is its module's registration: nothing else lists the names."""
+    def build(spec, inner, axis_name, *, seed, **allreduce):
+        return U.sync(inner, axis_name, **allreduce)._replace(name=f"every:{spec.n}")
+
+    kind = registry.Kind("every", "a toy: sync, named", build=build, is_sync=lambda spec: spec.n == 7,
+                         number="the toy number N", low=2)
+    registry.register(kind)
+    try:
+        assert U.parse_update("every:3") == U.UpdateSpec("every", 3) and str(U.UpdateSpec("every", 3)) == "every:3"
+        assert U.parse_update("every:7").is_sync and not U.parse_update("every:3").is_sync
+        assert "'every:N' (a toy: sync, named)" in U.HELP
+        with pytest.raises(UserError, match="the toy number N must be an integer >= 2"):
+            U.parse_update("every:1")
+        assert U.make_rule("every:3", optax.sgd(0.1), "data").name == "every:3"
+    finally:
+        registry.unregister("every")
+    assert "'every:N'" not in U.HELP
+    with pytest.raises(UserError, match="bad --update 'every:3': choose sync, "):
+        U.parse_update("every:3")
 
 
 def _tiny(corpus, *extra):

@@ -1,6 +1,9 @@
 """Explicit collective algorithms, dispatched by name. Call these inside `jax.shard_map`.
 
-Every algorithm except the XLA baselines (`"psum"`, and `"xla"` for all-to-all) is
+Each algorithm is one module that registers itself (`registry.py`: its primitives and
+its cost formula); the calls below dispatch through the registry, and `ALGORITHMS`,
+`REDUCE_SCATTER_ALGORITHMS`, ... are live views of it. Every algorithm except the XLA
+baselines (`"psum"`, and `"xla"` for all-to-all, `xla.py`) is
 written as point-to-point `lax.ppermute` steps plus local arithmetic, so the schedule
 a gradient follows across the machines is there to read. Each matches `lax.psum` /
 `lax.psum_scatter` / `lax.all_gather` / `lax.all_to_all` (tiled, dimension 0) for any
@@ -35,20 +38,24 @@ import jax.numpy as jnp
 from jax import lax
 
 from dpjax import distributed, links, scopes
-from dpjax.collectives import adasum, alltoall, butterfly, groups as process_sets, hierarchical, ops, ps, ring, tree
-from dpjax.collectives import uneven
+from dpjax.collectives import groups as process_sets
+from dpjax.collectives import ops, registry, uneven
+
+# Each algorithm registers itself when imported; this order is the order of the views.
+from dpjax.collectives import xla, ring, butterfly, tree, ps, hierarchical, alltoall, adasum  # noqa: E401
 from dpjax.collectives._common import axis_size, split_dim0
-from dpjax.collectives.grouped import COMPRESSIONS
 from dpjax.collectives.grouped import all_gather as grouped_all_gather
 from dpjax.collectives.grouped import allreduce as grouped_allreduce
 from dpjax.collectives.grouped import reduce_scatter as grouped_reduce_scatter
 from dpjax.collectives.ops import REDUCE_OPS
+from dpjax.compression import COMPRESSIONS
 
-ALGORITHMS = ("psum", "ring", "butterfly", "tree", "ps", "hierarchical")
-REDUCE_SCATTER_ALGORITHMS = ("psum", "ring", "butterfly", "hierarchical")
-ALL_GATHER_ALGORITHMS = ("psum", "ring", "butterfly", "hierarchical")
-BROADCAST_ALGORITHMS = ("psum", "tree", "ring")
-ALL_TO_ALL_ALGORITHMS = ("xla", "pairwise", "bruck")
+REGISTERED_BY = (xla, ring, butterfly, tree, ps, hierarchical, alltoall, adasum)
+ALGORITHMS = registry.Names("allreduce")
+REDUCE_SCATTER_ALGORITHMS = registry.Names("reduce_scatter")
+ALL_GATHER_ALGORITHMS = registry.Names("all_gather")
+BROADCAST_ALGORITHMS = registry.Names("broadcast")
+ALL_TO_ALL_ALGORITHMS = registry.Names("all_to_all")
 
 __all__ = [
     "ALGORITHMS", "ALL_GATHER_ALGORITHMS", "ALL_TO_ALL_ALGORITHMS", "BROADCAST_ALGORITHMS",
@@ -59,6 +66,7 @@ __all__ = [
 
 
 def check_algorithm(algorithm: str, known=ALGORITHMS, what: str = "allreduce") -> str:
+    """`algorithm` if it is one of `known` (a registry view), else a one-line ValueError."""
     if algorithm not in known:
         raise ValueError(f"unknown {what} algorithm {algorithm!r}; choose one of {', '.join(known)}")
     return algorithm
@@ -85,25 +93,27 @@ def _shown(value) -> str:
     return "<traced>" if isinstance(value, jax.core.Tracer) else repr(value)
 
 
-def _prepare(what, x, axis_name, algorithm, known, *, groups=None, reorder=False, **args):
+def _prepare(what, x, axis_name, algorithm, *, groups=None, reorder=False, **args):
     """The steps every public call starts with: the axis must be bound; every process
     must be making this same call (`distributed.agree`, before any other check, so that
-    a call one process gets wrong fails on every process); the algorithm and groups
-    must exist. Returns (axis in mesh order, n, validated groups or None)."""
+    a call one process gets wrong fails on every process); the algorithm must implement
+    `what` and the groups must exist. Returns (the registered algorithm, axis in mesh
+    order, n, validated groups or None)."""
     n = axis_size(axis_name, what)
     shown = ", ".join(f"{k}={_shown(v)}" for k, v in dict(algorithm=algorithm, groups=groups, **args).items()
                       if v is not None)
     distributed.agree(what, f"{what}({x.dtype}{list(x.shape)} over {axis_name!r}, {shown})")
-    check_algorithm(algorithm, known, what)
+    check_algorithm(algorithm, registry.Names(what), what)
+    alg = registry.get(algorithm)
     if groups is not None:
-        if algorithm in ("psum", "xla", "hierarchical"):
-            explicit = ", ".join(a for a in known if a not in ("psum", "xla", "hierarchical"))
+        if not alg.groups:
+            explicit = ", ".join(a for a in registry.names(what) if registry.get(a).groups)
             raise ValueError(f"{what}: algorithm {algorithm!r} takes no groups (process sets); choose one of "
                              f"{explicit}")
         groups = process_sets.check_groups(groups, n, what, partition=what not in ("allreduce", "broadcast"))
-    if algorithm != "hierarchical":
+    if not alg.nested_axes:
         axis_name = _mesh_ordered(axis_name, what, reorder=reorder and groups is None)
-    return axis_name, n, groups
+    return alg, axis_name, n, groups
 
 
 def _within(groups, fn, x, axis_name, n):
@@ -120,17 +130,6 @@ def _group_size(groups, n: int, axis_name):
         for r in g:
             size[r] = len(g)
     return size[0] if len(set(size)) == 1 else jnp.asarray(size)[lax.axis_index(axis_name)]
-
-
-def _psum_allreduce(x, axis_name, *, op="sum"):
-    if op == "product":
-        raise ValueError("allreduce op='product' has no XLA baseline (lax has psum, pmin and pmax only); "
-                         "choose an explicit algorithm such as 'ring'")
-    wide = x.astype(jnp.uint8) if x.dtype == jnp.bool_ else x
-    fn = {"min": lax.pmin, "max": lax.pmax}.get(op, lax.psum)
-    n = axis_size(axis_name)
-    links.account_xla(axis_name, 2 * (n - 1) * -(-wide.size * wide.dtype.itemsize // n))  # as cost.schedule
-    return fn(wide, axis_name).astype(x.dtype)
 
 
 def _named(what: str):
@@ -161,16 +160,6 @@ def _label(what, x, axis_name, algorithm, groups) -> dict:
     return {"algorithm": algorithm, "axis": axis_name, "n": n, "bytes": nbytes * (n if what == "all_gather" else 1)}
 
 
-_ALLREDUCE = {
-    "psum": _psum_allreduce,
-    "ring": ring.allreduce,
-    "butterfly": butterfly.allreduce,
-    "tree": tree.allreduce,
-    "ps": ps.allreduce,
-    "hierarchical": hierarchical.allreduce,
-}
-
-
 @_named("allreduce")
 @links.timed
 def allreduce(x, axis_name, *, algorithm: str = "ring", op: str = "sum", prescale_factor: float = 1.0,
@@ -182,14 +171,13 @@ def allreduce(x, axis_name, *, algorithm: str = "ring", op: str = "sum", prescal
     "hierarchical"; `segments` for adasum (sizes of the tensors in a fused buffer).
     """
     x = jnp.asarray(x)
-    axis_name, n, groups = _prepare("allreduce", x, axis_name, algorithm, ALGORITHMS, groups=groups,
-                                    reorder=True, op=op, prescale=prescale_factor, postscale=postscale_factor,
-                                    **options)
+    alg, axis_name, n, groups = _prepare("allreduce", x, axis_name, algorithm, groups=groups, reorder=True,
+                                         op=op, prescale=prescale_factor, postscale=postscale_factor, **options)
     ops.check(op, x.dtype, "allreduce", prescale_factor, postscale_factor)
     if op == "adasum" and algorithm != "butterfly":
         raise ValueError(f"allreduce op='adasum' runs Adasum's own butterfly (Maleki et al.): pass "
                          f"algorithm='butterfly', not {algorithm!r}")
-    fn = adasum.allreduce if op == "adasum" else _ALLREDUCE[algorithm]
+    fn = adasum.allreduce if op == "adasum" else alg.allreduce
     out = _within(groups, lambda v, ax: fn(v, ax, op=op, **options), ops.scale(x, prescale_factor), axis_name, n)
     size = _group_size(groups, n, axis_name)
     if isinstance(size, int):
@@ -208,26 +196,17 @@ def reduce_scatter(x, axis_name, *, algorithm: str = "ring", op: str = "sum", pr
 
     sizes: rows per rank when they differ (see `uneven.py`); groups: process sets of one size."""
     x = jnp.asarray(x)
-    axis_name, n, groups = _prepare("reduce_scatter", x, axis_name, algorithm, REDUCE_SCATTER_ALGORITHMS,
-                                    groups=groups, op=op, sizes=sizes, prescale=prescale_factor,
-                                    postscale=postscale_factor)
+    alg, axis_name, n, groups = _prepare("reduce_scatter", x, axis_name, algorithm, groups=groups, op=op,
+                                         sizes=sizes, prescale=prescale_factor, postscale=postscale_factor)
     ops.check(op, x.dtype, "reduce_scatter", prescale_factor, postscale_factor)
     if op == "adasum":
         raise ValueError("reduce_scatter has no op 'adasum' (Adasum combines whole vectors); use allreduce")
-    if algorithm == "psum" and op not in ("sum", "mean"):
-        raise ValueError(f"reduce_scatter op={op!r} has no XLA baseline (lax.psum_scatter only sums); "
-                         f"choose one of {', '.join(REDUCE_SCATTER_ALGORITHMS[1:])}")
     k = _group_size(groups, n, axis_name)
     if sizes is not None:
         x = uneven.pad_blocks(x, uneven.check_sizes(sizes, k, "reduce_scatter"))
     split_dim0(x, k, "reduce_scatter", " (or give sizes=[rows of each rank])")
     x = ops.scale(x, prescale_factor)
-    if algorithm == "psum":
-        links.account_xla(axis_name, (n - 1) * (x.size * x.dtype.itemsize // n))
-        out = lax.psum_scatter(x, axis_name, scatter_dimension=0, tiled=True)
-    else:
-        mod = {"ring": ring, "butterfly": butterfly, "hierarchical": hierarchical}[algorithm]
-        out = _within(groups, lambda v, ax: mod.reduce_scatter(v, ax, op=op), x, axis_name, n)
+    out = _within(groups, lambda v, ax: alg.reduce_scatter(v, ax, op=op), x, axis_name, n)
     return ops.finish(out, op, k, postscale_factor)
 
 
@@ -239,20 +218,14 @@ def all_gather(x, axis_name, *, algorithm: str = "ring", sizes=None, groups=None
     sizes: rows of each rank (allgatherv; x holds max(sizes) rows, see `uneven.py`);
     groups: process sets of one size."""
     x = jnp.asarray(x)
-    axis_name, n, groups = _prepare("all_gather", x, axis_name, algorithm, ALL_GATHER_ALGORITHMS,
-                                    groups=groups, sizes=sizes)
+    alg, axis_name, n, groups = _prepare("all_gather", x, axis_name, algorithm, groups=groups, sizes=sizes)
     if x.ndim == 0:
         raise ValueError("all_gather is tiled on dimension 0 and needs an array with one; got a scalar "
                          "(reshape it to (1,))")
     if sizes is not None:
         sizes = uneven.check_sizes(sizes, _group_size(groups, n, axis_name), "all_gather")
         uneven.check_gather_input(x, sizes)
-    if algorithm == "psum":
-        links.account_xla(axis_name, (n - 1) * x.size * x.dtype.itemsize)
-        out = lax.all_gather(x, axis_name, axis=0, tiled=True)
-    else:
-        mod = {"ring": ring, "butterfly": butterfly, "hierarchical": hierarchical}[algorithm]
-        out = _within(groups, mod.all_gather, x, axis_name, n)
+    out = _within(groups, alg.all_gather, x, axis_name, n)
     return out if sizes is None else uneven.cut_blocks(out, sizes)
 
 
@@ -263,8 +236,7 @@ def broadcast(x, axis_name, *, root: int = 0, algorithm: str = "tree", groups=No
 
     With groups, root is a position inside each group (0: each group's first member)."""
     x = jnp.asarray(x)
-    axis_name, n, groups = _prepare("broadcast", x, axis_name, algorithm, BROADCAST_ALGORITHMS,
-                                    groups=groups, root=root)
+    alg, axis_name, n, groups = _prepare("broadcast", x, axis_name, algorithm, groups=groups, root=root)
     try:
         root = operator.index(root)
     except TypeError:
@@ -275,13 +247,7 @@ def broadcast(x, axis_name, *, root: int = 0, algorithm: str = "tree", groups=No
     if not 0 <= root < k:
         raise ValueError(f"broadcast root {root} is outside the " + (
             f"axis of size {n}" if groups is None else f"smallest group, of size {k}"))
-    if algorithm == "psum":
-        mine = lax.axis_index(axis_name) == root
-        wide = x.astype(jnp.uint8) if x.dtype == jnp.bool_ else x  # psum would turn bool into int32
-        links.account_xla(axis_name, 2 * (n - 1) * -(-wide.size * wide.dtype.itemsize // n))
-        return lax.psum(jnp.where(mine, wide, jnp.zeros_like(wide)), axis_name).astype(x.dtype)
-    mod = {"tree": tree, "ring": ring}[algorithm]
-    return _within(groups, lambda v, ax: mod.broadcast(v, ax, root=root), x, axis_name, n)
+    return _within(groups, lambda v, ax: alg.broadcast(v, ax, root=root), x, axis_name, n)
 
 
 @_named("all_to_all")
@@ -290,10 +256,6 @@ def all_to_all(x, axis_name, *, algorithm: str = "pairwise", groups=None):
     """Like `lax.all_to_all(x, axis_name, 0, 0, tiled=True)`: block j of dimension 0
     goes to rank j (within each group), and block i of the result came from rank i."""
     x = jnp.asarray(x)
-    axis_name, n, groups = _prepare("all_to_all", x, axis_name, algorithm, ALL_TO_ALL_ALGORITHMS,
-                                    groups=groups)
+    alg, axis_name, n, groups = _prepare("all_to_all", x, axis_name, algorithm, groups=groups)
     split_dim0(x, _group_size(groups, n, axis_name), "all_to_all")
-    if algorithm == "xla":
-        links.account_xla(axis_name, (n - 1) * (x.size * x.dtype.itemsize // n))
-        return lax.all_to_all(x, axis_name, 0, 0, tiled=True)
-    return _within(groups, getattr(alltoall, algorithm), x, axis_name, n)
+    return _within(groups, alg.all_to_all, x, axis_name, n)

@@ -31,6 +31,8 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from dpjax.collectives._common import axis_size, index, permute, row, shift_perm, split_dim0
+from dpjax.collectives.cost import Schedule, ceil_log2, no_model
+from dpjax.collectives.registry import Algorithm, register
 from dpjax.collectives.ring import rows_in_rank_order
 
 
@@ -73,3 +75,22 @@ def bruck(x, axis_name):
     # position j now holds the block from rank r - j; output block i is position r - i
     back = [[(i - s) % n for s in range(n)] for i in range(n)]
     return rows_in_rank_order([pos], back, r).reshape(x.shape)
+
+
+def pairwise_cost(primitive: str, n: int, nelems: int, itemsize: int) -> Schedule:
+    if primitive != "all_to_all":
+        raise no_model(primitive, "pairwise")
+    block = nelems // n * itemsize
+    return Schedule(n - 1, (n - 1) * block)
+
+
+def bruck_cost(primitive: str, n: int, nelems: int, itemsize: int) -> Schedule:
+    """Step k sends every block whose position has bit k set."""
+    if primitive != "all_to_all":
+        raise no_model(primitive, "bruck")
+    block, bits = nelems // n * itemsize, range(ceil_log2(n))
+    return Schedule(len(bits), block * sum(1 for k in bits for j in range(n) if j >> k & 1))
+
+
+register(Algorithm("pairwise", pairwise_cost, all_to_all=pairwise))
+register(Algorithm("bruck", bruck_cost, all_to_all=bruck))

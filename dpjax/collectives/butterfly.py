@@ -24,11 +24,15 @@ run the butterfly, and rank i hands the result back. Worst-case device, c = N/n:
 
 from __future__ import annotations
 
+import math
+
 import jax.numpy as jnp
 from jax import lax
 
 from dpjax.collectives._common import as_chunks, axis_size, index, permute, split_dim0
+from dpjax.collectives.cost import Schedule, ceil_log2, no_model
 from dpjax.collectives.ops import combine
+from dpjax.collectives.registry import Algorithm, register
 from dpjax.collectives.ring import rows_in_rank_order
 
 
@@ -144,3 +148,27 @@ def all_gather(x, axis_name):
         segs = doubling_rows(jnp.stack([x, extra]), axis_name, p)  # (p, 2, ...)
         full = unfold(segs.swapaxes(0, 1).reshape(2 * p, *x.shape)[:n], axis_name, n, p)
     return full.reshape(n * x.shape[0], *x.shape[1:])
+
+
+def cost(primitive: str, n: int, nelems: int, itemsize: int) -> Schedule:
+    """The two tables above (n a power of two, or p + e with the fold-in), padding included."""
+    if n == 1:
+        return Schedule(0, 0)
+    c, N = math.ceil(nelems / n) * itemsize, nelems * itemsize  # c: one chunk, padded
+    p = pow2_below(n)
+    k = ceil_log2(p)
+    if p == n and primitive == "allreduce":
+        return Schedule(2 * k, 2 * (n - 1) * c)
+    if p == n and primitive in ("reduce_scatter", "all_gather"):
+        return Schedule(k, (n - 1) * c)
+    seg = math.ceil(nelems / p) * itemsize
+    if primitive == "allreduce":
+        return Schedule(2 + 2 * k, max(N, 2 * (p - 1) * seg + N))
+    if primitive == "reduce_scatter":
+        return Schedule(2 + k, max(N, (2 * p - 1) * c))
+    if primitive == "all_gather":
+        return Schedule(2 + k, 2 * (p - 1) * c + n * c)
+    raise no_model(primitive, "butterfly")
+
+
+register(Algorithm("butterfly", cost, allreduce=allreduce, reduce_scatter=reduce_scatter, all_gather=all_gather))

@@ -6,7 +6,8 @@ what the busiest device sends (each algorithm module's docstring derives it). Fo
 "hierarchical" the inner and outer phases run on their own links.
 
 `schedule(...)` gives the (steps, bytes) of an algorithm from its formula, exactly
-(padding included); `hlo_comm(compiled_text)` counts the same from a compiled
+(padding included; each algorithm registers its own formula beside its code,
+`registry.py`); `hlo_comm(compiled_text)` counts the same from a compiled
 program, so the two can be checked against each other and against the
 Patarasuk-Yuan lower bound `2(n-1)/n * N` for allreduce.
 """
@@ -19,6 +20,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 import numpy as np
+
+from dpjax.collectives import registry
 
 _DTYPE_BYTES = {
     "pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
@@ -62,114 +65,35 @@ class Schedule:
                 + self.outer_steps * out.latency + self.outer_bytes / out.bandwidth)
 
 
-def _pow2_below(n: int) -> int:
-    return 1 << (n.bit_length() - 1)
-
-
-def _log2(n: int) -> int:
+def ceil_log2(n: int) -> int:
+    """ceil(log2 n), 0 for n <= 1: the rounds of a binomial tree or a butterfly."""
     return max(0, math.ceil(math.log2(n))) if n > 1 else 0
 
 
-def schedule(algorithm: str, n: int, nelems: int, itemsize: int = 4, *,
-             primitive: str = "allreduce", groups: int = 1, num_servers: int = 1,
-             root_busiest: bool = True, tensors: int = 1) -> Schedule:
-    """(steps, bytes the busiest device sends) for one collective.
+def no_model(primitive: str, algorithm: str) -> ValueError:
+    """The error of a cost formula asked for a primitive its algorithm does not have."""
+    return ValueError(f"no cost model for {primitive} with algorithm {algorithm!r}")
 
-    n: ranks along the axis (for "hierarchical", the inner size L; `groups` is G).
+
+def schedule(algorithm: str, n: int, nelems: int, itemsize: int = 4, *,
+             primitive: str = "allreduce", **options) -> Schedule:
+    """(steps, bytes the busiest device sends) for one collective: the registered
+    algorithm's own formula (`registry.Algorithm.cost`, derived in its module's docstring).
+
+    n: ranks along the axis (for "hierarchical", the inner size L; `groups=` is G).
     nelems: elements of the full vector (for all_gather, of the gathered result; for
     all_to_all, of one rank's whole input).
-    primitive: "allreduce", "reduce_scatter", "all_gather", "broadcast" or "all_to_all"
-    ("pairwise", "bruck" and XLA's "xla"). algorithm "adasum": the Adasum allreduce of
-    `tensors` fused tensors (adasum.py).
+    primitive: "allreduce", "reduce_scatter", "all_gather", "broadcast" or "all_to_all".
+    options: the algorithm's own (`num_servers` for "ps", `groups` for "hierarchical";
+    algorithm "adasum", the Adasum allreduce, takes `tensors`, the fused tensors).
     """
     if n < 1 or nelems < 0:
         raise ValueError(f"need n >= 1 and nelems >= 0, got n={n}, nelems={nelems}")
-    if primitive == "all_to_all":
-        return _all_to_all(algorithm, n, nelems // n * itemsize)
-    if algorithm == "adasum" and primitive == "allreduce":
-        return _adasum(n, nelems, itemsize, tensors)
-    if algorithm == "hierarchical":
-        L, G = n, groups
-        c = math.ceil(nelems / L) if primitive == "allreduce" else nelems // (G * L) * G
-        inner = schedule("ring", L, c * L, itemsize, primitive=primitive)
-        if primitive == "allreduce":
-            outer = schedule("ring", G, c, itemsize, primitive="allreduce")
-        else:
-            outer = schedule("ring", G, c, itemsize, primitive=primitive)
-        return Schedule(inner.steps, inner.bytes, outer.steps, outer.bytes)
-    if algorithm == "psum":
-        # XLA's own collective: one op (XLA keeps it even on one rank); its bytes are
-        # implementation-defined, charged as the bandwidth-optimal ring would send them,
-        # padded in bytes as hlo_comm counts them.
-        N = nelems * itemsize
-        if primitive in ("allreduce", "broadcast"):
-            return Schedule(1, 2 * (n - 1) * math.ceil(N / n))
-        return Schedule(1, (n - 1) * (N // n))
-    if n == 1:
-        return Schedule(0, 0)
-    c = math.ceil(nelems / n) * itemsize  # one ring/butterfly chunk, padded
-    N = nelems * itemsize
-    if algorithm == "ring":
-        if primitive == "allreduce":
-            return Schedule(2 * (n - 1), 2 * (n - 1) * c)
-        if primitive in ("reduce_scatter", "all_gather"):
-            return Schedule(n - 1, (n - 1) * c)
-        if primitive == "broadcast":
-            return Schedule(2 * (n - 1), 2 * (n - 1) * c)
-    if algorithm == "butterfly":
-        p = _pow2_below(n)
-        k = _log2(p)
-        if p == n:
-            if primitive == "allreduce":
-                return Schedule(2 * k, 2 * (n - 1) * c)
-            if primitive in ("reduce_scatter", "all_gather"):
-                return Schedule(k, (n - 1) * c)
-        seg = math.ceil(nelems / p) * itemsize
-        if primitive == "allreduce":
-            return Schedule(2 + 2 * k, max(N, 2 * (p - 1) * seg + N))
-        if primitive == "reduce_scatter":
-            return Schedule(2 + k, max(N, (2 * p - 1) * c))
-        if primitive == "all_gather":
-            return Schedule(2 + k, 2 * (p - 1) * c + n * c)
-    if algorithm == "tree":
-        k = _log2(n)
-        if primitive == "allreduce":
-            return Schedule(2 * k, k * N)
-        if primitive == "broadcast":
-            return Schedule(k, k * N)
-    if algorithm == "ps" and primitive == "allreduce":
-        S = num_servers
-        shard = math.ceil(nelems / S) * itemsize
-        server = (S - 1) * shard + (n - 1) * shard
-        return Schedule(2 * (n - 1), max(server, S * shard if S < n else 0))
-    raise ValueError(f"no cost model for {primitive} with algorithm {algorithm!r}")
-
-
-def _all_to_all(algorithm: str, n: int, block: int) -> Schedule:
-    """alltoall.py: pairwise n-1 steps of one block; Bruck ceil(log2 n) steps, step k
-    sending every block whose position has bit k set."""
-    if algorithm == "xla":  # XLA's all-to-all: one op, charged as each block sent once
-        return Schedule(1, (n - 1) * block)
-    if n == 1:
-        return Schedule(0, 0)
-    if algorithm == "pairwise":
-        return Schedule(n - 1, (n - 1) * block)
-    if algorithm == "bruck":
-        bits = range(_log2(n))
-        return Schedule(len(bits), block * sum(1 for k in bits for j in range(n) if j >> k & 1))
-    raise ValueError(f"no cost model for all_to_all with algorithm {algorithm!r}")
-
-
-def _adasum(n: int, nelems: int, itemsize: int, tensors: int) -> Schedule:
-    """adasum.py: the butterfly's halving and doubling, plus k(k+1)/2 steps that sum
-    3 dot products per tensor (float32, float64 for float64 input) over each block."""
-    if n == 1:
-        return Schedule(0, 0)
-    butterfly = schedule("butterfly", n, nelems, itemsize)
-    k = _log2(_pow2_below(n))
-    dot_steps = k * (k + 1) // 2
-    return Schedule(butterfly.steps + dot_steps,
-                    butterfly.bytes + dot_steps * 3 * tensors * max(4, itemsize))
+    try:
+        formula = registry.get(algorithm).cost
+    except KeyError:
+        raise no_model(primitive, algorithm) from None
+    return formula(primitive, n, nelems, itemsize, **options)
 
 
 def schedule_sets(algorithm: str, sets, nelems: int, itemsize: int = 4, **kw) -> Schedule:

@@ -13,10 +13,11 @@ return the same structure. The tensors are packed into tensor-fusion buckets as 
 Per device each bucket costs what one collective of its size costs (cost.schedule);
 fusing T tensors saves (T - buckets) times the algorithm's steps.
 
-compression ("bf16", "fp16"): floating-point buckets travel in that dtype (integers
-and bools as they are, as Horovod's `Compression.fp16` leaves them); the sum and any
-prescale happen on the wire, the mean and the postscale after the cast back (within
-process sets, `groups=`, each rank's own set size divides on the wire).
+compression: a method of `dpjax.compression` ("bf16", "fp16"): the buckets it compresses
+(floating-point ones for the casts; integers and bools travel as they are, as Horovod's
+`Compression.fp16` leaves them) travel encoded; the sum and any prescale happen on the
+wire, the mean and the postscale after decoding (within process sets, `groups=`, each
+rank's own set size divides on the wire). Only a linear method can be summed on the wire.
 """
 
 from __future__ import annotations
@@ -27,16 +28,9 @@ import numpy as np
 
 from dpjax import scopes
 from dpjax.collectives._common import axis_size
-from dpjax.collectives.ops import finish, kind
+from dpjax.collectives.ops import finish
+from dpjax.compression import summable
 from dpjax.fusion import pack, plan_buckets, unpack
-
-COMPRESSIONS = {None: None, "none": None, "bf16": jnp.bfloat16, "fp16": jnp.float16}
-
-
-def check_compression(compression):
-    if compression not in COMPRESSIONS:
-        raise ValueError(f"unknown compression {compression!r}; choose none, bf16 or fp16")
-    return COMPRESSIONS[compression]
 
 
 def allreduce(tensors, axis_name, *, op: str = "sum", fusion_mb: float = 64, compression=None,
@@ -47,18 +41,19 @@ def allreduce(tensors, axis_name, *, op: str = "sum", fusion_mb: float = 64, com
     from dpjax.collectives import allreduce as one
 
     n = axis_size(axis_name, "grouped allreduce")
-    wire = check_compression(compression)
+    method = summable(compression)
     plan = plan_buckets(tensors, fusion_mb * 2**20)
     out = []
     for i, (bucket, buf) in enumerate(zip(plan.buckets, pack(plan, tensors))):
         extra = {"segments": bucket.sizes} if op == "adasum" and len(bucket.sizes) > 1 else {}
-        compress = wire is not None and kind(buf.dtype) == "float"
+        compress = method is not None and method.compresses(buf.dtype)
         split = compress and options.get("groups") is None  # finish in buf's dtype, after the wire
         with _bucket(plan, i):
-            y = one(buf.astype(wire) if compress else buf, axis_name, op="sum" if split and op == "mean" else op,
+            y = one(method.encode(buf) if compress else buf, axis_name, op="sum" if split and op == "mean" else op,
                     prescale_factor=prescale_factor, postscale_factor=1.0 if split else postscale_factor,
                     **extra, **options)
-            out.append(finish(y.astype(buf.dtype), op, n, postscale_factor) if split else y.astype(buf.dtype))
+            y = method.decode(y, buf) if compress else y
+            out.append(finish(y, op, n, postscale_factor) if split else y)
     return unpack(plan, out)
 
 

@@ -20,8 +20,12 @@ data axis at a time can keep `algorithm="hierarchical"` for every axis.
 
 from __future__ import annotations
 
+import math
+
 from dpjax.collectives import ring
 from dpjax.collectives._common import as_chunks, axis_size, split_dim0
+from dpjax.collectives.cost import Schedule, no_model
+from dpjax.collectives.registry import Algorithm, register
 
 
 def _axes(axis_name):
@@ -67,3 +71,21 @@ def all_gather(x, axis_name):
     across = x[None] if G == 1 else ring.all_gather_rows(x, outer, G)  # (G, ...)
     full = across[None] if L == 1 else ring.all_gather_rows(across, inner, L)  # (L, G, ...)
     return full.swapaxes(0, 1).reshape(G * L * x.shape[0], *x.shape[1:])
+
+
+def cost(primitive: str, n: int, nelems: int, itemsize: int, groups: int = 1) -> Schedule:
+    """n: the inner size L, groups: G. The inner ring phases on the fast links (`steps`,
+    `bytes`), the outer ring on 1/L of the vector on the slow ones (`outer_*`)."""
+    if primitive not in ("allreduce", "reduce_scatter", "all_gather"):
+        raise no_model(primitive, "hierarchical")
+    L, G = n, groups
+    c = math.ceil(nelems / L) if primitive == "allreduce" else nelems // (G * L) * G
+    inner = ring.cost(primitive, L, c * L, itemsize)
+    outer = ring.cost(primitive, G, c, itemsize)
+    return Schedule(inner.steps, inner.bytes, outer.steps, outer.bytes)
+
+
+# axis_name is (outer, inner) in that order, not one flattened axis; a process set
+# numbers the ranks of one axis, so the two levels take none
+register(Algorithm("hierarchical", cost, allreduce=allreduce, reduce_scatter=reduce_scatter, all_gather=all_gather,
+                   groups=False, nested_axes=True))

@@ -20,10 +20,14 @@ sharded servers and then allreduce. With S = n it sends 2(n-1)/n * N, like the r
 
 from __future__ import annotations
 
+import math
+
 import jax.numpy as jnp
 
 from dpjax.collectives._common import as_chunks, axis_size, index, permute, row
+from dpjax.collectives.cost import Schedule, no_model
 from dpjax.collectives.ops import combine
+from dpjax.collectives.registry import Algorithm, register
 from dpjax.collectives.ring import rows_in_rank_order
 
 
@@ -46,3 +50,18 @@ def allreduce(x, axis_name, *, op: str = "sum", num_servers: int = 1):
     # got[j] holds shard (r - j) mod n, sent by its server j steps round.
     order = [[(i - k) % n for k in range(S)] for i in range(n)]
     return undo(rows_in_rank_order([g[None] for g in got], order, r))
+
+
+def cost(primitive: str, n: int, nelems: int, itemsize: int, num_servers: int = 1) -> Schedule:
+    """The busiest device: a server, or a non-server (every shard once, padded) if it sends more."""
+    if primitive != "allreduce":
+        raise no_model(primitive, "ps")
+    if n == 1:
+        return Schedule(0, 0)
+    S = num_servers
+    shard = math.ceil(nelems / S) * itemsize
+    server = (S - 1) * shard + (n - 1) * shard
+    return Schedule(2 * (n - 1), max(server, S * shard if S < n else 0))
+
+
+register(Algorithm("ps", cost, allreduce=allreduce))

@@ -27,11 +27,15 @@ experiments/RESULTS.md says what is left and why.
 
 from __future__ import annotations
 
+import math
+
 import jax.numpy as jnp
 from jax import lax
 
 from dpjax.collectives._common import as_chunks, axis_size, index, permute, row, shift_perm, split_dim0
+from dpjax.collectives.cost import Schedule, no_model
 from dpjax.collectives.ops import combine
+from dpjax.collectives.registry import Algorithm, register
 
 # A switch over the rank has n branches of n slices each; past this many ranks the
 # compile time is not worth the faster copy, and the gather is used everywhere.
@@ -135,3 +139,17 @@ def broadcast(x, axis_name, *, root: int = 0):
         got = permute(row(rows, (r + j) % n), axis_name, [(root, dest)])
         mine = jnp.where(r == dest, got, mine)
     return undo(all_gather_rows(mine, axis_name, n))
+
+
+def cost(primitive: str, n: int, nelems: int, itemsize: int) -> Schedule:
+    """The table above, with N padded to n equal chunks (the broadcast: as the allreduce)."""
+    c = math.ceil(nelems / n) * itemsize  # one chunk, padded
+    if primitive in ("allreduce", "broadcast"):
+        return Schedule(2 * (n - 1), 2 * (n - 1) * c)
+    if primitive in ("reduce_scatter", "all_gather"):
+        return Schedule(n - 1, (n - 1) * c)
+    raise no_model(primitive, "ring")
+
+
+register(Algorithm("ring", cost, allreduce=allreduce, reduce_scatter=reduce_scatter, all_gather=all_gather,
+                   broadcast=broadcast))

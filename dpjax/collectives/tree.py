@@ -18,7 +18,9 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from dpjax.collectives._common import axis_size, index, permute
+from dpjax.collectives.cost import Schedule, ceil_log2, no_model
 from dpjax.collectives.ops import combine
+from dpjax.collectives.registry import Algorithm, register
 
 
 def reduce(x, axis_name, n: int, root: int = 0, op: str = "sum"):
@@ -57,3 +59,15 @@ def allreduce(x, axis_name, *, op: str = "sum"):
     if n == 1:
         return x
     return broadcast(reduce(x, axis_name, n, op=op), axis_name, root=0)
+
+
+def cost(primitive: str, n: int, nelems: int, itemsize: int) -> Schedule:
+    k, N = ceil_log2(n), nelems * itemsize
+    if primitive == "allreduce":
+        return Schedule(2 * k, k * N)
+    if primitive == "broadcast":
+        return Schedule(k, k * N)
+    raise no_model(primitive, "tree")
+
+
+register(Algorithm("tree", cost, allreduce=allreduce, broadcast=broadcast))

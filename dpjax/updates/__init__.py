@@ -1,27 +1,37 @@
-"""Update rules between workers: the algebra (`rules`) and the `--update` grammar (`grammar`).
+"""Update rules between workers: one module per rule, each registering itself with its
+`--update` grammar (`registry.py`); the grammar (`grammar.py`) and `make_rule` read the
+registry. The rules' shared parts are in `base.py`.
+
+    sync.py          every step, the gradient average
+    delayed.py       delayed:T, delayed-nocomp:T (DTAW)
+    sparse.py        sparse:P[,outer=LR] (local SGD, DiLoCo)
+    stale_async.py   async:TAU[,fetch=F][,push=Q] (a parameter server, stale workers)
 
 How a rule becomes a jitted step over a mesh and a layout is `dpjax.step`'s business;
 this package knows nothing of models, layouts or meshes beyond the worker axes.
 """
 
-from dpjax.updates.grammar import HELP, UpdateSpec, parse_update
-from dpjax.updates.rules import (
-    AsyncState,
-    DelayedState,
-    LocalState,
-    UpdateRule,
-    delayed,
-    delayed_gradients,
-    make_rule,
-    sparse,
-    stale_async,
-    staleness,
-    staleness_schedule,
-    sync,
-)
+from dpjax.updates.base import UpdateRule, as_axes, axis_arg
+from dpjax.updates.grammar import UpdateSpec, help_text, parse_update
+from dpjax.updates.registry import make_rule
+
+# Each rule registers itself when imported; this order is the order of HELP and the errors.
+from dpjax.updates import sync as _sync, delayed as _delayed, sparse as _sparse, stale_async as _async  # noqa: E401
+from dpjax.updates.delayed import DelayedState, delayed, delayed_gradients
+from dpjax.updates.sparse import LocalState, sparse
+from dpjax.updates.stale_async import AsyncState, stale_async, staleness, staleness_schedule
+from dpjax.updates.sync import sync
+
+REGISTERED_BY = (_sync, _delayed, _sparse, _async)
 
 __all__ = [
-    "AsyncState", "DelayedState", "HELP", "LocalState", "UpdateRule", "UpdateSpec", "delayed",
-    "delayed_gradients", "make_rule", "parse_update", "sparse", "stale_async", "staleness",
+    "AsyncState", "DelayedState", "HELP", "LocalState", "UpdateRule", "UpdateSpec", "as_axes", "axis_arg",
+    "delayed", "delayed_gradients", "help_text", "make_rule", "parse_update", "sparse", "stale_async", "staleness",
     "staleness_schedule", "sync",
 ]
+
+
+def __getattr__(name: str):
+    if name == "HELP":  # read at each use, so it lists every rule registered by then
+        return help_text()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,25 +1,22 @@
-"""The `--update` grammar: 'sync', 'delayed:T', 'delayed-nocomp:T', 'sparse:P[,outer=LR]',
-'async:TAU[,fetch=F][,push=Q]' -> an `UpdateSpec` (what the rule is, not how it runs)."""
+"""The `--update` grammar: `name[:N][,key=VALUE]...` -> an `UpdateSpec` (what the rule
+is, not how it runs). The names, what N means, the options and the help text are the
+registered rules' own (`registry.py`): 'sync', 'delayed:T', 'delayed-nocomp:T',
+'sparse:P[,outer=LR]', 'async:TAU[,fetch=F][,push=Q]' as shipped."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from dpjax.errors import UserError
-
-HELP = ("how workers agree on an update: 'sync' (gradient average every step); 'delayed:T' (DTAW: apply "
-        "the own gradient now, the average T steps late with the stale own gradient swapped out); "
-        "'delayed-nocomp:T' (only the T-step-old average); 'sparse:P[,outer=LR]' (local SGD, parameters "
-        "averaged every P steps; outer=LR: DiLoCo outer Nesterov with that lr); "
-        "'async:TAU[,fetch=F][,push=Q]' (parameter server; gradients on copies up to TAU versions old, "
-        "seeded; Downpour: fetch every F, push accumulated gradients every Q steps)")
+from dpjax.updates import registry
 
 
 @dataclass(frozen=True)
 class UpdateSpec:
-    """A parsed `--update` value. `n` is T (delayed), P (sparse) or TAU (async)."""
+    """A parsed `--update` value. `n` is the rule's number: T (delayed), P (sparse) or
+    TAU (async); the other fields are the options of the rules that have them."""
 
-    kind: str = "sync"  # sync | delayed | delayed-nocomp | sparse | async
+    kind: str = "sync"  # a registered rule's name
     n: int = 0
     outer_lr: float = 0.0  # sparse: 0 means a plain parameter average
     fetch: int = 1
@@ -27,53 +24,79 @@ class UpdateSpec:
 
     @property
     def is_sync(self) -> bool:
-        return (self.kind == "sync" or (self.kind.startswith("delayed") and self.n == 0)
-                or (self.kind == "sparse" and self.n == 1 and not self.outer_lr)
-                or (self.kind == "async" and self.n == 0 and self.fetch == 1 and self.push == 1))
+        """Whether this spec runs the sync program, bit for bit (delayed:0, sparse:1, ...)."""
+        return _kind(self.kind).is_sync(self)
 
     def __str__(self) -> str:
-        if self.kind == "sync":
-            return "sync"
-        opts = {"sparse": [f"outer={self.outer_lr:g}"] if self.outer_lr else [],
-                "async": [f"fetch={self.fetch}"] * (self.fetch > 1) + [f"push={self.push}"] * (self.push > 1)}
-        return ",".join([f"{self.kind}:{self.n}", *opts.get(self.kind, [])])
+        kind = _kind(self.kind)
+        if kind.number is None:
+            return kind.name
+        defaults = UpdateSpec()
+        opts = [f"{o.key}={getattr(self, o.field):g}" for o in kind.options
+                if getattr(self, o.field) != getattr(defaults, o.field)]
+        return ",".join([f"{kind.name}:{self.n}", *opts])
 
 
-_OPTIONS = {"sparse": {"outer": float}, "async": {"fetch": int, "push": int}}
+def _kind(name: str) -> registry.Kind:
+    try:
+        return registry.get(name)
+    except KeyError:
+        raise UserError(f"unknown update rule {name!r}; choose {_choices()}") from None
+
+
+def _choices() -> str:
+    usages = [k.usage for k in registry.kinds()]
+    return ", ".join(usages[:-1]) + f" or {usages[-1]}" if len(usages) > 1 else "".join(usages)
+
+
+def help_text() -> str:
+    """The `--update` help: every registered rule's usage and what it does."""
+    def usage(k):
+        return k.usage + "".join(f"[,{o.key}={o.metavar}]" for o in k.options)
+
+    return "how workers agree on an update: " + "; ".join(f"'{usage(k)}' ({k.help})" for k in registry.kinds())
+
+
+def __getattr__(name: str):
+    if name == "HELP":  # computed at each read, so it lists the rules registered by then
+        return help_text()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def parse_update(text: str) -> UpdateSpec:
     """'delayed:4' -> UpdateSpec('delayed', 4). Raises UserError (one line) for bad specs."""
     head, *opts = str(text).strip().split(",")
-    kind, _, num = head.partition(":")
+    name, _, num = head.partition(":")
 
     def bad(why):
         return UserError(f"bad --update {text!r}: {why}")
 
-    if kind == "sync" and not num and not opts:
-        return UpdateSpec()
-    what = {"delayed": "the delay T", "delayed-nocomp": "the delay T", "sparse": "the period P",
-            "async": "the staleness bound TAU"}
-    if kind not in what:
-        raise bad("choose sync, delayed:T, delayed-nocomp:T, sparse:P or async:TAU")
-    low = 1 if kind == "sparse" else 0
+    try:
+        kind = registry.get(name)
+    except KeyError:
+        raise bad(f"choose {_choices()}") from None
+    if kind.number is None:
+        if num or opts:
+            raise bad(f"{name} takes no number and no options")
+        return UpdateSpec(kind.name)
     try:
         n = int(num)
     except ValueError:
-        n = -1
-    if n < low:
-        raise bad(f"{what[kind]} must be an integer >= {low}")
-    kw = {}
+        n = kind.low - 1
+    if n < kind.low:
+        raise bad(f"{kind.number} must be an integer >= {kind.low}")
+    fields = {}
     for opt in opts:
         key, eq, val = opt.partition("=")
-        conv = _OPTIONS.get(kind, {}).get(key.strip())
-        if conv is None or not eq:
-            allowed = ", ".join(f"{k}=..." for k in _OPTIONS.get(kind, {})) or "none"
-            raise bad(f"unknown option {opt!r} (options of {kind}: {allowed})")
+        option = kind.option(key.strip())
+        if option is None or not eq:
+            allowed = ", ".join(f"{o.key}=..." for o in kind.options) or "none"
+            raise bad(f"unknown option {opt!r} (options of {name}: {allowed})")
         try:
-            kw[key.strip()] = conv(val)
+            value = option.convert(val)
         except ValueError:
-            raise bad(f"option {key.strip()} needs a number, got {val!r}") from None
-    if kw.get("outer", 1) <= 0 or min(kw.get("fetch", 1), kw.get("push", 1)) < 1:
-        raise bad("outer must be positive, fetch and push at least 1")
-    return UpdateSpec(kind, n, kw.get("outer", 0.0), kw.get("fetch", 1), kw.get("push", 1))
+            raise bad(f"option {option.key} needs a number, got {val!r}") from None
+        if not option.valid(value):
+            raise bad(f"option {option.key} must be {option.must}, got {val.strip()!r}")
+        fields[option.field] = value
+    return UpdateSpec(kind.name, n, **fields)

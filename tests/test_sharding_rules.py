@@ -1,5 +1,6 @@
-"""dpjax.rules: sharding a user's own flax model by parameter-path patterns or by flax's
-logical axis names, and FSDP of an unchanged Linen CNN, which must train as on one device.
+"""dpjax.sharding_rules: sharding a user's own flax model by parameter-path patterns or by
+flax's logical axis names, and FSDP of an unchanged Linen CNN, which must train as on one
+device.
 """
 
 import jax
@@ -11,7 +12,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 import dpjax
-from dpjax import rules as R
+from dpjax import sharding_rules as R
 from dpjax.sharding import state_specs
 
 TOL = dict(rtol=2e-5, atol=2e-6)  # float32: the 8 partial gradients summed in another order

@@ -1,0 +1,65 @@
+"""What every update rule is made of: the `UpdateRule` record and the helpers the rules share.
+
+A rule is an `UpdateRule` of pure functions, called inside `shard_map` on ONE worker's
+values: `step` receives `grad_fn`, which gives the worker's gradient (already averaged
+over the worker's own devices and accumulated over its micro-batches by `dpjax.step`),
+and the rule's exchanges between workers run over `axes`, the worker axes, with the
+rule's allreduce. A worker may be one device or a whole group (`--workers node`: a site
+of several devices, synchronous inside).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, NamedTuple
+
+import jax
+from jax.sharding import PartitionSpec as P
+
+from dpjax.mesh import as_axes, axis_arg  # noqa: F401  (the generic axis helpers; re-exported)
+from dpjax.data_parallel import allreduce_gradients
+
+
+class UpdateRule(NamedTuple):
+    """One worker's side of an update rule, called inside `shard_map` on local values.
+
+    init(params) -> state;
+    step(grad_fn, params, state, batch) -> (params, state, loss), where
+        grad_fn(params, batch) -> (loss, the worker's gradient);
+    flush(params, state) -> (params, state): what is still in flight lands;
+    specs(param_specs, state_shapes) -> a PartitionSpec per state leaf (no worker axis);
+    consensus(params) -> the parameters the workers agree on (evaluation, export): their
+        exact mean where they diverge (delayed, sparse), else their common copy;
+    axes: the worker axes the rule exchanges over (() for a single worker);
+    per_worker: whether workers' parameters or state differ (then every worker's copy is
+        kept, on a leading worker axis).
+    """
+
+    name: str
+    init: Callable
+    step: Callable
+    flush: Callable
+    specs: Callable
+    consensus: Callable
+    axes: tuple
+    per_worker: bool
+
+
+def mean_over(axes: tuple, allreduce: dict):
+    """The mean of a tree over `axes` with the rule's allreduce (the identity over no axes)."""
+    if not axes:
+        return lambda tree: tree
+    return lambda tree: allreduce_gradients(tree, axis_arg(axes), **allreduce)
+
+
+def exact(allreduce: dict) -> dict:
+    """The same exchange without wire compression: for parameters that must stay exact."""
+    return {**allreduce, "compression": None}
+
+
+def stacked(param_specs):
+    """Specs of a buffer of parameter copies stacked on a new leading axis."""
+    return jax.tree.map(lambda s: P(None, *s), param_specs)
+
+
+def identity(params, state):
+    return params, state

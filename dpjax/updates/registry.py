@@ -1,0 +1,92 @@
+"""The update rules by name, each with its `--update` grammar: one registration per rule.
+
+A rule's module ends with `register(Kind(...))`: its name, what its number means and
+its lower bound, its options, its help text, when a spec of it is the sync program,
+and `build(spec, inner, axis_name, seed=, **allreduce) -> UpdateRule`. The grammar
+(`grammar.parse_update`, `HELP`, `UpdateSpec.is_sync`) and `make_rule` (here) read them
+from here, so no list of rule names is kept anywhere else.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+from dpjax.errors import UserError
+
+
+@dataclass(frozen=True)
+class Option:
+    """An option `key=VALUE` of a rule, stored in the `UpdateSpec` field `field`."""
+
+    key: str
+    field: str
+    metavar: str
+    convert: Callable  # str -> value (ValueError for a bad one)
+    valid: Callable  # value -> bool
+    must: str  # what a valid value is, for the error ("positive")
+
+
+@dataclass(frozen=True)
+class Kind:
+    """One rule as `--update` names it: `name[:N][,key=VALUE]...`.
+
+    number: what N means ("the delay T"; its last word is N's letter in the help), None
+    for a rule that takes no number (sync); low: N's lower bound; help: what the rule
+    does, in a few words; is_sync(spec): whether the spec runs the sync program, bit for
+    bit (the factories return `sync(...)` then); build(spec, inner, axis_name, *, seed,
+    **allreduce) -> UpdateRule.
+    """
+
+    name: str
+    help: str
+    build: Callable
+    is_sync: Callable
+    number: str | None = None
+    low: int = 0
+    options: tuple[Option, ...] = field(default_factory=tuple)
+
+    @property
+    def usage(self) -> str:
+        """'sparse:P', 'sync': the spec without its options."""
+        return self.name if self.number is None else f"{self.name}:{self.number.split()[-1]}"
+
+    def option(self, key: str) -> Option | None:
+        return next((o for o in self.options if o.key == key), None)
+
+
+_KINDS: dict[str, Kind] = {}
+
+
+def register(kind: Kind) -> Kind:
+    """Adds `kind` under its name (a name is registered once: a second is a bug)."""
+    if kind.name in _KINDS:
+        raise ValueError(f"update rule {kind.name!r} is registered already")
+    _KINDS[kind.name] = kind
+    return kind
+
+
+def unregister(name: str) -> Kind:
+    return _KINDS.pop(name)
+
+
+def get(name: str) -> Kind:
+    """The rule `name`; KeyError if there is none."""
+    return _KINDS[name]
+
+
+def kinds() -> tuple[Kind, ...]:
+    """Every registered rule, in registration order."""
+    return tuple(_KINDS.values())
+
+
+def make_rule(spec, inner, axis_name="data", *, seed: int = 0, **allreduce):
+    """The rule a spec (an `UpdateSpec` or its text) names, wrapping the inner optimizer
+    `inner`, between the workers that `axis_name` (one data axis or a tuple of them; ()
+    for one worker) numbers. A rule that is not registered is a UserError."""
+    from dpjax.updates.grammar import parse_update  # the grammar reads this module: import it late
+
+    s = parse_update(spec) if isinstance(spec, str) else spec
+    if s.kind not in _KINDS:
+        raise UserError(f"unknown update rule {s.kind!r}; choose one of {', '.join(_KINDS)}")
+    return _KINDS[s.kind].build(s, inner, axis_name, seed=seed, **allreduce)
