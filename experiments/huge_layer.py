@@ -55,7 +55,7 @@ def parse_args(argv=None):
     if args.quick:
         args.d_model, args.d_ff, args.budget_mib, args.steps = 128, 4096, 4.0, 2
     if args.smoke:
-        args.d_model, args.d_ff, args.budget_mib, args.steps, args.seq_len = 64, 1024, 0.5, 1, 16
+        args.d_model, args.d_ff, args.budget_mib, args.steps, args.seq_len = 64, 1024, 0.5, 1, 8
     return args
 
 
