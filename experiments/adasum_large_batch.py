@@ -29,6 +29,7 @@ import argparse
 import datetime
 import sys
 
+import _bench
 from large_batch import plot_path, report
 from update_runs import MACHINE, Bench
 
@@ -42,9 +43,13 @@ def main(argv=None):
     p.add_argument("--lr", type=float, nargs="+", default=[0.5, 2.0], help="small-batch learning rates eta")
     p.add_argument("--quick", action="store_true", help="S=16")
     p.add_argument("--plot", default="experiments/plots/adasum.png")
+    _bench.add_smoke(p, "batch 8, k 2, S 2, one eta")
     args = p.parse_args(argv)
     if args.quick:
         args.steps = 16
+    if args.smoke:
+        args.batch, args.k, args.steps, args.lr = 8, 2, 2, args.lr[:1]
+        _bench.smoke_outputs(args, "plot")
     samples = args.k * args.batch * args.steps
     print(f"{MACHINE}; {datetime.date.today()}; mlp, 8 workers, plain SGD, {samples:,} sequences of 32 bytes seen by every "
           f"variant; validation loss (lower is better)\n")

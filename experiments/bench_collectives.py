@@ -70,13 +70,12 @@ import datetime
 import json
 import math
 import os
-import platform
 import re
-import statistics
 import sys
 import time
 
-from dpjax.mesh import simulate_cpu_devices
+import _bench
+from _bench import median
 
 KIB = 1024
 MIB = 1024 * 1024
@@ -152,7 +151,12 @@ def parse_args(argv=None):
     a("--markdown", metavar="FILE", help="write the results as markdown tables")
     a("--json", metavar="FILE", help="write one JSON object per (size, algorithm)")
     a("--plot", metavar="FILE", help="write a PNG of bus bandwidth against size (needs matplotlib)")
+    _bench.add_smoke(p, "4 devices, 4 and 8 KiB, 1 repetition, every algorithm")
     args = p.parse_args(argv)
+    if args.smoke:
+        args.devices = 2 * args.processes if args.processes > 1 else 4  # hierarchical: node=2 x data=2
+        args.sizes, args.reps, args.warmup, args.floor = [4 * KIB, 8 * KIB], 1, 0, args.processes == 1
+        _bench.smoke_outputs(args, "markdown", "json", "plot")
     if args.quick:
         args.sizes = args.sizes or list(QUICK_SIZES)
         args.reps, args.warmup = min(args.reps, 3), min(args.warmup, 1)
@@ -180,25 +184,6 @@ def parse_args(argv=None):
 
 # ---------------------------------------------------------------------------------------
 # Devices and programs
-
-
-def pick_devices(args):
-    """Devices for the run: the requested platform, else an accelerator with enough, else CPU."""
-    import jax
-
-    n = args.devices
-    if args.platform == "auto":
-        devs = jax.devices()
-        if len(devs) < n:
-            devs = jax.devices("cpu")
-    else:
-        try:
-            devs = jax.devices(args.platform)
-        except RuntimeError as e:
-            raise SystemExit(f"error: no {args.platform!r} backend: {e}") from None
-    if len(devs) < n:
-        raise SystemExit(f"error: the run needs {n} devices, {devs[0].platform} has {len(devs)}")
-    return devs[:n]
 
 
 class Variant:
@@ -352,7 +337,7 @@ def run(args, log=print):
     from dpjax.collectives import cost
 
     n = args.devices
-    devices = pick_devices(args)
+    devices = _bench.pick_devices(args.devices, args.platform)
     variants = {name: Variant(name, n, devices, args.primitive) for name in ["psum"] + args.algorithms}
     bound = cost.bus_factor(args.primitive, n)
     rows = []
@@ -379,31 +364,28 @@ def run(args, log=print):
             floor = None
             if args.floor:
                 floor = compile_floor(v, permute_skeleton(hlo), nelems)
-            for _ in range(args.warmup):
-                jax_block(base(x)), jax_block(prog(x))
-                if floor:
-                    jax_block(floor[0](*floor[1]))
-            tb, ta, tf, ratios, fratios = [], [], [], [], []
-            for _ in range(args.reps):
-                tb.append(timed(base, x))
-                ta.append(timed(prog, x))
-                ratios.append(ta[-1] / tb[-1])
-                if floor:
-                    tb.append(timed(base, x))
-                    tf.append(timed(floor[0], *floor[1]))
-                    fratios.append(tf[-1] / tb[-1])
+            # psum, the algorithm (, psum, the floor), in that order every repetition, each
+            # awaited: the ratios are of calls made back to back
+            calls = {"psum": lambda i, f=base, a=x: jax_block(f(a)), "alg": lambda i, f=prog, a=x: jax_block(f(a))}
+            if floor:
+                calls.update({"psum2": calls["psum"], "floor": lambda i, f=floor: jax_block(f[0](*f[1]))})
+            times = _bench.interleave(calls, args.reps, args.warmup, rotate=False)
+            ta, tf = times["alg"], times.get("floor", [])
+            tb = times["psum"] + times.get("psum2", [])
+            ratios = [a / b for a, b in zip(ta, times["psum"])]
+            fratios = [f / b for f, b in zip(tf, times.get("psum2", []))]
             psum_times += tb
             size_rows.append(dict(
                 algorithm=name, label=v.label, size_bytes=nbytes,
-                time_s=statistics.median(ta), ratio=statistics.median(ratios),
-                psum_time_s=statistics.median(tb),
-                floor_ratio=statistics.median(fratios) if floor else None,
-                floor_time_s=statistics.median(tf) if floor else None,
+                time_s=median(ta), ratio=median(ratios),
+                psum_time_s=median(tb),
+                floor_ratio=median(fratios) if floor else None,
+                floor_time_s=median(tf) if floor else None,
                 steps=comm.steps, bytes_sent=comm.max_bytes,
                 bytes_over_bound=comm.max_bytes / (bound * nbytes),
                 model_steps=sched.total_steps, model_bytes=sched.total_bytes,
                 mismatch=mismatch, correct=ok, reps=args.reps))
-            del x, base, prog, floor
+            del x, base, prog, floor, calls
             flag = "" if ok in (None, True) else "  WRONG RESULT"
             flag += "  MISMATCH: compiled program differs from cost.schedule" if mismatch else ""
             log(f"  {fmt_size(nbytes):>8}  {v.label:<28} {size_rows[-1]['time_s'] * 1e3:9.3f} ms"
@@ -420,7 +402,7 @@ def run(args, log=print):
         sched = v.schedule(nelems)
         rows.append(dict(
             algorithm="psum", label=baseline_label(args.primitive), size_bytes=nbytes,
-            time_s=statistics.median(psum_times), ratio=1.0, psum_time_s=statistics.median(psum_times),
+            time_s=median(psum_times), ratio=1.0, psum_time_s=median(psum_times),
             floor_ratio=None, floor_time_s=None, steps=comm.steps, bytes_sent=comm.max_bytes,
             bytes_over_bound=comm.max_bytes / (bound * nbytes),
             model_steps=sched.total_steps, model_bytes=sched.total_bytes,
@@ -600,7 +582,7 @@ def main(argv=None) -> int:
     if args.processes > 1:
         distributed.initialize()
     elif args.platform in ("auto", "cpu"):
-        simulate_cpu_devices(args.devices)  # before JAX initialises; only shapes the CPU backend
+        _bench.simulate(args.devices)  # before JAX initialises; only shapes the CPU backend
     import jax
 
     if jax.process_index() != 0:  # every process times; process 0 reports
@@ -616,7 +598,7 @@ def main(argv=None) -> int:
     finish_rows(rows, n, link, args.primitive)
     info = dict(n=n, platform=devices[0].platform, jax=jax.__version__, primitive=args.primitive,
                 baseline=baseline_label(args.primitive),
-                machine=f"{platform.machine()}, {os.cpu_count()} cores",
+                machine=_bench.machine(),
                 alpha_us=link.latency * 1e6, bandwidth_GBps=link.bandwidth / 1e9, link_how=how,
                 reps=args.reps, processes=args.processes, date=datetime.date.today().isoformat(),
                 seconds=round(time.time() - t0, 1))

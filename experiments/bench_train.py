@@ -10,12 +10,12 @@ batches over the same mesh (8x1 by default: 8 data-parallel ranks):
                       replicated, the batch split over `data`; loss, grad and update are
                       written for the global batch and XLA's SPMD partitioner inserts
                       its own all-reduce (the baseline).
-    dpjax <alg>       `dpjax.step.make_train_step` with `distributed_optimizer(...,
-                      algorithm=<alg>, fusion_mb=...)`: one `jit(shard_map(...))`, the
-                      gradient averaged by dpjax's explicit collective in fused buckets.
-    no-comm           the dpjax step with the bare optimizer (no gradient average): not
-                      a correct data-parallel step, the floor that shows what all the
-                      communication costs.
+    dpjax <alg>       `dpjax.step.for_model` (the sync rule) with `Exchange(<alg>,
+                      fusion_mb)`: one `jit(shard_map(...))`, the gradient averaged by
+                      dpjax's explicit collective in fused buckets.
+    no-comm           the dpjax step with every data rank its own worker and nothing
+                      exchanged (no gradient average): not a correct data-parallel step,
+                      the floor that shows what all the communication costs.
 
 Before timing, every variant runs a few AdamW steps from the same initial parameters
 on the same batches and its losses are compared with xla-auto's, and one plain SGD
@@ -50,27 +50,30 @@ compile). `--memory-sweep` instead tabulates each schedule's memory against M =
 `--microbatches` at a fixed micro-batch of `--microbatch-rows` sequences (no timing).
 
 On a CPU-only machine the mesh's devices are simulated (`--devices`, default 8); with
-a GPU backend that has enough devices the same script runs there unchanged.
+a GPU backend that has enough devices the same script runs there unchanged. `--smoke`
+runs every mode's code path in seconds (a tiny model, 2 variants, 1 step each).
+The variants are built in `_train_variants.py` (`make_steps`: the one place a dpjax
+step is made from these settings), the pipeline mode in `_train_pipeline.py`.
 """
 
 from __future__ import annotations
 
 import argparse
-import gc
 import json
-import math
 import os
-import platform
-import statistics
 import sys
-import time
 
 import numpy as np
 
-from dpjax.mesh import simulate_cpu_devices
+import _bench
+from _train_variants import ALGORITHMS
 
 DEFAULT_VARIANTS = ("xla-auto", "ring", "ring-nofusion", "psum", "butterfly", "tree", "ps", "no-comm")
-ALGORITHMS = ("ring", "psum", "butterfly", "tree", "ps")  # hierarchical needs a node axis
+# --smoke: every code path of each mode, in seconds (a small GPT, few variants, 1-2 steps)
+SMOKE = {"mesh": "2x1", "batch_size": 8, "seq_len": 16, "reps": 2, "warmup": 1, "check_steps": 1,
+         "variants": "xla-auto,ring@0.01,no-comm", "layouts": "1x2,2x1/fsdp", "tp_algorithm": "ring,psum",
+         "schedules": "gpipe,interleaved", "microbatches": "2", "n_layers": 4, "d_model": 32}
+SMOKE_MODEL = {"d_model": 32, "n_heads": 4, "d_ff": 64, "n_layers": 1}  # --pipeline sets n_layers
 
 
 def parse_variant(name: str, fusion_mb: float):
@@ -133,7 +136,17 @@ def parse_args(argv=None):
     a("--seed", type=int, default=0)
     a("--markdown", metavar="FILE", help="write the table as markdown")
     a("--json", metavar="FILE", help="write every measurement as JSON")
+    _bench.add_smoke(p, "mesh 2x1 / layouts 1x2,2x1/fsdp / stage=2 meshes, a small GPT, 3 variants, 2 reps")
     args = p.parse_args(argv)
+    args.model_options = {}
+    if args.smoke:  # the mode the flags chose, on the smallest meshes and sizes
+        for k, v in SMOKE.items():
+            if k != "layouts" or args.layouts:
+                setattr(args, k, v)
+        if args.pipeline:
+            args.pipeline = "stage=2,data=1"
+        args.model_options = SMOKE_MODEL
+        _bench.smoke_outputs(args, "markdown", "json")
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     bad = []
     for v in variants:
@@ -174,550 +187,131 @@ def parse_args(argv=None):
     return args
 
 
-def pick_devices(n_needed: int):
-    """The default backend's devices if it has enough (a GPU host), else the CPU ones."""
+def run_step(v, i):
+    """Step i of variant v on its batch i (cycled), awaited; the state carried on."""
     import jax
 
-    devs = jax.devices()
-    if len(devs) < n_needed:
-        devs = jax.devices("cpu")
-    if len(devs) < n_needed:
-        raise SystemExit(f"error: the mesh needs {n_needed} devices, only {len(devs)} available")
-    return devs[:n_needed]
-
-
-def format_ops(ops) -> str:
-    short = {"collective-permute": "permute", "all-reduce": "all-reduce", "all-gather": "all-gather",
-             "reduce-scatter": "reduce-scatter", "all-to-all": "all-to-all"}
-    return ", ".join(f"{n} {short.get(op, op)}" for op, n in sorted(ops.items())) or "none"
-
-
-def git_state() -> dict:
-    """The commit measured, and which dpjax files differed from it (results depend on them)."""
-    import subprocess
-
-    def git(*cmd):
-        try:
-            return subprocess.run(["git", *cmd], capture_output=True, text=True, timeout=10,
-                                  cwd=os.path.dirname(os.path.abspath(__file__))).stdout.rstrip()
-        except (OSError, subprocess.SubprocessError):
-            return ""
-
-    return {"commit": git("rev-parse", "--short", "HEAD").strip(),
-            "modified": git("status", "--porcelain", "--", "../dpjax", "../models").splitlines()}
-
-
-def build(args):
-    import jax
-    import optax
-    from jax.flatten_util import ravel_pytree
-
-    from dpjax import step as S
-    from dpjax.collectives.cost import hlo_comm, schedule
-    from dpjax.data import make_streams
-    from dpjax.fusion import plan_buckets
-    from dpjax.mesh import MODEL, data_axes, make_mesh, mesh_size
-    from dpjax.models import get_model
-
-    n = mesh_size(args.mesh)
-    if n is None:
-        raise SystemExit(f"error: give the mesh sizes explicitly, not {args.mesh!r}")
-    mesh = make_mesh(args.mesh, pick_devices(n))
-    if mesh.shape.get(MODEL, 1) != 1:
-        raise SystemExit("error: this benchmark is pure data parallelism; use a model axis of 1 (e.g. 8x1)")
-    dp = math.prod(mesh.shape[a] for a in data_axes(mesh))
-    if args.batch_size % dp:
-        raise SystemExit(f"error: --batch-size {args.batch_size} is not divisible by {dp} data-parallel ranks")
-
-    model = get_model("gpt", seq_len=args.seq_len)
-    opt = S.OptimizerConfig()
-    rep, bat = S.replicated(mesh), S.batch_sharding(mesh)
-    key = jax.random.key(args.seed)
-    stream, _ = make_streams("synthetic", args.seq_len, args.seed)
-    # A few batches placed once, cycled: data loading is not what is measured.
-    batches = [S.put_batch(stream, i * args.batch_size, args.batch_size, mesh) for i in range(4)]
-
-    def make_fn(alg, fusion, opt_cfg, donate=True):
-        """(optax transformation, jitted step, label) of one variant with `opt_cfg`."""
-        if alg is None:
-            tx = opt_cfg.make(args.batch_size)
-
-            def xla_step(params, opt_state, batch):
-                loss, grads = jax.value_and_grad(model.loss)(params, batch)
-                updates, opt_state = tx.update(grads, opt_state, params)
-                return optax.apply_updates(params, updates), opt_state, loss
-
-            fn = jax.jit(xla_step, in_shardings=(rep, rep, bat), out_shardings=(rep, rep, rep),
-                         donate_argnums=(0, 1) if donate else ())
-            return tx, fn, "xla-auto"
-        if alg == "no-comm":
-            # The same shard_map step with the bare optimizer: each rank steps on its own
-            # gradient. Wrong on purpose: it shows what the step costs without communication.
-            tx = opt_cfg.make(args.batch_size)
-            return tx, S.make_train_step(model, tx, mesh, donate=donate), "no-comm floor (not averaged)"
-        tx = S.distributed_optimizer(opt_cfg, mesh, args.batch_size, algorithm=alg, fusion_mb=fusion)
-        label = f"dpjax {alg}" + (", no fusion" if fusion == 0 else f"+fusion {fusion:g} MiB")
-        return tx, S.make_train_step(model, tx, mesh, donate=donate), label
-
-    def sgd_update(alg, fusion):
-        """-(averaged gradient) of batch 0, as one flat host vector: one plain SGD step with lr 1
-        and no clipping. AdamW (what is timed) is invariant to the gradient's scale, so a loss
-        check alone would not notice a sum where a mean belongs; this does."""
-        tx, fn, _ = make_fn(alg, fusion, S.OptimizerConfig(name="sgd", lr=1.0, clip_norm=0.0), donate=False)
-        p0, o0 = S.init_state(model, tx, mesh, key)
-        p1 = fn(p0, o0, batches[0])[0]
-        return np.asarray(ravel_pytree(p1)[0]) - np.asarray(ravel_pytree(p0)[0])
-
-    variants = {}
-    for name in args.variants:
-        alg, fusion = parse_variant(name, args.fusion_mb)
-        tx, fn, label = make_fn(alg, fusion, opt)
-        params, opt_state = S.init_state(model, tx, mesh, key)  # same key: same initial parameters
-        plan = None if fusion is None or alg == "no-comm" else plan_buckets(params, fusion * 2**20)
-        buckets = None if plan is None else len(plan.buckets)
-        # Bytes the busiest device sends, from dpjax's alpha-beta model (exact for the explicit
-        # algorithms); XLA's own all-reduce (xla-auto, psum) is modelled as a ring.
-        if alg == "no-comm":
-            model_bytes = 0
-        else:
-            sizes = [sum(b.sizes) for b in plan.buckets] if plan else [x.size for x in jax.tree.leaves(params)]
-            model_bytes = sum(schedule(alg or "psum", dp, m).bytes for m in sizes)
-        t0 = time.perf_counter()
-        compiled = fn.lower(params, opt_state, batches[0]).compile()
-        compile_s = time.perf_counter() - t0
-        comm = hlo_comm(compiled.as_text())
-        variants[name] = {"label": label, "fn": fn, "state": (params, opt_state), "buckets": buckets,
-                          "ops": dict(comm.ops), "model_bytes": model_bytes,
-                          "hlo_bytes": comm.max_bytes, "compile_s": compile_s,
-                          "sgd_update": (lambda alg=alg, fusion=fusion: sgd_update(alg, fusion))}
-    info = {"mesh": dict(mesh.shape), "platform": mesh.devices.flat[0].platform,
-            "params": int(sum(x.size for x in jax.tree.leaves(variants[args.variants[0]]["state"][0]))),
-            "param_bytes": S.num_bytes(variants[args.variants[0]]["state"][0]),
-            "tokens_per_step": args.batch_size * args.seq_len, "jax": jax.__version__, "git": git_state()}
-    return variants, batches, info
-
-
-def build_layouts(args):
-    """Per layout: XLA's automatic sharding vs dpjax's explicit step, same shardings."""
-    import jax
-    import optax
-    from jax.flatten_util import ravel_pytree
-
-    from dpjax import step as S
-    from dpjax.collectives.cost import hlo_comm
-    from dpjax.data import make_streams
-    from dpjax.mesh import make_mesh, mesh_size
-    from dpjax.models import get_model
-    from dpjax.sharding import make_layout
-
-    model = get_model("gpt", seq_len=args.seq_len)
-    opt = S.OptimizerConfig()
-    key = jax.random.key(args.seed)
-    stream, _ = make_streams("synthetic", args.seq_len, args.seed)
-    devs = pick_devices(max(mesh_size(lay.split("/")[0]) for lay in args.layouts))
-    variants, batches = {}, {}
-
-    def make_fn(layout, auto, opt_cfg, donate=True):
-        """auto: XLA's step with the layout's shardings; else dpjax's step on the layout."""
-        mesh = layout.mesh
-        if not auto:
-            tx = S.distributed_optimizer(opt_cfg, layout, args.batch_size, algorithm=args.layout_algorithm)
-            return tx, S.make_train_step(model, tx, layout, donate=donate)
-        tx = opt_cfg.make(args.batch_size)
-        shard_p = layout.shardings()
-        shard_o = layout.shardings(S.opt_specs(tx, layout, model))
-
-        def xla_step(params, opt_state, batch):
-            loss, grads = jax.value_and_grad(model.loss)(params, batch)
-            updates, opt_state = tx.update(grads, opt_state, params)
-            return optax.apply_updates(params, updates), opt_state, loss
-
-        return tx, jax.jit(xla_step, in_shardings=(shard_p, shard_o, S.batch_sharding(mesh)),
-                           out_shardings=(shard_p, shard_o, S.replicated(mesh)),
-                           donate_argnums=(0, 1) if donate else ())
-
-    for lay in args.layouts:
-        spec, _, flag = lay.partition("/")
-        mesh = make_mesh(spec, devs[:mesh_size(spec)])
-        batches[lay] = [S.put_batch(stream, i * args.batch_size, args.batch_size, mesh) for i in range(4)]
-        tp_algs = args.tp_algorithms if mesh.shape["model"] > 1 else args.tp_algorithms[:1]
-        for auto, tp_alg in [(True, tp_algs[0])] + [(False, a) for a in tp_algs]:
-            layout = make_layout(model, mesh, algorithm=tp_alg, fsdp=flag == "fsdp",
-                                 fsdp_algorithm=args.layout_algorithm)
-            name = f"{lay} " + ("xla-auto" if auto else f"{args.layout_algorithm} tp-{tp_alg}")
-            tx, fn = make_fn(layout, auto, opt)
-            params, opt_state = S.init_state(model, tx, layout, key)
-
-            def sgd_update(layout=layout, auto=auto, lay=lay):
-                tx, fn = make_fn(layout, auto, S.OptimizerConfig(name="sgd", lr=1.0, clip_norm=0.0), donate=False)
-                p0, o0 = S.init_state(model, tx, layout, key)
-                p1 = fn(p0, o0, batches[lay][0])[0]
-                return np.asarray(ravel_pytree(p1)[0]) - np.asarray(ravel_pytree(p0)[0])
-
-            t0 = time.perf_counter()
-            compiled = fn.lower(params, opt_state, batches[lay][0]).compile()
-            compile_s = time.perf_counter() - t0
-            comm = hlo_comm(compiled.as_text())
-            label = f"{lay}: " + ("xla-auto" if auto else f"dpjax {args.layout_algorithm}"
-                                  + (f", tp {tp_alg}" if mesh.shape["model"] > 1 else ""))
-            variants[name] = {"label": label, "fn": fn, "state": (params, opt_state), "buckets": None,
-                              "ops": dict(comm.ops), "model_bytes": comm.max_bytes, "hlo_bytes": comm.max_bytes,
-                              "compile_s": compile_s, "sgd_update": sgd_update, "batches": batches[lay],
-                              "base": f"{lay} xla-auto"}
-    info = {"mesh": {"layouts": len(args.layouts)}, "platform": devs[0].platform,
-            "params": int(sum(x.size for x in jax.tree.leaves(jax.eval_shape(model.init, key)))),
-            "param_bytes": 4 * int(sum(x.size for x in jax.tree.leaves(jax.eval_shape(model.init, key)))),
-            "tokens_per_step": args.batch_size * args.seq_len, "jax": jax.__version__, "git": git_state()}
-    return variants, batches[args.layouts[0]], info
-
-
-def build_pipeline(args):
-    """Per schedule and M: dpjax's pipelined step on the stage mesh; the baseline: the plain
-    data-parallel step on every device (no stage axis). Same model, batch, initial values."""
-    import jax
-
-    from dpjax import step as S
-    from dpjax.collectives.cost import hlo_comm
-    from dpjax.data import make_streams
-    from dpjax.mesh import STAGE, make_mesh, mesh_size
-    from dpjax.models import get_model
-    from dpjax.pipeline import SCHEDULES, Pipeline, bubble_formula
-    from dpjax.sharding import make_layout
-
-    n = mesh_size(args.pipeline)
-    if n is None:
-        raise SystemExit(f"error: give the mesh sizes explicitly, not {args.pipeline!r}")
-    devs = pick_devices(n)
-    model = get_model("gpt", seq_len=args.seq_len, n_layers=args.n_layers, d_model=args.d_model)
-    stream, _ = make_streams("synthetic", args.seq_len, args.seed)
-    host = jax.tree.map(np.asarray, jax.jit(model.init)(jax.random.key(args.seed)))  # one init for all
-    variants, batches = {}, {}
-
-    def make(mesh, pipe, opt):
-        layout = make_layout(model, mesh, pipeline=pipe)
-        step = S.for_model(model, layout, global_batch=args.batch_size, opt=opt, donate=False)
-        return layout, step
-
-    def add(name, label, mesh, pipe, extra):
-        batches[name] = [S.put_batch(stream, i * args.batch_size, args.batch_size, mesh, passes=1)
-                         for i in range(4)]
-        layout, step = make(mesh, pipe, S.OptimizerConfig())
-        params, state = step.init(jax.device_put(layout.store(host), layout.shardings()))
-        t0 = time.perf_counter()
-        compiled = step.train.lower(params, state, batches[name][0]).compile()
-        mem = compiled.memory_analysis()
-
-        def sgd_losses(mesh=mesh, pipe=pipe, name=name):
-            lay, st = make(mesh, pipe, S.OptimizerConfig(name="sgd", lr=0.1, clip_norm=0.0))
-            p, o = st.init(jax.device_put(lay.store(host), lay.shardings()))
-            out = []
-            for i in range(args.check_steps):
-                p, o, loss = st.train(p, o, batches[name][i % 4])
-                out.append(float(loss))
-            return out
-
-        variants[name] = {"label": label, "fn": step.train, "state": (params, state), "buckets": None,
-                          "ops": dict(hlo_comm(compiled.as_text()).ops), "model_bytes": 0, "hlo_bytes": 0,
-                          "compile_s": time.perf_counter() - t0, "batches": batches[name], "base": "stage=1",
-                          "sgd_losses": sgd_losses, "args_bytes": mem.argument_size_in_bytes,
-                          "temp_bytes": mem.temp_size_in_bytes, **extra}
-
-    flat = make_mesh(f"data={n}", devs)
-    add("stage=1", f"data={n}, no stages (stage=1)", flat, None, {"bubble_formula": 0.0})
-    mesh = make_mesh(args.pipeline, devs)
-    S_ = mesh.shape[STAGE]
-    for schedule, M in ((s, m) for s in args.schedules for m in args.microbatches):
-        V = args.virtual_stages if SCHEDULES[schedule].virtual_stages else 1
-        pipe = Pipeline(schedule, M, V)
-        name = f"{schedule} M={M}" + (f" V={V}" if V > 1 else "")
-        extra = {"bubble_formula": bubble_formula(schedule, S_, M, V), "pipe": pipe}
-        add(name, f"{args.pipeline} {name}", mesh, pipe, extra)
-    info = {"mesh": {"pipeline": args.pipeline}, "platform": devs[0].platform,
-            "params": int(sum(x.size for x in jax.tree.leaves(host))), "param_bytes": S.num_bytes(host),
-            "tokens_per_step": args.batch_size * args.seq_len, "jax": jax.__version__, "git": git_state(),
-            "stages": S_, "devices": n, "replica_rows": args.batch_size // (n // S_ // mesh.shape.get("model", 1)),
-            "model": model}
-    return variants, batches["stage=1"], info
-
-
-def check_pipeline(args, variants):
-    """--check-steps SGD steps (no clipping) per variant from the same initial parameters:
-    the losses must match the stage-free baseline's (float32 round-off)."""
-    losses = {name: v["sgd_losses"]() for name, v in variants.items()}
-    ref = losses["stage=1"]
-    out = {}
-    for name, ls in losses.items():
-        rel = max(abs(a - b) / abs(b) for a, b in zip(ls, ref))
-        out[name] = {"losses": ls, "max_rel_diff": rel, "grad_max_diff_rel": float("nan"), "ok": rel <= args.rtol}
-    return out
-
-
-def pipeline_flops(args, variants, info):
-    """Each schedule's bubble from compiled FLOPs (one replica on a stage-only mesh)."""
-    from dpjax.pipeline import cost
-
-    for v in variants.values():
-        if "pipe" in v:
-            r = cost.measure_bubble(info["model"], info["stages"], v["pipe"], rows=info["replica_rows"])
-            v["bubble_measured"], v["useful_vs_expected"], v["ends_share"] = (r["bubble"], r["useful_vs_expected"],
-                                                                              r["ends_share"])
-
-
-def memory_sweep(args, console) -> list:
-    """temp / argument bytes of the AdamW step against M at a fixed micro-batch size."""
-    from dpjax import step as S
-    from dpjax.mesh import make_mesh, mesh_size
-    from dpjax.models import get_model
-    from dpjax.pipeline import SCHEDULES, Pipeline, cost
-    from dpjax.sharding import make_layout
-
-    mesh = make_mesh(args.pipeline, pick_devices(mesh_size(args.pipeline)))
-    model = get_model("gpt", seq_len=args.seq_len, n_layers=args.n_layers, d_model=args.d_model)
-    dp = mesh.size // mesh.shape["stage"] // mesh.shape.get("model", 1)
-    rows = []
-    for schedule in args.schedules:
-        V = args.virtual_stages if SCHEDULES[schedule].virtual_stages else 1
-        for M in args.microbatches:
-            global_batch = args.microbatch_rows * M * dp
-            layout = make_layout(model, mesh, pipeline=Pipeline(schedule, M, V))
-            step = S.for_model(model, layout, global_batch=global_batch, opt=S.OptimizerConfig(), donate=False)
-            ma = cost.train_memory(step, model, global_batch)
-            rows.append({"schedule": schedule + (f" V={V}" if V > 1 else ""), "M": M,
-                         "temp_bytes": ma.temp_size_in_bytes, "args_bytes": ma.argument_size_in_bytes})
-            console.print(f"{rows[-1]['schedule']:>16} M={M:<3} temp {ma.temp_size_in_bytes / 2**20:8.3f} MiB  "
-                          f"arguments {ma.argument_size_in_bytes / 2**20:8.3f} MiB")
-    return rows
-
-
-def run_step(v, batches, i):
-    """Step i of variant v on batch i (cycled); per-layout variants have their own copy of
-    the batches, placed on their mesh."""
-    import jax
-
-    params, opt_state = v["state"]
-    batches = v.get("batches", batches)
-    params, opt_state, loss = v["fn"](params, opt_state, batches[i % len(batches)])
+    params, opt_state, loss = v["fn"](*v["state"], v["batches"][i % len(v["batches"])])
     jax.block_until_ready((params, opt_state, loss))
     v["state"] = (params, opt_state)
     return loss
 
 
-def check(args, variants, batches):
+def time_all(args, variants):
+    return _bench.interleave({name: (lambda i, v=v: run_step(v, i)) for name, v in variants.items()},
+                             args.reps, args.warmup)
+
+
+def check(args, variants):
     """Every variant takes the same AdamW steps from the same init (losses must match
-    xla-auto's), and one plain SGD step (its update, the averaged gradient, must match too)."""
-    losses = {name: [float(run_step(v, batches, i)) for i in range(args.check_steps)]
-              for name, v in variants.items()}
+    its baseline's), and one plain SGD step (its update, the averaged gradient, must match too)."""
+    losses = {name: [float(run_step(v, i)) for i in range(args.check_steps)] for name, v in variants.items()}
     updates = {name: v["sgd_update"]() for name, v in variants.items()}
     result = {}
     for name, ls in losses.items():
-        base = variants[name].get("base", "xla-auto")
+        base = variants[name]["base"]
         ref, ref_u = losses[base], updates[base]
-        scale = float(np.max(np.abs(ref_u)))
         rel = max(abs(a - b) / abs(b) for a, b in zip(ls, ref))
-        urel = float(np.max(np.abs(updates[name] - ref_u))) / scale
+        urel = float(np.max(np.abs(updates[name] - ref_u))) / float(np.max(np.abs(ref_u)))
         # no-comm computes another step (un-averaged gradients): shown, not judged.
         ok = None if name == "no-comm" else (rel <= args.rtol and urel <= args.rtol)
         result[name] = {"losses": ls, "max_rel_diff": rel, "grad_max_diff_rel": urel, "ok": ok}
     return result
 
 
-def time_all(args, variants, batches):
-    names = list(variants)
-    for i in range(args.warmup):
-        for name in names:
-            run_step(variants[name], batches, i)
-    times = {name: [] for name in names}
-    gc.collect()
-    gc.disable()
-    try:
-        for r in range(args.reps):
-            k = r % len(names)  # rotate who goes first, so no variant always follows the same one
-            for name in names[k:] + names[:k]:
-                t0 = time.perf_counter()
-                run_step(variants[name], batches, r)
-                times[name].append(time.perf_counter() - t0)
-    finally:
-        gc.enable()
-    return times
+def format_ops(ops) -> str:
+    short = {"collective-permute": "permute"}
+    return ", ".join(f"{n} {short.get(op, op)}" for op, n in sorted(ops.items())) or "none"
 
 
-def quantile(xs, q):
-    s = sorted(xs)
-    pos = q * (len(s) - 1)
-    lo, hi = math.floor(pos), math.ceil(pos)
-    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
-
-
-def summarise(args, variants, times, checks, info):
+def summarise(variants, times, checks, info):
     rows = []
     for name, v in variants.items():
-        ts, base_ts = times[name], times[v.get("base", "xla-auto")]
-        base = statistics.median(base_ts)
-        med = statistics.median(ts)
+        s = _bench.summary_ms(times[name], times[v["base"]])
         rows.append({
-            "variant": name, "label": v["label"], "median_ms": med * 1e3,
-            "p25_ms": quantile(ts, 0.25) * 1e3, "p75_ms": quantile(ts, 0.75) * 1e3,
-            "tokens_per_s": info["tokens_per_step"] / med, "ratio": med / base,
-            # Same-round ratios cancel load that drifts between rounds.
-            "paired_ratio": statistics.median(t / b for t, b in zip(ts, base_ts)),
+            "variant": name, "label": v["label"], **s, "tokens_per_s": info["tokens_per_step"] / s["median_ms"] * 1e3,
             "buckets": v["buckets"], "ops": v["ops"], "ops_text": format_ops(v["ops"]),
-            "model_bytes_sent": v["model_bytes"], "hlo_comm_max_bytes": v["hlo_bytes"],
-            "compile_s": v["compile_s"],
-            "loss_check": checks[name], "times_ms": [t * 1e3 for t in ts],
+            "model_bytes_sent": v["model_bytes"], "hlo_comm_max_bytes": v["hlo_bytes"], "compile_s": v["compile_s"],
+            "loss_check": checks[name], "times_ms": [t * 1e3 for t in times[name]],
         })
     return rows
 
 
+# The --layouts table (RESULTS.md) has no bucket and model-bytes columns: its bytes are XLA's.
 TABLE_HEAD = ("variant", "median ms (p25-p75)", "tokens/s", "x xla-auto", "paired x", "buckets",
               "MiB sent (model)", "collective ops in step")
+LAYOUT_COLUMNS = (0, 1, 2, 3, 4, 7)
 
 
-def table_cells(r):
-    return (r["label"], f"{r['median_ms']:.1f} ({r['p25_ms']:.1f}-{r['p75_ms']:.1f})",
-            f"{r['tokens_per_s']:,.0f}", f"{r['ratio']:.2f}", f"{r['paired_ratio']:.2f}",
-            "-" if r["buckets"] is None else str(r["buckets"]), f"{r['model_bytes_sent'] / 2**20:.2f}",
-            r["ops_text"])
+def table(args, rows):
+    cells = [(r["label"], f"{r['median_ms']:.1f} ({r['p25_ms']:.1f}-{r['p75_ms']:.1f})",
+              f"{r['tokens_per_s']:,.0f}", f"{r['ratio']:.2f}", f"{r['paired_ratio']:.2f}",
+              "-" if r["buckets"] is None else str(r["buckets"]), f"{r['model_bytes_sent'] / 2**20:.2f}",
+              r["ops_text"]) for r in rows]
+    if not args.layouts:
+        return TABLE_HEAD, cells
+    return [TABLE_HEAD[i] for i in LAYOUT_COLUMNS], [[c[i] for i in LAYOUT_COLUMNS] for c in cells]
 
 
 def markdown(args, rows, info, argv) -> str:
     where = (f"layouts {', '.join(args.layouts)}, each against XLA's automatic partitioning of the same "
              "shardings" if args.layouts else f"mesh {'x'.join(str(s) for s in info['mesh'].values())}")
-    lines = [f"`python experiments/bench_train.py {' '.join(argv)}`".replace(" `", "`"), "",
-             f"GPT {info['params']:,} parameters ({info['param_bytes'] / 2**20:.2f} MiB f32), "
-             f"global batch {args.batch_size} x {args.seq_len} tokens, {where} on {info['platform']}, "
-             f"median of {args.reps} interleaved steps after {args.warmup} warm-up steps. "
-             "\"x xla-auto\": ratio of medians; \"paired x\": median over rounds of the ratio to "
-             "xla-auto's step in the same round. \"MiB sent (model)\": bytes the busiest device "
-             "sends per step under `dpjax.collectives.cost.schedule` (XLA's all-reduce modelled as a ring); "
-             "\"collective ops\": `hlo_comm` of the compiled step (in dpjax steps the all-reduce is the "
-             "loss `pmean`; with psum XLA merges the gradient's into it).", "",
-             "| " + " | ".join(TABLE_HEAD) + " |", "|" + "|".join(["---"] + ["---:"] * 6 + ["---"]) + "|"]
-    lines += ["| " + " | ".join(table_cells(r)) + " |" for r in rows]
-    return "\n".join(lines) + "\n"
+    head, cells = table(args, rows)
+    return (f"`python experiments/bench_train.py {' '.join(argv)}`".replace(" `", "`") + "\n\n"
+            f"GPT {info['params']:,} parameters ({info['param_bytes'] / 2**20:.2f} MiB f32), "
+            f"global batch {args.batch_size} x {args.seq_len} tokens, {where}; {info['machine']}; "
+            f"median of {args.reps} interleaved steps after {args.warmup} warm-up steps. "
+            "\"x xla-auto\": ratio of medians; \"paired x\": median over rounds of the ratio to "
+            "xla-auto's step in the same round. \"MiB sent (model)\": bytes the busiest device "
+            "sends per step under `dpjax.collectives.cost.schedule` (XLA's all-reduce modelled as a ring); "
+            "\"collective ops\": `hlo_comm` of the compiled step (in dpjax steps the all-reduce is the "
+            "loss `pmean`; with psum XLA merges the gradient's into it).\n\n" + _bench.markdown_table(head, cells))
 
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
-    simulate_cpu_devices(args.devices)  # before JAX initialises its backends
-    from rich.console import Console
-    from rich.table import Table
-
-    # Wide enough for the table when piped to a file (rich assumes 80 columns there).
-    console = Console() if sys.stdout.isatty() else Console(width=150)
+    _bench.simulate(args.devices)  # before JAX initialises its backends
+    console = _bench.make_console()
     if args.pipeline:
-        return main_pipeline(args, argv, console)
-    variants, batches, info = build_layouts(args) if args.layouts else build(args)
-    console.print(f"GPT {info['params']:,} params, batch {args.batch_size}x{args.seq_len}, mesh "
-                  f"{info['mesh']} on {info['platform']} ({platform.processor() or platform.machine()})")
+        from _train_pipeline import main_pipeline
 
-    checks = check(args, variants, batches)
-    t = Table(title=f"check: {args.check_steps} AdamW steps and 1 SGD step from the same init, same batches")
-    t.add_column("variant")
-    for i in range(args.check_steps):
-        t.add_column(f"loss @ step {i}", justify="right")
-    t.add_column("max rel. diff vs xla-auto", justify="right")
-    t.add_column("SGD-step gradient diff (rel. to max)", justify="right")
-    t.add_column("ok")
-    for name, c in checks.items():
-        t.add_row(variants[name]["label"], *[f"{x:.7f}" for x in c["losses"]], f"{c['max_rel_diff']:.1e}",
-                  f"{c['grad_max_diff_rel']:.1e}", "n/a" if c["ok"] is None else "yes" if c["ok"] else "[red]NO[/red]")
-    console.print(t)
+        return main_pipeline(args, argv, console, time_all)
+    from _train_variants import build, build_layouts
+
+    variants, info = build_layouts(args) if args.layouts else build(args, parse_variant)
+    info["machine"] = _bench.machine()
+    console.print(f"GPT {info['params']:,} params, batch {args.batch_size}x{args.seq_len}, mesh "
+                  f"{info['mesh']}; {info['machine']}")
+
+    checks = check(args, variants)
+    _bench.console_table(
+        f"check: {args.check_steps} AdamW steps and 1 SGD step from the same init, same batches",
+        ["variant", *[f"loss @ step {i}" for i in range(args.check_steps)], "max rel. diff vs xla-auto",
+         "SGD-step gradient diff (rel. to max)", "ok"],
+        [(variants[name]["label"], *[f"{x:.7f}" for x in c["losses"]], f"{c['max_rel_diff']:.1e}",
+          f"{c['grad_max_diff_rel']:.1e}", "n/a" if c["ok"] is None else "yes" if c["ok"] else "[red]NO[/red]")
+         for name, c in checks.items()], console=console)
     all_ok = all(c["ok"] is not False for c in checks.values())
     if not all_ok:
         console.print(f"[red]losses or gradients differ from xla-auto by more than rtol={args.rtol}: the variants "
                       "do not compute the same step; timings below compare different things[/red]")
 
-    load = [os.getloadavg()[0]]
-    times = time_all(args, variants, batches)
-    load.append(os.getloadavg()[0])
+    load = [_bench.load_avg()]
+    times = time_all(args, variants)
+    load.append(_bench.load_avg())
     info["load_avg_1min"] = load
-    rows = summarise(args, variants, times, checks, info)
-    t = Table(title=f"train step, median of {args.reps} interleaved reps ({args.warmup} warm-up)")
-    for i, h in enumerate(TABLE_HEAD):
-        t.add_column(h, justify="left" if i in (0, len(TABLE_HEAD) - 1) else "right")
-    for r in rows:
-        t.add_row(*table_cells(r))
-    console.print(t)
+    rows = summarise(variants, times, checks, info)
+    _bench.console_table(f"train step, median of {args.reps} interleaved reps ({args.warmup} warm-up)",
+                         *table(args, rows), console=console)
     console.print(f"1-minute load average before / after timing: {load[0]:.1f} / {load[1]:.1f} "
                   f"on {os.cpu_count()} cores")
-
     if args.markdown:
         with open(args.markdown, "w") as f:
             f.write(markdown(args, rows, info, argv))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"args": {k: v for k, v in vars(args).items()}, "info": info, "loss_check_ok": all_ok,
-                       "rows": rows}, f, indent=1)
-    return 0 if all_ok else 1
-
-
-def main_pipeline(args, argv, console) -> int:
-    from rich.table import Table
-
-    if args.memory_sweep:
-        rows = memory_sweep(args, console)
-        if args.markdown:
-            with open(args.markdown, "w") as f:
-                f.write(f"`python experiments/bench_train.py {' '.join(argv)}`\n\n| schedule | M | temporaries MiB "
-                        "| arguments MiB |\n|---|---:|---:|---:|\n")
-                f.writelines(f"| {r['schedule']} | {r['M']} | {r['temp_bytes'] / 2**20:.3f} | "
-                             f"{r['args_bytes'] / 2**20:.3f} |\n" for r in rows)
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump({"args": vars(args), "rows": rows}, f, indent=1)
-        return 0
-    variants, batches, info = build_pipeline(args)
-    console.print(f"GPT {info['params']:,} params, {args.n_layers} layers, batch {args.batch_size}x{args.seq_len}, "
-                  f"{args.pipeline} against data={info['devices']} on {info['platform']}")
-    checks = check_pipeline(args, variants)
-    all_ok = all(c["ok"] for c in checks.values())
-    for name, c in checks.items():
-        console.print(f"check {variants[name]['label']}: SGD losses {', '.join(f'{x:.6f}' for x in c['losses'])} "
-                      f"(max rel. diff {c['max_rel_diff']:.1e}) {'ok' if c['ok'] else '[red]DIFFERS[/red]'}")
-    if args.flops:
-        pipeline_flops(args, variants, info)
-    load = [os.getloadavg()[0]]
-    times = time_all(args, variants, batches)
-    load.append(os.getloadavg()[0])
-    base = statistics.median(times["stage=1"])
-    head = ("variant", "median ms (p25-p75)", "x stage=1", "paired x", "bubble (papers)", "bubble, FLOPs",
-            "arguments MiB", "temporaries MiB")
-    t = Table(title=f"train step (AdamW), median of {args.reps} interleaved reps ({args.warmup} warm-up)")
-    for h in head:
-        t.add_column(h, justify="left" if h == "variant" else "right")
-    rows = []
-    for name, v in variants.items():
-        ts = times[name]
-        med = statistics.median(ts)
-        row = {"variant": name, "label": v["label"], "median_ms": med * 1e3, "p25_ms": quantile(ts, 0.25) * 1e3,
-               "p75_ms": quantile(ts, 0.75) * 1e3, "ratio": med / base,
-               "paired_ratio": statistics.median(a / b for a, b in zip(ts, times["stage=1"])),
-               "bubble_formula": v["bubble_formula"], "bubble_measured": v.get("bubble_measured"),
-               "useful_vs_expected": v.get("useful_vs_expected"), "ends_share": v.get("ends_share"),
-               "args_bytes": v["args_bytes"],
-               "temp_bytes": v["temp_bytes"], "compile_s": v["compile_s"], "loss_check": checks[name],
-               "times_ms": [x * 1e3 for x in ts]}
-        rows.append(row)
-        t.add_row(v["label"], f"{row['median_ms']:.1f} ({row['p25_ms']:.1f}-{row['p75_ms']:.1f})",
-                  f"{row['ratio']:.2f}", f"{row['paired_ratio']:.2f}", f"{row['bubble_formula']:.3f}",
-                  "-" if row["bubble_measured"] is None else f"{row['bubble_measured']:.3f}",
-                  f"{row['args_bytes'] / 2**20:.2f}", f"{row['temp_bytes'] / 2**20:.2f}")
-    console.print(t)
-    console.print(f"1-minute load average before / after timing: {load[0]:.1f} / {load[1]:.1f} on {os.cpu_count()} cores")
-    if args.markdown:
-        with open(args.markdown, "w") as f:
-            f.write(f"`python experiments/bench_train.py {' '.join(argv)}`\n\n| " + " | ".join(head) + " |\n|"
-                    + "|".join(["---"] + ["---:"] * (len(head) - 1)) + "|\n")
-            for r in rows:
-                f.write(f"| {r['label']} | {r['median_ms']:.1f} ({r['p25_ms']:.1f}-{r['p75_ms']:.1f}) | "
-                        f"{r['ratio']:.2f} | {r['paired_ratio']:.2f} | {r['bubble_formula']:.3f} | "
-                        + ("-" if r["bubble_measured"] is None else f"{r['bubble_measured']:.3f}")
-                        + f" | {r['args_bytes'] / 2**20:.2f} | {r['temp_bytes'] / 2**20:.2f} |\n")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"args": {k: v for k, v in vars(args).items()}, "load_avg_1min": load, "loss_check_ok": all_ok,
-                       "rows": rows}, f, indent=1, default=str)
+            json.dump({"args": vars(args), "info": info, "loss_check_ok": all_ok, "rows": rows}, f, indent=1)
     return 0 if all_ok else 1
 
 

@@ -10,6 +10,7 @@ run. The sharded layouts then train for a few steps on the stdlib corpus.
 
     python experiments/huge_layer.py              # the RESULTS.md table
     python experiments/huge_layer.py --quick      # a smaller model, 2 steps
+    python experiments/huge_layer.py --smoke      # a tiny one, 1 step (seconds)
 
 Simulated CPU devices share the host's memory, so "per device" is what XLA plans for
 each device's program; on GPUs it is what each GPU would allocate.
@@ -18,11 +19,12 @@ each device's program; on GPUs it is what each GPU would allocate.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 
-os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+import _bench
+
+_bench.simulate(8)  # before jax starts: the layouts span 8 devices
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
@@ -48,9 +50,12 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, default=4, help="training steps per sharded layout")
     p.add_argument("--budget-mib", type=float, default=64.0, help="the per-device memory budget")
     p.add_argument("--quick", action="store_true", help="d_model 128, d_ff 4096, budget 4 MiB, 2 steps")
+    _bench.add_smoke(p, "d_model 64, d_ff 1024, budget 0.5 MiB, 1 step, every layout")
     args = p.parse_args(argv)
     if args.quick:
         args.d_model, args.d_ff, args.budget_mib, args.steps = 128, 4096, 4.0, 2
+    if args.smoke:
+        args.d_model, args.d_ff, args.budget_mib, args.steps, args.seq_len = 64, 1024, 0.5, 1, 8
     return args
 
 
@@ -63,7 +68,7 @@ def main(argv=None) -> int:
     print(f"model: GPT d_model {args.d_model}, d_ff {args.d_ff}, 1 block, "
           f"{sum(x.size for x in jax.tree.leaves(jax.eval_shape(model.init, jax.random.key(0)))) / 1e6:.1f} M params")
     print(f"largest layer (w1 {args.d_model} x {args.d_ff}) with Adam state: {layer_bytes / MiB:.1f} MiB; "
-          f"budget per device: {args.budget_mib:.0f} MiB")
+          f"budget per device: {args.budget_mib:g} MiB")
     if layer_bytes <= budget:
         print("error: the largest layer fits the budget; raise --d-ff or lower --budget-mib", file=sys.stderr)
         return 2
@@ -86,8 +91,8 @@ def main(argv=None) -> int:
         whole = sum(x.nbytes for x, s in zip(leaves, split) if s)
         local_batch = batch.addressable_shards[0].data.nbytes
         share = (mem.argument_size_in_bytes - repl - local_batch) / whole if whole else 1.0
-        w1 = params["blocks"][0]["mlp"]["w1_DxFm"]
-        w1_shard = w1.addressable_shards[0].data.shape
+        w1 = params["blocks"]["mlp"]["w1_LsxDxFm"]  # the layer stack: L x D x F, one layer here
+        w1_shard = w1.addressable_shards[0].data.shape[1:]
         total = mem.argument_size_in_bytes + mem.temp_size_in_bytes
         row = {"layout": spec + (" --fsdp" if fsdp else ""), "w1 shard": "x".join(map(str, w1_shard)),
                "args": mem.argument_size_in_bytes / MiB, "temp": mem.temp_size_in_bytes / MiB,
@@ -106,7 +111,7 @@ def main(argv=None) -> int:
         del params, opt_state
     print()
     print("| layout | w1 shard per device | params + opt state + batch (MiB) | split leaves' share | "
-          f"temporaries (MiB) | total (MiB) | within {args.budget_mib:.0f} MiB | losses ({args.steps} steps) |")
+          f"temporaries (MiB) | total (MiB) | within {args.budget_mib:g} MiB | losses ({args.steps} steps) |")
     print("|---|---|---:|---:|---:|---:|---|---|")
     for r in rows:
         share = "-" if r["share"] == 1.0 else f"1/{1 / r['share']:.2f}"

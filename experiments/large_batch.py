@@ -26,6 +26,7 @@ import sys
 
 import optax
 
+import _bench
 from update_runs import DATE, MACHINE, Bench, plot
 
 
@@ -39,9 +40,13 @@ def main(argv=None):
     p.add_argument("--warmup", type=int, default=10, help="warmup steps of the large batch")
     p.add_argument("--quick", action="store_true", help="S=16, warmup 4")
     p.add_argument("--plot", default="experiments/plots/large_batch.png")
+    _bench.add_smoke(p, "batch 8, k 2, S 2, one eta, warmup 1")
     args = p.parse_args(argv)
     if args.quick:
         args.steps, args.warmup = 16, 4
+    if args.smoke:
+        args.batch, args.k, args.steps, args.lr, args.warmup = 8, 2, 2, args.lr[:1], 1
+        _bench.smoke_outputs(args, "plot")
     k = args.k
     samples = k * args.batch * args.steps
     print(f"{MACHINE}; {DATE}; mlp, sync over 8 workers, Nesterov momentum 0.9, {samples:,} sequences "

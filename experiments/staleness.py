@@ -30,6 +30,7 @@ import sys
 
 import numpy as np
 
+import _bench
 from update_runs import DATE, MACHINE, Bench, plot
 
 RULES = {"delayed": "delayed:{}", "delayed-nocomp": "delayed-nocomp:{}", "async": "async:{}"}
@@ -51,9 +52,13 @@ def main(argv=None):
     p.add_argument("--hybrid", action="store_true", help="only the second table: flat rules against --workers node "
                                                          "hybrids on 2 sites of 4 devices")
     p.add_argument("--hybrid-plot", default="experiments/plots/staleness_hybrid.png")
+    _bench.add_smoke(p, "4 steps, T in 0 1, P = 4, one seed")
     args = p.parse_args(argv)
     if args.quick:
         args.steps, args.stale, args.periods, args.seeds = 60, [0, 2, 8], [1, 4], 1
+    if args.smoke:  # P = 4: the smallest period DiLoCo (--hybrid) runs with
+        args.steps, args.stale, args.periods, args.seeds = 4, [0, 1], [4], 1
+        _bench.smoke_outputs(args, "plot", "json", "hybrid_plot")
     if args.hybrid:
         return hybrid(args)
 

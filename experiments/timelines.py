@@ -21,13 +21,18 @@ import argparse
 import contextlib
 import json
 import os
-import statistics
 import subprocess
 import sys
 import time
 from collections import Counter
 
+import _bench
+from _bench import median
+
 HERE = os.path.dirname(os.path.abspath(__file__))
+# --smoke: a small GPT on 2 devices, for the runs (dpjax.train flags) and the overhead step
+SMOKE_MODEL = ["--seq-len", "16", "--batch-size", "4", "--d-model", "32", "--n-heads", "4", "--d-ff", "64",
+               "--n-layers", "1"]
 
 
 def run_timelines(args) -> dict:
@@ -35,7 +40,7 @@ def run_timelines(args) -> dict:
     for mesh in args.meshes.split(","):
         trace = os.path.join(args.out, f"timeline_{mesh}.trace.json.gz")
         cmd = [sys.executable, "-m", "dpjax.train", "--mesh", mesh, "--steps", str(args.steps), "--timeline",
-               trace, "--timeline-steps", "3", "--eval-every", "0", "--progress", "log"]
+               trace, "--timeline-steps", "3", "--eval-every", "0", "--progress", "log", *args.train_flags]
         t = time.time()
         train = subprocess.run(cmd, capture_output=True, text=True, check=True)
         png = os.path.join(args.plots, f"timeline_{mesh}.png")
@@ -75,49 +80,50 @@ def overhead(args) -> dict:
     from dpjax import step as S
     from dpjax import timeline
     from dpjax.data import make_streams
-    from dpjax.mesh import make_mesh
+    from dpjax.mesh import make_mesh, mesh_size
     from dpjax.models import get_model
     from dpjax.sharding import make_layout
 
-    mesh = make_mesh("8x1", jax.devices()[:8])
-    model = get_model("gpt", seq_len=128)
+    mesh = make_mesh(args.overhead_mesh, jax.devices()[:mesh_size(args.overhead_mesh)])
+    model = get_model("gpt", seq_len=args.seq_len, **args.model_options)
     layout = make_layout(model, mesh)
-    stream = make_streams("synthetic", 128, 0)[0]
-    batch = S.put_batch(stream, 0, 32, mesh, passes=1)
+    stream = make_streams("synthetic", args.seq_len, 0)[0]
+    batch = S.put_batch(stream, 0, args.batch_size, mesh, passes=1)
     variants = {}
     for name, ctx in (("named", contextlib.nullcontext), ("bare", without_names)):
-        st = S.for_model(model, layout, global_batch=32)
+        st = S.for_model(model, layout, global_batch=args.batch_size)
         params, state = st.init(S.init_params(model, layout, jax.random.key(0)))
         with ctx():
             params, state, loss = st.train(params, state, batch)  # traces and compiles here
         jax.block_until_ready(loss)
         text = timeline.compiled_text(st.train, params, state, batch)
-        variants[name] = {"step": st, "values": [params, state], "text": text, "ms": []}
+        variants[name] = {"step": st, "values": [params, state], "text": text}
     ops = {k: Counter(op for op, _ in timeline.Program.from_text(v["text"]).ops.values()) for k, v in variants.items()}
     profiled_ms = []
     rec = timeline.Recorder()
-    load = [os.getloadavg()[0]]
-    for r in range(args.rounds):
-        order = ["named", "bare"] if r % 2 == 0 else ["bare", "named"]
-        for name in order:
-            v = variants[name]
-            t = time.perf_counter()
-            *v["values"], loss = v["step"].train(*v["values"], batch)
-            jax.block_until_ready(v["values"])
-            v["ms"].append((time.perf_counter() - t) * 1e3)
-        if r % 5 == 4:  # now and then the named step inside a profile
-            v = variants["named"]
+    every = min(5, args.rounds)
+
+    def run(name):
+        v = variants[name]
+        *v["values"], loss = v["step"].train(*v["values"], batch)
+        jax.block_until_ready(v["values"])
+
+    def now_and_then(r):  # the named step inside a profile, outside the interleaved timing
+        if r % every == every - 1:
             with rec.profile():
                 t = time.perf_counter()
-                *v["values"], loss = v["step"].train(*v["values"], batch)
-                jax.block_until_ready(v["values"])
+                run("named")
                 profiled_ms.append((time.perf_counter() - t) * 1e3)
-    load.append(os.getloadavg()[0])
-    named, bare = variants["named"]["ms"], variants["bare"]["ms"]
+
+    load = [_bench.load_avg()]
+    secs = _bench.interleave({name: (lambda i, name=name: run(name)) for name in variants}, args.rounds,
+                             after_round=now_and_then)
+    load.append(_bench.load_avg())
+    named, bare = ([t * 1e3 for t in secs[k]] for k in ("named", "bare"))
     return {"same_ops": ops["named"] == ops["bare"], "ops": sum(ops["named"].values()),
-            "named_median_ms": statistics.median(named), "bare_median_ms": statistics.median(bare),
-            "paired_ratio": statistics.median(a / b for a, b in zip(named, bare)),
-            "profiled_median_ms": statistics.median(profiled_ms), "rounds": args.rounds,
+            "named_median_ms": median(named), "bare_median_ms": median(bare),
+            "paired_ratio": median(a / b for a, b in zip(named, bare)),
+            "profiled_median_ms": median(profiled_ms), "rounds": args.rounds,
             "load_1min": load, "named_ms": named, "bare_ms": bare, "profiled_ms": profiled_ms}
 
 
@@ -129,16 +135,22 @@ def main(argv=None):
     p.add_argument("--out", default="/tmp/dpjax-timelines", help="traces, summaries and the JSON record")
     p.add_argument("--plots", default=os.path.join(HERE, "plots"))
     p.add_argument("--skip-overhead", action="store_true")
+    _bench.add_smoke(p, "one mesh 2x1, a small GPT, 4 steps, 2 rounds")
     args = p.parse_args(argv)
+    args.overhead_mesh, args.seq_len, args.batch_size, args.model_options, args.train_flags = "8x1", 128, 32, {}, []
+    if args.smoke:
+        args.meshes, args.steps, args.rounds, args.overhead_mesh = "2x1", 4, 2, "2x1"
+        args.seq_len, args.batch_size, args.train_flags = 16, 4, SMOKE_MODEL
+        args.model_options = {"d_model": 32, "n_heads": 4, "d_ff": 64, "n_layers": 1}
+        _bench.smoke_outputs(args, "out", "plots")
     os.makedirs(args.out, exist_ok=True)
+    os.makedirs(args.plots, exist_ok=True)
     result = {"date": time.strftime("%Y-%m-%d %H:%M"), "load_before": os.getloadavg(),
               "timelines": run_timelines(args)}
     if not args.skip_overhead:
-        from dpjax.mesh import simulate_cpu_devices
-
-        simulate_cpu_devices(8)
+        _bench.simulate(8)
         result["overhead"] = ov = overhead(args)
-        print(f"== overhead on unprofiled steps (8x1, {ov['rounds']} interleaved rounds): same HLO ops: "
+        print(f"== overhead on unprofiled steps ({args.overhead_mesh}, {ov['rounds']} interleaved rounds): same HLO ops: "
               f"{ov['same_ops']} ({ov['ops']} ops); median step with names {ov['named_median_ms']:.1f} ms, "
               f"without {ov['bare_median_ms']:.1f} ms, paired ratio {ov['paired_ratio']:.3f}; a profiled step "
               f"{ov['profiled_median_ms']:.1f} ms; load {ov['load_1min']}")
@@ -148,4 +160,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -36,13 +36,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import time
 
 import jax
-import numpy as np
 
+import _bench
 from update_runs import DATE, MACHINE, Bench, plot
 
 from dpjax import step as S
@@ -126,10 +125,17 @@ def main(argv=None):
     p.add_argument("--plot", default="experiments/plots/wan.png", help="loss against measured time, one link")
     p.add_argument("--plot-link", default="183 ms / 23 Mbps")
     p.add_argument("--json")
+    _bench.add_smoke(p, "8 steps; sync, hierarchical / delayed:4, sites; a datacenter link (run whole) and a "
+                        "35 ms one (cut after 4 steps)")
     args = p.parse_args(argv)
     if args.quick:
         args.steps, args.links = 60, ["183 ms / 23 Mbps"]
         args.variants = ["sync, hierarchical", "delayed:4, sites", "sparse:8, sites"]
+    if args.smoke:
+        args.steps, args.cap, args.budget = 8, 4, 0.3  # the datacenter link runs whole, the 35 ms one is cut
+        args.links, args.plot_link = ["datacenter 0.01 ms / 10 Gbps", "35 ms / 63 Mbps"], "35 ms / 63 Mbps"
+        args.variants = ["sync, hierarchical", "delayed:4, sites"]
+        _bench.smoke_outputs(args, "plot", "json")
 
     benches, curves, compute = {}, {}, {}
     for label in args.variants:  # the losses, and the compute of a step, without links
@@ -138,7 +144,8 @@ def main(argv=None):
                       algorithm=algorithm, workers=workers)
         benches[label] = bench
         curves[label] = bench.run(rule, verbose=False)
-        compute[label] = statistics.median(timed_run(bench, label, (), 30)[5:])
+        n = min(30, args.steps)  # the first sixth untimed: warm-up
+        compute[label] = _bench.median(timed_run(bench, label, (), n)[n // 6:])
         print(f"  {label:36s} final eval {curves[label].final_eval:.4f}, compute {1e3 * compute[label]:.1f} ms/step",
               flush=True)
     nelems = next(iter(benches.values())).gradient_elements()

@@ -1,0 +1,82 @@
+"""Every script under experiments/ runs its --smoke mode, as RESULTS.md runs it.
+
+A removed or renamed dpjax API fails here instead of in a RESULTS.md command months
+later. Each script runs as a subprocess (`python experiments/X.py --smoke`, the way the
+RESULTS.md commands call it), with this checkout's dpjax first on the path and the
+session's compile cache (conftest.py). Helper modules (`_*.py`) are exercised through the
+scripts; a module without `main` (imported by scripts, e.g. update_runs.py) is imported.
+A new script without a smoke mode fails: argparse rejects `--smoke` with exit status 2.
+A smoke run writes its outputs into a temporary directory: the test checks that
+experiments/ is left as it was.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+EXPERIMENTS = os.path.join(ROOT, "experiments")
+SCRIPTS = [os.path.basename(p) for p in sorted(glob.glob(os.path.join(EXPERIMENTS, "*.py")))
+           if not os.path.basename(p).startswith("_")]
+# Scripts with several modes: each mode's smoke run (the first entry: no mode flag).
+MODES = {
+    "bench_collectives.py": [[], ["--all-to-all"]],
+    "bench_train.py": [[], ["--layouts", "8x1"], ["--pipeline", "stage=4,data=2"],
+                       ["--pipeline", "stage=4,data=2", "--memory-sweep"]],
+    "staleness.py": [[], ["--hybrid"]],
+}
+# The slowest smoke runs (20-60 s each on 2 shared cores: each compiles a dozen or more
+# training steps); the fast set keeps one run of each script.
+SLOW = {("bench_train.py", 1), ("bench_train.py", 2), ("staleness.py", 1), ("wan.py", 0), ("autotune_vs_grid.py", 0),
+        ("adasum_large_batch.py", 0)}
+
+
+def cases():
+    for script in SCRIPTS:
+        for i, mode in enumerate(MODES.get(script, [[]])):
+            marks = [pytest.mark.slow] if (script, i) in SLOW else []
+            yield pytest.param(script, mode, id=" ".join([script, *mode]), marks=marks)
+
+
+def listing():
+    """Every file under experiments/ with its size and mtime (a smoke run must change none)."""
+    out = {}
+    for dirpath, _, files in os.walk(EXPERIMENTS):
+        if "__pycache__" in dirpath:
+            continue
+        for f in files:
+            st = os.stat(os.path.join(dirpath, f))
+            out[os.path.join(dirpath, f)] = (st.st_size, st.st_mtime_ns)
+    return out
+
+
+def has_main(script: str) -> bool:
+    with open(os.path.join(EXPERIMENTS, script)) as fh:
+        return "\ndef main(" in fh.read()
+
+
+def run(cmd, cwd):
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
+    return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
+
+
+def test_scripts_found():
+    # the glob must see the scripts RESULTS.md quotes (a moved directory would pass vacuously)
+    assert {"bench_train.py", "bench_collectives.py", "staleness.py", "huge_layer.py"} <= set(SCRIPTS)
+
+
+@pytest.mark.parametrize("script,mode", list(cases()))
+def test_smoke(script, mode):
+    before = listing()
+    if has_main(script):
+        r = run([sys.executable, os.path.join("experiments", script), "--smoke", *mode], ROOT)
+    else:  # a module the scripts import
+        r = run([sys.executable, "-c", f"import {script[:-3]}"], EXPERIMENTS)
+    assert r.returncode == 0, f"{script} {' '.join(mode)} --smoke exited {r.returncode}:\n{r.stdout[-3000:]}\n" \
+                              f"{r.stderr[-5000:]}"
+    assert listing() == before, f"{script} --smoke wrote into experiments/"
