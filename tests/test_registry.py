@@ -28,6 +28,8 @@ from dpjax.collectives._common import as_chunks, axis_size, index, permute, row,
 from dpjax.collectives.ops import combine
 from dpjax.data_parallel import DistributedOptimizer, allreduce_gradients
 
+from conftest import read_losses
+
 N = 8
 
 
@@ -133,6 +135,30 @@ def test_toy_in_allreduce_gradients_and_distributed_optimizer(mesh_of, toy):
         return updates["w"]
 
     np.testing.assert_array_equal(_run(mesh, step, g), -0.5 * want)
+
+
+def test_toy_is_a_choice_of_the_cli_and_trains(corpus, toy, tmp_path, capsys):
+    """The CLI's help and the plan's checks read the registry: the toy is a choice of
+    --allreduce (and --tp-allreduce) with no other edit, and a run with it trains to the
+    ring's losses (the same sums, in another order: float32 round-off)."""
+    from dpjax.plan import UsageError, check
+    from dpjax.settings import Settings
+    from dpjax.train import build_parser, main
+
+    text = build_parser().format_help()
+    assert re.search(r"--allreduce ALLREDUCE\s+gradient allreduce algorithm: [^;]*\btoy\b", text), text
+    check(Settings(allreduce="toy", tp_allreduce="toy"))
+    with pytest.raises(UsageError, match="unknown --allreduce algorithm 'toyx'; choose one of .*toy"):
+        check(Settings(allreduce="toyx"))
+    args = ["--model", "mlp", "--seq-len", "8", "--batch-size", "16", "--data", corpus, "--eval-every", "0",
+            "--eval-batches", "1", "--progress", "none", "--mesh", "8x1", "--steps", "3", "--optimizer", "sgd",
+            "--clip-norm", "0"]
+    losses = {}
+    for alg in ("ring", toy):
+        path = tmp_path / f"{alg}.jsonl"
+        assert main(args + ["--allreduce", alg, "--metrics", str(path)]) == 0
+        losses[alg] = read_losses(path)
+    np.testing.assert_allclose(losses[toy], losses["ring"], rtol=2e-6)
 
 
 def test_unregistered_is_gone(mesh_of):
