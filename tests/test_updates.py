@@ -225,10 +225,10 @@ def test_param_specs_shard_worker_state_over_model(mesh_of, put):
             params_W, state_W, _ = ustep.train(params_W, state_W, put(mesh, x[None], P(None, "data")))
         cols = D // mesh.shape["model"]  # each device: its worker's copy of its model rank's columns
         assert params_W["w"].addressable_shards[0].data.shape == (1, cols)
-        assert state_W.gbar_TxP["w"].addressable_shards[0].data.shape == (1, 2, cols)
+        assert state_W.gbar_RxP["w"].addressable_shards[0].data.shape == (1, 2, cols)
         # and the global arrays are whole: a state leaf wrongly claimed replicated over
         # `model` would hold only one rank's columns (and a checkpoint would save those)
-        assert params_W["w"].shape == (4, D) and state_W.gbar_TxP["w"].shape == (4, 2, D)
+        assert params_W["w"].shape == (4, D) and state_W.gbar_RxP["w"].shape == (4, 2, D)
         out[spec] = np.asarray(params_W["w"])
     # float32 round-off only: the ring cuts a 3-element and a 6-element vector into
     # different chunks, so the 4 workers' gradients are summed in another order

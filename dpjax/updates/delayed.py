@@ -27,9 +27,9 @@ from dpjax.updates.sync import sync
 
 class DelayedState(NamedTuple):
     inner: optax.OptState
-    t: jax.Array  # steps taken; slot t % T of the buffers holds step t-T's values
-    gbar_TxP: optax.Updates  # averages in flight (zeros until they exist)
-    g_TxP: optax.Updates  # this worker's own gradients of the same steps
+    t: jax.Array  # steps taken; slot t % R of the buffers (R = delay) holds step t-R's values
+    gbar_RxP: optax.Updates  # averages in flight (zeros until they exist)
+    g_RxP: optax.Updates  # this worker's own gradients of the same steps
 
 
 def delayed_gradients(inner, delay: int, axis_name="data", *, compensate: bool = True,
@@ -68,7 +68,7 @@ def delayed_gradients(inner, delay: int, axis_name="data", *, compensate: bool =
             gbar = mean(grads)
         slot = state.t % T
         old_gbar, old_g = (jax.tree.map(lambda b: lax.dynamic_index_in_dim(b, slot, 0, keepdims=False), buf)
-                           for buf in (state.gbar_TxP, state.g_TxP))
+                           for buf in (state.gbar_RxP, state.g_RxP))
         old_gbar = links.wait_deferred(old_gbar, state.t - T)  # the average of step t-T has arrived
         if compensate:
             fed = jax.tree.map(lambda g, a, b: g + (a - b), grads, old_gbar, old_g)
@@ -81,7 +81,7 @@ def delayed_gradients(inner, delay: int, axis_name="data", *, compensate: bool =
         def put(buf, x):
             return jax.tree.map(lambda b, v: lax.dynamic_update_index_in_dim(b, v, slot, 0), buf, x)
 
-        return updates, DelayedState(inner_state, state.t + 1, put(state.gbar_TxP, gbar), put(state.g_TxP, grads))
+        return updates, DelayedState(inner_state, state.t + 1, put(state.gbar_RxP, gbar), put(state.g_RxP, grads))
 
     return optax.GradientTransformation(init_fn, update_fn)
 

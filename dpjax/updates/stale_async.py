@@ -40,7 +40,7 @@ def staleness_schedule(seed: int, steps: int, workers: int, tau: int) -> np.ndar
 class AsyncState(NamedTuple):
     inner: optax.OptState  # the server's optimizer state (the same on every worker)
     t: jax.Array  # the server's version: steps applied
-    history_KxP: optax.Params  # versions t, t-1, .., t-K+1 at slots v % K (K = TAU+1)
+    history_RxP: optax.Params  # versions t, t-1, .., t-R+1 at slots v % R (R = tau + 1)
     local: optax.Params  # the copy this worker computes gradients on
     version: jax.Array  # which server version `local` is
     acc: optax.Updates  # gradients summed since this worker's last push (or () when push=1)
@@ -77,7 +77,7 @@ def stale_async(inner, tau: int, axis_name="data", *, seed: int = 0, fetch_every
         fetch = (t + k) % F == 0
         version = jnp.where(fetch, t - jnp.minimum(staleness(seed, t, k, tau), t), state.version)
         fetched = jax.tree.map(lambda h: lax.dynamic_index_in_dim(h, version % K, 0, keepdims=False),
-                               state.history_KxP)
+                               state.history_RxP)
         local = jax.tree.map(lambda a, b: jnp.where(fetch, a, b), fetched, state.local)
         loss, grads = grad_fn(local, batch)
         acc = state.acc
@@ -89,7 +89,7 @@ def stale_async(inner, tau: int, axis_name="data", *, seed: int = 0, fetch_every
         updates, inner_state = inner.update(mean(grads), state.inner, params)
         params = optax.apply_updates(params, updates)
         hist = jax.tree.map(lambda h, p: lax.dynamic_update_index_in_dim(h, p, (t + 1) % K, 0),
-                            state.history_KxP, params)
+                            state.history_RxP, params)
         return params, AsyncState(inner_state, t + 1, hist, local, version, acc), loss
 
     def specs(ps, shapes):
