@@ -25,6 +25,7 @@ from dpjax.data_parallel import (
     DistributedOptimizer,
     allreduce_gradients,
     broadcast_params,
+    process_rows,
     shard_batch,
     shard_step,
 )
@@ -57,6 +58,7 @@ __all__ = [
     "parse_mesh_spec",
     "process_count",
     "process_index",
+    "process_rows",
     "rules",
     "shard_batch",
     "shard_step",
