@@ -64,7 +64,8 @@ HINTS = {
 # its own shard of a split weight, and the partial results were never summed.
 MODEL_HINT = ("the copies differ along 'model': a value computed from a weight split over 'model' was used as if "
               "whole (usually a plain matmul, x @ w, against a split w); sum the partial results with "
-              "jax.lax.psum(x, 'model'), or use dpjax.nn's parallel layers, which do")
+              "dpjax.tensor_parallel.reduce_from_model(x) (a psum whose gradient is right here) and pass the layer's "
+              "input through dpjax.tensor_parallel.copy_to_model, or use dpjax.nn's parallel layers, which do both")
 
 
 def _is_spec(x) -> bool:
