@@ -14,8 +14,6 @@ from __future__ import annotations
 import argparse
 import sys
 
-import numpy as np
-
 from dpjax.data import TOKEN_SUFFIX, DataError, load_corpus
 
 BYTE_VOCAB = 256
