@@ -25,6 +25,7 @@ from dpjax.data_parallel import (
     DistributedOptimizer,
     allreduce_gradients,
     broadcast_params,
+    process_rows,
     shard_batch,
     shard_step,
 )
@@ -57,6 +58,7 @@ __all__ = [
     "parse_mesh_spec",
     "process_count",
     "process_index",
+    "process_rows",
     "sharding_rules",
     "shard_batch",
     "shard_step",
@@ -64,3 +66,13 @@ __all__ = [
     "updates",
 ]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    """`dpjax.nn` (the tensor-parallel flax layers) after a plain `import dpjax`, loaded
+    when first used: `import dpjax` itself does not import flax."""
+    if name == "nn":
+        import importlib
+
+        return importlib.import_module("dpjax.nn")
+    raise AttributeError(f"module 'dpjax' has no attribute {name!r}")

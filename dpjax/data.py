@@ -1,8 +1,11 @@
-"""Byte-level text data: a corpus, a deterministic train/validation split, and batches.
+"""Byte-level text data or a file of token ids: a deterministic train/validation split,
+and batches.
 
 The default corpus is the Python standard library's own source (every Python install
 has it; `sysconfig` locates it; `site-packages` and test folders are skipped). A
-corpus is one uint8 array; the last `val_fraction` of it is the validation split.
+corpus is one uint8 array; the last `val_fraction` of it is the validation split. A
+token file (`.bin`: uint16 or uint32 ids, as nanoGPT's and llm.c's prepare scripts write
+them; `python -m dpjax.prepare` writes one from text) is memory-mapped and split alike.
 
 Training reads windows of seq_len+1 bytes at stride seq_len, in an order shuffled
 once per epoch from the seed. The position in that stream (`cursor`, in windows) is
@@ -124,13 +127,69 @@ class SyntheticStream:
         ]) if positions.size else np.zeros((0, self.seq_len + 1), np.int32)
 
 
+TOKEN_SUFFIX = ".bin"  # a file of token ids, not text
+LLMC_MAGIC, LLMC_HEADER = 20240520, 256  # llm.c's .bin: 256 int32 (magic, version, count), then uint16 ids
+
+
+def token_dtype(path: str, given: str = "auto") -> str:
+    """The ids' type of token file `path`: `given`, or uint32 if the name says so
+    ('u32' / 'uint32' in it), else uint16 (nanoGPT's and llm.c's GPT-2 files)."""
+    if given != "auto":
+        return given
+    name = os.path.basename(path).lower()
+    return "uint32" if "u32" in name or "uint32" in name else "uint16"
+
+
+def open_tokens(path: str, dtype: str = "auto") -> np.ndarray:
+    """A flat file of token ids, memory-mapped (nothing is read until a batch asks for
+    its rows). An llm.c header (its magic number first) is skipped."""
+    if not os.path.isfile(path):
+        raise DataError(f"token file {path!r} does not exist")
+    dtype = np.dtype(token_dtype(path, dtype))
+    offset = 0
+    if os.path.getsize(path) >= 4 * LLMC_HEADER:
+        head = np.fromfile(path, dtype=np.int32, count=3)
+        if head[0] == LLMC_MAGIC:
+            offset, dtype = 4 * LLMC_HEADER, np.dtype(np.uint16)
+    size = os.path.getsize(path) - offset
+    if size % dtype.itemsize or size == 0:
+        raise DataError(f"token file {path!r} holds {size} bytes, not a whole number of {dtype} ids; "
+                        "check --token-dtype")
+    return np.memmap(path, dtype=dtype, mode="r", offset=offset)
+
+
+@dataclass
+class TokenStream(ByteStream):
+    """ByteStream's windows over token ids < vocab_size (a memory-mapped token file):
+    a batch reads only its rows' windows from the file."""
+
+    vocab_size: int = 256
+
+    def batch(self, cursor: int, batch_size: int, rows: slice = slice(None)) -> np.ndarray:
+        out = super().batch(cursor, batch_size, rows)
+        if out.size and out.max() >= self.vocab_size:
+            raise DataError(f"the token file holds id {int(out.max())}, not below --vocab-size {self.vocab_size}; "
+                            "give the tokenizer's vocabulary size (or check --token-dtype)")
+        return out
+
+
 def make_streams(source: str, seq_len: int, seed: int, val_fraction: float = 0.05,
-                 max_bytes: int | None = None):
-    """(train stream, validation stream) for 'stdlib', 'synthetic', a file or a folder."""
+                 max_bytes: int | None = None, vocab_size: int | None = None, token_dtype: str = "auto"):
+    """(train stream, validation stream) for 'stdlib', 'synthetic', a text file or
+    folder, or a token file (a path ending in .bin: ids below `vocab_size`)."""
     if seq_len < 1:
         raise DataError(f"sequence length must be positive, got {seq_len}")
     if source == "synthetic":
-        return SyntheticStream(seq_len, seed), SyntheticStream(seq_len, seed + 1_000_003)
+        v = vocab_size or 256
+        return SyntheticStream(seq_len, seed, v), SyntheticStream(seq_len, seed + 1_000_003, v)
+    if source.endswith(TOKEN_SUFFIX):
+        data = open_tokens(source, token_dtype)
+        n_val = max(seq_len + 1, int(data.size * val_fraction))
+        if data.size - n_val < seq_len + 1:
+            raise DataError(f"the token file {source!r} holds {data.size} tokens, too few for a train and a "
+                            f"validation split of sequences of {seq_len}+1 tokens")
+        return (TokenStream(data[:-n_val], seq_len, seed, vocab_size),
+                TokenStream(data[-n_val:], seq_len, seed, vocab_size))
     data = load_corpus(source, max_bytes)
     n_val = max(seq_len + 1, int(data.size * val_fraction))
     if data.size - n_val < seq_len + 1:

@@ -21,6 +21,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax import lax
 from jax.sharding import NamedSharding
@@ -158,7 +159,29 @@ def batch_sharding(mesh):
     return NamedSharding(mesh, P(data_axes(mesh)))
 
 
-def shard_batch(mesh, *arrays):
-    """Places host arrays with their rows split over the mesh's data axes."""
-    out = tuple(jax.device_put(a, batch_sharding(mesh)) for a in arrays)
+def shard_batch(mesh, *arrays, process_local: bool = False):
+    """Places host arrays with their rows split over the mesh's data axes.
+
+    process_local=False: each array is the whole global batch (every process passes the
+    same rows; each device keeps its own). process_local=True: each array is only this
+    process's rows of the global batch, `process_rows(mesh, B)` of it, and the global
+    array is assembled from every process's part (`jax.make_array_from_process_local_data`):
+    across hosts no process loads another's rows."""
+    sharding = batch_sharding(mesh)
+    if process_local:
+        out = tuple(jax.make_array_from_process_local_data(sharding, np.asarray(a)) for a in arrays)
+    else:
+        out = tuple(jax.device_put(a, sharding) for a in arrays)
     return out if len(out) > 1 else out[0]
+
+
+def process_rows(mesh, global_batch: int) -> slice:
+    """The rows of a global batch of `global_batch` rows that this process's devices hold
+    under `batch_sharding(mesh)`: what it loads for `shard_batch(..., process_local=True)`."""
+    held = {idx[0].indices(global_batch)[:2]
+            for idx in batch_sharding(mesh).addressable_devices_indices_map((global_batch,)).values()}
+    starts = sorted(held)
+    if any(a[1] != b[0] for a, b in zip(starts, starts[1:])):
+        raise ValueError(f"this process's rows of mesh {dict(mesh.shape)} are not contiguous ({starts}); lay the "
+                         "mesh out process-major (dpjax.make_mesh does)")
+    return slice(starts[0][0], starts[-1][1])

@@ -173,11 +173,27 @@ def check(s: Settings) -> None:
     if s.virtual_stages is not None and s.schedule not in chunked:
         raise UsageError(f"--virtual-stages applies to --schedule {', '.join(chunked)}, not {s.schedule or '1f1b'}")
     parse_update(s.update)
-    for name in ("metrics", "timeline"):
+    _check_data(s)
+    if s.peak_tflops is not None and s.peak_tflops <= 0:
+        raise UsageError(f"--peak-tflops must be positive, got {s.peak_tflops}")
+    if s.profile_dir and not s.timeline:
+        raise UsageError("--profile-dir keeps the capture behind --timeline: add --timeline FILE")
+    for name, check_path in (("metrics", _check_output_file), ("timeline", _check_output_file),
+                             ("ckpt_dir", _check_output_dir), ("profile_dir", _check_output_dir),
+                             ("tensorboard", _check_output_dir)):
         if getattr(s, name):
-            _check_output_file(flag(name), getattr(s, name))
-    if s.ckpt_dir:
-        _check_output_dir("--ckpt-dir", s.ckpt_dir)
+            check_path(flag(name), getattr(s, name))
+
+
+def _check_data(s: Settings) -> None:
+    """A token file (--data X.bin) needs its vocabulary; bytes need at least 256 ids."""
+    tokens = s.data.endswith(".bin")  # dpjax.data.TOKEN_SUFFIX
+    if tokens and s.vocab_size is None:
+        raise UsageError(f"--data {s.data} is a token file: give its tokenizer's --vocab-size")
+    if s.vocab_size is not None and s.vocab_size < (2 if tokens or s.data == "synthetic" else 256):
+        raise UsageError(f"--vocab-size {s.vocab_size} is too small for --data {s.data}")
+    if s.token_dtype != "auto" and not tokens:
+        raise UsageError(f"--token-dtype applies to a token file (--data FILE.bin), not {s.data}")
 
 
 def _check_output_file(what: str, path: str) -> None:
@@ -248,7 +264,7 @@ def resolve(s: Settings, devices=None, *, mesh=None, model=None, optimizer=None,
     if s.allreduce == "hierarchical" and len(data_axes(mesh)) < 2:
         raise UsageError("--allreduce hierarchical needs a node axis: use a three-axis mesh such as 2x4x1")
     if model is None:
-        model = get_model(s.model, seq_len=s.seq_len, **s.model_options)
+        model = get_model(s.model, seq_len=s.seq_len, vocab_size=s.vocab_size, **s.model_options)
     if exchange is None:
         exchange = Exchange(DEFAULT_ALGORITHM if s.allreduce == "auto" else s.allreduce,
                             DEFAULT_FUSION_MB if s.fusion_mb == "auto" else float(s.fusion_mb),

@@ -119,10 +119,12 @@ class ReplicaCheck:
             out.append(prints)
         return out
 
-    def __call__(self, named: dict, *, where: str = "", hint: Callable[[str], str] | None = None,
+    def __call__(self, named: dict, *, where: str = "", hint: Callable[[str, tuple], str] | None = None,
                  error: type = ReplicationError) -> None:
         """named: {leaf name: jax.Array}. Raises `error` (one line) naming the first
-        leaf whose copies differ, with the number of leaves that differ in all."""
+        leaf whose copies differ, with the number of leaves that differ in all;
+        `hint(name, axes)` adds advice for that leaf, given the mesh axes its copies
+        differ along."""
         by_mesh: dict = {}
         for name, x in named.items():
             if isinstance(x, jax.Array) and isinstance(x.sharding, NamedSharding) and x.sharding.num_devices > 1:
@@ -141,7 +143,8 @@ class ReplicaCheck:
                     devs = sorted(devs)
                     differ = [d for d in devs if p[d][0] != p[devs[0]][0]]
                     if differ:
-                        bad.append((name, x, mesh, devs, differ, np.array([p[d][1] for d in devs])))
+                        bad.append((name, x, mesh, devs, differ, np.array([p[d][1] for d in devs]),
+                                    _along(mesh, devs, {d: p[d][0] for d in devs})))
                         break
         if bad:
             raise error(_message(bad, where, hint))
@@ -162,8 +165,17 @@ def _host(x) -> np.ndarray:
     return np.asarray(x)
 
 
+def _along(mesh, devs, prints) -> tuple:
+    """The mesh axes along which copies differ: those where two of `devs` (positions in
+    the mesh) that differ in that coordinate alone hold different values."""
+    at = {tuple(int(c) for c in np.unravel_index(d, mesh.devices.shape)): prints[d] for d in devs}
+    return tuple(a for i, a in enumerate(mesh.axis_names)
+                 if any(c[:i] + (k,) + c[i + 1:] in at and at[c[:i] + (k,) + c[i + 1:]] != v
+                        for c, v in at.items() for k in range(mesh.shape[a])))
+
+
 def _message(bad, where: str, hint) -> str:
-    name, x, mesh, devs, differ, scales = bad[0]
+    name, x, mesh, devs, differ, scales, along = bad[0]
     over = [a for a in mesh.axis_names if a not in _spec_axes(x.sharding.spec) and mesh.shape[a] > 1]
     flat = list(mesh.devices.flat)
     held = {s.device: s.data for s in x.addressable_shards}
@@ -175,7 +187,7 @@ def _message(bad, where: str, hint) -> str:
             else f"largest |value| from {float(scales.min()):.3g} to {float(scales.max()):.3g}")
     others = ", ".join(b[0] for b in bad[1:4]) + (", ..." if len(bad) > 4 else "")
     more = f"; {len(bad) - 1} more {'differs' if len(bad) == 2 else 'differ'} ({others})" if len(bad) > 1 else ""
-    tip = hint(name) if hint else ""
+    tip = hint(name, along) if hint else ""
     return (f"{where}{name} {tuple(x.shape)} is declared replicated over {', '.join(over)} but its copies "
             f"differ: {len(differ)} of {len(devs)} devices hold other values than device {devs[0]}, {size}"
             f"{more}{'; ' + tip if tip else ''}")

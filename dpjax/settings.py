@@ -63,7 +63,11 @@ class Settings:
                                   "on data")
     model: str = _opt("gpt", lambda: f"the model: {', '.join(_models())}")
     data: str = _opt("stdlib", "'stdlib' (the Python standard library's source), a text file, a folder of text "
-                               "files, or 'synthetic' (random tokens)")
+                               "files, 'synthetic' (random tokens), or a file of token ids ending in .bin (uint16 "
+                               "or uint32, as nanoGPT and llm.c write them; needs --vocab-size)")
+    vocab_size: int | None = _opt(None, "the vocabulary of a token file (--data FILE.bin); default 256 (bytes)")
+    token_dtype: str = _opt("auto", "the ids' type in a token file; auto: uint32 if the file name says u32 or "
+                                    "uint32, else uint16", choices=("auto", "uint16", "uint32"))
     steps: int = _opt(200, "optimizer steps to run (in total, counting resumed ones)")
     batch_size: int = _opt(32, "global batch in sequences per backward pass, split over the data axes")
     seq_len: int = _opt(128, "tokens (bytes) per sequence")
@@ -110,6 +114,11 @@ class Settings:
     eval_every: int = _opt(50, "steps between validation evaluations (0: only at the end)")
     eval_batches: int = _opt(4, "validation batches per evaluation")
     metrics: str | None = _opt(None, "write one JSON object per step to this file (JSON lines)")
+    tensorboard: str | None = _opt(None, "also write the metrics as TensorBoard event files to this folder "
+                                         "(needs tensorboardX)")
+    peak_tflops: float | None = _opt(None, "one device's dense peak TFLOP/s, for the MFU in the metrics and the "
+                                           "summary (default: from a table of accelerators by device kind; none "
+                                           "on CPU)")
     ckpt_dir: str | None = _opt(None, "folder for checkpoints (orbax)")
     ckpt_every: int = _opt(100, "steps between checkpoints")
     resume: bool = _opt(False, "continue from the latest checkpoint in --ckpt-dir")
@@ -120,6 +129,8 @@ class Settings:
                                       "collective and ring step, every op) of --timeline-steps profiled steps to "
                                       "this file (.json or .json.gz); summarise it with python -m dpjax.timeline "
                                       "FILE. Only those steps are profiled")
+    profile_dir: str | None = _opt(None, "with --timeline: keep the raw profiler capture (jax.profiler) in this "
+                                         "folder, to open in XProf / TensorBoard (otherwise it is deleted)")
     timeline_steps: int = _opt(3, "steps --timeline profiles: the ones after the first step (which compiles) and "
                                   "after any autotune")
     autotune_samples: int = _opt(3, "with --allreduce auto or --fusion-mb auto: timed steps per candidate in each "

@@ -279,18 +279,26 @@ def replicated(mesh):
 
 
 def put_batch(stream, cursor: int, global_batch: int, mesh, passes: int | None = None):
-    """The global batch at `cursor` as one sharded array; each device reads only its rows
-    (in a multi-process run, each process reads only what its devices hold). passes=A:
-    A consecutive batches stacked, A x B x T+1 (the train step's micro-batches)."""
+    """The global batch at `cursor` as one sharded array; each process reads only the rows
+    its devices hold, each once (the devices along `model` that share a block get one
+    read). passes=A: A consecutive batches stacked, A x B x T+1 (the train step's
+    micro-batches)."""
     rows = data_axes(mesh) or None
+    read = {}  # block index -> rows read: the callback runs once per device, not per block
+
+    def once(key, fn):
+        if key not in read:
+            read[key] = fn()
+        return read[key]
+
     if passes is None:
         return jax.make_array_from_callback(
             (global_batch, stream.seq_len + 1), NamedSharding(mesh, P(rows)),
-            lambda idx: stream.batch(cursor, global_batch, rows=idx[0]))
+            lambda idx: once(idx[0].indices(global_batch), lambda: stream.batch(cursor, global_batch, rows=idx[0])))
 
     def block(idx):
-        return np.stack([stream.batch(cursor + k * global_batch, global_batch, rows=idx[1])
-                         for k in range(passes)[idx[0]]])
+        return once((idx[0].indices(passes), idx[1].indices(global_batch)), lambda: np.stack(
+            [stream.batch(cursor + k * global_batch, global_batch, rows=idx[1]) for k in range(passes)[idx[0]]]))
 
     return jax.make_array_from_callback((passes, global_batch, stream.seq_len + 1),
                                         NamedSharding(mesh, P(None, rows)), block)

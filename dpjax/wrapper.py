@@ -49,17 +49,23 @@ from dpjax.replicas import FIRST_CALLS, ReplicaCheck, check_always
 from dpjax.rng import bound_data_axes, fold_rng_keys
 
 HINTS = {
-    "Param": "were its gradients averaged over the data axes? give the optimizer dpjax.DistributedOptimizer(...) "
+    "Param": "were its gradients averaged over {axes}? give the optimizer dpjax.DistributedOptimizer(...) "
              "as its tx, or average them with dpjax.allreduce_gradients",
-    "Opt": "were the gradients averaged over the data axes? give the optimizer dpjax.DistributedOptimizer(...) "
+    "Opt": "were the gradients averaged over {axes}? give the optimizer dpjax.DistributedOptimizer(...) "
            "as its tx, or average them with dpjax.allreduce_gradients",
     "BatchStat": "give the BatchNorm axis_name='data' (the mesh's data axes) so that its batch statistics are "
                  "averaged across devices",
     "MetricState": "dpjax sums the updates of nnx.metrics.Average and Accuracy over the data axes; another metric "
                    "must synchronise itself (lax.psum) inside the step",
-    "output": "average it inside the step (jax.lax.pmean(x, 'data'), dpjax.allreduce_gradients) or declare it "
+    "output": "average it inside the step (jax.lax.pmean(x, {axis}), dpjax.allreduce_gradients) or declare it "
               "split with out_specs",
 }
+# Copies that differ along `model` are not a missing average: each model rank computed from
+# its own shard of a split weight, and the partial results were never summed.
+MODEL_HINT = ("the copies differ along 'model': a value computed from a weight split over 'model' was used as if "
+              "whole (usually a plain matmul, x @ w, against a split w); sum the partial results with "
+              "dpjax.tensor_parallel.reduce_from_model(x) (a psum whose gradient is right here) and pass the layer's "
+              "input through dpjax.tensor_parallel.copy_to_model, or use dpjax.nn's parallel layers, which do both")
 
 
 def _is_spec(x) -> bool:
@@ -165,14 +171,23 @@ class ShardedStep:
                tuple(j for j, m in enumerate(meta) if m.owner in self.donate_argnums), len(args))
         if key not in self._programs:
             self._programs[key] = self._build(mesh, *key)
-        out, new_state = self._programs[key](*jax.device_put(leaves, [NamedSharding(mesh, s) for s in specs]))
+        try:
+            out, new_state = self._programs[key](*jax.device_put(leaves, [NamedSharding(mesh, s) for s in specs]))
+        except ValueError as e:  # JAX's own message suggests `reshard`, which does not apply here either
+            if "with_sharding_constraint" not in str(e):
+                raise
+            raise UserError(f"{self.__name__}: jax.lax.with_sharding_constraint inside shard_step: every mesh axis "
+                            "is manual here (each device holds its own block, as in_specs and the parameters' "
+                            "sharding say); remove the constraint (a GSPMD hint has nothing to constrain), or keep "
+                            "it and run the model under jax.jit with jax.set_mesh instead of shard_step") from None
         if nodes:
             nnx.update(nodes, state_def.unflatten(list(new_state)))
         if self.check is True or check_always() or (self.check is None and self.calls <= FIRST_CALLS):
             named = {_path_name("output", path): x for path, x in jax.tree_util.tree_flatten_with_path(out)[0]}
             named.update({m.name: x for m, x in zip(meta, new_state)})
             kinds = {m.name: m.kind for m in meta[:k]}
-            self._replicas(named, where=f"{self.__name__}: ", hint=lambda name: _hint(kinds.get(name, "output")))
+            self._replicas(named, where=f"{self.__name__}: ",
+                           hint=lambda name, along: _hint(kinds.get(name, "output"), along))
         return out
 
     def _nnx_leaves(self, nodes, nnx_idx, state, mesh) -> list:
@@ -274,5 +289,11 @@ def _spec_axes(spec) -> list:
     return [a for e in spec if e is not None for a in (e if isinstance(e, tuple) else (e,))]
 
 
-def _hint(kind: str) -> str:
-    return HINTS["Opt"] if kind.startswith("Opt") else HINTS.get(kind, "")
+def _hint(kind: str, along: tuple = ("data",)) -> str:
+    """The advice for a leaf of this kind whose copies differ along the mesh axes `along`."""
+    if "model" in along and kind != "BatchStat":
+        return MODEL_HINT
+    axes = [a for a in along if a != "model"] or ["data"]
+    text = HINTS["Opt"] if kind.startswith("Opt") else HINTS.get(kind, "")
+    axis = repr(axes[0]) if len(axes) == 1 else repr(tuple(axes))
+    return text.format(axes=" and ".join(repr(a) for a in axes), axis=axis)

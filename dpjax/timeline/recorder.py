@@ -1,7 +1,8 @@
 """Capturing a timeline: profile what runs inside `profile()`, then `write` the file.
 
 A `Recorder` profiles only between `start()` and `stop()` (or inside `profile()`) with
-`jax.profiler`, into a temporary folder; `write` joins the raw trace to the registered
+`jax.profiler`, into a temporary folder (or `keep=DIR`, where the raw capture stays for
+XProf / TensorBoard's profile plugin); `write` joins the raw trace to the registered
 programs (`dpjax.timeline.build`) and saves the timeline. Host annotations (`step(i)`,
 `phase(name)`) mark the loop's steps and phases and cost nothing outside a profile.
 
@@ -32,11 +33,13 @@ class Recorder:
     the first registered is the step the summary counts (one run of it = one step).
     Host annotations (`step(i)`, `phase(name)`) cost nothing outside `profile()`."""
 
-    def __init__(self):
+    def __init__(self, keep: str | None = None):
         self.programs: dict[str, Program] = {}
         self.main: str | None = None
-        self._dir: str | None = None
+        self._dir: str | None = keep
+        self._keep = keep  # a folder the raw capture stays in (for XProf / TensorBoard), else a temporary one
         self._active = False
+        self._before: set | None = None  # captures the folder held before ours
 
     def program(self, fn, *args, **kwargs) -> Program:
         prog = Program.from_text(compiled_text(fn, *args, **kwargs))
@@ -53,6 +56,8 @@ class Recorder:
         import jax
 
         self._dir = self._dir or tempfile.mkdtemp(prefix="dpjax-timeline-")
+        if self._before is None:  # a kept folder may hold earlier captures: not ours to read
+            self._before = set(self._captures())
         options = jax.profiler.ProfileOptions()
         options.python_tracer_level = 0  # Python function events: many, and not ours to show
         jax.profiler.start_trace(self._dir, create_perfetto_trace=True, profiler_options=options)
@@ -93,21 +98,25 @@ class Recorder:
     def raw_events(self) -> list[dict]:
         """The events of every profile() so far (one perfetto_trace.json.gz per session)."""
         events = []
-        for path in sorted(glob.glob(os.path.join(self._dir or "", "plugins", "profile", "*",
-                                                  "perfetto_trace.json.gz"))):
+        for path in sorted(set(self._captures()) - (self._before or set())):
             with gzip.open(path) as fh:
                 events += json.load(fh)["traceEvents"]
         return events
 
+    def _captures(self) -> list[str]:
+        return glob.glob(os.path.join(self._dir or "", "plugins", "profile", "*", "perfetto_trace.json.gz"))
+
     def write(self, path: str) -> dict:
         """Builds the timeline of what was profiled, writes it to `path` (gzipped if it
-        ends in .gz), deletes the raw trace, and returns the timeline."""
+        ends in .gz), deletes the raw trace (unless it was to be kept), and returns the
+        timeline."""
         if not self.programs:
             raise ValueError("register the profiled step with Recorder.program(fn, *args) before write()")
         timeline = build(self.raw_events(), list(self.programs.values()), main=self.main)
         save(timeline, path)
-        shutil.rmtree(self._dir or "", ignore_errors=True)
-        self._dir = None
+        if not self._keep:
+            shutil.rmtree(self._dir or "", ignore_errors=True)
+            self._dir = None
         return timeline
 
 

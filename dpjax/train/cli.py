@@ -16,6 +16,7 @@ import sys
 from dpjax.errors import UserError
 from dpjax.plan import flag
 from dpjax.settings import Settings
+from dpjax.train.efficiency import describe
 
 DESCRIPTION = ("Train a byte-level GPT (or MLP) on a device mesh: data parallelism over the data axes (gradients "
                "averaged by dpjax's explicit collectives in fused buckets), Megatron-style tensor parallelism over "
@@ -47,6 +48,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = argparse.ArgumentParser(prog="python -m dpjax.train", description=DESCRIPTION,
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--config", metavar="FILE", help="settings from a TOML or JSON file (Settings fields by name; a "
+                   "run's record, run.json or its metrics file, repeats that run); flags given as well override it")
     for f in dataclasses.fields(Settings):
         if f.name == "model_options":
             continue
@@ -56,7 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
         elif f.metadata.get("action") == "append":
             p.add_argument(flag(f.name), action="append", default=f.default, help=help_, metavar="AXIS=LAT,BW")
         else:
-            kind = {"int": int, "int | None": int, "float": float, "mib": _mib}.get(
+            kind = {"int": int, "int | None": int, "float": float, "float | None": float, "mib": _mib}.get(
                 f.metadata.get("type") or str(f.type), str)
             p.add_argument(flag(f.name), type=kind, default=f.default, help=help_,
                            choices=_resolved(f.metadata.get("choices")))
@@ -70,7 +73,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def parse_args(argv=None) -> Settings:
-    ns = vars(build_parser().parse_args(argv))
+    """The settings of a command line: the defaults, then a --config file's values, then
+    the flags given. Raises ConfigError (one line) for a config file it cannot use."""
+    from dpjax.train.record import load_config
+
+    parser = build_parser()
+    config = parser.parse_known_args(argv)[0].config
+    if config:
+        values = load_config(config)
+        opts = values.pop("model_options")
+        parser.set_defaults(**values, **{f"model_{k}": v for k, v in opts.items()})
+    ns = vars(parser.parse_args(argv))
+    ns.pop("config")
     opts = {k[len("model_"):]: ns.pop(k) for k in list(ns) if k.startswith("model_")}
     return Settings(**ns, model_options=opts)
 
@@ -80,16 +94,16 @@ def summary_line(s: dict) -> str:
     positional = tuple(s["mesh"]) in (("data", "model"), ("node", "data", "model"))
     mesh = ("x" if positional else ",").join(str(v) if positional else f"{k}={v}" for k, v in s["mesh"].items())
     head = "interrupted" if s["interrupted"] else "done"
+    eff = describe(s.get("efficiency") or {})
     return (f"{head}: {s['steps']} steps on mesh {mesh}, train loss {s['loss']:.4f}, eval loss {ev}, "
-            f"{s['tokens_per_s']:,.0f} tokens/s, {s['seconds']:.1f} s")
+            f"{s['tokens_per_s']:,.0f} tokens/s, " + (f"{eff}, " if eff else "") + f"{s['seconds']:.1f} s")
 
 
 def main(argv=None) -> int:
     from dpjax.train.loop import run
 
-    settings = parse_args(argv)
     try:
-        summary = run(settings)
+        summary = run(parse_args(argv))
     except UserError as e:  # usage, data, checkpoint, mesh, model options: one line
         if os.environ.get("DPJAX_DEBUG"):
             raise

@@ -12,11 +12,12 @@ The loop itself is `run.py`; beside it, not in it: the progress display
 from __future__ import annotations
 
 import dataclasses
+import os
 
 from dpjax import distributed
 from dpjax.plan import check, devices_per_process, resolve
 from dpjax.settings import Settings
-from dpjax.train import observe, tuning
+from dpjax.train import observe, record, tuning
 
 
 def setup_devices(cfg: Settings):
@@ -52,7 +53,8 @@ class Trainer:
         from dpjax.data import make_streams
 
         self.mesh, self.model, self.layout, self.opt = plan.mesh, plan.model, plan.layout, plan.opt
-        self.train_stream, self.val_stream = make_streams(cfg.data, cfg.seq_len, cfg.seed)
+        self.train_stream, self.val_stream = make_streams(cfg.data, cfg.seq_len, cfg.seed, vocab_size=cfg.vocab_size,
+                                                          token_dtype=cfg.token_dtype)
         self._steps, self.comm_bytes = {}, observe.CommBytes()
         self.use(Setting(plan.exchange.algorithm, plan.exchange.fusion_mb))
         # What must match for a checkpoint to resume: per-worker state needs the same
@@ -74,12 +76,18 @@ class Trainer:
         self.start, self.cursor, self.ckpt, self.resumed = 0, 0, None, {}
         if cfg.ckpt_dir:
             self._restore()
+        self.run_record = record.build(cfg, plan)  # the first metrics row, and run.json beside the checkpoints
+        if cfg.ckpt_dir and jax.process_index() == 0:
+            record.write_run_file(cfg.ckpt_dir, self.run_record)
         self.tuner = tuning.plan_search(self)
         self.recorder = None
         if cfg.timeline:
             from dpjax.timeline import Recorder
 
-            self.recorder = Recorder()
+            keep = cfg.profile_dir
+            if keep and jax.process_count() > 1:  # each process profiles its own devices
+                keep = os.path.join(keep, f"rank{jax.process_index()}")
+            self.recorder = Recorder(keep=keep)
         if self.start >= cfg.steps:
             from dpjax.plan import UsageError
 

@@ -22,6 +22,16 @@ class CommBytes:
         return self._sent[id(step)]
 
 
+def shapes(args):
+    """The abstract values (shape, dtype, sharding) of a step's arguments: what its
+    compiled program is looked up by, kept once the arrays themselves are donated."""
+    import jax
+
+    from dpjax.timeline.program import _abstract
+
+    return jax.tree.map(_abstract, args)
+
+
 def write_timeline(recorder, path: str, step, args, write, steps, say) -> None:
     """The profiled steps' timeline to `path` (each process its own, named by rank); their
     comm_fraction to the metrics; one line saying where it went."""

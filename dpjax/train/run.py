@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import json
 import signal
 import time
 
 from dpjax.train import observe, tuning
+from dpjax.train.efficiency import Efficiency
+from dpjax.train.metrics import open_writers
 from dpjax.train.progress import Progress
 
 # Dispatched-but-unfinished steps allowed in flight: the CPU backend deadlocks with
@@ -25,8 +26,9 @@ def run_loop(self) -> dict:
 
     cfg, is_main = self.cfg, jax.process_index() == 0
     tokens_per_step = cfg.batch_size * cfg.seq_len * cfg.backward_passes
-    # line-buffered: each step's record is on disk as soon as it is known (tail -f works)
-    metrics = open(cfg.metrics, "a" if self.start else "w", buffering=1) if cfg.metrics and is_main else None
+    # JSON lines (and TensorBoard): process 0's rows; the run record first
+    metrics = open_writers(cfg.metrics, cfg.tensorboard, append=bool(self.start)) if is_main else None
+    efficiency = Efficiency(self.model, self.mesh, tokens_per_step, cfg.peak_tflops)
     stop = {"now": False}
 
     def on_sigint(signum, frame):
@@ -48,17 +50,21 @@ def run_loop(self) -> dict:
 
     def write(row):
         if metrics:
-            metrics.write(json.dumps(row) + "\n")
+            metrics.write(row)
+
+    write({"record": self.run_record})
 
     def retire():
         nonlocal last_done
-        step_i, loss, extra = in_flight.popleft()
+        step_i, loss, extra, step = in_flight.popleft()
         with phase("host_wait"):
             loss = float(loss)  # waits for the step
         now = time.perf_counter()
         dt, last_done = now - last_done, now
         tps_window.append(tokens_per_step / dt)
         last.update(loss=loss, tokens_per_s=float(np.median(tps_window)))
+        if metrics:
+            extra.update(efficiency.row(dt, step, shapes[id(step)]))
         write({"step": step_i, "loss": loss, "step_time": dt, "tokens_per_s": tokens_per_step / dt,
                "lr": float(lr_at(step_i)), **extra})
         progress.update(step_i, loss, last["tokens_per_s"])
@@ -71,7 +77,7 @@ def run_loop(self) -> dict:
         last["eval_loss"] = self.evaluate()
         write({"step": step_i, "eval_loss": last["eval_loss"]})
 
-    step_i = self.start
+    step_i, shapes = self.start, {}
     try:
         for step_i in range(self.start, cfg.steps):
             trial = self.tuner.ask() if self.tuner is not None else None  # (setting, timed) while tuning
@@ -96,7 +102,9 @@ def run_loop(self) -> dict:
             extra = {"trial": str(trial[0])} if trial is not None else {}
             if metrics:
                 extra["comm_bytes"] = self.comm_bytes(step, args)
-            in_flight.append((step_i, loss, extra))
+            if id(step) not in shapes:  # the step's argument shapes: its compiled figures are looked up by them
+                shapes[id(step)] = observe.shapes(args)
+            in_flight.append((step_i, loss, extra, step))
             if trial is not None or profiled:  # autotuned and profiled steps run alone, to their end
                 retire()
                 with phase("host_wait"):
@@ -136,6 +144,8 @@ def run_loop(self) -> dict:
             metrics.close()
         if self.ckpt:
             self.ckpt.close()
+    fig = (efficiency.row(tokens_per_step / last["tokens_per_s"], self.step, shapes[id(self.step)])
+           if last["tokens_per_s"] and id(self.step) in shapes else {})
     return {"steps": step_i + 1, "interrupted": stop["now"], "loss": last["loss"],
             "eval_loss": last["eval_loss"], "tokens_per_s": last["tokens_per_s"],
-            "seconds": time.perf_counter() - t0, "mesh": dict(self.mesh.shape)}
+            "seconds": time.perf_counter() - t0, "mesh": dict(self.mesh.shape), "efficiency": fig}

@@ -1,0 +1,90 @@
+"""Where a run's metrics rows go: one small writer interface, JSON lines always when
+`--metrics FILE` is given, TensorBoard event files when `--tensorboard DIR` is (through
+tensorboardX, as MaxText and Levanter write them; imported only then).
+
+A row is a flat dict with a `step` (the run record, `{"record": {...}}`, has none); the
+TensorBoard writer logs its numbers as scalars at that step, named by group
+(`train/loss`, `eval/eval_loss`, `efficiency/mfu`, ...), and the run record as text.
+"""
+
+from __future__ import annotations
+
+import json
+
+from dpjax.errors import UserError
+
+
+class MissingPackage(UserError):
+    """An optional package a flag needs is not installed; the message says how to install it."""
+
+
+# The TensorBoard group of each scalar a row may carry (others go under "train").
+GROUPS = {"eval_loss": "eval", "tflops_per_device": "efficiency", "mfu": "efficiency",
+          "hw_tflops_per_device": "efficiency", "hfu": "efficiency", "peak_memory_bytes": "efficiency",
+          "comm_bytes": "comm", "comm_fraction": "comm"}
+
+
+class JsonLines:
+    """One JSON object per line, line-buffered: each row is on disk as soon as it is
+    known (`tail -f` works); appended to on a resumed run."""
+
+    def __init__(self, path: str, append: bool):
+        self.fh = open(path, "a" if append else "w", buffering=1)
+
+    def write(self, row: dict) -> None:
+        self.fh.write(json.dumps(row) + "\n")
+
+    def close(self) -> None:
+        self.fh.close()
+
+
+class TensorBoard:
+    """Event files in `logdir`, one scalar per number of a row (tensorboardX)."""
+
+    def __init__(self, logdir: str):
+        try:
+            from tensorboardX import SummaryWriter
+        except ImportError:
+            raise MissingPackage("--tensorboard needs tensorboardX: pip install tensorboardX "
+                                 "(or pip install 'dpjax[tensorboard]')") from None
+        self.writer = SummaryWriter(logdir=logdir)
+
+    def write(self, row: dict) -> None:
+        if "record" in row:  # the run record: settings, plan, devices, versions, commit
+            self.writer.add_text("run_record", "```\n" + json.dumps(row["record"], indent=1) + "\n```", 0)
+            return
+        step = row.get("step")
+        for key, value in row.items():
+            if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
+                self.writer.add_scalar(f"{GROUPS.get(key, 'train')}/{key}", value, step)
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class Writers:
+    """Every writer a run asked for, written to and closed together."""
+
+    def __init__(self, writers: list):
+        self.writers = writers
+
+    def write(self, row: dict) -> None:
+        for w in self.writers:
+            w.write(row)
+
+    def close(self) -> None:
+        for w in self.writers:
+            w.close()
+
+    def __bool__(self) -> bool:
+        return bool(self.writers)
+
+
+def open_writers(metrics: str | None, tensorboard: str | None, append: bool = False) -> Writers:
+    """The writers of `--metrics FILE` and `--tensorboard DIR` (either may be None)."""
+    out = []
+    if tensorboard:
+        out.append(TensorBoard(tensorboard))
+    if metrics:
+        out.append(JsonLines(metrics, append))
+    return Writers(out)

@@ -1,0 +1,122 @@
+"""The run record: what produced a run (its settings, the plan resolved from them, the
+devices, the process count, the package versions and the git commit), written as the
+first metrics row (`{"record": {...}}`) and as `run.json` in the checkpoint folder; and
+`--config FILE`, which reads settings back from a TOML or JSON file (a record included:
+any run's record, fed back, repeats the run).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+
+from dpjax.errors import UserError
+from dpjax.settings import Settings
+
+RUN_FILE = "run.json"
+PACKAGES = ("jax", "jaxlib", "flax", "optax", "numpy", "orbax-checkpoint", "dpjax")
+
+
+class ConfigError(UserError):
+    """A --config file that cannot be read as settings; printed as one line."""
+
+
+def versions() -> dict:
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {"python": sys.version.split()[0]}
+    for name in PACKAGES:
+        try:
+            out[name] = version(name)
+        except PackageNotFoundError:
+            out[name] = None
+    return out
+
+
+def git_commit(folder: str | None = None) -> dict | None:
+    """The commit of the checkout dpjax is imported from (and whether it has uncommitted
+    changes); None outside a git checkout or without git."""
+    folder = folder or os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    try:
+        run = lambda *a: subprocess.run(["git", "-C", folder, *a], capture_output=True, text=True,  # noqa: E731
+                                        timeout=10)
+        head = run("rev-parse", "HEAD")
+        if head.returncode:
+            return None
+        dirty = run("status", "--porcelain", "--untracked-files=no")
+        return {"commit": head.stdout.strip(), "dirty": bool(dirty.stdout.strip())}
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def build(settings: Settings, plan) -> dict:
+    """The record of a run of `settings` resolved to `plan`."""
+    import jax
+
+    devices = list(plan.mesh.devices.flat)
+    return {"settings": dataclasses.asdict(settings), "plan": plan.describe(),
+            "devices": {"count": len(devices), "platform": devices[0].platform,
+                        "kinds": sorted({d.device_kind for d in devices})},
+            "processes": jax.process_count(), "versions": versions(), "git": git_commit()}
+
+
+def write_run_file(folder: str, record: dict) -> str:
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, RUN_FILE)
+    with open(path, "w") as fh:
+        json.dump(record, fh, indent=1)
+        fh.write("\n")
+    return path
+
+
+def load_config(path: str) -> dict:
+    """Settings by field name from a TOML or JSON file: a flat table of `Settings` fields
+    (model options under `model_options`, or flat as `d_model = 64`), or a run record
+    (`run.json`, or a metrics file's first line `{"record": ...}`), whose `settings`
+    are taken. Unknown keys are an error."""
+    import tomllib
+
+    try:
+        with open(path, "rb") as fh:
+            raw = fh.read()
+    except OSError as e:
+        raise ConfigError(f"--config {path}: {e.strerror}") from None
+    try:
+        if path.endswith(".toml"):
+            data = tomllib.loads(raw.decode())
+        else:  # .json, or a metrics file (JSON lines: its first line is the record)
+            data = json.loads(raw.decode().splitlines()[0] if path.endswith(".jsonl") else raw)
+    except (ValueError, IndexError) as e:
+        raise ConfigError(f"--config {path}: not valid {'TOML' if path.endswith('.toml') else 'JSON'} ({e})") \
+            from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"--config {path}: expected a table of settings, got {type(data).__name__}")
+    data = data.get("record", data)
+    data = data.get("settings", data) if isinstance(data.get("settings"), dict) else data
+    return _settings(data, path)
+
+
+def _settings(data: dict, path: str) -> dict:
+    from dpjax.models import model_options
+
+    fields = {f.name for f in dataclasses.fields(Settings)}
+    options = {o for opts in model_options().values() for o in opts}
+    out, opts = {}, dict(data.get("model_options") or {})
+    for key, value in data.items():
+        if key == "model_options":
+            continue
+        name = key.replace("-", "_")
+        if name in fields:
+            out[name] = value
+        elif name in options:
+            opts[name] = value
+        else:
+            raise ConfigError(f"--config {path}: unknown setting {key!r} (python -m dpjax.train --help lists them)")
+    wrong = sorted(set(opts) - options)
+    if wrong:
+        raise ConfigError(f"--config {path}: unknown model option {wrong[0]!r}")
+    out["model_options"] = opts
+    return out
