@@ -95,5 +95,8 @@ def main(argv=None) -> int:
             raise
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(summary_line(summary), flush=True)
+    import jax
+
+    if jax.process_index() == 0:  # one job, one summary (every process has the same)
+        print(summary_line(summary), flush=True)
     return 130 if summary["interrupted"] else 0

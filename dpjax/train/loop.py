@@ -25,12 +25,13 @@ def setup_devices(cfg: Settings):
     the mesh is made of."""
     from dpjax.mesh import mesh_size, simulate_cpu_devices
 
-    distributed.initialize()
+    distributed.initialize(collectives=cfg.collectives)
     per_process = devices_per_process(cfg, distributed.launched_processes())
     simulate_cpu_devices(per_process or 8)
     import jax
 
     devices = jax.devices()
+    distributed.ready()  # the transport's first collective, now that the devices are set
     want = mesh_size(cfg.mesh) if cfg.mesh else None
     if want is not None and want < len(devices) and jax.process_count() == 1:
         devices = devices[:want]  # e.g. --mesh 1x1 on a machine with several GPUs
