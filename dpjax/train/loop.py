@@ -12,11 +12,12 @@ The loop itself is `run.py`; beside it, not in it: the progress display
 from __future__ import annotations
 
 import dataclasses
+import sys
 
 from dpjax import distributed
 from dpjax.plan import check, devices_per_process, resolve
 from dpjax.settings import Settings
-from dpjax.train import observe, tuning
+from dpjax.train import hardware, observe, tuning
 
 
 def setup_devices(cfg: Settings):
@@ -53,6 +54,10 @@ class Trainer:
         from dpjax.data import make_streams
 
         self.mesh, self.model, self.layout, self.opt = plan.mesh, plan.model, plan.layout, plan.opt
+        self.say(hardware.devices_line(list(self.mesh.devices.flat), jax.process_count()))
+        warning = hardware.cpu_but_gpu_warning(jax.devices())
+        if warning and jax.process_index() == 0:
+            print(warning, file=sys.stderr, flush=True)
         self.train_stream, self.val_stream = make_streams(cfg.data, cfg.seq_len, cfg.seed)
         self._steps, self.comm_bytes = {}, observe.CommBytes()
         self.use(Setting(plan.exchange.algorithm, plan.exchange.fusion_mb))
