@@ -15,6 +15,7 @@ processes. Horovod's size (data-parallel ranks, one per device) is
 from __future__ import annotations
 
 import os
+import sys
 
 from dpjax.distributed.agree import agree
 from dpjax.distributed.launchers import COORDINATOR, LOCAL_RANK, NUM_PROCESSES, PROCESS_ID, detect
@@ -22,7 +23,14 @@ from dpjax.distributed.transport import COLLECTIVES, chosen, problem
 from dpjax.errors import UserError
 
 __all__ = ["COLLECTIVES", "COORDINATOR", "LOCAL_RANK", "LauncherError", "NUM_PROCESSES", "PROCESS_ID", "agree",
-           "initialize", "launched_processes", "local_rank", "process_count", "process_index", "ready"]
+           "initialize", "launched_processes", "leave_now", "local_rank", "process_count", "process_index", "ready"]
+
+
+# Seconds of silence after which the coordination service declares a process dead and
+# stops the others: what bounds a survivor's wait when no launcher stops it (srun without
+# --kill-on-bad-exit). Heartbeats come from a thread of their own, so a long compile or
+# step does not miss them.
+HEARTBEAT_S = 10
 
 
 class LauncherError(UserError):
@@ -92,13 +100,15 @@ def initialize(timeout_s: int | None = None, heartbeat_s: int | None = None, col
     collectives across processes; call `ready()` once the devices are set up (dpjax.train
     does). Bounded waits, so that a dead or stuck peer never hangs the job: `timeout_s`
     (DPJAX_INIT_TIMEOUT, default 300) for every process to join, and `heartbeat_s`
-    (DPJAX_HEARTBEAT_TIMEOUT, default 60) after which the coordination service declares
-    a silent process dead and stops the others with an error naming the task.
+    (DPJAX_HEARTBEAT_TIMEOUT, default 10) after which the coordination service declares
+    a silent process dead and stops the others with an error naming the task. A joined
+    process that fails (an uncaught exception, or `leave_now`) exits at once rather than
+    wait in JAX's shutdown barrier for peers that will never arrive.
     """
     if _joined() is not None:
         return True
     timeout_s = int(os.environ.get("DPJAX_INIT_TIMEOUT", 300)) if timeout_s is None else timeout_s
-    heartbeat_s = int(os.environ.get("DPJAX_HEARTBEAT_TIMEOUT", 60)) if heartbeat_s is None else heartbeat_s
+    heartbeat_s = int(os.environ.get("DPJAX_HEARTBEAT_TIMEOUT", HEARTBEAT_S)) if heartbeat_s is None else heartbeat_s
     found, name = detect(os.environ), chosen(collectives)
     if found is not None and found.problem:
         raise LauncherError(found.problem)
@@ -126,7 +136,30 @@ def initialize(timeout_s: int | None = None, heartbeat_s: int | None = None, col
         last = (str(e).strip().splitlines() or [type(e).__name__])[-1]
         raise LauncherError(f"JAX's {cluster} detection recognised this cluster but could not join it ({last}); "
                             f"to run this process alone, set {NUM_PROCESSES}=1 {PROCESS_ID}=0") from None
+    sys.excepthook = _leave_at_once(sys.excepthook)
     return True
+
+
+def _leave_at_once(hook):
+    """An uncaught exception in a joined process: report it and exit now. JAX's exit
+    handler would first wait in `jax.distributed`'s shutdown barrier for peers that are
+    stuck in a collective with this process (until the shutdown timeout, 300 s)."""
+
+    def leave(kind, value, tb):
+        hook(kind, value, tb)
+        leave_now(130 if issubclass(kind, KeyboardInterrupt) else 1)
+
+    return leave
+
+
+def leave_now(code: int) -> int:
+    """Exits a joined process failing with `code` at once (see `_leave_at_once`); returns
+    `code` when this process is alone or succeeding, to exit as usual."""
+    if code == 0 or _joined() is None:
+        return code
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def ready() -> None:

@@ -13,6 +13,7 @@ import dataclasses
 import os
 import sys
 
+from dpjax import distributed
 from dpjax.errors import UserError
 from dpjax.plan import flag
 from dpjax.settings import Settings
@@ -94,7 +95,7 @@ def main(argv=None) -> int:
         if os.environ.get("DPJAX_DEBUG"):
             raise
         print(f"error: {e}", file=sys.stderr)
-        return 2
+        return distributed.leave_now(2)  # one process of several: not via the shutdown barrier
     import jax
 
     if jax.process_index() == 0:  # one job, one summary (every process has the same)

@@ -1,0 +1,197 @@
+"""Every launcher dpjax knows, read from the environment it sets: pure checks against
+the values JAX's own cluster detection computes, then real processes on 127.0.0.1 under
+each launcher's variables (set by hand: Open MPI's, MPICH's PMI, SLURM's) that join one
+job or fail in one line; `dpjax.launch` stops a job within seconds of a killed rank."""
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from dpjax.distributed import launchers
+from dpjax.distributed.launchers import LAUNCHERS, detect
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+
+# What Open MPI 4.1.4's mpirun and MPICH 4.0.2's mpiexec set for rank 1 of 2 (read from
+# `mpirun -np 2 env` / `mpiexec.mpich -n 2 env` on Debian 12), and what srun sets.
+OMPI = {"OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_LOCAL_RANK": "1",
+        "OMPI_COMM_WORLD_LOCAL_SIZE": "2", "OMPI_MCA_orte_hnp_uri": "211353600.0;tcp://192.0.2.2:40583;"
+        "tcp6://[fd00::2]:44113", "PMIX_RANK": "1", "PMIX_NAMESPACE": "211353601"}
+MPICH = {"PMI_RANK": "1", "PMI_SIZE": "2", "PMI_FD": "8", "MPI_LOCALRANKID": "1", "MPI_LOCALNRANKS": "2"}
+SLURM = {"SLURM_JOB_ID": "123456", "SLURM_STEP_NODELIST": "node[007-009],gpu1", "SLURM_STEP_NUM_TASKS": "2",
+         "SLURM_NTASKS": "2", "SLURM_PROCID": "1", "SLURM_LOCALID": "0"}
+MARKERS = {v for launcher in LAUNCHERS for v in (launcher.marker, launcher.size, launcher.rank)} | {
+    "OMPI_MCA_orte_hnp_uri", "SLURM_STEP_NODELIST", "SLURM_JOB_ID", *launchers.GIVEN_COORDINATOR,
+    "JAX_COORDINATOR_PORT", "XLA_FLAGS"}
+
+
+def _jax_says(cluster, env, monkeypatch):
+    """JAX's own detector on the same variables: the independent reference."""
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    return cluster.get_coordinator_address(None, None), cluster.get_process_count(), cluster.get_process_id()
+
+
+def test_open_mpi_and_slurm_read_as_jax_reads_them(monkeypatch):
+    from jax._src.clusters import OmpiCluster, SlurmCluster
+
+    for env, cluster, name in ((OMPI, OmpiCluster, "Open MPI"), (SLURM, SlurmCluster, "SLURM (srun)")):
+        found = detect(env)
+        assert found.launcher == name and found.problem is None
+        assert (found.coordinator, found.size, found.rank) == _jax_says(cluster, env, monkeypatch)
+    assert detect(OMPI).local_rank == 1 and detect(SLURM).local_rank == 0
+    assert detect({**SLURM, "JAX_COORDINATOR_PORT": "1234"}).coordinator == "node007:1234"
+
+
+def test_a_launcher_without_a_coordinator_is_one_line_saying_how():
+    found = detect(MPICH)
+    assert (found.size, found.rank, found.local_rank, found.coordinator) == (2, 1, 1, None)
+    assert found.problem.startswith("MPICH / Hydra or another PMI launcher (Intel MPI) started this process "
+                                    "(PMI_RANK=1) as rank 1 of 2 but says no coordinator address")
+    assert "mpiexec -genv DPJAX_COORDINATOR HOST:PORT" in found.problem and "\n" not in found.problem
+    given = detect({**MPICH, "DPJAX_COORDINATOR": "10.0.0.1:1234"})
+    assert given.problem is None and given.coordinator == "10.0.0.1:1234"
+    # srun --mpi=pmi2 sets both: PMI decides the rank, SLURM knows where rank 0 is
+    assert detect({**MPICH, **SLURM}).coordinator == "node007:" + _slurm_port(SLURM)
+    pmix = detect({"PMIX_RANK": "3", "PMIX_NAMESPACE": "x"})
+    assert "no process count" in pmix.problem and "DPJAX_COORDINATOR" in pmix.problem
+    assert "is not a rank of" in detect({**MPICH, "PMI_RANK": "2"}).problem
+    assert "not HOST:PORT" in detect({**MPICH, "DPJAX_COORDINATOR": "host"}).problem
+
+
+def _slurm_port(env):
+    return str(int(env["SLURM_JOB_ID"]) % 4096 + 61440)
+
+
+def test_who_comes_first():
+    # mpirun inside a SLURM allocation: its ranks carry the srun step of its daemons too
+    assert detect({**SLURM, **OMPI, "SLURM_PROCID": "0"}).launcher == "Open MPI"
+    assert detect({**OMPI, "DPJAX_PROCESS_ID": "0", "DPJAX_NUM_PROCESSES": "1"}).alone  # set by hand: ours wins
+    # a batch script's own environment (no srun step): not a job of several
+    assert detect({"SLURM_JOB_ID": "1", "SLURM_NTASKS": "4", "SLURM_PROCID": "0"}) is None
+    assert detect({**MPICH, "PMI_SIZE": "1", "PMI_RANK": "0"}).alone
+
+
+# ---------------------------------------------------------------------------------------
+# real processes on 127.0.0.1
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launcher_env(kind: str, rank: int, n: int, port: int) -> dict:
+    """This machine's environment, scrubbed of every launcher's variables, plus what
+    `kind`'s launcher would set for `rank` of `n` processes on 127.0.0.1."""
+    env = {k: v for k, v in os.environ.items() if k not in MARKERS}
+    env.update(PYTHONPATH=ROOT, PYTHONUNBUFFERED="1", JAX_COORDINATOR_PORT=str(port))
+    env.update({
+        "openmpi": {"OMPI_COMM_WORLD_SIZE": str(n), "OMPI_COMM_WORLD_RANK": str(rank),
+                    "OMPI_COMM_WORLD_LOCAL_RANK": str(rank), "OMPI_MCA_orte_hnp_uri": "4096.0;tcp://127.0.0.1:1"},
+        "mpich": {"PMI_SIZE": str(n), "PMI_RANK": str(rank), "MPI_LOCALRANKID": str(rank),
+                  "DPJAX_COORDINATOR": f"127.0.0.1:{port}"},
+        "mpich-no-coordinator": {"PMI_SIZE": str(n), "PMI_RANK": str(rank), "MPI_LOCALRANKID": str(rank)},
+        "slurm": {"SLURM_JOB_ID": "77", "SLURM_STEP_NODELIST": "127.0.0.1", "SLURM_STEP_NUM_TASKS": str(n),
+                  "SLURM_PROCID": str(rank), "SLURM_LOCALID": str(rank)},
+    }[kind])
+    return env
+
+
+def run_under(kind: str, command: list, n: int = 2, timeout: float = 300):
+    """Starts `command` as n processes under `kind`'s variables; their (code, stdout, stderr)."""
+    port = free_port()
+    procs = [subprocess.Popen(command, env=launcher_env(kind, r, n, port), stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, cwd=ROOT) for r in range(n)]
+    try:
+        outs = [p.communicate(timeout=timeout) for p in procs]
+        return [(p.returncode, *o) for p, o in zip(procs, outs)]
+    finally:
+        for p in procs:
+            p.kill()
+
+
+@pytest.mark.parametrize("kind", ["openmpi", "mpich", "slurm"])
+def test_processes_under_each_launcher_join_one_job(kind):
+    results = run_under(kind, [sys.executable, os.path.join(HERE, "mp_join.py")])
+    for rank, (code, out, err) in enumerate(results):
+        assert code == 0, err[-2000:]
+        # 1 + 2, summed across the two processes: they are one job, each in its place
+        assert f"joined=True process {rank} of 2 local {rank} sum=3" in out, out + err[-2000:]
+
+
+def test_a_launcher_that_cannot_join_fails_in_one_line(corpus):
+    """MPICH with no coordinator: every process refuses in one line naming the launcher
+    and the fix; none trains alone (no metrics file is written)."""
+    metrics = os.path.join(os.path.dirname(corpus), "never.jsonl")
+    results = run_under("mpich-no-coordinator", [sys.executable, "-m", "dpjax.train", "--data", corpus,
+                                                 "--steps", "2", "--metrics", metrics], timeout=120)
+    for rank, (code, out, err) in enumerate(results):
+        lines = err.strip().splitlines()
+        assert code == 2 and len(lines) == 1, err
+        assert lines[0].startswith(f"error: MPICH / Hydra or another PMI launcher (Intel MPI) started this process "
+                                   f"(PMI_RANK={rank}) as rank {rank} of 2 but says no coordinator address; give one "
+                                   "with mpiexec -genv DPJAX_COORDINATOR HOST:PORT"), lines
+    assert not os.path.exists(metrics)
+
+
+def test_an_unknown_launcher_option_is_one_usage_line():
+    r = subprocess.run([sys.executable, "-m", "dpjax.launch", "-n", "4", "--max-restarts", "2", "--", "true"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and r.stdout == ""
+    assert r.stderr.splitlines() == ["python -m dpjax.launch: unrecognized arguments: --max-restarts (see python "
+                                     "-m dpjax.launch --help)"]
+    r = subprocess.run([sys.executable, "-m", "dpjax.launch", "-n", "2", "--", "no-such-command-dpjax"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and r.stderr.splitlines() == [
+        "dpjax.launch: cannot run 'no-such-command-dpjax': No such file or directory"]
+
+
+def _pids(marker):
+    out = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as fh:
+                if marker.encode() in fh.read():
+                    out.append(int(pid))
+        except OSError:
+            pass
+    return out
+
+
+@pytest.mark.parametrize("victim", [0, 1])
+def test_a_killed_rank_ends_the_launch_within_seconds(tmp_path, victim):
+    """SIGKILL of either rank mid-collective: the launcher stops the other at once and
+    its last line names the rank and the signal (not a library's status line)."""
+    marker = str(tmp_path / "victim")
+    launcher = subprocess.Popen([sys.executable, "-m", "dpjax.launch", "-n", "2", "--devices-per-process", "1", "--",
+                                 sys.executable, os.path.join(HERE, "mp_join.py"), "forever", marker],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                env={**os.environ, "PYTHONPATH": ROOT})
+    try:
+        deadline = time.time() + 120
+        out = ""
+        while out.count("sum=3") < 2:  # both joined and summing
+            assert time.time() < deadline and launcher.poll() is None, "the job never started"
+            out += launcher.stdout.readline()
+        rank = next(p for p in _pids(marker) if p != launcher.pid and
+                    f"DPJAX_PROCESS_ID={victim}".encode() in open(f"/proc/{p}/environ", "rb").read().split(b"\0"))
+        os.kill(rank, signal.SIGKILL)
+        t0 = time.time()
+        _, err = launcher.communicate(timeout=60)
+        took = time.time() - t0
+        assert launcher.returncode == 1
+        assert err.strip().splitlines()[-1] == (f"dpjax.launch: rank {victim} failed (signal 9): killed by SIGKILL, "
+                                                "no error output"), err[-2000:]
+        assert took < 5, took
+        assert _pids(marker) == []  # nothing left behind
+    finally:
+        for pid in _pids(marker):
+            os.kill(pid, signal.SIGKILL)
