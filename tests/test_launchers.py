@@ -11,6 +11,7 @@ import sys
 import time
 
 import pytest
+from conftest import read_losses
 
 from dpjax.distributed import launchers
 from dpjax.distributed.launchers import LAUNCHERS, detect
@@ -192,6 +193,115 @@ def test_a_killed_rank_ends_the_launch_within_seconds(tmp_path, victim):
                                                 "no error output"), err[-2000:]
         assert took < 5, took
         assert _pids(marker) == []  # nothing left behind
+    finally:
+        for pid in _pids(marker):
+            os.kill(pid, signal.SIGKILL)
+
+
+# ---------------------------------------------------------------------------------------
+# training under each launcher, and under the real ones where they are installed
+
+
+STEPS = 6
+
+
+def _train(corpus, metrics, *extra):
+    return [sys.executable, "-m", "dpjax.train", "--model", "gpt", "--d-model", "32", "--n-layers", "1", "--n-heads",
+            "2", "--seq-len", "16", "--batch-size", "16", "--data", corpus, "--eval-every", "0", "--eval-batches", "1",
+            "--progress", "none", "--mesh", "2x2x2", "--steps", str(STEPS), "--metrics", str(metrics), *extra]
+
+
+@pytest.fixture(scope="module")
+def single(corpus, tmp_path_factory):
+    """The same run in one process on 8 devices: the reference."""
+    from dpjax.train import main
+
+    path = tmp_path_factory.mktemp("single") / "m.jsonl"
+    assert main(_train(corpus, path)[3:]) == 0
+    return read_losses(path)
+
+
+def _one_job(results, path, single):
+    import numpy as np
+
+    for code, out, err in results:
+        assert code == 0, err[-2000:]
+    outs = [out for _, out, _ in results]
+    assert outs[0].count("done: 6 steps on mesh 2x2x2") == 1 and "done:" not in "".join(outs[1:])  # one summary
+    # float32 round-off only: the same global batch, summed across processes in another order
+    np.testing.assert_allclose(read_losses(path), single, rtol=2e-5, atol=0)
+
+
+@pytest.mark.parametrize("kind", ["openmpi", "mpich", "slurm"])
+def test_two_processes_under_each_launcher_train_as_one(corpus, single, tmp_path, kind):
+    path = tmp_path / "m.jsonl"
+    _one_job(run_under(kind, _train(corpus, path)), path, single)
+
+
+MPIRUN = {"openmpi": ["mpirun.openmpi", "--oversubscribe", "--allow-run-as-root", "-np", "2"],
+          "mpich": ["mpiexec.mpich", "-n", "2"]}
+
+
+def _real(kind):
+    import shutil
+
+    if shutil.which(MPIRUN[kind][0]) is None:
+        pytest.skip(f"{MPIRUN[kind][0]} is not installed (Debian: apt-get install "
+                    f"{'openmpi-bin' if kind == 'openmpi' else 'mpich'})")
+    env = {k: v for k, v in os.environ.items() if k not in MARKERS}
+    return env | {"PYTHONPATH": ROOT, "PYTHONUNBUFFERED": "1"}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["openmpi", "mpich"])
+def test_a_real_mpirun_trains_as_one(corpus, single, tmp_path, kind):
+    """mpirun / mpiexec itself, 2 processes on this host: one job (mpirun's output of
+    both ranks is merged, so the single summary is the check that rank 1 said nothing)."""
+    env, path = _real(kind), tmp_path / "m.jsonl"
+    given = ["-genv", "DPJAX_COORDINATOR", f"127.0.0.1:{free_port()}"] if kind == "mpich" else []
+    r = subprocess.run([*MPIRUN[kind], *given, *_train(corpus, path)], capture_output=True, text=True, env=env,
+                       timeout=600, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.count("done: 6 steps on mesh 2x2x2") == 1, r.stdout
+    import numpy as np
+
+    np.testing.assert_allclose(read_losses(path), single, rtol=2e-5, atol=0)
+
+
+@pytest.mark.slow
+def test_a_real_mpiexec_without_a_coordinator_fails_in_one_line_per_rank(corpus, tmp_path):
+    env = _real("mpich")
+    r = subprocess.run([*MPIRUN["mpich"], *_train(corpus, tmp_path / "never.jsonl")], capture_output=True, text=True,
+                       env=env, timeout=300, cwd=ROOT)
+    assert r.returncode != 0
+    errors = [line for line in r.stderr.splitlines() if line.startswith("error: ")]
+    assert sorted(errors) == [f"error: MPICH / Hydra or another PMI launcher (Intel MPI) started this process "
+                              f"(PMI_RANK={k}) as rank {k} of 2 but says no coordinator address; give one with "
+                              "mpiexec -genv DPJAX_COORDINATOR HOST:PORT (HOST where rank 0 runs, PORT a free port)"
+                              for k in (0, 1)], r.stderr
+    assert "Traceback" not in r.stderr and not (tmp_path / "never.jsonl").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind,victim", [("openmpi", 0), ("openmpi", 1), ("mpich", 0), ("mpich", 1)])
+def test_a_killed_rank_ends_a_real_mpirun_within_seconds(tmp_path, kind, victim):
+    env, marker = _real(kind), str(tmp_path / "victim")
+    given = ["-genv", "DPJAX_COORDINATOR", f"127.0.0.1:{free_port()}"] if kind == "mpich" else []
+    job = subprocess.Popen([*MPIRUN[kind], *given, sys.executable, os.path.join(HERE, "mp_join.py"), "forever",
+                            marker], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+    try:
+        deadline, out = time.time() + 120, ""
+        while out.count("sum=3") < 2:
+            assert time.time() < deadline and job.poll() is None, "the job never started"
+            out += job.stdout.readline()
+        rank_var = "OMPI_COMM_WORLD_RANK" if kind == "openmpi" else "PMI_RANK"
+        pid = next(p for p in _pids(marker) if f"{rank_var}={victim}".encode() in open(
+            f"/proc/{p}/environ", "rb").read().split(b"\0") and b"mp_join" in open(f"/proc/{p}/cmdline", "rb").read())
+        os.kill(pid, signal.SIGKILL)
+        t0 = time.time()
+        job.communicate(timeout=60)
+        assert job.returncode != 0 and time.time() - t0 < 5, time.time() - t0
+        assert [p for p in _pids(marker) if b"mp_join" in open(f"/proc/{p}/cmdline", "rb").read()] == []
     finally:
         for pid in _pids(marker):
             os.kill(pid, signal.SIGKILL)
