@@ -155,6 +155,19 @@ def test_an_unknown_launcher_option_is_one_usage_line():
         "dpjax.launch: cannot run 'no-such-command-dpjax': No such file or directory"]
 
 
+LAST_WORDS = ("import os, sys; rank = os.environ['DPJAX_PROCESS_ID']; print('working', flush=True); "
+              "rank == '1' and (print('ValueError: the real reason', file=sys.stderr), "
+              "print('[Gloo] Rank 1 is connected to 1 peer ranks.', file=sys.stderr), "
+              "print('I1123 21:45:10.902929   27495 client.cc:1] a status line', file=sys.stderr), sys.exit(3))")
+
+
+def test_the_last_line_is_the_ranks_own_error_not_a_library_status_line():
+    r = subprocess.run([sys.executable, "-m", "dpjax.launch", "-n", "2", "--", sys.executable, "-c", LAST_WORDS],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 3
+    assert r.stderr.strip().splitlines()[-1] == "dpjax.launch: rank 1 failed (exit code 3): ValueError: the real reason"
+
+
 def _pids(marker):
     out = []
     for pid in filter(str.isdigit, os.listdir("/proc")):
@@ -192,6 +205,7 @@ def test_a_killed_rank_ends_the_launch_within_seconds(tmp_path, victim):
         assert err.strip().splitlines()[-1] == (f"dpjax.launch: rank {victim} failed (signal 9): killed by SIGKILL, "
                                                 "no error output"), err[-2000:]
         assert took < 5, took
+        assert "sending SIGKILL" not in err  # SIGTERM was enough: JAX's preemption service did not swallow it
         assert _pids(marker) == []  # nothing left behind
     finally:
         for pid in _pids(marker):
