@@ -319,3 +319,38 @@ def test_a_killed_rank_ends_a_real_mpirun_within_seconds(tmp_path, kind, victim)
     finally:
         for pid in _pids(marker):
             os.kill(pid, signal.SIGKILL)
+
+
+# ---------------------------------------------------------------------------------------
+# --collectives gloo | mpi
+
+
+def test_mpi_without_mpitrampoline_is_one_line_everywhere(monkeypatch, tmp_path):
+    from dpjax import distributed
+    from dpjax.plan import UsageError, check
+    from dpjax.settings import Settings
+
+    monkeypatch.delenv("MPITRAMPOLINE_LIB", raising=False)
+    monkeypatch.delenv("DPJAX_COLLECTIVES", raising=False)
+    check(Settings(collectives="gloo"))
+    with pytest.raises(UsageError, match="--collectives mpi needs MPITrampoline's library, and MPITRAMPOLINE_LIB "
+                                         "is not set: build MPItrampoline's MPIwrapper"):
+        check(Settings(collectives="mpi"))
+    monkeypatch.setenv("DPJAX_COLLECTIVES", "mpi")  # what dpjax.launch --collectives mpi passes on
+    with pytest.raises(UsageError, match="MPITRAMPOLINE_LIB is not set"):
+        check(Settings())
+    monkeypatch.setenv("MPITRAMPOLINE_LIB", str(tmp_path / "missing.so"))
+    with pytest.raises(UsageError, match=r"MPITRAMPOLINE_LIB=.*missing.so is not a file"):
+        check(Settings())
+    (tmp_path / "libmpiwrapper.so").write_bytes(b"")
+    monkeypatch.setenv("MPITRAMPOLINE_LIB", str(tmp_path / "libmpiwrapper.so"))
+    check(Settings())  # present: accepted (this jaxlib has MPI collectives)
+    # the library's initialize refuses before joining anything
+    monkeypatch.delenv("MPITRAMPOLINE_LIB")
+    for k, v in {"DPJAX_COORDINATOR": "127.0.0.1:1", "DPJAX_NUM_PROCESSES": "2", "DPJAX_PROCESS_ID": "1"}.items():
+        monkeypatch.setenv(k, v)
+    with pytest.raises(distributed.LauncherError, match="MPITRAMPOLINE_LIB is not set"):
+        distributed.initialize(collectives="mpi")
+    r = subprocess.run([sys.executable, "-m", "dpjax.launch", "--collectives", "mpi", "--", "true"],
+                       capture_output=True, text=True, timeout=60, env={**os.environ, "PYTHONPATH": ROOT})
+    assert r.returncode == 2 and len(r.stderr.splitlines()) == 1 and "MPITRAMPOLINE_LIB is not set" in r.stderr
