@@ -354,3 +354,29 @@ def test_mpi_without_mpitrampoline_is_one_line_everywhere(monkeypatch, tmp_path)
     r = subprocess.run([sys.executable, "-m", "dpjax.launch", "--collectives", "mpi", "--", "true"],
                        capture_output=True, text=True, timeout=60, env={**os.environ, "PYTHONPATH": ROOT})
     assert r.returncode == 2 and len(r.stderr.splitlines()) == 1 and "MPITRAMPOLINE_LIB is not set" in r.stderr
+
+
+@pytest.mark.parametrize("victim", [0, 1])
+def test_without_a_launcher_to_stop_it_a_survivor_stops_within_the_heartbeat(victim):
+    """srun without --kill-on-bad-exit stops nobody: the survivor of a killed rank, idle
+    in the job, ends by itself within DPJAX_HEARTBEAT_TIMEOUT (4 s here, 10 by default):
+    at once when rank 0 (the coordinator) died, once the dead rank misses its heartbeats
+    otherwise."""
+    port = free_port()
+    procs = [subprocess.Popen([sys.executable, os.path.join(HERE, "mp_join.py"), "forever"],
+                              env={**launcher_env("slurm", r, 2, port), "DPJAX_HEARTBEAT_TIMEOUT": "4"},
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT) for r in range(2)]
+    try:
+        deadline = time.time() + 120
+        for p in procs:
+            while "sum=3" not in p.stdout.readline():
+                assert time.time() < deadline and p.poll() is None, "the job never started"
+        procs[victim].kill()
+        t0 = time.time()
+        survivor = procs[1 - victim]
+        _, err = survivor.communicate(timeout=60)
+        assert survivor.returncode != 0 and time.time() - t0 < 4 + 2, (time.time() - t0, err[-1000:])
+        assert ("stopped sending heartbeats" if victim else "Failed to send RPC to coordination service") in err
+    finally:
+        for p in procs:
+            p.kill()
