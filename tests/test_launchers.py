@@ -380,3 +380,20 @@ def test_without_a_launcher_to_stop_it_a_survivor_stops_within_the_heartbeat(vic
     finally:
         for p in procs:
             p.kill()
+
+
+def test_a_failing_process_leaves_at_once_not_through_the_shutdown_barrier():
+    """Rank 1 raises while rank 0 is busy elsewhere: it prints its traceback and exits
+    at once, rather than wait in JAX's shutdown barrier for rank 0 (300 s)."""
+    port = free_port()
+    procs = [subprocess.Popen([sys.executable, os.path.join(HERE, "mp_join.py"), "forever", "fail"],
+                              env=launcher_env("slurm", r, 2, port), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, cwd=ROOT) for r in range(2)]
+    try:
+        _, err = procs[1].communicate(timeout=60)  # joining takes seconds; the barrier would take 300
+        t_exit = time.time()
+        assert procs[1].returncode == 1 and err.strip().splitlines()[-1] == "ValueError: rank 1 gives up", err
+        assert procs[0].poll() is None or time.time() - t_exit < 1  # rank 0 was still there to wait for
+    finally:
+        for p in procs:
+            p.kill()
