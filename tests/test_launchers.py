@@ -100,6 +100,7 @@ def launcher_env(kind: str, rank: int, n: int, port: int) -> dict:
         "mpich": {"PMI_SIZE": str(n), "PMI_RANK": str(rank), "MPI_LOCALRANKID": str(rank),
                   "DPJAX_COORDINATOR": f"127.0.0.1:{port}"},
         "mpich-no-coordinator": {"PMI_SIZE": str(n), "PMI_RANK": str(rank), "MPI_LOCALRANKID": str(rank)},
+        "none": {},
         "slurm": {"SLURM_JOB_ID": "77", "SLURM_STEP_NODELIST": "127.0.0.1", "SLURM_STEP_NUM_TASKS": str(n),
                   "SLURM_PROCID": str(rank), "SLURM_LOCALID": str(rank)},
     }[kind])
@@ -394,6 +395,31 @@ def test_a_failing_process_leaves_at_once_not_through_the_shutdown_barrier():
         t_exit = time.time()
         assert procs[1].returncode == 1 and err.strip().splitlines()[-1] == "ValueError: rank 1 gives up", err
         assert procs[0].poll() is None or time.time() - t_exit < 1  # rank 0 was still there to wait for
+    finally:
+        for p in procs:
+            p.kill()
+
+
+@pytest.mark.parametrize("port", ["free", "broken"])
+def test_where_no_launcher_is_set_jax_detection_decides(port):
+    """A cluster only JAX's detection knows (a registered ClusterEnv, as Kubernetes is):
+    the processes join through `jax.distributed.initialize()`; where JAX recognises the
+    cluster but cannot join it, one line."""
+    port = str(free_port()) if port == "free" else port
+    procs = [subprocess.Popen([sys.executable, os.path.join(HERE, "mp_join.py"), "fake-cluster"],
+                              env={**launcher_env("none", r, 2, 0), "FAKE_CLUSTER_RANK": str(r),
+                                   "FAKE_CLUSTER_PORT": port},
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT) for r in range(2)]
+    try:
+        for rank, p in enumerate(procs):
+            out, err = p.communicate(timeout=120)
+            if port == "broken":
+                assert p.returncode == 1 and err.strip().splitlines()[-1] == (
+                    "dpjax.distributed.LauncherError: JAX's FakeCluster detection recognised this cluster but could "
+                    "not join it (the cluster's API says no); to run this process alone, set DPJAX_NUM_PROCESSES=1 "
+                    "DPJAX_PROCESS_ID=0"), err
+            else:
+                assert p.returncode == 0 and f"joined=True process {rank} of 2 local 0 sum=3" in out, err[-2000:]
     finally:
         for p in procs:
             p.kill()

@@ -81,8 +81,20 @@ def _jax_cluster() -> str | None:
     from jax._src import clusters
 
     ours = ("OmpiCluster", "SlurmCluster")  # read by dpjax's registry, with its checks
-    return next((env.__name__ for env in clusters.ClusterEnv._cluster_types
-                 if env.__name__ not in ours and not env.opt_in_only_method and env.is_env_present()), None)
+    for env in clusters.ClusterEnv._cluster_types:
+        if env.__name__ in ours or env.opt_in_only_method:
+            continue
+        try:
+            if env.is_env_present():
+                return env.__name__
+        except Exception as e:  # e.g. Kubernetes' API unreachable from this pod
+            raise LauncherError(f"JAX's {env.__name__} detection failed ({_last_line(e)}); to run this process "
+                                f"alone, set {NUM_PROCESSES}=1 {PROCESS_ID}=0") from None
+    return None
+
+
+def _last_line(e: BaseException) -> str:
+    return (str(e).strip().splitlines() or [type(e).__name__])[-1]
 
 
 def initialize(timeout_s: int | None = None, heartbeat_s: int | None = None, collectives: str | None = None) -> bool:
@@ -133,8 +145,8 @@ def initialize(timeout_s: int | None = None, heartbeat_s: int | None = None, col
     except (RuntimeError, ValueError) as e:
         if found is not None:
             raise  # our launcher's values were complete: a failure to connect is not the user's input
-        last = (str(e).strip().splitlines() or [type(e).__name__])[-1]
-        raise LauncherError(f"JAX's {cluster} detection recognised this cluster but could not join it ({last}); "
+        raise LauncherError(f"JAX's {cluster} detection recognised this cluster but could not join it "
+                            f"({_last_line(e)}); "
                             f"to run this process alone, set {NUM_PROCESSES}=1 {PROCESS_ID}=0") from None
     sys.excepthook = _leave_at_once(sys.excepthook)
     return True
