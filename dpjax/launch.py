@@ -90,6 +90,29 @@ def _how(code: int) -> str:
     return f"signal {-code}" if code < 0 else f"exit code {code}"
 
 
+class Stopper:
+    """Stops processes by escalation: the first signal of a ladder now, each next one
+    `grace` seconds after the last while any process is still running."""
+
+    def __init__(self, procs):
+        self.procs, self.signals, self.grace, self.step, self.at = procs, (), 0.0, -1, 0.0
+
+    def start(self, signals, grace: float, step: int = 0) -> None:
+        self.signals, self.grace = signals, grace
+        self._send(step)
+
+    def tick(self) -> None:
+        if 0 <= self.step < len(self.signals) - 1 and time.time() - self.at >= self.grace:
+            alive = [r for r, p in enumerate(self.procs) if p.poll() is None]
+            print(f"dpjax.launch: ranks {alive} still running {self.grace:g} s after {self.signals[self.step].name}; "
+                  f"sending {self.signals[self.step + 1].name}", file=sys.stderr, flush=True)
+            self._send(self.step + 1)
+
+    def _send(self, step: int) -> None:
+        self.step, self.at = step, time.time()
+        _stop(self.procs, self.signals[step])
+
+
 def launch(command: list[str], n: int, devices_per_process: int | None = None, port: int | None = None,
            collectives: str | None = None) -> int:
     """Runs `command` in n processes; returns the exit status the launcher should exit with."""
@@ -115,24 +138,11 @@ def launch(command: list[str], n: int, devices_per_process: int | None = None, p
 
     grace = float(os.environ.get("DPJAX_LAUNCH_GRACE", GRACE_S))
     kill_grace = float(os.environ.get("DPJAX_LAUNCH_KILL_GRACE", KILL_GRACE_S))
-    interrupted = {"n": 0}
-    ladder = {"signals": ESCALATION, "step": -1, "at": 0.0, "grace": grace}  # the last signal sent, and when
+    stopper, interrupted = Stopper(procs), {"n": 0}
 
-    def escalate(step=None, signals=None, wait=None):
-        if signals is not None:
-            ladder.update(signals=signals, grace=wait)
-        ladder["step"] = ladder["step"] + 1 if step is None else step
-        ladder["at"] = time.time()
-        if ladder["step"] > 0 and step is None:
-            alive = [r for r, p in enumerate(procs) if p.poll() is None]
-            print(f"dpjax.launch: ranks {alive} still running {ladder['grace']:g} s after "
-                  f"{ladder['signals'][ladder['step'] - 1].name}; sending {ladder['signals'][ladder['step']].name}",
-                  file=sys.stderr, flush=True)
-        _stop(procs, ladder["signals"][ladder["step"]])
-
-    def on_sigint(signum, frame):
+    def on_sigint(signum, frame):  # the first Ctrl-C lets a run save; the second kills
         interrupted["n"] += 1
-        escalate(0 if interrupted["n"] == 1 else len(ESCALATION) - 1, ESCALATION, grace)
+        stopper.start(ESCALATION, grace, 0 if interrupted["n"] == 1 else len(ESCALATION) - 1)
 
     old = signal.signal(signal.SIGINT, on_sigint)
     failed, running = None, n
@@ -150,10 +160,8 @@ def launch(command: list[str], n: int, devices_per_process: int | None = None, p
                     if alive:
                         print(f"dpjax.launch: rank {rank} failed ({_how(procs[rank].returncode)}); sending SIGTERM "
                               f"to ranks {alive}", file=sys.stderr, flush=True)
-                        escalate(0, ON_FAILURE, kill_grace)
-            steps = ladder["signals"]
-            if 0 <= ladder["step"] < len(steps) - 1 and time.time() - ladder["at"] >= ladder["grace"]:
-                escalate()
+                        stopper.start(ON_FAILURE, kill_grace)
+            stopper.tick()
     finally:
         signal.signal(signal.SIGINT, old)
         for p in procs:
