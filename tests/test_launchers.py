@@ -254,23 +254,27 @@ def test_two_processes_under_each_launcher_train_as_one(corpus, single, tmp_path
 
 
 MPIRUN = {"openmpi": ["mpirun.openmpi", "--oversubscribe", "--allow-run-as-root", "-np", "2"],
-          "mpich": ["mpiexec.mpich", "-n", "2"]}
+          "mpich": ["mpiexec.mpich", "-n", "2"],
+          "slurm": ["srun", "-n", "2", "--overcommit", "--kill-on-bad-exit=1"]}
+PACKAGE = {"openmpi": "openmpi-bin", "mpich": "mpich", "slurm": "slurmd slurmctld slurm-client munge, and a running "
+                                                                 "controller and node"}
 
 
 def _real(kind):
     import shutil
 
     if shutil.which(MPIRUN[kind][0]) is None:
-        pytest.skip(f"{MPIRUN[kind][0]} is not installed (Debian: apt-get install "
-                    f"{'openmpi-bin' if kind == 'openmpi' else 'mpich'})")
+        pytest.skip(f"{MPIRUN[kind][0]} is not installed (Debian: apt-get install {PACKAGE[kind]})")
+    if kind == "slurm" and subprocess.run(["sinfo", "-h"], capture_output=True, timeout=30).returncode != 0:
+        pytest.skip("srun is installed but no SLURM controller answers (sinfo fails)")
     env = {k: v for k, v in os.environ.items() if k not in MARKERS}
     return env | {"PYTHONPATH": ROOT, "PYTHONUNBUFFERED": "1"}
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["openmpi", "mpich"])
+@pytest.mark.parametrize("kind", ["openmpi", "mpich", "slurm"])
 def test_a_real_mpirun_trains_as_one(corpus, single, tmp_path, kind):
-    """mpirun / mpiexec itself, 2 processes on this host: one job (mpirun's output of
+    """mpirun / mpiexec / srun itself, 2 processes on this host: one job (the output of
     both ranks is merged, so the single summary is the check that rank 1 said nothing)."""
     env, path = _real(kind), tmp_path / "m.jsonl"
     given = ["-genv", "DPJAX_COORDINATOR", f"127.0.0.1:{free_port()}"] if kind == "mpich" else []
@@ -298,7 +302,7 @@ def test_a_real_mpiexec_without_a_coordinator_fails_in_one_line_per_rank(corpus,
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind,victim", [("openmpi", 0), ("openmpi", 1), ("mpich", 0), ("mpich", 1)])
+@pytest.mark.parametrize("kind,victim", [(k, v) for k in ("openmpi", "mpich", "slurm") for v in (0, 1)])
 def test_a_killed_rank_ends_a_real_mpirun_within_seconds(tmp_path, kind, victim):
     env, marker = _real(kind), str(tmp_path / "victim")
     given = ["-genv", "DPJAX_COORDINATOR", f"127.0.0.1:{free_port()}"] if kind == "mpich" else []
@@ -309,7 +313,7 @@ def test_a_killed_rank_ends_a_real_mpirun_within_seconds(tmp_path, kind, victim)
         while out.count("sum=3") < 2:
             assert time.time() < deadline and job.poll() is None, "the job never started"
             out += job.stdout.readline()
-        rank_var = "OMPI_COMM_WORLD_RANK" if kind == "openmpi" else "PMI_RANK"
+        rank_var = {"openmpi": "OMPI_COMM_WORLD_RANK", "mpich": "PMI_RANK", "slurm": "SLURM_PROCID"}[kind]
         pid = next(p for p in _pids(marker) if f"{rank_var}={victim}".encode() in open(
             f"/proc/{p}/environ", "rb").read().split(b"\0") and b"mp_join" in open(f"/proc/{p}/cmdline", "rb").read())
         os.kill(pid, signal.SIGKILL)
@@ -423,3 +427,26 @@ def test_where_no_launcher_is_set_jax_detection_decides(port):
     finally:
         for p in procs:
             p.kill()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("victim", [0, 1])
+def test_a_real_srun_without_kill_on_bad_exit_ends_within_the_heartbeat(tmp_path, victim):
+    env, marker = _real("slurm"), str(tmp_path / "victim")
+    job = subprocess.Popen(["srun", "-n", "2", "--overcommit", sys.executable, os.path.join(HERE, "mp_join.py"),
+                            "forever", marker], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                           env={**env, "DPJAX_HEARTBEAT_TIMEOUT": "4"}, cwd=ROOT)
+    try:
+        deadline, out = time.time() + 120, ""
+        while out.count("sum=3") < 2:
+            assert time.time() < deadline and job.poll() is None, "the job never started"
+            out += job.stdout.readline()
+        pid = next(p for p in _pids(marker) if f"SLURM_PROCID={victim}".encode() in open(
+            f"/proc/{p}/environ", "rb").read().split(b"\0"))
+        os.kill(pid, signal.SIGKILL)
+        t0 = time.time()
+        job.communicate(timeout=60)
+        assert job.returncode != 0 and time.time() - t0 < 4 + 3, time.time() - t0
+    finally:
+        for pid in _pids(marker):
+            os.kill(pid, signal.SIGKILL)
