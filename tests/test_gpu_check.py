@@ -9,6 +9,8 @@ import subprocess
 import sys
 from types import SimpleNamespace
 
+import pytest
+
 
 from dpjax.train import hardware
 
@@ -64,6 +66,7 @@ def test_the_check_scripts_arithmetic():
     assert gc.peak("NVIDIA Tesla T4") == (None, None)
 
 
+@pytest.mark.slow  # four processes that start JAX: about 25 s on two idle cores
 def test_the_gpu_check_smoke_runs_on_cpu(tmp_path):
     out = tmp_path / "gpu.md"
     r = subprocess.run([sys.executable, os.path.join(ROOT, "experiments", "gpu_check.py"), "--smoke",
