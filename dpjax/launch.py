@@ -1,14 +1,18 @@
-"""`python -m dpjax.launch -n 2 [--devices-per-process 4] -- python -m dpjax.train ...`
+"""`python -m dpjax.launch -n 2 [--devices-per-process 4] [--collectives gloo|mpi] -- python -m dpjax.train ...`
 
 Starts N processes of one command on this host, joined by `jax.distributed` through a
 coordinator on a free 127.0.0.1 port (see dpjax.distributed.initialize). Each line a
-process prints comes out prefixed with its rank. When one process fails, or on
-Ctrl-C, the launcher stops the others by escalating, as torchrun does: SIGINT (a
-training run finishes its step and saves), then SIGTERM after a grace period, then
-SIGKILL after another (DPJAX_LAUNCH_GRACE seconds, default 10; a second Ctrl-C kills at
-once), so that no process is left behind however it is stuck; it exits non-zero,
-naming the failed rank and its last error line. On a cluster the same training
-command runs under `srun` or `mpirun` instead, without this launcher (see the README).
+process prints comes out prefixed with its rank.
+
+When a process dies, the others cannot go on (every step is collective): the launcher
+sends them SIGTERM at once and SIGKILL DPJAX_LAUNCH_KILL_GRACE seconds later (default 2),
+and exits non-zero with a last line naming the rank, how it died (exit code or signal)
+and its own last error line (not a library's status line). On Ctrl-C it escalates as
+torchrun does: SIGINT (a training run finishes its step and saves), then SIGTERM after a
+grace period, then SIGKILL after another (DPJAX_LAUNCH_GRACE seconds, default 10; a second
+Ctrl-C kills at once), so that no process is left behind however it is stuck. On a
+cluster the same training command runs under `srun` or `mpirun` instead, without this
+launcher (see the README's "Running on a cluster").
 
 `--shape-mbit R` (Linux, as root) runs all the processes in a private network
 namespace whose loopback is shaped to R Mbit/s with a token bucket (`tc ... tbf`), so
@@ -21,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import queue
 import re
 import shutil
 import signal
@@ -31,10 +36,16 @@ import threading
 import time
 
 from dpjax import distributed
+from dpjax.distributed import transport
 
-GRACE_S = 10  # between the steps of the escalation (DPJAX_LAUNCH_GRACE overrides it)
+GRACE_S = 10  # between the steps of the Ctrl-C escalation (DPJAX_LAUNCH_GRACE overrides it)
+KILL_GRACE_S = 2  # after a rank died: SIGTERM, then SIGKILL this much later (DPJAX_LAUNCH_KILL_GRACE)
 SHAPED = "DPJAX_SHAPED_MBIT"  # set inside the shaped namespace: the launcher there does not shape again
 ESCALATION = (signal.SIGINT, signal.SIGTERM, signal.SIGKILL)
+ON_FAILURE = (signal.SIGTERM, signal.SIGKILL)  # survivors cannot finish a step without the dead rank
+# What a healthy process's libraries print (gloo's connection report, glog INFO / WARNING
+# lines): never the reason it died, so never the line that blames it.
+NOISE = re.compile(r"^\[Gloo\]|^[IW]\d{4} \d\d:\d\d:\d\d")
 
 
 def free_port() -> int:
@@ -43,11 +54,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def process_env(rank: int, n: int, port: int, devices_per_process: int | None) -> dict:
+def process_env(rank: int, n: int, port: int, devices_per_process: int | None, collectives: str | None = None) -> dict:
     env = dict(os.environ)
     env.update({distributed.COORDINATOR: f"127.0.0.1:{port}", distributed.NUM_PROCESSES: str(n),
                 distributed.PROCESS_ID: str(rank), distributed.LOCAL_RANK: str(rank),
                 "PYTHONUNBUFFERED": "1"})
+    if collectives:
+        env[transport.ENV] = collectives
     if devices_per_process:
         flags = re.sub(r"--xla_force_host_platform_device_count=\S*", "", env.get("XLA_FLAGS", ""))
         env["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={devices_per_process}".strip()
@@ -56,7 +69,7 @@ def process_env(rank: int, n: int, port: int, devices_per_process: int | None) -
 
 def _pump(rank: int, stream, out, last_lines: dict, lock: threading.Lock):
     for line in iter(stream.readline, ""):
-        if line.strip():
+        if line.strip() and not NOISE.match(line):
             last_lines[rank] = line.rstrip()
         with lock:
             out.write(f"[{rank}] {line}")
@@ -73,51 +86,82 @@ def _stop(procs, sig=signal.SIGTERM):
                 pass
 
 
-def launch(command: list[str], n: int, devices_per_process: int | None = None, port: int | None = None) -> int:
+def _how(code: int) -> str:
+    return f"signal {-code}" if code < 0 else f"exit code {code}"
+
+
+class Stopper:
+    """Stops processes by escalation: the first signal of a ladder now, each next one
+    `grace` seconds after the last while any process is still running."""
+
+    def __init__(self, procs):
+        self.procs, self.signals, self.grace, self.step, self.at = procs, (), 0.0, -1, 0.0
+
+    def start(self, signals, grace: float, step: int = 0) -> None:
+        self.signals, self.grace = signals, grace
+        self._send(step)
+
+    def tick(self) -> None:
+        if 0 <= self.step < len(self.signals) - 1 and time.time() - self.at >= self.grace:
+            alive = [r for r, p in enumerate(self.procs) if p.poll() is None]
+            print(f"dpjax.launch: ranks {alive} still running {self.grace:g} s after {self.signals[self.step].name}; "
+                  f"sending {self.signals[self.step + 1].name}", file=sys.stderr, flush=True)
+            self._send(self.step + 1)
+
+    def _send(self, step: int) -> None:
+        self.step, self.at = step, time.time()
+        _stop(self.procs, self.signals[step])
+
+
+def launch(command: list[str], n: int, devices_per_process: int | None = None, port: int | None = None,
+           collectives: str | None = None) -> int:
     """Runs `command` in n processes; returns the exit status the launcher should exit with."""
     port = port or free_port()
     lock = threading.Lock()
     last_out: dict[int, str] = {}
     last_err: dict[int, str] = {}
+    exits: queue.Queue = queue.Queue()  # ranks in the order they exit (a waiter thread each)
     procs, pumps = [], []
     for rank in range(n):
-        p = subprocess.Popen(command, env=process_env(rank, n, port, devices_per_process),
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1)
+        try:
+            p = subprocess.Popen(command, env=process_env(rank, n, port, devices_per_process, collectives),
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1)
+        except OSError as e:
+            _stop(procs, signal.SIGKILL)
+            return _refuse(f"cannot run {command[0]!r}: {e.strerror}")
         procs.append(p)
+        threading.Thread(target=lambda r=rank, p=p: (p.wait(), exits.put(r)), daemon=True).start()
         for stream, out, last in ((p.stdout, sys.stdout, last_out), (p.stderr, sys.stderr, last_err)):
             t = threading.Thread(target=_pump, args=(rank, stream, out, last, lock), daemon=True)
             t.start()
             pumps.append(t)
 
     grace = float(os.environ.get("DPJAX_LAUNCH_GRACE", GRACE_S))
-    interrupted = {"n": 0}
-    ladder = {"step": -1, "at": 0.0}  # the last signal of ESCALATION sent, and when
+    kill_grace = float(os.environ.get("DPJAX_LAUNCH_KILL_GRACE", KILL_GRACE_S))
+    stopper, interrupted = Stopper(procs), {"n": 0}
 
-    def escalate(step=None):
-        ladder["step"] = ladder["step"] + 1 if step is None else step
-        ladder["at"] = time.time()
-        if ladder["step"] > 0:
-            alive = [r for r, p in enumerate(procs) if p.poll() is None]
-            print(f"dpjax.launch: ranks {alive} still running {grace:g} s after "
-                  f"{ESCALATION[ladder['step'] - 1].name}; sending {ESCALATION[ladder['step']].name}",
-                  file=sys.stderr, flush=True)
-        _stop(procs, ESCALATION[ladder["step"]])
-
-    def on_sigint(signum, frame):
+    def on_sigint(signum, frame):  # the first Ctrl-C lets a run save; the second kills
         interrupted["n"] += 1
-        escalate(0 if interrupted["n"] == 1 else len(ESCALATION) - 1)
+        stopper.start(ESCALATION, grace, 0 if interrupted["n"] == 1 else len(ESCALATION) - 1)
 
     old = signal.signal(signal.SIGINT, on_sigint)
-    failed = None
+    failed, running = None, n
     try:
-        while any(p.poll() is None for p in procs):
-            for rank, p in enumerate(procs):
-                if failed is None and p.poll() not in (None, 0) and not interrupted["n"]:
+        while running:
+            try:
+                rank = exits.get(timeout=0.1)
+            except queue.Empty:
+                rank = None
+            if rank is not None:
+                running -= 1
+                if failed is None and procs[rank].returncode != 0 and not interrupted["n"]:
                     failed = rank
-                    escalate(0)
-            if 0 <= ladder["step"] < len(ESCALATION) - 1 and time.time() - ladder["at"] >= grace:
-                escalate()
-            time.sleep(0.1)
+                    alive = [r for r, p in enumerate(procs) if p.poll() is None]
+                    if alive:
+                        print(f"dpjax.launch: rank {rank} failed ({_how(procs[rank].returncode)}); sending SIGTERM "
+                              f"to ranks {alive}", file=sys.stderr, flush=True)
+                        stopper.start(ON_FAILURE, kill_grace)
+            stopper.tick()
     finally:
         signal.signal(signal.SIGINT, old)
         for p in procs:
@@ -129,9 +173,9 @@ def launch(command: list[str], n: int, devices_per_process: int | None = None, p
     if failed is None:
         return 0
     code = procs[failed].returncode
-    why = last_err.get(failed) or last_out.get(failed) or "no output"
-    how = f"signal {-code}" if code < 0 else f"exit code {code}"
-    print(f"dpjax.launch: rank {failed} failed ({how}): {why}", file=sys.stderr, flush=True)
+    why = last_err.get(failed) or (f"killed by {signal.Signals(-code).name}, no error output" if code < 0 else
+                                   last_out.get(failed) or "no output")
+    print(f"dpjax.launch: rank {failed} failed ({_how(code)}): {why}", file=sys.stderr, flush=True)
     return code if code > 0 else 1
 
 
@@ -160,17 +204,17 @@ def _refuse(message: str) -> int:
     return 2
 
 
-def main(argv=None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if "--" in argv:
-        cut = argv.index("--")
-        argv, command = argv[:cut], argv[cut + 1:]
-    else:
-        command = []
-    p = argparse.ArgumentParser(
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, not argparse's usage block: the command line is the user's
+        print(f"{self.prog}: {message} (see {self.prog} --help)", file=sys.stderr, flush=True)
+        sys.exit(2)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(
         prog="python -m dpjax.launch",
         description="Run a command in N processes on this host, joined by jax.distributed "
-                    "(gloo on CPU, NCCL on GPU). Example: python -m dpjax.launch -n 2 "
+                    "(gloo or MPI on CPU, NCCL on GPU). Example: python -m dpjax.launch -n 2 "
                     "-- python -m dpjax.train --mesh 2x2x2",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("-n", "--nproc", type=int, default=2, help="processes to start")
@@ -178,22 +222,43 @@ def main(argv=None) -> int:
                    help="simulated CPU devices per process (sets XLA_FLAGS; GPUs are not affected). Default: "
                         "dpjax.train simulates its mesh's size / the process count")
     p.add_argument("--port", type=int, help="coordinator port on 127.0.0.1 (default: a free one)")
+    p.add_argument("--collectives", choices=tuple(transport.COLLECTIVES),
+                   help="CPU collectives between the processes (sets DPJAX_COLLECTIVES). Default: the command's "
+                        "own choice (dpjax.train --collectives), else gloo")
     p.add_argument("--shape-mbit", type=float,
                    help="shape the loopback the processes talk over to this many Mbit/s (tc tbf in a private "
                         "network namespace; Linux, root)")
-    args, rest = p.parse_known_args(argv)
-    command = rest + command
+    # the command starts at the first word that is not one of ours; an option we do not
+    # know before it is an error, never a command to run
+    p.add_argument("command", nargs=argparse.REMAINDER, help="the command (after '--', or after our options)")
+    return p
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    p = build_parser()
+    if "--" in argv:
+        cut = argv.index("--")
+        args, command = p.parse_args(argv[:cut]), argv[cut + 1:]
+        if args.command:
+            p.error(f"unrecognized arguments: {' '.join(args.command)}")
+    else:
+        args = p.parse_args(argv)
+        command = args.command
     if not command:
         p.error("no command given; put it after '--', e.g. -- python -m dpjax.train --mesh 2x2x2")
     if args.nproc < 1:
         p.error("-n must be at least 1")
     if args.shape_mbit is not None and args.shape_mbit <= 0:
         p.error("--shape-mbit must be positive")
+    if args.collectives and transport.problem(args.collectives):
+        return _refuse(transport.problem(args.collectives))
     if args.shape_mbit is not None and not os.environ.get(SHAPED):
-        unshaped = [a for i, a in enumerate(argv) if a != "--shape-mbit" and not a.startswith("--shape-mbit=")
-                    and (i == 0 or argv[i - 1] != "--shape-mbit")]
+        ours = argv[:argv.index("--")] if "--" in argv else argv[:len(argv) - len(command)]
+        unshaped = [a for i, a in enumerate(ours) if a != "--shape-mbit" and not a.startswith("--shape-mbit=")
+                    and (i == 0 or ours[i - 1] != "--shape-mbit")]
         return shaped(unshaped + ["--", *command], args.shape_mbit)
-    return launch(command, args.nproc, args.devices_per_process, args.port)
+    return launch(command, args.nproc, args.devices_per_process, args.port, args.collectives)
 
 
 if __name__ == "__main__":

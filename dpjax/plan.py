@@ -132,6 +132,7 @@ def check(s: Settings) -> None:
     nothing. Raises UsageError (one line)."""
     from dpjax.collectives import ALGORITHMS, REDUCE_SCATTER_ALGORITHMS
     from dpjax import compression
+    from dpjax.distributed import COLLECTIVES, transport
     from dpjax.models import MODELS, model_options
     from dpjax.optim import LR_SCALINGS, OPTIMIZERS
     from dpjax.pipeline import SCHEDULES
@@ -153,6 +154,10 @@ def check(s: Settings) -> None:
     one_of("--compression", s.compression, ("none", *compression.names()))
     if s.schedule is not None:
         one_of("--schedule", s.schedule, SCHEDULES)
+    collectives = transport.chosen(s.collectives)
+    one_of("--collectives", collectives, COLLECTIVES)
+    if transport.problem(collectives):  # e.g. mpi without MPItrampoline's library
+        raise UsageError(transport.problem(collectives))
     if s.tp_allreduce == "hierarchical":
         raise UsageError("--tp-allreduce hierarchical needs two axes; the model axis is one")
     if s.fsdp and s.allreduce not in (*REDUCE_SCATTER_ALGORITHMS, "auto"):

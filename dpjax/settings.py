@@ -46,6 +46,12 @@ def _updates_help():
     return HELP
 
 
+def _collectives():
+    from dpjax.distributed import COLLECTIVES
+
+    return tuple(COLLECTIVES)
+
+
 def _opt(default, help: str, **kw):
     return field(default=default, metadata={"help": help, **kw})
 
@@ -135,4 +141,10 @@ class Settings:
                                   "after any autotune")
     autotune_samples: int = _opt(3, "with --allreduce auto or --fusion-mb auto: timed steps per candidate in each "
                                     "round of the search (successive halving; the slower half goes each round)")
+    # Processes (dpjax.distributed)
+    collectives: str | None = _opt(None, "CPU collectives between processes: gloo (TCP, works everywhere) or mpi "
+                                         "(JAX's MPI collectives through MPItrampoline: needs MPITRAMPOLINE_LIB, see "
+                                         "the README's 'Running on a cluster'); GPUs use NCCL whatever this says. "
+                                         "Default: dpjax.launch --collectives' choice (DPJAX_COLLECTIVES), else gloo",
+                            choices=lambda: _collectives())
     model_options: dict = field(default_factory=dict)  # from --d-model etc.: {option: value}

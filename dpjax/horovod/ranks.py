@@ -58,7 +58,8 @@ def _inside(axis_name) -> bool:
 
 def init():
     """Starts jax.distributed when launched as one of several processes (dpjax.launch,
-    SLURM, Open MPI); a single process needs nothing."""
+    Open MPI, MPICH and other PMI launchers, SLURM, or a cluster JAX detects: see
+    `dpjax.distributed.launchers`); a single process needs nothing."""
     distributed.initialize()
 
 

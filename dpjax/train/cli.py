@@ -13,6 +13,7 @@ import dataclasses
 import os
 import sys
 
+from dpjax import distributed
 from dpjax.errors import UserError
 from dpjax.plan import flag
 from dpjax.settings import Settings
@@ -108,6 +109,9 @@ def main(argv=None) -> int:
         if os.environ.get("DPJAX_DEBUG"):
             raise
         print(f"error: {e}", file=sys.stderr)
-        return 2
-    print(summary_line(summary), flush=True)
+        return distributed.leave_now(2)  # one process of several: not via the shutdown barrier
+    import jax
+
+    if jax.process_index() == 0:  # one job, one summary (every process has the same)
+        print(summary_line(summary), flush=True)
     return 130 if summary["interrupted"] else 0

@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import sys
 
 from dpjax import distributed
 from dpjax.plan import check, devices_per_process, resolve
 from dpjax.settings import Settings
-from dpjax.train import observe, record, tuning
+from dpjax.train import hardware, observe, record, tuning
 
 
 def setup_devices(cfg: Settings):
@@ -26,12 +27,13 @@ def setup_devices(cfg: Settings):
     the mesh is made of."""
     from dpjax.mesh import mesh_size, simulate_cpu_devices
 
-    distributed.initialize()
+    distributed.initialize(collectives=cfg.collectives)
     per_process = devices_per_process(cfg, distributed.launched_processes())
     simulate_cpu_devices(per_process or 8)
     import jax
 
     devices = jax.devices()
+    distributed.ready()  # the transport's first collective, now that the devices are set
     want = mesh_size(cfg.mesh) if cfg.mesh else None
     if want is not None and want < len(devices) and jax.process_count() == 1:
         devices = devices[:want]  # e.g. --mesh 1x1 on a machine with several GPUs
@@ -53,6 +55,10 @@ class Trainer:
         from dpjax.data import make_streams
 
         self.mesh, self.model, self.layout, self.opt = plan.mesh, plan.model, plan.layout, plan.opt
+        self.say(hardware.devices_line(list(self.mesh.devices.flat), jax.process_count()))
+        warning = hardware.cpu_but_gpu_warning(jax.devices())
+        if warning and jax.process_index() == 0:
+            print(warning, file=sys.stderr, flush=True)
         self.train_stream, self.val_stream = make_streams(cfg.data, cfg.seq_len, cfg.seed, vocab_size=cfg.vocab_size,
                                                           token_dtype=cfg.token_dtype)
         self._steps, self.comm_bytes = {}, observe.CommBytes()

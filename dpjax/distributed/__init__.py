@@ -1,0 +1,183 @@
+"""Processes: which launcher started this one, `jax.distributed` initialisation, the CPU
+transport, and the process index / count.
+
+One process may drive several devices (JAX's model); these helpers answer for
+processes. Horovod's size (data-parallel ranks, one per device) is
+`dpjax.dp_size(mesh)`; inside `shard_map`, a device's rank along an axis is
+`lax.axis_index`.
+
+    launchers.py   the registry of launchers (dpjax.launch, Open MPI, MVAPICH, MPICH /
+                   PMI, PMIx, SLURM): rank, size, local rank, coordinator, or one line
+    transport.py   gloo | mpi for CPU collectives across processes
+    agree.py       every process about to make the same collective call
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from dpjax.distributed.agree import agree
+from dpjax.distributed.launchers import COORDINATOR, LOCAL_RANK, NUM_PROCESSES, PROCESS_ID, detect
+from dpjax.distributed.transport import COLLECTIVES, chosen, problem
+from dpjax.errors import UserError
+
+__all__ = ["COLLECTIVES", "COORDINATOR", "LOCAL_RANK", "LauncherError", "NUM_PROCESSES", "PROCESS_ID", "agree",
+           "initialize", "launched_processes", "leave_now", "local_rank", "process_count", "process_index", "ready"]
+
+
+# Seconds of silence after which the coordination service declares a process dead and
+# stops the others: what bounds a survivor's wait when no launcher stops it (srun without
+# --kill-on-bad-exit). Heartbeats come from a thread of their own, so a long compile or
+# step does not miss them.
+HEARTBEAT_S = 10
+
+
+class LauncherError(UserError):
+    """This process was started as one of several but cannot join them (or cannot use
+    the transport asked for): one line saying which launcher and what is missing."""
+
+
+def process_index() -> int:
+    """This process's index among all processes (0 in a single-process run)."""
+    import jax
+
+    return jax.process_index()
+
+
+def process_count() -> int:
+    """Number of processes. Not Horovod's `size()`: a process may drive several devices,
+    and the data-parallel rank count is `dpjax.dp_size(mesh)`."""
+    import jax
+
+    return jax.process_count()
+
+
+def _joined():
+    from jax._src import distributed as jax_distributed
+
+    return jax_distributed.global_state if jax_distributed.global_state.client is not None else None
+
+
+def launched_processes() -> int:
+    """The process count, readable before JAX's backends start: `jax.distributed`'s once
+    it is joined, else what the launcher announces (1 when there is none)."""
+    joined = _joined()
+    if joined is not None:
+        return joined.num_processes
+    found = detect(os.environ)
+    return found.size if found is not None and found.problem is None else 1
+
+
+def local_rank() -> int:
+    """This process's index among the processes on its host."""
+    found = detect(os.environ)
+    return found.local_rank if found is not None else 0
+
+
+def _jax_cluster() -> str | None:
+    """A cluster JAX's own detection recognises (Kubernetes, Cloud TPU, ...) beside the
+    launchers dpjax reads itself; its name, or None."""
+    from jax._src import clusters
+
+    ours = ("OmpiCluster", "SlurmCluster")  # read by dpjax's registry, with its checks
+    for env in clusters.ClusterEnv._cluster_types:
+        if env.__name__ in ours or env.opt_in_only_method:
+            continue
+        try:
+            if env.is_env_present():
+                return env.__name__
+        except Exception as e:  # e.g. Kubernetes' API unreachable from this pod
+            raise LauncherError(f"JAX's {env.__name__} detection failed ({_last_line(e)}); to run this process "
+                                f"alone, set {NUM_PROCESSES}=1 {PROCESS_ID}=0") from None
+    return None
+
+
+def _last_line(e: BaseException) -> str:
+    return (str(e).strip().splitlines() or [type(e).__name__])[-1]
+
+
+def initialize(timeout_s: int | None = None, heartbeat_s: int | None = None, collectives: str | None = None) -> bool:
+    """Starts `jax.distributed` when this process is one of several; True if it did (or
+    had already).
+
+    The launcher is read from the environment (`launchers.LAUNCHERS`: dpjax.launch, Open
+    MPI, MVAPICH, MPICH / Hydra and other PMI launchers, PMIx, SLURM); where none of those
+    is set, JAX's own cluster detection (Kubernetes and the rest) decides. A process that
+    was started as one of several and cannot join (no coordinator, no process count)
+    raises `LauncherError`, one line naming the launcher and what is missing, rather than
+    train alone beside its siblings. A single process is left alone.
+
+    `collectives` ("gloo" or "mpi"; default DPJAX_COLLECTIVES, else gloo) carries CPU
+    collectives across processes; call `ready()` once the devices are set up (dpjax.train
+    does). Bounded waits, so that a dead or stuck peer never hangs the job: `timeout_s`
+    (DPJAX_INIT_TIMEOUT, default 300) for every process to join, and `heartbeat_s`
+    (DPJAX_HEARTBEAT_TIMEOUT, default 10) after which the coordination service declares
+    a silent process dead and stops the others with an error naming the task. A joined
+    process that fails (an uncaught exception, or `leave_now`) exits at once rather than
+    wait in JAX's shutdown barrier for peers that will never arrive.
+    """
+    if _joined() is not None:
+        return True
+    timeout_s = int(os.environ.get("DPJAX_INIT_TIMEOUT", 300)) if timeout_s is None else timeout_s
+    heartbeat_s = int(os.environ.get("DPJAX_HEARTBEAT_TIMEOUT", HEARTBEAT_S)) if heartbeat_s is None else heartbeat_s
+    found, name = detect(os.environ), chosen(collectives)
+    if found is not None and found.problem:
+        raise LauncherError(found.problem)
+    if found is not None and found.size == 1:
+        return False
+    cluster = _jax_cluster() if found is None else None
+    if found is None and cluster is None:
+        return False
+    missing = problem(name)
+    if missing:
+        raise LauncherError(missing)
+    import jax
+
+    jax.config.update("jax_cpu_collectives_implementation", name)
+    # SIGTERM keeps its default action (the process ends at once, even inside a stuck
+    # collective): JAX's preemption service would otherwise catch it and keep running
+    jax.config.update("jax_enable_preemption_service", False)
+    kwargs = {} if found is None else dict(coordinator_address=found.coordinator, num_processes=found.size,
+                                           process_id=found.rank)
+    try:
+        jax.distributed.initialize(initialization_timeout=timeout_s, heartbeat_timeout_seconds=heartbeat_s, **kwargs)
+    except (RuntimeError, ValueError) as e:
+        if found is not None:
+            raise  # our launcher's values were complete: a failure to connect is not the user's input
+        raise LauncherError(f"JAX's {cluster} detection recognised this cluster but could not join it "
+                            f"({_last_line(e)}); "
+                            f"to run this process alone, set {NUM_PROCESSES}=1 {PROCESS_ID}=0") from None
+    sys.excepthook = _leave_at_once(sys.excepthook)
+    return True
+
+
+def _leave_at_once(hook):
+    """An uncaught exception in a joined process: report it and exit now. JAX's exit
+    handler would first wait in `jax.distributed`'s shutdown barrier for peers that are
+    stuck in a collective with this process (until the shutdown timeout, 300 s)."""
+
+    def leave(kind, value, tb):
+        hook(kind, value, tb)
+        leave_now(130 if issubclass(kind, KeyboardInterrupt) else 1)
+
+    return leave
+
+
+def leave_now(code: int) -> int:
+    """Exits a joined process failing with `code` at once (see `_leave_at_once`); returns
+    `code` when this process is alone or succeeding, to exit as usual."""
+    if code == 0 or _joined() is None:
+        return code
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def ready() -> None:
+    """What the transport needs once the CPU backend exists (MPI: a tiny warm-up
+    collective, and the order of the exit handlers); nothing for gloo or one process."""
+    if _joined() is not None:
+        import jax
+
+        COLLECTIVES[jax.config.jax_cpu_collectives_implementation or "gloo"].ready()
