@@ -41,13 +41,14 @@ def compressed(shape, dtype, rank: int) -> bool:
 
 
 def init(params, spec):
-    """Q of every tensor, (1, b, R) for a compressed one and (1, 0, R) otherwise, so the
-    tree has the parameters' structure whatever the shapes. The leading 1 is this
-    device's slot on the axes that split the parameter (`state_specs`)."""
+    """Q of every tensor, (1, b, R) for a compressed one and an unused (1, 1, R) otherwise
+    (a real Q has b > 1; orbax saves no empty arrays), so the tree has the parameters'
+    structure whatever the shapes. The leading 1 is this device's slot on the axes that
+    split the parameter (`state_specs`)."""
     R = spec.number
 
     def one(i, x):
-        b = _matrix(x.shape)[1] if compressed(x.shape, x.dtype, R) else 0
+        b = _matrix(x.shape)[1] if compressed(x.shape, x.dtype, R) else 1
         key = jax.random.fold_in(jax.random.key(0), i)
         return jax.random.normal(key, (1, b, R), jnp.float32)
 

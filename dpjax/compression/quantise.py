@@ -2,10 +2,10 @@
 error feedback.
 
 Each rank's flat bucket is cut into the ring's n chunks (`_common.as_chunks`). A message
-is one chunk of c values quantised in blocks of BLOCK values: q = round(x / s) clipped to
-[-L, L] with s = max|x| / L per block (L = 127 for int8, 7 for int4: symmetric, so zero
-is exact), sent as c int8 values (int4: two a byte, ceil(c/2) bytes) followed by one
-float32 scale per block. The reduce-scatter half of the ring sends each partial sum
+is one chunk of c values quantised in blocks of BLOCK values: q = round(x / 2^k) in
+[-L, L] with 2^k the smallest power of two such that L 2^k >= max|x| in the block
+(L = 127 for int8, 7 for int4: symmetric, so zero is exact), sent as c int8 values
+(int4: two a byte, ceil(c/2) bytes) followed by one int8 exponent k per block. The reduce-scatter half of the ring sends each partial sum
 requantised (1-bit / 8-bit schemes such as DeepSpeed's and INTELLECT-1's int8 allreduce
 quantise what they forward); the owner of a finished chunk quantises it once more and
 the all-gather half forwards that message unchanged, so every rank decodes the same mean.
@@ -13,7 +13,7 @@ the all-gather half forwards that message unchanged, so every rank decodes the s
 Error feedback sees every rounding: the error of a hop (partial - dequantised partial) is
 added to the sender's error buffer at that chunk, so the sum over ranks of the new error
 buffers is exactly what the quantisation removed, and nothing is lost, only delayed.
-Bytes per rank: 2 (n - 1) messages of c * bits / 8 + 4 * ceil(c / BLOCK).
+Bytes per rank: 2 (n - 1) messages of c * bits / 8 + ceil(c / BLOCK).
 """
 
 from __future__ import annotations
@@ -31,48 +31,60 @@ from dpjax.compression.registry import Method, register
 BLOCK = 256  # values per scale
 
 
+def exponents(x_KxB, bits: int):
+    """Per block, the smallest k with L * 2^k >= max|x| (int32; at least -128 so it fits a byte)."""
+    L = 2 ** (bits - 1) - 1
+    p = L.bit_length()  # 2^(p-1) <= L < 2^p, so 2^(e-p) or 2^(e-p+1) is the scale (frexp: max < 2^e)
+    top = jnp.max(jnp.abs(x_KxB), axis=1)
+    k = jnp.frexp(top)[1] - p
+    k = jnp.where(L * jnp.ldexp(jnp.ones_like(top), k) < top, k + 1, k)  # exact: a power of two times L
+    return jnp.clip(k, -128, 127)
+
+
 def quantise(x, bits: int):
-    """x (c,) -> (q int8 (c,), scales float32 (ceil(c/BLOCK),)); the scale travels as
-    float32, and x is divided by that float32 value (so sender and receiver agree)."""
+    """x (c,) -> (q int8 (c,), block exponents int8 (ceil(c/BLOCK),)): q = round(x / 2^k)
+    in [-L, L], L = 2^(bits-1) - 1, one power-of-two scale a block (a shared exponent, as
+    in the OCP microscaling formats). Every step but the rounding is exact, so a
+    compiler's rewrites (a division turned into a multiplication) cannot change it."""
     L = 2 ** (bits - 1) - 1
     c = x.shape[0]
     blocks = math.ceil(c / BLOCK)
     xb = jnp.pad(x, (0, blocks * BLOCK - c)).reshape(blocks, BLOCK)
-    scale = (jnp.max(jnp.abs(xb), axis=1) / L).astype(jnp.float32)
-    safe = jnp.where(scale > 0, scale, 1.0).astype(x.dtype)
-    q = jnp.clip(jnp.round(xb / safe[:, None]), -L, L).astype(jnp.int8)
-    return q.reshape(-1)[:c], scale
+    k = exponents(xb, bits)
+    q = jnp.clip(jnp.round(jnp.ldexp(xb, -k[:, None])), -L, L).astype(jnp.int8)
+    return q.reshape(-1)[:c], k.astype(jnp.int8)
 
 
-def dequantise(q, scale):
+def dequantise(q, k, dtype=jnp.float32):
     c = q.shape[0]
-    blocks = scale.shape[0]
-    qb = jnp.pad(q, (0, blocks * BLOCK - c)).reshape(blocks, BLOCK).astype(jnp.float32)
-    return (qb * scale[:, None]).reshape(-1)[:c]
+    blocks = k.shape[0]
+    qb = jnp.pad(q, (0, blocks * BLOCK - c)).reshape(blocks, BLOCK).astype(dtype)
+    return jnp.ldexp(qb, k.astype(jnp.int32)[:, None]).reshape(-1)[:c]
 
 
 def encode_bits(x, bits: int):
-    """One chunk's message: its quantised values (int4: two a byte), then its scales."""
-    q, scale = quantise(x, bits)
+    """One chunk's message: its quantised values (int4: two a byte), then its block exponents."""
+    q, k = quantise(x, bits)
     if bits == 4:
         u = (q + 8).astype(jnp.uint8)  # 1..15
         u = jnp.pad(u, (0, u.shape[0] % 2)).reshape(-1, 2)
         payload = u[:, 0] | (u[:, 1] << 4)
     else:
         payload = _wire.to_bytes(q)
-    return jnp.concatenate([payload, _wire.to_bytes(scale)])
+    return jnp.concatenate([payload, _wire.to_bytes(k)])
 
 
-def decode_bits(msg, c: int, bits: int):
+def decode_bits(msg, c: int, bits: int, dtype=jnp.float32):
+    """The c values a message stands for (exactly q * 2^k, in `dtype`)."""
     nq = math.ceil(c / 2) if bits == 4 else c
     blocks = math.ceil(c / BLOCK)
-    scale = _wire.from_bytes(msg[nq:], jnp.float32, blocks)
+    k = _wire.from_bytes(msg[nq:], jnp.int8, blocks)
     if bits == 4:
         u = jnp.stack([msg[:nq] & 15, msg[:nq] >> 4], axis=1).reshape(-1)[:c]
         q = u.astype(jnp.int8) - 8
     else:
         q = _wire.from_bytes(msg[:nq], jnp.int8, c)
-    return dequantise(q, scale)
+    return dequantise(q, k, dtype)
 
 
 @links.timed
@@ -91,7 +103,7 @@ def ring_mean(x, axis_name, bits: int):
 
     def send(partial, chunk, err):
         msg = encode_bits(partial, bits)
-        lost = partial - decode_bits(msg, c, bits).astype(x.dtype)
+        lost = partial - decode_bits(msg, c, bits, x.dtype)
         err = lax.dynamic_update_index_in_dim(err, row(err, chunk) + lost, chunk, 0)
         return permute(msg, axis_name, ring), err
 
@@ -99,16 +111,16 @@ def ring_mean(x, axis_name, bits: int):
     partial = row(rows, r % n)
     for s in range(n - 1):
         msg, err = send(partial, (r - s) % n, err)
-        partial = decode_bits(msg, c, bits).astype(x.dtype) + row(rows, (r - s - 1) % n)
+        partial = decode_bits(msg, c, bits, x.dtype) + row(rows, (r - s - 1) % n)
     own = (r + 1) % n  # the chunk whose whole sum this rank holds
     msg = encode_bits(partial, bits)
-    mean = decode_bits(msg, c, bits).astype(x.dtype)
+    mean = decode_bits(msg, c, bits, x.dtype)
     err = lax.dynamic_update_index_in_dim(err, row(err, own) + partial - mean, own, 0)
     out = lax.dynamic_update_index_in_dim(jnp.zeros_like(rows), mean, own, 0)
     # all-gather: forward the finished messages unchanged
     for s in range(n - 1):
         msg = permute(msg, axis_name, ring)
-        out = lax.dynamic_update_index_in_dim(out, decode_bits(msg, c, bits).astype(x.dtype), (r - s) % n, 0)
+        out = lax.dynamic_update_index_in_dim(out, decode_bits(msg, c, bits, x.dtype), (r - s) % n, 0)
     return undo(out / n), undo(err)
 
 
@@ -118,10 +130,10 @@ def _method(bits: int) -> Method:
 
     def nbytes(d, n, spec, segments, allreduce):
         c = max(1, math.ceil(d / n))
-        return 2 * (n - 1) * ((math.ceil(c / 2) if bits == 4 else c) + 4 * math.ceil(c / BLOCK))
+        return 2 * (n - 1) * ((math.ceil(c / 2) if bits == 4 else c) + math.ceil(c / BLOCK))
 
     return Method(f"int{bits}", lambda x: encode_bits(x.reshape(-1), bits),
-                  lambda msg, like: decode_bits(msg, like.size, bits).reshape(like.shape).astype(like.dtype),
+                  lambda msg, like: decode_bits(msg, like.size, bits, like.dtype).reshape(like.shape),
                   lambda dt: jnp.issubdtype(dt, jnp.floating), jnp.dtype(jnp.uint8), linear=False,
                   exchange=per_bucket(reduce), wire_bytes=per_bucket_bytes(nbytes))
 
