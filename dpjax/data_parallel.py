@@ -101,6 +101,9 @@ def DistributedOptimizer(inner: optax.GradientTransformation, axis_name="data", 
     keeps_state = axis_name is not None and stateful(compression)
     if keeps_state and op != "mean":
         raise ValueError(f"compression {compression!r} averages with error feedback: op must be 'mean', not {op!r}")
+    if keeps_state and options.get("groups") is not None:
+        raise ValueError(f"compression {compression!r} runs its own exchange over the whole axis: it takes no "
+                         "process sets (groups=)")
     if int(backward_passes_per_step) != backward_passes_per_step or backward_passes_per_step < 1:
         raise ValueError(f"backward_passes_per_step must be a positive integer, got {backward_passes_per_step}")
     if gradient_predivide_factor <= 0:

@@ -18,6 +18,7 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+import dpjax.horovod as hvd
 from dpjax import compression
 from dpjax.collectives.cost import hlo_comm
 from dpjax.compression import feedback, powersgd, quantise
@@ -245,3 +246,31 @@ def test_a_checkpoint_mid_run_resumes_bit_for_bit(corpus, tmp_path, extra):
     assert main(base + ["--steps", "6", "--resume"]) == 0
     assert main(_tiny(corpus, *extra, "--steps", "6", "--metrics", str(straight))) == 0
     assert len(losses(path)) == 6 and losses(path) == losses(straight)
+
+
+@pytest.mark.parametrize("make", [lambda spec: DistributedOptimizer(optax.sgd(1.0), "data", compression=spec),
+                                  lambda spec: hvd.DistributedOptimizer(optax.sgd(1.0), compression=spec)],
+                         ids=["dpjax", "horovod"])
+def test_distributed_optimizers_take_the_methods(mesh_of, make):
+    """One SGD step (lr 1) through int8 moves the parameters by numpy's ring mean, and
+    each rank's state holds numpy's error buffer; hvd.allreduce refuses a stateful method."""
+    mesh = mesh_of(f"data={N}", N)
+    d = N * quantise.BLOCK + 5
+    xs = np.random.default_rng(4).standard_normal((N, d)).astype(np.float32)
+    tx = make(hvd.Compression.int8)
+
+    def body(g):
+        assert g.shape == (1, d), g.shape
+        w = jnp.zeros(d)
+        updates, state = tx.update(g[0], tx.init(w), w)
+        return optax.apply_updates(w, updates)[None], state.compression.error[None]
+
+    w, err = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("data"), out_specs=P("data"), check_vma=False))(
+        jnp.asarray(xs))
+    want_mean, want_err = _np_ring(xs, 8)
+    np.testing.assert_array_equal(np.asarray(w[0]), -want_mean)
+    np.testing.assert_array_equal(np.asarray(err), want_err)
+    assert hvd.Compression.powersgd(4, start=10) == "powersgd:4,start=10"
+    with pytest.raises(ValueError, match="keeps error-feedback state across steps"):
+        jax.jit(jax.shard_map(lambda g: hvd.allreduce(g, compression=hvd.Compression.sign), mesh=mesh,
+                              in_specs=P("data"), out_specs=P("data"), check_vma=False))(jnp.asarray(xs))
