@@ -8,6 +8,7 @@ bit for bit."""
 from __future__ import annotations
 
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -274,3 +275,58 @@ def test_distributed_optimizers_take_the_methods(mesh_of, make):
     with pytest.raises(ValueError, match="keeps error-feedback state across steps"):
         jax.jit(jax.shard_map(lambda g: hvd.allreduce(g, compression=hvd.Compression.sign), mesh=mesh,
                               in_specs=P("data"), out_specs=P("data"), check_vma=False))(jnp.asarray(xs))
+
+
+def _plan(**kw):
+    from dpjax.plan import resolve
+    from dpjax.settings import Settings
+
+    return resolve(Settings(seq_len=16, batch_size=16, **kw))
+
+
+TINY = {"d_model": 32, "n_layers": 1, "n_heads": 8}
+
+
+def test_compress_axes_node_compresses_only_what_crosses_sites():
+    """2 sites of 4 (2x4x1), int8 over node: every uint8 point-to-point step pairs devices
+    of different sites, and every step inside a site is exact float32."""
+    from dpjax import step as S
+    from dpjax.timeline import compiled_text
+
+    plan = _plan(mesh="2x4x1", compression="int8", compress_axes="node", model_options=TINY)
+    assert plan.workers == ("node",) and plan.exchange.inner_kwargs()["compression"] is None
+    st = S.for_plan(plan)
+    params, state = st.init(S.init_params(plan.model, plan.layout, jax.random.key(0)))
+    batch = jax.ShapeDtypeStruct((1, 16, 17), jnp.int32, sharding=NamedSharding(plan.mesh, P(None, ("node", "data"))))
+    text = compiled_text(st.train, params, state, batch)
+    sends = re.findall(r"= (\w+)\[[\d,]*\]\{[^}]*\} collective-permute\(.*source_target_pairs=\{([\d,{}]*)\}", text)
+    assert {d for d, _ in sends} == {"u8", "f32"}, sends
+    for dtype, pairs in sends:
+        cross = [int(s) // 4 != int(t) // 4 for s, t in re.findall(r"\{(\d+),(\d+)\}", pairs)]
+        assert all(cross) if dtype == "u8" else not any(cross), (dtype, pairs)
+
+
+def test_the_warning_when_compression_cannot_pay():
+    from dpjax.plan import compression_warning
+
+    link = ["node=183ms,23mbit"]
+    tiny = _plan(mesh="2x4x1", compression="bf16", link=link, model_options=TINY)
+    # 14 ring steps of 183 ms dwarf 324 kB at 23 Mbit/s: halving the bytes cannot pay
+    assert compression_warning(tiny).startswith("warning: --compression bf16 cannot pay on --link node=183ms,23mbit")
+    assert compression_warning(_plan(mesh="2x4x1", compression="int8", compress_axes="node", link=link)) is None
+    assert compression_warning(_plan(mesh="2x4x1", compression="bf16", model_options=TINY)) is None  # no link
+
+
+@pytest.mark.parametrize("kw,needle", [
+    ({"fsdp": True, "compression": "sign"}, "FSDP's reduce-scatter inside the backward pass cannot carry"),
+    ({"compression": "powersgd"}, "--compression: compression 'powersgd' needs the rank R: e.g. powersgd:4"),
+    ({"compression": "topk:0.01,ef=2"}, "ef takes 0 or 1"),
+    ({"mesh": "2x4x1", "compression": "int8", "compress_axes": "node", "workers": "data"},
+     "name the same axes in --workers"),
+    ({"mesh": "2x4x1", "compress_axes": "node"}, "--compress-axes node needs a --compression")])
+def test_refusals_are_one_line(kw, needle):
+    from dpjax.errors import UserError
+
+    with pytest.raises(UserError, match=re.escape(needle)) as e:
+        _plan(**{"model_options": TINY, **kw})
+    assert "\n" not in str(e.value)

@@ -2,7 +2,8 @@
 
 Vogels, Karimireddy & Jaggi, "PowerSGD: Practical Low-Rank Gradient Compression for
 Distributed Optimization", NeurIPS 2019 (torch's `powerSGD_hook`). Each gradient tensor
-is viewed as a matrix M (a, b) = (dim 0, the rest); with the previous step's Q (b, R):
+is viewed as a matrix M (a, b) (`_matrix`: leading dimensions against the rest, the cut
+nearest to square); with the previous step's Q (b, R):
 
     P = mean_i(M_i Q)          one allreduce (every tensor's P fused into buckets)
     P = orthonormal(P)         (QR; the same on every rank: P is)
@@ -11,7 +12,8 @@ is viewed as a matrix M (a, b) = (dim 0, the rest); with the previous step's Q (
     err_i = M_i - approx       (error feedback), Q kept for the next step (warm start)
 
 A tensor is sent exactly (in one more fused allreduce) when it is 1-D, not floating, or
-its factors would not be smaller: (a + b) R >= a b. Q starts from a normal draw with a
+its factors would not be at least MIN_RATE = 2 times smaller: 2 (a + b) R > a b (torch's
+min_compression_rate; a stack of per-layer vectors, (layers, d), is sent exactly). Q starts from a normal draw with a
 fixed key, the same on every rank. At full rank (R = min(a, b)) P spans M's columns and
 the exchange returns the exact mean (the math is in `factor_mean`; such a tensor is sent
 exactly anyway, being no smaller).
@@ -28,8 +30,15 @@ from jax.sharding import PartitionSpec as P
 from dpjax.compression.registry import Method, register
 
 
+MIN_RATE = 2  # torch's min_compression_rate: smaller savings are not worth the two extra exchanges
+
+
 def _matrix(shape) -> tuple[int, int]:
-    return shape[0], math.prod(shape[1:])
+    """The matrix view (a, b) of a tensor: its leading dimensions against the rest, cut
+    where a + b is smallest (torch's hook views (dim 0, rest); dpjax's layer-stacked
+    weights put the layer count first, which would leave almost nothing to compress)."""
+    cuts = [(math.prod(shape[:k]), math.prod(shape[k:])) for k in range(1, len(shape))]
+    return min(cuts, key=sum)
 
 
 def compressed(shape, dtype, rank: int) -> bool:
@@ -37,7 +46,7 @@ def compressed(shape, dtype, rank: int) -> bool:
     if len(shape) < 2 or not jnp.issubdtype(dtype, jnp.floating):
         return False
     a, b = _matrix(shape)
-    return (a + b) * rank < a * b
+    return (a + b) * rank * MIN_RATE <= a * b
 
 
 def init(params, spec):
