@@ -4,9 +4,10 @@ message per rank, so each point-to-point step carries exactly the method's bytes
 from __future__ import annotations
 
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
-BITS = jnp.asarray([1, 2, 4, 8, 16, 32, 64, 128], jnp.uint8)
+BITS = np.asarray([1, 2, 4, 8, 16, 32, 64, 128], np.uint8)  # numpy: importing dpjax must not start JAX
 
 
 def to_bytes(x):
