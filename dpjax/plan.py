@@ -130,6 +130,10 @@ class Plan:
                "autotune": list(self.autotune)}
         if lay.pipeline is not None:
             out["pipeline"] = dataclasses.asdict(lay.pipeline)
+        if self.exchange.compression is not None and self.model is not None:
+            from dpjax.compression.accounting import ratio
+
+            out["compression_ratio"] = ratio(self)
         return out
 
 
@@ -376,41 +380,6 @@ def for_rule(rule, mesh, abstract_params, *, param_specs=None, passes: int = 1,
         raise ValueError(f"passes must be at least 1, got {passes}")
     specs = param_specs if param_specs is not None else jax.tree.map(lambda _: P(), abstract_params)
     return Plan(mesh, Layout(mesh, specs, workers=as_axes(rule.axes)), rule, exchange, passes)
-
-
-def compression_warning(plan: Plan) -> str | None:
-    """One line when the cost model says the compression cannot pay on the plan's links:
-    the workers' exchange over the slowest emulated link they cross, uncompressed against
-    compressed (alpha-beta, `cost.compressed_bytes`, the same number of latencies for
-    both: a lower bound for the methods that send more messages, so a method that loses
-    even then cannot pay). Agarwal et al. (MLSys 2022) found compression beat a tuned
-    synchronous baseline in only 6 of 200+ datacenter settings. None when it can pay,
-    without links, or without compression."""
-    import math
-
-    import jax
-
-    from dpjax.collectives import cost
-    from dpjax.mesh import data_axes
-
-    ex = plan.exchange
-    axes = tuple(plan.workers) if ex.between_workers_only else data_axes(plan.mesh)
-    links = [link for link in plan.links if link.axis in axes and plan.mesh.shape[link.axis] > 1]
-    if ex.compression is None or not links or plan.model is None:
-        return None
-    n = math.prod(plan.mesh.shape[a] for a in axes)
-    shapes = [tuple(x.shape) for x in jax.tree.leaves(jax.eval_shape(plan.model.init, jax.random.key(0)))]
-    opts = {"algorithm": ex.algorithm, "fusion_mb": ex.fusion_mb, **ex.options}
-    plain, packed = (cost.compressed_bytes(c, shapes, n, **opts) for c in (None, ex.compression))
-    steps = cost.schedule(ex.algorithm, n, 1, **ex.options).total_steps
-    link = max(links, key=lambda x: x.latency + plain / x.bandwidth)
-    exact_s, compressed_s = (steps * link.latency + b / link.bandwidth for b in (plain, packed))
-    if compressed_s < 0.9 * exact_s:
-        return None
-    return (f"warning: --compression {ex.compression} cannot pay on --link {link}: the cost model gives "
-            f"{exact_s * 1e3:.1f} ms an exchange uncompressed, at least {compressed_s * 1e3:.1f} ms compressed "
-            f"({plain:,} -> {packed:,} bytes: "
-            f"{'it barely shrinks them' if packed > 0.8 * plain else 'the link latency dominates'})")
 
 
 # ---------------------------------------------------------------------------------------

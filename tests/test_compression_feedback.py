@@ -307,7 +307,7 @@ def test_compress_axes_node_compresses_only_what_crosses_sites():
 
 
 def test_the_warning_when_compression_cannot_pay():
-    from dpjax.plan import compression_warning
+    from dpjax.compression.accounting import warning as compression_warning
 
     link = ["node=183ms,23mbit"]
     tiny = _plan(mesh="2x4x1", compression="bf16", link=link, model_options=TINY)

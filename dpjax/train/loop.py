@@ -65,9 +65,9 @@ class Trainer:
             self.record["optimizer"]["workers"] = self.layout.num_workers
         if plan.exchange.between_workers_only:  # error buffers / PowerSGD's Q in the state (issue 20)
             self.record["optimizer"]["compression"] = cfg.compression
-        from dpjax.plan import compression_warning
+        from dpjax.compression import accounting
 
-        warning = compression_warning(plan)
+        warning = accounting.warning(plan)  # one line when the cost model says it cannot pay
         if warning:
             self.say(warning)
         if self.layout.pipeline is not None and self.layout.pipeline.virtual_stages > 1:
