@@ -30,7 +30,9 @@ def _scales(x, segments):
 
 
 def _expand(scales, segments):
-    return jnp.repeat(scales, np.asarray(segments), total_repeat_length=int(sum(segments)))
+    """Each tensor's scale over its values (broadcasts, not a repeat: jnp.repeat's index
+    array is a constant XLA spends seconds folding for a bucket of many tensors)."""
+    return jnp.concatenate([jnp.broadcast_to(scales[i], (int(k),)) for i, k in enumerate(segments)])
 
 
 def encode(x, segments=None):
