@@ -25,7 +25,7 @@ import sys
 import jax
 
 import _bench
-from update_runs import DATE, MACHINE, Bench, plot
+from update_runs import DATE, MACHINE, Bench
 
 from dpjax import step as S
 from dpjax.collectives.cost import compressed_bytes, hlo_comm
@@ -95,10 +95,37 @@ def main(argv=None):
     if args.json:
         with open(args.json, "w") as fh:
             json.dump({"args": vars(args), "rows": rows, "evals": {k: v.evals for k, v in curves.items()}}, fh)
-    series = [(spec, [measured * args.steps / 1e6], [ev]) for spec, ev, _, measured, _ in rows]
-    plot(args.plot, series, "MB sent by the busiest device over the run (log)", "final validation loss",
-         f"GPT on 8 devices, {args.steps} steps: loss against bytes", logx=True)
+    plot_points(args.plot, rows, args.steps)
     return 0
+
+
+def plot_points(path, rows, steps):
+    """One point per variant: a colour per method, filled with error feedback, hollow without."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print(f"not writing {path}: matplotlib is not installed", flush=True)
+        return
+    fig, ax = plt.subplots(figsize=(7.5, 4.8))
+    methods = list(dict.fromkeys(spec.split(",")[0] for spec, *_ in rows))
+    colours = plt.get_cmap("tab10")
+    for spec, ev, _, measured, _ in rows:
+        method = spec.split(",")[0]
+        c = colours(methods.index(method) % 10)
+        ef = not spec.endswith(",ef=0")
+        ax.scatter([measured * steps / 1e6], [ev], s=60, color=c if ef else "none", edgecolors=c, linewidths=1.5,
+                   label=method if ef or method == "none" else None)
+    ax.set_xscale("log")
+    ax.set(xlabel="MB sent by the busiest device over the run (log)", ylabel="final validation loss",
+           title=f"GPT on 8 devices, {steps} steps (filled: error feedback; hollow: ef=0)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    print(f"wrote {path}", flush=True)
 
 
 if __name__ == "__main__":
