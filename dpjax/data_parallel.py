@@ -69,6 +69,7 @@ class DistributedState(NamedTuple):
     inner: optax.OptState
     passes: jax.Array  # backward passes accumulated so far (mod backward_passes_per_step)
     accumulated: optax.Updates  # sum of local gradients since the last exchange (or ())
+    compression: object = ()  # this rank's error feedback (dpjax.compression.feedback.State), or ()
 
 
 def DistributedOptimizer(inner: optax.GradientTransformation, axis_name="data", algorithm: str = "ring",
@@ -88,9 +89,22 @@ def DistributedOptimizer(inner: optax.GradientTransformation, axis_name="data", 
     the updates are combined by Adasum (Maleki et al. apply it to the optimizer's
     output). `inner`'s state is then each rank's own: replicated only for a stateless
     `inner` such as SGD.
+    compression: a name of `dpjax.compression` or a spec such as "powersgd:4,start=100"
+    (`dpjax.compression.grammar`). A method with error feedback keeps each rank's error
+    buffer (and PowerSGD's Q) in `DistributedState.compression`: that part of the state
+    differs between ranks, so give it a per-rank layout (e.g. a leading axis split over
+    `axis_name`) when it leaves the shard_map.
     """
     collectives.check_algorithm(algorithm)
     check_compression(compression)
+    from dpjax.compression import feedback, stateful
+
+    keeps_state = axis_name is not None and stateful(compression)
+    if keeps_state and op != "mean":
+        raise ValueError(f"compression {compression!r} averages with error feedback: op must be 'mean', not {op!r}")
+    if keeps_state and options.get("groups") is not None:
+        raise ValueError(f"compression {compression!r} runs its own exchange over the whole axis: it takes no "
+                         "process sets (groups=)")
     if int(backward_passes_per_step) != backward_passes_per_step or backward_passes_per_step < 1:
         raise ValueError(f"backward_passes_per_step must be a positive integer, got {backward_passes_per_step}")
     if gradient_predivide_factor <= 0:
@@ -103,40 +117,47 @@ def DistributedOptimizer(inner: optax.GradientTransformation, axis_name="data", 
         raise ValueError(f"gradient_predivide_factor applies to op='mean' only, not to op={op!r}")
     k = int(backward_passes_per_step)
 
-    def exchange(tree):
+    def exchange(tree, comp):
         if axis_name is None:
-            return tree
+            return tree, comp
+        if keeps_state:
+            return feedback.mean(tree, comp, axis_name, algorithm=algorithm, fusion_mb=fusion_mb,
+                                 compression=compression, **options)
         return allreduce_gradients(tree, axis_name, algorithm=algorithm, fusion_mb=fusion_mb,
                                    compression=compression, op=op,
-                                   gradient_predivide_factor=gradient_predivide_factor, **options)
+                                   gradient_predivide_factor=gradient_predivide_factor, **options), comp
 
-    def step(grads, inner_state, params):
+    def step(grads, inner_state, params, comp):
         if op == "adasum":  # the local step first, then Adasum of the updates
             updates, inner_state = inner.update(grads, inner_state, params)
-            return exchange(updates), inner_state
-        return inner.update(exchange(grads), inner_state, params)
+            updates, comp = exchange(updates, comp)
+            return updates, inner_state, comp
+        grads, comp = exchange(grads, comp)
+        return (*inner.update(grads, inner_state, params), comp)
 
     def init_fn(params):
         acc = jax.tree.map(jnp.zeros_like, params) if k > 1 else ()
-        return DistributedState(inner.init(params), jnp.zeros((), jnp.int32), acc)
+        comp = feedback.init(compression, params) if keeps_state else ()
+        return DistributedState(inner.init(params), jnp.zeros((), jnp.int32), acc, comp)
 
     def update_fn(grads, state, params=None):
         if k == 1:
-            updates, inner_state = step(grads, state.inner, params)
-            return updates, DistributedState(inner_state, state.passes, ())
+            updates, inner_state, comp = step(grads, state.inner, params, state.compression)
+            return updates, DistributedState(inner_state, state.passes, (), comp)
         acc = jax.tree.map(jnp.add, state.accumulated, grads)
         passes = (state.passes + 1) % k
 
         def flush(_):
-            updates, inner_state = step(jax.tree.map(lambda a: a / k, acc), state.inner, params)
-            return updates, inner_state, jax.tree.map(jnp.zeros_like, acc)
+            updates, inner_state, comp = step(jax.tree.map(lambda a: a / k, acc), state.inner, params,
+                                              state.compression)
+            return updates, inner_state, jax.tree.map(jnp.zeros_like, acc), comp
 
         def hold(_):
-            return jax.tree.map(jnp.zeros_like, grads), state.inner, acc
+            return jax.tree.map(jnp.zeros_like, grads), state.inner, acc, state.compression
 
         # The exchange sits in a cond, so the communication happens once per k passes.
-        updates, inner_state, acc = lax.cond(passes == 0, flush, hold, None)
-        return updates, DistributedState(inner_state, passes, acc)
+        updates, inner_state, acc, comp = lax.cond(passes == 0, flush, hold, None)
+        return updates, DistributedState(inner_state, passes, acc, comp)
 
     return optax.GradientTransformation(init_fn, update_fn)
 

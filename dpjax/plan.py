@@ -51,16 +51,30 @@ class Exchange:
     fusion_mb: float = DEFAULT_FUSION_MB
     compression: str | None = None
     options: dict = field(default_factory=dict)
+    compress_axes: tuple | None = None  # None: compress every exchange (a cast) / the workers' (error feedback)
 
     def kwargs(self) -> dict:
         return {"algorithm": self.algorithm, "fusion_mb": self.fusion_mb, "compression": self.compression,
                 **self.options}
 
     @property
-    def wire(self):
-        from dpjax.compression import COMPRESSIONS
+    def between_workers_only(self) -> bool:
+        """Whether only the exchange between workers is compressed (a method with error
+        feedback, or --compress-axes): the mean inside a worker is then exact."""
+        from dpjax.compression import stateful
 
-        return COMPRESSIONS[self.compression]
+        return self.compress_axes is not None or stateful(self.compression)
+
+    def inner_kwargs(self) -> dict:
+        """The allreduce inside each worker (over the data axes that are not the workers')."""
+        return {**self.kwargs(), "compression": None} if self.between_workers_only else self.kwargs()
+
+    @property
+    def wire(self):
+        """The cast FSDP's reduce-scatter sends gradients in, None for none."""
+        from dpjax.compression import check
+
+        return None if self.between_workers_only else check(self.compression)
 
 
 @dataclass(frozen=True)
@@ -110,11 +124,16 @@ class Plan:
         lay = self.layout
         out = {"mesh": dict(self.mesh.shape), "workers": list(lay.workers), "num_workers": lay.num_workers,
                "fsdp": lay.fsdp, "tp_allreduce": lay.algorithm, "update": str(self.update),
-               "exchange": dict(self.exchange.kwargs()), "passes": self.passes,
+               "exchange": dict(self.exchange.kwargs(), compress_axes=self.exchange.compress_axes),
+               "passes": self.passes,
                "global_batch": self.global_batch, "links": [str(x) for x in self.links],
                "autotune": list(self.autotune)}
         if lay.pipeline is not None:
             out["pipeline"] = dataclasses.asdict(lay.pipeline)
+        if self.exchange.compression is not None and self.model is not None:
+            from dpjax.compression.accounting import ratio
+
+            out["compression_ratio"] = ratio(self)
         return out
 
 
@@ -151,7 +170,14 @@ def check(s: Settings) -> None:
     one_of("--lr-scaling", s.lr_scaling, LR_SCALINGS)
     one_of("--allreduce algorithm", s.allreduce, (*ALGORITHMS, "auto"))
     one_of("--tp-allreduce algorithm", s.tp_allreduce, ALGORITHMS)
-    one_of("--compression", s.compression, ("none", *compression.names()))
+    try:
+        spec = compression.parse(s.compression)
+    except ValueError as e:
+        raise UsageError(f"--compression: {e}") from None
+    if s.fsdp and spec is not None and spec.method.stateful and s.compress_axes is None and s.workers is None:
+        raise UsageError(f"--compression {s.compression} keeps error feedback, which FSDP's reduce-scatter inside the "
+                         "backward pass cannot carry: compress only between sites (--workers node --compress-axes "
+                         "node, exact FSDP inside)")
     if s.schedule is not None:
         one_of("--schedule", s.schedule, SCHEDULES)
     collectives = transport.chosen(s.collectives)
@@ -250,7 +276,7 @@ def resolve(s: Settings, devices=None, *, mesh=None, model=None, optimizer=None,
     experiments' dense baselines). Raises UsageError (one line) for anything that does
     not fit."""
     from dpjax.links import parse_link
-    from dpjax.mesh import STAGE, data_axes, make_mesh, parse_axes
+    from dpjax.mesh import STAGE, data_axes, make_mesh
     from dpjax.models import get_model
     from dpjax.optim import OptimizerConfig
     from dpjax.pipeline import SCHEDULES, Pipeline
@@ -265,7 +291,7 @@ def resolve(s: Settings, devices=None, *, mesh=None, model=None, optimizer=None,
         devs = list(jax.devices() if devices is None else devices)
         mesh = make_mesh(s.mesh or f"{len(devs)}x1", devs)
     update = parse_update(s.update)
-    workers = default_workers(mesh, not update.is_sync) if s.workers is None else parse_axes(s.workers, mesh)
+    workers, compress_axes = _workers(s, mesh, update)
     if s.allreduce == "hierarchical" and len(data_axes(mesh)) < 2:
         raise UsageError("--allreduce hierarchical needs a node axis: use a three-axis mesh such as 2x4x1")
     if model is None:
@@ -273,7 +299,7 @@ def resolve(s: Settings, devices=None, *, mesh=None, model=None, optimizer=None,
     if exchange is None:
         exchange = Exchange(DEFAULT_ALGORITHM if s.allreduce == "auto" else s.allreduce,
                             DEFAULT_FUSION_MB if s.fusion_mb == "auto" else float(s.fusion_mb),
-                            None if s.compression == "none" else s.compression)
+                            None if s.compression == "none" else s.compression, compress_axes=compress_axes)
     given = [flag(n) for n in ("schedule", "microbatches", "virtual_stages") if getattr(s, n) is not None]
     pipeline = None
     if STAGE in mesh.axis_names:
@@ -323,6 +349,31 @@ def for_layout(model, layout, *, global_batch: int, update="sync", opt=None, opt
     rule = make_rule(update, inner, layout.workers, seed=seed, **exchange.kwargs())
     return Plan(layout.mesh, layout, rule, exchange, passes, tuple(links), global_batch, model,
                 opt if optimizer is None else None, update, optimizer=optimizer)
+
+
+def _workers(s: Settings, mesh, update) -> tuple[tuple, tuple | None]:
+    """(the worker axes, the compressed axes or None). A compression with error feedback
+    compresses the exchange between workers (each worker keeps its error buffer), so
+    with no --workers every data rank is a worker; --compress-axes makes its axes the
+    workers (synchronous and exact inside each)."""
+    from dpjax.compression import stateful
+    from dpjax.mesh import data_axes, parse_axes
+
+    given = None if s.workers is None else parse_axes(s.workers, mesh)
+    if s.compress_axes is None:
+        if given is not None:
+            return given, None
+        return default_workers(mesh, not update.is_sync or stateful(s.compression)), None
+    axes = parse_axes(s.compress_axes, mesh, "--compress-axes")
+    if s.compression in (None, "none"):
+        raise UsageError(f"--compress-axes {s.compress_axes} needs a --compression")
+    if given is not None and given != axes:
+        raise UsageError(f"--compress-axes {s.compress_axes} compresses the exchange between workers: name the same "
+                         f"axes in --workers (got {s.workers}), or leave --workers out")
+    if s.fsdp and axes == data_axes(mesh):
+        raise UsageError(f"--fsdp with --compress-axes {s.compress_axes}: FSDP splits over the data axes inside a "
+                         "worker, and these are all of them; compress fewer (e.g. node)")
+    return axes, axes
 
 
 def default_workers(mesh, per_worker: bool) -> tuple:

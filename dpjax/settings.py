@@ -103,8 +103,15 @@ class Settings:
                              "gradients reduce-scattered (with the --allreduce algorithm)")
     fusion_mb: float | str = _opt(64.0, "tensor-fusion bucket cap in MiB (0: one allreduce per tensor); 'auto': "
                                         "timed on the first steps like --allreduce auto", type="mib")
-    compression: str = _opt("none", "how gradients (and the rule's exchanges) travel on the wire",
-                            choices=lambda: ("none", *_compressions()))
+    compression: str = _opt("none", lambda: "how gradients (and the rule's exchanges) travel on the wire: none, "
+                                            f"{', '.join(_compressions())}; name[:N][,ef=0][,start=S], e.g. "
+                                            "powersgd:4,start=100 (N: PowerSGD's rank, top-k's / random-k's "
+                                            "fraction; ef=0: no error feedback; start: exact exchanges first). "
+                                            "A method with error feedback compresses the exchange between workers "
+                                            "(default: every data rank a worker)")
+    compress_axes: str | None = _opt(None, "compress only the exchange crossing these data axes, e.g. 'node' (the "
+                                           "slow link between sites); the workers are then these axes and the "
+                                           "exchange inside a worker is exact")
     backward_passes: int = _opt(1, "micro-batches per step: gradients accumulated over this many backward "
                                    "passes, exchanged once")
     microbatches: int | None = _opt(None, "with a stage axis: micro-batches each data-parallel replica's batch is "

@@ -112,7 +112,7 @@ def build(loss_fn, plan: Plan, *, abstract_params, donate: bool = True, value_an
     par = layout.parallel(fsdp_wire=exchange.wire)
     inner = layout.inner_axes
     if inner and not layout.fsdp:
-        inner_mean = functools.partial(allreduce_gradients, axis_name=axis_arg(inner), **exchange.kwargs())
+        inner_mean = functools.partial(allreduce_gradients, axis_name=axis_arg(inner), **exchange.inner_kwargs())
     else:  # FSDP's reduce-scatter in the backward pass already averaged over the inner axes
         inner_mean = lambda g: g  # noqa: E731
     loss_and_grad = functools.partial(value_and_grad or jax.value_and_grad(loss_fn), par=par)

@@ -22,7 +22,7 @@ import numpy as np  # noqa: E402
 
 from dpjax import step as S  # noqa: E402
 from dpjax.data import make_streams  # noqa: E402
-from dpjax.mesh import dp_size, make_mesh  # noqa: E402
+from dpjax.mesh import dp_size, make_mesh, parse_axes  # noqa: E402
 from dpjax.models import get_model  # noqa: E402
 from dpjax.plan import Exchange, resolve  # noqa: E402
 from dpjax.settings import Settings  # noqa: E402
@@ -53,7 +53,8 @@ class Bench:
 
     def __init__(self, *, model="mlp", mesh="8x1", batch_size=64, seq_len=32, steps=200, optimizer="momentum",
                  lr=0.05, warmup_steps=0, lr_scaling="none", clip_norm=0.0, algorithm="ring", eval_every=20,
-                 eval_batches=4, seed=0, data="stdlib", d_model=None, workers=None, options=None):
+                 eval_batches=4, seed=0, data="stdlib", d_model=None, workers=None, options=None,
+                 compression="none", compress_axes=None):
         self.mesh = make_mesh(mesh)
         self.options = dict(options or {})  # more allreduce arguments (e.g. op="adasum")
         self.workers = workers
@@ -69,17 +70,23 @@ class Bench:
         self.train = [S.put_batch(train, i * batch_size, batch_size, self.mesh, passes=1) for i in range(steps)]
         self.val = [S.put_batch(val, i * batch_size, batch_size, self.mesh) for i in range(eval_batches)]
         self.inner = None  # an optax optimizer to use instead of the settings' (large_batch.py's warmup)
+        # the exchange's compression (dpjax.compression spec) and the axes it is limited to (issue 20)
+        self.compression, self.compress_axes = compression, compress_axes
 
     def plan(self, spec: str, links=(), mesh=None):
         """The plan of the rule `spec` (dpjax.plan); links: emulated slow links (dpjax.links).
         Parameters are replicated over `model` (the benches' meshes have a model axis of 1)."""
-        settings = dataclasses.replace(self.settings, update=spec, link=[str(x) for x in links] or None)
+        compression, compress_axes = (self.compression, self.compress_axes) if mesh is None else ("none", None)
+        settings = dataclasses.replace(self.settings, update=spec, link=[str(x) for x in links] or None,
+                                       compression=compression, compress_axes=compress_axes)
         inner = self.inner
         if mesh is not None:  # one worker's step alone: its rows, the settings' own optimizer
             inner = None
             settings = dataclasses.replace(settings, mesh="1x1", workers=None,
                                            batch_size=self.batch_size // dp_size(self.mesh))
-        exchange = Exchange(self.algorithm, options=self.options)
+        axes = None if compress_axes is None else parse_axes(compress_axes, self.mesh)
+        exchange = Exchange(self.algorithm, options=self.options,
+                            compression=None if compression == "none" else compression, compress_axes=axes)
         return resolve(settings, mesh=mesh or self.mesh, model=self.model, optimizer=inner, exchange=exchange,
                        tensor_parallel=False)
 

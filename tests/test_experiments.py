@@ -29,10 +29,11 @@ MODES = {
     "bench_train.py": [[], ["--layouts", "8x1"], ["--pipeline", "stage=4,data=2"],
                        ["--pipeline", "stage=4,data=2", "--memory-sweep"]],
     "staleness.py": [[], ["--hybrid"]],
+    "wan.py": [[], ["--gpt"]],
 }
 # The slowest smoke runs (20-60 s each on 2 shared cores: each compiles a dozen or more
 # training steps); the fast set keeps one run of each script.
-SLOW = {("bench_train.py", 1), ("bench_train.py", 2), ("staleness.py", 1), ("wan.py", 0), ("autotune_vs_grid.py", 0),
+SLOW = {("bench_train.py", 1), ("bench_train.py", 2), ("staleness.py", 1), ("wan.py", 0), ("wan.py", 1), ("autotune_vs_grid.py", 0),
         ("adasum_large_batch.py", 0)}
 
 

@@ -16,8 +16,27 @@ read it from here.
                                that is not (sign, top-k, PowerSGD's factors) needs an
                                exchange of its own, and the allreduce refuses it
 
-Encode and decode are pure: a method that keeps state between steps (error-feedback
-residuals, PowerSGD's Q) keeps it outside, in the exchange's per-worker state.
+A method with error feedback (`exchange` given: sign, int8, int4, powersgd, topk, randk)
+keeps state between steps and runs its own exchange (`dpjax.compression.feedback` wraps
+it with the error buffer, the start step and the state's layout):
+
+    exchange(tree, mstate, axis_name, spec, t, allreduce) -> (mean, residual, mstate)
+                               the mean over the axis of what each rank sends for `tree`
+                               (already error-corrected), what this rank's error buffer
+                               becomes (tree minus what it contributed; for int8 / int4
+                               also the error of its requantised ring hops), and the
+                               method's own state; t: exchanges so far (randk's seed)
+    init(params, spec) -> mstate   the method's own state (PowerSGD's Q), () if none
+    state_specs(param_specs, spec) -> the PartitionSpecs of mstate
+    wire_bytes(sizes, n, spec, allreduce) -> what the busiest rank sends for tensors of
+                               `sizes` (shapes) over n ranks: the formula the compiled
+                               program is checked against (`cost.compressed_bytes`)
+    gather                     whether the exchange all-gathers every rank's message
+                               (sign, top-k) rather than summing on the ring
+    number                     what N in `name:N` means ("the rank R"), None if it takes none;
+                               number_type / number_ok / number_must: its type and bounds
+Encode and decode of these methods are one rank's message (for `hvd.Compression` and the
+tests); their own exchange, not the allreduce, puts it on the wire.
 """
 
 from __future__ import annotations
@@ -38,6 +57,20 @@ class Method:
     compresses: Callable
     wire_dtype: Any
     linear: bool
+    exchange: Callable | None = None
+    init: Callable | None = None
+    state_specs: Callable | None = None
+    wire_bytes: Callable | None = None
+    gather: bool = False
+    number: str | None = None
+    number_type: Callable = int
+    number_ok: Callable = lambda v: v >= 1
+    number_must: str = "at least 1"
+
+    @property
+    def stateful(self) -> bool:
+        """Whether the method keeps state (error feedback) and runs its own exchange."""
+        return self.exchange is not None
 
 
 _METHODS: dict[str, Method] = {}
@@ -73,22 +106,29 @@ def names() -> tuple[str, ...]:
 
 
 def check(name) -> Method | None:
-    """The method `name`, None for no compression (None or "none"); else a one-line ValueError."""
-    if name in NONE:
-        return None
-    if name not in _METHODS:
-        choices = ("none", *names())
-        raise ValueError(f"unknown compression {name!r}; choose {', '.join(choices[:-1])} or {choices[-1]}")
-    return _METHODS[name]
+    """The method of `name` (a method's name or a spec such as "powersgd:4,ef=0",
+    `grammar.parse`), None for no compression (None or "none"); else a one-line ValueError."""
+    from dpjax.compression.grammar import parse
+
+    spec = parse(name)
+    return None if spec is None else spec.method
 
 
 def summable(name) -> Method | None:
     """`check(name)`, for an exchange that sums the encoded values on the wire (an
-    allreduce, a reduce-scatter): the method must be linear."""
+    allreduce, a reduce-scatter): the method must be linear and keep no state."""
     method = check(name)
+    if method is not None and method.stateful:
+        raise ValueError(f"compression {name!r} keeps error-feedback state across steps: a one-off reduction "
+                         "cannot carry it (use DistributedOptimizer, an update rule or dpjax.compression.feedback)")
     if method is not None and not method.linear:
         raise ValueError(f"compression {name!r} is not linear: a reduction cannot sum it on the wire")
     return method
+
+
+def get(name: str) -> Method | None:
+    """The registered method called exactly `name`, or None."""
+    return _METHODS.get(name)
 
 
 class Compressions(Mapping):

@@ -71,6 +71,13 @@ class Trainer:
                                      "update": str(plan.update)}}
         if self.step.rule.per_worker:
             self.record["optimizer"]["workers"] = self.layout.num_workers
+        if plan.exchange.between_workers_only:  # error buffers / PowerSGD's Q in the state (issue 20)
+            self.record["optimizer"]["compression"] = cfg.compression
+        from dpjax.compression import accounting
+
+        warning = accounting.warning(plan)  # one line when the cost model says it cannot pay
+        if warning:
+            self.say(warning)
         if self.layout.pipeline is not None and self.layout.pipeline.virtual_stages > 1:
             # the layer stack is stored V x L/V: it resumes on any stage count, with the same V
             self.record["model"]["virtual_stages"] = self.layout.pipeline.virtual_stages

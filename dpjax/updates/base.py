@@ -51,6 +51,33 @@ def mean_over(axes: tuple, allreduce: dict):
     return lambda tree: allreduce_gradients(tree, axis_arg(axes), **allreduce)
 
 
+class Exchanger(NamedTuple):
+    """A rule's exchange between workers with its state: `mean(tree, state) -> (mean,
+    state)`, `init(params) -> state`, `specs(param_specs) -> PartitionSpecs of state`.
+    The state is `dpjax.compression.feedback.State` (each worker's error buffer,
+    PowerSGD's Q) for a compression with error feedback, else ()."""
+
+    stateful: bool
+    init: Callable
+    mean: Callable
+    specs: Callable
+
+
+def exchange_over(axes: tuple, allreduce: dict) -> Exchanger:
+    """The mean over `axes` with the rule's allreduce, through its compression: a method
+    with error feedback (`dpjax.compression.feedback`) keeps state, which the rule
+    carries in its own (per worker, so checkpoints hold it); any other is stateless."""
+    from dpjax.compression import feedback, stateful
+
+    comp = allreduce.get("compression")
+    if not axes or not stateful(comp):
+        plain = mean_over(axes, allreduce)
+        return Exchanger(False, lambda params: (), lambda tree, state: (plain(tree), state), lambda specs: ())
+    return Exchanger(True, lambda params: feedback.init(comp, params),
+                     lambda tree, state: feedback.mean(tree, state, axis_arg(axes), **allreduce),
+                     lambda specs: feedback.specs(comp, specs))
+
+
 def exact(allreduce: dict) -> dict:
     """The same exchange without wire compression: for parameters that must stay exact."""
     return {**allreduce, "compression": None}

@@ -20,7 +20,7 @@ from jax.sharding import PartitionSpec as P
 from dpjax import links
 from dpjax.data_parallel import DistributedOptimizer
 from dpjax.sharding import state_specs
-from dpjax.updates.base import UpdateRule, as_axes, exact, mean_over, stacked
+from dpjax.updates.base import UpdateRule, as_axes, exact, exchange_over, mean_over, stacked
 from dpjax.updates.registry import Kind, register
 from dpjax.updates.sync import sync
 
@@ -30,6 +30,7 @@ class DelayedState(NamedTuple):
     t: jax.Array  # steps taken; slot t % R of the buffers (R = delay) holds step t-R's values
     gbar_RxP: optax.Updates  # averages in flight (zeros until they exist)
     g_RxP: optax.Updates  # this worker's own gradients of the same steps
+    exchange: object = ()  # the compressed exchange's state (error feedback), () without one
 
 
 def delayed_gradients(inner, delay: int, axis_name="data", *, compensate: bool = True,
@@ -57,15 +58,15 @@ def delayed_gradients(inner, delay: int, axis_name="data", *, compensate: bool =
     if delay == 0:
         return DistributedOptimizer(inner, axis_name, **allreduce)
     T = int(delay)
-    mean = mean_over(as_axes(axis_name), allreduce)
+    ex = exchange_over(as_axes(axis_name), allreduce)
 
     def init_fn(params):
         buf = jax.tree.map(lambda x: jnp.zeros((T, *x.shape), x.dtype), params)
-        return DelayedState(inner.init(params), jnp.zeros((), jnp.int32), buf, buf)
+        return DelayedState(inner.init(params), jnp.zeros((), jnp.int32), buf, buf, ex.init(params))
 
     def update_fn(grads, state, params=None):
-        with links.deferred(state.t):
-            gbar = mean(grads)
+        with links.deferred(state.t):  # the error buffer carries across the delay: it is fed back next step
+            gbar, exchange = ex.mean(grads, state.exchange)
         slot = state.t % T
         old_gbar, old_g = (jax.tree.map(lambda b: lax.dynamic_index_in_dim(b, slot, 0, keepdims=False), buf)
                            for buf in (state.gbar_RxP, state.g_RxP))
@@ -81,7 +82,8 @@ def delayed_gradients(inner, delay: int, axis_name="data", *, compensate: bool =
         def put(buf, x):
             return jax.tree.map(lambda b, v: lax.dynamic_update_index_in_dim(b, v, slot, 0), buf, x)
 
-        return updates, DelayedState(inner_state, state.t + 1, put(state.gbar_RxP, gbar), put(state.g_RxP, grads))
+        return updates, DelayedState(inner_state, state.t + 1, put(state.gbar_RxP, gbar), put(state.g_RxP, grads),
+                                     exchange)
 
     return optax.GradientTransformation(init_fn, update_fn)
 
@@ -92,6 +94,7 @@ def delayed(inner, delay: int, axis_name="data", *, compensate: bool = True, **a
         return sync(inner, axis_name, **allreduce)
     axes = as_axes(axis_name)
     tx = delayed_gradients(inner, delay, axes, compensate=compensate, **allreduce)
+    ex = exchange_over(axes, allreduce)
 
     def step(grad_fn, params, state, batch):
         loss, grads = grad_fn(params, batch)
@@ -105,7 +108,7 @@ def delayed(inner, delay: int, axis_name="data", *, compensate: bool = True, **a
         return params, state
 
     def specs(ps, shapes):
-        return DelayedState(state_specs(inner, shapes.inner, ps), P(), stacked(ps), stacked(ps))
+        return DelayedState(state_specs(inner, shapes.inner, ps), P(), stacked(ps), stacked(ps), ex.specs(ps))
 
     name = f"delayed{'' if compensate else '-nocomp'}:{delay}"
     return UpdateRule(name, tx.init, step, flush, specs, mean_over(axes, exact(allreduce)), axes, True)

@@ -17,7 +17,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from dpjax.sharding import state_specs
-from dpjax.updates.base import UpdateRule, as_axes, exact, identity, mean_over
+from dpjax.updates.base import UpdateRule, as_axes, exact, exchange_over, identity, mean_over
 from dpjax.updates.registry import Kind, Option, register
 from dpjax.updates.sync import sync
 
@@ -27,6 +27,7 @@ class LocalState(NamedTuple):
     t: jax.Array
     anchor: optax.Params  # parameters after the last average (with an outer optimizer or compression; else ())
     outer: optax.OptState
+    exchange: object = ()  # the compressed exchange's state (error feedback on the outer delta), () without one
 
 
 def sparse(inner, period: int, axis_name="data", *, outer: optax.GradientTransformation | None = None,
@@ -47,16 +48,19 @@ def sparse(inner, period: int, axis_name="data", *, outer: optax.GradientTransfo
         return sync(inner, axis_name, **allreduce)
     axes = as_axes(axis_name)
     mean = mean_over(axes, allreduce)
+    ex = exchange_over(axes, allreduce)
     keep_anchor = outer is not None or allreduce.get("compression") not in (None, "none")
 
     def init(params):
         return LocalState(inner.init(params), jnp.zeros((), jnp.int32), params if keep_anchor else (),
-                          outer.init(params) if outer is not None else ())
+                          outer.init(params) if outer is not None else (), ex.init(params))
 
     def average(params, state):
         if not keep_anchor:
             return mean(params), state
-        delta = mean(jax.tree.map(jnp.subtract, state.anchor, params))  # DiLoCo's outer gradient
+        # DiLoCo's outer gradient: what is compressed (Streaming DiLoCo, INTELLECT-1)
+        delta, exchange = ex.mean(jax.tree.map(jnp.subtract, state.anchor, params), state.exchange)
+        state = state._replace(exchange=exchange)
         if outer is None:
             new = jax.tree.map(jnp.subtract, state.anchor, delta)
             return new, state._replace(anchor=new)
@@ -75,7 +79,7 @@ def sparse(inner, period: int, axis_name="data", *, outer: optax.GradientTransfo
 
     def specs(ps, shapes):
         return LocalState(state_specs(inner, shapes.inner, ps), P(), ps if keep_anchor else (),
-                          state_specs(outer, shapes.outer, ps) if outer is not None else ())
+                          state_specs(outer, shapes.outer, ps) if outer is not None else (), ex.specs(ps))
 
     name = f"sparse:{period}" + (",outer" if outer is not None else "")
     return UpdateRule(name, init, step, average, specs, mean_over(axes, exact(allreduce)), axes, True)

@@ -18,7 +18,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from dpjax.sharding import state_specs
-from dpjax.updates.base import UpdateRule, as_axes, axis_arg, identity, mean_over, stacked
+from dpjax.updates.base import UpdateRule, as_axes, axis_arg, exchange_over, identity, stacked
 from dpjax.updates.registry import Kind, Option, register
 from dpjax.updates.sync import sync
 
@@ -44,6 +44,7 @@ class AsyncState(NamedTuple):
     local: optax.Params  # the copy this worker computes gradients on
     version: jax.Array  # which server version `local` is
     acc: optax.Updates  # gradients summed since this worker's last push (or () when push=1)
+    exchange: object = ()  # the compressed exchange's state (error feedback), () without one
 
 
 def stale_async(inner, tau: int, axis_name="data", *, seed: int = 0, fetch_every: int = 1, push_every: int = 1,
@@ -64,12 +65,13 @@ def stale_async(inner, tau: int, axis_name="data", *, seed: int = 0, fetch_every
         return sync(inner, axis_name, **allreduce)
     axes = as_axes(axis_name)
     K, F, Q = tau + 1, int(fetch_every), int(push_every)
-    mean = mean_over(axes, allreduce)
+    ex = exchange_over(axes, allreduce)
 
     def init(params):
         hist = jax.tree.map(lambda x: jnp.broadcast_to(x, (K, *x.shape)), params)
         acc = jax.tree.map(jnp.zeros_like, params) if Q > 1 else ()
-        return AsyncState(inner.init(params), jnp.zeros((), jnp.int32), hist, params, jnp.zeros((), jnp.int32), acc)
+        return AsyncState(inner.init(params), jnp.zeros((), jnp.int32), hist, params, jnp.zeros((), jnp.int32), acc,
+                          ex.init(params))
 
     def step(grad_fn, params, state, batch):
         t = state.t
@@ -86,14 +88,16 @@ def stale_async(inner, tau: int, axis_name="data", *, seed: int = 0, fetch_every
             push = (t + k) % Q == Q - 1
             grads = jax.tree.map(lambda a: jnp.where(push, a, jnp.zeros_like(a)), acc)
             acc = jax.tree.map(lambda a: jnp.where(push, jnp.zeros_like(a), a), acc)
-        updates, inner_state = inner.update(mean(grads), state.inner, params)
+        grads, exchange = ex.mean(grads, state.exchange)
+        updates, inner_state = inner.update(grads, state.inner, params)
         params = optax.apply_updates(params, updates)
         hist = jax.tree.map(lambda h, p: lax.dynamic_update_index_in_dim(h, p, (t + 1) % K, 0),
                             state.history_RxP, params)
-        return params, AsyncState(inner_state, t + 1, hist, local, version, acc), loss
+        return params, AsyncState(inner_state, t + 1, hist, local, version, acc, exchange), loss
 
     def specs(ps, shapes):
-        return AsyncState(state_specs(inner, shapes.inner, ps), P(), stacked(ps), ps, P(), ps if Q > 1 else ())
+        return AsyncState(state_specs(inner, shapes.inner, ps), P(), stacked(ps), ps, P(), ps if Q > 1 else (),
+                          ex.specs(ps))
 
     # the server's copy is the same on every worker: the consensus is that copy
     return UpdateRule(f"async:{tau}", init, step, identity, specs, lambda params: params, axes, True)

@@ -6,18 +6,32 @@ async:0 with fetch=push=1) build this rule: the same program, bit for bit.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import optax
 
 from dpjax.sharding import state_specs
-from dpjax.updates.base import UpdateRule, as_axes, identity, mean_over
+from dpjax.updates.base import UpdateRule, as_axes, exchange_over, identity, mean_over
 from dpjax.updates.registry import Kind, register
+
+
+class SyncState(NamedTuple):
+    inner: optax.OptState
+    exchange: object  # the compressed exchange's state (dpjax.compression.feedback.State)
 
 
 def sync(inner, axis_name=(), **allreduce) -> UpdateRule:
     """Every step the gradient averaged over the workers feeds `inner`: the arithmetic of
     `DistributedOptimizer` (allreduce_gradients, then inner.update). allreduce:
-    `algorithm`, `fusion_mb`, `compression`, ... (see `allreduce_gradients`)."""
+    `algorithm`, `fusion_mb`, `compression`, ... (see `allreduce_gradients`).
+
+    With a compression that keeps error feedback the workers' parameters stay alike but
+    their error buffers differ: the state is `SyncState` and the rule is per worker
+    (every worker's buffer is kept, on the leading worker axis)."""
     axes = as_axes(axis_name)
+    ex = exchange_over(axes, allreduce)
+    if ex.stateful:
+        return _with_feedback(inner, axes, ex)
     mean = mean_over(axes, allreduce)
 
     def step(grad_fn, params, state, batch):
@@ -27,6 +41,22 @@ def sync(inner, axis_name=(), **allreduce) -> UpdateRule:
 
     return UpdateRule("sync", inner.init, step, identity, lambda ps, shapes: state_specs(inner, shapes, ps),
                       lambda params: params, axes, False)
+
+
+def _with_feedback(inner, axes, ex) -> UpdateRule:
+    def init(params):
+        return SyncState(inner.init(params), ex.init(params))
+
+    def step(grad_fn, params, state, batch):
+        loss, grads = grad_fn(params, batch)
+        grads, exchange = ex.mean(grads, state.exchange)
+        updates, inner_state = inner.update(grads, state.inner, params)
+        return optax.apply_updates(params, updates), SyncState(inner_state, exchange), loss
+
+    def specs(ps, shapes):
+        return SyncState(state_specs(inner, shapes.inner, ps), ex.specs(ps))
+
+    return UpdateRule("sync", init, step, identity, specs, lambda params: params, axes, True)
 
 
 register(Kind("sync", "gradient average every step",

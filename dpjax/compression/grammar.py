@@ -1,0 +1,93 @@
+"""The `--compression` grammar: `name[:N][,key=VALUE]...`, e.g. `powersgd:4,start=100,ef=0`.
+
+    name      a registered method (`registry.names()`), or none
+    N         the method's number when it takes one (`Method.number`): PowerSGD's rank R,
+              top-k's and random-k's fraction F of the values sent
+    ef=0|1    error feedback (default 1): what compression drops is added to the next
+              exchange's input (Seide et al. 2014; Karimireddy et al. 2019); 0 turns it
+              off (the experiments' ablation)
+    start=S   the first S exchanges are exact, the uncompressed allreduce bit for bit
+              (PowerSGD's start_powerSGD_iter; default 0)
+
+Only methods with error feedback (`Method.stateful`) take options. Every message is one
+line (a `ValueError`; `dpjax.plan.check` turns it into a `UsageError`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from dpjax.compression import registry
+
+OPTIONS = ("ef", "start")
+
+
+@dataclass(frozen=True)
+class Spec:
+    """A parsed compression: the method, its number (None if it takes none), error
+    feedback on or off, and the exchanges before it starts."""
+
+    method: registry.Method
+    number: float | int | None = None
+    ef: bool = True
+    start: int = 0
+
+    @property
+    def name(self) -> str:
+        return self.method.name
+
+    def __str__(self) -> str:
+        out = self.name if self.number is None else f"{self.name}:{self.number}"
+        return out + ("" if self.ef else ",ef=0") + (f",start={self.start}" if self.start else "")
+
+
+def parse(text) -> Spec | None:
+    """The spec of `text` (None for no compression, None or "none"); a `Spec` passes
+    through. Raises a one-line ValueError."""
+    if isinstance(text, Spec) or text in registry.NONE:
+        return text if isinstance(text, Spec) else None
+    if not isinstance(text, str):
+        raise ValueError(f"compression must be a name such as 'powersgd:4', got {text!r}")
+    head, *opts = [p.strip() for p in text.split(",")]
+    name, colon, number = head.partition(":")
+    method = registry.get(name)
+    if method is None:
+        choices = ("none", *registry.names())
+        raise ValueError(f"unknown compression {text!r}; choose {', '.join(choices[:-1])} or {choices[-1]}")
+    if method.number is None and (number or colon):
+        raise ValueError(f"compression {name!r} takes no number, got {text!r}")
+    value = None
+    if method.number is not None:
+        if not number:
+            raise ValueError(f"compression {name!r} needs {method.number}: e.g. {name}:{_example(method)}")
+        try:
+            value = method.number_type(number)
+        except ValueError:
+            raise ValueError(f"compression {text!r}: {method.number} must be a {method.number_type.__name__}, "
+                             f"got {number!r}") from None
+        if not method.number_ok(value):
+            raise ValueError(f"compression {text!r}: {method.number} must be {method.number_must}, got {number}")
+    if opts and not method.stateful:
+        raise ValueError(f"compression {name!r} takes no options (it keeps no state), got {text!r}")
+    got = {}
+    for opt in opts:
+        key, eq, val = opt.partition("=")
+        if key not in OPTIONS or not eq:
+            raise ValueError(f"compression {text!r}: unknown option {opt!r}; options are ef=0|1 and start=S")
+        if key in got:
+            raise ValueError(f"compression {text!r}: option {key!r} given twice")
+        if not val.isdigit() or (key == "ef" and val not in ("0", "1")):
+            raise ValueError(f"compression {text!r}: {key} takes {'0 or 1' if key == 'ef' else 'an integer >= 0'}, "
+                             f"got {val!r}")
+        got[key] = int(val)
+    return Spec(method, value, bool(got.get("ef", 1)), got.get("start", 0))
+
+
+def _example(method) -> str:
+    return "0.01" if method.number_type is float else "4"
+
+
+def stateful(text) -> bool:
+    """Whether the compression `text` keeps state (error feedback, PowerSGD's Q)."""
+    spec = parse(text)
+    return spec is not None and spec.method.stateful
