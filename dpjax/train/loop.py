@@ -16,7 +16,7 @@ import dataclasses
 from dpjax import distributed
 from dpjax.plan import check, devices_per_process, resolve
 from dpjax.settings import Settings
-from dpjax.train import observe, tuning
+from dpjax.train import elastic, observe, tuning
 
 
 def setup_devices(cfg: Settings):
@@ -43,7 +43,7 @@ class Trainer:
 
     def __init__(self, cfg: Settings):
         check(cfg)  # before JAX starts: a bad flag costs nothing
-        self.cfg = cfg
+        self.cfg = cfg = elastic.fit(cfg)  # under dpjax.agent: the mesh for the hosts there are now
         self.plan = plan = resolve(cfg, setup_devices(cfg))
         import jax
 
@@ -74,6 +74,7 @@ class Trainer:
         self.start, self.cursor, self.ckpt, self.resumed = 0, 0, None, {}
         if cfg.ckpt_dir:
             self._restore()
+        self.elastic = elastic.attach(self)  # commits, heartbeat, faults; a restart restores its commit
         self.tuner = tuning.plan_search(self)
         self.recorder = None
         if cfg.timeline:

@@ -97,6 +97,8 @@ def run_loop(self) -> dict:
             if metrics:
                 extra["comm_bytes"] = self.comm_bytes(step, args)
             in_flight.append((step_i, loss, extra))
+            if self.elastic is not None:  # commit, heartbeat, injected fault (dpjax.train.elastic)
+                self.elastic.after_step(self, step_i + 1, write)
             if trial is not None or profiled:  # autotuned and profiled steps run alone, to their end
                 retire()
                 with phase("host_wait"):
@@ -136,6 +138,8 @@ def run_loop(self) -> dict:
             metrics.close()
         if self.ckpt:
             self.ckpt.close()
+        if self.elastic is not None:
+            self.elastic.close()
     return {"steps": step_i + 1, "interrupted": stop["now"], "loss": last["loss"],
             "eval_loss": last["eval_loss"], "tokens_per_s": last["tokens_per_s"],
             "seconds": time.perf_counter() - t0, "mesh": dict(self.mesh.shape)}

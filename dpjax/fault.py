@@ -1,0 +1,89 @@
+"""Fault injection for tests and users: `DPJAX_FAULT`, read once by the training loop.
+
+    DPJAX_FAULT="rank=2,step=30,kind=kill"            SIGKILL rank 2 when it reaches step 30
+    DPJAX_FAULT="rank=2,step=30,kind=hang"            SIGSTOP it there (a hung process)
+    DPJAX_FAULT="rank=2,step=30,kind=raise"           raise FaultInjected there (an exception)
+    DPJAX_FAULT="rank=2,step=30,kind=kill,forever"    the host is lost for good: the process,
+                                                      its agent and the agent's other processes
+                                                      are killed, so the host never rejoins
+
+"At step S" means when S steps are done, before step S+1 starts. `once` (the default)
+fires only in the first attempt of a job (DPJAX_RESTART, set by `dpjax.agent`, is 0 or
+unset), so the restarted job runs through. Several faults are separated by ';'.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from dataclasses import dataclass
+
+from dpjax.errors import UserError
+
+VAR = "DPJAX_FAULT"
+KINDS = ("kill", "hang", "raise")
+
+
+class FaultInjected(RuntimeError):
+    """The exception `kind=raise` raises (a bug in the step, as far as anyone can tell)."""
+
+
+@dataclass(frozen=True)
+class Fault:
+    rank: int
+    step: int
+    kind: str = "kill"
+    forever: bool = False
+
+    def __str__(self):
+        return f"rank={self.rank},step={self.step},kind={self.kind},{'forever' if self.forever else 'once'}"
+
+
+def parse(text: str) -> tuple[Fault, ...]:
+    """The faults of a DPJAX_FAULT value; a UserError (one line) for anything else."""
+    out = []
+    for part in filter(None, (p.strip() for p in text.split(";"))):
+        fields, flags = {}, set()
+        for item in (i.strip() for i in part.split(",")):
+            name, eq, value = item.partition("=")
+            if eq:
+                fields[name] = value
+            else:
+                flags.add(name)
+        unknown = (set(fields) - {"rank", "step", "kind"}) | (flags - {"once", "forever"})
+        if unknown or "rank" not in fields or "step" not in fields:
+            raise UserError(f"{VAR}={text!r}: expected 'rank=R,step=S[,kind={'|'.join(KINDS)}][,once|forever]'")
+        kind = fields.get("kind", "kill")
+        if kind not in KINDS:
+            raise UserError(f"{VAR}: unknown kind {kind!r}; choose one of {', '.join(KINDS)}")
+        try:
+            out.append(Fault(int(fields["rank"]), int(fields["step"]), kind, "forever" in flags))
+        except ValueError:
+            raise UserError(f"{VAR}={text!r}: rank and step are integers") from None
+    return tuple(out)
+
+
+def for_process(rank: int, env=None) -> dict[int, Fault]:
+    """{step: fault} of this process in this attempt (empty when none applies)."""
+    env = os.environ if env is None else env
+    attempt = int(env.get("DPJAX_RESTART", "0") or 0)
+    return {f.step: f for f in parse(env.get(VAR, "")) if f.rank == rank and (f.forever or attempt == 0)}
+
+
+def fire(fault: Fault) -> None:
+    """Does what `fault` says, to this process (and its host for `forever`)."""
+    print(f"dpjax.fault: injecting {fault}", flush=True)
+    if fault.kind == "raise":
+        raise FaultInjected(f"injected by {VAR}: {fault}")
+    if fault.kind == "hang":
+        os.kill(os.getpid(), signal.SIGSTOP)
+        return
+    if fault.forever and os.environ.get("DPJAX_AGENT_PID"):
+        # the whole host: its agent first (so it cannot restart anything), then the
+        # processes it started (one process group per agent, see dpjax.agent)
+        try:
+            os.kill(int(os.environ["DPJAX_AGENT_PID"]), signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        os.killpg(os.getpgid(0), signal.SIGKILL)
+    os.kill(os.getpid(), signal.SIGKILL)
