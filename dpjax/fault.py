@@ -18,6 +18,7 @@ import os
 import signal
 from dataclasses import dataclass
 
+from dpjax.agent.env import ENV
 from dpjax.errors import UserError
 
 VAR = "DPJAX_FAULT"
@@ -66,7 +67,7 @@ def parse(text: str) -> tuple[Fault, ...]:
 def for_process(rank: int, env=None) -> dict[int, Fault]:
     """{step: fault} of this process in this attempt (empty when none applies)."""
     env = os.environ if env is None else env
-    attempt = int(env.get("DPJAX_RESTART", "0") or 0)
+    attempt = int(env.get(ENV["restart"], "0") or 0)
     return {f.step: f for f in parse(env.get(VAR, "")) if f.rank == rank and (f.forever or attempt == 0)}
 
 
@@ -78,11 +79,11 @@ def fire(fault: Fault) -> None:
     if fault.kind == "hang":
         os.kill(os.getpid(), signal.SIGSTOP)
         return
-    if fault.forever and os.environ.get("DPJAX_AGENT_PID"):
+    if fault.forever and os.environ.get(ENV["agent_pid"]):
         # the whole host: its agent first (so it cannot restart anything), then the
         # processes it started (one process group per agent, see dpjax.agent)
         try:
-            os.kill(int(os.environ["DPJAX_AGENT_PID"]), signal.SIGKILL)
+            os.kill(int(os.environ[ENV["agent_pid"]]), signal.SIGKILL)
         except ProcessLookupError:
             pass
         os.killpg(os.getpgid(0), signal.SIGKILL)

@@ -31,7 +31,10 @@ def estimate(model, layout, global_batch: int) -> dict:
 def device_memory(mesh) -> int | None:
     """What one device of `mesh` can hold: the accelerator's limit, or on CPU the host's
     physical memory shared by this process's devices (None if unknown)."""
-    dev = mesh.devices.flat[0]
+    import jax
+
+    # one of this process's own devices: another process's cannot be asked (multi-process runs)
+    dev = next((d for d in mesh.devices.flat if d.process_index == jax.process_index()), mesh.devices.flat[0])
     stats = dev.memory_stats() if hasattr(dev, "memory_stats") else None
     if stats and stats.get("bytes_limit"):
         return int(stats["bytes_limit"])

@@ -9,7 +9,7 @@ and the restart's account of itself.
     Elastic.after_step      once per step: injected fault (dpjax.fault), commit every
                             --commit-every steps, heartbeat file (dpjax.agent's hang check)
 
-Everything the agent tells a process comes in environment variables (ENV below); a run
+Everything the agent tells a process comes in environment variables (dpjax.agent.env); a run
 without the agent commits only when --commit-dir is given, and restores with --resume.
 """
 
@@ -20,11 +20,7 @@ import os
 import time
 
 from dpjax import fault as faults
-
-# What dpjax.agent sets for each process (besides dpjax.distributed's variables).
-ENV = {"restart": "DPJAX_RESTART", "host": "DPJAX_HOST", "per_host": "DPJAX_LOCAL_WORLD_SIZE",
-       "devices": "DPJAX_DEVICES_PER_PROCESS", "heartbeat": "DPJAX_HEARTBEAT", "commit_dir": "DPJAX_COMMIT_DIR",
-       "failure": "DPJAX_LAST_FAILURE"}
+from dpjax.agent.env import ENV
 
 
 def _env(name: str, default=None):
