@@ -129,5 +129,5 @@ def test_a_lost_own_commit_restores_from_the_neighbour(corpus, tmp_path):
     shutil.rmtree(root / "local" / "own" / "r1")
     r = _launch(*_train(corpus, "--steps", "8", "--metrics", str(path), "--commit-dir", str(root), "--resume"))
     assert r.returncode == 0, r.stderr[-2000:]
-    assert "restored step 5 from commits" in r.stdout and "'1': 'local/peer/r1/s000000005_w2.bin'" in r.stdout
+    assert "restored step 5 from commits" in r.stdout and "1: 'local/peer/r1/s000000005_w2.bin'" in r.stdout
     assert read_losses(path) == read_losses(straight)  # bit for bit

@@ -41,7 +41,8 @@ class State:
         self.round, self.state, self.members, self.coordinator = 0, "forming", [], None
         self.failures: list = []  # of the current round
         self.restarts, self.done, self.started = 0, set(), clock()
-        self.reached, self.last = -1, None  # the furthest step the last job had completed; its failures
+        self.reached, self.last, self.failed_at = -1, None, 0.0
+        self.why = None  # why the job was given up, when not for --max-restarts  # the furthest step the last job had completed; its failures
         self.lock = threading.Lock()
 
     def handle(self, req: dict) -> dict:
@@ -69,7 +70,7 @@ class State:
             self.failures.append({k: req[k] for k in ("host", "rank", "how", "line", "completed", "t", "mesh")
                                   if k in req})
             if self.state == "running":
-                self.state = "failed"
+                self.state, self.failed_at = "failed", now
                 self.restarts += 1
 
     def _done(self, req, now):
@@ -93,6 +94,8 @@ class State:
                                now)
         if self.state == "failed" and self.restarts > self.max_restarts:
             self.state = "gave_up"
+        if self.state == "failed" and len(self.seen) < self.min and now - self.failed_at > 2 * self.lost_after:
+            self.state, self.why = "gave_up", f"{len(self.seen)} hosts left, fewer than MIN {self.min}"
         if self.state not in ("forming", "failed"):
             return
         live = {h for h in self.seen}
@@ -119,7 +122,8 @@ class State:
 
     def _view(self, host) -> dict:
         out = {"round": self.round, "state": self.state, "members": self.members, "restarts": self.restarts,
-               "max_restarts": self.max_restarts, "failures": self.failures, "coordinator": self.coordinator, "last": self.last}
+               "max_restarts": self.max_restarts, "failures": self.failures, "coordinator": self.coordinator, "last": self.last,
+               "why": self.why}
         if host in self.members:
             i = self.members.index(host)
             out.update(node_rank=i, first_rank=sum(self.nproc[h] for h in self.members[:i]),

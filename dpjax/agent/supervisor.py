@@ -168,8 +168,8 @@ class Agent:
 
     def _give_up(self, view: dict) -> int:
         f = cause(view["failures"])
-        self.say(f"giving up: {view['restarts']} failures, more than --max-restarts {view['max_restarts']}"
-                 + (f"; the last: {failure_line(f)}" if f else "") + "; no process left running")
+        why = view.get("why") or f"{view['restarts']} failures, more than --max-restarts {view['max_restarts']}"
+        self.say(f"giving up: {why}" + (f"; the last: {failure_line(f)}" if f else "") + "; no process left running")
         return 1
 
     def _on_signal(self, signum, frame):

@@ -27,6 +27,14 @@ def _env(name: str, default=None):
     return os.environ.get(ENV[name]) or default
 
 
+def _say(line: str) -> None:
+    """What changed is always said (process 0), whatever --progress is: a restart is news."""
+    import jax
+
+    if jax.process_index() == 0:
+        print(line, flush=True)
+
+
 def fit(cfg):
     """cfg with its mesh resized for the devices the job has now, when the agent says how
     many each process has (DPJAX_DEVICES_PER_PROCESS); unchanged otherwise."""
@@ -83,7 +91,7 @@ class Elastic:
                        seconds_lost=round(self.committer.completed_at - failure["t"], 2),
                        previous_mesh=failure.get("mesh"))
         write(row)
-        trainer.say("dpjax.elastic: " + ", ".join(f"{k} {v}" for k, v in row.items() if k != "event"))
+        _say("dpjax.elastic: " + ", ".join(f"{k} {v}" for k, v in row.items() if k != "event"))
 
     def close(self) -> None:
         if self.committer is not None:
@@ -116,6 +124,6 @@ def attach(trainer) -> Elastic | None:
             trainer.params, trainer.opt_state, trainer.rng = state["params"], state["opt_state"], state["rng"]
             trainer.start, trainer.cursor = meta["step"], meta["cursor"]
             elastic.restored = meta
-            trainer.say(f"dpjax.elastic: restored step {meta['step']} from commits {meta['sources']} onto mesh "
+            _say(f"dpjax.elastic: restored step {meta['step']} from commits {meta['sources']} onto mesh "
                         f"{dict(trainer.mesh.shape)}")
     return elastic
