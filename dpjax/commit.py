@@ -121,7 +121,7 @@ class Committer:
             for folder in (self.own, self.peer):
                 if folder:
                     shutil.rmtree(folder, ignore_errors=True)
-        self._queue: queue.Queue = queue.Queue(maxsize=1)  # one commit in flight: back-pressure, not a backlog
+        self._queue: queue.Queue = queue.Queue()
         self._error = None
         self._thread = threading.Thread(target=self._work, daemon=True, name="dpjax-commit")
         self._thread.start()
@@ -130,18 +130,22 @@ class Committer:
 
     # --- writing ---
 
-    def commit(self, step: int, state, meta: dict) -> None:
+    def commit(self, step: int, state, meta: dict, losses: dict | None = None) -> None:
         """Commits `state` (a pytree of global arrays) as of `step` (steps done). Returns
-        at once: the state is copied on the devices (the next step donates its buffers)
-        and written by a background thread."""
+        once the previous commit is written: the state is copied on the devices (the next
+        step donates its buffers) and written by a background thread while the next step
+        runs. losses: {step: scalar array} kept in the meta as numbers (what the metrics
+        of a restarted run must not miss)."""
         import jax
         import jax.numpy as jnp
 
-        if self._error is not None:
-            raise self._error
+        # The previous commit must be written first: then no process's commits run more
+        # than one step ahead of another's (the steps' collectives pace them), and the
+        # last two kept always include a step that every process has.
+        self.flush()
         if self._copy is None:
             self._copy = jax.jit(lambda t: jax.tree.map(jnp.copy, t))
-        self._queue.put((step, self._copy(state), meta))
+        self._queue.put((step, self._copy(state), meta, losses or {}))
 
     def _work(self):
         while True:
@@ -155,11 +159,13 @@ class Committer:
             finally:
                 self._queue.task_done()
 
-    def _write(self, step, state, meta):
+    def _write(self, step, state, meta, losses):
         import jax
 
         leaves, treedef = jax.tree.flatten(state)
-        meta = {**meta, "step": step, "world": self.world, "rank": self.rank, "treedef": str(treedef), "leaves": []}
+        jax.block_until_ready(leaves)  # the step is done here, whether or not this process holds replica 0
+        meta = {**meta, "losses": {str(s): float(v) for s, v in losses.items()}, "step": step, "world": self.world,
+                "rank": self.rank, "treedef": str(treedef), "leaves": []}
         arrays = []
         for leaf in leaves:
             pieces = _pieces(leaf)  # waits for the step

@@ -23,13 +23,13 @@ def _join(s, host, port=1000):
     return s.handle({"op": "join", "host": host, "addr": "127.0.0.1", "port": port, "nproc": 2})
 
 
-def test_a_round_forms_with_max_hosts_in_join_order():
+def test_a_round_forms_with_max_hosts_in_name_order():
     clock = Clock()
     s = State(1, 2, max_restarts=1, clock=clock)
     assert _join(s, "b", 1111)["state"] == "forming"  # waits for MAX in the first round
     v = _join(s, "a", 2222)
-    assert v["state"] == "running" and v["members"] == ["b", "a"] and v["coordinator"] == "127.0.0.1:1111"
-    assert (v["node_rank"], v["first_rank"], v["world"]) == (1, 2, 4)
+    assert v["state"] == "running" and v["members"] == ["a", "b"] and v["coordinator"] == "127.0.0.1:2222"
+    assert (v["node_rank"], v["first_rank"], v["world"]) == (0, 0, 4)
 
 
 def test_the_first_round_starts_with_min_hosts_after_the_wait():
@@ -63,7 +63,7 @@ def test_a_failure_restarts_at_the_size_left_and_a_lost_host_is_dropped():
     v = _join(s, "a")
     clock.t = 5.0
     v = s.handle({"op": "poll", "host": "a"})
-    assert v["members"] == ["a", "b"] and v["round"] == 3  # first-join order kept
+    assert v["members"] == ["a", "b"] and v["round"] == 3  # by name
 
 
 def test_more_failures_than_max_restarts_give_up():

@@ -11,7 +11,7 @@ same code.
 Rounds: agents `join`; a round forms once at least MIN hosts have joined and either
 MAX have, or every live host has and none joined for `last_call` seconds (the first
 round waits up to `first_wait` for MAX). A round's members get node ranks in the order
-they first ever joined (a restarted host keeps its place) and the coordinator address
+of their names (a restarted host keeps its place) and the coordinator address
 of node 0. Agents `poll` every fraction of a second; one silent for `lost_after`
 seconds has lost its host and is dropped (a running round with it fails). A `fail`
 ends the running round for everyone; more than `max_restarts` failures end the job.
@@ -36,7 +36,7 @@ class State:
         self.min, self.max, self.max_restarts = min_hosts, max_hosts, max_restarts
         self.last_call, self.first_wait, self.lost_after, self.clock = last_call, first_wait, lost_after, clock
         self.seen: dict = {}  # host -> last time heard from
-        self.order: list = []  # hosts in the order they first joined
+        self.order: list = []  # every host that ever joined, by name
         self.waiting: dict = {}  # host -> {"addr", "port", "nproc", "at"} joined for the next round
         self.round, self.state, self.members, self.coordinator = 0, "forming", [], None
         self.failures: list = []  # of the current round
@@ -56,8 +56,8 @@ class State:
 
     def _join(self, req, now):
         host = req["host"]
-        if host not in self.order:
-            self.order.append(host)
+        if host not in self.order:  # sorted by name: node ranks do not depend on who was quicker
+            self.order = sorted([*self.order, host])
         self.waiting[host] = {"addr": req["addr"], "port": req["port"], "nproc": req["nproc"], "at": now}
         if req.get("completed") is not None:  # how far its processes got in the job that ended
             self.reached = max(self.reached, req["completed"])
@@ -67,8 +67,8 @@ class State:
 
     def _fail(self, req, now):
         if req.get("round") == self.round and self.state in ("running", "failed"):
-            self.failures.append({k: req[k] for k in ("host", "rank", "how", "line", "completed", "t", "mesh")
-                                  if k in req})
+            self.failures.append({k: req[k] for k in ("host", "rank", "how", "line", "t", "signal", "hang",
+                                                      "silent_since", "user_error") if k in req})
             if self.state == "running":
                 self.state, self.failed_at = "failed", now
                 self.restarts += 1
@@ -94,6 +94,9 @@ class State:
                                now)
         if self.state == "failed" and self.restarts > self.max_restarts:
             self.state = "gave_up"
+        if self.state == "failed" and any(f.get("user_error") for f in self.failures):
+            # exit code 2 is a one-line user error (dpjax's CLIs): the same again would fail the same way
+            self.state, self.why = "gave_up", "a process stopped with a user error (exit code 2)"
         if self.state == "failed" and len(self.seen) < self.min and now - self.failed_at > 2 * self.lost_after:
             self.state, self.why = "gave_up", f"{len(self.seen)} hosts left, fewer than MIN {self.min}"
         if self.state not in ("forming", "failed"):

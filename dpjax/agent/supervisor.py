@@ -79,7 +79,8 @@ class Agent:
         last = view.get("last")
         if last and cause(last["failures"]):
             f = cause(last["failures"])
-            env[ENV["failure"]] = json.dumps({"line": failure_line(f), "t": f["t"], "completed": last["completed"]})
+            env[ENV["failure"]] = json.dumps({"line": failure_line(f), "t": f["t"], "completed": last["completed"],
+                                              "restarted": time.time()})
         if a.devices_per_process:
             import re
 

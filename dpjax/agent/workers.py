@@ -113,7 +113,7 @@ class Workers:
                 tail = self.last_line.get(rank, "")
                 if code > 0 and tail and not re.search(r"[Gg]loo|connection|socket|coordination", tail):
                     how += f" ({tail[:160]})"  # an exception of its own, not a transport's echo of another's
-                return {"rank": rank, "how": how, "signal": code < 0, "t": time.time()}
+                return {"rank": rank, "how": how, "signal": code < 0, "user_error": code == 2, "t": time.time()}
         if all(c == 0 for c in codes):
             return "done"
         now = time.time()

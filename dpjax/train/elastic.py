@@ -55,14 +55,23 @@ class Elastic:
         self.faults = faults.for_process(jax.process_index())
         self.restored, self.reported = None, False
 
-    def after_step(self, trainer, done: int, write) -> None:
-        """After step `done` (steps done) is dispatched."""
+    def after_step(self, trainer, done: int, write, in_flight=()) -> None:
+        """After step `done` (steps done) is dispatched; `in_flight`: the loop's steps
+        whose metrics are not written yet, (step, loss, extra)."""
+        c = self.committer
+        if self.restored is not None and not self.reported and done == self.restored["step"] + 1:
+            for step, loss in sorted(self.restored.get("losses", {}).items(), key=lambda kv: int(kv[0])):
+                write({"step": int(step), "loss": loss, "from_commit": True})  # rows the lost job never wrote
         if done in self.faults:
+            if c is not None:
+                c.flush()  # the fault strikes at a step boundary: what was asked for before is written
             self.heartbeat(done)
             faults.fire(self.faults[done])
-        c = self.committer
         if c is not None and (done % self.cfg.commit_every == 0 or done == self.cfg.steps):
-            c.commit(done, trainer._state(), {"cursor": trainer.cursor, "record": trainer.record})
+            # the losses of the steps up to this one that the loop has not written yet: a
+            # restart from this commit writes them, so that the metrics miss no step
+            losses = {step: loss for step, loss, _ in in_flight}
+            c.commit(done, trainer._state(), {"cursor": trainer.cursor, "record": trainer.record}, losses)
         self.heartbeat(done)
         if self.restored is not None and not self.reported and c is not None and c.completed > self.restored["step"]:
             self.report(trainer, write)
@@ -88,8 +97,8 @@ class Elastic:
         if failure:
             reached = failure.get("completed")
             row.update(failed=failure.get("line"), steps_lost=None if reached is None else max(0, reached - r["step"]),
-                       seconds_lost=round(self.committer.completed_at - failure["t"], 2),
-                       previous_mesh=failure.get("mesh"))
+                       restart_s=round(failure["restarted"] - failure["t"], 2),
+                       seconds_lost=round(self.committer.completed_at - failure["t"], 2))
         write(row)
         _say("dpjax.elastic: " + ", ".join(f"{k} {v}" for k, v in row.items() if k != "event"))
 

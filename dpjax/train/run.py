@@ -98,7 +98,7 @@ def run_loop(self) -> dict:
                 extra["comm_bytes"] = self.comm_bytes(step, args)
             in_flight.append((step_i, loss, extra))
             if self.elastic is not None:  # commit, heartbeat, injected fault (dpjax.train.elastic)
-                self.elastic.after_step(self, step_i + 1, write)
+                self.elastic.after_step(self, step_i + 1, write, in_flight)
             if trial is not None or profiled:  # autotuned and profiled steps run alone, to their end
                 retire()
                 with phase("host_wait"):
