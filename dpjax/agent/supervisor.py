@@ -28,6 +28,9 @@ def cause(failures: list) -> dict | None:
     a lost host before an exit code (the survivors of a lost peer exit with errors)."""
     if not failures:
         return None
+    stopped = [f for f in failures if f.get("stopped")]
+    if stopped:
+        return min(stopped, key=lambda f: f["silent_since"])
     hung = [f for f in failures if f.get("hang")]
     if hung:
         return min(hung, key=lambda f: f.get("silent_since", f["t"]))
@@ -159,6 +162,10 @@ class Agent:
                     asked = time.time()
                     now = self.ask("poll")
                     if now["round"] != view["round"] or now["state"] in ("failed", "gave_up"):
+                        for f in w.post_mortem():  # a cause here, found after another host's echo of it
+                            f["host"] = self.host
+                            self.say(failure_line(f))
+                            self.ask("fail", round=view["round"], **f)
                         w.stop()
                         return ("gave_up" if now["state"] == "gave_up" else "failed"), w.completed()
                     if now["state"] == "done":

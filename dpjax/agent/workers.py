@@ -116,18 +116,32 @@ class Workers:
                 return {"rank": rank, "how": how, "signal": code < 0, "user_error": code == 2, "t": time.time()}
         if all(c == 0 for c in codes):
             return "done"
-        now = time.time()
+        hung = [self._hang(i) for i in range(self.k) if codes[i] is None]
+        hung = [h for h in hung if h["age"] > (hang_timeout if h["beat"] else start_timeout)]
+        # the stopped one first: the others went silent waiting for it in a collective
+        return min(hung, key=lambda h: (not h["stopped"], h["silent_since"])) if hung else None
+
+    def _hang(self, i: int) -> dict:
+        now, (age, beat) = time.time(), self.heartbeat(i)
+        since = "its last step" if age is not None else "its start"
+        age = age if age is not None else now - self.started
+        state = process_state(self.procs[i].pid)
+        why = " (stopped: SIGSTOP)" if state == "T" else f" (state {state})" if state else ""
+        at = f" after step {beat['dispatched']}" if beat.get("dispatched") is not None else ""
+        return {"rank": self.first + i, "how": f"hung: no step for {age:.0f} s since {since}{at}{why}", "hang": True,
+                "stopped": state == "T", "silent_since": now - age, "t": now, "age": age, "beat": bool(beat)}
+
+    def post_mortem(self) -> list:
+        """What this host's processes died of, or are stopped by, when the round failed
+        elsewhere first (so that the cause can be told from its echoes)."""
+        out = []
         for i, p in enumerate(self.procs):
-            age, beat = self.heartbeat(i)
-            limit, since = (hang_timeout, "its last step") if age is not None else (start_timeout, "its start")
-            age = age if age is not None else now - self.started
-            if codes[i] is None and age > limit:
-                state = process_state(p.pid)
-                why = " (stopped: SIGSTOP)" if state == "T" else f" (state {state})" if state else ""
-                at = f" after step {beat['dispatched']}" if beat.get("dispatched") is not None else ""
-                return {"rank": self.first + i, "how": f"hung: no step for {age:.0f} s since {since}{at}{why}",
-                        "hang": True, "silent_since": now - age, "t": now}
-        return None
+            code = p.poll()
+            if code is not None and code < 0:
+                out.append({"rank": self.first + i, "how": describe_exit(code), "signal": True, "t": time.time()})
+            elif code is None and process_state(p.pid) == "T":
+                out.append(self._hang(i))
+        return out
 
     def stop(self) -> None:
         """Kills every process of this host at once (SIGKILL to the group: their state is

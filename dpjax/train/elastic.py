@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
+import traceback
 
 from dpjax import fault as faults
 from dpjax.agent.env import ENV
@@ -107,6 +109,16 @@ class Elastic:
             self.committer.close()
 
 
+def _exit_now(kind, value, tb):
+    """Prints the traceback and exits with status 1 without the interpreter's exit
+    handlers: jax.distributed's would wait at the shutdown barrier for processes that
+    are still stepping (300 s), and the agent would see a hang rather than the error."""
+    traceback.print_exception(kind, value, tb)
+    sys.stderr.flush()
+    sys.stdout.flush()
+    os._exit(1)
+
+
 def attach(trainer) -> Elastic | None:
     """The trainer's Elastic (None when nothing elastic is asked for); restores the newest
     complete commit on a restart."""
@@ -125,6 +137,8 @@ def attach(trainer) -> Elastic | None:
         restoring = restart > 0 or cfg.resume
         committer = Committer(os.path.abspath(root), _env("host", "local"), jax.process_index(), jax.process_count(),
                               int(_env("per_host", "1")), jax_distributed.global_state.client, fresh=not restoring)
+    if heartbeat is not None:  # under the agent: an exception ends this process at once
+        sys.excepthook = _exit_now
     elastic = Elastic(trainer, committer, heartbeat)
     if committer is not None and (restart > 0 or cfg.resume):
         got = committer.restore(trainer._state(), expect=trainer.record)
