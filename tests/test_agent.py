@@ -88,6 +88,9 @@ def test_a_hang_is_the_cause_before_the_exits_it_provokes():
                                                              "silent_since": 0.5},
                 {"rank": 1, "how": "hung", "hang": True, "t": 2.1, "silent_since": 0.9}]
     assert cause(failures)["rank"] == 3
+    echo = {"rank": 0, "how": "exit code 1 (a transport error)", "echo": True, "t": 0.5}
+    own = {"rank": 1, "how": "exit code 1 (FaultInjected)", "t": 0.6}
+    assert cause([echo, own])["rank"] == 1  # an error of its own, not the echo that came first
     stopped = {"rank": 2, "how": "hung (stopped)", "hang": True, "stopped": True, "t": 3.0, "silent_since": 0.7}
     assert cause(failures + [stopped])["rank"] == 2  # the stopped one, not those waiting for it
 

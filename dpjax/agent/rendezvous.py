@@ -68,7 +68,7 @@ class State:
     def _fail(self, req, now):
         if req.get("round") == self.round and self.state in ("running", "failed"):
             self.failures.append({k: req[k] for k in ("host", "rank", "how", "line", "t", "signal", "hang",
-                                                      "stopped", "silent_since", "user_error") if k in req})
+                                                      "stopped", "silent_since", "user_error", "echo") if k in req})
             if self.state == "running":
                 self.state, self.failed_at = "failed", now
                 self.restarts += 1

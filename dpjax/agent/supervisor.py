@@ -34,7 +34,7 @@ def cause(failures: list) -> dict | None:
     hung = [f for f in failures if f.get("hang")]
     if hung:
         return min(hung, key=lambda f: f.get("silent_since", f["t"]))
-    return min(failures, key=lambda f: (not (f.get("signal") or "lost" in f["how"]), f["t"]))
+    return min(failures, key=lambda f: (not (f.get("signal") or "lost" in f["how"]), bool(f.get("echo")), f["t"]))
 
 
 def failure_line(f: dict) -> str:

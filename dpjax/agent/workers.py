@@ -24,6 +24,9 @@ from dpjax import distributed
 from dpjax.agent.env import ENV
 
 PR_SET_PDEATHSIG = 1
+# what a process prints when a peer went away under it (gloo, gRPC, the coordination service)
+TRANSPORT = re.compile(r"Gloo .*failed|Connection (reset|closed|refused)|Socket closed|coordination service|"
+                       r"DEADLINE_EXCEEDED|UNAVAILABLE")
 
 
 def _die_with_agent():
@@ -61,6 +64,7 @@ class Workers:
             if os.path.exists(path):
                 os.remove(path)
         self.last_line: dict = {}
+        self.echo: set = set()  # ranks that printed a transport error (a peer went away)
         self.procs, self.pumps, self.lock = [], [], threading.Lock()
         self.started = time.time()
         pgid = 0
@@ -82,6 +86,8 @@ class Workers:
         for line in iter(stream.readline, ""):
             if line.strip():
                 self.last_line[rank] = line.rstrip()
+                if TRANSPORT.search(line):
+                    self.echo.add(rank)
             with self.lock:
                 out.write(f"[{rank}] {line}")
                 out.flush()
@@ -106,14 +112,22 @@ class Workers:
         """None while all is well; "done" when every process exited 0; else a failure
         {rank, how, line, t, silent_since?} of the first process that failed or hung."""
         codes = [p.poll() for p in self.procs]
+        dead = []
         for i, code in enumerate(codes):
             if code not in (None, 0):
                 rank = self.first + i
-                how = describe_exit(code)
+                for t in self.pumps[2 * i:2 * i + 2]:
+                    t.join(timeout=1.0)  # its last lines, to tell an error of its own from an echo
+                how, echo = describe_exit(code), rank in self.echo
                 tail = self.last_line.get(rank, "")
-                if code > 0 and tail and not re.search(r"[Gg]loo|connection|socket|coordination", tail):
-                    how += f" ({tail[:160]})"  # an exception of its own, not a transport's echo of another's
-                return {"rank": rank, "how": how, "signal": code < 0, "user_error": code == 2, "t": time.time()}
+                if code > 0 and tail and not echo:
+                    how += f" ({tail[:160]})"  # an exception of its own
+                elif echo:
+                    how += " (a transport error: a peer went away)"
+                dead.append({"rank": rank, "how": how, "signal": code < 0, "echo": echo, "user_error": code == 2,
+                             "t": time.time()})
+        if dead:  # a signal or an error of its own before an echo of another's failure
+            return min(dead, key=lambda f: (not f["signal"], f["echo"], f["rank"]))
         if all(c == 0 for c in codes):
             return "done"
         hung = [self._hang(i) for i in range(self.k) if codes[i] is None]
