@@ -60,9 +60,11 @@ def main():
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--timeout", type=float, default=60)
     p.add_argument("--lines", type=int, default=25, help="the last lines of each process's output shown")
-    _bench.add_smoke(p, "6 steps")
+    _bench.add_smoke(p, "6 steps, 20 s at most")
     args = p.parse_args()
     steps = 6 if args.smoke else args.steps
+    if args.smoke:
+        args.timeout = 20
     n = 3
     from dpjax.agent.rendezvous import free_port
 

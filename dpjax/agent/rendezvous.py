@@ -88,7 +88,7 @@ class State:
             if now - t > self.lost_after:  # its agent is gone: so is its host
                 del self.seen[host]
                 self.waiting.pop(host, None)
-                if self.state == "running" and host in self.members:
+                if self.state in ("running", "failed") and host in self.members:  # a cause, or the cause
                     self._fail({"round": self.round, "host": host, "how": f"agent silent for {self.lost_after:g} s "
                                 "(host lost)", "line": f"host {host} lost (its agent is silent)", "t": time.time()},
                                now)

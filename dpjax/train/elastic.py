@@ -21,8 +21,10 @@ import sys
 import time
 import traceback
 
-from dpjax import fault as faults
-from dpjax.agent.env import ENV
+IMPORTED = time.time()  # about when this process started (the restart's breakdown)
+
+from dpjax import fault as faults  # noqa: E402
+from dpjax.agent.env import ENV  # noqa: E402
 
 
 def _env(name: str, default=None):
@@ -100,7 +102,12 @@ class Elastic:
             reached = failure.get("completed")
             row.update(failed=failure.get("line"), steps_lost=None if reached is None else max(0, reached - r["step"]),
                        restart_s=round(failure["restarted"] - failure["t"], 2),
-                       seconds_lost=round(self.committer.completed_at - failure["t"], 2))
+                       seconds_lost=round(self.committer.completed_at - failure["t"], 2),
+                       # where the seconds went: processes started -> imports done -> joined,
+                       # planned and restored -> first step (compiled or from the cache) done
+                       breakdown={"start_import": round(IMPORTED - failure["restarted"], 2),
+                                  "join_plan_restore": round(r["restored_at"] - IMPORTED, 2),
+                                  "first_step": round(self.committer.completed_at - r["restored_at"], 2)})
         write(row)
         _say("dpjax.elastic: " + ", ".join(f"{k} {v}" for k, v in row.items() if k != "event"))
 
@@ -146,7 +153,7 @@ def attach(trainer) -> Elastic | None:
             state, meta = got
             trainer.params, trainer.opt_state, trainer.rng = state["params"], state["opt_state"], state["rng"]
             trainer.start, trainer.cursor = meta["step"], meta["cursor"]
-            elastic.restored = meta
+            elastic.restored = {**meta, "restored_at": time.time()}
             _say(f"dpjax.elastic: restored step {meta['step']} from commits {meta['sources']} onto mesh "
                         f"{dict(trainer.mesh.shape)}")
     return elastic
