@@ -82,7 +82,8 @@ class Agent:
         last = view.get("last")
         if last and cause(last["failures"]):
             f = cause(last["failures"])
-            env[ENV["failure"]] = json.dumps({"line": failure_line(f), "t": f["t"], "completed": last["completed"],
+            first = min(x["t"] for x in last["failures"])  # the first sign of it, an echo perhaps
+            env[ENV["failure"]] = json.dumps({"line": failure_line(f), "t": first, "completed": last["completed"],
                                               "restarted": time.time()})
         if a.devices_per_process:
             import re
