@@ -97,9 +97,9 @@ def commit_cost(args, out_dir):
     rotating), the median step time of each (first steps, which compile, left out)."""
     head = ["round", "median step ms, no commit", "median step ms, commit every step", "ratio"]
     rows, ratios = [], []
-    base = [*MODEL[:-2], "--progress", "none", "--data", args.data, "--mesh", "2x4", "--steps", str(args.steps),
-            "--d-model", "128", "--n-layers", "2", "--n-heads", "8", "--seq-len", "128", "--batch-size", "32"]
-    base = [a for a in base]
+    # the main job: dpjax.train's defaults (GPT d_model 128, 2 layers, seq 128, batch 32, adamw) on 2x4
+    base = ["--progress", "none", "--eval-every", "0", "--eval-batches", "1", "--data", args.data, "--mesh", "2x4",
+            "--steps", str(args.steps)]
     for r in range(args.rounds):
         med = {}
         for variant in (("plain", "commit") if r % 2 == 0 else ("commit", "plain")):
@@ -123,7 +123,7 @@ def main():
     p.add_argument("--at", type=int, default=30, help="the step the fault strikes at")
     p.add_argument("--scenarios", default=",".join(SCENARIOS))
     p.add_argument("--commit-cost", action="store_true")
-    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--data", default=None, help="a text file (default: 300 kB of the stdlib corpus)")
     _bench.add_smoke(p, "the same-size scenario, 8 steps; or 1 round of 8 steps of the commit cost")
     args = p.parse_args()
