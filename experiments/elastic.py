@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import socket
 import subprocess
 import sys
 import tempfile
@@ -58,11 +59,19 @@ def run_job(tmp, train, fault=None, nnodes="2:2", agent=()):
     if fault:
         env["DPJAX_FAULT"] = fault
     t0 = time.time()
-    agents = [subprocess.Popen(
-        [sys.executable, "-m", "dpjax.agent", "--nnodes", nnodes, "--nproc-per-node", "2", "--rdzv",
-         f"127.0.0.1:{port}", "--devices-per-process", "2", "--commit-dir", os.path.join(tmp, "commits"),
-         "--host-id", f"h{i}", *agent, "--", sys.executable, "-m", "dpjax.train", *train, "--metrics", metrics],
-        env=env, stdout=subprocess.DEVNULL, stderr=open(os.path.join(tmp, f"agent{i}.err"), "w")) for i in range(2)]
+    agents = []
+    for i in range(2):
+        agents.append(subprocess.Popen(
+            [sys.executable, "-m", "dpjax.agent", "--nnodes", nnodes, "--nproc-per-node", "2", "--rdzv",
+             f"127.0.0.1:{port}", "--devices-per-process", "2", "--commit-dir", os.path.join(tmp, "commits"),
+             "--host-id", f"h{i}", *agent, "--", sys.executable, "-m", "dpjax.train", *train, "--metrics", metrics],
+            env=env, stdout=subprocess.DEVNULL, stderr=open(os.path.join(tmp, f"agent{i}.err"), "w")))
+        while i == 0:  # h0 runs the rendezvous: the faults strike h1, and a lost rendezvous host ends the job
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                time.sleep(0.1)
     codes = [a.wait(timeout=1800) for a in agents]
     return time.time() - t0, metrics, codes
 

@@ -43,9 +43,13 @@ def run_agents(tmp, train_args, *, fault=None, nnodes="2:2", hosts=2, agent_args
            *agent_args]
     logs = [open(tmp / f"agent{i}.err", "w+") for i in range(hosts)]
     t0 = time.time()
-    agents = [subprocess.Popen([*cmd, "--host-id", f"h{i}", "--", sys.executable, "-m", "dpjax.train",
-                                *train_args, "--metrics", str(metrics)], env=env, stdout=subprocess.DEVNULL,
-                               stderr=logs[i], text=True) for i in range(hosts)]
+    agents = []
+    for i in range(hosts):
+        agents.append(subprocess.Popen([*cmd, "--host-id", f"h{i}", "--", sys.executable, "-m", "dpjax.train",
+                                        *train_args, "--metrics", str(metrics)], env=env, stdout=subprocess.DEVNULL,
+                                       stderr=logs[i], text=True))
+        if i == 0:  # h0 runs the rendezvous (the faults strike h1: a lost rendezvous host ends the job)
+            wait_listening(port)
     try:
         codes = [a.wait(timeout=timeout) for a in agents]
     finally:
@@ -58,6 +62,19 @@ def run_agents(tmp, train_args, *, fault=None, nnodes="2:2", hosts=2, agent_args
         errs.append(log.read())
         log.close()
     return codes, errs, time.time() - t0, metrics, root
+
+
+def wait_listening(port, timeout=60):
+    import socket
+
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return
+        except OSError:
+            time.sleep(0.1)
+    raise TimeoutError(f"no rendezvous on port {port}")
 
 
 def events(metrics):
