@@ -215,7 +215,9 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m dpjax.launch",
         description="Run a command in N processes on this host, joined by jax.distributed "
                     "(gloo or MPI on CPU, NCCL on GPU). Example: python -m dpjax.launch -n 2 "
-                    "-- python -m dpjax.train --mesh 2x2x2",
+                    "-- python -m dpjax.train --mesh 2x2x2. With --nnodes MIN:MAX --nproc-per-node K --rdzv "
+                    "HOST:PORT [--max-restarts N] [--hang-timeout S] it is one host's supervising agent instead, "
+                    "restarting the job on any failure (python -m dpjax.agent --help)",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("-n", "--nproc", type=int, default=2, help="processes to start")
     p.add_argument("--devices-per-process", type=int,
@@ -234,8 +236,18 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+# These flags make `dpjax.launch` the supervising agent of `dpjax.agent` (torchrun's
+# elastic launch): rendezvous, restarts at the size left, hang detection.
+AGENT_FLAGS = ("--nnodes", "--nproc-per-node", "--rdzv", "--max-restarts", "--hang-timeout")
+
+
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    ours = argv[:argv.index("--")] if "--" in argv else argv
+    if any(a.split("=")[0] in AGENT_FLAGS for a in ours):  # the supervising agent (dpjax.agent): restarts
+        from dpjax.agent.cli import main as agent_main
+
+        return agent_main(argv)
     p = build_parser()
     if "--" in argv:
         cut = argv.index("--")

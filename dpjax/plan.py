@@ -20,6 +20,7 @@ The plan knows nothing of how a step is traced; `dpjax.step.build(loss, plan)` d
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -141,7 +142,7 @@ class Plan:
 # Checks that need no devices
 
 
-_AT_LEAST_1 = ("steps", "batch_size", "seq_len", "backward_passes", "ckpt_every", "eval_batches", "timeline_steps",
+_AT_LEAST_1 = ("steps", "batch_size", "seq_len", "backward_passes", "ckpt_every", "commit_every", "eval_batches", "timeline_steps",
                "autotune_samples")
 _NOT_NEGATIVE = ("eval_every", "warmup_steps", "weight_decay", "clip_norm", "lr")
 
@@ -198,8 +199,8 @@ def check(s: Settings) -> None:
     for name in _NOT_NEGATIVE + (() if s.fusion_mb == "auto" else ("fusion_mb",)):
         if getattr(s, name) < 0:
             raise UsageError(f"{flag(name)} cannot be negative, got {getattr(s, name)}")
-    if s.resume and not s.ckpt_dir:
-        raise UsageError("--resume needs --ckpt-dir")
+    if s.resume and not (s.ckpt_dir or s.commit_dir):
+        raise UsageError("--resume needs --ckpt-dir (or --commit-dir)")
     chunked = [name for name, sched in SCHEDULES.items() if sched.virtual_stages]
     if s.virtual_stages is not None and s.schedule not in chunked:
         raise UsageError(f"--virtual-stages applies to --schedule {', '.join(chunked)}, not {s.schedule or '1f1b'}")
@@ -210,8 +211,8 @@ def check(s: Settings) -> None:
     if s.profile_dir and not s.timeline:
         raise UsageError("--profile-dir keeps the capture behind --timeline: add --timeline FILE")
     for name, check_path in (("metrics", _check_output_file), ("timeline", _check_output_file),
-                             ("ckpt_dir", _check_output_dir), ("profile_dir", _check_output_dir),
-                             ("tensorboard", _check_output_dir)):
+                             ("ckpt_dir", _check_output_dir), ("commit_dir", _check_output_dir),
+                             ("profile_dir", _check_output_dir), ("tensorboard", _check_output_dir)):
         if getattr(s, name):
             check_path(flag(name), getattr(s, name))
 
@@ -260,6 +261,25 @@ def devices_per_process(s: Settings, processes: int) -> int | None:
     if want is not None and want % processes:
         raise UsageError(f"--mesh {s.mesh} has {want} devices, which {processes} processes cannot share equally")
     return None if want is None else want // processes
+
+
+def fit_mesh(s: Settings, devices: int) -> Settings:
+    """`s` with its mesh resized to `devices` devices (an elastic restart on fewer or more
+    hosts): the outermost data axis takes what the other axes leave; every other setting,
+    the global batch included, is kept (resolve then checks that this size can hold it).
+    A spec with a -1 already takes what there is."""
+    from dpjax.mesh import NOT_DATA, mesh_size, parse_mesh_spec
+
+    if not s.mesh or mesh_size(s.mesh) is None or mesh_size(s.mesh) == devices:
+        return s
+    names, sizes = parse_mesh_spec(s.mesh, mesh_size(s.mesh))
+    outer = next((i for i, n in enumerate(names) if n not in NOT_DATA), None)
+    others = math.prod(n for i, n in enumerate(sizes) if i != outer)
+    if outer is None or devices % others:
+        raise UsageError(f"--mesh {s.mesh} cannot be resized to {devices} devices: its non-data axes need a "
+                         f"multiple of {others}")
+    new = ",".join(f"{n}={devices // others if i == outer else v}" for i, (n, v) in enumerate(zip(names, sizes)))
+    return dataclasses.replace(s, mesh=new)
 
 
 # ---------------------------------------------------------------------------------------

@@ -135,6 +135,11 @@ class Settings:
     ckpt_dir: str | None = _opt(None, "folder for checkpoints (orbax)")
     ckpt_every: int = _opt(100, "steps between checkpoints")
     resume: bool = _opt(False, "continue from the latest checkpoint in --ckpt-dir")
+    commit_dir: str | None = _opt(None, "folder for per-step commits of the training state (dpjax.commit: each "
+                                        "process's shards on local storage plus a copy on the next host's process); "
+                                        "under python -m dpjax.agent one is given by default (/dev/shm). A restarted "
+                                        "job, or --resume, restores the newest step every shard committed")
+    commit_every: int = _opt(1, "steps between commits (with --commit-dir or under dpjax.agent)")
     progress: str = _opt("auto", "progress display: a bar on a terminal, log lines otherwise",
                          choices=("auto", "bar", "log", "none"))
     # Timeline and autotune (dpjax.timeline, dpjax.autotune)

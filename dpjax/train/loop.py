@@ -18,7 +18,7 @@ import sys
 from dpjax import distributed
 from dpjax.plan import check, devices_per_process, resolve
 from dpjax.settings import Settings
-from dpjax.train import hardware, observe, record, tuning
+from dpjax.train import elastic, hardware, observe, record, tuning
 
 
 def setup_devices(cfg: Settings):
@@ -46,7 +46,7 @@ class Trainer:
 
     def __init__(self, cfg: Settings):
         check(cfg)  # before JAX starts: a bad flag costs nothing
-        self.cfg = cfg
+        self.cfg = cfg = elastic.fit(cfg)  # under dpjax.agent: the mesh for the hosts there are now
         self.plan = plan = resolve(cfg, setup_devices(cfg))
         import jax
 
@@ -92,6 +92,7 @@ class Trainer:
         self.run_record = record.build(cfg, plan)  # the first metrics row, and run.json beside the checkpoints
         if cfg.ckpt_dir and jax.process_index() == 0:
             record.write_run_file(cfg.ckpt_dir, self.run_record)
+        self.elastic = elastic.attach(self)  # commits, heartbeat, faults; a restart restores its commit
         self.tuner = tuning.plan_search(self)
         self.recorder = None
         if cfg.timeline:

@@ -105,6 +105,8 @@ def run_loop(self) -> dict:
             if id(step) not in shapes:  # the step's argument shapes: its compiled figures are looked up by them
                 shapes[id(step)] = observe.shapes(args)
             in_flight.append((step_i, loss, extra, step))
+            if self.elastic is not None:  # commit, heartbeat, injected fault (dpjax.train.elastic)
+                self.elastic.after_step(self, step_i + 1, write, in_flight)
             if trial is not None or profiled:  # autotuned and profiled steps run alone, to their end
                 retire()
                 with phase("host_wait"):
@@ -144,6 +146,8 @@ def run_loop(self) -> dict:
             metrics.close()
         if self.ckpt:
             self.ckpt.close()
+        if self.elastic is not None:
+            self.elastic.close()
     fig = (efficiency.row(tokens_per_step / last["tokens_per_s"], self.step, shapes[id(self.step)])
            if last["tokens_per_s"] and id(self.step) in shapes else {})
     return {"steps": step_i + 1, "interrupted": stop["now"], "loss": last["loss"],

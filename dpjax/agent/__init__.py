@@ -1,0 +1,20 @@
+"""`python -m dpjax.agent`: one supervising agent per host, as torchrun runs one per node.
+
+    python -m dpjax.agent --nnodes MIN:MAX --nproc-per-node K --rdzv HOST:PORT \\
+        --max-restarts N --hang-timeout S -- python -m dpjax.train --mesh 4x2 ...
+
+The agents meet at a rendezvous (`rendezvous.py`: a TCP service the first agent that
+can listen on HOST:PORT runs), agree on the job's membership (at least MIN hosts, at most
+MAX), and each starts its host's K processes with the job's `jax.distributed` settings
+(coordinator on the first host, process count and ids) and the elastic ones
+(`env.py`). On any failure (a process that exits abnormally, one whose heartbeat is
+older than --hang-timeout, a host whose agent falls silent) every agent stops its
+processes and the job starts again at the size that is left, or at the same size when
+the failed host can start again; the training loop restores the newest step every
+process committed (`dpjax.commit`), so at most about one step of work is lost. More
+failures than --max-restarts end the job with one line and a non-zero exit.
+
+Files: `rendezvous.py` (membership, rounds), `workers.py` (this host's processes:
+start, watch, stop), `supervisor.py` (the agent's loop), `cli.py` (the command line),
+`env.py` (what a process is told).
+"""

@@ -1,0 +1,5 @@
+import sys
+
+from dpjax.agent.cli import main
+
+sys.exit(main())

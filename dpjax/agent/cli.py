@@ -1,0 +1,82 @@
+"""The agent's command line. `add_arguments` and `run` are what `dpjax.launch` calls to
+delegate to the agent when it is given --nnodes or --rdzv."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import sys
+import tempfile
+
+
+def _nnodes(text: str) -> tuple[int, int]:
+    lo, _, hi = text.partition(":")
+    try:
+        lo, hi = int(lo), int(hi or lo)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected N or MIN:MAX, got {text!r}") from None
+    if not 1 <= lo <= hi:
+        raise argparse.ArgumentTypeError(f"expected 1 <= MIN <= MAX, got {text!r}")
+    return lo, hi
+
+
+def _rdzv(text: str) -> str:
+    host, _, port = text.rpartition(":")
+    if not host or not port.isdigit():
+        raise argparse.ArgumentTypeError(f"expected HOST:PORT, got {text!r}")
+    return text
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--nnodes", type=_nnodes, default=(1, 1), metavar="MIN:MAX",
+                   help="hosts the job runs on: at least MIN (fewer ends it), at most MAX (more wait for a restart)")
+    p.add_argument("--nproc-per-node", type=int, default=1, metavar="K", help="processes this agent runs")
+    p.add_argument("--rdzv", type=_rdzv, default="127.0.0.1:29400", metavar="HOST:PORT",
+                   help="where the agents meet; the first agent that can listen there runs the rendezvous")
+    p.add_argument("--max-restarts", type=int, default=3, metavar="N", help="failures survived before giving up")
+    p.add_argument("--hang-timeout", type=float, default=60.0, metavar="S",
+                   help="a process with no step for this many seconds has hung")
+    p.add_argument("--start-timeout", type=float, default=600.0, metavar="S",
+                   help="a process with no first step (start, compile, restore) for this many seconds has hung")
+    p.add_argument("--host-id", default=socket.gethostname(),
+                   help="this host's name (unique among the agents; its commits' folder)")
+    p.add_argument("--commit-dir", default=None,
+                   help="the root of the per-step commits and heartbeats (fast local storage; dpjax.train's "
+                        "--commit-dir wins where given). Default: /dev/shm/dpjax-<rdzv port>")
+    p.add_argument("--devices-per-process", type=int, default=None,
+                   help="simulated CPU devices per process (sets XLA_FLAGS); the mesh's data axis is then resized "
+                        "to the devices a round has")
+    p.add_argument("--rdzv-last-call", type=float, default=1.0, metavar="S",
+                   help="after a failure, a round starts once every live host has rejoined and none for S seconds")
+    p.add_argument("--rdzv-wait", type=float, default=300.0, metavar="S",
+                   help="the first round waits this long for MAX hosts, then starts with MIN or more")
+
+
+def run(args, command: list[str]) -> int:
+    from dpjax.agent.supervisor import Agent
+
+    if args.nproc_per_node < 1 or args.max_restarts < 0 or args.hang_timeout <= 0:
+        print("dpjax.agent: --nproc-per-node must be >= 1, --max-restarts >= 0, --hang-timeout > 0",
+              file=sys.stderr)
+        return 2
+    if args.commit_dir is None:
+        shm = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
+        args.commit_dir = os.path.join(shm, f"dpjax-{args.rdzv.rsplit(':', 1)[1]}")
+    return Agent(args, command).run()
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    cut = argv.index("--") if "--" in argv else len(argv)
+    argv, command = argv[:cut], argv[cut + 1:]
+    p = argparse.ArgumentParser(prog="python -m dpjax.agent", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                                description="Run a training command on this host under a supervising agent that "
+                                            "restarts the job on any failure (see dpjax.agent). Example: python -m "
+                                            "dpjax.agent --nnodes 1:2 --nproc-per-node 2 --rdzv 127.0.0.1:29400 -- "
+                                            "python -m dpjax.train --mesh 4x2")
+    add_arguments(p)
+    args = p.parse_args(argv)
+    if not command:
+        p.error("no command given; put it after '--', e.g. -- python -m dpjax.train --mesh 4x2")
+    return run(args, command)

@@ -1,0 +1,189 @@
+"""One host's agent: meet the others at the rendezvous, run this host's processes of
+each round, and on any failure stop them and meet again (torchrun's elastic agent, with
+dpjax's commits so that a restart loses at most a step; see the package docstring)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+
+from dpjax import distributed
+from dpjax.agent import rendezvous as rdzv
+from dpjax.agent.env import ENV
+from dpjax.agent.workers import Workers
+
+POLL_S = 0.1  # how often the processes are looked at
+ASK_S = 0.25  # how often the rendezvous is asked how the round goes
+
+
+class RendezvousLost(ConnectionError):
+    pass
+
+
+def cause(failures: list) -> dict | None:
+    """The failure that started it: a hang (the longest silent) or a death by signal or
+    a lost host before an exit code (the survivors of a lost peer exit with errors)."""
+    if not failures:
+        return None
+    stopped = [f for f in failures if f.get("stopped")]
+    if stopped:
+        return min(stopped, key=lambda f: f["silent_since"])
+    hung = [f for f in failures if f.get("hang")]
+    if hung:
+        return min(hung, key=lambda f: f.get("silent_since", f["t"]))
+    return min(failures, key=lambda f: (not (f.get("signal") or "lost" in f["how"]), bool(f.get("echo")), f["t"]))
+
+
+def failure_line(f: dict) -> str:
+    rank = f"rank {f['rank']} on host {f['host']}" if f.get("rank") is not None else f"host {f['host']}"
+    return f"{rank} failed: {f['how']}"
+
+
+class Agent:
+    def __init__(self, args, command):
+        self.a, self.command = args, command
+        self.host = args.host_id
+        self.rhost, self.rport = args.rdzv.rsplit(":", 1)[0], int(args.rdzv.rsplit(":", 1)[1])
+        self.server = None
+        self.stopped = None
+
+    def say(self, text: str) -> None:
+        print(f"dpjax.agent[{self.host}]: {text}", file=sys.stderr, flush=True)
+
+    def ask(self, op: str, **kw) -> dict:
+        """A request to the rendezvous, tried for a few seconds (it may be starting)."""
+        for _ in range(40):
+            try:
+                return rdzv.request(self.rhost, self.rport, {"op": op, "host": self.host, **kw})
+            except OSError:
+                time.sleep(0.25)
+        raise RendezvousLost(f"the rendezvous at {self.a.rdzv} cannot be reached (its host is lost, or it "
+                             "finished); stopping this host's processes")
+
+    def _serve(self) -> None:
+        if self.server is None:
+            mn, mx = self.a.nnodes
+            state = rdzv.State(mn, mx, self.a.max_restarts, last_call=self.a.rdzv_last_call,
+                               first_wait=self.a.rdzv_wait)
+            self.server = rdzv.serve(self.rhost, self.rport, state)
+
+    def env(self, view: dict) -> dict:
+        a = self.a
+        env = dict(os.environ)
+        env.update({distributed.COORDINATOR: view["coordinator"], distributed.NUM_PROCESSES: str(view["world"]),
+                    "PYTHONUNBUFFERED": "1", ENV["restart"]: str(view["round"] - 1), ENV["host"]: self.host,
+                    ENV["per_host"]: str(a.nproc_per_node), ENV["commit_dir"]: a.commit_dir,
+                    ENV["agent_pid"]: str(os.getpid())})
+        env.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(a.commit_dir, "jit-cache"))  # restarts skip compiling
+        env.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+        last = view.get("last")
+        if last and cause(last["failures"]):
+            f = cause(last["failures"])
+            first = min(x["t"] for x in last["failures"])  # the first sign of it, an echo perhaps
+            env[ENV["failure"]] = json.dumps({"line": failure_line(f), "t": first, "completed": last["completed"],
+                                              "restarted": time.time()})
+        if a.devices_per_process:
+            import re
+
+            flags = re.sub(r"--xla_force_host_platform_device_count=\S*", "", env.get("XLA_FLAGS", ""))
+            env["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={a.devices_per_process}".strip()
+            env[ENV["devices"]] = str(a.devices_per_process)
+        return env
+
+    def run(self) -> int:
+        self._serve()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, self._on_signal)
+        addr = rdzv.local_address(self.rhost, self.rport)
+        completed, my_round = None, 0
+        try:
+            while True:
+                port = rdzv.free_port(addr)
+                view = self.ask("join", addr=addr, port=port, nproc=self.a.nproc_per_node, completed=completed)
+                while not (view["round"] > my_round and self.host in view["members"] and view["state"] == "running") \
+                        and view["state"] != "gave_up":
+                    time.sleep(ASK_S)
+                    view = self.ask("poll")
+                if view["state"] == "gave_up":
+                    return self._give_up(view)
+                my_round = view["round"]
+                self._announce(view)
+                outcome, completed = self._run_round(view)
+                if outcome == "done":
+                    self.say(f"done: the job finished in round {my_round}")
+                    return 0
+                if outcome == "gave_up":
+                    return self._give_up(self.ask("poll"))
+        except KeyboardInterrupt:
+            return 130
+        except RendezvousLost as e:
+            self.say(str(e))
+            return 1
+        finally:
+            if self.server is not None:
+                time.sleep(2 * ASK_S)  # the others hear how it ended before the service goes
+                self.server.shutdown()
+
+    def _announce(self, view: dict) -> None:
+        hosts = ",".join(view["members"])
+        where = f"hosts {hosts} ({view['world']} processes, ranks {view['first_rank']}.."
+        where += f"{view['first_rank'] + self.a.nproc_per_node - 1} here)"
+        if view["round"] == 1:
+            self.say(f"round 1: {where}")
+        else:
+            f = cause((view.get("last") or {}).get("failures") or [])
+            self.say(f"round {view['round']} (restart {view['restarts']} of at most {view['max_restarts']}): {where}"
+                     + (f", after {failure_line(f)}" if f else ""))
+
+    def _run_round(self, view: dict):
+        a = self.a
+        w = Workers(self.command, self.env(view), view["first_rank"], a.nproc_per_node,
+                    os.path.join(a.commit_dir, "heartbeat", self.host), self.host)
+        self.workers = w
+        asked, reported = 0.0, False
+        try:
+            while True:
+                if self.stopped is not None:
+                    self.ask("leave")
+                    raise KeyboardInterrupt
+                result = w.check(a.hang_timeout, a.start_timeout)
+                if result == "done" and not reported:
+                    self.ask("done", round=view["round"])
+                    reported = True
+                elif isinstance(result, dict) and not reported:
+                    f = {**result, "host": self.host}
+                    self.say(failure_line(f))
+                    w.stop()
+                    self.ask("fail", round=view["round"], completed=w.completed(), **f)
+                    return "failed", w.completed()
+                if time.time() - asked >= ASK_S:
+                    asked = time.time()
+                    now = self.ask("poll")
+                    if now["round"] != view["round"] or now["state"] in ("failed", "gave_up"):
+                        for f in w.post_mortem():  # a cause here, found after another host's echo of it
+                            f["host"] = self.host
+                            self.say(failure_line(f))
+                            self.ask("fail", round=view["round"], **f)
+                        w.stop()
+                        return ("gave_up" if now["state"] == "gave_up" else "failed"), w.completed()
+                    if now["state"] == "done":
+                        return "done", w.completed()
+                time.sleep(POLL_S)
+        finally:
+            w.stop()
+
+    def _give_up(self, view: dict) -> int:
+        f = cause(view["failures"])
+        why = view.get("why") or f"{view['restarts']} failures, more than --max-restarts {view['max_restarts']}"
+        self.say(f"giving up: {why}" + (f"; the last: {failure_line(f)}" if f else "") + "; no process left running")
+        return 1
+
+    def _on_signal(self, signum, frame):
+        self.stopped = signum
+        w = getattr(self, "workers", None)
+        if w is not None:
+            w.stop()
+        raise KeyboardInterrupt

@@ -1,0 +1,159 @@
+"""The training loop's side of surviving failures: commits, heartbeat, injected faults,
+and the restart's account of itself.
+
+    fit(settings)           the mesh for the devices this job has now (an elastic restart
+                            on fewer hosts): dpjax.plan.fit_mesh
+    attach(trainer)         the Committer (dpjax.commit); on a restart (DPJAX_RESTART > 0,
+                            set by dpjax.agent) or --resume, the newest step every shard
+                            committed, laid out for this plan
+    Elastic.after_step      once per step: injected fault (dpjax.fault), commit every
+                            --commit-every steps, heartbeat file (dpjax.agent's hang check)
+
+Everything the agent tells a process comes in environment variables (dpjax.agent.env); a run
+without the agent commits only when --commit-dir is given, and restores with --resume.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import traceback
+
+IMPORTED = time.time()  # about when this process started (the restart's breakdown)
+
+from dpjax import fault as faults  # noqa: E402
+from dpjax.agent.env import ENV  # noqa: E402
+
+
+def _env(name: str, default=None):
+    return os.environ.get(ENV[name]) or default
+
+
+def _say(line: str) -> None:
+    """What changed is always said (process 0), whatever --progress is: a restart is news."""
+    import jax
+
+    if jax.process_index() == 0:
+        print(line, flush=True)
+
+
+def fit(cfg):
+    """cfg with its mesh resized for the devices the job has now, when the agent says how
+    many each process has (DPJAX_DEVICES_PER_PROCESS); unchanged otherwise."""
+    from dpjax.distributed import launched_processes
+    from dpjax.plan import fit_mesh
+
+    per_process = _env("devices")
+    if not per_process or not cfg.mesh:
+        return cfg
+    return fit_mesh(cfg, int(per_process) * launched_processes())
+
+
+class Elastic:
+    def __init__(self, trainer, committer, heartbeat: str | None):
+        import jax
+
+        self.cfg, self.committer, self.heartbeat_path = trainer.cfg, committer, heartbeat
+        self.faults = faults.for_process(jax.process_index())
+        self.restored, self.reported = None, False
+
+    def after_step(self, trainer, done: int, write, in_flight=()) -> None:
+        """After step `done` (steps done) is dispatched; `in_flight`: the loop's steps
+        whose metrics are not written yet, (step, loss, extra)."""
+        c = self.committer
+        if self.restored is not None and not self.reported and done == self.restored["step"] + 1:
+            for step, loss in sorted(self.restored.get("losses", {}).items(), key=lambda kv: int(kv[0])):
+                write({"step": int(step), "loss": loss, "from_commit": True})  # rows the lost job never wrote
+        if done in self.faults:
+            if c is not None:
+                c.flush()  # the fault strikes at a step boundary: what was asked for before is written
+            self.heartbeat(done)
+            faults.fire(self.faults[done])
+        if c is not None and (done % self.cfg.commit_every == 0 or done == self.cfg.steps):
+            # the losses of the steps up to this one that the loop has not written yet: a
+            # restart from this commit writes them, so that the metrics miss no step
+            losses = {step: loss for step, loss, *_ in in_flight}
+            c.commit(done, trainer._state(), {"cursor": trainer.cursor, "record": trainer.record}, losses)
+        self.heartbeat(done)
+        if self.restored is not None and not self.reported and c is not None and c.completed > self.restored["step"]:
+            self.report(trainer, write)
+
+    def heartbeat(self, done: int) -> None:
+        if self.heartbeat_path:
+            completed = self.committer.completed if self.committer is not None else None
+            tmp = f"{self.heartbeat_path}.tmp"
+            with open(tmp, "w") as fh:
+                json.dump({"dispatched": done, "completed": completed, "t": time.time()}, fh)
+            os.replace(tmp, self.heartbeat_path)
+
+    def report(self, trainer, write) -> None:
+        """The restart's account: size, mesh, where the state came from, steps and seconds lost."""
+        import jax
+
+        self.reported = True
+        r, failure = self.restored, json.loads(_env("failure", "{}"))
+        row = {"event": "restart", "attempt": int(_env("restart", "0")), "processes": jax.process_count(),
+               "devices": jax.device_count(), "mesh": dict(trainer.mesh.shape), "restored_step": r["step"],
+               "from": r["sources"], "global_batch": trainer.cfg.batch_size,
+               "backward_passes": trainer.cfg.backward_passes}
+        if failure:
+            reached = failure.get("completed")
+            row.update(failed=failure.get("line"), steps_lost=None if reached is None else max(0, reached - r["step"]),
+                       restart_s=round(failure["restarted"] - failure["t"], 2),
+                       seconds_lost=round(self.committer.completed_at - failure["t"], 2),
+                       # where the seconds went: processes started -> imports done -> joined,
+                       # planned and restored -> first step (compiled or from the cache) done
+                       breakdown={"start_import": round(IMPORTED - failure["restarted"], 2),
+                                  "join_plan_restore": round(r["restored_at"] - IMPORTED, 2),
+                                  "first_step": round(self.committer.completed_at - r["restored_at"], 2)})
+        write(row)
+        _say("dpjax.elastic: " + ", ".join(f"{k} {v}" for k, v in row.items() if k != "event"))
+
+    def close(self) -> None:
+        if self.committer is not None:
+            self.committer.close()
+
+
+def _exit_now(kind, value, tb):
+    """Prints the traceback and exits with status 1 without the interpreter's exit
+    handlers: jax.distributed's would wait at the shutdown barrier for processes that
+    are still stepping (300 s), and the agent would see a hang rather than the error."""
+    traceback.print_exception(kind, value, tb)
+    sys.stderr.flush()
+    sys.stdout.flush()
+    os._exit(1)
+
+
+def attach(trainer) -> Elastic | None:
+    """The trainer's Elastic (None when nothing elastic is asked for); restores the newest
+    complete commit on a restart."""
+    import jax
+    from jax._src import distributed as jax_distributed
+
+    from dpjax.commit import Committer
+
+    cfg, restart = trainer.cfg, int(_env("restart", "0"))
+    root = cfg.commit_dir or _env("commit_dir")
+    heartbeat = _env("heartbeat")
+    if root is None and heartbeat is None and not os.environ.get(faults.VAR):
+        return None
+    committer = None
+    if root is not None:
+        restoring = restart > 0 or cfg.resume
+        committer = Committer(os.path.abspath(root), _env("host", "local"), jax.process_index(), jax.process_count(),
+                              int(_env("per_host", "1")), jax_distributed.global_state.client, fresh=not restoring)
+    if heartbeat is not None:  # under the agent: an exception ends this process at once
+        sys.excepthook = _exit_now
+    elastic = Elastic(trainer, committer, heartbeat)
+    if committer is not None and (restart > 0 or cfg.resume):
+        got = committer.restore(trainer._state(), expect=trainer.record)
+        if got is not None and got[1]["step"] > trainer.start:  # newer than the orbax checkpoint
+            state, meta = got
+            trainer.params, trainer.opt_state, trainer.rng = state["params"], state["opt_state"], state["rng"]
+            trainer.start, trainer.cursor = meta["step"], meta["cursor"]
+            elastic.restored = {**meta, "restored_at": time.time()}
+            _say(f"dpjax.elastic: restored step {meta['step']} from commits {meta['sources']} onto mesh "
+                        f"{dict(trainer.mesh.shape)}")
+    return elastic

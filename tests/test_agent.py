@@ -1,0 +1,120 @@
+"""The agent's parts without processes: the rendezvous's rounds on a hand-driven clock,
+DPJAX_FAULT's grammar, the mesh resized for the hosts that are left, the cause named."""
+
+import pytest
+
+from dpjax import fault
+from dpjax.agent.rendezvous import State
+from dpjax.agent.supervisor import cause
+from dpjax.errors import UserError
+from dpjax.plan import UsageError, fit_mesh
+from dpjax.settings import Settings
+
+
+class Clock:
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self):
+        return self.t
+
+
+def _join(s, host, port=1000):
+    return s.handle({"op": "join", "host": host, "addr": "127.0.0.1", "port": port, "nproc": 2})
+
+
+def test_a_round_forms_with_max_hosts_in_name_order():
+    clock = Clock()
+    s = State(1, 2, max_restarts=1, clock=clock)
+    assert _join(s, "b", 1111)["state"] == "forming"  # waits for MAX in the first round
+    v = _join(s, "a", 2222)
+    assert v["state"] == "running" and v["members"] == ["a", "b"] and v["coordinator"] == "127.0.0.1:2222"
+    assert (v["node_rank"], v["first_rank"], v["world"]) == (0, 0, 4)
+
+
+def test_the_first_round_starts_with_min_hosts_after_the_wait():
+    clock = Clock()
+    s = State(1, 2, max_restarts=1, first_wait=10, last_call=1, clock=clock)
+    _join(s, "a")
+    clock.t = 9.9
+    assert s.handle({"op": "poll", "host": "a"})["state"] == "forming"
+    clock.t = 10.0
+    assert s.handle({"op": "poll", "host": "a"})["members"] == ["a"]
+
+
+def test_a_failure_restarts_at_the_size_left_and_a_lost_host_is_dropped():
+    clock = Clock()
+    s = State(1, 2, max_restarts=3, last_call=1, lost_after=3, clock=clock)
+    _join(s, "a"), _join(s, "b")
+    v = s.handle({"op": "fail", "host": "b", "round": 1, "rank": 2, "how": "killed by signal SIGKILL", "t": 5.0,
+                  "signal": True})
+    assert (v["state"], v["restarts"]) == ("failed", 1)
+    assert s.handle({"op": "fail", "host": "a", "round": 1, "rank": 0, "how": "exit code 1", "t": 5.5})["failures"]
+    _join(s, "a")  # b's agent is gone (its host lost) and never rejoins
+    clock.t = 2.0
+    assert s.handle({"op": "poll", "host": "a"})["state"] == "failed"  # b still counts as live
+    clock.t = 3.5
+    v = s.handle({"op": "poll", "host": "a"})
+    assert (v["round"], v["state"], v["members"], v["world"]) == (2, "running", ["a"], 2)
+    assert cause(v["last"]["failures"])["rank"] == 2  # the killed rank, not the survivor's echo
+    _join(s, "b")  # it comes back: taken in at the next restart
+    assert s.handle({"op": "poll", "host": "b"})["members"] == ["a"]
+    s.handle({"op": "fail", "host": "a", "round": 2, "rank": 0, "how": "exit code 1", "t": 9})
+    v = _join(s, "a")
+    clock.t = 5.0
+    v = s.handle({"op": "poll", "host": "a"})
+    assert v["members"] == ["a", "b"] and v["round"] == 3  # by name
+
+
+def test_more_failures_than_max_restarts_give_up():
+    clock = Clock()
+    s = State(1, 1, max_restarts=1, clock=clock)
+    _join(s, "a")
+    s.handle({"op": "fail", "host": "a", "round": 1, "rank": 0, "how": "exit code 1", "t": 1})
+    assert _join(s, "a")["round"] == 2
+    assert s.handle({"op": "fail", "host": "a", "round": 2, "rank": 0, "how": "exit code 1", "t": 2})["state"] == \
+        "gave_up"
+
+
+def test_a_job_is_done_when_every_host_is():
+    s = State(2, 2, max_restarts=0, clock=Clock())
+    _join(s, "a"), _join(s, "b")
+    assert s.handle({"op": "done", "host": "a", "round": 1})["state"] == "running"
+    assert s.handle({"op": "done", "host": "b", "round": 1})["state"] == "done"
+
+
+def test_a_hang_is_the_cause_before_the_exits_it_provokes():
+    failures = [{"rank": 0, "how": "exit code 1", "t": 1.0}, {"rank": 3, "how": "hung", "hang": True, "t": 2.0,
+                                                             "silent_since": 0.5},
+                {"rank": 1, "how": "hung", "hang": True, "t": 2.1, "silent_since": 0.9}]
+    assert cause(failures)["rank"] == 3
+    echo = {"rank": 0, "how": "exit code 1 (a transport error)", "echo": True, "t": 0.5}
+    own = {"rank": 1, "how": "exit code 1 (FaultInjected)", "t": 0.6}
+    assert cause([echo, own])["rank"] == 1  # an error of its own, not the echo that came first
+    stopped = {"rank": 2, "how": "hung (stopped)", "hang": True, "stopped": True, "t": 3.0, "silent_since": 0.7}
+    assert cause(failures + [stopped])["rank"] == 2  # the stopped one, not those waiting for it
+
+
+def test_fault_grammar():
+    assert fault.parse("rank=2,step=30,kind=kill") == (fault.Fault(2, 30, "kill"),)
+    f, g = fault.parse("rank=1,step=3,kind=raise,forever; rank=0,step=5,kind=kill,host,wipe")
+    assert (f.forever, f.kind, g.host, g.wipe) == (True, "raise", True, True)
+    assert fault.for_process(2, {"DPJAX_FAULT": "rank=2,step=30"}) == {30: fault.Fault(2, 30)}
+    assert fault.for_process(2, {"DPJAX_FAULT": "rank=2,step=30", "DPJAX_RESTART": "1"}) == {}  # once
+    assert fault.for_process(1, {"DPJAX_FAULT": "rank=2,step=30"}) == {}
+    for bad in ("rank=2", "rank=2,step=3,kind=melt", "rank=x,step=3", "rank=1,step=2,sometimes"):
+        with pytest.raises(UserError):
+            fault.parse(bad)
+
+
+@pytest.mark.parametrize("mesh,devices,want", [
+    ("4x2", 4, "data=2,model=2"), ("4x2", 8, "4x2"), ("2x2x2", 4, "node=1,data=2,model=2"),
+    ("-1x2", 4, "-1x2"), ("stage=2,data=4", 4, "stage=2,data=2"),
+])
+def test_the_mesh_for_the_devices_left(mesh, devices, want):
+    assert fit_mesh(Settings(mesh=mesh), devices).mesh == want
+
+
+def test_a_size_that_cannot_hold_the_mesh_is_one_line():
+    with pytest.raises(UsageError, match="cannot be resized to 3 devices"):
+        fit_mesh(Settings(mesh="4x2"), 3)
