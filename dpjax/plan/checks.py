@@ -1,0 +1,160 @@
+"""The plan's checks that need no devices (`dpjax.plan.check`, run before JAX starts),
+and the device count a run fits. Part of `dpjax.plan`: the one place settings are
+checked; nothing else imports this module directly."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+
+from dpjax.errors import UserError
+from dpjax.settings import Settings
+
+
+class UsageError(UserError):
+    """Settings that do not make sense; printed as one line."""
+
+
+def flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+_AT_LEAST_1 = ("steps", "batch_size", "seq_len", "backward_passes", "ckpt_every", "commit_every", "eval_batches", "timeline_steps",
+               "autotune_samples")
+_NOT_NEGATIVE = ("eval_every", "warmup_steps", "weight_decay", "clip_norm", "lr")
+
+
+def check(s: Settings) -> None:
+    """Every check that needs no devices; run before JAX starts, so a bad flag costs
+    nothing. Raises UsageError (one line)."""
+    from dpjax.collectives import ALGORITHMS, REDUCE_SCATTER_ALGORITHMS
+    from dpjax import compression
+    from dpjax.distributed import COLLECTIVES, transport
+    from dpjax.models import MODELS, model_options
+    from dpjax.optim import LR_SCALINGS, OPTIMIZERS
+    from dpjax.pipeline import SCHEDULES
+    from dpjax.updates import parse_update
+
+    def one_of(what, value, known):
+        if value not in known:
+            raise UsageError(f"unknown {what} {value!r}; choose one of {', '.join(map(str, known))}")
+
+    one_of("model", s.model, MODELS)
+    wrong = [o for o in s.model_options if o not in model_options()[s.model]]
+    if wrong:
+        has = ", ".join(flag(o) for o in model_options()[s.model])
+        raise UsageError(f"{', '.join(flag(o) for o in wrong)} does not apply to --model {s.model} (its options: {has})")
+    one_of("--optimizer", s.optimizer, OPTIMIZERS)
+    one_of("--lr-scaling", s.lr_scaling, LR_SCALINGS)
+    one_of("--allreduce algorithm", s.allreduce, (*ALGORITHMS, "auto"))
+    one_of("--tp-allreduce algorithm", s.tp_allreduce, ALGORITHMS)
+    try:
+        spec = compression.parse(s.compression)
+    except ValueError as e:
+        raise UsageError(f"--compression: {e}") from None
+    if s.fsdp and spec is not None and spec.method.stateful and s.compress_axes is None and s.workers is None:
+        raise UsageError(f"--compression {s.compression} keeps error feedback, which FSDP's reduce-scatter inside the "
+                         "backward pass cannot carry: compress only between sites (--workers node --compress-axes "
+                         "node, exact FSDP inside)")
+    if s.schedule is not None:
+        one_of("--schedule", s.schedule, SCHEDULES)
+    collectives = transport.chosen(s.collectives)
+    one_of("--collectives", collectives, COLLECTIVES)
+    if transport.problem(collectives):  # e.g. mpi without MPItrampoline's library
+        raise UsageError(transport.problem(collectives))
+    if s.tp_allreduce == "hierarchical":
+        raise UsageError("--tp-allreduce hierarchical needs two axes; the model axis is one")
+    if s.fsdp and s.allreduce not in (*REDUCE_SCATTER_ALGORITHMS, "auto"):
+        raise UsageError(f"--fsdp all-gathers and reduce-scatters with the --allreduce algorithm; "
+                         f"{s.allreduce!r} has none: choose one of {', '.join(REDUCE_SCATTER_ALGORITHMS)}")
+    for name in _AT_LEAST_1 + ("microbatches", "virtual_stages"):
+        value = getattr(s, name)
+        if value is not None and value < 1:
+            raise UsageError(f"{flag(name)} must be at least 1, got {value}")
+    if not isinstance(s.fusion_mb, (int, float)) and s.fusion_mb != "auto":
+        raise UsageError(f"--fusion-mb takes MiB or auto, got {s.fusion_mb!r}")
+    for name in _NOT_NEGATIVE + (() if s.fusion_mb == "auto" else ("fusion_mb",)):
+        if getattr(s, name) < 0:
+            raise UsageError(f"{flag(name)} cannot be negative, got {getattr(s, name)}")
+    if s.resume and not (s.ckpt_dir or s.commit_dir):
+        raise UsageError("--resume needs --ckpt-dir (or --commit-dir)")
+    chunked = [name for name, sched in SCHEDULES.items() if sched.virtual_stages]
+    if s.virtual_stages is not None and s.schedule not in chunked:
+        raise UsageError(f"--virtual-stages applies to --schedule {', '.join(chunked)}, not {s.schedule or '1f1b'}")
+    parse_update(s.update)
+    _check_data(s)
+    if s.peak_tflops is not None and s.peak_tflops <= 0:
+        raise UsageError(f"--peak-tflops must be positive, got {s.peak_tflops}")
+    if s.profile_dir and not s.timeline:
+        raise UsageError("--profile-dir keeps the capture behind --timeline: add --timeline FILE")
+    for name, check_path in (("metrics", _check_output_file), ("timeline", _check_output_file),
+                             ("ckpt_dir", _check_output_dir), ("commit_dir", _check_output_dir),
+                             ("profile_dir", _check_output_dir), ("tensorboard", _check_output_dir)):
+        if getattr(s, name):
+            check_path(flag(name), getattr(s, name))
+
+
+def _check_data(s: Settings) -> None:
+    """A token file (--data X.bin) needs its vocabulary; bytes need at least 256 ids."""
+    tokens = s.data.endswith(".bin")  # dpjax.data.TOKEN_SUFFIX
+    if tokens and s.vocab_size is None:
+        raise UsageError(f"--data {s.data} is a token file: give its tokenizer's --vocab-size")
+    if s.vocab_size is not None and s.vocab_size < (2 if tokens or s.data == "synthetic" else 256):
+        raise UsageError(f"--vocab-size {s.vocab_size} is too small for --data {s.data}")
+    if s.token_dtype != "auto" and not tokens:
+        raise UsageError(f"--token-dtype applies to a token file (--data FILE.bin), not {s.data}")
+
+
+def _check_output_file(what: str, path: str) -> None:
+    """A file the run will write: its folder must exist and be writable, now rather than
+    after the run (a missing folder would lose the whole run's output at its end)."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise UsageError(f"{what} {path}: is a folder; give a file name")
+    if not os.path.isdir(folder):
+        raise UsageError(f"{what} {path}: the folder {folder} does not exist; create it or choose another path")
+    if not os.access(folder, os.W_OK):
+        raise UsageError(f"{what} {path}: the folder {folder} is not writable")
+
+
+def _check_output_dir(what: str, path: str) -> None:
+    """A folder the run will create if need be: it must not be a file, and the nearest
+    folder that exists on its way must be writable."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise UsageError(f"{what} {path}: is a file, not a folder; pass a folder")
+    probe = os.path.abspath(path)
+    while not os.path.exists(probe):
+        probe = os.path.dirname(probe)
+    if not os.path.isdir(probe) or not os.access(probe, os.W_OK):
+        raise UsageError(f"{what} {path}: cannot be created under {probe} (not a writable folder)")
+
+
+def devices_per_process(s: Settings, processes: int) -> int | None:
+    """How many devices each of `processes` processes contributes to the mesh (None:
+    every device it has); the mesh must share out equally."""
+    from dpjax.mesh import mesh_size
+
+    want = mesh_size(s.mesh) if s.mesh else None
+    if want is not None and want % processes:
+        raise UsageError(f"--mesh {s.mesh} has {want} devices, which {processes} processes cannot share equally")
+    return None if want is None else want // processes
+
+
+def fit_mesh(s: Settings, devices: int) -> Settings:
+    """`s` with its mesh resized to `devices` devices (an elastic restart on fewer or more
+    hosts): the outermost data axis takes what the other axes leave; every other setting,
+    the global batch included, is kept (resolve then checks that this size can hold it).
+    A spec with a -1 already takes what there is."""
+    from dpjax.mesh import NOT_DATA, mesh_size, parse_mesh_spec
+
+    if not s.mesh or mesh_size(s.mesh) is None or mesh_size(s.mesh) == devices:
+        return s
+    names, sizes = parse_mesh_spec(s.mesh, mesh_size(s.mesh))
+    outer = next((i for i, n in enumerate(names) if n not in NOT_DATA), None)
+    others = math.prod(n for i, n in enumerate(sizes) if i != outer)
+    if outer is None or devices % others:
+        raise UsageError(f"--mesh {s.mesh} cannot be resized to {devices} devices: its non-data axes need a "
+                         f"multiple of {others}")
+    new = ",".join(f"{n}={devices // others if i == outer else v}" for i, (n, v) in enumerate(zip(names, sizes)))
+    return dataclasses.replace(s, mesh=new)
