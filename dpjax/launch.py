@@ -245,6 +245,11 @@ def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     ours = argv[:argv.index("--")] if "--" in argv else argv
     if any(a.split("=")[0] in AGENT_FLAGS for a in ours):  # the supervising agent (dpjax.agent): restarts
+        local = [a for a in ours if a.split("=")[0] in ("-n", "--nproc", "--shape-mbit", "--port")]
+        if local:
+            build_parser().error(f"{local[0]} is for processes without an agent; under the agent "
+                                 f"({', '.join(a for a in ours if a.split('=')[0] in AGENT_FLAGS)}) give "
+                                 "--nproc-per-node K and --nnodes MIN:MAX --rdzv HOST:PORT instead")
         from dpjax.agent.cli import main as agent_main
 
         return agent_main(argv)

@@ -119,6 +119,20 @@ def corpus(tmp_path_factory):
     return str(path)
 
 
+def pids_running(marker: str) -> list[int]:
+    """The processes whose command line holds `marker` (a test's own temp path or script
+    name): what a multi-process test checks is left behind, or picks its victim from."""
+    out = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as fh:
+                if marker.encode() in fh.read():
+                    out.append(int(pid))
+        except OSError:
+            pass
+    return out
+
+
 def read_losses(path) -> list[float]:
     """Train losses of a `--metrics` file in step order, the last record of each step
     winning (a resumed run repeats the steps after its checkpoint)."""

@@ -13,7 +13,7 @@ import time
 import numpy as np
 import pytest
 
-from conftest import read_losses
+from conftest import pids_running, read_losses
 
 pytestmark = pytest.mark.slow
 STEPS, AT = 40, 10
@@ -82,27 +82,6 @@ def events(metrics):
         return [r for r in map(json.loads, fh) if r.get("event") == "restart"]
 
 
-def left_running(marker) -> list:
-    out = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as fh:
-                if marker.encode() in fh.read():
-                    out.append(int(pid))
-        except OSError:
-            pass
-    return out
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    from dpjax.data import load_corpus
-
-    path = tmp_path_factory.mktemp("eldata") / "corpus.txt"
-    path.write_bytes(load_corpus("stdlib", max_bytes=300_000).tobytes())
-    return str(path)
-
-
 @pytest.fixture(scope="module")
 def straight(corpus, tmp_path_factory):
     """The same job without a failure: the reference."""
@@ -144,7 +123,7 @@ def test_smaller_when_the_host_does_not_come_back(corpus, straight, tmp_path):
     assert losses[:restored] == straight[:restored]
     # after it, the same sums in another order (2 data ranks instead of 4): float32 round-off
     np.testing.assert_allclose(losses[restored:], straight[restored:], rtol=2e-5, atol=0)
-    assert left_running(str(tmp_path)) == []
+    assert pids_running(str(tmp_path)) == []
 
 
 def test_fsdp_sparse_workers_node_host_lost_restores_from_the_neighbour(corpus, tmp_path):
@@ -184,4 +163,4 @@ def test_more_failures_than_max_restarts_is_one_line_and_nothing_left(corpus, tm
         assert "2 failures, more than --max-restarts 1; the last: rank 1 on host h0 failed: exit code 1" in line
         assert "FaultInjected" in line
     time.sleep(1)
-    assert left_running(str(tmp_path)) == []
+    assert pids_running(str(tmp_path)) == []

@@ -11,7 +11,7 @@ import sys
 import time
 
 import pytest
-from conftest import read_losses
+from conftest import pids_running, read_losses
 
 from dpjax.distributed import launchers
 from dpjax.distributed.launchers import LAUNCHERS, detect
@@ -145,11 +145,18 @@ def test_a_launcher_that_cannot_join_fails_in_one_line(corpus):
 
 
 def test_an_unknown_launcher_option_is_one_usage_line():
+    r = subprocess.run([sys.executable, "-m", "dpjax.launch", "-n", "4", "--max-restart", "2", "--", "true"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and r.stdout == ""
+    assert r.stderr.splitlines() == ["python -m dpjax.launch: unrecognized arguments: --max-restart (see python "
+                                     "-m dpjax.launch --help)"]
+    # --max-restarts is the supervising agent's (dpjax.agent): with -n it is one line saying what to give
     r = subprocess.run([sys.executable, "-m", "dpjax.launch", "-n", "4", "--max-restarts", "2", "--", "true"],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and r.stdout == ""
-    assert r.stderr.splitlines() == ["python -m dpjax.launch: unrecognized arguments: --max-restarts (see python "
-                                     "-m dpjax.launch --help)"]
+    assert r.stderr.splitlines() == ["python -m dpjax.launch: -n is for processes without an agent; under the agent "
+                                     "(--max-restarts) give --nproc-per-node K and --nnodes MIN:MAX --rdzv HOST:PORT "
+                                     "instead (see python -m dpjax.launch --help)"]
     r = subprocess.run([sys.executable, "-m", "dpjax.launch", "-n", "2", "--", "no-such-command-dpjax"],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and r.stderr.splitlines() == [
@@ -169,18 +176,6 @@ def test_the_last_line_is_the_ranks_own_error_not_a_library_status_line():
     assert r.stderr.strip().splitlines()[-1] == "dpjax.launch: rank 1 failed (exit code 3): ValueError: the real reason"
 
 
-def _pids(marker):
-    out = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as fh:
-                if marker.encode() in fh.read():
-                    out.append(int(pid))
-        except OSError:
-            pass
-    return out
-
-
 @pytest.mark.parametrize("victim", [0, 1])
 def test_a_killed_rank_ends_the_launch_within_seconds(tmp_path, victim):
     """SIGKILL of either rank mid-collective: the launcher stops the other at once and
@@ -196,7 +191,7 @@ def test_a_killed_rank_ends_the_launch_within_seconds(tmp_path, victim):
         while out.count("sum=3") < 2:  # both joined and summing
             assert time.time() < deadline and launcher.poll() is None, "the job never started"
             out += launcher.stdout.readline()
-        rank = next(p for p in _pids(marker) if p != launcher.pid and
+        rank = next(p for p in pids_running(marker) if p != launcher.pid and
                     f"DPJAX_PROCESS_ID={victim}".encode() in open(f"/proc/{p}/environ", "rb").read().split(b"\0"))
         os.kill(rank, signal.SIGKILL)
         t0 = time.time()
@@ -207,9 +202,9 @@ def test_a_killed_rank_ends_the_launch_within_seconds(tmp_path, victim):
                                                 "no error output"), err[-2000:]
         assert took < 5, took
         assert "sending SIGKILL" not in err  # SIGTERM was enough: JAX's preemption service did not swallow it
-        assert _pids(marker) == []  # nothing left behind
+        assert pids_running(marker) == []  # nothing left behind
     finally:
-        for pid in _pids(marker):
+        for pid in pids_running(marker):
             os.kill(pid, signal.SIGKILL)
 
 
@@ -314,15 +309,15 @@ def test_a_killed_rank_ends_a_real_mpirun_within_seconds(tmp_path, kind, victim)
             assert time.time() < deadline and job.poll() is None, "the job never started"
             out += job.stdout.readline()
         rank_var = {"openmpi": "OMPI_COMM_WORLD_RANK", "mpich": "PMI_RANK", "slurm": "SLURM_PROCID"}[kind]
-        pid = next(p for p in _pids(marker) if f"{rank_var}={victim}".encode() in open(
+        pid = next(p for p in pids_running(marker) if f"{rank_var}={victim}".encode() in open(
             f"/proc/{p}/environ", "rb").read().split(b"\0") and b"mp_join" in open(f"/proc/{p}/cmdline", "rb").read())
         os.kill(pid, signal.SIGKILL)
         t0 = time.time()
         job.communicate(timeout=60)
         assert job.returncode != 0 and time.time() - t0 < 5, time.time() - t0
-        assert [p for p in _pids(marker) if b"mp_join" in open(f"/proc/{p}/cmdline", "rb").read()] == []
+        assert [p for p in pids_running(marker) if b"mp_join" in open(f"/proc/{p}/cmdline", "rb").read()] == []
     finally:
-        for pid in _pids(marker):
+        for pid in pids_running(marker):
             os.kill(pid, signal.SIGKILL)
 
 
@@ -441,12 +436,12 @@ def test_a_real_srun_without_kill_on_bad_exit_ends_within_the_heartbeat(tmp_path
         while out.count("sum=3") < 2:
             assert time.time() < deadline and job.poll() is None, "the job never started"
             out += job.stdout.readline()
-        pid = next(p for p in _pids(marker) if f"SLURM_PROCID={victim}".encode() in open(
+        pid = next(p for p in pids_running(marker) if f"SLURM_PROCID={victim}".encode() in open(
             f"/proc/{p}/environ", "rb").read().split(b"\0"))
         os.kill(pid, signal.SIGKILL)
         t0 = time.time()
         job.communicate(timeout=60)
         assert job.returncode != 0 and time.time() - t0 < 4 + 3, time.time() - t0
     finally:
-        for pid in _pids(marker):
+        for pid in pids_running(marker):
             os.kill(pid, signal.SIGKILL)

@@ -13,6 +13,7 @@ import pytest
 
 from dpjax.train import main
 
+from conftest import pids_running
 from conftest import read_losses as _losses
 
 pytestmark = pytest.mark.slow
@@ -34,15 +35,6 @@ def _train_args(corpus, *extra):
     return ["--model", "gpt", "--d-model", "32", "--n-layers", "1", "--n-heads", "2", "--seq-len", "16",
             "--batch-size", "16", "--data", corpus, "--eval-every", "0", "--eval-batches", "1",
             "--progress", "none", "--mesh", "2x2x2", *extra]
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    from dpjax.data import load_corpus
-
-    path = tmp_path_factory.mktemp("mpdata") / "corpus.txt"
-    path.write_bytes(load_corpus("stdlib", max_bytes=300_000).tobytes())
-    return str(path)
 
 
 @pytest.fixture(scope="module")
@@ -80,19 +72,6 @@ def test_checkpoint_of_two_processes_resumes_in_one(corpus, single, tmp_path):
     np.testing.assert_allclose(_losses(path), single, rtol=2e-5, atol=0)
 
 
-def _pids_with(marker):
-    out = []
-    for pid in os.listdir("/proc"):
-        if pid.isdigit():
-            try:
-                with open(f"/proc/{pid}/cmdline", "rb") as fh:
-                    if marker.encode() in fh.read():
-                        out.append(int(pid))
-            except OSError:
-                pass
-    return out
-
-
 def _env_of(pid):
     with open(f"/proc/{pid}/environ", "rb") as fh:
         return dict(kv.split(b"=", 1) for kv in fh.read().split(b"\0") if b"=" in kv)
@@ -107,7 +86,7 @@ def test_a_killed_process_stops_the_launcher(corpus, tmp_path):
     while not (os.path.exists(marker) and os.path.getsize(marker) > 0):
         assert time.time() < deadline and launcher.poll() is None, "training never started"
         time.sleep(0.2)
-    workers = [p for p in _pids_with(marker) if p != launcher.pid and b"dpjax.train" in open(
+    workers = [p for p in pids_running(marker) if p != launcher.pid and b"dpjax.train" in open(
         f"/proc/{p}/cmdline", "rb").read()]
     victim = next(p for p in workers if _env_of(p).get(b"DPJAX_PROCESS_ID") == b"1")
     os.kill(victim, signal.SIGKILL)
@@ -117,7 +96,7 @@ def test_a_killed_process_stops_the_launcher(corpus, tmp_path):
     assert launcher.returncode != 0
     assert "rank 1 failed (signal 9)" in err
     time.sleep(0.5)
-    assert _pids_with(marker) == []  # nothing left behind
+    assert pids_running(marker) == []  # nothing left behind
 
 
 # ---------------------------------------------------------------------------------------
@@ -146,7 +125,7 @@ def test_ranks_that_disagree_get_an_error_each():
     assert "[0] case agree: ok" in r.stdout and "[1] case agree: ok" in r.stdout
     assert re.search(r"\[0\] case absent: TimeoutError after [45] s: allreduce .* process 1 did not reach it",
                      r.stdout), r.stdout[-2000:]
-    assert _pids_with("mp_disagree.py") == []
+    assert pids_running("mp_disagree.py") == []
 
 
 STUBBORN = ("import signal, sys, time; signal.signal(signal.SIGINT, signal.SIG_IGN); "
@@ -169,7 +148,7 @@ def test_the_launcher_escalates_to_sigkill(tmp_path, how):
     try:
         deadline = time.time() + 30
         # the launcher and its two processes; a failing rank 1 may be gone before it is seen
-        while len(_pids_with(marker)) < (3 if how == "ctrl-c" else 2):
+        while len(pids_running(marker)) < (3 if how == "ctrl-c" else 2):
             assert time.time() < deadline, "processes never started"
             time.sleep(0.1)
         time.sleep(0.5)  # past the children's signal set-up
@@ -183,7 +162,7 @@ def test_the_launcher_escalates_to_sigkill(tmp_path, how):
         if how == "a-rank-fails":
             assert "rank 1 failed (exit code 3)" in err
         time.sleep(0.5)
-        assert _pids_with(marker) == []
+        assert pids_running(marker) == []
     finally:  # whatever failed above, leave nothing of this test running
-        for pid in _pids_with(marker):
+        for pid in pids_running(marker):
             os.kill(pid, signal.SIGKILL)

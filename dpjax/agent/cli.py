@@ -66,11 +66,17 @@ def run(args, command: list[str]) -> int:
     return Agent(args, command).run()
 
 
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, as dpjax.launch's: the command line is the user's
+        print(f"{self.prog}: {message} (see {self.prog} --help)", file=sys.stderr, flush=True)
+        sys.exit(2)
+
+
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     cut = argv.index("--") if "--" in argv else len(argv)
     argv, command = argv[:cut], argv[cut + 1:]
-    p = argparse.ArgumentParser(prog="python -m dpjax.agent", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    p = _Parser(prog="python -m dpjax.agent", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
                                 description="Run a training command on this host under a supervising agent that "
                                             "restarts the job on any failure (see dpjax.agent). Example: python -m "
                                             "dpjax.agent --nnodes 1:2 --nproc-per-node 2 --rdzv 127.0.0.1:29400 -- "
