@@ -12,6 +12,7 @@ import time
 
 from dpjax import distributed
 from dpjax.agent import rendezvous as rdzv
+from dpjax.agent import sizes
 from dpjax.agent.env import ENV
 from dpjax.agent.workers import Workers
 
@@ -49,6 +50,7 @@ class Agent:
         self.rhost, self.rport = args.rdzv.rsplit(":", 1)[0], int(args.rdzv.rsplit(":", 1)[1])
         self.server = None
         self.stopped = None
+        self.settings, self.skipped = False, []  # the command's dpjax.train settings (parsed when first needed)
 
     def say(self, text: str) -> None:
         print(f"dpjax.agent[{self.host}]: {text}", file=sys.stderr, flush=True)
@@ -75,7 +77,7 @@ class Agent:
         env = dict(os.environ)
         env.update({distributed.COORDINATOR: view["coordinator"], distributed.NUM_PROCESSES: str(view["world"]),
                     "PYTHONUNBUFFERED": "1", ENV["restart"]: str(view["round"] - 1), ENV["host"]: self.host,
-                    ENV["per_host"]: str(a.nproc_per_node), ENV["commit_dir"]: a.commit_dir,
+                    ENV["per_host"]: str(view["nproc"]), ENV["commit_dir"]: a.commit_dir,
                     ENV["agent_pid"]: str(os.getpid())})
         env.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(a.commit_dir, "jit-cache"))  # restarts skip compiling
         env.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
@@ -84,7 +86,7 @@ class Agent:
             f = cause(last["failures"])
             first = min(x["t"] for x in last["failures"])  # the first sign of it, an echo perhaps
             env[ENV["failure"]] = json.dumps({"line": failure_line(f), "t": first, "completed": last["completed"],
-                                              "restarted": time.time()})
+                                              "restarted": time.time(), "skipped": self.skipped})
         if a.devices_per_process:
             import re
 
@@ -110,6 +112,7 @@ class Agent:
                 if view["state"] == "gave_up":
                     return self._give_up(view)
                 my_round = view["round"]
+                view = self._size(view)
                 self._announce(view)
                 outcome, completed = self._run_round(view)
                 if outcome == "done":
@@ -122,15 +125,32 @@ class Agent:
         except RendezvousLost as e:
             self.say(str(e))
             return 1
+        except sizes.NoSize as e:  # every agent finds the same: each says it and ends
+            self.say(f"giving up: {e}; no process left running")
+            return 1
         finally:
             if self.server is not None:
                 time.sleep(2 * ASK_S)  # the others hear how it ended before the service goes
                 self.server.shutdown()
 
+    def _size(self, view: dict) -> dict:
+        """The round's view with the processes per host that hold the run (`sizes`): the
+        sizes skipped are said, one line each."""
+        hosts, k = len(view["members"]), self.a.nproc_per_node
+        self.skipped = []
+        if view["world"] != hosts * k or (view["round"] == 1 and hosts == self.a.nnodes[1]):
+            return {**view, "nproc": k}  # the size asked for (or hosts of unequal sizes): as formed
+        if self.settings is False:
+            self.settings = sizes.train_settings(self.command)
+        k, self.skipped = sizes.choose(self.settings, hosts, k, self.a.devices_per_process)
+        for line in self.skipped:
+            self.say(f"skipping size {line}")
+        return {**view, "nproc": k, "world": hosts * k, "first_rank": view["node_rank"] * k}
+
     def _announce(self, view: dict) -> None:
         hosts = ",".join(view["members"])
         where = f"hosts {hosts} ({view['world']} processes, ranks {view['first_rank']}.."
-        where += f"{view['first_rank'] + self.a.nproc_per_node - 1} here)"
+        where += f"{view['first_rank'] + view['nproc'] - 1} here)"
         if view["round"] == 1:
             self.say(f"round 1: {where}")
         else:
@@ -140,7 +160,7 @@ class Agent:
 
     def _run_round(self, view: dict):
         a = self.a
-        w = Workers(self.command, self.env(view), view["first_rank"], a.nproc_per_node,
+        w = Workers(self.command, self.env(view), view["first_rank"], view["nproc"],
                     os.path.join(a.commit_dir, "heartbeat", self.host), self.host)
         self.workers = w
         asked, reported = 0.0, False

@@ -29,7 +29,7 @@ from dpjax.settings import Settings
 DEFAULT_ALGORITHM, DEFAULT_FUSION_MB = "ring", 64.0
 
 
-from dpjax.plan.checks import UsageError, check, devices_per_process, fit_mesh, flag  # noqa: F401
+from dpjax.plan.checks import UsageError, check, devices_per_process, fit_devices, fit_mesh, flag  # noqa: F401
 
 @dataclass(frozen=True)
 class Exchange:
@@ -107,8 +107,10 @@ class Plan:
                        tensor_parallel=self.tensor_parallel)
 
     def for_devices(self, devices) -> "Plan":
-        """The same settings planned again for another set of devices."""
-        return resolve(self.settings, devices, model=self.model, optimizer=self.optimizer, exchange=self.exchange,
+        """The same settings planned again for another set of devices: an explicit mesh is
+        resized and the global batch kept, in more or fewer micro-batches (`fit_devices`)."""
+        settings = fit_devices(self.settings, len(devices))
+        return resolve(settings, devices, model=self.model, optimizer=self.optimizer, exchange=self.exchange,
                        tensor_parallel=self.tensor_parallel)
 
     def describe(self) -> dict:

@@ -158,3 +158,38 @@ def fit_mesh(s: Settings, devices: int) -> Settings:
                          f"multiple of {others}")
     new = ",".join(f"{n}={devices // others if i == outer else v}" for i, (n, v) in enumerate(zip(names, sizes)))
     return dataclasses.replace(s, mesh=new)
+
+
+def _data_ranks(spec: str) -> tuple[int, int | None]:
+    """(data-parallel ranks, pipeline stages or None) of an explicit mesh spec."""
+    from dpjax.mesh import NOT_DATA, STAGE, mesh_size, parse_mesh_spec
+
+    names, sizes = parse_mesh_spec(spec, mesh_size(spec))
+    return math.prod(v for n, v in zip(names, sizes) if n not in NOT_DATA), dict(zip(names, sizes)).get(STAGE)
+
+
+def fit_devices(s: Settings, devices: int) -> Settings:
+    """`s` for `devices` devices (an elastic restart at the size that is left): the mesh
+    resized (`fit_mesh`), and the global batch (--batch-size x --backward-passes) kept,
+    cut into the fewest micro-batches (backward passes, one exchange: gradient
+    accumulation) that split evenly over the new data ranks and give no device more
+    sequences per pass than the user's run did (its memory). The same samples make the
+    same mean gradient, up to the sum's rounding; the lr (scaled for the whole batch)
+    and the data position (the step) stay. `s` itself at the size it names, or without
+    an explicit mesh. Raises UsageError (one line, why) for a size that cannot hold the
+    run."""
+    fitted = fit_mesh(s, devices)
+    if fitted is s:
+        return s
+    (was, _), (ranks, stages) = _data_ranks(s.mesh), _data_ranks(fitted.mesh)
+    total, share = s.batch_size * s.backward_passes, s.batch_size / was
+    cut = s.microbatches or stages  # a pipeline cuts each rank's batch into its micro-batches
+    for passes in range(1, total + 1):
+        batch = total // passes
+        rows = batch // ranks
+        if total % passes == 0 and batch % ranks == 0 and rows <= share and not (cut and rows % cut):
+            return dataclasses.replace(fitted, batch_size=batch, backward_passes=passes)
+    need = f"at most {share:g} sequences per device and pass" + (f", a multiple of {cut} (micro-batches)" if cut else "")
+    raise UsageError(f"the global batch of {total} sequences (--batch-size {s.batch_size} x --backward-passes "
+                     f"{s.backward_passes}) cannot be cut into equal micro-batches over the {ranks} data-parallel "
+                     f"ranks of mesh {fitted.mesh} ({need})")

@@ -1,8 +1,8 @@
 """The training loop's side of surviving failures: commits, heartbeat, injected faults,
 and the restart's account of itself.
 
-    fit(settings)           the mesh for the devices this job has now (an elastic restart
-                            on fewer hosts): dpjax.plan.fit_mesh
+    fit(settings)           the mesh and micro-batches for the devices this job has now (an
+                            elastic restart on fewer hosts): dpjax.plan.fit_devices
     attach(trainer)         the Committer (dpjax.commit); on a restart (DPJAX_RESTART > 0,
                             set by dpjax.agent) or --resume, the newest step every shard
                             committed, laid out for this plan
@@ -40,15 +40,24 @@ def _say(line: str) -> None:
 
 
 def fit(cfg):
-    """cfg with its mesh resized for the devices the job has now, when the agent says how
-    many each process has (DPJAX_DEVICES_PER_PROCESS); unchanged otherwise."""
+    """cfg for the devices the job has now, when the agent says how many each process has
+    (DPJAX_DEVICES_PER_PROCESS): the mesh resized, the global batch kept in adjusted
+    micro-batches (dpjax.plan.fit_devices); unchanged otherwise."""
     from dpjax.distributed import launched_processes
-    from dpjax.plan import fit_mesh
+    from dpjax.plan import fit_devices
 
     per_process = _env("devices")
     if not per_process or not cfg.mesh:
         return cfg
-    return fit_mesh(cfg, int(per_process) * launched_processes())
+    return fit_devices(cfg, int(per_process) * launched_processes())
+
+
+def micro_batches(cfg, mesh) -> dict:
+    """How the global batch is cut on this mesh (what a restart at another size changes)."""
+    from dpjax.mesh import dp_size
+
+    return {"global_batch": cfg.batch_size * cfg.backward_passes, "backward_passes": cfg.backward_passes,
+            "batch_per_pass": cfg.batch_size, "per_device": cfg.batch_size // dp_size(mesh)}
 
 
 class Elastic:
@@ -64,8 +73,11 @@ class Elastic:
         whose metrics are not written yet, (step, loss, extra)."""
         c = self.committer
         if self.restored is not None and not self.reported and done == self.restored["step"] + 1:
-            for step, loss in sorted(self.restored.get("losses", {}).items(), key=lambda kv: int(kv[0])):
-                write({"step": int(step), "loss": loss, "from_commit": True})  # rows the lost job never wrote
+            r, per_step = self.restored, self.cfg.batch_size * self.cfg.backward_passes
+            for step, loss in sorted(r.get("losses", {}).items(), key=lambda kv: int(kv[0])):
+                # rows the lost job never wrote; step s read from cursor(commit) - (commit - s) steps' batches
+                cursor = r["cursor"] - (r["step"] - int(step)) * per_step
+                write({"step": int(step), "loss": loss, "cursor": cursor, "from_commit": True})
         if done in self.faults:
             if c is not None:
                 c.flush()  # the fault strikes at a step boundary: what was asked for before is written
@@ -96,8 +108,9 @@ class Elastic:
         r, failure = self.restored, json.loads(_env("failure", "{}"))
         row = {"event": "restart", "attempt": int(_env("restart", "0")), "processes": jax.process_count(),
                "devices": jax.device_count(), "mesh": dict(trainer.mesh.shape), "restored_step": r["step"],
-               "from": r["sources"], "global_batch": trainer.cfg.batch_size,
-               "backward_passes": trainer.cfg.backward_passes}
+               "from": r["sources"], **micro_batches(trainer.cfg, trainer.mesh)}
+        if failure.get("skipped"):  # sizes the agent could have formed that cannot hold the run
+            row["sizes_skipped"] = failure["skipped"]
         if failure:
             reached = failure.get("completed")
             row.update(failed=failure.get("line"), steps_lost=None if reached is None else max(0, reached - r["step"]),

@@ -46,7 +46,8 @@ class Trainer:
 
     def __init__(self, cfg: Settings):
         check(cfg)  # before JAX starts: a bad flag costs nothing
-        self.cfg = cfg = elastic.fit(cfg)  # under dpjax.agent: the mesh for the hosts there are now
+        user = cfg  # what must match on resume is what the user asked, whatever the size now
+        self.cfg = cfg = elastic.fit(cfg)  # under dpjax.agent: mesh and micro-batches for the hosts there are now
         self.plan = plan = resolve(cfg, setup_devices(cfg))
         import jax
 
@@ -66,8 +67,8 @@ class Trainer:
         # What must match for a checkpoint to resume: per-worker state needs the same
         # rule and the same number of workers (the mesh may change).
         self.record = {"model": self.model.describe(), "data": cfg.data, "seed": cfg.seed,
-                       "batch_size": cfg.batch_size,
-                       "optimizer": {**dataclasses.asdict(self.opt), "backward_passes": cfg.backward_passes,
+                       "batch_size": user.batch_size,
+                       "optimizer": {**dataclasses.asdict(self.opt), "backward_passes": user.backward_passes,
                                      "update": str(plan.update)}}
         if self.step.rule.per_worker:
             self.record["optimizer"]["workers"] = self.layout.num_workers

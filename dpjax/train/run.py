@@ -95,11 +95,12 @@ def run_loop(self) -> dict:
             if profiled:
                 host.enter_context(rec.step(step_i))
             with phase("data"):
+                cursor = self.cursor  # the step's first sample: the step log shows none read twice or skipped
                 batch = self.batch()
             args, began = (self.params, self.opt_state, batch), time.perf_counter()
             with phase("dispatch"):
                 self.params, self.opt_state, loss = step.train(*args)
-            extra = {"trial": str(trial[0])} if trial is not None else {}
+            extra = {"cursor": cursor, **({"trial": str(trial[0])} if trial is not None else {})}
             if metrics:
                 extra["comm_bytes"] = self.comm_bytes(step, args)
             if id(step) not in shapes:  # the step's argument shapes: its compiled figures are looked up by them
