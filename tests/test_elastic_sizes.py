@@ -90,7 +90,9 @@ def test_when_no_size_holds_the_run_it_is_one_line():
 def test_the_size_asked_for_and_other_commands_run_as_given():
     s = sizes.train_settings(["python", "-m", "dpjax.train", "--mesh", "4x2", "--batch-size", "6"])
     assert (s.mesh, s.batch_size) == ("4x2", 6)
-    assert sizes.choose(s, hosts=2, nproc=2, devices_per_process=2) == (2, [])  # 8 devices: the user's own size
+    # 8 devices, the user's own size, runs as given even though 6 does not split over 4 ranks: its
+    # processes say so (one line, exit 2), rather than the agent running it smaller
+    assert sizes.choose(s, hosts=2, nproc=2, devices_per_process=2) == (2, [])
     assert sizes.train_settings(["python", "my_script.py", "--mesh", "4x2"]) is None
     assert sizes.choose(None, hosts=1, nproc=2, devices_per_process=2) == (2, [])
     with pytest.raises(UsageError, match="over the 3 data-parallel ranks of mesh data=3,model=2"):

@@ -36,11 +36,9 @@ def train_settings(command: list[str]):
 def choose(settings, hosts: int, nproc: int, devices_per_process: int | None) -> tuple[int, list[str]]:
     """(processes per host, the sizes skipped with why) for a round of `hosts` hosts that
     can run up to `nproc` processes each. Raises NoSize when no size holds the run."""
-    from dpjax.mesh import mesh_size
     from dpjax.plan import fit_devices
 
-    if settings is None or not devices_per_process or not settings.mesh or mesh_size(settings.mesh) is None \
-            or mesh_size(settings.mesh) == hosts * nproc * devices_per_process:
+    if settings is None or not devices_per_process:
         return nproc, []
     skipped = []
     for k in range(nproc, 0, -1):
