@@ -4,7 +4,7 @@ a fault injected by DPJAX_FAULT, against the same job without one; and what comm
 every step costs the main job (`--mesh 2x4`, one process).
 
     python experiments/elastic.py [--steps 120 --at 30] [--scenarios same,smaller,...]
-    python experiments/elastic.py --commit-cost [--rounds 3 --steps 40]
+    python experiments/elastic.py --commit-cost [--rounds 12 --block 20]
 
 Per scenario: did it finish, how long from the failure until the processes were
 started again (restart_s) and until the first step after it was done (seconds_lost),
@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -101,28 +102,80 @@ def scenarios(args, out_dir):
     return head, rows
 
 
+class Interleaved:
+    """The run's Elastic, switched on and off block by block (`--block` steps each) inside
+    one process: block 0 (no commit) and block 1 (commits) warm up (compiles, the copy's
+    jit); then off and on alternate, ending with off. Each loop iteration's wall time is
+    kept (in steady state the step time: data, dispatch, the oldest step's wait, and the
+    commit), and on the commit blocks the time the loop's thread spent in the commit
+    beyond waiting for the previous step: a commit waits for the previous commit, which
+    waits for its step (the lockstep of dpjax.commit), a wait the loop would otherwise
+    make a few steps later in taking that step's loss; what is left is the commit's own
+    cost on the loop (the previous write's tail after its step was done, the copy's
+    dispatch)."""
+
+    def __init__(self, inner, block: int):
+        self.inner, self.block = inner, block
+        self.last, self.iteration, self.blocked = None, {}, {}
+
+    def after_step(self, trainer, done, write, in_flight=()):
+        if (done - 1) // self.block % 2:  # a commit block
+            if len(in_flight) > 1:
+                in_flight[-2][1].block_until_ready()  # the previous step (the commit would wait for it)
+            t = time.perf_counter()
+            self.inner.after_step(trainer, done, write, in_flight)
+            self.blocked[done] = time.perf_counter() - t
+        now = time.perf_counter()
+        if self.last is not None:
+            self.iteration[done] = now - self.last
+        self.last = now
+
+    def close(self):
+        self.inner.close()
+
+
 def commit_cost(args, out_dir):
-    """Paired medians: per round, one run without and one with --commit-dir (the order
-    rotating), the median step time of each (first steps, which compile, left out)."""
-    head = ["round", "median step ms, no commit", "median step ms, commit every step", "ratio"]
-    rows, ratios = [], []
-    # the main job: dpjax.train's defaults (GPT d_model 128, 2 layers, seq 128, batch 32, adamw) on 2x4
-    base = ["--progress", "none", "--eval-every", "0", "--eval-batches", "1", "--data", args.data, "--mesh", "2x4",
-            "--steps", str(args.steps)]
-    for r in range(args.rounds):
-        med = {}
-        for variant in (("plain", "commit") if r % 2 == 0 else ("commit", "plain")):
-            metrics = os.path.join(out_dir, f"cost-{r}-{variant}.jsonl")
-            extra = ["--commit-dir", os.path.join(out_dir, f"c{r}")] if variant == "commit" else []
-            env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-            subprocess.run([sys.executable, "-m", "dpjax.train", *base, *extra, "--metrics", metrics], env=env,
-                           check=True, capture_output=True)
-            with open(metrics) as fh:
-                times = [rec["step_time"] for rec in map(json.loads, fh) if "step_time" in rec][5:]
-            med[variant] = _bench.median(times)
-        ratios.append(med["commit"] / med["plain"])
-        rows.append([r, f"{1e3 * med['plain']:.1f}", f"{1e3 * med['commit']:.1f}", f"{ratios[-1]:.3f}"])
-    rows.append(["median", "", "", f"{_bench.median(ratios):.3f}"])
+    """What committing every step costs the main job (dpjax.train's defaults: GPT d_model
+    128, 2 layers, seq 128, batch 32, adamw, on --mesh 2x4), measured in ONE process so
+    that both variants share the compile, the data and the machine's load of the moment:
+    blocks of --block steps with and without commits alternate; each commit block's
+    median iteration time is paired with the mean of the two no-commit blocks around it
+    (a slow drift of the machine's load cancels), and the ratio's median over --rounds
+    blocks is reported, beside the loop thread's median time inside the commit beyond
+    waiting for the previous step (the direct measure, see Interleaved). The first MAX_IN_FLIGHT + 1 iterations of each block are left
+    out: the steps in flight still belong to the block before."""
+    from dpjax.train.cli import parse_args
+    from dpjax.train.loop import Trainer
+    from dpjax.train.run import MAX_IN_FLIGHT
+
+    block, skip = args.block, MAX_IN_FLIGHT + 1
+    steps = block * (2 * args.rounds + 3)
+    # the commits where dpjax.agent puts them by default: fast local storage (tmpfs)
+    shm = "/dev/shm" if os.access("/dev/shm", os.W_OK) else out_dir
+    commits = tempfile.mkdtemp(prefix="dpjax-commit-cost-", dir=shm)
+    cfg = parse_args(["--progress", "none", "--eval-every", "0", "--eval-batches", "1", "--data", args.data,
+                      "--mesh", "2x4", "--steps", str(steps), "--commit-dir", commits])
+    try:
+        trainer = Trainer(cfg)
+        trainer.elastic = probe = Interleaved(trainer.elastic, block)
+        trainer.run()
+    finally:
+        shutil.rmtree(commits, ignore_errors=True)
+
+    def blk(b, table):
+        return [table[s] for s in range(b * block + 1 + skip, (b + 1) * block + 1) if s in table]
+
+    head = ["commit block", "ms, no commit before", "ms, commit every step", "ms, no commit after", "ratio",
+            "ms in the commit beyond its step (loop thread)", "that / step"]
+    rows, ratios, shares = [], [], []
+    for b in range(3, 2 * args.rounds + 3, 2):
+        before, on, after = (_bench.median(blk(x, probe.iteration)) for x in (b - 1, b, b + 1))
+        blocked = _bench.median(blk(b, probe.blocked))
+        ratios.append(on / ((before + after) / 2))
+        shares.append(blocked / on)
+        rows.append([b, f"{1e3 * before:.1f}", f"{1e3 * on:.1f}", f"{1e3 * after:.1f}", f"{ratios[-1]:.3f}",
+                     f"{1e3 * blocked:.2f}", f"{100 * shares[-1]:.1f}%"])
+    rows.append(["median", "", "", "", f"{_bench.median(ratios):.3f}", "", f"{100 * _bench.median(shares):.1f}%"])
     return head, rows
 
 
@@ -132,9 +185,10 @@ def main():
     p.add_argument("--at", type=int, default=30, help="the step the fault strikes at")
     p.add_argument("--scenarios", default=",".join(SCENARIOS))
     p.add_argument("--commit-cost", action="store_true")
-    p.add_argument("--rounds", type=int, default=4)
+    p.add_argument("--rounds", type=int, default=12, help="--commit-cost: commit blocks (each between two without)")
+    p.add_argument("--block", type=int, default=20, help="--commit-cost: steps per block")
     p.add_argument("--data", default=None, help="a text file (default: 300 kB of the stdlib corpus)")
-    _bench.add_smoke(p, "the same-size scenario, 8 steps; or 1 round of 8 steps of the commit cost")
+    _bench.add_smoke(p, "the same-size scenario, 8 steps; or 2 commit blocks of 8 steps for the commit cost")
     args = p.parse_args()
     out_dir = tempfile.mkdtemp(prefix="dpjax-elastic-")
     if args.data is None:
@@ -144,10 +198,15 @@ def main():
         with open(args.data, "wb") as fh:
             fh.write(load_corpus("stdlib", max_bytes=300_000).tobytes())
     if args.smoke:
-        args.steps, args.at, args.scenarios, args.rounds = 8, 3, "same", 1
+        args.steps, args.at, args.scenarios, args.rounds, args.block = 8, 3, "same", 2, 8
+    if args.commit_cost:  # in this process: the main job's 8 simulated devices, before JAX starts
+        from dpjax.mesh import simulate_cpu_devices
+
+        simulate_cpu_devices(8)
     print(f"# {_bench.machine()}, load {_bench.load_avg():.1f}, {time.strftime('%Y-%m-%d')}, outputs in {out_dir}")
     head, rows = commit_cost(args, out_dir) if args.commit_cost else scenarios(args, out_dir)
     print(_bench.markdown_table(head, rows))
+    print(f"# load after: {_bench.load_avg():.1f}")
 
 
 if __name__ == "__main__":

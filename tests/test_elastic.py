@@ -109,6 +109,8 @@ def test_smaller_when_the_host_does_not_come_back(corpus, straight, tmp_path):
     assert "round 2 (restart 1 of at most 3): hosts h0 (2 processes" in errs[0]
     (ev,) = events(metrics)
     assert ev["processes"] == 2 and ev["mesh"] == {"data": 2, "model": 2} and ev["global_batch"] == 16
+    # 2 data ranks instead of 4: the same 16 sequences a step, in 2 passes of 8, 4 per device and pass as before
+    assert (ev["backward_passes"], ev["batch_per_pass"], ev["per_device"]) == (2, 8, 4)
     restored = ev["restored_step"]
     rows = [json.loads(line) for line in open(metrics)]
     applied = {}  # the step log of the run that finished: each step's last record
@@ -116,8 +118,10 @@ def test_smaller_when_the_host_does_not_come_back(corpus, straight, tmp_path):
         if "loss" in r:
             applied[r["step"]] = r
     assert sorted(applied) == list(range(STEPS))  # every step applied exactly once in the final lineage
-    # the data position is the step: step s read windows [16 s, 16 s + 16), none twice, none skipped
-    windows = [w for s in sorted(applied) for w in range(16 * s, 16 * s + 16)]
+    # the step log says where each step read: the data position is the step, so step s read samples
+    # [16 s, 16 s + 16), none twice, none skipped, before the failure and after it
+    assert [applied[s]["cursor"] for s in range(STEPS)] == [16 * s for s in range(STEPS)]
+    windows = [w for s in sorted(applied) for w in range(applied[s]["cursor"], applied[s]["cursor"] + 16)]
     assert len(windows) == len(set(windows)) == 16 * STEPS
     losses = read_losses(metrics)
     assert losses[:restored] == straight[:restored]
