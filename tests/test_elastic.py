@@ -168,3 +168,24 @@ def test_more_failures_than_max_restarts_is_one_line_and_nothing_left(corpus, tm
         assert "FaultInjected" in line
     time.sleep(1)
     assert pids_running(str(tmp_path)) == []
+
+
+def test_a_size_that_cannot_hold_the_run_is_skipped_for_the_next_smaller(corpus, tmp_path):
+    """Two hosts of 3 processes x 1 device on --mesh 3x2; one lost for good: 3 devices
+    cannot hold a model axis of 2, so the agent skips that size, says why, and runs 2
+    processes, the global batch of 6 in 3 passes of 2 (each device's share as before)."""
+    steps = 12
+    args = tiny(corpus, "--mesh", "3x2", "--batch-size", "6", "--steps", str(steps))
+    codes, errs, _, metrics, _ = run_agents(tmp_path, args, fault="rank=3,step=4,kind=kill,forever", nnodes="1:2",
+                                            agent_args=("--nproc-per-node", "3", "--devices-per-process", "1"))
+    assert codes[0] == 0 and codes[1] == -signal.SIGKILL, errs
+    why = "3 processes (3 devices): --mesh 3x2 cannot be resized to 3 devices: its non-data axes need a multiple of 2"
+    assert f"skipping size {why}" in errs[0]
+    assert "round 2 (restart 1 of at most 3): hosts h0 (2 processes, ranks 0..1 here)" in errs[0]
+    (ev,) = events(metrics)
+    assert ev["processes"] == 2 and ev["mesh"] == {"data": 1, "model": 2} and ev["sizes_skipped"] == [why]
+    assert (ev["global_batch"], ev["backward_passes"], ev["batch_per_pass"], ev["per_device"]) == (6, 3, 2, 2)
+    applied = {r["step"]: r for r in map(json.loads, open(metrics)) if "loss" in r}
+    assert sorted(applied) == list(range(steps))
+    assert [applied[s]["cursor"] for s in range(steps)] == [6 * s for s in range(steps)]  # none twice, none skipped
+    assert pids_running(str(tmp_path)) == []
