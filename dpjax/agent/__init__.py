@@ -15,6 +15,7 @@ process committed (`dpjax.commit`), so at most about one step of work is lost. M
 failures than --max-restarts end the job with one line and a non-zero exit.
 
 Files: `rendezvous.py` (membership, rounds), `workers.py` (this host's processes:
-start, watch, stop), `supervisor.py` (the agent's loop), `cli.py` (the command line),
+start, watch, stop), `supervisor.py` (the agent's loop), `sizes.py` (which size a restart
+runs at: sizes that cannot hold the run are skipped), `cli.py` (the command line),
 `env.py` (what a process is told).
 """
