@@ -43,6 +43,7 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from dpjax import per_rank
 from dpjax.errors import UserError
 from dpjax.mesh import data_axes, make_mesh
 from dpjax.replicas import FIRST_CALLS, ReplicaCheck, check_always
@@ -57,6 +58,9 @@ HINTS = {
                  "averaged across devices",
     "MetricState": "dpjax sums the updates of nnx.metrics.Average and Accuracy over the data axes; another metric "
                    "must synchronise itself (lax.psum) inside the step",
+    "per_rank": "it is DistributedOptimizer's error-feedback buffer, which differs from rank to rank by design: "
+                "keep the optimizer in an nnx.Optimizer (shard_step gives that state a slot a rank), or run the "
+                "step in your own jax.shard_map and return the buffer with a leading axis split over {axis}",
     "output": "average it inside the step (jax.lax.pmean(x, {axis}), dpjax.allreduce_gradients) or declare it "
               "split with out_specs",
 }
@@ -117,6 +121,7 @@ class _Leaf:
     spec: P
     owner: int  # the argument it belongs to
     summed: bool = False  # an nnx.metrics.Average's total or count: its update is summed over the data axes
+    per_rank: bool = False  # a slot a rank (`dpjax.per_rank`: DistributedOptimizer's error buffers)
 
 
 class ShardedStep:
@@ -156,6 +161,7 @@ class ShardedStep:
         graphdef, state = nnx.split(nodes) if nodes else (None, None)
         leaves, state_def = jax.tree.flatten(state)
         meta = self._nnx_leaves(nodes, nnx_idx, state, mesh)
+        leaves = [per_rank.spread(x, mesh, m.spec) if m.per_rank else x for x, m in zip(leaves, meta)]
         tree_idx = tuple(i for i in range(len(args)) if i not in nnx_idx)
         tree_defs = []
         for i in tree_idx:
@@ -168,6 +174,7 @@ class ShardedStep:
         k = len(leaves) - sum(n for _, n in tree_defs)
         key = (graphdef, state_def, tuple(tree_defs), nnx_idx, tree_idx, specs,
                tuple(m.kind == "RngKey" for m in meta[:k]), tuple(m.summed for m in meta[:k]),
+               tuple(m.per_rank for m in meta[:k]),
                tuple(j for j, m in enumerate(meta) if m.owner in self.donate_argnums), len(args))
         if key not in self._programs:
             self._programs[key] = self._build(mesh, *key)
@@ -187,7 +194,7 @@ class ShardedStep:
             named.update({m.name: x for m, x in zip(meta, new_state)})
             kinds = {m.name: m.kind for m in meta[:k]}
             self._replicas(named, where=f"{self.__name__}: ",
-                           hint=lambda name, along: _hint(kinds.get(name, "output"), along))
+                           hint=lambda name, along: _hint(kinds.get(name, "output"), along, name))
         return out
 
     def _nnx_leaves(self, nodes, nnx_idx, state, mesh) -> list:
@@ -198,6 +205,7 @@ class ShardedStep:
         from flax.nnx import spmd
 
         averages = {path for path, node in nnx.iter_graph(nodes) if isinstance(node, nnx.metrics.Average)}
+        slots = per_rank.nnx_prefixes(nodes)
         out = []
         is_var = lambda x: isinstance(x, nnx.Variable)  # noqa: E731
         for path, var in jax.tree_util.tree_flatten_with_path(state, is_leaf=is_var)[0]:
@@ -206,7 +214,9 @@ class ShardedStep:
             kind = type(var).__name__ if is_var(var) else "array"
             spec = self._resolve(spmd.get_var_pspec(var) if is_var(var) else P(), mesh, name)
             summed = kind == "MetricState" and keys[:-1] in averages
-            out += [_Leaf(name, kind, spec, nnx_idx[keys[0]], summed) for _ in jax.tree.leaves(var)]
+            mine = per_rank.under(keys, slots)
+            spec = per_rank.spec(spec, mesh) if mine else spec
+            out += [_Leaf(name, kind, spec, nnx_idx[keys[0]], summed, mine) for _ in jax.tree.leaves(var)]
         return out
 
     def _tree_leaves(self, i, arg, mesh) -> list:
@@ -244,13 +254,15 @@ class ShardedStep:
                     raise UserError(f"{self.__name__}: {m.name} {shape} is split over {e!r}, but its {what} "
                                     f"do not divide into {n} parts; use a multiple of {n}")
 
-    def _build(self, mesh, graphdef, state_def, tree_defs, nnx_idx, tree_idx, specs, is_rng, summed, donate, nargs):
+    def _build(self, mesh, graphdef, state_def, tree_defs, nnx_idx, tree_idx, specs, is_rng, summed, slots, donate,
+               nargs):
         fn, k, nnx = self.fn, len(is_rng), _flax_nnx()
 
         def body(*local):
             args = [None] * nargs
+            mine = [per_rank.local(x) if s else x for x, s in zip(local[:k], slots)]  # this device's slots
             if k:  # each device's blocks merged back into modules; nnx.Rngs draw per device
-                nodes = nnx.merge(graphdef, state_def.unflatten(fold_rng_keys(local[:k], is_rng)))
+                nodes = nnx.merge(graphdef, state_def.unflatten(fold_rng_keys(mine, is_rng)))
                 for pos, node in zip(nnx_idx, nodes):
                     args[pos] = node
             start = k
@@ -271,8 +283,8 @@ class ShardedStep:
             # the stored keys stay the replicated ones (the streams' counters advanced alike);
             # a metric's update on this device's rows is summed with the other devices'
             new = [old if rng else (old + lax.psum(x - old, axes) if add and axes else x)
-                   for x, old, rng, add in zip(new, local[:k], is_rng, summed)]
-            return out, tuple(new)
+                   for x, old, rng, add in zip(new, mine, is_rng, summed)]
+            return out, tuple(per_rank.slot(x) if s else x for x, s in zip(new, slots))
 
         smap = jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=(self.out_specs, specs[:k]), check_vma=False)
         return jax.jit(smap, donate_argnums=donate)
@@ -289,11 +301,12 @@ def _spec_axes(spec) -> list:
     return [a for e in spec if e is not None for a in (e if isinstance(e, tuple) else (e,))]
 
 
-def _hint(kind: str, along: tuple = ("data",)) -> str:
+def _hint(kind: str, along: tuple = ("data",), name: str = "") -> str:
     """The advice for a leaf of this kind whose copies differ along the mesh axes `along`."""
     if "model" in along and kind != "BatchStat":
         return MODEL_HINT
     axes = [a for a in along if a != "model"] or ["data"]
     text = HINTS["Opt"] if kind.startswith("Opt") else HINTS.get(kind, "")
+    text = HINTS["per_rank"] if "/".join(per_rank.FIELDS) in name else text
     axis = repr(axes[0]) if len(axes) == 1 else repr(tuple(axes))
     return text.format(axes=" and ".join(repr(a) for a in axes), axis=axis)
