@@ -17,6 +17,10 @@ import os
 from dpjax.errors import UserError
 
 CKPT_FIELDS_THAT_MUST_MATCH = ("model", "optimizer")
+WHY = {  # a field whose difference needs its reason said
+    "optimizer.compression_model_split": "PowerSGD keeps one Q per tensor-parallel or pipeline shard, shaped by "
+                                          "the split; resume with the same model and stage axis sizes",
+}
 
 
 class CheckpointError(UserError):
@@ -86,6 +90,18 @@ class Checkpointer:
                 "it may be corrupt or from another configuration: delete it or pass another --ckpt-dir")
 
 
+def compression_split(compression, mesh) -> dict:
+    """The model and stage axis sizes a compression method's own state is shaped by
+    (PowerSGD's Q, one per shard), {} when it has none or nothing is split."""
+    from dpjax.compression import parse
+    from dpjax.mesh import NOT_DATA
+
+    spec = parse(compression)
+    if spec is None or spec.method.init is None:
+        return {}
+    return {a: n for a, n in mesh.shape.items() if a in NOT_DATA and n > 1}
+
+
 def check_compatible(saved: dict, now: dict, where: str) -> None:
     diffs = []
     for field in CKPT_FIELDS_THAT_MUST_MATCH:
@@ -93,6 +109,7 @@ def check_compatible(saved: dict, now: dict, where: str) -> None:
         if a != b:
             if isinstance(a, dict) and isinstance(b, dict):
                 diffs += [f"{field}.{k}: saved {a.get(k)!r}, now {b.get(k)!r}"
+                          + (f" ({WHY[f'{field}.{k}']})" if f"{field}.{k}" in WHY else "")
                           for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
             else:
                 diffs.append(f"{field}: saved {a!r}, now {b!r}")

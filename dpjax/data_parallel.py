@@ -92,8 +92,9 @@ def DistributedOptimizer(inner: optax.GradientTransformation, axis_name="data", 
     compression: a name of `dpjax.compression` or a spec such as "powersgd:4,start=100"
     (`dpjax.compression.grammar`). A method with error feedback keeps each rank's error
     buffer (and PowerSGD's Q) in `DistributedState.compression`: that part of the state
-    differs between ranks, so give it a per-rank layout (e.g. a leading axis split over
-    `axis_name`) when it leaves the shard_map.
+    differs between ranks, so it needs a per-rank layout outside the shard_map: a leading
+    axis split over `axis_name`. `dpjax.shard_step` gives it one for an `nnx.Optimizer`
+    (`dpjax.per_rank`); in your own shard_map, return it that way.
     """
     collectives.check_algorithm(algorithm)
     check_compression(compression)

@@ -22,6 +22,9 @@ Each call is one `jax.jit(jax.shard_map(...))` (compiled once per structure):
    into the caller's objects (`nnx.update`). The update of an `nnx.metrics.Average`
    (`Accuracy` is one: a total and a count) is summed over the data axes, so a metric
    counts the global batch; another metric must synchronise itself.
+   DistributedOptimizer's error-feedback buffers differ per rank by design: outside the
+   step they hold a slot a rank (`dpjax.per_rank`), in an nnx.Optimizer or in an
+   optimizer state passed in and returned under the default out_specs.
 4. Whatever comes back declared replicated (the outputs under `out_specs`, default P();
    the new state) is checked to be equal on the devices that share it
    (`dpjax.replicas`) on the first calls and on every call under DPJAX_CHECK=1; a
@@ -43,6 +46,7 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from dpjax import per_rank
 from dpjax.errors import UserError
 from dpjax.mesh import data_axes, make_mesh
 from dpjax.replicas import FIRST_CALLS, ReplicaCheck, check_always
@@ -57,6 +61,9 @@ HINTS = {
                  "averaged across devices",
     "MetricState": "dpjax sums the updates of nnx.metrics.Average and Accuracy over the data axes; another metric "
                    "must synchronise itself (lax.psum) inside the step",
+    "per_rank": "it is DistributedOptimizer's error-feedback buffer, which differs from rank to rank by design: "
+                "keep the optimizer in an nnx.Optimizer (shard_step gives that state a slot a rank), or run the "
+                "step in your own jax.shard_map and return the buffer with a leading axis split over {axis}",
     "output": "average it inside the step (jax.lax.pmean(x, {axis}), dpjax.allreduce_gradients) or declare it "
               "split with out_specs",
 }
@@ -117,6 +124,7 @@ class _Leaf:
     spec: P
     owner: int  # the argument it belongs to
     summed: bool = False  # an nnx.metrics.Average's total or count: its update is summed over the data axes
+    per_rank: bool = False  # a slot a rank (`dpjax.per_rank`: DistributedOptimizer's error buffers)
 
 
 class ShardedStep:
@@ -163,14 +171,16 @@ class ShardedStep:
             tree_defs.append((treedef, len(arg_leaves)))
             leaves += arg_leaves
             meta += self._tree_leaves(i, args[i], mesh)
+        leaves = [per_rank.spread(x, mesh, m.spec) if m.per_rank else x for x, m in zip(leaves, meta)]
         self._check_splits(leaves, meta, mesh)
         specs = tuple(m.spec for m in meta)
         k = len(leaves) - sum(n for _, n in tree_defs)
         key = (graphdef, state_def, tuple(tree_defs), nnx_idx, tree_idx, specs,
                tuple(m.kind == "RngKey" for m in meta[:k]), tuple(m.summed for m in meta[:k]),
+               tuple(m.per_rank for m in meta),
                tuple(j for j, m in enumerate(meta) if m.owner in self.donate_argnums), len(args))
         if key not in self._programs:
-            self._programs[key] = self._build(mesh, *key)
+            self._programs[key] = self._build(mesh, *key, leaves)
         try:
             out, new_state = self._programs[key](*jax.device_put(leaves, [NamedSharding(mesh, s) for s in specs]))
         except ValueError as e:  # JAX's own message suggests `reshard`, which does not apply here either
@@ -187,7 +197,7 @@ class ShardedStep:
             named.update({m.name: x for m, x in zip(meta, new_state)})
             kinds = {m.name: m.kind for m in meta[:k]}
             self._replicas(named, where=f"{self.__name__}: ",
-                           hint=lambda name, along: _hint(kinds.get(name, "output"), along))
+                           hint=lambda name, along: _hint(kinds.get(name, "output"), along, name))
         return out
 
     def _nnx_leaves(self, nodes, nnx_idx, state, mesh) -> list:
@@ -198,6 +208,7 @@ class ShardedStep:
         from flax.nnx import spmd
 
         averages = {path for path, node in nnx.iter_graph(nodes) if isinstance(node, nnx.metrics.Average)}
+        slots = per_rank.nnx_prefixes(nodes)
         out = []
         is_var = lambda x: isinstance(x, nnx.Variable)  # noqa: E731
         for path, var in jax.tree_util.tree_flatten_with_path(state, is_leaf=is_var)[0]:
@@ -206,7 +217,9 @@ class ShardedStep:
             kind = type(var).__name__ if is_var(var) else "array"
             spec = self._resolve(spmd.get_var_pspec(var) if is_var(var) else P(), mesh, name)
             summed = kind == "MetricState" and keys[:-1] in averages
-            out += [_Leaf(name, kind, spec, nnx_idx[keys[0]], summed) for _ in jax.tree.leaves(var)]
+            mine = per_rank.under(keys, slots)
+            spec = per_rank.spec(spec, mesh) if mine else spec
+            out += [_Leaf(name, kind, spec, nnx_idx[keys[0]], summed, mine) for _ in jax.tree.leaves(var)]
         return out
 
     def _tree_leaves(self, i, arg, mesh) -> list:
@@ -220,8 +233,11 @@ class ShardedStep:
             raise UserError(f"{self.__name__}: in_specs for argument {self._argname(i)} does not match its "
                             f"structure ({e})") from None
         paths = [p for p, _ in jax.tree_util.tree_flatten_with_path(arg)[0]]
-        return [_Leaf(_path_name(self._argname(i), p), "array", self._resolve(s, mesh, self._argname(i)), i)
-                for p, s in zip(paths, specs)]
+        slots = per_rank.tree_prefixes(arg) if self.in_specs is None or i >= len(self.in_specs) else []
+        mine = [per_rank.under(per_rank.keys_of(p), slots) and i not in self.batch_argnums for p in paths]
+        return [_Leaf(_path_name(self._argname(i), p), "array",
+                      per_rank.spec(s, mesh) if m else self._resolve(s, mesh, self._argname(i)), i, per_rank=m)
+                for p, s, m in zip(paths, specs, mine)]
 
     def _resolve(self, spec, mesh, name) -> P:
         unknown = [a for a in _spec_axes(spec) if a not in mesh.axis_names]
@@ -244,20 +260,26 @@ class ShardedStep:
                     raise UserError(f"{self.__name__}: {m.name} {shape} is split over {e!r}, but its {what} "
                                     f"do not divide into {n} parts; use a multiple of {n}")
 
-    def _build(self, mesh, graphdef, state_def, tree_defs, nnx_idx, tree_idx, specs, is_rng, summed, donate, nargs):
+    def _build(self, mesh, graphdef, state_def, tree_defs, nnx_idx, tree_idx, specs, is_rng, summed, slots, donate,
+               nargs, leaves):
         fn, k, nnx = self.fn, len(is_rng), _flax_nnx()
+        out_slots = None  # which outputs are per-rank buffers, once known
 
         def body(*local):
             args = [None] * nargs
+            mine = [per_rank.local(x) if s else x for x, s in zip(local, slots)]  # this device's slots
             if k:  # each device's blocks merged back into modules; nnx.Rngs draw per device
-                nodes = nnx.merge(graphdef, state_def.unflatten(fold_rng_keys(local[:k], is_rng)))
+                nodes = nnx.merge(graphdef, state_def.unflatten(fold_rng_keys(mine, is_rng)))
                 for pos, node in zip(nnx_idx, nodes):
                     args[pos] = node
             start = k
             for i, (treedef, n) in zip(tree_idx, tree_defs):
-                args[i] = treedef.unflatten(local[start:start + n])
+                args[i] = treedef.unflatten(mine[start:start + n])
                 start += n
             out = fn(*args)
+            if out_slots is not None:  # a returned optimizer state: its buffers in their slots
+                flat, out_def = jax.tree.flatten(out)
+                out = out_def.unflatten([per_rank.slot(x) if s else x for x, s in zip(flat, out_slots)])
             if _has_nnx(out, variables=False):
                 raise UserError(f"{self.__name__} returns NNX objects; return arrays (the modules passed in are "
                                 "updated in place)")
@@ -271,10 +293,19 @@ class ShardedStep:
             # the stored keys stay the replicated ones (the streams' counters advanced alike);
             # a metric's update on this device's rows is summed with the other devices'
             new = [old if rng else (old + lax.psum(x - old, axes) if add and axes else x)
-                   for x, old, rng, add in zip(new, local[:k], is_rng, summed)]
-            return out, tuple(new)
+                   for x, old, rng, add in zip(new, mine, is_rng, summed)]
+            return out, tuple(per_rank.slot(x) if s else x for x, s in zip(new, slots))
 
-        smap = jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=(self.out_specs, specs[:k]), check_vma=False)
+        out_specs = self.out_specs
+        if out_specs == P() and any(slots[k:]):  # a pytree state with buffers in: where are they in the output?
+            shapes = jax.eval_shape(jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=(P(), specs[:k]),
+                                                  check_vma=False), *leaves)[0]
+            paths, out_def = jax.tree_util.tree_flatten_with_path(shapes)
+            found = per_rank.tree_prefixes(shapes)
+            mask = [per_rank.under(per_rank.keys_of(p), found) for p, _ in paths]
+            if any(mask):  # the default is replicated, but a returned DistributedState's buffers go by rank
+                out_slots, out_specs = mask, out_def.unflatten([per_rank.spec(P(), mesh) if s else P() for s in mask])
+        smap = jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=(out_specs, specs[:k]), check_vma=False)
         return jax.jit(smap, donate_argnums=donate)
 
 
@@ -289,11 +320,12 @@ def _spec_axes(spec) -> list:
     return [a for e in spec if e is not None for a in (e if isinstance(e, tuple) else (e,))]
 
 
-def _hint(kind: str, along: tuple = ("data",)) -> str:
+def _hint(kind: str, along: tuple = ("data",), name: str = "") -> str:
     """The advice for a leaf of this kind whose copies differ along the mesh axes `along`."""
     if "model" in along and kind != "BatchStat":
         return MODEL_HINT
     axes = [a for a in along if a != "model"] or ["data"]
     text = HINTS["Opt"] if kind.startswith("Opt") else HINTS.get(kind, "")
+    text = HINTS["per_rank"] if "/".join(per_rank.FIELDS) in name else text
     axis = repr(axes[0]) if len(axes) == 1 else repr(tuple(axes))
     return text.format(axes=" and ".join(repr(a) for a in axes), axis=axis)

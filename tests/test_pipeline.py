@@ -120,22 +120,24 @@ def test_interleaved_timetable():
         assert all(a.stash_slot(m, 0, s) == b.stash_slot(m, 0, s) for m in range(M) for s in range(S))
 
 
-def test_a_registered_schedule_is_known_everywhere(mesh_of, monkeypatch):
+def test_a_registered_schedule_is_known_everywhere(mesh_of):
     """A schedule is one file and one registration: a copy of GPipe registered under a new
-    name is dispatched by `timetable`, checked by `check`, costed by `bubble_formula`."""
+    name is dispatched by `timetable`, checked by `check`, costed by `bubble_formula`;
+    unregistered, it is gone."""
     from dpjax import pipeline
     from dpjax.pipeline import gpipe
 
-    monkeypatch.setattr(pipeline, "SCHEDULES", dict(SCHEDULES))
-    pipeline.register(pipeline.Schedule("gpipe-copy", gpipe.timetable, bubble=lambda S, M, V: (S - 1) / (M + S - 1)))
-    tt = timetable(Pipeline("gpipe-copy", 3), 2)
-    assert walk(tt) == walk(gpipe.timetable(2, 3)) and check_timetable(tt) == 3
-    assert bubble_formula("gpipe-copy", 2, 3) == pytest.approx(1 / 4)
-    assert pipeline.check(tiny(4), mesh_of("stage=2,data=4", 8), Pipeline("gpipe-copy")).microbatches == 2
-    with pytest.raises(pipeline.UserError, match="choose one of naive, gpipe, 1f1b, interleaved, gpipe-copy"):
-        pipeline.check(tiny(4), mesh_of("stage=2,data=4", 8), Pipeline("nope"))
-    with pytest.raises(ValueError, match="registered already"):
-        pipeline.register(pipeline.SCHEDULES["gpipe"])
+    copy = pipeline.Schedule("gpipe-copy", gpipe.timetable, bubble=lambda S, M, V: (S - 1) / (M + S - 1))
+    with SCHEDULES.registered(copy):
+        tt = timetable(Pipeline("gpipe-copy", 3), 2)
+        assert walk(tt) == walk(gpipe.timetable(2, 3)) and check_timetable(tt) == 3
+        assert bubble_formula("gpipe-copy", 2, 3) == pytest.approx(1 / 4)
+        assert pipeline.check(tiny(4), mesh_of("stage=2,data=4", 8), Pipeline("gpipe-copy")).microbatches == 2
+        with pytest.raises(pipeline.UserError, match="choose one of naive, gpipe, 1f1b, interleaved, gpipe-copy"):
+            pipeline.check(tiny(4), mesh_of("stage=2,data=4", 8), Pipeline("nope"))
+        with pytest.raises(ValueError, match="registered already"):
+            pipeline.register(pipeline.SCHEDULES["gpipe"])
+    assert "gpipe-copy" not in SCHEDULES
 
 
 # ---------------------------------------------------------------------------------------

@@ -179,3 +179,37 @@ def test_a_name_is_registered_once():
     with pytest.raises(ValueError, match="'ring' is registered already"):
         registry.register(registry.Algorithm("ring", backwards_cost, allreduce=backwards_allreduce))
     assert registry.get("ring").allreduce is not backwards_allreduce
+
+
+def test_one_registry_class_serves_every_list():
+    """Collective algorithms, compression methods, update rules and pipeline schedules
+    are each a dpjax.registry.Registry: a name is taken once, reserved names never, and
+    a toy registered for a block is gone after it."""
+    from dataclasses import dataclass
+
+    from dpjax import pipeline
+    from dpjax.collectives import registry as collectives
+    from dpjax.compression import registry as compression
+    from dpjax.registry import Registry
+    from dpjax.updates import registry as updates
+
+    lists = {"collective algorithm": collectives._ALGORITHMS, "compression method": compression._METHODS,
+             "update rule": updates._KINDS, "pipeline schedule": pipeline.SCHEDULES}
+    for kind, reg in lists.items():
+        assert isinstance(reg, Registry) and reg.kind == kind and len(reg) == len(list(reg)) > 0
+        first = next(iter(reg))
+        with pytest.raises(ValueError, match=f"{kind} '{first}' is registered already"):
+            reg.register(reg[first])
+
+    @dataclass(frozen=True)
+    class Toy:
+        name: str
+
+    toys = Registry("toy", reserved=("none",))
+    with toys.registered(Toy("a")) as a:
+        assert list(toys) == ["a"] and toys["a"] is a and toys.get("b") is None
+    assert "a" not in toys and len(toys) == 0
+    with pytest.raises(ValueError, match="toy 'none' is registered already"):
+        toys.register(Toy("none"))
+    with pytest.raises(ValueError, match="compression method 'none' is registered already"):
+        compression.register(compression.get("bf16").__class__(**{**compression.get("bf16").__dict__, "name": "none"}))

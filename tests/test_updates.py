@@ -263,16 +263,13 @@ def test_a_registered_rule_is_in_the_grammar_help_and_make_rule():
 
     kind = registry.Kind("every", "a toy: sync, named", build=build, is_sync=lambda spec: spec.n == 7,
                          number="the toy number N", low=2)
-    registry.register(kind)
-    try:
+    with registry.registered(kind):
         assert U.parse_update("every:3") == U.UpdateSpec("every", 3) and str(U.UpdateSpec("every", 3)) == "every:3"
         assert U.parse_update("every:7").is_sync and not U.parse_update("every:3").is_sync
         assert "'every:N' (a toy: sync, named)" in U.HELP
         with pytest.raises(UserError, match="the toy number N must be an integer >= 2"):
             U.parse_update("every:1")
         assert U.make_rule("every:3", optax.sgd(0.1), "data").name == "every:3"
-    finally:
-        registry.unregister("every")
     assert "'every:N'" not in U.HELP
     with pytest.raises(UserError, match="bad --update 'every:3': choose sync, "):
         U.parse_update("every:3")

@@ -24,10 +24,11 @@ primitive; options are the algorithm's own, such as `num_servers`).
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Callable
+
+from dpjax.registry import Registry
 
 PRIMITIVES = ("allreduce", "reduce_scatter", "all_gather", "broadcast", "all_to_all")
 
@@ -50,32 +51,13 @@ class Algorithm:
         return getattr(self, primitive) is not None
 
 
-_ALGORITHMS: dict[str, Algorithm] = {}
-
-
-def register(algorithm: Algorithm) -> Algorithm:
-    """Adds `algorithm` under its name (a name is registered once: a second is a bug)."""
-    if algorithm.name in _ALGORITHMS:
-        raise ValueError(f"collective algorithm {algorithm.name!r} is registered already")
+def _has_cost(algorithm: Algorithm) -> None:
     if not callable(algorithm.cost):
         raise TypeError(f"collective algorithm {algorithm.name!r} needs a cost formula")
-    _ALGORITHMS[algorithm.name] = algorithm
-    return algorithm
 
 
-def unregister(name: str) -> Algorithm:
-    """Removes the algorithm `name` and returns it."""
-    return _ALGORITHMS.pop(name)
-
-
-@contextlib.contextmanager
-def registered(algorithm: Algorithm):
-    """`algorithm` registered for the duration of a `with` block (a test's toy algorithm)."""
-    register(algorithm)
-    try:
-        yield algorithm
-    finally:
-        unregister(algorithm.name)
+_ALGORITHMS: Registry[Algorithm] = Registry("collective algorithm", validate=_has_cost)
+register, unregister, registered = _ALGORITHMS.register, _ALGORITHMS.unregister, _ALGORITHMS.registered
 
 
 def get(name: str) -> Algorithm:

@@ -41,10 +41,11 @@ tests); their own exchange, not the allreduce, puts it on the wire.
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Callable
+
+from dpjax.registry import Registry
 
 
 @dataclass(frozen=True)
@@ -73,31 +74,9 @@ class Method:
         return self.exchange is not None
 
 
-_METHODS: dict[str, Method] = {}
 NONE = (None, "none")  # the names of no compression: the tensor travels as it is
-
-
-def register(method: Method) -> Method:
-    """Adds `method` under its name (a name is registered once: a second is a bug)."""
-    if method.name in _METHODS or method.name in NONE:
-        raise ValueError(f"compression method {method.name!r} is registered already")
-    _METHODS[method.name] = method
-    return method
-
-
-def unregister(name: str) -> Method:
-    """Removes the method `name` and returns it."""
-    return _METHODS.pop(name)
-
-
-@contextlib.contextmanager
-def registered(method: Method):
-    """`method` registered for the duration of a `with` block (a test's toy method)."""
-    register(method)
-    try:
-        yield method
-    finally:
-        unregister(method.name)
+_METHODS: Registry[Method] = Registry("compression method", reserved=NONE)
+register, unregister, registered = _METHODS.register, _METHODS.unregister, _METHODS.registered
 
 
 def names() -> tuple[str, ...]:

@@ -41,16 +41,10 @@ from dpjax.errors import UserError
 from dpjax.mesh import STAGE
 from dpjax.pipeline import gpipe, interleaved, naive, one_f_one_b
 from dpjax.pipeline.timetable import Phase, Schedule, Timetable
+from dpjax.registry import Registry
 
-SCHEDULES: dict[str, Schedule] = {}  # name -> Schedule: the one list of schedules
-
-
-def register(schedule: Schedule) -> Schedule:
-    """Adds a schedule (one file: its timetable and its bubble) under its name."""
-    if schedule.name in SCHEDULES:
-        raise ValueError(f"a pipeline schedule {schedule.name!r} is registered already")
-    SCHEDULES[schedule.name] = schedule
-    return schedule
+SCHEDULES: Registry[Schedule] = Registry("pipeline schedule")  # name -> Schedule: the one list of schedules
+register = SCHEDULES.register  # a schedule is one file: its timetable and its bubble
 
 
 for _module in (naive, gpipe, one_f_one_b, interleaved):

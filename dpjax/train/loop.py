@@ -16,6 +16,7 @@ import os
 import sys
 
 from dpjax import distributed
+from dpjax.checkpoint import compression_split
 from dpjax.plan import check, devices_per_process, resolve
 from dpjax.settings import Settings
 from dpjax.train import elastic, hardware, observe, record, tuning
@@ -74,6 +75,9 @@ class Trainer:
             self.record["optimizer"]["workers"] = self.layout.num_workers
         if plan.exchange.between_workers_only:  # error buffers / PowerSGD's Q in the state (issue 20)
             self.record["optimizer"]["compression"] = cfg.compression
+            split = compression_split(cfg.compression, self.mesh)
+            if split:  # PowerSGD's Q is one per model / stage shard: the split must match to resume
+                self.record["optimizer"]["compression_model_split"] = split
         from dpjax.compression import accounting
 
         warning = accounting.warning(plan)  # one line when the cost model says it cannot pay

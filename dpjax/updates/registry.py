@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from dpjax.errors import UserError
+from dpjax.registry import Registry
 
 
 @dataclass(frozen=True)
@@ -55,19 +56,8 @@ class Kind:
         return next((o for o in self.options if o.key == key), None)
 
 
-_KINDS: dict[str, Kind] = {}
-
-
-def register(kind: Kind) -> Kind:
-    """Adds `kind` under its name (a name is registered once: a second is a bug)."""
-    if kind.name in _KINDS:
-        raise ValueError(f"update rule {kind.name!r} is registered already")
-    _KINDS[kind.name] = kind
-    return kind
-
-
-def unregister(name: str) -> Kind:
-    return _KINDS.pop(name)
+_KINDS: Registry[Kind] = Registry("update rule")
+register, unregister, registered = _KINDS.register, _KINDS.unregister, _KINDS.registered
 
 
 def get(name: str) -> Kind:

@@ -1,0 +1,54 @@
+"""Compression state in a checkpoint resumed on another mesh (issue 20: "restored bit for
+bit, resharded across meshes"): the error buffers of two sites, saved on 2x4x1, come
+back on 2x2x2 (the model split over 2) equal to every bit; PowerSGD's Q, one per
+tensor-parallel shard, cannot follow a change of the model split, and says so."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+
+from dpjax.train import main
+from dpjax.train.cli import parse_args
+from dpjax.train.loop import Trainer
+
+
+def _args(corpus, ckpt, mesh, compression, *extra):
+    return ["--model", "gpt", "--d-model", "32", "--n-layers", "1", "--n-heads", "8", "--seq-len", "16",
+            "--batch-size", "16", "--data", corpus, "--eval-every", "0", "--eval-batches", "1", "--progress", "none",
+            "--optimizer", "sgd", "--lr", "0.1", "--clip-norm", "0", "--mesh", mesh, "--compress-axes", "node",
+            "--compression", compression, "--ckpt-dir", str(ckpt), *extra]
+
+
+def _restored(argv):
+    t = Trainer(parse_args(argv + ["--resume"]))
+    return t, jax.tree.map(np.asarray, t.opt_state)
+
+
+def test_error_buffers_move_to_another_model_split_bit_for_bit(corpus, tmp_path):
+    ckpt = tmp_path / "ckpt"
+    assert main(_args(corpus, ckpt, "2x4x1", "int8", "--steps", "3", "--ckpt-every", "3")) == 0
+    _, on_a = _restored(_args(corpus, ckpt, "2x4x1", "int8", "--steps", "4"))
+    t, on_b = _restored(_args(corpus, ckpt, "2x2x2", "int8", "--steps", "4"))
+    assert t.start == 3 and dict(t.mesh.shape) == {"node": 2, "data": 2, "model": 2}
+    flat_a, flat_b = jax.tree.leaves(on_a), jax.tree.leaves(on_b)
+    assert len(flat_a) == len(flat_b) and sum(np.abs(x).sum() > 0 for x in flat_a) > 1  # the buffers are not zero
+    for a, b in zip(flat_a, flat_b):
+        np.testing.assert_array_equal(a, b)
+    split = [x.sharding.spec for x in jax.tree.leaves(t.opt_state) if "model" in str(x.sharding.spec)]
+    assert split, "on 2x2x2 some of the state is split over model"
+
+
+def test_powersgd_across_a_change_of_the_model_split_is_one_line(corpus, tmp_path, capsys):
+    ckpt = tmp_path / "ckpt"
+    assert main(_args(corpus, ckpt, "2x4x1", "powersgd:2", "--steps", "2", "--ckpt-every", "2")) == 0
+    capsys.readouterr()
+    assert main(_args(corpus, ckpt, "2x2x2", "powersgd:2", "--steps", "3", "--resume")) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "PowerSGD keeps one Q per tensor-parallel or pipeline shard" in err[0], err
+    assert "corrupt" not in err[0]
+
+
+if __name__ == "__main__":
+    pytest.main([__file__])
