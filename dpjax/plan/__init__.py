@@ -142,6 +142,7 @@ def resolve(s: Settings, devices=None, *, mesh=None, model=None, optimizer=None,
     candidate); tensor_parallel=False: every parameter replicated over `model` (the
     experiments' dense baselines). Raises UsageError (one line) for anything that does
     not fit."""
+    from dpjax.compression import stateful
     from dpjax.links import parse_link
     from dpjax.mesh import STAGE, data_axes, make_mesh
     from dpjax.models import get_model
@@ -173,6 +174,10 @@ def resolve(s: Settings, devices=None, *, mesh=None, model=None, optimizer=None,
         schedule = s.schedule or "1f1b"  # a chunked schedule (interleaved) defaults to 2 chunks a stage
         chunks = s.virtual_stages or (2 if SCHEDULES[schedule].virtual_stages else 1)
         pipeline = check_pipeline(model, mesh, Pipeline(schedule, s.microbatches, chunks))
+        if s.fsdp and not workers and stateful(exchange.compression):
+            raise UsageError(f"--fsdp with --compression {s.compression} and a stage axis: the pipeline gathers the "
+                             "stage's parameters itself; compress only between sites (--workers node "
+                             "--compress-axes node)")
     elif given:
         raise UsageError(f"{', '.join(given)} needs a stage axis: name one in --mesh, e.g. "
                          f"--mesh stage=2,data={max(1, mesh.size // 2)}")
@@ -199,6 +204,7 @@ def for_layout(model, layout, *, global_batch: int, update="sync", opt=None, opt
     the rule `update` names (e.g. "sparse:4") between the layout's workers, wrapping the
     optimizer `opt` (a `dpjax.optim.OptimizerConfig`: its clipping norm over the layout's
     shards, its lr scaled for `passes` x `global_batch`) or an optax `optimizer` as is."""
+    from dpjax.compression import sharded
     from dpjax.mesh import dp_size
     from dpjax.optim import OptimizerConfig
     from dpjax.pipeline import check_batch
@@ -214,6 +220,8 @@ def for_layout(model, layout, *, global_batch: int, update="sync", opt=None, opt
     if layout.pipeline is not None:
         check_batch(layout.pipeline, global_batch // dp, f"--batch-size {global_batch} over {dp} data-parallel ranks")
     rule = make_rule(update, inner, layout.workers, seed=seed, **exchange.kwargs())
+    if sharded.applies(layout, exchange.compression):  # FSDP's reduce-scatter carries the error feedback
+        rule = sharded.wrap(rule, layout, exchange)
     return Plan(layout.mesh, layout, rule, exchange, passes, tuple(links), global_batch, model,
                 opt if optimizer is None else None, update, optimizer=optimizer)
 
@@ -230,7 +238,8 @@ def _workers(s: Settings, mesh, update) -> tuple[tuple, tuple | None]:
     if s.compress_axes is None:
         if given is not None:
             return given, None
-        return default_workers(mesh, not update.is_sync or stateful(s.compression)), None
+        # FSDP (plan.check let only a linear method through) reduce-scatters compressed instead
+        return default_workers(mesh, not update.is_sync or (stateful(s.compression) and not s.fsdp)), None
     axes = parse_axes(s.compress_axes, mesh, "--compress-axes")
     if s.compression in (None, "none"):
         raise UsageError(f"--compress-axes {s.compress_axes} needs a --compression")
