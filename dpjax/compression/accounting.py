@@ -23,17 +23,34 @@ def _exchange(plan):
                                                                         "fusion_mb": ex.fusion_mb, **ex.options}
 
 
+def exchange_bytes(plan, compression="plan") -> tuple[tuple, int]:
+    """(the axes of the compressed exchange, what the busiest rank sends in one exchange of
+    the model's gradient over them through `compression`, by default the plan's; None:
+    uncompressed): `cost.compressed_bytes`, or under FSDP through random-k the
+    reduce-scatters' (`sharded.wire_bytes`). The compiled program matches both."""
+    import jax
+
+    from dpjax.collectives import cost
+    from dpjax.compression import sharded
+
+    compression = plan.exchange.compression if compression == "plan" else compression
+    axes, n, shapes, opts = _exchange(plan)
+    if sharded.applies(plan.layout, plan.exchange.compression):
+        abstract = jax.eval_shape(lambda k: plan.layout.store(plan.model.init(k)), jax.random.key(0))
+        local, dims = sharded.local_shapes(plan.layout, abstract)
+        return plan.layout.inner_axes, sharded.wire_bytes(local, dims, sharded.dp(plan.layout), compression,
+                                                          algorithm=opts["algorithm"], fusion_mb=opts["fusion_mb"])
+    if n < 2:
+        return axes, 0
+    return axes, cost.compressed_bytes(compression, shapes, n, **opts)
+
+
 def ratio(plan) -> float:
     """Bytes the busiest rank would send for one uncompressed exchange of the model's
     gradient over the compressed axes, over what it sends compressed (the formulas of
-    `cost.compressed_bytes`, which the compiled program matches)."""
-    from dpjax.collectives import cost
-
-    _, n, shapes, opts = _exchange(plan)
-    if n < 2:
-        return 1.0
-    return cost.compressed_bytes(None, shapes, n, **opts) / cost.compressed_bytes(plan.exchange.compression, shapes,
-                                                                                 n, **opts)
+    `exchange_bytes`, which the compiled program matches); 1.0 when nothing is sent."""
+    packed = exchange_bytes(plan)[1]
+    return exchange_bytes(plan, None)[1] / packed if packed else 1.0
 
 
 def warning(plan) -> str | None:
@@ -45,15 +62,17 @@ def warning(plan) -> str | None:
     synchronous baseline in only 6 of 200+ datacenter settings. None when it can pay,
     without links, or without compression."""
     from dpjax.collectives import cost
+    from dpjax.compression import sharded
 
     ex = plan.exchange
     if ex.compression is None or not plan.links or plan.model is None:
         return None
-    axes, n, shapes, opts = _exchange(plan)
+    axes, packed = exchange_bytes(plan)
     links = [link for link in plan.links if link.axis in axes and plan.mesh.shape[link.axis] > 1]
     if not links:
         return None
-    plain, packed = (cost.compressed_bytes(c, shapes, n, **opts) for c in (None, ex.compression))
+    plain = exchange_bytes(plan, None)[1]
+    n = _exchange(plan)[1] if not sharded.applies(plan.layout, ex.compression) else sharded.dp(plan.layout)
     steps = cost.schedule(ex.algorithm, n, 1, **ex.options).total_steps
     link = max(links, key=lambda x: x.latency + plain / x.bandwidth)
     exact_s, compressed_s = (steps * link.latency + b / link.bandwidth for b in (plain, packed))

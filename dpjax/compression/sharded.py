@@ -171,13 +171,21 @@ def wire_bytes(shapes, dims, n: int, compression, *, algorithm: str = "ring", fu
                     if small else 0)
 
 
+def local_shapes(layout, abstract) -> tuple[list, list]:
+    """([each leaf's full local shape: split over the model axis, whole over the data
+    axes], [the dimension the data axes split, -1: none]) for parameters like `abstract`."""
+    n = dp(layout)
+    dims = jax.tree.leaves(layout.gather_dims)
+    shapes = [full_shape(sh.shard_shape(x.shape), d, n)
+              for x, sh, d in zip(jax.tree.leaves(abstract), jax.tree.leaves(layout.shardings()), dims)]
+    return shapes, dims
+
+
 def error_bytes(layout, abstract) -> int:
     """Bytes of one device's error buffer (its full local gradient, every leaf) for
     parameters shaped like `abstract` laid out by `layout`."""
-    n = dp(layout)
-    return sum(math.prod(full_shape(sh.shard_shape(x.shape), d, n)) * x.dtype.itemsize
-               for x, sh, d in zip(jax.tree.leaves(abstract), jax.tree.leaves(layout.shardings()),
-                                   jax.tree.leaves(layout.gather_dims)))
+    shapes, _ = local_shapes(layout, abstract)
+    return sum(math.prod(s) * x.dtype.itemsize for s, x in zip(shapes, jax.tree.leaves(abstract)))
 
 
 class SharedState(NamedTuple):

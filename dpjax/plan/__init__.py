@@ -126,6 +126,15 @@ class Plan:
             from dpjax.compression.accounting import ratio
 
             out["compression_ratio"] = ratio(self)
+            from dpjax.compression import sharded
+
+            if sharded.applies(lay, self.exchange.compression) and sharded.parse(self.exchange.compression).ef:
+                import jax
+
+                abstract = jax.eval_shape(lambda k: lay.store(self.model.init(k)), jax.random.key(0))
+                out["compression_error_buffer"] = {  # what FSDP saved on the parameters, spent again
+                    "bytes_per_device": sharded.error_bytes(lay, abstract),
+                    "mirrors": "each device's full local gradient, before FSDP's reduce-scatter"}
         return out
 
 
@@ -292,11 +301,13 @@ def check_memory(plan: Plan) -> None:
         return
     from dpjax.memory import device_memory, estimate
 
-    need = estimate(plan.model, plan.layout, plan.global_batch)
+    need = estimate(plan.model, plan.layout, plan.global_batch, plan.exchange.compression)
     have = device_memory(plan.mesh)
     if have is not None and need["total"] > have:
         gib = lambda b: f"{b / 2**30:,.1f} GiB"  # noqa: E731
         raise UsageError(f"this run needs about {gib(need['total'])} per device (parameters {gib(need['params'])}, "
-                         f"optimizer state {gib(need['state'])}, activations {gib(need['activations'])}) and a "
+                         f"optimizer state {gib(need['state'])}, "
+                         + (f"compression error buffers {gib(need['error'])}, " if need["error"] else "")
+                         + f"activations {gib(need['activations'])}) and a "
                          f"device has {gib(have)}: lower --batch-size, --seq-len or the model size, add "
                          "--backward-passes, or use more devices")
