@@ -83,8 +83,8 @@ def test_compiled_bytes_are_the_formula(mesh_of):
         assert packed == 3 * 4 * (12 + 8) + 2 * 3 * 4, packed  # by hand, from the docstring
         assert comm.max_bytes == (packed if spec == "randk:0.1" else packed + plain), (comm.max_bytes, packed, plain)
     exact = jax.jit(jax.shard_map(lambda g: sharded.exact({k: x[0] for k, x in g.items()}, DIMS, "data", "ring"),
-                                  mesh=mesh, in_specs=(P("data"),), out_specs={k: _out_spec(d) for k, d in DIMS.items()},
-                                  check_vma=False))
+                                  mesh=mesh, in_specs=(P("data"),),
+                                  out_specs={k: _out_spec(d) for k, d in DIMS.items()}, check_vma=False))
     assert hlo_comm(exact.lower(g).compile().as_text()).max_bytes == plain > 8 * packed
 
 

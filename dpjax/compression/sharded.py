@@ -116,6 +116,10 @@ def mean(g, state: State, dims, axis, *, compression, algorithm: str, fusion_mb:
     n = axis_size(axis, "FSDP's compressed reduce-scatter")
     leaves, tree = jax.tree.flatten(g)
     ds = tree.flatten_up_to(dims)
+    if spec.ef:  # each device's buffer mirrors its full local gradient, leaf by leaf
+        got = [tuple(err.shape) for err in jax.tree.leaves(state.error)]
+        assert got == [(1, *x.shape) for x in leaves], (got, [x.shape for x in leaves])
+    assert all(d < 0 or x.shape[d] % n == 0 for x, d in zip(leaves, ds)), ([x.shape for x in leaves], ds, n)
 
     def compressed():
         es = leaves if not spec.ef else [x + err[0] for x, err in zip(leaves, jax.tree.leaves(state.error))]
@@ -197,8 +201,6 @@ def wrap(rule, layout, exchange):
     """`rule` (sync, no worker axes) with its gradient reduced here: its grad_fn gives the
     full local gradient (`local_value_and_grad`), which `mean` reduce-scatters through
     the compression before the rule sees it."""
-    from dpjax.updates.base import UpdateRule
-
     dims, axes, n = layout.gather_dims, layout.inner_axes, dp(layout)
     axis = axes[0] if len(axes) == 1 else axes
     kw = {"compression": exchange.compression, "algorithm": exchange.algorithm, "fusion_mb": exchange.fusion_mb}
@@ -226,4 +228,4 @@ def wrap(rule, layout, exchange):
     def state_specs(ps, shapes):
         return SharedState(rule.specs(ps, shapes.rule), specs(exchange.compression, ps, axes))
 
-    return UpdateRule(rule.name, init_both, step, flush, state_specs, rule.consensus, rule.axes, rule.per_worker)
+    return rule._replace(init=init_both, step=step, flush=flush, specs=state_specs)  # a dpjax.updates.UpdateRule
