@@ -96,6 +96,7 @@ def _plan(**kw):
     return resolve(Settings(seq_len=16, batch_size=16, **{"model_options": tiny, **kw}))
 
 
+@pytest.mark.slow  # test_compression_metrics' FSDP rows check the same difference, step by step
 def test_a_train_step_sends_the_formula(mesh_of):
     """A GPT step under FSDP through random-k sends, beyond what the exact FSDP step
     sends, exactly the formulas' difference (the all-gathers are the same)."""
