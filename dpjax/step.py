@@ -49,6 +49,7 @@ from jax.sharding import PartitionSpec as P
 
 from dpjax import links as emulation
 from dpjax import scopes
+from dpjax.compression import sharded
 from dpjax.data_parallel import allreduce_gradients, broadcast_params
 from dpjax.mesh import as_axes, axis_arg, data_axes, dp_size, local_shape
 from dpjax.pipeline import staged as pipeline_staged
@@ -116,6 +117,11 @@ def build(loss_fn, plan: Plan, *, abstract_params, donate: bool = True, value_an
     else:  # FSDP's reduce-scatter in the backward pass already averaged over the inner axes
         inner_mean = lambda g: g  # noqa: E731
     loss_and_grad = functools.partial(value_and_grad or jax.value_and_grad(loss_fn), par=par)
+    zeros_grad = lambda p: jax.tree.map(jnp.zeros_like, p)  # noqa: E731
+    if sharded.applies(layout, exchange.compression):  # FSDP through random-k: the rule (wrapped) reduces
+        assert value_and_grad is None, "dpjax.plan refuses a stage axis here"
+        loss_and_grad = sharded.local_value_and_grad(loss_fn, par, sharded.dp(layout))
+        zeros_grad = lambda p: sharded.full_zeros(p, layout.gather_dims, sharded.dp(layout))  # noqa: E731
 
     def value_and_grad(p, b):
         with scopes.phase("forward_backward"):  # names only (dpjax.scopes): the program is the same
@@ -132,7 +138,7 @@ def build(loss_fn, plan: Plan, *, abstract_params, donate: bool = True, value_an
                 loss, g = value_and_grad(params, batch_BdxT1)
                 return (carry[0] + loss, jax.tree.map(jnp.add, carry[1], g)), None
 
-            zero = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
+            zero = (jnp.zeros((), jnp.float32), zeros_grad(params))
             (loss, g), _ = lax.scan(micro, zero, batch_AxBdxT1)
             loss, g = loss / passes, jax.tree.map(lambda x: x / passes, g)
         return loss, inner_mean(g)

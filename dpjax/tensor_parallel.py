@@ -136,6 +136,29 @@ def gather_param(x, dim: int, axis, algorithm: str = "ring", wire=None):
     return _gather(x, dim, axis, algorithm, wire)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
+def _gather_local(x, probe, dim, axis, algorithm):
+    """The full parameter as `gather_param` gives it; backward, the gradient is not
+    reduced: this device's full-size cotangent goes to `probe` (a zero array of the
+    gathered shape) and x gets none. `dpjax.compression.sharded` reduces it afterwards,
+    compressed, once per step."""
+    if dim < 0:
+        return x
+    return jnp.moveaxis(collectives.all_gather(jnp.moveaxis(x, dim, 0), axis, algorithm=algorithm), 0, dim)
+
+
+def _gather_local_fwd(x, probe, dim, axis, algorithm):
+    return _gather_local(x, probe, dim, axis, algorithm), x
+
+
+def _gather_local_bwd(dim, axis, algorithm, x, g):
+    assert g.shape[:dim] + g.shape[dim + 1:] == x.shape[:dim] + x.shape[dim + 1:] if dim >= 0 else g.shape == x.shape
+    return jnp.zeros_like(x), g
+
+
+_gather_local.defvjp(_gather_local_fwd, _gather_local_bwd)
+
+
 @dataclass(frozen=True)
 class Parallel:
     """What a model sees inside the step. model_axis None: the dense computation.
@@ -150,6 +173,20 @@ class Parallel:
     gather_dims: Any = None
     fsdp_algorithm: str = "ring"
     fsdp_wire: Any = None  # the compression method FSDP's gradients travel in, None: as they are
+    # FSDP through a compression with error feedback (dpjax.compression.sharded): zero arrays
+    # shaped like the gathered parameters, which receive each device's unreduced gradient
+    probes: Any = None
+
+    def _gather(self, x, d, probe):
+        if probe is not None:
+            return _gather_local(x, probe, d, self.data_axis, self.fsdp_algorithm)
+        return gather_param(x, d, self.data_axis, self.fsdp_algorithm, self.fsdp_wire)
+
+    def _probes(self, path):
+        probes = self.probes
+        for key in path:
+            probes = probes[key]
+        return probes
 
     def use(self, tree, *path):
         """The parameters `tree`, found at `path` in the full parameter tree, ready to
@@ -159,8 +196,9 @@ class Parallel:
         dims = self.gather_dims
         for key in path:
             dims = dims[key]
-        return jax.tree.map(lambda x, d: gather_param(x, d, self.data_axis, self.fsdp_algorithm, self.fsdp_wire),
-                            tree, dims)
+        if self.probes is None:
+            return jax.tree.map(lambda x, d: self._gather(x, d, None), tree, dims)
+        return jax.tree.map(self._gather, tree, dims, self._probes(path))
 
     def use_layer(self, stack, i: int, *path):
         """Layer `i` of `stack` (a tree of layers stacked on each leaf's leading axis, found
@@ -173,8 +211,10 @@ class Parallel:
         for key in path:
             dims = dims[key]
         assert all(d != 0 for d in jax.tree.leaves(dims)), "FSDP split a layer axis"
-        return jax.tree.map(lambda x, d: gather_param(x, d - 1 if d > 0 else d, self.data_axis, self.fsdp_algorithm,
-                                                      self.fsdp_wire), layer, dims)
+        if self.probes is None:
+            return jax.tree.map(lambda x, d: self._gather(x, d - 1 if d > 0 else d, None), layer, dims)
+        return jax.tree.map(lambda x, d, probe: self._gather(x, d - 1 if d > 0 else d, probe[i]), layer, dims,
+                            self._probes(path))
 
     def f(self, x):
         return copy_to_model(x, self.model_axis, self.algorithm)

@@ -318,7 +318,8 @@ def test_the_warning_when_compression_cannot_pay():
 
 
 @pytest.mark.parametrize("kw,needle", [
-    ({"fsdp": True, "compression": "sign"}, "FSDP's reduce-scatter inside the backward pass cannot carry"),
+    ({"fsdp": True, "compression": "sign"},
+     "--compression sign cannot run inside FSDP's reduce-scatter, it is not linear"),
     ({"compression": "powersgd"}, "--compression: compression 'powersgd' needs the rank R: e.g. powersgd:4"),
     ({"compression": "topk:0.01,ef=2"}, "ef takes 0 or 1"),
     ({"mesh": "2x4x1", "compression": "int8", "compress_axes": "node", "workers": "data"},

@@ -7,6 +7,10 @@ Functions of a `dpjax.plan.Plan` (read, not imported: the plan is above this pac
 
 from __future__ import annotations
 
+import re
+from collections import Counter
+from typing import NamedTuple
+
 
 def _exchange(plan):
     """(ranks of the compressed exchange, the model's parameter shapes, the allreduce's arguments)."""
@@ -23,17 +27,34 @@ def _exchange(plan):
                                                                         "fusion_mb": ex.fusion_mb, **ex.options}
 
 
+def exchange_bytes(plan, compression="plan") -> tuple[tuple, int]:
+    """(the axes of the compressed exchange, what the busiest rank sends in one exchange of
+    the model's gradient over them through `compression`, by default the plan's; None:
+    uncompressed): `cost.compressed_bytes`, or under FSDP through random-k the
+    reduce-scatters' (`sharded.wire_bytes`). The compiled program matches both."""
+    import jax
+
+    from dpjax.collectives import cost
+    from dpjax.compression import sharded
+
+    compression = plan.exchange.compression if compression == "plan" else compression
+    axes, n, shapes, opts = _exchange(plan)
+    if sharded.applies(plan.layout, plan.exchange.compression):
+        abstract = jax.eval_shape(lambda k: plan.layout.store(plan.model.init(k)), jax.random.key(0))
+        local, dims = sharded.local_shapes(plan.layout, abstract)
+        return plan.layout.inner_axes, sharded.wire_bytes(local, dims, sharded.dp(plan.layout), compression,
+                                                          algorithm=opts["algorithm"], fusion_mb=opts["fusion_mb"])
+    if n < 2:
+        return axes, 0
+    return axes, cost.compressed_bytes(compression, shapes, n, **opts)
+
+
 def ratio(plan) -> float:
     """Bytes the busiest rank would send for one uncompressed exchange of the model's
     gradient over the compressed axes, over what it sends compressed (the formulas of
-    `cost.compressed_bytes`, which the compiled program matches)."""
-    from dpjax.collectives import cost
-
-    _, n, shapes, opts = _exchange(plan)
-    if n < 2:
-        return 1.0
-    return cost.compressed_bytes(None, shapes, n, **opts) / cost.compressed_bytes(plan.exchange.compression, shapes,
-                                                                                 n, **opts)
+    `exchange_bytes`, which the compiled program matches); 1.0 when nothing is sent."""
+    packed = exchange_bytes(plan)[1]
+    return exchange_bytes(plan, None)[1] / packed if packed else 1.0
 
 
 def warning(plan) -> str | None:
@@ -45,15 +66,17 @@ def warning(plan) -> str | None:
     synchronous baseline in only 6 of 200+ datacenter settings. None when it can pay,
     without links, or without compression."""
     from dpjax.collectives import cost
+    from dpjax.compression import sharded
 
     ex = plan.exchange
     if ex.compression is None or not plan.links or plan.model is None:
         return None
-    axes, n, shapes, opts = _exchange(plan)
+    axes, packed = exchange_bytes(plan)
     links = [link for link in plan.links if link.axis in axes and plan.mesh.shape[link.axis] > 1]
     if not links:
         return None
-    plain, packed = (cost.compressed_bytes(c, shapes, n, **opts) for c in (None, ex.compression))
+    plain = exchange_bytes(plan, None)[1]
+    n = _exchange(plan)[1] if not sharded.applies(plan.layout, ex.compression) else sharded.dp(plan.layout)
     steps = cost.schedule(ex.algorithm, n, 1, **ex.options).total_steps
     link = max(links, key=lambda x: x.latency + plain / x.bandwidth)
     exact_s, compressed_s = (steps * link.latency + b / link.bandwidth for b in (plain, packed))
@@ -63,3 +86,93 @@ def warning(plan) -> str | None:
             f"{exact_s * 1e3:.1f} ms an exchange uncompressed, at least {compressed_s * 1e3:.1f} ms compressed "
             f"({plain:,} -> {packed:,} bytes: "
             f"{'it barely shrinks them' if packed > 0.8 * plain else 'the link latency dominates'})")
+
+
+# ---------------------------------------------------------------------------------------
+# Per step: with start=S the program holds both the exact and the compressed exchange (a
+# `lax.cond`); a step runs one of them.
+
+
+def compressed_at(plan, step: int) -> bool:
+    """Whether step `step` (0-based) of the plan's run exchanges compressed: always without
+    start=S, else from its S-th exchange on (the rule's exchanges come every
+    `Kind.period` steps: one a step but for sparse:P)."""
+    from dpjax.compression import parse
+    from dpjax.updates.registry import get
+
+    spec = parse(plan.exchange.compression)
+    if spec is None or spec.start == 0:
+        return spec is not None
+    period = get(plan.update.kind).period(plan.update) if plan.update is not None else 1
+    return step // period >= spec.start
+
+
+def ratio_at(plan, step: int, whole: float | None = None) -> float:
+    """The compression ratio of step `step`: 1.0 before the start step, else `ratio(plan)`
+    (`whole`, if already known)."""
+    if not compressed_at(plan, step):
+        return 1.0
+    return ratio(plan) if whole is None else whole
+
+
+class StepBytes(NamedTuple):
+    """What each device sends in one step, from the compiled program: `base` outside the
+    compression's start `lax.cond`, and in each of its two branches (empty without one)."""
+
+    base: Counter
+    exact: Counter
+    compressed: Counter
+
+    def at(self, compressed: bool) -> int:
+        """The busiest device's bytes of a step that runs the exact / compressed branch."""
+        sent = self.base + (self.compressed if compressed else self.exact)
+        return max(sent.values(), default=0)
+
+
+# the start cond itself, in its named scope (feedback.mean, sharded.mean); ops inside its
+# branches carry the scope too, further down their op_name
+_MARK = re.compile(r'op_name="[^"]*dpjax:compression\(start=\d+\)/cond"')
+
+
+def step_bytes(hlo_text: str) -> StepBytes:
+    """`cost.hlo_comm` of a compiled step, the branches of the compression's start cond
+    counted apart (hlo_comm alone adds both): each branch is its computation and every
+    computation it calls. lax.cond(t < S, exact, compressed) is a conditional whose
+    branch 0 is the false branch (compressed), branch 1 the true one (exact)."""
+    from dpjax.collectives.cost import hlo_comm
+
+    comps, cur = {}, None
+    for line in hlo_text.splitlines():
+        head = re.match(r"(?:ENTRY\s+)?%([^\s(]+)\s.*\{\s*$", line)
+        if head and not line.startswith(" "):
+            cur = comps.setdefault(head.group(1), [])
+        elif line.startswith("}"):
+            cur = None
+        elif cur is not None:
+            cur.append(line)
+
+    def reach(root):
+        seen, todo = set(), [root]
+        while todo:
+            name = todo.pop()
+            if name in seen or name not in comps:
+                continue
+            seen.add(name)
+            todo.extend(ref for line in comps[name] for ref in re.findall(r"%([\w.\-]+)", line) if ref in comps)
+        return seen
+
+    def sent(names):
+        return hlo_comm("\n".join(line for n in sorted(names) for line in comps[n])).bytes_per_device
+
+    exact, compressed = Counter(), Counter()
+    for lines in comps.values():
+        for line in lines:
+            branches = re.search(r"branch_computations=\{([^}]*)\}", line)
+            if branches and " conditional(" in line and _MARK.search(line):
+                false, true = [b.strip().lstrip("%") for b in branches.group(1).split(",")]
+                compressed.update(sent(reach(false)))
+                exact.update(sent(reach(true)))
+    base = hlo_comm(hlo_text).bytes_per_device
+    base.subtract(exact)
+    base.subtract(compressed)
+    return StepBytes(Counter({d: b for d, b in base.items() if b}), exact, compressed)

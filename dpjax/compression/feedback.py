@@ -73,7 +73,8 @@ def mean(tree, state: State, axis_name, *, compression, **allreduce):
 
     with scopes.phase("exchange"):
         if spec.start > 0:
-            out, error, own = lax.cond(state.t < spec.start, exact, compressed)
+            with scopes.scope("compression", start=spec.start):  # names only: comm_bytes tells the branches apart
+                out, error, own = lax.cond(state.t < spec.start, exact, compressed)
         else:
             out, error, own = compressed()
     return out, State(state.t + 1, error, own)

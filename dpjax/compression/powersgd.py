@@ -126,4 +126,6 @@ def wire_bytes(shapes, n, spec, allreduce):
 
 register(Method("powersgd", None, None, lambda dt: jnp.issubdtype(dt, jnp.floating), jnp.dtype(jnp.float32),
                 linear=False, exchange=exchange, init=init, state_specs=state_specs, wire_bytes=wire_bytes,
-                number="the rank R"))
+                number="the rank R",
+                nonlinear="its two stages (P, then Q from the orthogonalised sum of P) span whole matrices, not "
+                "one shard"))

@@ -143,7 +143,9 @@ def _method(bits: int) -> Method:
     return Method(f"int{bits}", lambda x: encode_bits(x.reshape(-1), bits),
                   lambda msg, like: decode_bits(msg, like.size, bits, like.dtype).reshape(like.shape),
                   lambda dt: jnp.issubdtype(dt, jnp.floating), jnp.dtype(jnp.uint8), linear=False,
-                  exchange=per_bucket(reduce), wire_bytes=per_bucket_bytes(nbytes))
+                  exchange=per_bucket(reduce), wire_bytes=per_bucket_bytes(nbytes),
+                  nonlinear="its ring requantises every partial sum with a scale of its own, so a sum of "
+                  "quantised shards is not the quantised sum")
 
 
 register(_method(8))

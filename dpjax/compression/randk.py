@@ -6,6 +6,12 @@ indices are drawn from a seed every rank shares (the exchange count), so the sel
 values line up across ranks and the exchange is linear: an allreduce (the exchange's
 algorithm) of k float32 values, not an all-gather. Values are sent unscaled (the error
 buffer keeps the rest; scaling by d/k would be unbiased but blows up the variance).
+
+Being linear, it also runs inside FSDP's reduce-scatter (`dpjax.compression.sharded`):
+each destination shard of c values gets its own k = ceil(F c) shared indices, so every
+rank's message is n equal pieces of k values and the reduce-scatter sums piece r onto
+rank r (stratified by shard: the indices are drawn per shard, not per fusion bucket,
+so they are not those of the allreduce above).
 """
 
 from __future__ import annotations
@@ -37,7 +43,36 @@ def _bytes(d, n, spec, segments, allreduce):
     return allreduce_bytes(count(d, spec.number), n, allreduce)
 
 
+def shard_indices(key, n: int, c: int, k: int):
+    """n x k indices: row r's are k distinct indices of 0..c-1 drawn from fold_in(key, r)."""
+    return jnp.stack([indices(jax.random.fold_in(key, r), c, k) for r in range(n)])
+
+
+def _reduce_scatter(rows_NxC, axis_name, spec, key, algorithm):
+    from dpjax.collectives import reduce_scatter
+    from dpjax.collectives._common import axis_size, index
+
+    n, c = rows_NxC.shape
+    assert n == axis_size(axis_name, "random-k reduce-scatter"), (rows_NxC.shape, axis_name)
+    k = count(c, spec.number)
+    idx_NxK = shard_indices(key, n, c, k)
+    picked_NxK = jnp.take_along_axis(rows_NxC, idx_NxK, axis=1)
+    total_K = reduce_scatter(picked_NxK.reshape(-1), axis_name, algorithm=algorithm, op="sum")
+    assert total_K.shape == (k,), (total_K.shape, k)
+    mine_K = idx_NxK[index(axis_name)]
+    mean_C = jnp.zeros((c,), rows_NxC.dtype).at[mine_K].set(total_K / jnp.asarray(n, rows_NxC.dtype))
+    resid_NxC = rows_NxC.at[jnp.arange(n)[:, None], idx_NxK].set(0)
+    return mean_C, resid_NxC
+
+
+def _reduce_scatter_bytes(c, n, spec, algorithm):
+    from dpjax.collectives import cost
+
+    return cost.schedule(algorithm, n, n * count(c, spec.number), 4, primitive="reduce_scatter").total_bytes
+
+
 register(Method("randk", None, None, lambda dt: jnp.issubdtype(dt, jnp.floating), jnp.dtype(jnp.float32),
                 linear=True, exchange=per_bucket(_reduce), wire_bytes=per_bucket_bytes(_bytes),
+                reduce_scatter=_reduce_scatter, reduce_scatter_bytes=_reduce_scatter_bytes,
                 number="the fraction F", number_type=float, number_ok=lambda v: 0 < v <= 1,
                 number_must="in (0, 1]"))

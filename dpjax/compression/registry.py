@@ -33,6 +33,17 @@ it with the error buffer, the start step and the state's layout):
                                program is checked against (`cost.compressed_bytes`)
     gather                     whether the exchange all-gathers every rank's message
                                (sign, top-k) rather than summing on the ring
+    reduce_scatter(rows_NxC, axis_name, spec, key, algorithm) -> (mean_C, resid_NxC)
+                               FSDP's reduce-scatter (`dpjax.compression.sharded`) of one
+                               tensor's error-corrected local gradient cut into the n
+                               destination shards (rows): what every rank sends of row r is
+                               summed onto rank r and averaged; resid: what this rank's
+                               compression dropped. Only a linear method (random-k: the
+                               same indices on every rank) has one
+    reduce_scatter_bytes(c, n, spec, algorithm) -> what the busiest rank sends for one
+                               tensor of n shards of c values
+    nonlinear                  for a stateful method without `reduce_scatter`: why it is not
+                               linear (the refusal of FSDP without --workers says it)
     number                     what N in `name:N` means ("the rank R"), None if it takes none;
                                number_type / number_ok / number_must: its type and bounds
 Encode and decode of these methods are one rank's message (for `hvd.Compression` and the
@@ -63,6 +74,9 @@ class Method:
     state_specs: Callable | None = None
     wire_bytes: Callable | None = None
     gather: bool = False
+    reduce_scatter: Callable | None = None
+    reduce_scatter_bytes: Callable | None = None
+    nonlinear: str = ""
     number: str | None = None
     number_type: Callable = int
     number_ok: Callable = lambda v: v >= 1

@@ -68,4 +68,6 @@ def _bytes(d, n, spec, segments, allreduce):
 
 
 register(Method("sign", encode, decode, lambda dt: jnp.issubdtype(dt, jnp.floating), jnp.dtype(jnp.uint8),
-                linear=False, exchange=per_bucket(_reduce), wire_bytes=per_bucket_bytes(_bytes), gather=True))
+                linear=False, exchange=per_bucket(_reduce), wire_bytes=per_bucket_bytes(_bytes), gather=True,
+                nonlinear="a sum of scaled signs is not the scaled sign of the sum (it all-gathers every rank's "
+                "signs)"))

@@ -55,4 +55,5 @@ def _bytes(d, n, spec, segments, allreduce):
 register(Method("topk", lambda x: encode(x.reshape(-1), 1), None, lambda dt: jnp.issubdtype(dt, jnp.floating),
                 jnp.dtype(jnp.uint8), linear=False, exchange=per_bucket(_reduce), wire_bytes=per_bucket_bytes(_bytes),
                 gather=True, number="the fraction F", number_type=float, number_ok=lambda v: 0 < v <= 1,
-                number_must="in (0, 1]"))
+                number_must="in (0, 1]", nonlinear="each rank keeps its own largest indices, so the values do not "
+                "line up to be summed (it all-gathers them)"))

@@ -128,6 +128,15 @@ class Plan:
             from dpjax.compression.accounting import ratio
 
             out["compression_ratio"] = ratio(self)
+            from dpjax.compression import sharded
+
+            if sharded.applies(lay, self.exchange.compression) and sharded.parse(self.exchange.compression).ef:
+                import jax
+
+                abstract = jax.eval_shape(lambda k: lay.store(self.model.init(k)), jax.random.key(0))
+                out["compression_error_buffer"] = {  # what FSDP saved on the parameters, spent again
+                    "bytes_per_device": sharded.error_bytes(lay, abstract),
+                    "mirrors": "each device's full local gradient, before FSDP's reduce-scatter"}
         return out
 
 
@@ -144,6 +153,7 @@ def resolve(s: Settings, devices=None, *, mesh=None, model=None, optimizer=None,
     candidate); tensor_parallel=False: every parameter replicated over `model` (the
     experiments' dense baselines). Raises UsageError (one line) for anything that does
     not fit."""
+    from dpjax.compression import stateful
     from dpjax.links import parse_link
     from dpjax.mesh import STAGE, data_axes, make_mesh
     from dpjax.models import get_model
@@ -175,6 +185,10 @@ def resolve(s: Settings, devices=None, *, mesh=None, model=None, optimizer=None,
         schedule = s.schedule or "1f1b"  # a chunked schedule (interleaved) defaults to 2 chunks a stage
         chunks = s.virtual_stages or (2 if SCHEDULES[schedule].virtual_stages else 1)
         pipeline = check_pipeline(model, mesh, Pipeline(schedule, s.microbatches, chunks))
+        if s.fsdp and not workers and stateful(exchange.compression):
+            raise UsageError(f"--fsdp with --compression {s.compression} and a stage axis: the pipeline gathers the "
+                             "stage's parameters itself; compress only between sites (--workers node "
+                             "--compress-axes node)")
     elif given:
         raise UsageError(f"{', '.join(given)} needs a stage axis: name one in --mesh, e.g. "
                          f"--mesh stage=2,data={max(1, mesh.size // 2)}")
@@ -201,6 +215,7 @@ def for_layout(model, layout, *, global_batch: int, update="sync", opt=None, opt
     the rule `update` names (e.g. "sparse:4") between the layout's workers, wrapping the
     optimizer `opt` (a `dpjax.optim.OptimizerConfig`: its clipping norm over the layout's
     shards, its lr scaled for `passes` x `global_batch`) or an optax `optimizer` as is."""
+    from dpjax.compression import sharded
     from dpjax.mesh import dp_size
     from dpjax.optim import OptimizerConfig
     from dpjax.pipeline import check_batch
@@ -216,6 +231,8 @@ def for_layout(model, layout, *, global_batch: int, update="sync", opt=None, opt
     if layout.pipeline is not None:
         check_batch(layout.pipeline, global_batch // dp, f"--batch-size {global_batch} over {dp} data-parallel ranks")
     rule = make_rule(update, inner, layout.workers, seed=seed, **exchange.kwargs())
+    if sharded.applies(layout, exchange.compression):  # FSDP's reduce-scatter carries the error feedback
+        rule = sharded.wrap(rule, layout, exchange)
     return Plan(layout.mesh, layout, rule, exchange, passes, tuple(links), global_batch, model,
                 opt if optimizer is None else None, update, optimizer=optimizer)
 
@@ -232,7 +249,8 @@ def _workers(s: Settings, mesh, update) -> tuple[tuple, tuple | None]:
     if s.compress_axes is None:
         if given is not None:
             return given, None
-        return default_workers(mesh, not update.is_sync or stateful(s.compression)), None
+        # FSDP (plan.check let only a linear method through) reduce-scatters compressed instead
+        return default_workers(mesh, not update.is_sync or (stateful(s.compression) and not s.fsdp)), None
     axes = parse_axes(s.compress_axes, mesh, "--compress-axes")
     if s.compression in (None, "none"):
         raise UsageError(f"--compress-axes {s.compress_axes} needs a --compression")
@@ -285,11 +303,13 @@ def check_memory(plan: Plan) -> None:
         return
     from dpjax.memory import device_memory, estimate
 
-    need = estimate(plan.model, plan.layout, plan.global_batch)
+    need = estimate(plan.model, plan.layout, plan.global_batch, plan.exchange.compression)
     have = device_memory(plan.mesh)
     if have is not None and need["total"] > have:
         gib = lambda b: f"{b / 2**30:,.1f} GiB"  # noqa: E731
         raise UsageError(f"this run needs about {gib(need['total'])} per device (parameters {gib(need['params'])}, "
-                         f"optimizer state {gib(need['state'])}, activations {gib(need['activations'])}) and a "
+                         f"optimizer state {gib(need['state'])}, "
+                         + (f"compression error buffers {gib(need['error'])}, " if need["error"] else "")
+                         + f"activations {gib(need['activations'])}) and a "
                          f"device has {gib(have)}: lower --batch-size, --seq-len or the model size, add "
                          "--backward-passes, or use more devices")

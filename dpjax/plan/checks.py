@@ -53,10 +53,12 @@ def check(s: Settings) -> None:
         spec = compression.parse(s.compression)
     except ValueError as e:
         raise UsageError(f"--compression: {e}") from None
-    if s.fsdp and spec is not None and spec.method.stateful and s.compress_axes is None and s.workers is None:
-        raise UsageError(f"--compression {s.compression} keeps error feedback, which FSDP's reduce-scatter inside the "
-                         "backward pass cannot carry: compress only between sites (--workers node --compress-axes "
-                         "node, exact FSDP inside)")
+    if (s.fsdp and spec is not None and spec.method.stateful and spec.method.reduce_scatter is None
+            and s.compress_axes is None and s.workers is None):
+        linear = [n for n in compression.names() if compression.registry.get(n).reduce_scatter is not None]
+        raise UsageError(f"--compression {s.compression} cannot run inside FSDP's reduce-scatter, it is not linear: "
+                         f"{spec.method.nonlinear}; compress only between sites (--workers node --compress-axes "
+                         f"node, exact FSDP inside) or use a linear method ({', '.join(linear)})")
     if s.schedule is not None:
         one_of("--schedule", s.schedule, SCHEDULES)
     collectives = transport.chosen(s.collectives)

@@ -63,7 +63,8 @@ class Trainer:
             print(warning, file=sys.stderr, flush=True)
         self.train_stream, self.val_stream = make_streams(cfg.data, cfg.seq_len, cfg.seed, vocab_size=cfg.vocab_size,
                                                           token_dtype=cfg.token_dtype)
-        self._steps, self.comm_bytes = {}, observe.CommBytes()
+        self._steps, self.comm_bytes = {}, observe.CommBytes(plan)
+        self.compression_ratio = observe.CompressionRatio(plan) if plan.exchange.compression else None
         self.use(Setting(plan.exchange.algorithm, plan.exchange.fusion_mb))
         # What must match for a checkpoint to resume: per-worker state needs the same
         # rule and the same number of workers (the mesh may change).

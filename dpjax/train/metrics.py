@@ -21,7 +21,7 @@ class MissingPackage(UserError):
 # The TensorBoard group of each scalar a row may carry (others go under "train").
 GROUPS = {"eval_loss": "eval", "tflops_per_device": "efficiency", "mfu": "efficiency",
           "hw_tflops_per_device": "efficiency", "hfu": "efficiency", "peak_memory_bytes": "efficiency",
-          "comm_bytes": "comm", "comm_fraction": "comm"}
+          "comm_bytes": "comm", "comm_fraction": "comm", "compression_ratio": "comm"}
 
 
 class JsonLines:

@@ -8,18 +8,37 @@ import os
 
 class CommBytes:
     """What the busiest device sends per step, read once per compiled step
-    (`cost.hlo_comm`; JAX's cached executable, so no compile)."""
+    (`cost.hlo_comm`; JAX's cached executable, so no compile). With a compression's
+    start=S the program holds the exact and the compressed exchange: step i is charged
+    the branch it runs (`compression.accounting.step_bytes`), not both."""
 
-    def __init__(self):
-        self._sent = {}
+    def __init__(self, plan=None):
+        self._sent, self.plan = {}, plan
 
-    def __call__(self, step, args) -> int:
+    def __call__(self, step, args, step_i: int = 0) -> int:
+        from dpjax.compression import accounting
+
         if id(step) not in self._sent:
-            from dpjax.collectives.cost import hlo_comm
             from dpjax.timeline import compiled_text
 
-            self._sent[id(step)] = hlo_comm(compiled_text(step.train, *args)).max_bytes
-        return self._sent[id(step)]
+            self._sent[id(step)] = accounting.step_bytes(compiled_text(step.train, *args))
+        compressed = self.plan is not None and accounting.compressed_at(self.plan, step_i)
+        return self._sent[id(step)].at(compressed)
+
+
+class CompressionRatio:
+    """The compression ratio of each step (bytes uncompressed / bytes sent in the
+    exchange, `compression.accounting`): 1.0 before a start step, the method's after."""
+
+    def __init__(self, plan):
+        from dpjax.compression import accounting
+
+        self.plan, self.whole = plan, accounting.ratio(plan)
+
+    def __call__(self, step_i: int) -> float:
+        from dpjax.compression import accounting
+
+        return accounting.ratio_at(self.plan, step_i, self.whole)
 
 
 def shapes(args):

@@ -102,7 +102,9 @@ def run_loop(self) -> dict:
                 self.params, self.opt_state, loss = step.train(*args)
             extra = {"cursor": cursor, **({"trial": str(trial[0])} if trial is not None else {})}
             if metrics:
-                extra["comm_bytes"] = self.comm_bytes(step, args)
+                extra["comm_bytes"] = self.comm_bytes(step, args, step_i)
+                if self.compression_ratio is not None:
+                    extra["compression_ratio"] = self.compression_ratio(step_i)
             if id(step) not in shapes:  # the step's argument shapes: its compiled figures are looked up by them
                 shapes[id(step)] = observe.shapes(args)
             in_flight.append((step_i, loss, extra, step))

@@ -36,7 +36,8 @@ class Kind:
     for a rule that takes no number (sync); low: N's lower bound; help: what the rule
     does, in a few words; is_sync(spec): whether the spec runs the sync program, bit for
     bit (the factories return `sync(...)` then); build(spec, inner, axis_name, *, seed,
-    **allreduce) -> UpdateRule.
+    **allreduce) -> UpdateRule; period(spec): the steps between the workers' exchanges
+    (1: every step; what a compression's start=S counts in, for the metrics' comm_bytes).
     """
 
     name: str
@@ -46,6 +47,7 @@ class Kind:
     number: str | None = None
     low: int = 0
     options: tuple[Option, ...] = field(default_factory=tuple)
+    period: Callable = lambda spec: 1
 
     @property
     def usage(self) -> str:

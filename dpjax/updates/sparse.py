@@ -92,4 +92,5 @@ def _build(spec, inner, axis_name, *, seed, **allreduce):
 
 register(Kind("sparse", "local SGD, parameters averaged every P steps; outer=LR: DiLoCo outer Nesterov with that lr",
               build=_build, is_sync=lambda spec: spec.n == 1 and not spec.outer_lr, number="the period P", low=1,
-              options=(Option("outer", "outer_lr", "LR", float, lambda v: v > 0, "positive"),)))
+              options=(Option("outer", "outer_lr", "LR", float, lambda v: v > 0, "positive"),),
+              period=lambda spec: spec.n))
