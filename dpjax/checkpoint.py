@@ -18,8 +18,9 @@ from dpjax.errors import UserError
 
 CKPT_FIELDS_THAT_MUST_MATCH = ("model", "optimizer")
 WHY = {  # a field whose difference needs its reason said
-    "optimizer.compression_model_split": "PowerSGD keeps one Q per tensor-parallel or pipeline shard, shaped by "
-                                          "the split; resume with the same model and stage axis sizes",
+    "optimizer.compression_model_split": "the compression state is shaped by these axes (PowerSGD keeps one Q "
+                                          "per tensor-parallel or pipeline shard; under FSDP each device keeps a "
+                                          "full-size error buffer): resume with the same axis sizes",
 }
 
 
@@ -90,14 +91,19 @@ class Checkpointer:
                 "it may be corrupt or from another configuration: delete it or pass another --ckpt-dir")
 
 
-def compression_split(compression, mesh) -> dict:
-    """The model and stage axis sizes a compression method's own state is shaped by
-    (PowerSGD's Q, one per shard), {} when it has none or nothing is split."""
+def compression_split(compression, mesh, fsdp: bool = False) -> dict:
+    """The mesh axis sizes the compression state's shapes depend on, {} for none: the
+    model and stage sizes for a method with state of its own (PowerSGD's Q, one per
+    shard); under FSDP with error feedback, every axis (one full-size buffer a device)."""
     from dpjax.compression import parse
     from dpjax.mesh import NOT_DATA
 
     spec = parse(compression)
-    if spec is None or spec.method.init is None:
+    if spec is None:
+        return {}
+    if fsdp and spec.method.stateful and spec.ef:
+        return dict(mesh.shape)
+    if spec.method.init is None:
         return {}
     return {a: n for a, n in mesh.shape.items() if a in NOT_DATA and n > 1}
 

@@ -50,5 +50,18 @@ def test_powersgd_across_a_change_of_the_model_split_is_one_line(corpus, tmp_pat
     assert "corrupt" not in err[0]
 
 
+def test_fsdp_error_buffers_across_a_change_of_size_are_one_line(corpus, tmp_path, capsys):
+    """Under FSDP each device keeps a full-size buffer: 8 data ranks cannot become 4."""
+    ckpt = tmp_path / "ckpt"
+    a = [x for x in _args(corpus, ckpt, "8x1", "randk:0.1", "--fsdp") if x not in ("--compress-axes", "node")]
+    assert main(a + ["--steps", "2", "--ckpt-every", "2"]) == 0
+    capsys.readouterr()
+    b = [x if x != "8x1" else "4x2" for x in a]
+    assert main(b + ["--steps", "3", "--resume"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "under FSDP each device keeps a full-size error buffer" in err[0], err
+    assert "corrupt" not in err[0]
+
+
 if __name__ == "__main__":
     pytest.main([__file__])

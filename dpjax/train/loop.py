@@ -76,8 +76,8 @@ class Trainer:
             self.record["optimizer"]["workers"] = self.layout.num_workers
         if plan.exchange.between_workers_only:  # error buffers / PowerSGD's Q in the state (issue 20)
             self.record["optimizer"]["compression"] = cfg.compression
-            split = compression_split(cfg.compression, self.mesh)
-            if split:  # PowerSGD's Q is one per model / stage shard: the split must match to resume
+            split = compression_split(cfg.compression, self.mesh, fsdp=cfg.fsdp)
+            if split:  # the state's shapes follow these axes: they must match to resume
                 self.record["optimizer"]["compression_model_split"] = split
         from dpjax.compression import accounting
 
