@@ -22,6 +22,10 @@ program's metadata and reads these names back:
                                                     a pipeline's activations or gradients)
     dpjax:step(index=3,bytes=B)                     the 3rd point-to-point step (one ppermute, B
                                                     bytes from each sender) of the enclosing call
+    dpjax:compression(start=S), dpjax:average(period=P)
+                                                    a lax.cond whose branches run on some steps
+                                                    only (`dpjax.train.comm_bytes` charges each
+                                                    step the branch it runs)
 
 Autodiff wraps names (`jvp(dpjax:phase(forward_backward))`, `transpose(jvp(...))`), so
 `parse` finds them anywhere in an op_name, outermost first.

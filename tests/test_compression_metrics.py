@@ -43,7 +43,8 @@ def test_each_row_has_its_steps_ratio_and_bytes(corpus, tmp_path, update, spec):
     """Steps 0-1 exchange exactly (sparse:2 averages once every 2 steps, so start=1 is
     its step 2), steps 2-3 compressed: each row's comm_bytes is that exchange's formula
     (`cost.compressed_bytes`) plus the loss's mean, and its compression_ratio the
-    formulas' ratio; the TensorBoard scalars carry the same ratio."""
+    formulas' ratio; the TensorBoard scalars carry the same ratio. sparse:2 averages at
+    the end of steps 1 and 3 only: steps 0 and 2 send the loss's mean alone."""
     path, tb = tmp_path / "m.jsonl", tmp_path / "tb"
     assert main(_tiny(corpus, "--mesh", "8x1", "--update", update, "--compression", spec, "--metrics", str(path),
                       "--tensorboard", str(tb))) == 0
@@ -52,7 +53,8 @@ def test_each_row_has_its_steps_ratio_and_bytes(corpus, tmp_path, update, spec):
                      for c in (None, spec))
     rows = _rows(path)
     assert [r["step"] for r in rows] == [0, 1, 2, 3]
-    assert [r["comm_bytes"] for r in rows] == [plain + LOSS_BYTES] * 2 + [packed + LOSS_BYTES] * 2
+    sent = [plain, plain, packed, packed] if update == "sync" else [0, plain, 0, packed]
+    assert [r["comm_bytes"] for r in rows] == [b + LOSS_BYTES for b in sent]
     assert [r["compression_ratio"] for r in rows] == [1.0, 1.0, plain / packed, plain / packed]
     assert plain / packed > 3
     from test_run_record import read_events

@@ -7,10 +7,6 @@ Functions of a `dpjax.plan.Plan` (read, not imported: the plan is above this pac
 
 from __future__ import annotations
 
-import re
-from collections import Counter
-from typing import NamedTuple
-
 
 def _exchange(plan):
     """(ranks of the compressed exchange, the model's parameter shapes, the allreduce's arguments)."""
@@ -113,66 +109,3 @@ def ratio_at(plan, step: int, whole: float | None = None) -> float:
     if not compressed_at(plan, step):
         return 1.0
     return ratio(plan) if whole is None else whole
-
-
-class StepBytes(NamedTuple):
-    """What each device sends in one step, from the compiled program: `base` outside the
-    compression's start `lax.cond`, and in each of its two branches (empty without one)."""
-
-    base: Counter
-    exact: Counter
-    compressed: Counter
-
-    def at(self, compressed: bool) -> int:
-        """The busiest device's bytes of a step that runs the exact / compressed branch."""
-        sent = self.base + (self.compressed if compressed else self.exact)
-        return max(sent.values(), default=0)
-
-
-# the start cond itself, in its named scope (feedback.mean, sharded.mean); ops inside its
-# branches carry the scope too, further down their op_name
-_MARK = re.compile(r'op_name="[^"]*dpjax:compression\(start=\d+\)/cond"')
-
-
-def step_bytes(hlo_text: str) -> StepBytes:
-    """`cost.hlo_comm` of a compiled step, the branches of the compression's start cond
-    counted apart (hlo_comm alone adds both): each branch is its computation and every
-    computation it calls. lax.cond(t < S, exact, compressed) is a conditional whose
-    branch 0 is the false branch (compressed), branch 1 the true one (exact)."""
-    from dpjax.collectives.cost import hlo_comm
-
-    comps, cur = {}, None
-    for line in hlo_text.splitlines():
-        head = re.match(r"(?:ENTRY\s+)?%([^\s(]+)\s.*\{\s*$", line)
-        if head and not line.startswith(" "):
-            cur = comps.setdefault(head.group(1), [])
-        elif line.startswith("}"):
-            cur = None
-        elif cur is not None:
-            cur.append(line)
-
-    def reach(root):
-        seen, todo = set(), [root]
-        while todo:
-            name = todo.pop()
-            if name in seen or name not in comps:
-                continue
-            seen.add(name)
-            todo.extend(ref for line in comps[name] for ref in re.findall(r"%([\w.\-]+)", line) if ref in comps)
-        return seen
-
-    def sent(names):
-        return hlo_comm("\n".join(line for n in sorted(names) for line in comps[n])).bytes_per_device
-
-    exact, compressed = Counter(), Counter()
-    for lines in comps.values():
-        for line in lines:
-            branches = re.search(r"branch_computations=\{([^}]*)\}", line)
-            if branches and " conditional(" in line and _MARK.search(line):
-                false, true = [b.strip().lstrip("%") for b in branches.group(1).split(",")]
-                compressed.update(sent(reach(false)))
-                exact.update(sent(reach(true)))
-    base = hlo_comm(hlo_text).bytes_per_device
-    base.subtract(exact)
-    base.subtract(compressed)
-    return StepBytes(Counter({d: b for d, b in base.items() if b}), exact, compressed)

@@ -17,6 +17,7 @@ import sys
 
 from dpjax import distributed
 from dpjax.checkpoint import compression_split
+from dpjax.train.comm_bytes import CommBytes
 from dpjax.plan import check, devices_per_process, resolve
 from dpjax.settings import Settings
 from dpjax.train import elastic, hardware, observe, record, tuning
@@ -63,7 +64,7 @@ class Trainer:
             print(warning, file=sys.stderr, flush=True)
         self.train_stream, self.val_stream = make_streams(cfg.data, cfg.seq_len, cfg.seed, vocab_size=cfg.vocab_size,
                                                           token_dtype=cfg.token_dtype)
-        self._steps, self.comm_bytes = {}, observe.CommBytes(plan)
+        self._steps, self.comm_bytes = {}, CommBytes(plan)
         self.compression_ratio = observe.CompressionRatio(plan) if plan.exchange.compression else None
         self.use(Setting(plan.exchange.algorithm, plan.exchange.fusion_mb))
         # What must match for a checkpoint to resume: per-worker state needs the same

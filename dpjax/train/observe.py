@@ -1,29 +1,9 @@
-"""What a run measures about itself beside the loss: the bytes a step sends (read from
-the compiled program) and the `--timeline` of a few profiled steps."""
+"""What a run measures about itself beside the loss: the compression ratio of each step
+and the `--timeline` of a few profiled steps (the bytes a step sends: `comm_bytes.py`)."""
 
 from __future__ import annotations
 
 import os
-
-
-class CommBytes:
-    """What the busiest device sends per step, read once per compiled step
-    (`cost.hlo_comm`; JAX's cached executable, so no compile). With a compression's
-    start=S the program holds the exact and the compressed exchange: step i is charged
-    the branch it runs (`compression.accounting.step_bytes`), not both."""
-
-    def __init__(self, plan=None):
-        self._sent, self.plan = {}, plan
-
-    def __call__(self, step, args, step_i: int = 0) -> int:
-        from dpjax.compression import accounting
-
-        if id(step) not in self._sent:
-            from dpjax.timeline import compiled_text
-
-            self._sent[id(step)] = accounting.step_bytes(compiled_text(step.train, *args))
-        compressed = self.plan is not None and accounting.compressed_at(self.plan, step_i)
-        return self._sent[id(step)].at(compressed)
 
 
 class CompressionRatio:

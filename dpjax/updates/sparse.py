@@ -16,6 +16,7 @@ import optax
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
+from dpjax import scopes
 from dpjax.sharding import state_specs
 from dpjax.updates.base import UpdateRule, as_axes, exact, exchange_over, identity, mean_over
 from dpjax.updates.registry import Kind, Option, register
@@ -73,8 +74,10 @@ def sparse(inner, period: int, axis_name="data", *, outer: optax.GradientTransfo
         updates, inner_state = inner.update(grads, state.inner, params)
         params = optax.apply_updates(params, updates)
         state = state._replace(inner=inner_state, t=state.t + 1)
-        # in a cond, so the exchange (and its bytes) happens once per period
-        params, state = lax.cond(state.t % period == 0, average, identity, params, state)
+        # in a cond, so the exchange (and its bytes) happens once per period; named, so that
+        # comm_bytes charges it to the steps that run it (`dpjax.train.comm_bytes`)
+        with scopes.scope("average", period=period):
+            params, state = lax.cond(state.t % period == 0, average, identity, params, state)
         return params, state, loss
 
     def specs(ps, shapes):
