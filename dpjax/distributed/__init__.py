@@ -135,6 +135,7 @@ def initialize(timeout_s: int | None = None, heartbeat_s: int | None = None, col
     import jax
 
     jax.config.update("jax_cpu_collectives_implementation", name)
+    COLLECTIVES[name].start()
     # SIGTERM keeps its default action (the process ends at once, even inside a stuck
     # collective): JAX's preemption service would otherwise catch it and keep running
     jax.config.update("jax_enable_preemption_service", False)
@@ -174,10 +175,12 @@ def leave_now(code: int) -> int:
     os._exit(code)
 
 
-def ready() -> None:
-    """What the transport needs once the CPU backend exists (MPI: a tiny warm-up
-    collective, and the order of the exit handlers); nothing for gloo or one process."""
+def ready(mesh=None) -> None:
+    """What the transport needs once the CPU backend exists; nothing for gloo or one
+    process. MPI: the communicators, created from this (the main) thread, of the world
+    (no `mesh`) or of every way `mesh`'s axes group its devices; call it for each mesh
+    a multi-process program uses, on every process in the same order (dpjax.train does)."""
     if _joined() is not None:
         import jax
 
-        COLLECTIVES[jax.config.jax_cpu_collectives_implementation or "gloo"].ready()
+        COLLECTIVES[jax.config.jax_cpu_collectives_implementation or "gloo"].ready(mesh)

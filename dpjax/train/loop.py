@@ -48,6 +48,7 @@ class Trainer:
         check(cfg)  # before JAX starts: a bad flag costs nothing
         self.cfg = cfg = elastic.fit(cfg)  # under dpjax.agent: the mesh for the hosts there are now
         self.plan = plan = resolve(cfg, setup_devices(cfg))
+        distributed.ready(plan.mesh)  # the transport's communicators for this mesh (MPI: see transport.py)
         import jax
 
         from dpjax import step as S
