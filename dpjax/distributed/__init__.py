@@ -19,7 +19,7 @@ import sys
 
 from dpjax.distributed.agree import agree
 from dpjax.distributed.launchers import COORDINATOR, LOCAL_RANK, NUM_PROCESSES, PROCESS_ID, detect
-from dpjax.distributed.transport import COLLECTIVES, chosen, problem
+from dpjax.distributed.transport import COLLECTIVES, chosen, no_mpi_world, problem
 from dpjax.errors import UserError
 
 __all__ = ["COLLECTIVES", "COORDINATOR", "LOCAL_RANK", "LauncherError", "NUM_PROCESSES", "PROCESS_ID", "agree",
@@ -132,6 +132,8 @@ def initialize(timeout_s: int | None = None, heartbeat_s: int | None = None, col
     missing = problem(name)
     if missing:
         raise LauncherError(missing)
+    if name == "mpi" and not (found is not None and found.mpi_world):
+        raise LauncherError(no_mpi_world(found.launcher if found is not None else f"JAX's {cluster}"))
     import jax
 
     jax.config.update("jax_cpu_collectives_implementation", name)

@@ -46,6 +46,15 @@ MPIWRAPPER_HOW = ("build MPItrampoline's MPIwrapper against this machine's MPI (
                   "export MPITRAMPOLINE_LIB=$HOME/mpiwrapper/lib/libmpiwrapper.so")
 
 
+def no_mpi_world(who: str) -> str:
+    """One line: `who` started processes that share no MPI world, so MPI's collectives
+    cannot join them (each would be rank 0 of a world of its own; Open MPI then fails
+    with MPI_ERR_RANK in the first collective)."""
+    return (f"--collectives mpi needs the processes started by an MPI launcher (mpirun -np N, mpiexec, srun "
+            f"--mpi=pmix), which makes them one MPI world, one CPU device each; {who} does not: use one "
+            f"(e.g. mpirun -np 2 python -m dpjax.train --mesh 2x1 --collectives mpi), or --collectives gloo")
+
+
 def _mpi_missing() -> str | None:
     lib = os.environ.get(MPI_LIB, "")
     if not lib:
