@@ -185,4 +185,9 @@ def ready(mesh=None) -> None:
     if _joined() is not None:
         import jax
 
-        COLLECTIVES[jax.config.jax_cpu_collectives_implementation or "gloo"].ready(mesh)
+        name = jax.config.jax_cpu_collectives_implementation or "gloo"
+        cpus = len(jax.local_devices(backend="cpu"))
+        if name == "mpi" and cpus != 1:  # e.g. XLA_FLAGS=--xla_force_host_platform_device_count=8
+            raise LauncherError(f"--collectives mpi takes one CPU device per process (JAX's MPI collectives), and "
+                                f"this process has {cpus} (XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r})")
+        COLLECTIVES[name].ready(mesh)
