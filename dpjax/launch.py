@@ -268,6 +268,8 @@ def main(argv=None) -> int:
         p.error("-n must be at least 1")
     if args.shape_mbit is not None and args.shape_mbit <= 0:
         p.error("--shape-mbit must be positive")
+    if args.collectives == "mpi" and args.nproc > 1:
+        return _refuse(transport.no_mpi_world("dpjax.launch"))
     if args.collectives and transport.problem(args.collectives):
         return _refuse(transport.problem(args.collectives))
     if args.shape_mbit is not None and not os.environ.get(SHAPED):

@@ -148,6 +148,10 @@ def parse_args(argv=None):
     a("--processes", type=int, default=1,
       help="run across this many processes on this host (dpjax.launch, jax.distributed: gloo on "
            "CPU), --devices split evenly between them; hierarchical's node axis is the process")
+    a("--collectives", choices=("gloo", "mpi"), default="gloo",
+      help="with --processes: how the processes exchange data (dpjax.distributed.transport): gloo (TCP; "
+           "started by dpjax.launch) or mpi (JAX's MPI collectives through MPItrampoline: needs "
+           "MPITRAMPOLINE_LIB and Open MPI's mpirun, which starts the processes; one device each)")
     a("--markdown", metavar="FILE", help="write the results as markdown tables")
     a("--json", metavar="FILE", help="write one JSON object per (size, algorithm)")
     a("--plot", metavar="FILE", help="write a PNG of bus bandwidth against size (needs matplotlib)")
@@ -155,6 +159,8 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if args.smoke:
         args.devices = 2 * args.processes if args.processes > 1 else 4  # hierarchical: node=2 x data=2
+        if args.processes > 1 and args.collectives == "mpi":
+            args.devices = args.processes  # an MPI rank is one device
         args.sizes, args.reps, args.warmup, args.floor = [4 * KIB, 8 * KIB], 1, 0, args.processes == 1
         _bench.smoke_outputs(args, "markdown", "json", "plot")
     if args.quick:
@@ -163,7 +169,11 @@ def parse_args(argv=None):
     args.sizes = args.sizes or list(DEFAULT_SIZES)
     args.primitive = "all_to_all" if args.all_to_all else "allreduce"
     known = ALL_TO_ALL if args.all_to_all else ALGORITHMS
-    args.algorithms = [s.strip() for s in (args.algorithms or ",".join(known)).split(",") if s.strip()]
+    if args.algorithms is None and not args.all_to_all and (args.devices < 4 or args.devices % 2):
+        known_here = [k for k in known if k != "hierarchical"]  # it needs node=2 x data>=2
+    else:
+        known_here = known
+    args.algorithms = [s.strip() for s in (args.algorithms or ",".join(known_here)).split(",") if s.strip()]
     for name in args.algorithms:
         if name not in known:
             p.error(f"unknown algorithm {name!r}; choose from {', '.join(known)}")
@@ -177,6 +187,8 @@ def parse_args(argv=None):
         p.error(f"--devices {args.devices} must split evenly over --processes {args.processes}")
     if args.processes > 1 and args.floor:
         p.error("--floor runs in one process only")
+    if args.collectives == "mpi" and args.processes > 1 and args.devices != args.processes:
+        p.error(f"--collectives mpi takes one device per process: give --devices {args.processes}")
     if args.plot and not args.plot.lower().endswith(".png"):
         p.error("--plot writes a PNG; give a FILE ending in .png")
     return args
@@ -339,6 +351,10 @@ def run(args, log=print):
     n = args.devices
     devices = _bench.pick_devices(args.devices, args.platform)
     variants = {name: Variant(name, n, devices, args.primitive) for name in ["psum"] + args.algorithms}
+    from dpjax import distributed
+
+    for v in variants.values():
+        distributed.ready(v.mesh)  # the transport's communicators for each mesh (MPI: from this thread)
     bound = cost.bus_factor(args.primitive, n)
     rows = []
     rng = np.random.default_rng(0)
@@ -573,14 +589,20 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     from dpjax import distributed
+    from dpjax.distributed import launchers
 
-    if args.processes > 1 and distributed.PROCESS_ID not in os.environ:
+    if args.processes > 1 and launchers.detect(os.environ) is None:  # start them
+        command = [sys.executable, os.path.abspath(__file__), *argv]
+        if args.collectives == "mpi":
+            return _bench.mpirun(command, args.processes, args.smoke)
         from dpjax.launch import launch
 
-        return launch([sys.executable, os.path.abspath(__file__), *argv], args.processes,
-                      devices_per_process=args.devices // args.processes)
+        return launch(command, args.processes, devices_per_process=args.devices // args.processes,
+                      collectives=args.collectives)
     if args.processes > 1:
-        distributed.initialize()
+        distributed.initialize(collectives=args.collectives)
+        _bench.simulate(args.devices // args.processes)
+        distributed.ready()  # the world's communicator (MPI), before any large buffer
     elif args.platform in ("auto", "cpu"):
         _bench.simulate(args.devices)  # before JAX initialises; only shapes the CPU backend
     import jax
@@ -588,6 +610,11 @@ def main(argv=None) -> int:
     if jax.process_index() != 0:  # every process times; process 0 reports
         run(args, log=lambda s: None)
         return 0
+    return distributed.leave_now(report(args, argv))  # MPI: the exit handler would exit 0
+
+
+def report(args, argv) -> int:
+    import jax
 
     t0 = time.time()
     print(f"{args.primitive} of {', '.join(fmt_size(s) for s in args.sizes)} per device; "

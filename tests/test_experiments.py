@@ -25,7 +25,7 @@ SCRIPTS = [os.path.basename(p) for p in sorted(glob.glob(os.path.join(EXPERIMENT
            if not os.path.basename(p).startswith("_")]
 # Scripts with several modes: each mode's smoke run (the first entry: no mode flag).
 MODES = {
-    "bench_collectives.py": [[], ["--all-to-all"]],
+    "bench_collectives.py": [[], ["--all-to-all"], ["--processes", "2", "--collectives", "mpi"]],
     "bench_train.py": [[], ["--layouts", "8x1"], ["--pipeline", "stage=4,data=2"],
                        ["--pipeline", "stage=4,data=2", "--memory-sweep"]],
     "staleness.py": [[], ["--hybrid"]],

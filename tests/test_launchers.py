@@ -351,7 +351,7 @@ def test_mpi_without_mpitrampoline_is_one_line_everywhere(monkeypatch, tmp_path)
         monkeypatch.setenv(k, v)
     with pytest.raises(distributed.LauncherError, match="MPITRAMPOLINE_LIB is not set"):
         distributed.initialize(collectives="mpi")
-    r = subprocess.run([sys.executable, "-m", "dpjax.launch", "--collectives", "mpi", "--", "true"],
+    r = subprocess.run([sys.executable, "-m", "dpjax.launch", "-n", "1", "--collectives", "mpi", "--", "true"],
                        capture_output=True, text=True, timeout=60, env={**os.environ, "PYTHONPATH": ROOT})
     assert r.returncode == 2 and len(r.stderr.splitlines()) == 1 and "MPITRAMPOLINE_LIB is not set" in r.stderr
 

@@ -19,7 +19,7 @@ import sys
 
 from dpjax.distributed.agree import agree
 from dpjax.distributed.launchers import COORDINATOR, LOCAL_RANK, NUM_PROCESSES, PROCESS_ID, detect
-from dpjax.distributed.transport import COLLECTIVES, chosen, problem
+from dpjax.distributed.transport import COLLECTIVES, chosen, no_mpi_world, problem
 from dpjax.errors import UserError
 
 __all__ = ["COLLECTIVES", "COORDINATOR", "LOCAL_RANK", "LauncherError", "NUM_PROCESSES", "PROCESS_ID", "agree",
@@ -132,9 +132,12 @@ def initialize(timeout_s: int | None = None, heartbeat_s: int | None = None, col
     missing = problem(name)
     if missing:
         raise LauncherError(missing)
+    if name == "mpi" and not (found is not None and found.mpi_world):
+        raise LauncherError(no_mpi_world(found.launcher if found is not None else f"JAX's {cluster}"))
     import jax
 
     jax.config.update("jax_cpu_collectives_implementation", name)
+    COLLECTIVES[name].start()
     # SIGTERM keeps its default action (the process ends at once, even inside a stuck
     # collective): JAX's preemption service would otherwise catch it and keep running
     jax.config.update("jax_enable_preemption_service", False)
@@ -174,10 +177,17 @@ def leave_now(code: int) -> int:
     os._exit(code)
 
 
-def ready() -> None:
-    """What the transport needs once the CPU backend exists (MPI: a tiny warm-up
-    collective, and the order of the exit handlers); nothing for gloo or one process."""
+def ready(mesh=None) -> None:
+    """What the transport needs once the CPU backend exists; nothing for gloo or one
+    process. MPI: the communicators, created from this (the main) thread, of the world
+    (no `mesh`) or of every way `mesh`'s axes group its devices; call it for each mesh
+    a multi-process program uses, on every process in the same order (dpjax.train does)."""
     if _joined() is not None:
         import jax
 
-        COLLECTIVES[jax.config.jax_cpu_collectives_implementation or "gloo"].ready()
+        name = jax.config.jax_cpu_collectives_implementation or "gloo"
+        cpus = len(jax.local_devices(backend="cpu"))
+        if name == "mpi" and cpus != 1:  # e.g. XLA_FLAGS=--xla_force_host_platform_device_count=8
+            raise LauncherError(f"--collectives mpi takes one CPU device per process (JAX's MPI collectives), and "
+                                f"this process has {cpus} (XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r})")
+        COLLECTIVES[name].ready(mesh)

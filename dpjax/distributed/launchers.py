@@ -65,6 +65,7 @@ class Launcher:
     local_rank: str | None
     coordinator: Callable[[Mapping[str, str]], str | None]
     how: str  # how to hand this launcher's processes a coordinator (or what to do instead)
+    mpi_world: bool = True  # its processes share one MPI world (what --collectives mpi needs)
 
 
 def _none(env):
@@ -76,7 +77,7 @@ _BY_HAND = (f"set {NUM_PROCESSES}, {PROCESS_ID} and {COORDINATOR}=HOST:PORT (HOS
 
 LAUNCHERS = (
     Launcher("dpjax.launch", PROCESS_ID, NUM_PROCESSES, PROCESS_ID, LOCAL_RANK, lambda env: env.get(COORDINATOR),
-             f"dpjax.launch sets them all; by hand, {_BY_HAND}"),
+             f"dpjax.launch sets them all; by hand, {_BY_HAND}", mpi_world=False),
     Launcher("Open MPI", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK",
              "OMPI_COMM_WORLD_LOCAL_RANK", _ompi_coordinator,
              f"give one with mpirun -x {COORDINATOR}=HOST:PORT (HOST where rank 0 runs, PORT a free port)"),
@@ -90,7 +91,7 @@ LAUNCHERS = (
              f"launch with Open MPI's mpirun or srun, which say it, or {_BY_HAND}"),
     Launcher("SLURM (srun)", "SLURM_STEP_NUM_TASKS", "SLURM_STEP_NUM_TASKS", "SLURM_PROCID", "SLURM_LOCALID",
              _slurm_coordinator, f"give one with {COORDINATOR}=HOST:PORT srun ... (HOST where rank 0 runs, PORT a "
-                                 "free port)"),
+                                 "free port)", mpi_world=False),  # srun --mpi=pmix / pmi2 sets PMIX_ / PMI_ too
 )
 
 
@@ -104,6 +105,7 @@ class Found:
     local_rank: int
     coordinator: str | None
     problem: str | None = None
+    mpi_world: bool = False
 
     @property
     def alone(self) -> bool:
@@ -144,4 +146,4 @@ def detect(env: Mapping[str, str]) -> Found | None:
         problem = f"{said} as rank {first.rank} of {first.size} but says no coordinator address; {launcher.how}"
     elif first.size > 1 and not re.fullmatch(r".+:\d+", coordinator):
         problem = f"the coordinator address {coordinator!r} is not HOST:PORT"
-    return Found(first.launcher, first.size, first.rank, first.local_rank, coordinator, problem)
+    return Found(first.launcher, first.size, first.rank, first.local_rank, coordinator, problem, launcher.mpi_world)

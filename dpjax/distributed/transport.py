@@ -5,28 +5,55 @@ between two processes on one host). On GPU, XLA uses NCCL and this choice does n
 A registry: each transport says what it needs (one line when this machine lacks it) and
 what to do before `jax.distributed` starts and once the CPU backend exists.
 
-MPI's two quirks in JAX 0.10: a first collective of 4 KiB or more fails with
-"Communicator requested from a thread that is not the one MPI was initialized from"
-unless a tiny one ran first, so `ready()` runs a one-element psum across every process;
-and JAX registers MPI_Finalize at exit before the backend's communicators are freed
-(the process then exits 1 with "MPI_Comm_free() ... after MPI_FINALIZE"), so `ready()`
-registers, after it, a handler that frees the backend first (exit handlers run last in,
-first out).
+MPI's quirks in JAX 0.10 (measured here against MPIwrapper over Open MPI 4.1.4):
+- one CPU device per process: XLA's MPI communicator is one MPI rank, so a process
+  driving several devices fails ("Multiple threads/devices per process are not yet
+  supported"); `dpjax.plan` refuses such a run in one line.
+- a communicator is created once per set of devices that meet in a collective (a
+  "clique"), and only from the thread that initialised MPI; a compiled program that is
+  not tiny runs its collectives on XLA's worker threads, so the first collective over a
+  new clique inside a real step fails with "Communicator requested from a thread that
+  is not the one MPI was initialized from". `ready(mesh)` therefore runs, from the main
+  thread, a one-element psum over every set of the mesh's axes, which creates every
+  clique a program on that mesh can use (XLA keeps them for the process's life).
+- at exit, JAX frees the backend's communicators after its own MPI_Finalize handler
+  has run (the process then exits 1 with "MPI_Comm_free() ... after MPI_FINALIZE", and
+  the job fails). `ready()` registers an exit handler that runs first (exit handlers
+  run last in, first out): it leaves `jax.distributed` (the shutdown barrier), calls
+  MPI_Finalize and ends the process with 0 at once, before the communicators' C++
+  destructors run. Handlers registered before the CPU backend started are skipped: a
+  dpjax process that fails leaves earlier, with its code (`distributed.leave_now`).
+- the processes must share one MPI world: an MPI launcher (mpirun, mpiexec, srun
+  --mpi=pmix) must start them (`launchers.Launcher.mpi_world`).
 """
 
 from __future__ import annotations
 
 import atexit
+import itertools
 import os
+import sys
 from dataclasses import dataclass
 from typing import Callable
+
+import numpy as np
 
 ENV = "DPJAX_COLLECTIVES"  # how dpjax.launch passes --collectives to its processes
 MPI_LIB = "MPITRAMPOLINE_LIB"
 MPIWRAPPER_HOW = ("build MPItrampoline's MPIwrapper against this machine's MPI (git clone "
                   "https://github.com/eschnett/MPIwrapper; cmake -S MPIwrapper -B build "
-                  "-DCMAKE_INSTALL_PREFIX=$HOME/mpiwrapper; cmake --build build --target install) and "
-                  "export MPITRAMPOLINE_LIB=$HOME/mpiwrapper/lib/libmpiwrapper.so")
+                  "-DCMAKE_INSTALL_PREFIX=$HOME/mpiwrapper; cmake --build build --target install; it needs the MPI compiler "
+                  "wrappers and gfortran) and "
+                  "export MPITRAMPOLINE_LIB=$HOME/mpiwrapper/lib/libmpiwrapper.so (lib64 on some systems)")
+
+
+def no_mpi_world(who: str) -> str:
+    """One line: `who` started processes that share no MPI world, so MPI's collectives
+    cannot join them (each would be rank 0 of a world of its own; Open MPI then fails
+    with MPI_ERR_RANK in the first collective)."""
+    return (f"--collectives mpi needs the processes started by an MPI launcher (mpirun -np N, mpiexec, srun "
+            f"--mpi=pmix), which makes them one MPI world, one CPU device each; {who} does not: use one "
+            f"(e.g. mpirun -np 2 python -m dpjax.train --mesh 2x1 --collectives mpi), or --collectives gloo")
 
 
 def _mpi_missing() -> str | None:
@@ -42,32 +69,90 @@ def _mpi_missing() -> str | None:
     return None
 
 
-def _mpi_ready() -> None:
-    import numpy as np
-    from jax.experimental import multihost_utils
-
-    # one element across every process, before any large buffer (quirk 1)
-    multihost_utils.process_allgather(np.zeros(1, np.float32))
-    atexit.register(_free_backend_before_finalize)
+_MADE: list = []  # the MPI collectives JAX made for this process's CPU backend
 
 
-def _free_backend_before_finalize() -> None:
-    """Quirk 2: runs before JAX's own MPI_Finalize handler (registered earlier)."""
-    from jax._src import api
+def _mpi_start() -> None:
+    """Before `jax.distributed` starts: keep the MPI collectives object JAX makes for the
+    CPU backend, so that the exit handler can finalize MPI itself (quirk 3)."""
+    from jax._src.lib import _jax
 
-    api.clean_up()
+    make = _jax.make_mpi_collectives
+    if getattr(make, "dpjax_keeps", False):
+        return
+
+    def keep():
+        made = make()
+        _MADE.append(made)
+        return made
+
+    keep.dpjax_keeps = True
+    _jax.make_mpi_collectives = keep
+
+
+def _mpi_ready(mesh) -> None:
+    if mesh is None:  # the world's clique, before any large buffer
+        from jax.experimental import multihost_utils
+
+        multihost_utils.process_allgather(np.zeros(1, np.float32))
+    else:
+        _warm_cliques(mesh)
+    if not _EXIT:
+        assert _MADE, "JAX made its MPI collectives without _jax.make_mpi_collectives: see _mpi_start"
+        _EXIT.append(_finalize_and_leave)
+        atexit.register(_finalize_and_leave)
+
+
+def _warm_cliques(mesh) -> None:
+    """A one-element psum over every non-empty set of `mesh`'s axes, from this (the main)
+    thread: each creates the communicators of one way of grouping the devices (ppermute
+    and the other collectives over those axes use the same ones). Tiny programs run
+    their collectives on the calling thread; every process runs the same sequence, as
+    MPI_Comm_split needs."""
+    import jax
+    from jax import lax
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    names = tuple(mesh.axis_names)
+    spec = P(names)
+    x = jax.make_array_from_callback((mesh.size,), NamedSharding(mesh, spec), lambda idx: np.zeros(1, np.float32))
+    for k in range(1, len(names) + 1):
+        for axes in itertools.combinations(names, k):
+            def one(v, axes=axes):
+                assert v.shape == (1,), v.shape  # one element per device
+                return lax.psum(v, axes)
+
+            jax.block_until_ready(jax.jit(jax.shard_map(one, mesh=mesh, in_specs=spec, out_specs=spec))(x))
+
+
+_EXIT: list = []
+
+
+def _finalize_and_leave() -> None:
+    """Quirk 3: runs before JAX's MPI_Finalize handler (registered earlier) and ends the
+    process before the communicators are freed after MPI_Finalize."""
+    from jax._src import distributed as jax_distributed
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    jax_distributed.shutdown()  # every process reaches its exit before any finalizes
+    for made in _MADE:
+        made.Finalize()
+    os._exit(0)
 
 
 @dataclass(frozen=True)
 class Transport:
     name: str
     missing: Callable[[], str | None]  # one line when this machine cannot use it
-    ready: Callable[[], None]  # once the CPU backend exists
+    start: Callable[[], None]  # before jax.distributed starts
+    ready: Callable[[object], None]  # once the CPU backend exists; its argument: a mesh, or None
 
 
 COLLECTIVES = {t.name: t for t in (
-    Transport("gloo", lambda: None, lambda: None),
-    Transport("mpi", _mpi_missing, _mpi_ready),
+    Transport("gloo", lambda: None, lambda: None, lambda mesh: None),
+    Transport("mpi", _mpi_missing, _mpi_start, _mpi_ready),
 )}
 
 

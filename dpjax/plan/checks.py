@@ -135,11 +135,18 @@ def _check_output_dir(what: str, path: str) -> None:
 def devices_per_process(s: Settings, processes: int) -> int | None:
     """How many devices each of `processes` processes contributes to the mesh (None:
     every device it has); the mesh must share out equally."""
+    from dpjax.distributed import transport
     from dpjax.mesh import mesh_size
 
     want = mesh_size(s.mesh) if s.mesh else None
     if want is not None and want % processes:
         raise UsageError(f"--mesh {s.mesh} has {want} devices, which {processes} processes cannot share equally")
+    if processes > 1 and transport.chosen(s.collectives) == "mpi":  # an MPI rank is one device (transport.py)
+        if want not in (None, processes):
+            raise UsageError(f"--collectives mpi takes one CPU device per process (JAX's MPI collectives), and "
+                             f"--mesh {s.mesh} gives each of {processes} processes {want // processes}: start "
+                             f"{want} processes (mpirun -np {want}), or use --collectives gloo")
+        return 1
     return None if want is None else want // processes
 
 

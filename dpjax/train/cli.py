@@ -114,4 +114,4 @@ def main(argv=None) -> int:
 
     if jax.process_index() == 0:  # one job, one summary (every process has the same)
         print(summary_line(summary), flush=True)
-    return 130 if summary["interrupted"] else 0
+    return distributed.leave_now(130) if summary["interrupted"] else 0  # mpi ends a process with 0 at exit

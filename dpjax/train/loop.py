@@ -51,6 +51,7 @@ class Trainer:
         user = cfg  # what must match on resume is what the user asked, whatever the size now
         self.cfg = cfg = elastic.fit(cfg)  # under dpjax.agent: mesh and micro-batches for the hosts there are now
         self.plan = plan = resolve(cfg, setup_devices(cfg))
+        distributed.ready(plan.mesh)  # the transport's communicators for this mesh (MPI: see transport.py)
         import jax
 
         from dpjax import step as S
