@@ -1,24 +1,18 @@
 """Every launcher dpjax knows, read from the environment it sets: pure checks against
 the values JAX's own cluster detection computes, then real processes on 127.0.0.1 under
 each launcher's variables (set by hand: Open MPI's, MPICH's PMI, SLURM's) that join one
-job or fail in one line; `dpjax.launch` stops a job within seconds of a killed rank."""
+job, train as one, or refuse in one line; and the real mpirun / mpiexec / srun where
+installed. A rank that dies or fails: tests/test_launchers_failures.py."""
 
 import os
-import signal
-import socket
 import subprocess
 import sys
-import time
 
 import pytest
-from conftest import pids_running, read_losses
+from _launch_helpers import HERE, MPIRUN, ROOT, _real, free_port, launcher_env
+from conftest import read_losses
 
-from dpjax.distributed import launchers
-from dpjax.distributed.launchers import LAUNCHERS, detect
-
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
-
+from dpjax.distributed.launchers import detect
 # What Open MPI 4.1.4's mpirun and MPICH 4.0.2's mpiexec set for rank 1 of 2 (read from
 # `mpirun -np 2 env` / `mpiexec.mpich -n 2 env` on Debian 12), and what srun sets.
 OMPI = {"OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_LOCAL_RANK": "1",
@@ -27,9 +21,6 @@ OMPI = {"OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WOR
 MPICH = {"PMI_RANK": "1", "PMI_SIZE": "2", "PMI_FD": "8", "MPI_LOCALRANKID": "1", "MPI_LOCALNRANKS": "2"}
 SLURM = {"SLURM_JOB_ID": "123456", "SLURM_STEP_NODELIST": "node[007-009],gpu1", "SLURM_STEP_NUM_TASKS": "2",
          "SLURM_NTASKS": "2", "SLURM_PROCID": "1", "SLURM_LOCALID": "0"}
-MARKERS = {v for launcher in LAUNCHERS for v in (launcher.marker, launcher.size, launcher.rank)} | {
-    "OMPI_MCA_orte_hnp_uri", "SLURM_STEP_NODELIST", "SLURM_JOB_ID", *launchers.GIVEN_COORDINATOR,
-    "JAX_COORDINATOR_PORT", "XLA_FLAGS"}
 
 
 def _jax_says(cluster, env, monkeypatch):
@@ -81,30 +72,6 @@ def test_who_comes_first():
 
 # ---------------------------------------------------------------------------------------
 # real processes on 127.0.0.1
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def launcher_env(kind: str, rank: int, n: int, port: int) -> dict:
-    """This machine's environment, scrubbed of every launcher's variables, plus what
-    `kind`'s launcher would set for `rank` of `n` processes on 127.0.0.1."""
-    env = {k: v for k, v in os.environ.items() if k not in MARKERS}
-    env.update(PYTHONPATH=ROOT, PYTHONUNBUFFERED="1", JAX_COORDINATOR_PORT=str(port))
-    env.update({
-        "openmpi": {"OMPI_COMM_WORLD_SIZE": str(n), "OMPI_COMM_WORLD_RANK": str(rank),
-                    "OMPI_COMM_WORLD_LOCAL_RANK": str(rank), "OMPI_MCA_orte_hnp_uri": "4096.0;tcp://127.0.0.1:1"},
-        "mpich": {"PMI_SIZE": str(n), "PMI_RANK": str(rank), "MPI_LOCALRANKID": str(rank),
-                  "DPJAX_COORDINATOR": f"127.0.0.1:{port}"},
-        "mpich-no-coordinator": {"PMI_SIZE": str(n), "PMI_RANK": str(rank), "MPI_LOCALRANKID": str(rank)},
-        "none": {},
-        "slurm": {"SLURM_JOB_ID": "77", "SLURM_STEP_NODELIST": "127.0.0.1", "SLURM_STEP_NUM_TASKS": str(n),
-                  "SLURM_PROCID": str(rank), "SLURM_LOCALID": str(rank)},
-    }[kind])
-    return env
 
 
 def run_under(kind: str, command: list, n: int = 2, timeout: float = 300):
@@ -163,51 +130,6 @@ def test_an_unknown_launcher_option_is_one_usage_line():
         "dpjax.launch: cannot run 'no-such-command-dpjax': No such file or directory"]
 
 
-LAST_WORDS = ("import os, sys; rank = os.environ['DPJAX_PROCESS_ID']; print('working', flush=True); "
-              "rank == '1' and (print('ValueError: the real reason', file=sys.stderr), "
-              "print('[Gloo] Rank 1 is connected to 1 peer ranks.', file=sys.stderr), "
-              "print('I1123 21:45:10.902929   27495 client.cc:1] a status line', file=sys.stderr), sys.exit(3))")
-
-
-def test_the_last_line_is_the_ranks_own_error_not_a_library_status_line():
-    r = subprocess.run([sys.executable, "-m", "dpjax.launch", "-n", "2", "--", sys.executable, "-c", LAST_WORDS],
-                       capture_output=True, text=True, timeout=60)
-    assert r.returncode == 3
-    assert r.stderr.strip().splitlines()[-1] == "dpjax.launch: rank 1 failed (exit code 3): ValueError: the real reason"
-
-
-@pytest.mark.parametrize("victim", [0, 1])
-def test_a_killed_rank_ends_the_launch_within_seconds(tmp_path, victim):
-    """SIGKILL of either rank mid-collective: the launcher stops the other at once and
-    its last line names the rank and the signal (not a library's status line)."""
-    marker = str(tmp_path / "victim")
-    launcher = subprocess.Popen([sys.executable, "-m", "dpjax.launch", "-n", "2", "--devices-per-process", "1", "--",
-                                 sys.executable, os.path.join(HERE, "mp_join.py"), "forever", marker],
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                env={**os.environ, "PYTHONPATH": ROOT})
-    try:
-        deadline = time.time() + 120
-        out = ""
-        while out.count("sum=3") < 2:  # both joined and summing
-            assert time.time() < deadline and launcher.poll() is None, "the job never started"
-            out += launcher.stdout.readline()
-        rank = next(p for p in pids_running(marker) if p != launcher.pid and
-                    f"DPJAX_PROCESS_ID={victim}".encode() in open(f"/proc/{p}/environ", "rb").read().split(b"\0"))
-        os.kill(rank, signal.SIGKILL)
-        t0 = time.time()
-        _, err = launcher.communicate(timeout=60)
-        took = time.time() - t0
-        assert launcher.returncode == 1
-        assert err.strip().splitlines()[-1] == (f"dpjax.launch: rank {victim} failed (signal 9): killed by SIGKILL, "
-                                                "no error output"), err[-2000:]
-        assert took < 5, took
-        assert "sending SIGKILL" not in err  # SIGTERM was enough: JAX's preemption service did not swallow it
-        assert pids_running(marker) == []  # nothing left behind
-    finally:
-        for pid in pids_running(marker):
-            os.kill(pid, signal.SIGKILL)
-
-
 # ---------------------------------------------------------------------------------------
 # training under each launcher, and under the real ones where they are installed
 
@@ -248,24 +170,6 @@ def test_two_processes_under_each_launcher_train_as_one(corpus, single, tmp_path
     _one_job(run_under(kind, _train(corpus, path)), path, single)
 
 
-MPIRUN = {"openmpi": ["mpirun.openmpi", "--oversubscribe", "--allow-run-as-root", "-np", "2"],
-          "mpich": ["mpiexec.mpich", "-n", "2"],
-          "slurm": ["srun", "-n", "2", "--overcommit", "--kill-on-bad-exit=1"]}
-PACKAGE = {"openmpi": "openmpi-bin", "mpich": "mpich", "slurm": "slurmd slurmctld slurm-client munge, and a running "
-                                                                 "controller and node"}
-
-
-def _real(kind):
-    import shutil
-
-    if shutil.which(MPIRUN[kind][0]) is None:
-        pytest.skip(f"{MPIRUN[kind][0]} is not installed (Debian: apt-get install {PACKAGE[kind]})")
-    if kind == "slurm" and subprocess.run(["sinfo", "-h"], capture_output=True, timeout=30).returncode != 0:
-        pytest.skip("srun is installed but no SLURM controller answers (sinfo fails)")
-    env = {k: v for k, v in os.environ.items() if k not in MARKERS}
-    return env | {"PYTHONPATH": ROOT, "PYTHONUNBUFFERED": "1"}
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["openmpi", "mpich", "slurm"])
 def test_a_real_mpirun_trains_as_one(corpus, single, tmp_path, kind):
@@ -296,33 +200,8 @@ def test_a_real_mpiexec_without_a_coordinator_fails_in_one_line_per_rank(corpus,
     assert "Traceback" not in r.stderr and not (tmp_path / "never.jsonl").exists()
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("kind,victim", [(k, v) for k in ("openmpi", "mpich", "slurm") for v in (0, 1)])
-def test_a_killed_rank_ends_a_real_mpirun_within_seconds(tmp_path, kind, victim):
-    env, marker = _real(kind), str(tmp_path / "victim")
-    given = ["-genv", "DPJAX_COORDINATOR", f"127.0.0.1:{free_port()}"] if kind == "mpich" else []
-    job = subprocess.Popen([*MPIRUN[kind], *given, sys.executable, os.path.join(HERE, "mp_join.py"), "forever",
-                            marker], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
-    try:
-        deadline, out = time.time() + 120, ""
-        while out.count("sum=3") < 2:
-            assert time.time() < deadline and job.poll() is None, "the job never started"
-            out += job.stdout.readline()
-        rank_var = {"openmpi": "OMPI_COMM_WORLD_RANK", "mpich": "PMI_RANK", "slurm": "SLURM_PROCID"}[kind]
-        pid = next(p for p in pids_running(marker) if f"{rank_var}={victim}".encode() in open(
-            f"/proc/{p}/environ", "rb").read().split(b"\0") and b"mp_join" in open(f"/proc/{p}/cmdline", "rb").read())
-        os.kill(pid, signal.SIGKILL)
-        t0 = time.time()
-        job.communicate(timeout=60)
-        assert job.returncode != 0 and time.time() - t0 < 5, time.time() - t0
-        assert [p for p in pids_running(marker) if b"mp_join" in open(f"/proc/{p}/cmdline", "rb").read()] == []
-    finally:
-        for pid in pids_running(marker):
-            os.kill(pid, signal.SIGKILL)
-
-
 # ---------------------------------------------------------------------------------------
-# --collectives gloo | mpi
+# --collectives gloo | mpi, and a cluster only JAX's detection knows
 
 
 def test_mpi_without_mpitrampoline_is_one_line_everywhere(monkeypatch, tmp_path):
@@ -356,49 +235,6 @@ def test_mpi_without_mpitrampoline_is_one_line_everywhere(monkeypatch, tmp_path)
     assert r.returncode == 2 and len(r.stderr.splitlines()) == 1 and "MPITRAMPOLINE_LIB is not set" in r.stderr
 
 
-@pytest.mark.parametrize("victim", [0, 1])
-def test_without_a_launcher_to_stop_it_a_survivor_stops_within_the_heartbeat(victim):
-    """srun without --kill-on-bad-exit stops nobody: the survivor of a killed rank, idle
-    in the job, ends by itself within DPJAX_HEARTBEAT_TIMEOUT (4 s here, 10 by default):
-    at once when rank 0 (the coordinator) died, once the dead rank misses its heartbeats
-    otherwise."""
-    port = free_port()
-    procs = [subprocess.Popen([sys.executable, os.path.join(HERE, "mp_join.py"), "forever"],
-                              env={**launcher_env("slurm", r, 2, port), "DPJAX_HEARTBEAT_TIMEOUT": "4"},
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT) for r in range(2)]
-    try:
-        deadline = time.time() + 120
-        for p in procs:
-            while "sum=3" not in p.stdout.readline():
-                assert time.time() < deadline and p.poll() is None, "the job never started"
-        procs[victim].kill()
-        t0 = time.time()
-        survivor = procs[1 - victim]
-        _, err = survivor.communicate(timeout=60)
-        assert survivor.returncode != 0 and time.time() - t0 < 4 + 2, (time.time() - t0, err[-1000:])
-        assert ("stopped sending heartbeats" if victim else "Failed to send RPC to coordination service") in err
-    finally:
-        for p in procs:
-            p.kill()
-
-
-def test_a_failing_process_leaves_at_once_not_through_the_shutdown_barrier():
-    """Rank 1 raises while rank 0 is busy elsewhere: it prints its traceback and exits
-    at once, rather than wait in JAX's shutdown barrier for rank 0 (300 s)."""
-    port = free_port()
-    procs = [subprocess.Popen([sys.executable, os.path.join(HERE, "mp_join.py"), "forever", "fail"],
-                              env=launcher_env("slurm", r, 2, port), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True, cwd=ROOT) for r in range(2)]
-    try:
-        _, err = procs[1].communicate(timeout=60)  # joining takes seconds; the barrier would take 300
-        t_exit = time.time()
-        assert procs[1].returncode == 1 and err.strip().splitlines()[-1] == "ValueError: rank 1 gives up", err
-        assert procs[0].poll() is None or time.time() - t_exit < 1  # rank 0 was still there to wait for
-    finally:
-        for p in procs:
-            p.kill()
-
-
 @pytest.mark.parametrize("port", ["free", "broken"])
 def test_where_no_launcher_is_set_jax_detection_decides(port):
     """A cluster only JAX's detection knows (a registered ClusterEnv, as Kubernetes is):
@@ -422,26 +258,3 @@ def test_where_no_launcher_is_set_jax_detection_decides(port):
     finally:
         for p in procs:
             p.kill()
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("victim", [0, 1])
-def test_a_real_srun_without_kill_on_bad_exit_ends_within_the_heartbeat(tmp_path, victim):
-    env, marker = _real("slurm"), str(tmp_path / "victim")
-    job = subprocess.Popen(["srun", "-n", "2", "--overcommit", sys.executable, os.path.join(HERE, "mp_join.py"),
-                            "forever", marker], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                           env={**env, "DPJAX_HEARTBEAT_TIMEOUT": "4"}, cwd=ROOT)
-    try:
-        deadline, out = time.time() + 120, ""
-        while out.count("sum=3") < 2:
-            assert time.time() < deadline and job.poll() is None, "the job never started"
-            out += job.stdout.readline()
-        pid = next(p for p in pids_running(marker) if f"SLURM_PROCID={victim}".encode() in open(
-            f"/proc/{p}/environ", "rb").read().split(b"\0"))
-        os.kill(pid, signal.SIGKILL)
-        t0 = time.time()
-        job.communicate(timeout=60)
-        assert job.returncode != 0 and time.time() - t0 < 4 + 3, time.time() - t0
-    finally:
-        for pid in pids_running(marker):
-            os.kill(pid, signal.SIGKILL)
