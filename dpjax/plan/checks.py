@@ -57,6 +57,9 @@ def check(s: Settings) -> None:
         raise UsageError(f"--compression {s.compression} keeps error feedback, which FSDP's reduce-scatter inside the "
                          "backward pass cannot carry: compress only between sites (--workers node --compress-axes "
                          "node, exact FSDP inside)")
+    if s.compress_whole and s.compress_axes is None:
+        raise UsageError("--compress-whole chooses the form of the exchange --compress-axes compresses: give "
+                         "--compress-axes too (e.g. node)")
     if s.schedule is not None:
         one_of("--schedule", s.schedule, SCHEDULES)
     collectives = transport.chosen(s.collectives)
