@@ -237,7 +237,7 @@ def main(argv=None):
                       compress_whole=whole(label), **model)
         benches[label] = bench
         curves[label] = bench.run(rule, verbose=False)
-        n = min(30, args.steps)  # the first sixth untimed: warm-up
+        n = min(24, args.steps)  # the first sixth untimed: warm-up
         compute[label] = _bench.median(timed_run(bench, label, (), n)[n // 6:])
         print(f"  {label:36s} final eval {curves[label].final_eval:.4f}, compute {1e3 * compute[label]:.1f} ms/step",
               flush=True)

@@ -274,6 +274,26 @@ def test_sparse_pays_the_link_once_a_period(mesh_of, put, batches, compute):
     assert 0.85 * expect <= per_step <= 1.5 * expect + 0.02, (per_step, expect)
 
 
+def test_a_deferred_exchange_with_start_steps_only_changes_time(mesh_of, put, batches):
+    """delayed:2 with int8 after 2 exact exchanges (a lax.cond inside the deferred block):
+    each collective in the cond files its own transfer (the block once handed tickets out
+    of the cond's trace, an UnexpectedTracerError); the losses are those without links."""
+    got = {}
+    for with_link in (False, True):
+        mesh = mesh_of("node=2,data=4", 8)
+        plan = resolve(Settings(mesh="node=2,data=4", model="mlp", update="delayed:2", batch_size=B, optimizer="sgd",
+                                lr=0.1, clip_norm=0, compression="int8,start=2", compress_axes="node",
+                                link=["node=1ms,1gbit"] if with_link else None), mesh=mesh, model=MODEL)
+        step = S.for_plan(plan, donate=False)
+        params, state = step.init(S.init_params(MODEL, plan.layout, jax.random.key(0)))
+        losses = []
+        for b in batches[:4]:
+            params, state, loss = step.train(params, state, put(mesh, b, P(None, ("node", "data"))))
+            losses.append(float(loss))
+        got[with_link] = losses
+    assert got[True] == got[False]
+
+
 def test_without_links_no_callback_is_compiled_in(mesh_of, put, batches):
     texts = {}
     for with_link in (False, True):
