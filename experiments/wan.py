@@ -171,6 +171,28 @@ def timed_run(bench, label, links, steps, skip=0):
     return times
 
 
+def compute_runner(bench, label):
+    """run(k) -> the seconds of k more steps without links (compiled, and one step run, first)."""
+    _, step = bench.step(VARIANTS[label][0], donate=False)
+    carry = list(step.init(S.init_params(bench.model, step.layout, jax.random.key(bench.seed))))
+    jax.block_until_ready(step.train(*carry, bench.train[0]))
+    at = [0]
+
+    def run(k):
+        times = []
+        for _ in range(k):
+            batch = bench.train[at[0] % len(bench.train)]
+            at[0] += 1
+            t = time.perf_counter()
+            params, state, loss = step.train(*carry, batch)
+            float(loss)
+            carry[:] = [params, state]
+            times.append(time.perf_counter() - t)
+        return times
+
+    return run
+
+
 def virtual_run(bench, label, links, steps, compute):
     """Per-step seconds of `steps` training steps on a virtual clock (`dpjax.links.VirtualTime`):
     before each step the clock moves by `compute` (the variant's measured step without
@@ -204,6 +226,7 @@ def main(argv=None):
     p.add_argument("--plot-link", default="183 ms / 23 Mbps")
     p.add_argument("--json")
     p.add_argument("--gpt", action="store_true", help="the main job's GPT and the compressed variants (issue 20)")
+    p.add_argument("--rounds", type=int, default=3, help="rounds of the interleaved compute measurement")
     p.add_argument("--clock", choices=("virtual", "real"), default="virtual",
                    help="virtual: the wire's time on a virtual clock plus each variant's measured compute a step "
                         "(independent of the machine's load but for that compute); real: wall-clock over the "
@@ -219,7 +242,7 @@ def main(argv=None):
     if args.gpt and args.links == list(LINKS):
         args.links = ["datacenter 0.01 ms / 10 Gbps", "183 ms / 23 Mbps"]
     if args.smoke:
-        args.steps, args.cap, args.budget = 8, 4, 0.3  # the datacenter link runs whole, the 35 ms one is cut
+        args.steps, args.cap, args.budget, args.rounds = 8, 4, 0.3, 1  # the datacenter link runs whole, the 35 ms one is cut
         args.links, args.plot_link = ["datacenter 0.01 ms / 10 Gbps", "35 ms / 63 Mbps"], "35 ms / 63 Mbps"
         args.variants = ["sync, hierarchical", "sync powersgd:4, sites" if args.gpt else "delayed:4, sites"]
         _bench.smoke_outputs(args, "plot", "json")
@@ -237,10 +260,17 @@ def main(argv=None):
                       compress_whole=whole(label), **model)
         benches[label] = bench
         curves[label] = bench.run(rule, verbose=False)
-        n = min(24, args.steps)  # the first sixth untimed: warm-up
-        compute[label] = _bench.median(timed_run(bench, label, (), n)[n // 6:])
-        print(f"  {label:36s} final eval {curves[label].final_eval:.4f}, compute {1e3 * compute[label]:.1f} ms/step",
-              flush=True)
+        print(f"  {label:36s} final eval {curves[label].final_eval:.4f}", flush=True)
+    # the compute of a step without links: every variant in turn, --rounds times (the
+    # machine's load moves; interleaving spreads it over all variants alike), the median
+    runners = {label: compute_runner(benches[label], label) for label in args.variants}
+    samples = {label: [] for label in args.variants}
+    for _ in range(args.rounds):
+        for label in args.variants:
+            samples[label] += runners[label](4 if args.smoke else 6)
+    for label in args.variants:
+        compute[label] = _bench.median(samples[label])
+        print(f"  {label:36s} compute {1e3 * compute[label]:.1f} ms/step", flush=True)
     first = next(iter(benches.values()))
     nelems = first.gradient_elements()
     shapes = [tuple(x.shape) for x in jax.tree.leaves(jax.eval_shape(first.model.init, jax.random.key(0)))]
@@ -288,11 +318,14 @@ def main(argv=None):
     for label in args.variants:
         print(f"| {label} | {curves[label].final_eval:.4f} | {steps_to[label] or 'not reached'} | "
               f"{1e3 * compute[label]:.1f} |")
-    print("\n| link | variant | predicted s/step | measured s/step | measured / predicted | time to target (s) |")
-    print("|---|---|---:|---:|---:|---:|")
+    print("\n| link | variant | predicted s/step | measured s/step | measured / predicted | time to target (s) | "
+          "of which waiting for the wire (s) |")
+    print("|---|---|---:|---:|---:|---:|---:|")
     for name, label, predicted, per_step, cut, to_target, s in rows:
         tt = "not reached" if to_target is None else f"{'~' if cut else ''}{to_target:,.1f}"
-        print(f"| {name} | {label} | {predicted:.3f} | {per_step:.3f} | {per_step / predicted:.2f} | {tt} |")
+        wire = ("" if to_target is None or args.clock != "virtual"  # the rest is s steps of measured compute
+                else f"{to_target - s * compute[label]:,.2f}")
+        print(f"| {name} | {label} | {predicted:.3f} | {per_step:.3f} | {per_step / predicted:.2f} | {tt} | {wire} |")
     dc, far = "datacenter 0.01 ms / 10 Gbps", args.plot_link
     reference = results.get(dc, {}).get(base, {}).get("to_target_s")
     reached = {label: r["to_target_s"] for label, r in results.get(far, {}).items() if r["to_target_s"]}
