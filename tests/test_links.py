@@ -150,7 +150,7 @@ def test_collectives_off_the_linked_axis_cost_nothing(mesh_of):
     assert latency == pytest.approx(2 * LINK.latency)
 
 
-def _deferred_pair(mesh, chained: bool):
+def _deferred_pair(mesh, chained: bool, after: bool = False):
     """Virtual seconds a program waits for two allreduces over `node` (a ring over the 2
     nodes), issued inside `deferred` by one program and awaited by the next (as delayed:T
     does, steps apart): the second computed from the first's result in one block
@@ -168,7 +168,7 @@ def _deferred_pair(mesh, chained: bool):
                     return C.allreduce(a * 2.0, "node")  # its input is computed from a's result
             with links.deferred(jnp.int32(1)):
                 a = C.allreduce(v, "node")
-            with links.deferred(jnp.int32(2)):
+            with links.deferred(jnp.int32(2), after=jnp.int32(1) if after else None):
                 b = C.allreduce(v * 2.0, "node")
             return a + b
 
@@ -194,6 +194,9 @@ def test_a_chained_pair_in_one_deferred_block_is_charged_the_sum(mesh_of):
     independent, _ = _deferred_pair(mesh, False)
     assert independent == pytest.approx(max(w1 + l1, w1 + w2 + l2), abs=1e-9)
     assert independent < chained - 0.3
+    # a block whose input is computed from an earlier block's result (error feedback
+    # across steps) names it: it starts once that one has arrived
+    assert _deferred_pair(mesh, False, after=True)[0] == pytest.approx(chained, abs=1e-9)
 
 
 # ---------------------------------------------------------------------------------------

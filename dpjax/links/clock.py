@@ -67,9 +67,11 @@ class Clock:
     for every transfer filed there. The transfers of one key run as one communication
     stream, in issue order (as NCCL runs the collectives of one stream): each starts once
     the one filed before it has arrived, so a transfer whose input is computed from an
-    earlier one's result (PowerSGD's Q from P) is charged after it. Transfers of
-    different keys (steps), and synchronous ones, stay independent: their bytes share
-    the device's wire, their latencies overlap."""
+    earlier one's result (PowerSGD's Q from P) is charged after it. `after`: another key
+    whose transfers this one starts after (an exchange whose input is computed from the
+    previous step's result: error feedback). Transfers of different keys (steps), and
+    synchronous ones, are otherwise independent: their bytes share the device's wire,
+    their latencies overlap."""
 
     def __init__(self, devices: int = 1, source=None):
         self.source = RealTime() if source is None else source  # now(), sleep_until(t)
@@ -81,7 +83,8 @@ class Clock:
         self._calls: dict[tuple, int] = {}  # (site, device) -> calls issued
         self._first: dict[tuple, list] = {}  # (site, call) -> [first issue time, devices issued]
 
-    def issue(self, device: int, latency: float, wire: float, site: int | None = None, key=None) -> int:
+    def issue(self, device: int, latency: float, wire: float, site: int | None = None, key=None,
+              after=None) -> int:
         now = self.source.now()
         with self._lock:
             if site is not None:
@@ -93,7 +96,8 @@ class Clock:
                     del self._first[site, n]
                 now = first[0]
             stream = None if key is None else (int(device), int(key))
-            start = max(now, self._busy.get(device, now), self._done.get(stream, now))
+            start = max(now, self._busy.get(device, now), self._done.get(stream, now),
+                        self._done.get((int(device), int(after)), now) if after is not None else now)
             self._busy[device] = start + wire
             ticket = next(self._ids) % (2**31 - 1) + 1
             self._done[ticket if stream is None else stream] = start + wire + latency
