@@ -20,7 +20,8 @@ CKPT_FIELDS_THAT_MUST_MATCH = ("model", "optimizer")
 WHY = {  # a field whose difference needs its reason said
     "optimizer.compression_model_split": "the compression state is shaped by these axes (PowerSGD keeps one Q "
                                           "per tensor-parallel or pipeline shard; under FSDP each device keeps a "
-                                          "full-size error buffer): resume with the same axis sizes",
+                                          "full-size error buffer; per shard, each device keeps its shard's): "
+                                          "resume with the same axis sizes, or compress with --compress-whole",
 }
 
 
@@ -91,10 +92,11 @@ class Checkpointer:
                 "it may be corrupt or from another configuration: delete it or pass another --ckpt-dir")
 
 
-def compression_split(compression, mesh, fsdp: bool = False) -> dict:
+def compression_split(compression, mesh, fsdp: bool = False, shards=None) -> dict:
     """The mesh axis sizes the compression state's shapes depend on, {} for none: the
     model and stage sizes for a method with state of its own (PowerSGD's Q, one per
-    shard); under FSDP with error feedback, every axis (one full-size buffer a device)."""
+    shard); under FSDP with error feedback, every axis (one full-size buffer a device);
+    in the per-shard form (`shards`), the axes of its slots (a device's own shard)."""
     from dpjax.compression import parse
     from dpjax.mesh import NOT_DATA
 
@@ -103,6 +105,8 @@ def compression_split(compression, mesh, fsdp: bool = False) -> dict:
         return {}
     if fsdp and spec.method.stateful and spec.ef:
         return dict(mesh.shape)
+    if shards is not None and spec.method.stateful:
+        return {a: mesh.shape[a] for a in shards.slot}
     if spec.method.init is None:
         return {}
     return {a: n for a, n in mesh.shape.items() if a in NOT_DATA and n > 1}

@@ -112,6 +112,10 @@ class Settings:
     compress_axes: str | None = _opt(None, "compress only the exchange crossing these data axes, e.g. 'node' (the "
                                            "slow link between sites); the workers are then these axes and the "
                                            "exchange inside a worker is exact")
+    compress_whole: bool = _opt(False, "with --compress-axes: every device of a worker compresses and sends the "
+                                       "whole gradient across (the earlier form). Default: the per-shard form, each "
+                                       "device of a site sends only its 1/k shard across and the site all-gathers "
+                                       "the k shards exactly")
     backward_passes: int = _opt(1, "micro-batches per step: gradients accumulated over this many backward "
                                    "passes, exchanged once")
     microbatches: int | None = _opt(None, "with a stage axis: micro-batches each data-parallel replica's batch is "

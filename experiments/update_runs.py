@@ -24,7 +24,7 @@ from dpjax import step as S  # noqa: E402
 from dpjax.data import make_streams  # noqa: E402
 from dpjax.mesh import dp_size, make_mesh, parse_axes  # noqa: E402
 from dpjax.models import get_model  # noqa: E402
-from dpjax.plan import Exchange, resolve  # noqa: E402
+from dpjax.plan import Exchange, per_shard, resolve  # noqa: E402
 from dpjax.settings import Settings  # noqa: E402
 
 DATE = time.strftime("%Y-%m-%d")
@@ -54,7 +54,7 @@ class Bench:
     def __init__(self, *, model="mlp", mesh="8x1", batch_size=64, seq_len=32, steps=200, optimizer="momentum",
                  lr=0.05, warmup_steps=0, lr_scaling="none", clip_norm=0.0, algorithm="ring", eval_every=20,
                  eval_batches=4, seed=0, data="stdlib", d_model=None, workers=None, options=None,
-                 compression="none", compress_axes=None):
+                 compression="none", compress_axes=None, compress_whole=False):
         self.mesh = make_mesh(mesh)
         self.options = dict(options or {})  # more allreduce arguments (e.g. op="adasum")
         self.workers = workers
@@ -72,6 +72,7 @@ class Bench:
         self.inner = None  # an optax optimizer to use instead of the settings' (large_batch.py's warmup)
         # the exchange's compression (dpjax.compression spec) and the axes it is limited to (issue 20)
         self.compression, self.compress_axes = compression, compress_axes
+        self.compress_whole = compress_whole  # the whole gradient across from every device, not its shard
 
     def plan(self, spec: str, links=(), mesh=None):
         """The plan of the rule `spec` (dpjax.plan); links: emulated slow links (dpjax.links).
@@ -86,7 +87,8 @@ class Bench:
                                            batch_size=self.batch_size // dp_size(self.mesh))
         axes = None if compress_axes is None else parse_axes(compress_axes, self.mesh)
         exchange = Exchange(self.algorithm, options=self.options,
-                            compression=None if compression == "none" else compression, compress_axes=axes)
+                            compression=None if compression == "none" else compression, compress_axes=axes,
+                            shards=None if self.compress_whole or mesh is not None else per_shard(self.mesh, axes))
         return resolve(settings, mesh=mesh or self.mesh, model=self.model, optimizer=inner, exchange=exchange,
                        tensor_parallel=False)
 

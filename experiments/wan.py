@@ -34,17 +34,26 @@ a datacenter link for scale.
 --gpt: the main job's GPT (byte-level, 2 layers, d_model 128; AdamW 3e-3, clip 1.0,
 batch 32 x 128) in place of the MLP, and the compressed exchanges between the sites
 (issue 20: `--compression ... --compress-axes node`, exact inside each site): sync,
-delayed:4, sparse:8 and DiLoCo with PowerSGD, int8 / int4, sign and top-k on the link.
-The goal: over 183 ms / 23 Mbit/s, reach the target loss of sync on the datacenter link
-in at most 1.25x the datacenter run's wall-clock; the last line says what the best
-variant reaches. A compressed variant's prediction charges the ring's latencies over the
-2 sites and the method's bytes (`cost.compressed_bytes`).
+delayed:T, sparse:P and DiLoCo with PowerSGD, int8 / int4, random-k on the link, in the
+per-shard form (each device of a site sends its quarter of the site's gradient across;
+", whole": every device the whole gradient, for comparison). The goal: over 183 ms /
+23 Mbit/s, reach the target loss of sync on the datacenter link in at most 1.25x the
+datacenter run's time; the last line says what the best variant reaches. A compressed
+variant's prediction charges the ring's latencies over the 2 sites and the method's
+bytes (`cost.compressed_bytes`): a lower bound (PowerSGD chains three allreduces).
+
+--clock virtual (the default with --gpt) runs the emulated wire on a `dpjax.links.VirtualTime`:
+before each step the clock moves by the variant's compute a step (measured without
+links), and the waits for the wire move it on. No step sleeps, every run goes to its
+target, and the wire's share does not depend on the machine's load (the compute does).
+--clock real measures wall-clock over sleeping links (the earlier method).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 
@@ -55,7 +64,8 @@ from update_runs import DATE, MACHINE, Bench, plot
 
 from dpjax import step as S
 from dpjax.collectives.cost import Link, compressed_bytes, schedule
-from dpjax.links import AxisLink
+from dpjax.compression.shards import shard_shape
+from dpjax.links import AxisLink, Clock, VirtualTime
 
 LINKS = {  # name -> (ms, Mbps)
     "datacenter 0.01 ms / 10 Gbps": (0.01, 10_000),
@@ -63,7 +73,7 @@ LINKS = {  # name -> (ms, Mbps)
     "183 ms / 23 Mbps": (183, 23),
     "277 ms / 13 Mbps": (277, 13),
 }
-# label -> (rule, --workers, allreduce[, --compression over the sites: --compress-axes node])
+# label -> (rule, --workers, allreduce[, --compression over the sites: --compress-axes node[, "whole": not per shard]])
 VARIANTS = {
     "sync, hierarchical": ("sync", None, "hierarchical"),
     "sync, flat ring": ("sync", None, "ring"),
@@ -75,21 +85,41 @@ VARIANTS = {
     # compressed between the sites, exact inside (issue 20)
     "sync powersgd:4, sites": ("sync", "node", "ring", "powersgd:4"),
     "sync int8, sites": ("sync", "node", "ring", "int8"),
+    "sync int4, sites": ("sync", "node", "ring", "int4"),
     "sync sign, sites": ("sync", "node", "ring", "sign"),
     "sync topk:0.01, sites": ("sync", "node", "ring", "topk:0.01"),
+    "delayed:2 int4, sites": ("delayed:2", "node", "ring", "int4"),
+    "delayed:4 int4, sites": ("delayed:4", "node", "ring", "int4"),
+    "delayed:4 int4, sites, whole": ("delayed:4", "node", "ring", "int4", "whole"),
+    "delayed:4 int8, sites": ("delayed:4", "node", "ring", "int8"),
+    "delayed:4 randk:0.1, sites": ("delayed:4", "node", "ring", "randk:0.1"),
     "delayed:4 powersgd:4, sites": ("delayed:4", "node", "ring", "powersgd:4"),
+    "delayed:8 powersgd:4, sites": ("delayed:8", "node", "ring", "powersgd:4"),
+    "sparse:4 int4, sites": ("sparse:4", "node", "ring", "int4"),
+    "sparse:8 int4, sites": ("sparse:8", "node", "ring", "int4"),
     "sparse:8 powersgd:4, sites": ("sparse:8", "node", "ring", "powersgd:4"),
+    "sparse:8 powersgd:4, sites, whole": ("sparse:8", "node", "ring", "powersgd:4", "whole"),
+    "sparse:16 int4, sites": ("sparse:16", "node", "ring", "int4"),
+    "DiLoCo sparse:8,outer=0.7 int4, sites": ("sparse:8,outer=0.7", "node", "ring", "int4"),
+    "DiLoCo sparse:16,outer=0.7 int4, sites": ("sparse:16,outer=0.7", "node", "ring", "int4"),
     "DiLoCo sparse:32,outer=0.7 int4, sites": ("sparse:32,outer=0.7", "node", "ring", "int4"),
 }
-GPT_VARIANTS = ["sync, hierarchical", "sync, flat ring", "sync powersgd:4, sites", "sync int8, sites",
-                "sync sign, sites", "sync topk:0.01, sites", "delayed:4 powersgd:4, sites", "sparse:8, sites",
-                "sparse:8 powersgd:4, sites", "DiLoCo sparse:32,outer=0.7, sites",
-                "DiLoCo sparse:32,outer=0.7 int4, sites"]
+GPT_VARIANTS = ["sync, hierarchical", "sync int4, sites", "sync powersgd:4, sites", "delayed:4, sites",
+                "delayed:2 int4, sites", "delayed:4 int4, sites", "delayed:4 int4, sites, whole", "delayed:4 int8, sites",
+                "delayed:4 randk:0.1, sites", "delayed:4 powersgd:4, sites", "delayed:8 powersgd:4, sites",
+                "sparse:4 int4, sites", "sparse:8 int4, sites", "sparse:16 int4, sites", "sparse:8 powersgd:4, sites",
+                "sparse:8 powersgd:4, sites, whole", "DiLoCo sparse:8,outer=0.7 int4, sites",
+                "DiLoCo sparse:16,outer=0.7 int4, sites", "DiLoCo sparse:32,outer=0.7 int4, sites"]
 GOAL = 1.25  # the issue's goal: at most this times the datacenter sync run's time to target
 
 
 def compression_of(label):
     return VARIANTS[label][3] if len(VARIANTS[label]) > 3 else None
+
+
+def whole(label) -> bool:
+    """Whether a compressed variant sends the whole gradient across from every device."""
+    return len(VARIANTS[label]) > 4 and VARIANTS[label][4] == "whole"
 
 
 def predict(label, nelems, compute, link: Link, shapes=None) -> float:
@@ -101,8 +131,9 @@ def predict(label, nelems, compute, link: Link, shapes=None) -> float:
     elif workers == "node":  # inside a site first; the rule's ring over the 2 sites crosses
         s = schedule("ring", 2, nelems)
         steps, nbytes = s.steps, s.bytes
-        if compression_of(label):  # the method's bytes, the ring's latencies (a lower bound)
-            nbytes = compressed_bytes(compression_of(label), shapes, 2)
+        if compression_of(label):  # the method's bytes (of each device's shard), the ring's latencies (a lower bound)
+            cut = shapes if whole(label) else [shard_shape(s, 4) for s in shapes]
+            nbytes = compressed_bytes(compression_of(label), cut, 2)
     else:  # a ring over all 8: every step crosses
         s = schedule("ring", 8, nelems)
         steps, nbytes = s.steps, s.bytes
@@ -139,6 +170,46 @@ def timed_run(bench, label, links, steps, skip=0):
     return times
 
 
+def compute_runner(bench, label):
+    """run(k) -> the seconds of k more steps without links (compiled, and one step run, first)."""
+    _, step = bench.step(VARIANTS[label][0], donate=False)
+    carry = list(step.init(S.init_params(bench.model, step.layout, jax.random.key(bench.seed))))
+    jax.block_until_ready(step.train(*carry, bench.train[0]))
+    at = [0]
+
+    def run(k):
+        times = []
+        for _ in range(k):
+            batch = bench.train[at[0] % len(bench.train)]
+            at[0] += 1
+            t = time.perf_counter()
+            params, state, loss = step.train(*carry, batch)
+            float(loss)
+            carry[:] = [params, state]
+            times.append(time.perf_counter() - t)
+        return times
+
+    return run
+
+
+def virtual_run(bench, label, links, steps, compute):
+    """Per-step seconds of `steps` training steps on a virtual clock (`dpjax.links.VirtualTime`):
+    before each step the clock moves by `compute` (the variant's measured step without
+    links), and the step's waits for the emulated wire move it on. The wire's share is
+    thus exact and free of the machine's load; only `compute` was measured."""
+    plan = bench.plan(VARIANTS[label][0], links)
+    now = VirtualTime()
+    step = S.for_plan(plan, donate=False, clock=Clock(plan.mesh.size, now))
+    params, state = step.init(S.init_params(bench.model, plan.layout, jax.random.key(bench.seed)))
+    times = []
+    for batch in bench.train[:steps]:
+        t = now.now()
+        now.advance(compute)
+        params, state, loss = jax.block_until_ready(step.train(params, state, batch))
+        times.append(now.now() - t)
+    return times
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -154,18 +225,25 @@ def main(argv=None):
     p.add_argument("--plot-link", default="183 ms / 23 Mbps")
     p.add_argument("--json")
     p.add_argument("--gpt", action="store_true", help="the main job's GPT and the compressed variants (issue 20)")
+    p.add_argument("--rounds", type=int, default=3, help="rounds of the interleaved compute measurement")
+    p.add_argument("--clock", choices=("virtual", "real"), default=None,
+                   help="(default: virtual with --gpt, real without, as the MLP's RESULTS entry was measured) "
+                        "virtual: the wire's time on a virtual clock plus each variant's measured compute a step "
+                        "(independent of the machine's load but for that compute); real: wall-clock over the "
+                        "emulated links (sleeping), cut after --budget seconds")
     _bench.add_smoke(p, "8 steps; sync, hierarchical / delayed:4, sites; a datacenter link (run whole) and a "
                         "35 ms one (cut after 4 steps)")
     args = p.parse_args(argv)
     if args.quick:
         args.steps, args.links = 60, ["183 ms / 23 Mbps"]
         args.variants = ["sync, hierarchical", "delayed:4, sites", "sparse:8, sites"]
+    args.clock = args.clock or ("virtual" if args.gpt else "real")
     if args.gpt and args.variants == list(VARIANTS):
         args.variants = GPT_VARIANTS
     if args.gpt and args.links == list(LINKS):
         args.links = ["datacenter 0.01 ms / 10 Gbps", "183 ms / 23 Mbps"]
     if args.smoke:
-        args.steps, args.cap, args.budget = 8, 4, 0.3  # the datacenter link runs whole, the 35 ms one is cut
+        args.steps, args.cap, args.budget, args.rounds = 8, 4, 0.3, 1  # the datacenter link runs whole, the 35 ms one is cut
         args.links, args.plot_link = ["datacenter 0.01 ms / 10 Gbps", "35 ms / 63 Mbps"], "35 ms / 63 Mbps"
         args.variants = ["sync, hierarchical", "sync powersgd:4, sites" if args.gpt else "delayed:4, sites"]
         _bench.smoke_outputs(args, "plot", "json")
@@ -179,13 +257,21 @@ def main(argv=None):
         rule, workers, algorithm = VARIANTS[label][:3]
         comp = compression_of(label)
         bench = Bench(mesh="2x4x1", steps=args.steps, eval_every=10, algorithm=algorithm, workers=workers,
-                      compression=comp or "none", compress_axes="node" if comp else None, **model)
+                      compression=comp or "none", compress_axes="node" if comp else None,
+                      compress_whole=whole(label), **model)
         benches[label] = bench
         curves[label] = bench.run(rule, verbose=False)
-        n = min(30, args.steps)  # the first sixth untimed: warm-up
-        compute[label] = _bench.median(timed_run(bench, label, (), n)[n // 6:])
-        print(f"  {label:36s} final eval {curves[label].final_eval:.4f}, compute {1e3 * compute[label]:.1f} ms/step",
-              flush=True)
+        print(f"  {label:36s} final eval {curves[label].final_eval:.4f}", flush=True)
+    # the compute of a step without links: every variant in turn, --rounds times (the
+    # machine's load moves; interleaving spreads it over all variants alike), the median
+    runners = {label: compute_runner(benches[label], label) for label in args.variants}
+    samples = {label: [] for label in args.variants}
+    for _ in range(args.rounds):
+        for label in args.variants:
+            samples[label] += runners[label](4 if args.smoke else 6)
+    for label in args.variants:
+        compute[label] = _bench.median(samples[label])
+        print(f"  {label:36s} compute {1e3 * compute[label]:.1f} ms/step", flush=True)
     first = next(iter(benches.values()))
     nelems = first.gradient_elements()
     shapes = [tuple(x.shape) for x in jax.tree.leaves(jax.eval_shape(first.model.init, jax.random.key(0)))]
@@ -199,14 +285,20 @@ def main(argv=None):
         link = Link.from_ms_mbps(ms, mbps)
         axis_link = (AxisLink("node", link.latency, link.bandwidth),)
         for label in args.variants:
+            if args.gpt and LINKS[name][0] < 1 and label != base:  # the datacenter run is the reference only
+                continue
             s = steps_to[label]
             predicted = predict(label, nelems, compute[label], link, shapes)
             n = s or args.steps
-            cut = predicted * n > args.budget
+            cut = predicted * n > args.budget and args.clock == "real"
             k = period(label)
             # a cut run: whole cycles of the rule, after one cycle of warm-up
-            times = (timed_run(benches[label], label, axis_link, -(-args.cap // k) * k, skip=k) if cut
-                     else timed_run(benches[label], label, axis_link, n))
+            if args.clock == "virtual":  # no sleeping: every step up to the target (or all of them)
+                times = virtual_run(benches[label], label, axis_link, n, compute[label])
+            elif cut:
+                times = timed_run(benches[label], label, axis_link, -(-args.cap // k) * k, skip=k)
+            else:
+                times = timed_run(benches[label], label, axis_link, n)
             per_step = sum(times) / len(times)
             to_target = None if s is None else (per_step * s if cut else sum(times[:s]))
             results.setdefault(name, {})[label] = {"predicted_s": predicted, "measured_s": per_step, "cut": cut,
@@ -215,20 +307,25 @@ def main(argv=None):
             print(f"  {name:28s} {label:36s} predicted {predicted:.3f} s/step, measured {per_step:.3f} s/step "
                   f"({len(times)} steps{', cut' if cut else ''})", flush=True)
 
-    what = (f"gpt, adamw 3e-3, clip 1.0, batch 32 x {model['seq_len']}" if args.gpt
-            else f"mlp, batch 64, momentum lr {args.lr}")
-    print(f"\nMEASURED over emulated links (dpjax.links: the wire emulated, the rest real). {MACHINE}; {DATE}; "
+    what = f"gpt, adamw 3e-3, clip 1.0, batch 32 x {model['seq_len']}" if args.gpt else f"mlp, batch 64, lr {args.lr}"
+    clock = {"virtual": "the wire's time on a virtual clock plus each variant's measured compute a step",
+             "real": "wall-clock: the wire emulated by sleeping, the rest real"}[args.clock]
+    print(f"\nMEASURED over emulated links (dpjax.links; {clock}; load average {os.getloadavg()[0]:.1f} at the end). "
+          f"{MACHINE}; {DATE}; "
           f"{what}, {nelems:,} parameters, mesh 2x4x1 (2 sites of 4); target "
           f"validation loss {target} (sync, hierarchical's final {curves[base].final_eval:.4f} + 1%)\n")
     print("| variant | final loss | steps to target | compute ms/step |\n|---|---|---|---|")
     for label in args.variants:
         print(f"| {label} | {curves[label].final_eval:.4f} | {steps_to[label] or 'not reached'} | "
               f"{1e3 * compute[label]:.1f} |")
-    print("\n| link | variant | predicted s/step | measured s/step | measured / predicted | time to target (s) |")
-    print("|---|---|---:|---:|---:|---:|")
+    print("\n| link | variant | predicted s/step | measured s/step | measured / predicted | time to target (s) | "
+          "of which waiting for the wire (s) |")
+    print("|---|---|---:|---:|---:|---:|---:|")
     for name, label, predicted, per_step, cut, to_target, s in rows:
         tt = "not reached" if to_target is None else f"{'~' if cut else ''}{to_target:,.1f}"
-        print(f"| {name} | {label} | {predicted:.3f} | {per_step:.3f} | {per_step / predicted:.2f} | {tt} |")
+        wire = ("" if to_target is None or args.clock != "virtual"  # the rest is s steps of measured compute
+                else f"{to_target - s * compute[label]:,.2f}")
+        print(f"| {name} | {label} | {predicted:.3f} | {per_step:.3f} | {per_step / predicted:.2f} | {tt} | {wire} |")
     dc, far = "datacenter 0.01 ms / 10 Gbps", args.plot_link
     reference = results.get(dc, {}).get(base, {}).get("to_target_s")
     reached = {label: r["to_target_s"] for label, r in results.get(far, {}).items() if r["to_target_s"]}

@@ -18,7 +18,7 @@ def _args(corpus, ckpt, mesh, compression, *extra):
     return ["--model", "gpt", "--d-model", "32", "--n-layers", "1", "--n-heads", "8", "--seq-len", "16",
             "--batch-size", "16", "--data", corpus, "--eval-every", "0", "--eval-batches", "1", "--progress", "none",
             "--optimizer", "sgd", "--lr", "0.1", "--clip-norm", "0", "--mesh", mesh, "--compress-axes", "node",
-            "--compression", compression, "--ckpt-dir", str(ckpt), *extra]
+            "--compression", compression, "--compress-whole", "--ckpt-dir", str(ckpt), *extra]
 
 
 def _restored(argv):
@@ -50,10 +50,23 @@ def test_powersgd_across_a_change_of_the_model_split_is_one_line(corpus, tmp_pat
     assert "corrupt" not in err[0]
 
 
+def test_the_per_shard_form_across_a_change_of_sites_size_is_one_line(corpus, tmp_path, capsys):
+    """Per shard (the default with --compress-axes) each device keeps its own shard's
+    buffer: 4 devices a site cannot become 2."""
+    ckpt = tmp_path / "ckpt"
+    a = [x for x in _args(corpus, ckpt, "2x4x1", "int8") if x != "--compress-whole"]
+    assert main(a + ["--steps", "2", "--ckpt-every", "2"]) == 0
+    capsys.readouterr()
+    assert main([x if x != "2x4x1" else "2x2x2" for x in a] + ["--steps", "3", "--resume"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "per shard, each device keeps its shard's" in err[0], err
+
+
 def test_fsdp_error_buffers_across_a_change_of_size_are_one_line(corpus, tmp_path, capsys):
     """Under FSDP each device keeps a full-size buffer: 8 data ranks cannot become 4."""
     ckpt = tmp_path / "ckpt"
-    a = [x for x in _args(corpus, ckpt, "8x1", "randk:0.1", "--fsdp") if x not in ("--compress-axes", "node")]
+    a = [x for x in _args(corpus, ckpt, "8x1", "randk:0.1", "--fsdp")
+         if x not in ("--compress-axes", "node", "--compress-whole")]
     assert main(a + ["--steps", "2", "--ckpt-every", "2"]) == 0
     capsys.readouterr()
     b = [x if x != "8x1" else "4x2" for x in a]

@@ -10,6 +10,7 @@ of the tiny model computes, so the bounds below hold on a loaded 2-core machine.
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
@@ -84,18 +85,21 @@ def test_a_call_starts_when_its_first_device_issues_it():
     assert now.now() == pytest.approx(0.40, abs=1e-12)
 
 
-def test_joined_transfers_are_waited_for_under_their_key():
-    """`deferred`'s host side: the latest of several transfers, filed under (device, key),
-    is what a later wait for that key waits for."""
+def test_deferred_transfers_are_waited_for_under_their_key():
+    """`deferred`'s host side: transfers filed under (device, key) run one after another
+    (the second starts when the first has arrived), and a wait for that key waits for the
+    last; another key's transfer is independent of them."""
     now = links.VirtualTime()
     clock = links.Clock(source=now)
-    t1 = clock.issue(0, latency=0.5, wire=0.0)
-    t2 = clock.issue(0, latency=0.1, wire=0.3)  # done at 0.4
-    clock.join(0, 3, [t1, t2])
+    clock.issue(0, latency=0.5, wire=0.0, key=3)  # arrives at 0.5
+    clock.issue(0, latency=0.1, wire=0.3, key=3)  # starts at 0.5: arrives at 0.9
+    clock.issue(0, latency=0.2, wire=0.1, key=4)  # its bytes queue behind the last's (0.8): arrives at 1.1
     clock.wait((0, 2))  # another key: nothing filed
     assert now.now() == 0.0
     clock.wait((0, 3))
-    assert now.now() == pytest.approx(0.5, abs=1e-12)
+    assert now.now() == pytest.approx(0.9, abs=1e-12)
+    clock.wait((0, 4))
+    assert now.now() == pytest.approx(1.1, abs=1e-12)
 
 
 def test_real_time_sleeps_until_the_deadline():
@@ -144,6 +148,55 @@ def test_collectives_off_the_linked_axis_cost_nothing(mesh_of):
     assert _traced_cost(mesh, lambda v: C.allreduce(v, "data"), x) == []
     (_, latency, _), = _traced_cost(mesh, lambda v: C.allreduce(v, "node"), x)  # a ring over 2 nodes
     assert latency == pytest.approx(2 * LINK.latency)
+
+
+def _deferred_pair(mesh, chained: bool, after: bool = False):
+    """Virtual seconds a program waits for two allreduces over `node` (a ring over the 2
+    nodes), issued inside `deferred` by one program and awaited by the next (as delayed:T
+    does, steps apart): the second computed from the first's result in one block
+    (chained), or each in a block of its own (independent). Returns (the time,
+    [(latency, wire)] of each as traced)."""
+    now = links.VirtualTime()
+    em = links.Emulator(mesh, (links.AxisLink("node", latency=0.2, bandwidth=1e5),), links.Clock(mesh.size, now))
+
+    def issue(v):
+        assert v.shape == (64,), v.shape
+        with em.active():
+            if chained:
+                with links.deferred(jnp.int32(1)):
+                    a = C.allreduce(v, "node")
+                    return C.allreduce(a * 2.0, "node")  # its input is computed from a's result
+            with links.deferred(jnp.int32(1)):
+                a = C.allreduce(v, "node")
+            with links.deferred(jnp.int32(2), after=jnp.int32(1) if after else None):
+                b = C.allreduce(v * 2.0, "node")
+            return a + b
+
+    def wait(v):
+        assert v.shape == (64,), v.shape
+        with em.active():
+            return links.wait_deferred(links.wait_deferred(v, jnp.int32(1)), jnp.int32(2))
+
+    spec = P(("node", "data"))
+    f, g = (jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=spec, out_specs=spec, check_vma=False)) for fn in (issue, wait))
+    jax.block_until_ready(g(jax.block_until_ready(f(jnp.arange(8 * 64, dtype=jnp.float32)))))
+    return now.now(), [(lat, wire) for _, lat, wire in em.traced]
+
+
+def test_a_chained_pair_in_one_deferred_block_is_charged_the_sum(mesh_of):
+    """Q's allreduce cannot start before P's has arrived: two chained allreduces in one
+    `deferred` block cost the sum of both, where two independent ones (a block each)
+    overlap their latencies and queue only their bytes (the emulator's promise)."""
+    mesh = mesh_of("node=2,data=4", 8)
+    chained, ((l1, w1), (l2, w2)) = _deferred_pair(mesh, True)
+    assert l1 == pytest.approx(0.4) and w1 > 0.001  # 2 ring steps over the 2 nodes
+    assert chained == pytest.approx(l1 + w1 + l2 + w2, abs=1e-9)
+    independent, _ = _deferred_pair(mesh, False)
+    assert independent == pytest.approx(max(w1 + l1, w1 + w2 + l2), abs=1e-9)
+    assert independent < chained - 0.3
+    # a block whose input is computed from an earlier block's result (error feedback
+    # across steps) names it: it starts once that one has arrived
+    assert _deferred_pair(mesh, False, after=True)[0] == pytest.approx(chained, abs=1e-9)
 
 
 # ---------------------------------------------------------------------------------------
@@ -222,6 +275,26 @@ def test_sparse_pays_the_link_once_a_period(mesh_of, put, batches, compute):
     per_step = float(np.mean(times[:8]))  # steps 1..8: two averages (after steps 3 and 7)
     expect = compute["sparse:4"][1] + _comm() / 4
     assert 0.85 * expect <= per_step <= 1.5 * expect + 0.02, (per_step, expect)
+
+
+def test_a_deferred_exchange_with_start_steps_only_changes_time(mesh_of, put, batches):
+    """delayed:2 with int8 after 2 exact exchanges (a lax.cond inside the deferred block):
+    each collective in the cond files its own transfer (the block once handed tickets out
+    of the cond's trace, an UnexpectedTracerError); the losses are those without links."""
+    got = {}
+    for with_link in (False, True):
+        mesh = mesh_of("node=2,data=4", 8)
+        plan = resolve(Settings(mesh="node=2,data=4", model="mlp", update="delayed:2", batch_size=B, optimizer="sgd",
+                                lr=0.1, clip_norm=0, compression="int8,start=2", compress_axes="node",
+                                link=["node=1ms,1gbit"] if with_link else None), mesh=mesh, model=MODEL)
+        step = S.for_plan(plan, donate=False)
+        params, state = step.init(S.init_params(MODEL, plan.layout, jax.random.key(0)))
+        losses = []
+        for b in batches[:4]:
+            params, state, loss = step.train(params, state, put(mesh, b, P(None, ("node", "data"))))
+            losses.append(float(loss))
+        got[with_link] = losses
+    assert got[True] == got[False]
 
 
 def test_without_links_no_callback_is_compiled_in(mesh_of, put, batches):

@@ -19,6 +19,10 @@ def _exchange(plan):
     ex = plan.exchange
     axes = tuple(plan.workers) if ex.between_workers_only else data_axes(plan.mesh)
     shapes = [tuple(x.shape) for x in jax.tree.leaves(jax.eval_shape(plan.model.init, jax.random.key(0)))]
+    if ex.shards is not None:  # the per-shard form: each device exchanges its shards (compressed or not)
+        from dpjax.compression.shards import shard_shape
+
+        shapes = [shard_shape(s, ex.shards.size) for s in shapes]
     return axes, math.prod(plan.mesh.shape[a] for a in axes), shapes, {"algorithm": ex.algorithm,
                                                                         "fusion_mb": ex.fusion_mb, **ex.options}
 

@@ -60,7 +60,18 @@ class Clock:
     has a bounded pool) would otherwise start its transfer, and so the step's end, one
     whole transfer late. `site` names the call in the program; the n-th issue of a site
     by a device belongs to the site's n-th call. source: the time source (`RealTime`
-    by default, `VirtualTime` to account without sleeping)."""
+    by default, `VirtualTime` to account without sleeping).
+
+    `key`: a deferred transfer (`dpjax.links.deferred`) is filed under (device, key), a
+    key the program knows again later (a step number), and `wait((device, key))` waits
+    for every transfer filed there. The transfers of one key run as one communication
+    stream, in issue order (as NCCL runs the collectives of one stream): each starts once
+    the one filed before it has arrived, so a transfer whose input is computed from an
+    earlier one's result (PowerSGD's Q from P) is charged after it. `after`: another key
+    whose transfers this one starts after (an exchange whose input is computed from the
+    previous step's result: error feedback). Transfers of different keys (steps), and
+    synchronous ones, are otherwise independent: their bytes share the device's wire,
+    their latencies overlap."""
 
     def __init__(self, devices: int = 1, source=None):
         self.source = RealTime() if source is None else source  # now(), sleep_until(t)
@@ -72,7 +83,8 @@ class Clock:
         self._calls: dict[tuple, int] = {}  # (site, device) -> calls issued
         self._first: dict[tuple, list] = {}  # (site, call) -> [first issue time, devices issued]
 
-    def issue(self, device: int, latency: float, wire: float, site: int | None = None) -> int:
+    def issue(self, device: int, latency: float, wire: float, site: int | None = None, key=None,
+              after=None) -> int:
         now = self.source.now()
         with self._lock:
             if site is not None:
@@ -83,18 +95,13 @@ class Clock:
                 if first[1] >= self._devices:
                     del self._first[site, n]
                 now = first[0]
-            start = max(now, self._busy.get(device, now))
+            stream = None if key is None else (int(device), int(key))
+            start = max(now, self._busy.get(device, now), self._done.get(stream, now),
+                        self._done.get((int(device), int(after)), now) if after is not None else now)
             self._busy[device] = start + wire
             ticket = next(self._ids) % (2**31 - 1) + 1
-            self._done[ticket] = start + wire + latency
+            self._done[ticket if stream is None else stream] = start + wire + latency
         return ticket
-
-    def join(self, device: int, key: int, tickets) -> None:
-        """Files the latest of several transfers under (device, key): a key the program
-        knows again later (a step number), unlike the tickets."""
-        with self._lock:
-            done = max((self._done.pop(int(t), 0.0) for t in tickets), default=0.0)
-            self._done[(int(device), int(key))] = done
 
     def wait(self, ticket) -> None:
         """Sleeps until the transfer named by `ticket` (or (device, key)) is done; at once

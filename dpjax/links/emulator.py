@@ -42,7 +42,7 @@ class Emulator:
             if link.axis not in self.mesh.axis_names:
                 raise ValueError(f"link {link}: the mesh {dict(self.mesh.shape)} has no axis {link.axis!r}")
         self._frames: list[_Frame] = []
-        self._pending: list[list] = []
+        self._pending: list = []  # (key, after) of the deferred() blocks open, innermost last
         self.traced: list[tuple[str, float, float]] = []  # (collective, latency s, wire s) as traced
 
     @contextlib.contextmanager
@@ -116,11 +116,10 @@ def timed(collective):
         if frame.latency == 0.0 and frame.wire == 0.0:
             return y
         em.traced.append((collective.__name__, frame.latency, frame.wire))
-        ticket = _issue(em, x, frame, site=len(em.traced))
-        if em._pending:
-            em._pending[-1].append(ticket)
+        if em._pending:  # inside deferred(): filed under its key, after the block's earlier transfers
+            _issue(em, x, frame, site=len(em.traced), key=em._pending[-1][0], after=em._pending[-1][1])
             return y
-        return wait(y, ticket)
+        return wait(y, _issue(em, x, frame, site=len(em.traced)))
 
     return wrapper
 
@@ -129,14 +128,21 @@ def _device(mesh):
     return lax.axis_index(tuple(mesh.axis_names))
 
 
-def _issue(em: Emulator, x, frame: _Frame, site: int):
-    # The input as a dependency: the transfer starts when the input is ready.
+def _issue(em: Emulator, x, frame: _Frame, site: int, key=None, after=None):
+    # The input as a dependency: the transfer starts when the input is ready (a deferred
+    # one, on the emulated wire, once its block's earlier transfers, and the block `after`
+    # names, have arrived: `Clock`).
     first = jnp.ravel(jax.tree.leaves(x)[0])[:1].astype(jnp.float32)
+    keys = tuple(k for k in (key, after) if k is not None)
 
-    def host(device, _):
-        return np.int32(em.clock.issue(int(device), frame.latency, frame.wire, site))
+    def host(device, _, *k):
+        k = list(k)
+        key_, after_ = (k.pop(0) if key is not None else None), (k.pop(0) if after is not None else None)
+        return np.int32(em.clock.issue(int(device), frame.latency, frame.wire, site,
+                                       key=None if key_ is None else int(key_),
+                                       after=None if after_ is None else int(after_)))
 
-    return io_callback(host, jax.ShapeDtypeStruct((), jnp.int32), _device(em.mesh), first)
+    return io_callback(host, jax.ShapeDtypeStruct((), jnp.int32), _device(em.mesh), first, *keys)
 
 
 def wait(value, ticket):
@@ -171,24 +177,29 @@ def _after(value, token):
 
 
 @contextlib.contextmanager
-def deferred(key):
+def deferred(key, after=None):
     """Collectives called inside do not wait for their emulated wire: their transfers are
     filed under `key` (a traced int the program will know again, e.g. the step number),
     and `wait_deferred(value, key)` waits for them where the value is used: a rule that
-    consumes an exchange later than it issues it. Without links: nothing happens."""
+    consumes an exchange later than it issues it. Without links: nothing happens.
+
+    The block's transfers run one after another, in issue order: each starts on the wire
+    once the one before it in the block has arrived (`Clock.issue`'s `key`). The
+    emulator cannot see which results a later collective's input was computed from (a
+    chain such as PowerSGD's P then Q); serialising the block never charges a dependent
+    chain less than its sum, and charges independent transfers of one block as one
+    stream does (NCCL runs a stream's collectives in order). Blocks of different steps
+    overlap as before, unless `after` names an earlier block's key: then this block
+    starts once that one has arrived (an exchange with error feedback, whose input is
+    computed from the previous exchange's result). Each transfer is filed as it is
+    issued, so a collective inside a `lax.cond` in the block (a compression's start
+    steps) files its own."""
     em = _ACTIVE.get()
     if em is None:
         yield
         return
-    tickets: list = []
-    em._pending.append(tickets)
+    em._pending.append((key, after))
     try:
         yield
     finally:
         em._pending.pop()
-    if tickets:
-        def host(device, k, *ts):
-            em.clock.join(int(device), int(k), ts)
-            return np.int32(0)
-
-        io_callback(host, jax.ShapeDtypeStruct((), jnp.int32), _device(em.mesh), key, *tickets)

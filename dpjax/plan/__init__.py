@@ -44,10 +44,15 @@ class Exchange:
     compression: str | None = None
     options: dict = field(default_factory=dict)
     compress_axes: tuple | None = None  # None: compress every exchange (a cast) / the workers' (error feedback)
+    shards: object = None  # the per-shard form across the workers (`dpjax.compression.shards.Shards`), or None
 
     def kwargs(self) -> dict:
         return {"algorithm": self.algorithm, "fusion_mb": self.fusion_mb, "compression": self.compression,
                 **self.options}
+
+    def rule_kwargs(self) -> dict:
+        """The rule's exchange between workers: `kwargs`, and the per-shard form if any."""
+        return self.kwargs() if self.shards is None else {**self.kwargs(), "shard_over": self.shards}
 
     @property
     def between_workers_only(self) -> bool:
@@ -118,7 +123,8 @@ class Plan:
         lay = self.layout
         out = {"mesh": dict(self.mesh.shape), "workers": list(lay.workers), "num_workers": lay.num_workers,
                "fsdp": lay.fsdp, "tp_allreduce": lay.algorithm, "update": str(self.update),
-               "exchange": dict(self.exchange.kwargs(), compress_axes=self.exchange.compress_axes),
+               "exchange": dict(self.exchange.kwargs(), compress_axes=self.exchange.compress_axes,
+                                **({"per_shard": list(self.exchange.shards.axes)} if self.exchange.shards else {})),
                "passes": self.passes,
                "global_batch": self.global_batch, "links": [str(x) for x in self.links],
                "autotune": list(self.autotune)}
@@ -178,7 +184,8 @@ def resolve(s: Settings, devices=None, *, mesh=None, model=None, optimizer=None,
     if exchange is None:
         exchange = Exchange(DEFAULT_ALGORITHM if s.allreduce == "auto" else s.allreduce,
                             DEFAULT_FUSION_MB if s.fusion_mb == "auto" else float(s.fusion_mb),
-                            None if s.compression == "none" else s.compression, compress_axes=compress_axes)
+                            None if s.compression == "none" else s.compression, compress_axes=compress_axes,
+                            shards=None if s.compress_whole or s.fsdp else per_shard(mesh, compress_axes))
     given = [flag(n) for n in ("schedule", "microbatches", "virtual_stages") if getattr(s, n) is not None]
     pipeline = None
     if STAGE in mesh.axis_names:
@@ -230,7 +237,7 @@ def for_layout(model, layout, *, global_batch: int, update="sync", opt=None, opt
                          f"mesh {dict(layout.mesh.shape)}; use a multiple of {dp}")
     if layout.pipeline is not None:
         check_batch(layout.pipeline, global_batch // dp, f"--batch-size {global_batch} over {dp} data-parallel ranks")
-    rule = make_rule(update, inner, layout.workers, seed=seed, **exchange.kwargs())
+    rule = make_rule(update, inner, layout.workers, seed=seed, **exchange.rule_kwargs())
     if sharded.applies(layout, exchange.compression):  # FSDP's reduce-scatter carries the error feedback
         rule = sharded.wrap(rule, layout, exchange)
     return Plan(layout.mesh, layout, rule, exchange, passes, tuple(links), global_batch, model,
@@ -261,6 +268,22 @@ def _workers(s: Settings, mesh, update) -> tuple[tuple, tuple | None]:
         raise UsageError(f"--fsdp with --compress-axes {s.compress_axes}: FSDP splits over the data axes inside a "
                          "worker, and these are all of them; compress fewer (e.g. node)")
     return axes, axes
+
+
+def per_shard(mesh, compress_axes):
+    """The per-shard form of the compressed exchange between the workers `compress_axes`
+    (`dpjax.compression.shards`): each device of a worker sends its 1/k shard across, k
+    the worker's devices on the other data axes; None without --compress-axes or for k = 1."""
+    import math
+
+    from dpjax.compression.shards import Shards
+    from dpjax.mesh import data_axes
+
+    if not compress_axes:
+        return None
+    inner = tuple(a for a in data_axes(mesh) if a not in compress_axes)
+    k = math.prod(mesh.shape[a] for a in inner)
+    return Shards(inner, k, tuple(a for a in mesh.axis_names if a not in compress_axes)) if k > 1 else None
 
 
 def default_workers(mesh, per_worker: bool) -> tuple:

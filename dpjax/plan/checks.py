@@ -59,6 +59,9 @@ def check(s: Settings) -> None:
         raise UsageError(f"--compression {s.compression} cannot run inside FSDP's reduce-scatter, it is not linear: "
                          f"{spec.method.nonlinear}; compress only between sites (--workers node --compress-axes "
                          f"node, exact FSDP inside) or use a linear method ({', '.join(linear)})")
+    if s.compress_whole and s.compress_axes is None:
+        raise UsageError("--compress-whole chooses the form of the exchange --compress-axes compresses: give "
+                         "--compress-axes too (e.g. node)")
     if s.schedule is not None:
         one_of("--schedule", s.schedule, SCHEDULES)
     collectives = transport.chosen(s.collectives)

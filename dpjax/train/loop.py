@@ -78,7 +78,7 @@ class Trainer:
             self.record["optimizer"]["workers"] = self.layout.num_workers
         if plan.exchange.between_workers_only:  # error buffers / PowerSGD's Q in the state (issue 20)
             self.record["optimizer"]["compression"] = cfg.compression
-            split = compression_split(cfg.compression, self.mesh, fsdp=cfg.fsdp)
+            split = compression_split(cfg.compression, self.mesh, fsdp=cfg.fsdp, shards=plan.exchange.shards)
             if split:  # the state's shapes follow these axes: they must match to resume
                 self.record["optimizer"]["compression_model_split"] = split
         from dpjax.compression import accounting

@@ -45,10 +45,21 @@ class UpdateRule(NamedTuple):
 
 
 def mean_over(axes: tuple, allreduce: dict):
-    """The mean of a tree over `axes` with the rule's allreduce (the identity over no axes)."""
+    """The mean of a tree over `axes` with the rule's allreduce (the identity over no axes).
+    A compressed exchange given `shard_over` (`dpjax.compression.shards.Shards`) runs in
+    the per-shard form: each device's shard across `axes`, gathered inside the worker."""
+    from dpjax.compression import shards
+
+    sh, allreduce = _shards(allreduce)
     if not axes:
         return lambda tree: tree
-    return lambda tree: allreduce_gradients(tree, axis_arg(axes), **allreduce)
+    plain = lambda tree: allreduce_gradients(tree, axis_arg(axes), **allreduce)  # noqa: E731
+    return shards.plain_mean(plain, sh) if sh is not None and allreduce.get("compression") else plain
+
+
+def _shards(allreduce: dict):
+    """(the per-shard form's `Shards` or None, the allreduce's own arguments)."""
+    return allreduce.get("shard_over"), {k: v for k, v in allreduce.items() if k != "shard_over"}
 
 
 class Exchanger(NamedTuple):
@@ -67,12 +78,17 @@ def exchange_over(axes: tuple, allreduce: dict) -> Exchanger:
     """The mean over `axes` with the rule's allreduce, through its compression: a method
     with error feedback (`dpjax.compression.feedback`) keeps state, which the rule
     carries in its own (per worker, so checkpoints hold it); any other is stateless."""
-    from dpjax.compression import feedback, stateful
+    from dpjax.compression import feedback, shards, stateful
 
     comp = allreduce.get("compression")
     if not axes or not stateful(comp):
         plain = mean_over(axes, allreduce)
         return Exchanger(False, lambda params: (), lambda tree, state: (plain(tree), state), lambda specs: ())
+    sh, allreduce = _shards(allreduce)
+    if sh is not None:  # the per-shard form: state per device, on its slot
+        return Exchanger(True, lambda params: shards.init(comp, params, sh),
+                         lambda tree, state: shards.mean(tree, state, axis_arg(axes), sh, **allreduce),
+                         lambda specs: shards.specs(comp, specs, sh))
     return Exchanger(True, lambda params: feedback.init(comp, params),
                      lambda tree, state: feedback.mean(tree, state, axis_arg(axes), **allreduce),
                      lambda specs: feedback.specs(comp, specs))
@@ -80,7 +96,7 @@ def exchange_over(axes: tuple, allreduce: dict) -> Exchanger:
 
 def exact(allreduce: dict) -> dict:
     """The same exchange without wire compression: for parameters that must stay exact."""
-    return {**allreduce, "compression": None}
+    return {**_shards(allreduce)[1], "compression": None}
 
 
 def stacked(param_specs):

@@ -65,7 +65,9 @@ def delayed_gradients(inner, delay: int, axis_name="data", *, compensate: bool =
         return DelayedState(inner.init(params), jnp.zeros((), jnp.int32), buf, buf, ex.init(params))
 
     def update_fn(grads, state, params=None):
-        with links.deferred(state.t):  # the error buffer carries across the delay: it is fed back next step
+        # the error buffer (and PowerSGD's Q) carries across the delay: it is fed back next
+        # step, so that exchange starts once this one has arrived (links: `after`)
+        with links.deferred(state.t, after=state.t - 1 if ex.stateful else None):
             gbar, exchange = ex.mean(grads, state.exchange)
         slot = state.t % T
         old_gbar, old_g = (jax.tree.map(lambda b: lax.dynamic_index_in_dim(b, slot, 0, keepdims=False), buf)
