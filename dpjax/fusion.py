@@ -13,6 +13,8 @@ kept in tree order within a group; a leaf larger than the cap gets a bucket alon
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 from dataclasses import dataclass
 
 import jax
@@ -38,18 +40,47 @@ class FusionPlan:
     buckets: tuple[Bucket, ...]
 
 
-def plan_buckets(tree, cap_bytes: float) -> FusionPlan:
-    """Groups the leaves of `tree` (arrays or ShapeDtypeStructs) into buckets of <= cap_bytes.
+# Which leaves of the parameter tree differ across the model / stage axes (a tensor-parallel
+# or pipeline shard) and which are the same there (replicated), while dpjax's step is
+# traced. A compression that decides per bucket (top-k's selection, int8's block scales)
+# must not mix the two: a replicated tensor would be compressed differently on each model
+# rank beside a different shard, and its copies would drift apart.
+_CLASSES: contextvars.ContextVar = contextvars.ContextVar("dpjax_leaf_classes", default=None)
+
+
+@contextlib.contextmanager
+def leaf_classes(classes):
+    """While tracing inside, trees shaped like `classes` (a pytree of strings, one a leaf:
+    the mesh axes it is split over beyond the data axes) bucket by key."""
+    token = _CLASSES.set(classes)
+    try:
+        yield
+    finally:
+        _CLASSES.reset(token)
+
+
+def classes_of(tree):
+    """The keys of `tree`'s leaves under `leaf_classes`, None outside or for another tree."""
+    classes = _CLASSES.get()
+    if classes is None:
+        return None
+    keys, treedef = jax.tree.flatten(classes)
+    return tuple(keys) if treedef == jax.tree.structure(tree) else None
+
+
+def plan_buckets(tree, cap_bytes: float, classes=None) -> FusionPlan:
+    """Groups the leaves of `tree` (arrays or ShapeDtypeStructs) into buckets of <= cap_bytes,
+    one dtype and one of `classes` (a key a leaf, `classes_of`) a bucket.
 
     cap_bytes <= 0 disables fusion: one bucket per leaf.
     """
     leaves, treedef = jax.tree.flatten(tree)
     shapes = tuple(tuple(np.shape(x)) for x in leaves)
-    by_dtype: dict[np.dtype, list[int]] = {}
+    by_dtype: dict = {}
     for i, x in enumerate(leaves):
-        by_dtype.setdefault(np.dtype(x.dtype), []).append(i)
+        by_dtype.setdefault((np.dtype(x.dtype), classes[i] if classes else None), []).append(i)
     buckets = []
-    for dtype, idxs in by_dtype.items():
+    for (dtype, _), idxs in by_dtype.items():
         item = dtype.itemsize
         cur: list[int] = []
         cur_bytes = 0

@@ -215,4 +215,6 @@ def checked(fn, names, where: str):
         check(named_leaves(out, names), where=f"{where}: ", error=AssertionError)
         return out
 
+    if hasattr(fn, "lower"):  # still a jitted step to what reads its program (comm_bytes, MFU, timeline)
+        call.lower = fn.lower
     return call

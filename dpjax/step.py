@@ -51,7 +51,8 @@ from dpjax import links as emulation
 from dpjax import scopes
 from dpjax.compression import sharded
 from dpjax.data_parallel import allreduce_gradients, broadcast_params
-from dpjax.mesh import as_axes, axis_arg, data_axes, dp_size, local_shape
+from dpjax.fusion import leaf_classes
+from dpjax.mesh import NOT_DATA, as_axes, axis_arg, data_axes, dp_size, local_shape
 from dpjax.pipeline import staged as pipeline_staged
 from dpjax.optim import OptimizerConfig  # noqa: F401  (dpjax.step.OptimizerConfig, as before)
 from dpjax.plan import Exchange, Plan, for_layout, for_rule
@@ -144,6 +145,8 @@ def build(loss_fn, plan: Plan, *, abstract_params, donate: bool = True, value_an
         return loss, inner_mean(g)
 
     pspecs = layout.specs
+    classes = jax.tree.map(lambda s: ",".join(a for e in s if e is not None for a in (e if isinstance(e, tuple) else (e,))
+                                              if a in NOT_DATA and mesh.shape[a] > 1), pspecs, is_leaf=is_spec)
     sspecs = rule.specs(pspecs, jax.eval_shape(rule.init, abstract_params))
     if rule.per_worker:
         lead = layout.workers or None
@@ -170,6 +173,7 @@ def build(loss_fn, plan: Plan, *, abstract_params, donate: bool = True, value_an
         if emulator is not None:  # collectives traced inside time themselves on the links
             fn = _traced_within(emulator.active, fn)
         fn = _traced_within(scopes.numbered_calls, fn)
+        fn = _traced_within(lambda: leaf_classes(classes), fn)  # compression buckets never mix shards
         return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
 
     # Parameters are replicated over the data axes FSDP does not split: Horovod's

@@ -27,7 +27,7 @@ from jax import lax
 
 from dpjax import scopes
 from dpjax.compression.grammar import parse
-from dpjax.fusion import pack, plan_buckets, unpack
+from dpjax.fusion import classes_of, pack, plan_buckets, unpack
 
 
 class State(NamedTuple):
@@ -92,7 +92,7 @@ def per_bucket(reduce_flat):
     def exchange(tree, own, axis_name, spec, t, allreduce):
         from dpjax.collectives import allreduce as one
 
-        plan = plan_buckets(tree, allreduce.get("fusion_mb", 64) * 2**20)
+        plan = plan_buckets(tree, allreduce.get("fusion_mb", 64) * 2**20, classes_of(tree))  # never mixing shards
         key = jax.random.fold_in(jax.random.key(0), t)  # the same on every rank: random-k's shared seed
         means, resids = [], []
         for i, (bucket, buf) in enumerate(zip(plan.buckets, pack(plan, tree))):
