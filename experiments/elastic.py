@@ -180,14 +180,16 @@ def commit_cost(args, out_dir):
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--steps", type=int, default=120)
+    p = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()),
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--steps", type=int, default=120, help="steps of each run")
     p.add_argument("--at", type=int, default=30, help="the step the fault strikes at")
-    p.add_argument("--scenarios", default=",".join(SCENARIOS))
-    p.add_argument("--commit-cost", action="store_true")
+    p.add_argument("--scenarios", default=",".join(SCENARIOS), help="the scenarios to run, comma-separated")
+    p.add_argument("--commit-cost", action="store_true",
+                   help="measure what committing every step costs the main job instead of the scenarios")
     p.add_argument("--rounds", type=int, default=12, help="--commit-cost: commit blocks (each between two without)")
     p.add_argument("--block", type=int, default=20, help="--commit-cost: steps per block")
-    p.add_argument("--data", default=None, help="a text file (default: 300 kB of the stdlib corpus)")
+    p.add_argument("--data", default=None, help="a text file; None: 300 kB of the stdlib corpus")
     _bench.add_smoke(p, "the same-size scenario, 8 steps; or 2 commit blocks of 8 steps for the commit cost")
     args = p.parse_args()
     out_dir = tempfile.mkdtemp(prefix="dpjax-elastic-")

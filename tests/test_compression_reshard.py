@@ -40,6 +40,7 @@ def test_error_buffers_move_to_another_model_split_bit_for_bit(corpus, tmp_path)
     assert split, "on 2x2x2 some of the state is split over model"
 
 
+@pytest.mark.slow  # each trains on two meshes (about 25 s); the restore itself is tested fast above
 def test_powersgd_across_a_change_of_the_model_split_is_one_line(corpus, tmp_path, capsys):
     ckpt = tmp_path / "ckpt"
     assert main(_args(corpus, ckpt, "2x4x1", "powersgd:2", "--steps", "2", "--ckpt-every", "2")) == 0
@@ -50,6 +51,7 @@ def test_powersgd_across_a_change_of_the_model_split_is_one_line(corpus, tmp_pat
     assert "corrupt" not in err[0]
 
 
+@pytest.mark.slow  # each trains on two meshes (about 25 s); the restore itself is tested fast above
 def test_the_per_shard_form_across_a_change_of_sites_size_is_one_line(corpus, tmp_path, capsys):
     """Per shard (the default with --compress-axes) each device keeps its own shard's
     buffer: 4 devices a site cannot become 2."""
@@ -62,6 +64,7 @@ def test_the_per_shard_form_across_a_change_of_sites_size_is_one_line(corpus, tm
     assert len(err) == 1 and "per shard, each device keeps its shard's" in err[0], err
 
 
+@pytest.mark.slow  # each trains on two meshes (about 25 s); the restore itself is tested fast above
 def test_fsdp_error_buffers_across_a_change_of_size_are_one_line(corpus, tmp_path, capsys):
     """Under FSDP each device keeps a full-size buffer: 8 data ranks cannot become 4."""
     ckpt = tmp_path / "ckpt"
