@@ -5,6 +5,7 @@ dpjax's commits so that a restart loses at most a step; see the package docstrin
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import sys
@@ -80,6 +81,10 @@ class Agent:
                     ENV["per_host"]: str(view["nproc"]), ENV["commit_dir"]: a.commit_dir,
                     ENV["agent_pid"]: str(os.getpid())})
         env.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(a.commit_dir, "jit-cache"))  # restarts skip compiling
+        # The agent stops every process on any failure, so jax.distributed's own heartbeat
+        # need not: it must outlast --hang-timeout, or the coordination service aborts the
+        # survivors of a stopped (SIGSTOP) process first and the hang is blamed on them.
+        env.setdefault(distributed.HEARTBEAT_ENV, str(max(distributed.HEARTBEAT_S, math.ceil(a.hang_timeout) + 10)))
         env.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
         last = view.get("last")
         if last and cause(last["failures"]):

@@ -31,6 +31,7 @@ __all__ = ["COLLECTIVES", "COORDINATOR", "LOCAL_RANK", "LauncherError", "NUM_PRO
 # --kill-on-bad-exit). Heartbeats come from a thread of their own, so a long compile or
 # step does not miss them.
 HEARTBEAT_S = 10
+HEARTBEAT_ENV = "DPJAX_HEARTBEAT_TIMEOUT"  # seconds, overriding HEARTBEAT_S (dpjax.agent sets it past --hang-timeout)
 
 
 class LauncherError(UserError):
@@ -120,7 +121,7 @@ def initialize(timeout_s: int | None = None, heartbeat_s: int | None = None, col
     if _joined() is not None:
         return True
     timeout_s = int(os.environ.get("DPJAX_INIT_TIMEOUT", 300)) if timeout_s is None else timeout_s
-    heartbeat_s = int(os.environ.get("DPJAX_HEARTBEAT_TIMEOUT", HEARTBEAT_S)) if heartbeat_s is None else heartbeat_s
+    heartbeat_s = int(os.environ.get(HEARTBEAT_ENV, HEARTBEAT_S)) if heartbeat_s is None else heartbeat_s
     found, name = detect(os.environ), chosen(collectives)
     if found is not None and found.problem:
         raise LauncherError(found.problem)
