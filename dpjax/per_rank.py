@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from dpjax.mesh import data_axes
+from dpjax.mesh import as_axes, data_axes
 
 FIELDS = ("compression", "error")  # where a DistributedState keeps the per-rank part
 
@@ -31,11 +31,10 @@ def _is_state(x) -> bool:
     return isinstance(x, DistributedState)
 
 
-def nnx_prefixes(nodes) -> list[tuple]:
-    """The state paths (plain keys) under which NNX objects keep per-rank buffers."""
-    from flax import nnx
-
-    return [tuple(path) + FIELDS for path, node in nnx.iter_graph(nodes) if _is_state(node)]
+def nnx_prefixes(graph) -> list[tuple]:
+    """The state paths (plain keys) under which NNX objects keep per-rank buffers, from
+    their graph's (path, node) pairs (`nnx.iter_graph`)."""
+    return [tuple(path) + FIELDS for path, node in graph if _is_state(node)]
 
 
 def tree_prefixes(tree) -> list[tuple]:
@@ -74,14 +73,14 @@ def spread(x, mesh, layout: P):
     n = ranks(mesh)
     sharding = getattr(x, "sharding", None)
     if (isinstance(sharding, NamedSharding) and sharding.mesh.shape == mesh.shape and x.ndim >= 1
-            and x.shape[0] == n and _axes(sharding.spec, 0) == _axes(layout, 0)):
+            and x.shape[0] == n and as_axes(_entry(sharding.spec)) == as_axes(_entry(layout))):
         return x
     return jnp.broadcast_to(jnp.asarray(x)[None], (n, *jnp.shape(x)))
 
 
-def _axes(spec, d: int) -> tuple:
-    entry = tuple(spec)[d] if len(spec) > d else None
-    return () if entry is None else entry if isinstance(entry, tuple) else (entry,)
+def _entry(spec):
+    """The spec's entry for the leading dimension (None when it names none)."""
+    return tuple(spec)[0] if len(spec) else None
 
 
 def local(x):

@@ -56,7 +56,7 @@ from dpjax.mesh import NOT_DATA, as_axes, axis_arg, data_axes, dp_size, local_sh
 from dpjax.pipeline import staged as pipeline_staged
 from dpjax.optim import OptimizerConfig  # noqa: F401  (dpjax.step.OptimizerConfig, as before)
 from dpjax.plan import Exchange, Plan, for_layout, for_rule
-from dpjax.sharding import Layout, is_spec
+from dpjax.sharding import Layout, is_spec, spec_axes
 from dpjax.updates import UpdateRule
 
 
@@ -145,8 +145,8 @@ def build(loss_fn, plan: Plan, *, abstract_params, donate: bool = True, value_an
         return loss, inner_mean(g)
 
     pspecs = layout.specs
-    classes = jax.tree.map(lambda s: ",".join(a for e in s if e is not None for a in (e if isinstance(e, tuple) else (e,))
-                                              if a in NOT_DATA and mesh.shape[a] > 1), pspecs, is_leaf=is_spec)
+    classes = jax.tree.map(lambda s: ",".join(a for a in spec_axes(s) if a in NOT_DATA and mesh.shape[a] > 1), pspecs,
+                           is_leaf=is_spec)
     sspecs = rule.specs(pspecs, jax.eval_shape(rule.init, abstract_params))
     if rule.per_worker:
         lead = layout.workers or None

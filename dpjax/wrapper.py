@@ -207,8 +207,9 @@ class ShardedStep:
         from flax import nnx
         from flax.nnx import spmd
 
-        averages = {path for path, node in nnx.iter_graph(nodes) if isinstance(node, nnx.metrics.Average)}
-        slots = per_rank.nnx_prefixes(nodes)
+        graph = list(nnx.iter_graph(nodes))  # walked once for both
+        averages = {path for path, node in graph if isinstance(node, nnx.metrics.Average)}
+        slots = per_rank.nnx_prefixes(graph)
         out = []
         is_var = lambda x: isinstance(x, nnx.Variable)  # noqa: E731
         for path, var in jax.tree_util.tree_flatten_with_path(state, is_leaf=is_var)[0]:

@@ -25,7 +25,7 @@ import sys
 import jax
 
 import _bench
-from update_runs import DATE, MACHINE, Bench
+from update_runs import DATE, MACHINE, Bench, finish_plot
 
 from dpjax import step as S
 from dpjax.collectives.cost import compressed_bytes, hlo_comm
@@ -120,12 +120,7 @@ def plot_points(path, rows, steps):
     ax.set_xscale("log")
     ax.set(xlabel="MB sent by the busiest device over the run (log)", ylabel="final validation loss",
            title=f"GPT on 8 devices, {steps} steps (filled: error feedback; hollow: ef=0)")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    print(f"wrote {path}", flush=True)
+    finish_plot(fig, ax, path)
 
 
 if __name__ == "__main__":

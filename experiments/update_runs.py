@@ -154,10 +154,17 @@ def plot(path, series, xlabel, ylabel, title, logx=False):
     if logx:
         ax.set_xscale("symlog", linthresh=1)
     ax.set(xlabel=xlabel, ylabel=ylabel, title=title)
+    finish_plot(fig, ax, path)
+    return True
+
+
+def finish_plot(fig, ax, path) -> None:
+    """A grid, the legend, and the figure written to `path` (the experiments' plots alike)."""
+    import matplotlib.pyplot as plt
+
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
     print(f"wrote {path}", flush=True)
-    return True

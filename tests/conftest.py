@@ -147,6 +147,27 @@ def read_losses(path) -> list[float]:
     return [out[s] for s in sorted(out)]
 
 
+def tiny_gpt(corpus, *extra) -> list[str]:
+    """`python -m dpjax.train` arguments of a tiny GPT (d_model 32, 1 layer, seq 16, batch
+    16, SGD 0.1, no clipping, no evaluation, no progress) on `corpus`, then `extra`."""
+    return ["--model", "gpt", "--d-model", "32", "--n-layers", "1", "--n-heads", "8", "--seq-len", "16",
+            "--batch-size", "16", "--data", corpus, "--eval-every", "0", "--eval-batches", "1", "--progress", "none",
+            "--optimizer", "sgd", "--lr", "0.1", "--clip-norm", "0", *extra]
+
+
+def assert_resumes_bit_for_bit(args, tmp_path) -> None:
+    """`python -m dpjax.train args`: 3 steps, a checkpoint, a restart to 6 give 6 straight
+    steps' losses exactly."""
+    from dpjax.train import main
+
+    ckpt, path, straight = tmp_path / "ckpt", tmp_path / "m.jsonl", tmp_path / "s.jsonl"
+    base = [*args, "--ckpt-dir", str(ckpt), "--ckpt-every", "3", "--metrics", str(path)]
+    assert main(base + ["--steps", "3"]) == 0
+    assert main(base + ["--steps", "6", "--resume"]) == 0
+    assert main([*args, "--steps", "6", "--metrics", str(straight)]) == 0
+    assert len(read_losses(path)) == 6 and read_losses(path) == read_losses(straight)
+
+
 def flat_algorithms(names) -> list[str]:
     """The algorithms of a registry view (`dpjax.collectives.ALGORITHMS`, ...) that run
     over one (flattened) axis, as the flat meshes' parametrisations need: not those

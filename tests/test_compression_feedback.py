@@ -24,9 +24,8 @@ from dpjax import compression
 from dpjax.collectives.cost import hlo_comm
 from dpjax.compression import feedback, powersgd, quantise
 from dpjax.data_parallel import DistributedOptimizer, allreduce_gradients
-from dpjax.train import main
 
-from conftest import read_losses as losses
+from conftest import assert_resumes_bit_for_bit, tiny_gpt
 
 N = 4
 SHAPES = {"w": (12, 40), "b": (40,), "v": (300,)}
@@ -227,12 +226,6 @@ def test_ef_signsgd_converges_where_sign_does_not(mesh_of):
     assert ef < 1e-6, (ef, x)
 
 
-def _tiny(corpus, *extra):
-    return ["--model", "gpt", "--d-model", "32", "--n-layers", "1", "--n-heads", "8", "--seq-len", "16",
-            "--batch-size", "16", "--data", corpus, "--eval-every", "0", "--eval-batches", "1", "--progress", "none",
-            "--optimizer", "sgd", "--lr", "0.1", "--clip-norm", "0", *extra]
-
-
 @pytest.mark.parametrize("extra", [
     ("--mesh", "8x1", "--compression", "powersgd:2,start=2"),
     pytest.param(("--mesh", "2x4x1", "--update", "sparse:2,outer=0.7", "--compress-axes", "node", "--compression",
@@ -241,12 +234,7 @@ def _tiny(corpus, *extra):
 def test_a_checkpoint_mid_run_resumes_bit_for_bit(corpus, tmp_path, extra):
     """The error buffers and PowerSGD's Q are in the checkpoint: 3 steps, a restart, 3
     more equal 6 straight steps exactly."""
-    ckpt, path, straight = tmp_path / "ckpt", tmp_path / "m.jsonl", tmp_path / "s.jsonl"
-    base = _tiny(corpus, *extra, "--ckpt-dir", str(ckpt), "--ckpt-every", "3", "--metrics", str(path))
-    assert main(base + ["--steps", "3"]) == 0
-    assert main(base + ["--steps", "6", "--resume"]) == 0
-    assert main(_tiny(corpus, *extra, "--steps", "6", "--metrics", str(straight))) == 0
-    assert len(losses(path)) == 6 and losses(path) == losses(straight)
+    assert_resumes_bit_for_bit(tiny_gpt(corpus, *extra), tmp_path)
 
 
 @pytest.mark.parametrize("make", [lambda spec: DistributedOptimizer(optax.sgd(1.0), "data", compression=spec),

@@ -20,9 +20,8 @@ from dpjax.collectives.cost import hlo_comm
 from dpjax.compression import randk, sharded
 from dpjax.compression.feedback import State
 from dpjax.compression.topk import count
-from dpjax.train import main
 
-from conftest import read_losses as losses
+from conftest import assert_resumes_bit_for_bit, tiny_gpt
 
 N = 4
 SHAPES = {"b": (6,), "v": (300,), "w": (12, 40)}  # full local shapes, in the tree's order
@@ -184,22 +183,11 @@ def test_training_equals_an_unsharded_reference(mesh_of):
                                        atol=1e-12)
 
 
-def _tiny(corpus, *extra):
-    return ["--model", "gpt", "--d-model", "32", "--n-layers", "1", "--n-heads", "8", "--seq-len", "16",
-            "--batch-size", "16", "--data", corpus, "--eval-every", "0", "--eval-batches", "1", "--progress", "none",
-            "--optimizer", "sgd", "--lr", "0.1", "--clip-norm", "0", *extra]
-
-
 def test_a_checkpoint_mid_run_resumes_bit_for_bit(corpus, tmp_path):
     """The error buffers (full-size, per device) are in the checkpoint: 3 steps, a
     restart, 3 more equal 6 straight steps exactly (the start step falls in the first 3)."""
     extra = ("--mesh", "8x1", "--fsdp", "--compression", "randk:0.1,start=2")
-    ckpt, path, straight = tmp_path / "ckpt", tmp_path / "m.jsonl", tmp_path / "s.jsonl"
-    base = _tiny(corpus, *extra, "--ckpt-dir", str(ckpt), "--ckpt-every", "3", "--metrics", str(path))
-    assert main(base + ["--steps", "3"]) == 0
-    assert main(base + ["--steps", "6", "--resume"]) == 0
-    assert main(_tiny(corpus, *extra, "--steps", "6", "--metrics", str(straight))) == 0
-    assert len(losses(path)) == 6 and losses(path) == losses(straight)
+    assert_resumes_bit_for_bit(tiny_gpt(corpus, *extra), tmp_path)
 
 
 NONLINEAR = [n for n in compression.names() if compression.registry.get(n).stateful

@@ -13,14 +13,14 @@ import pytest
 from dpjax.collectives import cost
 from dpjax.train import main
 
+from conftest import tiny_gpt
+
 TINY = {"d_model": 32, "n_layers": 1, "n_heads": 8}
 LOSS_BYTES = 2 * 7 * 1  # the reported loss's pmean: XLA's all-reduce of one float32 over 8, ring-charged
 
 
 def _tiny(corpus, *extra):
-    return ["--model", "gpt", "--d-model", "32", "--n-layers", "1", "--n-heads", "8", "--seq-len", "16",
-            "--batch-size", "16", "--data", corpus, "--eval-every", "0", "--eval-batches", "1", "--progress", "none",
-            "--optimizer", "sgd", "--lr", "0.1", "--clip-norm", "0", "--steps", "4", *extra]
+    return tiny_gpt(corpus, "--steps", "4", *extra)
 
 
 def _rows(path):

@@ -13,12 +13,12 @@ from dpjax.train import main
 from dpjax.train.cli import parse_args
 from dpjax.train.loop import Trainer
 
+from conftest import tiny_gpt
+
 
 def _args(corpus, ckpt, mesh, compression, *extra):
-    return ["--model", "gpt", "--d-model", "32", "--n-layers", "1", "--n-heads", "8", "--seq-len", "16",
-            "--batch-size", "16", "--data", corpus, "--eval-every", "0", "--eval-batches", "1", "--progress", "none",
-            "--optimizer", "sgd", "--lr", "0.1", "--clip-norm", "0", "--mesh", mesh, "--compress-axes", "node",
-            "--compression", compression, "--compress-whole", "--ckpt-dir", str(ckpt), *extra]
+    return tiny_gpt(corpus, "--mesh", mesh, "--compress-axes", "node", "--compression", compression,
+                    "--compress-whole", "--ckpt-dir", str(ckpt), *extra)
 
 
 def _restored(argv):

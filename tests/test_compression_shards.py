@@ -23,10 +23,9 @@ from dpjax.compression import randk, topk
 from dpjax.compression.shards import Shards, shard_shape
 from dpjax.fusion import plan_buckets
 from dpjax.plan import UsageError
-from dpjax.train import main
 from dpjax.updates.base import exchange_over
 
-from conftest import read_losses as losses
+from conftest import assert_resumes_bit_for_bit, tiny_gpt
 
 K, SITES = 4, 2
 SH = Shards(("data",), K, ("data",))
@@ -208,12 +207,6 @@ def test_the_plan_picks_the_form():
     assert "\n" not in str(info.value)
 
 
-def _tiny(corpus, *extra):
-    return ["--model", "gpt", "--d-model", "32", "--n-layers", "1", "--n-heads", "8", "--seq-len", "16",
-            "--batch-size", "16", "--data", corpus, "--eval-every", "0", "--eval-batches", "1", "--progress", "none",
-            "--optimizer", "sgd", "--lr", "0.1", "--clip-norm", "0", *extra]
-
-
 @pytest.mark.parametrize("extra", [
     ("--mesh", "2x4x1", "--compress-axes", "node", "--compression", "powersgd:2"),
     pytest.param(("--mesh", "2x4x1", "--update", "delayed:2", "--compress-axes", "node", "--compression", "topk:0.05"),
@@ -221,9 +214,4 @@ def _tiny(corpus, *extra):
 def test_a_checkpoint_mid_run_resumes_bit_for_bit_per_shard(corpus, tmp_path, extra):
     """Each device's error buffer and Q (its shard's) are in the checkpoint: 3 steps, a
     restart, 3 more equal 6 straight steps exactly."""
-    ckpt, path, straight = tmp_path / "ckpt", tmp_path / "m.jsonl", tmp_path / "s.jsonl"
-    base = _tiny(corpus, *extra, "--ckpt-dir", str(ckpt), "--ckpt-every", "3", "--metrics", str(path))
-    assert main(base + ["--steps", "3"]) == 0
-    assert main(base + ["--steps", "6", "--resume"]) == 0
-    assert main(_tiny(corpus, *extra, "--steps", "6", "--metrics", str(straight))) == 0
-    assert len(losses(path)) == 6 and losses(path) == losses(straight)
+    assert_resumes_bit_for_bit(tiny_gpt(corpus, *extra), tmp_path)

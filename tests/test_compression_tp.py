@@ -11,14 +11,11 @@ import pytest
 
 from dpjax.train import main
 
-from conftest import read_losses as losses
+from conftest import assert_resumes_bit_for_bit, tiny_gpt
 
 
 def _tiny(corpus, *extra):
-    return ["--model", "gpt", "--d-model", "32", "--n-layers", "1", "--n-heads", "8", "--seq-len", "16",
-            "--batch-size", "16", "--data", corpus, "--eval-every", "0", "--eval-batches", "1", "--progress", "none",
-            "--optimizer", "sgd", "--lr", "0.1", "--clip-norm", "0", "--mesh", "2x2x2", "--compress-axes", "node",
-            *extra]
+    return tiny_gpt(corpus, "--mesh", "2x2x2", "--compress-axes", "node", *extra)
 
 
 @pytest.mark.parametrize("form", [(), ("--compress-whole",)], ids=["per-shard", "whole"])
@@ -28,11 +25,4 @@ def test_replicated_tensors_stay_alike_across_model_ranks(corpus, monkeypatch, f
 
 
 def test_a_resumed_run_with_top_k_beside_tensor_parallelism_is_the_straight_one(corpus, tmp_path):
-    ckpt, path, straight = tmp_path / "ckpt", tmp_path / "m.jsonl", tmp_path / "s.jsonl"
-    base = _tiny(corpus, "--compression", "topk:0.05", "--compress-whole", "--ckpt-dir", str(ckpt),
-                 "--ckpt-every", "3", "--metrics", str(path))
-    assert main(base + ["--steps", "3"]) == 0
-    assert main(base + ["--steps", "6", "--resume"]) == 0
-    assert main(_tiny(corpus, "--compression", "topk:0.05", "--compress-whole", "--steps", "6", "--metrics",
-                      str(straight))) == 0
-    assert len(losses(path)) == 6 and losses(path) == losses(straight)
+    assert_resumes_bit_for_bit(_tiny(corpus, "--compression", "topk:0.05", "--compress-whole"), tmp_path)

@@ -93,18 +93,23 @@ def warning(plan) -> str | None:
 # `lax.cond`); a step runs one of them.
 
 
+def period(plan) -> int:
+    """The steps between the rule's exchanges between workers (`Kind.period`): one a step
+    but for sparse:P."""
+    from dpjax.updates.registry import get
+
+    return get(plan.update.kind).period(plan.update) if plan.update is not None else 1
+
+
 def compressed_at(plan, step: int) -> bool:
     """Whether step `step` (0-based) of the plan's run exchanges compressed: always without
-    start=S, else from its S-th exchange on (the rule's exchanges come every
-    `Kind.period` steps: one a step but for sparse:P)."""
+    start=S, else from its S-th exchange on (one every `period(plan)` steps)."""
     from dpjax.compression import parse
-    from dpjax.updates.registry import get
 
     spec = parse(plan.exchange.compression)
     if spec is None or spec.start == 0:
         return spec is not None
-    period = get(plan.update.kind).period(plan.update) if plan.update is not None else 1
-    return step // period >= spec.start
+    return step // period(plan) >= spec.start
 
 
 def ratio_at(plan, step: int, whole: float | None = None) -> float:

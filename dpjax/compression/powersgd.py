@@ -2,7 +2,7 @@
 
 Vogels, Karimireddy & Jaggi, "PowerSGD: Practical Low-Rank Gradient Compression for
 Distributed Optimization", NeurIPS 2019 (torch's `powerSGD_hook`). Each gradient tensor
-is viewed as a matrix M (a, b) (`_matrix`: leading dimensions against the rest, the cut
+is viewed as a matrix M (a, b) (`matrix_view`: leading dimensions against the rest, the cut
 nearest to square); with the previous step's Q (b, R):
 
     P = mean_i(M_i Q)          one allreduce (every tensor's P fused into buckets)
@@ -33,7 +33,7 @@ from dpjax.compression.registry import Method, register
 MIN_RATE = 2  # torch's min_compression_rate: smaller savings are not worth the two extra exchanges
 
 
-def _matrix(shape) -> tuple[int, int]:
+def matrix_view(shape) -> tuple[int, int]:
     """The matrix view (a, b) of a tensor: its leading dimensions against the rest, cut
     where a + b is smallest (torch's hook views (dim 0, rest); dpjax's layer-stacked
     weights put the layer count first, which would leave almost nothing to compress)."""
@@ -45,7 +45,7 @@ def compressed(shape, dtype, rank: int) -> bool:
     """Whether a tensor of this shape travels as rank-R factors."""
     if len(shape) < 2 or not jnp.issubdtype(dtype, jnp.floating):
         return False
-    a, b = _matrix(shape)
+    a, b = matrix_view(shape)
     return (a + b) * rank * MIN_RATE <= a * b
 
 
@@ -57,7 +57,7 @@ def init(params, spec):
     R = spec.number
 
     def one(i, x):
-        b = _matrix(x.shape)[1] if compressed(x.shape, x.dtype, R) else 1
+        b = matrix_view(x.shape)[1] if compressed(x.shape, x.dtype, R) else 1
         key = jax.random.fold_in(jax.random.key(0), i)
         return jax.random.normal(key, (1, b, R), jnp.float32)
 
@@ -67,8 +67,10 @@ def init(params, spec):
 
 def state_specs(param_specs, spec):
     """Each Q on the axes its parameter is split over (tensor parallelism: each shard its own Q)."""
+    from dpjax.sharding import spec_axes
+
     def one(s):
-        axes = tuple(a for entry in s if entry is not None for a in (entry if isinstance(entry, tuple) else (entry,)))
+        axes = spec_axes(s)
         return P(axes or None, None, None)
 
     return jax.tree.map(one, param_specs, is_leaf=lambda x: isinstance(x, P))
@@ -97,7 +99,7 @@ def exchange(tree, Qs, axis_name, spec, t, allreduce):
         for i, m in zip(rest, mean([leaves[i] for i in rest])):
             out[i] = m
     if low:
-        Ms = [leaves[i].reshape(_matrix(leaves[i].shape)) for i in low]
+        Ms = [leaves[i].reshape(matrix_view(leaves[i].shape)) for i in low]
         for i, m in zip(low, Ms):
             assert qs[i].shape == (1, m.shape[1], R), (qs[i].shape, m.shape, R)
         approx, Q = factor_mean(Ms, [qs[i][0].astype(m.dtype) for i, m in zip(low, Ms)], mean)
@@ -115,8 +117,8 @@ def wire_bytes(shapes, n, spec, allreduce):
 
     R = spec.number
     low = [s for s in shapes if compressed(s, jnp.float32, R)]
-    parts = ([s for s in shapes if not compressed(s, jnp.float32, R)], [(_matrix(s)[0], R) for s in low],
-             [(_matrix(s)[1], R) for s in low])
+    parts = ([s for s in shapes if not compressed(s, jnp.float32, R)], [(matrix_view(s)[0], R) for s in low],
+             [(matrix_view(s)[1], R) for s in low])
     total = 0
     for part in parts:
         plan = plan_buckets([jax.ShapeDtypeStruct(s, jnp.float32) for s in part], allreduce.get("fusion_mb", 64) * 2**20)

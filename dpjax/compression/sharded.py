@@ -39,6 +39,7 @@ from jax.sharding import PartitionSpec as P
 from dpjax import scopes
 from dpjax.compression.feedback import State
 from dpjax.compression.grammar import parse
+from dpjax.mesh import as_axes, axis_arg
 
 
 def applies(layout, compression) -> bool:
@@ -61,7 +62,7 @@ def local_value_and_grad(loss_fn, par, n: int):
     """(params, batch) -> (loss, this device's gradient with respect to the gathered
     parameters, unreduced): the probes of `tensor_parallel.Parallel` receive it."""
     def value_and_grad(params, batch):
-        probes = jax.tree.map(lambda x, d: jnp.zeros(full_shape(x.shape, d, n), x.dtype), params, par.gather_dims)
+        probes = full_zeros(params, par.gather_dims, n)
         return jax.value_and_grad(lambda pr: loss_fn(params, batch, dataclasses.replace(par, probes=pr)))(probes)
 
     return value_and_grad
@@ -86,9 +87,8 @@ def specs(compression, param_specs, axes) -> State:
     from dpjax.sharding import is_spec
 
     def one(spec):
-        keep = [tuple(a for a in (e if isinstance(e, tuple) else (e,)) if a is not None and a not in axes)
-                for e in spec]
-        return P(axes if len(axes) > 1 else axes[0], *[None if not e else (e[0] if len(e) == 1 else e) for e in keep])
+        keep = [tuple(a for a in as_axes(e) if a not in axes) for e in spec]
+        return P(axis_arg(axes), *[axis_arg(e) if e else None for e in keep])
 
     error = jax.tree.map(one, param_specs, is_leaf=is_spec) if parse(compression).ef else ()
     return State(P(), error, ())
@@ -202,7 +202,7 @@ def wrap(rule, layout, exchange):
     full local gradient (`local_value_and_grad`), which `mean` reduce-scatters through
     the compression before the rule sees it."""
     dims, axes, n = layout.gather_dims, layout.inner_axes, dp(layout)
-    axis = axes[0] if len(axes) == 1 else axes
+    axis = axis_arg(axes)
     kw = {"compression": exchange.compression, "algorithm": exchange.algorithm, "fusion_mb": exchange.fusion_mb}
 
     def init_both(params):

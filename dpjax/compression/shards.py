@@ -35,6 +35,10 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
+from dpjax import per_rank
+from dpjax.compression import powersgd
+from dpjax.mesh import axis_arg
+
 
 @dataclass(frozen=True)
 class Shards:
@@ -48,14 +52,14 @@ class Shards:
 
     @property
     def axis(self):
-        return self.axes[0] if len(self.axes) == 1 else tuple(self.axes)
+        return axis_arg(self.axes)
 
 
 def _view(shape) -> tuple[tuple, bool]:
     """(the 2-D (or 1-D) view with the longer side first, whether it is the transpose)."""
     if len(shape) < 2:
         return (math.prod(shape),), False
-    a, b = min(((math.prod(shape[:k]), math.prod(shape[k:])) for k in range(1, len(shape))), key=sum)
+    a, b = powersgd.matrix_view(shape)
     return ((a, b), False) if a >= b else ((b, a), True)
 
 
@@ -121,11 +125,11 @@ def plain_mean(mean, sh: Shards):
 
 
 def _slotted(tree):
-    return jax.tree.map(lambda x: x[None], tree)
+    return jax.tree.map(per_rank.slot, tree)
 
 
 def _unslotted(tree):
-    return jax.tree.map(lambda x: x[0], tree)
+    return jax.tree.map(per_rank.local, tree)
 
 
 def init(compression, params, sh: Shards):

@@ -74,11 +74,10 @@ class StepBytes:
 
 def averages_at(plan, step: int) -> bool:
     """Whether step `step` (0-based) runs the rule's exchange between workers: every step
-    but under sparse:P, whose average ends every P-th step (`Kind.period`)."""
-    from dpjax.updates.registry import get
+    but under sparse:P, whose average ends every P-th step (`accounting.period`)."""
+    from dpjax.compression import accounting
 
-    period = get(plan.update.kind).period(plan.update) if plan.update is not None else 1
-    return (step + 1) % period == 0
+    return (step + 1) % accounting.period(plan) == 0
 
 
 class CommBytes:
