@@ -5,32 +5,44 @@ from __future__ import annotations
 
 import math
 import os
+import re
 
 import jax
 
 from dpjax.mesh import MODEL, dp_size
 
 
-def estimate(model, layout, global_batch: int, compression=None) -> dict:
+def estimate(model, layout, global_batch: int, compression=None, policy=None, platform: str | None = None) -> dict:
     """Bytes per device of a run of `model` laid out by `layout` with `global_batch`
-    sequences per backward pass: {'params', 'state', 'error', 'activations', 'total'}.
-    The parameters are exact (each device's shards); the state is taken as three times
-    them (Adam's two moments and the gradient, sharded like the parameters: an upper
-    bound for sgd and momentum); error: the error buffer of a `compression` with error
+    sequences per backward pass: {'params', 'state', 'grads', 'error', 'activations', 'total'}.
+    The parameters are exact (each device's shards); the optimizer state is taken as two
+    times them (Adam's moments, sharded like the parameters: an upper bound for sgd and
+    momentum) and so are the gradients (the gradient and the update made from it: what
+    XLA's buffer assignment holds beside them in the step); error: the error buffer of a `compression` with error
     feedback, exact: as the parameters (it mirrors the worker's gradient), or under FSDP
     through random-k (`dpjax.compression.sharded`) each device's full local gradient,
-    n times its shards; the activations are the model's own estimate for its rows, split
-    by the model axis."""
-    stored = jax.eval_shape(lambda k: layout.store(model.init(k)), jax.random.key(0))
+    n times its shards; the activations are the model's own estimate for its rows under
+    the compute `policy` (`dpjax.policy.Policy`: dtype, remat, attention; default the
+    float32 reference), split by the model axis. `platform`: where it runs (default
+    JAX's backend): XLA:CPU computes bfloat16 in float32, so on CPU a value is 4 bytes."""
+    from dpjax.policy import Policy, accelerated
+
+    policy = policy or Policy()
+    platform = platform or jax.default_backend()
+    stored = jax.eval_shape(lambda k: policy.store(layout.store(model.init(k))), jax.random.key(0))
     local = jax.tree.map(lambda x, sh: math.prod(sh.shard_shape(x.shape)) * x.dtype.itemsize,
                          stored, layout.shardings())
     params = sum(jax.tree.leaves(local))
-    state = 3 * params
+    state = 2 * params  # Adam's two moments (an upper bound for sgd and momentum)
+    grads = 2 * params  # the gradient and the update formed from it, live together in the step
     error = _error_bytes(layout, stored, params, compression)
     rows = max(1, global_batch // dp_size(layout.mesh))
-    activations = model.activation_bytes(rows) // layout.mesh.shape.get(MODEL, 1)
-    return {"params": params, "state": state, "error": error, "activations": activations,
-            "total": params + state + error + activations}
+    split = layout.mesh.shape.get(MODEL, 1)
+    width = policy.compute.itemsize if accelerated(platform) else 4
+    activations = model.activation_bytes(rows, remat=policy.remat, attention=policy.attention, width=width,
+                                         split=split)
+    return {"params": params, "state": state, "grads": grads, "error": error, "activations": activations,
+            "total": params + state + grads + error + activations}
 
 
 def _error_bytes(layout, stored, params: int, compression) -> int:
@@ -42,18 +54,65 @@ def _error_bytes(layout, stored, params: int, compression) -> int:
     return sharded.error_bytes(layout, stored) if sharded.applies(layout, spec) else params
 
 
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
+          "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12, "tib": 2**40}
+
+
+def parse_size(text: str) -> int:
+    """Bytes of a size such as '80GiB', '141GB', '24000MB' or '1.5TiB' (SI units are powers
+    of 10, binary ones of 2). Raises ValueError (one line)."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ValueError(f"expected a size such as 80GiB, 141GB or 24000MB, got {text!r}")
+    size = float(m.group(1)) * _UNITS[m.group(2).lower()]
+    if not math.isfinite(size) or size <= 0:
+        raise ValueError(f"expected a positive size, got {text!r}")
+    return int(size)
+
+
+def preallocation_note(platform: str) -> str:
+    """On a GPU JAX preallocates 75% of the memory and reports that as the limit: say so,
+    and how to give it more (empty where it does not apply)."""
+    if platform not in ("gpu", "cuda", "rocm"):
+        return ""
+    if os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION") or os.environ.get("XLA_PYTHON_CLIENT_ALLOCATOR") == "platform":
+        return ""
+    return (" (JAX takes 75% of a GPU's memory by default: XLA_PYTHON_CLIENT_MEM_FRACTION=.95 gives it more)")
+
+
+def _available_host() -> int | None:
+    """The host memory free for this process now (MemAvailable), else its physical memory."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+# What a CPU process holds beyond its programs' buffers (JAX's runtime, compiled code, the
+# data, Python): a 43M-parameter run on 8 simulated devices peaked at 8.1 GB resident, its
+# step's buffers 8 x 0.8 GiB (XLA's memory_analysis), 1.25 GB apart.
+CPU_RUNTIME_BYTES = 1 << 30
+
+
 def device_memory(mesh) -> int | None:
     """What one device of `mesh` can hold: the accelerator's limit, or on CPU the host's
-    physical memory shared by this process's devices (None if unknown)."""
+    memory available now less the runtime's own, shared by this process's devices (None
+    if unknown)."""
     import jax
 
     dev = next(d for d in mesh.devices.flat if d.process_index == jax.process_index())  # stats are local only
     stats = dev.memory_stats() if hasattr(dev, "memory_stats") else None
     if stats and stats.get("bytes_limit"):
         return int(stats["bytes_limit"])
-    try:
-        host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
+    host = _available_host()
+    if host is None:
         return None
     local = sum(1 for d in mesh.devices.flat if d.process_index == dev.process_index)
-    return host // max(1, local)
+    return max(0, host - CPU_RUNTIME_BYTES) // max(1, local)

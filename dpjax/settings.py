@@ -84,6 +84,30 @@ class Settings:
     warmup_steps: int = _opt(0, "steps of linear learning-rate warmup")
     weight_decay: float = _opt(0.0, "AdamW's decoupled weight decay")
     clip_norm: float = _opt(1.0, "clip each worker's gradient to this global norm (0: off)")
+    # The compute policy (dpjax.policy) and what the planner may choose
+    dtype: str = _opt("auto", "compute dtype of the layers (matmuls, activations, a pipeline's sends); auto: bfloat16 "
+                              "on GPU and TPU, float32 on CPU. Layer-norm statistics, softmax, logits, the loss, "
+                              "gradient accumulation and the optimizer stay float32 whatever this says",
+                      choices=("auto", "float32", "bfloat16", "float16"))
+    param_dtype: str = _opt("float32", "dtype of the master weights and so of the optimizer state",
+                            choices=("float32", "bfloat16", "float16"))
+    remat: str = _opt("auto", "what each layer keeps for the backward pass: none (everything: fastest), dots (the "
+                              "matmul and attention outputs; the rest recomputed), full (only the layer's input; the "
+                              "layer recomputed); auto: the least recomputation whose memory estimate fits a device",
+                      choices=("auto", "none", "dots", "full"))
+    attention: str = _opt("auto", "causal attention kernel: naive (the T x T scores written out), xla "
+                                  "(jax.nn.dot_product_attention's XLA kernel), cudnn (cuDNN flash attention: an "
+                                  "NVIDIA GPU, bfloat16/float16, head width a multiple of 8 up to 256); auto: cudnn "
+                                  "where it can run, else xla on a GPU, naive on CPU",
+                          choices=("auto", "naive", "xla", "cudnn"))
+    layer_loop: bool = _opt(False, "run the stacked layers as a Python loop instead of one lax.scan (compile time "
+                                   "then grows with depth; for comparison)")
+    dry_run: bool = _opt(False, "resolve the plan, print it (mesh, layout, dtype, remat, attention, memory per "
+                                "device by part) and exit without compiling: 0 if it fits, 2 with one line if not")
+    device_memory: str | None = _opt(None, "plan for devices with this much memory, e.g. 80GiB, 141GB or 24000MB. "
+                                           "With --dry-run on a machine without a GPU the plan is made for GPUs "
+                                           "(bf16, cuDNN attention where eligible): plan a GPU job from a laptop. "
+                                           "Default: what a device here has")
     update: str = _opt("sync", lambda: _updates_help())
     workers: str | None = _opt(None, "the data axes the update rule's workers span, e.g. 'node' (one worker per "
                                      "node: synchronous data parallelism inside it, the rule between nodes). "
@@ -93,9 +117,10 @@ class Settings:
     link: list | None = _opt(None, "emulate a slow link on a mesh axis, e.g. 'node=183ms,23mbit' (repeatable): every "
                                    "collective crossing that axis waits for its alpha-beta time; values are "
                                    "unchanged, only time", action="append")
-    allreduce: str = _opt("ring", lambda: f"gradient allreduce algorithm: {', '.join(_algorithms())}; or auto: "
-                                        "each is timed on the first steps of the run and the fastest kept "
-                                        "(recorded in the metrics and the checkpoint; a resumed run keeps it)")
+    allreduce: str | None = _opt(None, lambda: f"gradient allreduce algorithm: {', '.join(_algorithms())}; or auto: "
+                                               "each is timed on the first steps of the run and the fastest kept "
+                                               "(recorded in the metrics and the checkpoint; a resumed run keeps "
+                                               "it). Default: psum (XLA's own: NCCL) on GPU and TPU, ring on CPU")
     tp_allreduce: str = _opt("ring", lambda: "allreduce over the model axis inside tensor-parallel layers: "
                                            f"{', '.join(a for a in _algorithms() if a != 'hierarchical')}")
     fsdp: bool = _opt(False, "fully sharded data parallelism (ZeRO-3) inside each worker: parameters and "

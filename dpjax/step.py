@@ -36,6 +36,7 @@ shard_map the name is the global array, inside it this device's block.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -111,7 +112,7 @@ def build(loss_fn, plan: Plan, *, abstract_params, donate: bool = True, value_an
     layout, rule, exchange, passes, links = plan.layout, plan.rule, plan.exchange, plan.passes, plan.links
     mesh, axes = layout.mesh, data_axes(layout.mesh)
     assert as_axes(rule.axes) == tuple(layout.workers), (rule.axes, layout.workers)  # one plan made both
-    par = layout.parallel(fsdp_wire=exchange.wire)
+    par = dataclasses.replace(layout.parallel(fsdp_wire=exchange.wire), policy=plan.policy)  # dpjax.policy
     inner = layout.inner_axes
     if inner and not layout.fsdp:
         inner_mean = functools.partial(allreduce_gradients, axis_name=axis_arg(inner), **exchange.inner_kwargs())
@@ -277,11 +278,13 @@ def make_update_step(loss_fn, rule: UpdateRule, mesh, params, *, param_specs=Non
     return build(lambda p, b, par: loss_fn(p, b), plan, abstract_params=abstract, donate=donate)
 
 
-def init_params(model, layout: Layout, key):
+def init_params(model, layout: Layout, key, policy=None):
     """The model's parameters, created by a jitted init directly in their sharding: no
     device ever holds a whole sharded weight, and the values do not depend on the mesh
-    (jax's partitionable threefry)."""
-    return jax.jit(lambda k: layout.store(model.init(k)), out_shardings=layout.shardings())(key)
+    (jax's partitionable threefry). policy: a `dpjax.policy.Policy` whose param_dtype the
+    master weights take (default: as the model makes them, float32)."""
+    store = (lambda p: p) if policy is None else policy.store
+    return jax.jit(lambda k: store(layout.store(model.init(k))), out_shardings=layout.shardings())(key)
 
 
 def replicated(mesh):

@@ -24,8 +24,10 @@ differentiates through the allreduce itself; every allreduce is dpjax's explicit
 with the algorithm the caller chooses.
 
 `Parallel` carries what a model needs inside the step: the model axis (None: the plain
-dense computation, used for the unsharded reference) and, under fully sharded data
-parallelism, which dimension of each parameter to all-gather just before use.
+dense computation, used for the unsharded reference), under fully sharded data
+parallelism which dimension of each parameter to all-gather just before use, and the
+compute policy (`dpjax.policy.Policy`: dtype, remat, attention kernel, scan) that
+`dpjax.stack` runs the layers by.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from jax import lax
 
 from dpjax import collectives
 from dpjax.collectives._common import axis_size
+from dpjax.policy import Policy
 
 
 def _active(axis) -> bool:
@@ -176,6 +179,7 @@ class Parallel:
     # FSDP through a compression with error feedback (dpjax.compression.sharded): zero arrays
     # shaped like the gathered parameters, which receive each device's unreduced gradient
     probes: Any = None
+    policy: Policy = Policy()  # the compute dtype, remat, attention kernel and scan (dpjax.stack runs by it)
 
     def _gather(self, x, d, probe):
         if probe is not None:
@@ -204,17 +208,30 @@ class Parallel:
         """Layer `i` of `stack` (a tree of layers stacked on each leaf's leading axis, found
         at `path`), ready to compute with: sliced out, then gathered under FSDP, one layer at
         a time. The layer axis itself is never split over the data axes (`make_layout`)."""
-        layer = jax.tree.map(lambda x: x[i], stack)
+        probes = self.layer_probes(path)
+        return self.gather_layer(jax.tree.map(lambda x: x[i], stack), path,
+                                 None if probes is None else jax.tree.map(lambda p: p[i], probes))
+
+    def layer_probes(self, path):
+        """The probes (stacked like the layers at `path`) of FSDP through error feedback, or None."""
+        return None if self.probes is None or self.gather_dims is None else self._probes(path)
+
+    def gather_layer(self, layer, path, probes=None):
+        """One layer of the stack at `path` (its leaves without the layer axis) ready to
+        compute with, in the policy's compute dtype: under FSDP all-gathered, cast first
+        so that the gather moves compute-dtype bytes (after it when error feedback's
+        probes take each device's gradient in the parameters' own dtype)."""
         if self.gather_dims is None:
-            return layer
+            return self.policy.cast(layer)
         dims = self.gather_dims
         for key in path:
             dims = dims[key]
         assert all(d != 0 for d in jax.tree.leaves(dims)), "FSDP split a layer axis"
-        if self.probes is None:
-            return jax.tree.map(lambda x, d: self._gather(x, d - 1 if d > 0 else d, None), layer, dims)
-        return jax.tree.map(lambda x, d, probe: self._gather(x, d - 1 if d > 0 else d, probe[i]), layer, dims,
-                            self._probes(path))
+        if probes is None:
+            return jax.tree.map(lambda x, d: self._gather(x, d - 1 if d > 0 else d, None), self.policy.cast(layer),
+                                dims)
+        return self.policy.cast(jax.tree.map(lambda x, d, probe: self._gather(x, d - 1 if d > 0 else d, probe),
+                                             layer, dims, probes))
 
     def f(self, x):
         return copy_to_model(x, self.model_axis, self.algorithm)

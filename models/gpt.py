@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from dpjax import collectives
+from dpjax import attention, collectives, stack
 from dpjax import tensor_parallel as tp
 from dpjax.errors import UserError
 from dpjax.tensor_parallel import DENSE, Parallel
@@ -68,18 +68,14 @@ class ByteModel:
 
 
 def layer_norm(x, scale, bias, eps: float = 1e-5):
-    mean = x.mean(-1, keepdims=True)
-    var = ((x - mean) ** 2).mean(-1, keepdims=True)
-    return (x - mean) * jax.lax.rsqrt(var + eps) * scale + bias
+    """Layer norm with its statistics in float32 whatever `x`'s dtype; the result in `x`'s dtype."""
+    x32 = x.astype(jnp.float32)
+    mean = x32.mean(-1, keepdims=True)
+    var = ((x32 - mean) ** 2).mean(-1, keepdims=True)
+    return ((x32 - mean) * jax.lax.rsqrt(var + eps) * scale + bias).astype(x.dtype)
 
 
-def causal_attention(q_BdxTxHmxK, k_BdxTxHmxK, v_BdxTxHmxK):
-    T, K = q_BdxTxHmxK.shape[1], q_BdxTxHmxK.shape[-1]
-    s_BdxHmxTxT = jnp.einsum("bthk,bshk->bhts", q_BdxTxHmxK, k_BdxTxHmxK) / math.sqrt(K)
-    mask_TxT = jnp.tril(jnp.ones((T, T), bool))
-    s_BdxHmxTxT = jnp.where(mask_TxT, s_BdxHmxTxT, jnp.finfo(s_BdxHmxTxT.dtype).min)
-    p_BdxHmxTxT = jax.nn.softmax(s_BdxHmxTxT, axis=-1)
-    return jnp.einsum("bhts,bshk->bthk", p_BdxHmxTxT, v_BdxTxHmxK)
+causal_attention = attention.naive  # the readable kernel (dpjax.attention has the switch)
 
 
 def cross_entropy(logits_BdxTxV, targets_BdxT):
@@ -143,7 +139,8 @@ class GPT(ByteModel):
     def embed(self, params, tokens_BdxT, par: Parallel = DENSE):
         """Token plus position embeddings (the first stage's work): Bd x T x D."""
         T = tokens_BdxT.shape[1]
-        return tp.vocab_parallel_embed(tokens_BdxT, params["embed_VmxD"], par) + params["pos_TxD"][:T]
+        embed_VmxD, pos_TxD = par.policy.cast((params["embed_VmxD"], params["pos_TxD"]))
+        return tp.vocab_parallel_embed(tokens_BdxT, embed_VmxD, par) + pos_TxD[:T]
 
     def layer(self, blk, x_BdxTxD, par: Parallel = DENSE):
         """One pre-LN transformer block; `blk` is one layer of the stack (its leaves without
@@ -151,15 +148,16 @@ class GPT(ByteModel):
         a, m = blk["attn"], blk["mlp"]
         h_BdxTxD = layer_norm(x_BdxTxD, blk["ln1"]["scale_LsxD"], blk["ln1"]["bias_LsxD"])
         x_BdxTxD = x_BdxTxD + tp.head_parallel_attention(h_BdxTxD, a["wqkv_LsxDx3xHmxK"], a["wo_LsxHmxKxD"],
-                                                         causal_attention, par)
+                                                         attention.kernel(par.policy.attention), par)
         h_BdxTxD = layer_norm(x_BdxTxD, blk["ln2"]["scale_LsxD"], blk["ln2"]["bias_LsxD"])
         h_BdxTxFm = jax.nn.gelu(tp.column_parallel(h_BdxTxD, m["w1_LsxDxFm"], m["b1_LsxFm"], par))
         return x_BdxTxD + tp.row_parallel(h_BdxTxFm, m["w2_LsxFmxD"], m["b2_LsxD"], par)
 
     def head(self, params, x_BdxTxD, par: Parallel = DENSE):
-        """Final layer norm and the tied output head (the last stage's work): Bd x T x Vm."""
+        """Final layer norm and the tied output head (the last stage's work): Bd x T x Vm,
+        in the compute dtype (the loss takes them to float32)."""
         x_BdxTxD = layer_norm(x_BdxTxD, params["ln_f"]["scale_D"], params["ln_f"]["bias_D"])
-        return tp.column_parallel(x_BdxTxD, params["embed_VmxD"].T, None, par)  # tied output head
+        return tp.column_parallel(x_BdxTxD, par.policy.cast(params["embed_VmxD"]).T, None, par)  # tied output head
 
     def head_loss(self, params, x_BdxTxD, targets_BdxT, par: Parallel = DENSE):
         """Vocabulary-parallel cross-entropy of the head's logits: the full logits are never gathered."""
@@ -169,8 +167,8 @@ class GPT(ByteModel):
         """This shard's slice of the logits, Bd x T x Vm (all of them when dense)."""
         outer = {k: par.use(v, k) for k, v in params.items() if k != self.LAYERS}
         x_BdxTxD = self.embed(outer, tokens_BdxT, par)
-        for i in range(self.config.n_layers):  # FSDP gathers one layer at a time, just before use
-            x_BdxTxD = self.layer(par.use_layer(params[self.LAYERS], i, self.LAYERS), x_BdxTxD, par)
+        # dpjax.stack: scanned, rematerialised by the policy, FSDP gathering one layer at a time
+        x_BdxTxD = stack.run(self.layer, params[self.LAYERS], x_BdxTxD, par, path=(self.LAYERS,))
         return self.head(outer, x_BdxTxD, par)
 
     def apply(self, params, tokens_BdxT, par: Parallel = DENSE):
@@ -185,15 +183,32 @@ class GPT(ByteModel):
         logits_BdxTxVm = self.logits(params, batch_BdxT1[:, :-1], par)
         return tp.vocab_parallel_cross_entropy(logits_BdxTxVm, batch_BdxT1[:, 1:], par)
 
-    def activation_bytes(self, rows: int) -> int:
-        """Bytes of float32 activations the backward pass of `rows` sequences keeps (an
-        estimate, dense): per layer about 12 d_model- and 2 d_ff-wide values per token
-        plus the attention's scores and probabilities (heads x T x T per sequence), and
-        the embedding and the logits. What `dpjax.plan` weighs against a device's memory."""
+    def activation_bytes(self, rows: int, *, remat: str = "none", attention: str = "naive", width: int = 4,
+                         split: int = 1) -> int:
+        """Bytes of activations the backward pass of `rows` sequences keeps (an estimate,
+        per device): each layer keeps what the remat policy saves, a layer being
+        recomputed holds its whole working set once, and the ends of the model keep the
+        embeddings and the float32 logits. `width`: bytes of a compute-dtype value (4 on
+        CPU, where XLA computes bfloat16 in float32); the attention's scores and
+        probabilities are float32 (naive, xla: heads x T per token; cudnn's flash kernel
+        keeps a float32 log-sum-exp per head instead). `split`: the model axis's size
+        (heads, MLP width and vocabulary split; the model width not).
+
+        Per token and layer, in compute-dtype values: none keeps about 12 D + 6 F (the
+        norms' inputs and outputs, Q K V, the attention and projection outputs, the MLP's
+        pre- and post-GELU values), dots keeps the matmul outputs 6 D + F (Q K V 3 D, the
+        attention output, the two projections' D each, the first MLP matmul's F), full the
+        layer's input D. The coefficients were fitted to XLA's buffer assignment on CPU
+        (`memory_analysis()`, layers 2 and 4 apart); tests/test_memory.py holds the
+        estimate to the compiled program."""
         c = self.config
-        T = c.seq_len
-        per_layer = rows * T * (12 * c.d_model + 2 * c.d_ff) + 2 * rows * c.n_heads * T * T
-        return 4 * (c.n_layers * per_layer + rows * T * (c.d_model + 2 * c.vocab_size))
+        D, F, H, T, V = c.d_model, c.d_ff // split, max(1, c.n_heads // split), c.seq_len, c.vocab_size // split
+        scores = 2 * H * T * 4 if attention in ("naive", "xla") else H * 4
+        full_layer = (12 * D + 6 * F) * width + scores
+        saved = {"none": full_layer, "dots": (6 * D + F) * width, "full": D * width}[remat]
+        working = {"none": 0.5, "dots": 0.6, "full": 1.0}[remat] * full_layer  # the layer being recomputed
+        ends = (2 * V + 2 * D) * 4
+        return int(rows * T * (c.n_layers * saved + working + ends))
 
     def flops_per_token(self) -> float:
         """Training FLOPs per token: 6 * matmul parameters + attention (Kaplan et al. 2020)."""

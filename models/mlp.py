@@ -60,10 +60,11 @@ class MLP(ByteModel):
         h_BdxTxHm = jax.nn.relu(tp.column_parallel(win_BdxTxC, p["w1_CxHm"], p["b1_Hm"], par))
         return tp.row_parallel(h_BdxTxHm, p["w2_HmxV"], p["b2_V"], par)
 
-    def activation_bytes(self, rows: int) -> int:
+    def activation_bytes(self, rows: int, **policy) -> int:
         """Bytes of float32 activations the backward pass of `rows` sequences keeps (an
         estimate): the context windows, the hidden layer before and after its ReLU, the
-        logits and their softmax."""
+        logits and their softmax; the compute policy (`policy`: remat, attention, width,
+        split) does not apply to its one hidden layer."""
         c = self.config
         return 4 * rows * c.seq_len * (c.context * c.d_embed + 2 * c.d_hidden + 2 * c.vocab_size)
 

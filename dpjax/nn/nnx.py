@@ -16,6 +16,11 @@ it (`out_sharding=(None, "model")`, what `nnx.with_partitioning` writes), so tha
   anywhere else (one device, `nnx.jit`) the same module is the plain dense layer, so a
   model is built once and runs both ways.
 
+Precision follows flax's convention: `param_dtype` (float32 by default) is the dtype the
+weights are created and kept in, `dtype` (None: as the inputs and weights promote) the
+dtype a layer computes in, its weights and inputs cast to it on use (`dpjax.policy` is the
+same rule for dpjax's own models).
+
 Names carry shapes; a dimension split over `model` carries an `m` (`kernel_DxFm`).
 """
 
@@ -27,6 +32,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from dpjax import attention as kernels
 from dpjax import tensor_parallel as tp
 from dpjax.nn._common import local, mesh_is_set, parallel
 from dpjax.mesh import MODEL
@@ -39,25 +45,32 @@ def _param(value, sharding):
     return nnx.Param(value, out_sharding=sharding, eager_sharding=mesh_is_set())
 
 
+def _cast(dtype, *xs):
+    """`xs` in the compute `dtype` (None: as they are, flax's dtype=None), Nones kept."""
+    return xs if dtype is None else tuple(None if x is None else jnp.asarray(x, dtype) for x in xs)
+
+
 class _ParallelLinear(nnx.Module):
     """A kernel (in x out) split over `axis` on dimension `split` and a bias."""
 
     split: int  # the kernel's dimension split over the axis: 1 columns, 0 rows
 
     def __init__(self, in_features: int, out_features: int, *, use_bias: bool = True, axis: str = MODEL,
-                 algorithm: str = "ring", kernel_init=default_init, rngs: nnx.Rngs):
+                 algorithm: str = "ring", kernel_init=default_init, dtype=None, param_dtype=jnp.float32,
+                 rngs: nnx.Rngs):
         self.in_features, self.out_features, self.axis, self.algorithm = in_features, out_features, axis, algorithm
+        self.dtype, self.param_dtype = dtype, param_dtype
         kernel_axes = (None, axis) if self.split == 1 else (axis, None)
-        self.kernel = _param(kernel_init(rngs.params(), (in_features, out_features)), kernel_axes)
-        self.bias = _param(jnp.zeros((out_features,)), kernel_axes[1:]) if use_bias else None
+        self.kernel = _param(kernel_init(rngs.params(), (in_features, out_features), param_dtype), kernel_axes)
+        self.bias = _param(jnp.zeros((out_features,), param_dtype), kernel_axes[1:]) if use_bias else None
 
     def _weights(self):
-        """(kernel, bias or None): this device's blocks, their shapes checked."""
+        """(kernel, bias or None): this device's blocks in the compute dtype, their shapes checked."""
         shape = [self.in_features, self.out_features]
         shape[self.split] = local(shape[self.split], self.axis, type(self).__name__)
         kernel = self.kernel[...]
         assert kernel.shape == tuple(shape), (kernel.shape, shape)
-        return kernel, None if self.bias is None else self.bias[...]
+        return _cast(self.dtype, kernel, None if self.bias is None else self.bias[...])
 
 
 class ColumnParallelLinear(_ParallelLinear):
@@ -69,6 +82,7 @@ class ColumnParallelLinear(_ParallelLinear):
 
     def __call__(self, x_BxD):
         kernel_DxFm, bias_Fm = self._weights()
+        (x_BxD,) = _cast(self.dtype, x_BxD)
         return tp.column_parallel(x_BxD, kernel_DxFm, bias_Fm, parallel(self.axis, self.algorithm))
 
 
@@ -81,6 +95,7 @@ class RowParallelLinear(_ParallelLinear):
 
     def __call__(self, h_BxFm):
         kernel_FmxD, bias_D = self._weights()
+        (h_BxFm,) = _cast(self.dtype, h_BxFm)
         assert h_BxFm.shape[-1] == kernel_FmxD.shape[0], (h_BxFm.shape, kernel_FmxD.shape)
         return tp.row_parallel(h_BxFm, kernel_FmxD, bias_D, parallel(self.axis, self.algorithm))
 
@@ -92,51 +107,51 @@ class VocabParallelEmbed(nnx.Module):
 
     def __init__(self, num_embeddings: int, features: int, *, axis: str = MODEL, algorithm: str = "ring",
                  embedding_init=nnx.initializers.variance_scaling(1.0, "fan_in", "normal", out_axis=0),
-                 rngs: nnx.Rngs):
+                 dtype=None, param_dtype=jnp.float32, rngs: nnx.Rngs):
         self.num_embeddings, self.features, self.axis, self.algorithm = num_embeddings, features, axis, algorithm
-        self.embedding = _param(embedding_init(rngs.params(), (num_embeddings, features)), (axis, None))
+        self.dtype, self.param_dtype = dtype, param_dtype
+        self.embedding = _param(embedding_init(rngs.params(), (num_embeddings, features), param_dtype), (axis, None))
 
     def _table(self):
         table_VmxD = self.embedding[...]
         assert table_VmxD.shape == (local(self.num_embeddings, self.axis, "VocabParallelEmbed"), self.features)
-        return table_VmxD
+        return _cast(self.dtype, table_VmxD)[0]
 
     def __call__(self, tokens_BxT):
         return tp.vocab_parallel_embed(tokens_BxT, self._table(), parallel(self.axis, self.algorithm))
 
     def attend(self, x_BxTxD):
+        (x_BxTxD,) = _cast(self.dtype, x_BxTxD)
         return tp.column_parallel(x_BxTxD, self._table().T, None, parallel(self.axis, self.algorithm))
 
 
-def causal_attention(q_BxTxHxK, k_BxTxHxK, v_BxTxHxK):
-    """Softmax attention of each head over the positions up to its own."""
-    s_BxHxTxT = jnp.einsum("bqhk,bthk->bhqt", q_BxTxHxK, k_BxTxHxK) / math.sqrt(q_BxTxHxK.shape[-1])
-    T = s_BxHxTxT.shape[-1]
-    s_BxHxTxT = jnp.where(jnp.tril(jnp.ones((T, T), bool)), s_BxHxTxT, -jnp.inf)
-    return jnp.einsum("bhqt,bthk->bqhk", jax.nn.softmax(s_BxHxTxT, axis=-1), v_BxTxHxK)
+causal_attention = kernels.naive  # the default kernel; dpjax.attention.kernel("xla" | "cudnn") for the others
 
 
 class ParallelSelfAttention(nnx.Module):
     """Multi-head self-attention with the heads split over `axis`: Q, K and V are
     column-parallel (each device computes its heads), the output projection is
     row-parallel (Megatron-LM, figure 3b). `attention(q, k, v)` works per head on
-    B x T x heads x head_dim (default: causal softmax attention)."""
+    B x T x heads x head_dim (default: causal softmax attention, `dpjax.attention.naive`;
+    `dpjax.attention.kernel("cudnn")` for cuDNN's flash attention)."""
 
     def __init__(self, features: int, num_heads: int, *, head_dim: int | None = None, axis: str = MODEL,
-                 algorithm: str = "ring", attention=causal_attention, rngs: nnx.Rngs):
+                 algorithm: str = "ring", attention=causal_attention, dtype=None, param_dtype=jnp.float32,
+                 rngs: nnx.Rngs):
         K = head_dim or features // num_heads
         self.features, self.num_heads, self.head_dim, self.axis, self.algorithm = features, num_heads, K, axis, algorithm
-        self.attention = attention
+        self.attention, self.dtype, self.param_dtype = attention, dtype, param_dtype
         init = nnx.initializers.normal(1 / math.sqrt(features))
-        self.qkv = _param(init(rngs.params(), (features, 3, num_heads, K)), (None, None, axis, None))
-        self.out = _param(nnx.initializers.normal(1 / math.sqrt(num_heads * K))(rngs.params(), (num_heads, K, features)),
-                          (axis, None, None))
+        self.qkv = _param(init(rngs.params(), (features, 3, num_heads, K), param_dtype), (None, None, axis, None))
+        self.out = _param(nnx.initializers.normal(1 / math.sqrt(num_heads * K))(rngs.params(), (num_heads, K, features),
+                                                                                param_dtype), (axis, None, None))
 
     def __call__(self, x_BxTxD):
         Hm = local(self.num_heads, self.axis, "ParallelSelfAttention heads")
         qkv_Dx3xHmxK, out_HmxKxD = self.qkv[...], self.out[...]
         assert qkv_Dx3xHmxK.shape == (self.features, 3, Hm, self.head_dim), qkv_Dx3xHmxK.shape
         assert out_HmxKxD.shape == (Hm, self.head_dim, self.features), out_HmxKxD.shape
+        x_BxTxD, qkv_Dx3xHmxK, out_HmxKxD = _cast(self.dtype, x_BxTxD, qkv_Dx3xHmxK, out_HmxKxD)
         return tp.head_parallel_attention(x_BxTxD, qkv_Dx3xHmxK, out_HmxKxD, self.attention,
                                           parallel(self.axis, self.algorithm))
 

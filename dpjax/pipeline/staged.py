@@ -23,7 +23,7 @@ from typing import Callable, NamedTuple
 
 import jax
 
-from dpjax import collectives, fusion
+from dpjax import collectives, fusion, stack
 from dpjax.mesh import STAGE
 from dpjax.pipeline import engine, timetable
 
@@ -50,10 +50,8 @@ def for_model(model, layout, algorithm: str = "ring") -> Staged:
     algorithm = _stage_algorithm(algorithm)
 
     def chunk_fn(par):
-        def chunk(chunk_Lc, x_bxTxD):
-            for j in range(jax.tree.leaves(chunk_Lc)[0].shape[0]):
-                x_bxTxD = model.layer(jax.tree.map(lambda w: w[j], chunk_Lc), x_bxTxD, par)
-            return x_bxTxD
+        def chunk(chunk_Lc, x_bxTxD):  # a chunk's layers, gathered already, by the one stack runner
+            return stack.run(model.layer, chunk_Lc, x_bxTxD, par)
         return chunk
 
     def prepare(params, batch_BdxT1, par):

@@ -23,6 +23,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from dpjax.policy import Policy
 from dpjax.settings import Settings
 
 # The autotune's starting point for a knob set to `auto` (its baseline).
@@ -99,6 +100,9 @@ class Plan:
     settings: Settings | None = None
     optimizer: Any = None  # an optax transformation given instead of `opt`
     tensor_parallel: bool = True
+    policy: Policy = Policy()  # the compute policy: dtype, remat, attention kernel, scan (dpjax.policy)
+    notes: tuple = ()  # one-line remarks the run prints once (e.g. why not cuDNN attention)
+    memory: dict | None = None  # the planner's estimate per device (dpjax.memory.estimate) and what a device has
 
     @property
     def workers(self) -> tuple:
@@ -127,7 +131,9 @@ class Plan:
                                 **({"per_shard": list(self.exchange.shards.axes)} if self.exchange.shards else {})),
                "passes": self.passes,
                "global_batch": self.global_batch, "links": [str(x) for x in self.links],
-               "autotune": list(self.autotune)}
+               "autotune": list(self.autotune), "policy": self.policy.describe()}
+        if self.memory is not None:
+            out["memory_estimate"] = dict(self.memory)
         if lay.pipeline is not None:
             out["pipeline"] = dataclasses.asdict(lay.pipeline)
         if self.exchange.compression is not None and self.model is not None:
@@ -181,8 +187,11 @@ def resolve(s: Settings, devices=None, *, mesh=None, model=None, optimizer=None,
         raise UsageError("--allreduce hierarchical needs a node axis: use a three-axis mesh such as 2x4x1")
     if model is None:
         model = get_model(s.model, seq_len=s.seq_len, vocab_size=s.vocab_size, **s.model_options)
+    platform = target_platform(s, mesh)
+    policy, notes = compute_policy(s, model, platform)
+    default_algorithm = default_allreduce(platform)
     if exchange is None:
-        exchange = Exchange(DEFAULT_ALGORITHM if s.allreduce == "auto" else s.allreduce,
+        exchange = Exchange(default_algorithm if s.allreduce in ("auto", None) else s.allreduce,
                             DEFAULT_FUSION_MB if s.fusion_mb == "auto" else float(s.fusion_mb),
                             None if s.compression == "none" else s.compression, compress_axes=compress_axes,
                             shards=None if s.compress_whole or s.fsdp else per_shard(mesh, compress_axes))
@@ -210,9 +219,9 @@ def resolve(s: Settings, devices=None, *, mesh=None, model=None, optimizer=None,
     knobs = tuple(k for k, v in (("allreduce", s.allreduce), ("fusion_mb", s.fusion_mb)) if v == "auto")
     plan = for_layout(model, layout, global_batch=s.batch_size, update=update, opt=opt, optimizer=optimizer,
                       passes=s.backward_passes, exchange=exchange, links=links, seed=s.seed)
-    plan = dataclasses.replace(plan, autotune=knobs, settings=s, tensor_parallel=tensor_parallel)
-    check_memory(plan)
-    return plan
+    plan = dataclasses.replace(plan, autotune=knobs, settings=s, tensor_parallel=tensor_parallel, policy=policy,
+                               notes=tuple(notes))
+    return check_memory(plan)
 
 
 def for_layout(model, layout, *, global_batch: int, update="sync", opt=None, optimizer=None, passes: int = 1,
@@ -317,22 +326,87 @@ def for_rule(rule, mesh, abstract_params, *, param_specs=None, passes: int = 1,
 # Memory: refuse what cannot fit before compiling it
 
 
-def check_memory(plan: Plan) -> None:
+def target_platform(s: Settings, mesh) -> str:
+    """The platform a plan is made for: the devices'; a GPU for --dry-run --device-memory
+    on a machine without one (plan a GPU job from a laptop)."""
+    from dpjax.policy import accelerated
+
+    platform = mesh.devices.flat[0].platform
+    return "gpu" if s.dry_run and s.device_memory and not accelerated(platform) else platform
+
+
+def default_allreduce(platform: str) -> str:
+    """The gradient exchange when --allreduce is not given: XLA's own (psum: NCCL on GPUs,
+    the ICI on TPUs) on accelerators, where it is the fastest; dpjax's explicit ring on
+    CPU, where the collectives are what a run is there to show."""
+    from dpjax.policy import accelerated
+
+    return "psum" if accelerated(platform) else DEFAULT_ALGORITHM
+
+
+def compute_policy(s: Settings, model, platform: str) -> tuple[Policy, list]:
+    """(the compute policy of `s` on `platform`, notes to print once). remat auto stays
+    `none` here; `check_memory` chooses it."""
+    from dpjax import policy as P
+
+    head_dim = None
+    config = getattr(model, "config", None)
+    if getattr(config, "n_heads", None):
+        head_dim = config.d_model // config.n_heads
+    attention = s.attention
+    if attention == "auto" and not P.accelerated(platform):
+        attention = "naive"  # CPU: the reference kernel, as every CPU figure was measured with
+    try:
+        return P.resolve(s.dtype, s.param_dtype, s.remat, attention, platform=platform, head_dim=head_dim,
+                         scan=not s.layer_loop)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+
+
+def check_memory(plan: Plan) -> Plan:
     """Estimates the bytes each device needs (its shards of the parameters and of the
     optimizer / rule state, the activations one micro-batch keeps for the backward
-    pass) and refuses, in one line, a run that cannot fit in what the device has."""
+    pass under the compute policy) and refuses, in one line, a run that cannot fit in
+    what a device has (--device-memory, else the device's own). With --remat auto it
+    chooses the least recomputation that fits (none, then dots, then full). Returns the
+    plan with its policy's remat and its estimate (`plan.memory`)."""
     model, s = plan.model, plan.settings
     if model is None or s is None or not hasattr(model, "activation_bytes"):
-        return
-    from dpjax.memory import device_memory, estimate
+        return plan
+    from dpjax.memory import device_memory, estimate, parse_size, preallocation_note
 
-    need = estimate(plan.model, plan.layout, plan.global_batch, plan.exchange.compression)
-    have = device_memory(plan.mesh)
-    if have is not None and need["total"] > have:
-        gib = lambda b: f"{b / 2**30:,.1f} GiB"  # noqa: E731
-        raise UsageError(f"this run needs about {gib(need['total'])} per device (parameters {gib(need['params'])}, "
-                         f"optimizer state {gib(need['state'])}, "
-                         + (f"compression error buffers {gib(need['error'])}, " if need["error"] else "")
-                         + f"activations {gib(need['activations'])}) and a "
-                         f"device has {gib(have)}: lower --batch-size, --seq-len or the model size, add "
-                         "--backward-passes, or use more devices")
+    platform = target_platform(s, plan.mesh)
+    if s.device_memory:
+        try:
+            have = parse_size(s.device_memory)
+        except ValueError as e:
+            raise UsageError(f"--device-memory: {e}") from None
+    else:
+        have = device_memory(plan.mesh)
+    candidates = ("none", "dots", "full") if s.remat == "auto" else (plan.policy.remat,)
+    for remat in candidates:
+        policy = dataclasses.replace(plan.policy, remat=remat)
+        need = estimate(plan.model, plan.layout, plan.global_batch, plan.exchange.compression, policy, platform)
+        if have is None or need["total"] <= have:
+            break
+    plan = dataclasses.replace(plan, policy=policy, memory={**need, "device": have})
+    if have is not None and need["total"] > have and not s.dry_run:
+        raise UsageError(memory_line(plan, platform if not s.device_memory else None))
+    return plan
+
+
+def memory_line(plan: Plan, platform: str | None) -> str:
+    """The one line of a run that does not fit: what it needs by part, what a device has,
+    what to change."""
+    from dpjax.memory import preallocation_note
+
+    need, have = plan.memory, plan.memory["device"]
+    gib = lambda b: f"{b / 2**30:,.1f} GiB"  # noqa: E731
+    remat = plan.policy.remat
+    return (f"this run needs about {gib(need['total'])} per device (parameters {gib(need['params'])}, "
+            f"optimizer state {gib(need['state'])}, gradients {gib(need['grads'])}, "
+            + (f"compression error buffers {gib(need['error'])}, " if need["error"] else "")
+            + f"activations {gib(need['activations'])} with --remat {remat}) and a device has {gib(have)}"
+            + (preallocation_note(platform) if platform else "")
+            + ": lower --batch-size, --seq-len or the model size, add --backward-passes"
+            + (", --remat full" if remat != "full" else "") + ", or use more devices")

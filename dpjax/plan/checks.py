@@ -34,6 +34,7 @@ def check(s: Settings) -> None:
     from dpjax.models import MODELS, model_options
     from dpjax.optim import LR_SCALINGS, OPTIMIZERS
     from dpjax.pipeline import SCHEDULES
+    from dpjax.policy import ATTENTIONS, DTYPES, REMATS
     from dpjax.updates import parse_update
 
     def one_of(what, value, known):
@@ -47,7 +48,12 @@ def check(s: Settings) -> None:
         raise UsageError(f"{', '.join(flag(o) for o in wrong)} does not apply to --model {s.model} (its options: {has})")
     one_of("--optimizer", s.optimizer, OPTIMIZERS)
     one_of("--lr-scaling", s.lr_scaling, LR_SCALINGS)
-    one_of("--allreduce algorithm", s.allreduce, (*ALGORITHMS, "auto"))
+    if s.allreduce is not None:  # None: the platform's default (dpjax.plan.default_allreduce)
+        one_of("--allreduce algorithm", s.allreduce, (*ALGORITHMS, "auto"))
+    one_of("--dtype", s.dtype, ("auto", *DTYPES))
+    one_of("--param-dtype", s.param_dtype, DTYPES)
+    one_of("--remat", s.remat, ("auto", *REMATS))
+    one_of("--attention", s.attention, ("auto", *ATTENTIONS))
     one_of("--tp-allreduce algorithm", s.tp_allreduce, ALGORITHMS)
     try:
         spec = compression.parse(s.compression)
@@ -70,7 +76,7 @@ def check(s: Settings) -> None:
         raise UsageError(transport.problem(collectives))
     if s.tp_allreduce == "hierarchical":
         raise UsageError("--tp-allreduce hierarchical needs two axes; the model axis is one")
-    if s.fsdp and s.allreduce not in (*REDUCE_SCATTER_ALGORITHMS, "auto"):
+    if s.fsdp and s.allreduce not in (*REDUCE_SCATTER_ALGORITHMS, "auto", None):
         raise UsageError(f"--fsdp all-gathers and reduce-scatters with the --allreduce algorithm; "
                          f"{s.allreduce!r} has none: choose one of {', '.join(REDUCE_SCATTER_ALGORITHMS)}")
     for name in _AT_LEAST_1 + ("microbatches", "virtual_stages"):

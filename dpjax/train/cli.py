@@ -101,10 +101,13 @@ def summary_line(s: dict) -> str:
 
 
 def main(argv=None) -> int:
-    from dpjax.train.loop import run
+    from dpjax.train.loop import dry_run, run
 
     try:
-        summary = run(parse_args(argv))
+        settings = parse_args(argv)
+        if settings.dry_run:
+            return dry_run(settings)
+        summary = run(settings)
     except UserError as e:  # usage, data, checkpoint, mesh, model options: one line
         if os.environ.get("DPJAX_DEBUG"):
             raise

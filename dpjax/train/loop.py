@@ -60,6 +60,8 @@ class Trainer:
 
         self.mesh, self.model, self.layout, self.opt = plan.mesh, plan.model, plan.layout, plan.opt
         self.say(hardware.devices_line(list(self.mesh.devices.flat), jax.process_count()))
+        for note in plan.notes:  # e.g. why the attention is not cuDNN's flash kernel
+            self.say(note)
         warning = hardware.cpu_but_gpu_warning(jax.devices())
         if warning and jax.process_index() == 0:
             print(warning, file=sys.stderr, flush=True)
@@ -90,7 +92,7 @@ class Trainer:
             # the layer stack is stored V x L/V: it resumes on any stage count, with the same V
             self.record["model"]["virtual_stages"] = self.layout.pipeline.virtual_stages
         key = jax.random.key(cfg.seed)
-        self.params, self.opt_state = self.step.init(S.init_params(self.model, self.layout, key))
+        self.params, self.opt_state = self.step.init(S.init_params(self.model, self.layout, key, plan.policy))
         # The run's RNG state: nothing in the step draws from it yet (no dropout), but it is
         # saved and restored with the rest so that stochastic steps resume exactly too.
         self.rng = jax.device_put(jax.random.key_data(jax.random.fold_in(key, 1)), S.replicated(self.mesh))
@@ -198,3 +200,21 @@ class Trainer:
 def run(cfg: Settings) -> dict:
     """Trains per `cfg`; returns the summary."""
     return Trainer(cfg).run()
+
+
+def dry_run(cfg: Settings) -> int:
+    """--dry-run: the plan resolved on the devices here (or for --device-memory), printed,
+    nothing compiled; 0 if it fits, 2 (and the one line saying why) if not."""
+    from dpjax.plan import UsageError, memory_line
+    from dpjax.train.plan_table import plan_lines
+
+    check(cfg)
+    plan = resolve(elastic.fit(cfg), setup_devices(cfg))
+    for line in plan_lines(plan):
+        print(line)
+    mem = plan.memory
+    if mem and mem["device"] is not None and mem["total"] > mem["device"]:
+        platform = None if cfg.device_memory else plan.mesh.devices.flat[0].platform
+        raise UsageError(memory_line(plan, platform))
+    print("the plan fits" + (f" in {mem['device'] / 2**30:,.1f} GiB per device" if mem and mem["device"] else ""))
+    return 0

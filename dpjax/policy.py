@@ -1,0 +1,125 @@
+"""The compute policy of a run: what the layers compute in, what they keep for the
+backward pass, and which attention kernel they call.
+
+    dtype         the compute dtype of the layers' matmuls, the residual stream and the
+                  activations a pipeline stage sends (bfloat16 on GPU / TPU by default,
+                  float32 on CPU: `resolve`)
+    param_dtype   the master weights and, following them, the optimizer state (float32,
+                  as MaxText, Levanter and flax's `param_dtype` keep them)
+    remat         what a layer keeps for the backward pass (`jax.checkpoint`):
+                    none  everything (fastest, most memory)
+                    dots  the matmul outputs and the attention output (named: a fused
+                          attention call is not a dot); the rest is recomputed
+                    full  only the layer's input; the whole layer is recomputed
+    attention     the causal attention kernel (`dpjax.attention`): naive (T x T scores
+                  written out), xla (`jax.nn.dot_product_attention`'s XLA kernel), cudnn
+                  (its cuDNN flash kernel, GPU only)
+    scan          the stacked layers run as one `lax.scan` (compile time flat in depth)
+                  rather than a Python loop (`dpjax.stack`)
+
+Whatever the policy, the numerically sensitive parts compute in float32: the layer
+norms' statistics, the softmax, the logits and the loss (the models and
+`dpjax.attention` upcast them); gradients are taken with respect to the float32 master
+weights, so accumulation across micro-batches and the update rules' state stay float32.
+
+`Policy()` is float32, no remat, naive attention, scanned: the dense reference the
+tests compare with. `resolve` turns the user's choices (`auto`) into a policy for a
+platform and refuses, in one line, what cannot run there.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+
+DTYPES = ("float32", "bfloat16", "float16")
+REMATS = ("none", "dots", "full")
+ATTENTIONS = ("naive", "xla", "cudnn")
+ATTENTION_NAME = "attention"  # the checkpoint name of the attention output (saved by remat=dots)
+
+
+@dataclass(frozen=True)
+class Policy:
+    dtype: str = "float32"
+    param_dtype: str = "float32"
+    remat: str = "none"
+    attention: str = "naive"
+    scan: bool = True
+
+    def __post_init__(self):
+        for name, value, allowed in (("dtype", self.dtype, DTYPES), ("param_dtype", self.param_dtype, DTYPES),
+                                     ("remat", self.remat, REMATS), ("attention", self.attention, ATTENTIONS)):
+            if value not in allowed:
+                raise ValueError(f"Policy {name}={value!r}: expected one of {', '.join(allowed)}")
+
+    @property
+    def compute(self):
+        return jnp.dtype(self.dtype)
+
+    def cast(self, tree):
+        """`tree`'s floating leaves in the compute dtype (integers, e.g. token ids, as they are)."""
+        def one(x):
+            return x.astype(self.compute) if jnp.issubdtype(x.dtype, jnp.floating) and x.dtype != self.compute else x
+        return jax.tree.map(one, tree)
+
+    def store(self, tree):
+        """`tree`'s floating leaves in the parameter dtype (what `init` makes the master weights)."""
+        want = jnp.dtype(self.param_dtype)
+        return jax.tree.map(lambda x: x.astype(want) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
+
+    def checkpoint(self, fn):
+        """`fn` rematerialised by the policy (`jax.checkpoint`), or as it is for remat=none."""
+        if self.remat == "none":
+            return fn
+        if self.remat == "full":
+            policy = jax.checkpoint_policies.nothing_saveable
+        else:  # dots: matmuls without batch dimensions (the projections) and the named attention output
+            policy = jax.checkpoint_policies.save_from_both_policies(
+                jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+                jax.checkpoint_policies.save_only_these_names(ATTENTION_NAME))
+        return jax.checkpoint(fn, policy=policy, prevent_cse=not self.scan)
+
+    def describe(self) -> dict:
+        return {"dtype": self.dtype, "param_dtype": self.param_dtype, "remat": self.remat,
+                "attention": self.attention, "scan": self.scan}
+
+
+def accelerated(platform: str) -> bool:
+    return platform in ("gpu", "cuda", "rocm", "tpu")
+
+
+def cudnn_refusal(dtype: str, head_dim: int | None, platform: str) -> str | None:
+    """Why cuDNN's flash attention cannot run here (None: it can): a GPU, bf16 / fp16
+    compute, a head width that is a multiple of 8 and at most 256."""
+    if platform not in ("gpu", "cuda"):
+        return f"cuDNN attention needs an NVIDIA GPU (this run is on {platform})"
+    if dtype not in ("bfloat16", "float16"):
+        return f"cuDNN flash attention computes in bfloat16 or float16 (--dtype is {dtype})"
+    if head_dim is not None and (head_dim % 8 or head_dim > 256):
+        return f"cuDNN flash attention needs a head width that is a multiple of 8 and at most 256 (it is {head_dim})"
+    return None
+
+
+def resolve(dtype: str = "auto", param_dtype: str = "float32", remat: str = "none", attention: str = "auto",
+            *, platform: str | None = None, head_dim: int | None = None, scan: bool = True) -> tuple[Policy, list]:
+    """(the policy, notes): `auto` resolved for `platform` (default: JAX's backend);
+    dtype auto: bfloat16 on GPU / TPU, float32 on CPU; attention auto: cudnn where it
+    can run, else xla, with a note saying why not on a GPU. remat `auto` is the
+    planner's (`dpjax.plan`): resolved here as none. Raises ValueError (one line) for
+    an attention that cannot run here."""
+    platform = platform or jax.default_backend()
+    if dtype == "auto":
+        dtype = "bfloat16" if accelerated(platform) else "float32"
+    notes = []
+    if attention == "auto":
+        why = cudnn_refusal(dtype, head_dim, platform)
+        attention = "cudnn" if why is None else "xla"
+        if why is not None and platform in ("gpu", "cuda"):
+            notes.append(f"attention: XLA's kernel, not cuDNN flash: {why}")
+    elif attention == "cudnn":
+        why = cudnn_refusal(dtype, head_dim, platform)
+        if why is not None:
+            raise ValueError(f"--attention cudnn: {why}; use --attention xla")
+    return Policy(dtype, param_dtype, "none" if remat == "auto" else remat, attention, scan), notes
