@@ -151,7 +151,7 @@ def test_command_buffer_kernels_go_to_their_step_with_a_note(buffered):
         busy = _union_length((e["ts"], e["ts"] + e["dur"]) for e in raw)
         assert row["compute"] == pytest.approx(busy, abs=2 * ROUNDING_US * len(raw))
     (note,) = s.notes
-    assert f"{KERNELS_PER_STEP} kernels per step" in note and "--xla_gpu_enable_command_buffer=" in note
+    assert f"{KERNELS_PER_STEP} kernels per device and step" in note and "--xla_gpu_enable_command_buffer=" in note
     assert f"note: {note}" in timeline.render(s)
 
 
@@ -164,28 +164,45 @@ def test_kernels_without_their_launch_go_to_the_run_begun_before_them():
     assert ops == {1: KERNELS_PER_STEP, 2: KERNELS_PER_STEP}
 
 
-def test_a_kernel_belongs_to_the_run_that_launched_it_even_when_it_runs_later():
-    """Asynchronous dispatch, in the fixture's layout: run a is launched in step 0 and its
-    kernel runs during step 1 (after run b's Execute began); correlation ids, not times,
-    say whose it is, and its step is the one its launch lay in."""
+def _x(pid, title, ts, dur, tid=7, **args):
+    return {"ph": "X", "pid": pid, "tid": tid, "name": title, "ts": ts, "dur": dur, "args": args}
+
+
+def _two_runs(kernels: list[tuple]) -> list[dict]:
+    """A trace in the fixture's layout: host steps 0 and 1, each launching a run of jit_f
+    (run a at 1-9, run b at 21-29); kernels (name, hlo_op, launched at, runs at, dur)."""
     host, gpu = 701, 1
-
-    def x(pid, title, ts, dur, tid=7, **args):
-        return {"ph": "X", "pid": pid, "tid": tid, "name": title, "ts": ts, "dur": dur, "args": args}
-
     events = [{"ph": "M", "pid": gpu, "name": "process_name", "args": {"name": "/device:GPU:0"}},
               {"ph": "M", "pid": host, "name": "process_name", "args": {"name": "/host:CPU"}},
-              x(host, "dpjax:step(0)", 0, 12), x(host, "dpjax:step(1)", 20, 12),
-              x(host, "CommonPjRtLoadedExecutable::Execute (jit_f)", 1, 8, name="jit_f", run_id="a"),
-              x(host, "CommonPjRtLoadedExecutable::Execute (jit_f)", 21, 8, name="jit_f", run_id="b"),
-              x(host, "fusion_1", 5, 1, correlation_id="1", device_id="0"),
-              x(host, "fusion_1", 22, 1, correlation_id="2", device_id="0"),
-              x(gpu, "fusion_1", 25, 3, tid=14, hlo_module="jit_f", hlo_op="fusion.1", correlation_id="1"),
-              x(gpu, "fusion_1", 40, 3, tid=14, hlo_module="jit_f", hlo_op="fusion.1", correlation_id="2")]
+              _x(host, "dpjax:step(0)", 0, 12), _x(host, "dpjax:step(1)", 20, 12),
+              _x(host, "CommonPjRtLoadedExecutable::Execute (jit_f)", 1, 8, name="jit_f", run_id="a"),
+              _x(host, "CommonPjRtLoadedExecutable::Execute (jit_f)", 21, 8, name="jit_f", run_id="b")]
+    for corr, (name, hlo, launched, ts, dur) in enumerate(kernels):
+        events += [_x(host, name, launched, 0.5, correlation_id=str(corr), device_id="0"),
+                   _x(gpu, name, ts, dur, tid=14, hlo_module="jit_f", hlo_op=hlo, correlation_id=str(corr))]
+    return events
+
+
+def test_a_kernel_belongs_to_the_run_that_launched_it_even_when_it_runs_later():
+    """Asynchronous dispatch: run a is launched in step 0 and its kernel runs during step 1
+    (after run b's Execute began); correlation ids, not times, say whose it is, and its
+    step is the one its launch lay in."""
+    events = _two_runs([("fusion_1", "fusion.1", 5, 25, 3), ("fusion_1", "fusion.1", 22, 40, 3)])
     data = build(events, [timeline.Program("jit_f", {"fusion.1": ("fusion", "")})])
     ops = sorted((e["ts"], e["args"]["step"]) for e in data["traceEvents"]
                  if e["ph"] == "X" and e["args"].get("type") == "op")
     assert ops == [(25, 0), (40, 1)]  # ts relative to the first event (0)
+
+
+def test_nccl_kernels_in_a_command_buffer_are_communication():
+    """Inside a command buffer no op is named, but an NCCL kernel is still communication:
+    per step 2 us of compute, then 3 us of an allreduce kernel."""
+    nccl = "ncclDevKernel_AllReduce_Sum_f32_RING_LL(ncclDevKernelArgsStorage<4096ul>)"
+    events = _two_runs([("loop_add_fusion", "command_buffer_1", 2, 10, 2), (nccl, "command_buffer_1", 2, 12, 3),
+                        ("loop_add_fusion", "command_buffer_1", 22, 30, 2), (nccl, "command_buffer_1", 22, 32, 3)])
+    s = summarize(build(events, [timeline.Program("jit_f", {})]))
+    assert [(r["step"], r["time"], r["compute"], r["comm"]) for r in s.steps] == [(0, 5, 2, 3), (1, 5, 2, 3)]
+    assert s.steps[0]["comm_fraction"] == pytest.approx(3 / 5)
 
 
 def test_copies_outside_the_program_are_shown_apart(plain):
@@ -207,7 +224,7 @@ def test_cli_builds_from_a_capture_and_summarises_it(tmp_path, capsys):
     assert main([str(out)]) == 0
     assert re.search(r"^1\s", capsys.readouterr().out, re.M)
     assert main(["build", str(BUFFERED), "--hlo", str(HLO), "-o", str(tmp_path / "b.json.gz")]) == 0
-    assert "note: 193 kernels per step ran inside CUDA command buffers" in capsys.readouterr().out
+    assert "note: 193 kernels per device and step ran inside CUDA command buffers" in capsys.readouterr().out
     pytest.importorskip("matplotlib")
     png = tmp_path / "gpu.png"
     assert main([str(out), "--png", str(png)]) == 0
@@ -242,6 +259,22 @@ def test_a_kept_recorder_capture_builds_again_without_hlo(tmp_path, capsys):
     assert (session / "program0.hlo.txt").read_text() == timeline.compiled_text(step, x)
     assert main(["build", str(keep), "-o", str(tmp_path / "again.json")]) == 0
     assert timeline.load(str(tmp_path / "again.json"))["otherData"]["steps"] == [3, 4]
+
+
+def test_a_train_run_with_profile_dir_builds_again_without_hlo(corpus, tmp_path, capsys):
+    """`python -m dpjax.train --timeline T --profile-dir DIR`, then `build DIR`: the same
+    timeline as the run wrote, from the kept capture and its kept HLO alone."""
+    from conftest import tiny_gpt
+
+    from dpjax.train import main as train
+
+    keep, first, again = tmp_path / "prof", tmp_path / "t.json", tmp_path / "again.json"
+    assert train(tiny_gpt(corpus, "--mesh", "2x1", "--steps", "3", "--timeline", str(first), "--timeline-steps",
+                          "1", "--profile-dir", str(keep))) == 0
+    assert main(["build", str(keep), "-o", str(again)]) == 0
+    built, ran = timeline.load(str(again)), timeline.load(str(first))
+    assert built["otherData"]["steps"] == ran["otherData"]["steps"] == [1]
+    assert built["traceEvents"] == ran["traceEvents"]
 
 
 @pytest.mark.parametrize("case, says", [

@@ -67,11 +67,11 @@ def build(raw_events: list[dict], programs: list[Program], main: str | None = No
         waits, launched, outside = [], capture.launched, capture.outside
     for op in ops:
         prog = by_module.get(op.module)
-        if prog is not None and op.hlo in prog.ops:
+        if gpu.is_command_buffer(op.hlo):  # its op is unknown: a phase of its own (gpu.py)
+            op.path = [("phase", {"name": gpu.COMMAND_BUFFER_PHASE})]
+        elif prog is not None and op.hlo in prog.ops:
             op.opcode, op.op_name = prog.ops[op.hlo]
             op.path = scopes.parse(op.op_name)
-        elif gpu.is_command_buffer(op.hlo):  # no program names it: a phase of its own (gpu.py)
-            op.path = [("phase", {"name": gpu.COMMAND_BUFFER_PHASE})]
         op.comm = (is_collective(op.opcode) or any(k in scopes.COLLECTIVES for k, _ in op.path)
                    or gpu.is_nccl(op.kernel))
     _attach_waits(ops, waits)
@@ -115,8 +115,8 @@ def _notes(ops: list[_Op], steps: dict) -> list[str]:
     buffered = [o for o in ops if gpu.is_command_buffer(o.hlo) and o.run in steps]
     if not buffered:
         return []
-    per_step = len(buffered) / len(set(steps.values()))
-    return [f"{per_step:g} kernels per step ran inside CUDA command buffers "
+    per_step = len(buffered) / len({(o.device, steps[o.run]) for o in buffered})
+    return [f"{per_step:g} kernels per device and step ran inside CUDA command buffers "
             f"({', '.join(sorted({o.hlo for o in buffered}))}): the profile does not say which op each ran, so they "
             f"are given to their step as compute (NCCL kernels as communication) in phase "
             f"'{gpu.COMMAND_BUFFER_PHASE}'; profile with XLA_FLAGS=--xla_gpu_enable_command_buffer= to see "
