@@ -6,7 +6,8 @@ Horovod found tensor fusion by reading timelines ("models with a large amount of
 Python timers: `jax.profiler` records every HLO op each device executes (`hlo_module`,
 `hlo_op`, `device_ordinal`, `run_id`) and, on the CPU backend, the rendezvous of every
 collective ("Wait: pending_threads=k/n", "Wait for rendezvous callback": a device waiting
-for the others). The compiled program's text gives each op its `op_name`, in which
+for the others); on a GPU, every kernel on its stream, and its launch by the host
+(`dpjax.timeline.gpu`). The compiled program's text gives each op its `op_name`, in which
 dpjax's named scopes (`dpjax.scopes`) say which phase, fusion bucket, collective call and
 point-to-point step it belongs to. Joined by `hlo_op`, they become, per device (one
 Perfetto process each): the step and its phases; each collective call (algorithm, axis,
@@ -21,11 +22,14 @@ importing only those above it (no circle), and none importing step code:
     format     the file's format tag
     spans      a device's ops grouped into phase, call and point-to-point spans
     program    a compiled program's ops (`compiled_text`, `Program`)
+    gpu        a GPU capture's kernels, their runs, CUDA command buffers
     build      raw trace + programs -> the timeline
+    capture    a capture on disk: its trace, the HLO text kept beside it
     recorder   `Recorder`, `record`, `save`: capture and write
     summary    `load`, `summarize`, `render`: the tables
     plot       the picture (`--png`; matplotlib)
-    cli        `python -m dpjax.timeline FILE [--png OUT]` (`__main__`)
+    cli        `python -m dpjax.timeline FILE [--png OUT]`, `... build CAPTURE_DIR`
+               (`__main__`)
 
     with dpjax.timeline.record("step.trace.json", step, params, state, batch) as tl:
         for i in range(3):

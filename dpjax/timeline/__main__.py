@@ -1,4 +1,5 @@
-"""`python -m dpjax.timeline FILE [--png OUT]` (`dpjax.timeline.cli`)."""
+"""`python -m dpjax.timeline FILE [--png OUT]`, `python -m dpjax.timeline build CAPTURE_DIR -o OUT.json`
+(`dpjax.timeline.cli`)."""
 
 import sys
 

@@ -12,6 +12,12 @@ several threads at once. Here every op is named from the program's metadata
 (`dpjax.timeline.spans`): pid = device + 1, tid 0 the step and its phases, tids 1.. the
 collective calls with their point-to-point steps, tids 100.. the ops (lanes, so that no
 two overlap; a rendezvous wait is drawn inside its op). pid 0 is the host.
+
+A GPU capture (a process named `/device:GPU:N`) is read by `dpjax.timeline.gpu`: the
+same spans, the kernels' runs found through their host launches; work outside every
+program (memory copies) is drawn on tid 99 of its device, and kernels inside CUDA command
+buffers, which no program names, are given to their step in a phase of their own, with
+a note in the timeline (`otherData.notes`) that the summary prints.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 from dpjax import scopes
+from dpjax.timeline import gpu
 from dpjax.timeline.format import FORMAT
 from dpjax.timeline.program import Program
 from dpjax.timeline.spans import collective_spans, is_collective, lanes, phase_spans
@@ -42,13 +49,55 @@ class _Op:
     comm: bool = False
     path: list = field(default_factory=list)
     waits: list = field(default_factory=list)
+    kernel: str = ""  # on a GPU: the kernel's own name, and the stream it ran on
+    stream: str = ""
 
 
 def build(raw_events: list[dict], programs: list[Program], main: str | None = None) -> dict:
     """The timeline (a Chrome trace JSON object) of a raw `jax.profiler` perfetto trace."""
     by_module = {p.module: p for p in programs}
     main = main or (programs[0].module if programs else None)
-    ops, waits, host = [], [], []
+    host = [e for e in raw_events if e.get("ph") == "X" and e["name"].startswith("dpjax:")]
+    capture = gpu.read(raw_events)
+    if capture is None:
+        ops, waits, launched, outside = *_cpu_ops(raw_events), {}, []
+    else:
+        ops = [_Op(k.device, k.run, k.module, k.hlo, k.start, k.end, k.tid, kernel=k.name, stream=k.stream)
+               for k in capture.kernels]
+        waits, launched, outside = [], capture.launched, capture.outside
+    for op in ops:
+        prog = by_module.get(op.module)
+        if gpu.is_command_buffer(op.hlo):  # its op is unknown: a phase of its own (gpu.py)
+            op.path = [("phase", {"name": gpu.COMMAND_BUFFER_PHASE})]
+        elif prog is not None and op.hlo in prog.ops:
+            op.opcode, op.op_name = prog.ops[op.hlo]
+            op.path = scopes.parse(op.op_name)
+        op.comm = (is_collective(op.opcode) or any(k in scopes.COLLECTIVES for k, _ in op.path)
+                   or gpu.is_nccl(op.kernel))
+    _attach_waits(ops, waits)
+    t0 = min([o.start for o in ops] + [h["ts"] for h in host], default=0.0)
+    marked = _marked_steps(host)
+    steps = _number_runs(ops, marked, main, launched)
+    events = _metadata(sorted({o.device for o in ops} | {o.device for o in outside}))
+    events += _host_events(host, t0)
+    runs = defaultdict(list)
+    for op in ops:
+        runs[(op.device, op.run)].append(op)
+    for (device, run), run_ops in sorted(runs.items(), key=lambda kv: (kv[0][0], kv[1][0].start)):
+        run_ops.sort(key=lambda o: (o.start, -o.end))
+        events += _device_run(device, run_ops, steps.get(run), t0)
+    events += [_span(o.name, o.device + 1, 99, o.start, o.end, t0, type="outside", bytes=o.nbytes, stream=o.stream,
+                     step=_step_at(o.launched, marked) if o.launched is not None else None) for o in outside]
+    events += _thread_names(events)
+    return {"traceEvents": events, "displayTimeUnit": "ms",
+            "otherData": {"format": FORMAT, "main": main, "steps": sorted(set(steps.values())),
+                          "platform": "cpu" if capture is None else "gpu", "notes": _notes(ops, steps),
+                          "programs": {p.module: {"collective_ops": len(p.collective_ops())} for p in programs}}}
+
+
+def _cpu_ops(raw_events: list[dict]) -> tuple[list, list]:
+    """The CPU backend's op events (with `device_ordinal`) and rendezvous waits."""
+    ops, waits = [], []
     for e in raw_events:
         if e.get("ph") != "X":
             continue
@@ -58,29 +107,20 @@ def build(raw_events: list[dict], programs: list[Program], main: str | None = No
                            a["hlo_op"], e["ts"], e["ts"] + e.get("dur", 0.0), e.get("tid", 0)))
         elif e["name"].startswith(_WAITS):
             waits.append((e["ts"], e["ts"] + e.get("dur", 0.0), e.get("tid", 0)))
-        elif e["name"].startswith("dpjax:"):
-            host.append(e)
-    for op in ops:
-        prog = by_module.get(op.module)
-        if prog is not None and op.hlo in prog.ops:
-            op.opcode, op.op_name = prog.ops[op.hlo]
-            op.path = scopes.parse(op.op_name)
-            op.comm = is_collective(op.opcode) or any(k in scopes.COLLECTIVES for k, _ in op.path)
-    _attach_waits(ops, waits)
-    t0 = min([o.start for o in ops] + [h["ts"] for h in host], default=0.0)
-    steps = _number_runs(ops, host, main)
-    events = _metadata(sorted({o.device for o in ops}))
-    events += _host_events(host, t0)
-    runs = defaultdict(list)
-    for op in ops:
-        runs[(op.device, op.run)].append(op)
-    for (device, run), run_ops in sorted(runs.items(), key=lambda kv: (kv[0][0], kv[1][0].start)):
-        run_ops.sort(key=lambda o: (o.start, -o.end))
-        events += _device_run(device, run_ops, steps.get(run), t0)
-    events += _thread_names(events)
-    return {"traceEvents": events, "displayTimeUnit": "ms",
-            "otherData": {"format": FORMAT, "main": main, "steps": sorted(set(steps.values())),
-                          "programs": {p.module: {"collective_ops": len(p.collective_ops())} for p in programs}}}
+    return ops, waits
+
+
+def _notes(ops: list[_Op], steps: dict) -> list[str]:
+    """What the reader of a GPU timeline must know: ops the program could not name."""
+    buffered = [o for o in ops if gpu.is_command_buffer(o.hlo) and o.run in steps]
+    if not buffered:
+        return []
+    per_step = len(buffered) / len({(o.device, steps[o.run]) for o in buffered})
+    return [f"{per_step:g} kernels per device and step ran inside CUDA command buffers "
+            f"({', '.join(sorted({o.hlo for o in buffered}))}): the profile does not say which op each ran, so they "
+            f"are given to their step as compute (NCCL kernels as communication) in phase "
+            f"'{gpu.COMMAND_BUFFER_PHASE}'; profile with XLA_FLAGS=--xla_gpu_enable_command_buffer= to see "
+            "their ops, phases and collectives"]
 
 
 def _attach_waits(ops: list[_Op], waits: list) -> None:
@@ -102,24 +142,30 @@ def _attach_waits(ops: list[_Op], waits: list) -> None:
                 break
 
 
-def _number_runs(ops: list[_Op], host: list[dict], main: str | None) -> dict:
+def _marked_steps(host: list[dict]) -> list[tuple[float, float, int]]:
+    """(start, end, index) of the host's `step(i)` annotations."""
+    return [(h["ts"], h["ts"] + h.get("dur", 0.0), int(scopes.parse(h["name"])[0][1]["name"])) for h in host
+            if h["name"].startswith("dpjax:step(")]
+
+
+def _step_at(t: float, marked: list):
+    inside = [i for s, e, i in marked if s <= t <= e]
+    return inside[-1] if inside else None
+
+
+def _number_runs(ops: list[_Op], marked: list, main: str | None, launched: dict) -> dict:
     """run_id -> step number for the runs of the main program: the number of the host
     `step(i)` annotation a run starts in (a run outside every annotation, such as the
-    tail of an earlier step, is no step); without annotations, the runs in order."""
+    tail of an earlier step, is no step); without annotations, the runs in order. A run
+    starts at its first op, or on a GPU when the host launched it (`launched`)."""
     first = {}
     for op in ops:
         if op.module == main:
             first[op.run] = min(first.get(op.run, op.start), op.start)
-    marked = [(h["ts"], h["ts"] + h.get("dur", 0.0), int(scopes.parse(h["name"])[0][1]["name"])) for h in host
-              if h["name"].startswith("dpjax:step(")]
+    first.update({run: t for run, t in launched.items() if run in first})
     if not marked:
         return {r: k for k, r in enumerate(sorted(first, key=first.get))}
-    out = {}
-    for run, t in first.items():
-        inside = [i for s, e, i in marked if s <= t <= e]
-        if inside:
-            out[run] = inside[-1]
-    return out
+    return {run: _step_at(t, marked) for run, t in first.items() if _step_at(t, marked) is not None}
 
 
 def _metadata(devices: list[int]) -> list[dict]:
@@ -135,7 +181,8 @@ def _metadata(devices: list[int]) -> list[dict]:
 def _thread_names(events: list[dict]) -> list[dict]:
     used = sorted({(e["pid"], e["tid"]) for e in events if e["ph"] == "X" and e["pid"] > 0 and e["tid"] > 0})
     return [{"ph": "M", "pid": pid, "tid": tid, "name": "thread_name",
-             "args": {"name": f"ops {tid - 99}" if tid >= 100 else f"collectives {tid}"}} for pid, tid in used]
+             "args": {"name": f"ops {tid - 99}" if tid >= 100 else "outside programs" if tid == 99
+                      else f"collectives {tid}"}} for pid, tid in used]
 
 
 def _span(name, pid, tid, start, end, t0, **args) -> dict:
@@ -169,9 +216,12 @@ def _device_run(device: int, ops: list[_Op], step, t0: float) -> list[dict]:
     tagged = []
     for op in ops:
         kind = "comm" if op.comm else "compute"
-        tagged.append((op.start, op.end, _span(op.hlo, pid, 0, op.start, op.end, t0, type="op", kind=kind,
+        gpu_args = {"hlo_op": op.hlo, "kernel": op.kernel, "stream": op.stream} if op.kernel else {}
+        # a command buffer's kernels share its op: each is shown by its own kernel name
+        name = op.kernel if gpu.is_command_buffer(op.hlo) else op.hlo
+        tagged.append((op.start, op.end, _span(name, pid, 0, op.start, op.end, t0, type="op", kind=kind,
                                                 step=step, module=module,
-                                                scope=op.op_name.split("shard_map/", 1)[-1])))
+                                                scope=op.op_name.split("shard_map/", 1)[-1], **gpu_args)))
         tagged += [(s, e, _span("rendezvous wait", pid, 0, s, e, t0, type="op", kind="wait", step=step))
                    for s, e in op.waits]
     for lane, (s, e, ev) in lanes(sorted(tagged, key=lambda t: (t[0], -t[1]))):

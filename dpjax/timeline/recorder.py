@@ -2,7 +2,9 @@
 
 A `Recorder` profiles only between `start()` and `stop()` (or inside `profile()`) with
 `jax.profiler`, into a temporary folder (or `keep=DIR`, where the raw capture stays for
-XProf / TensorBoard's profile plugin); `write` joins the raw trace to the registered
+XProf / TensorBoard's profile plugin, with the registered programs' HLO text beside it,
+so that `python -m dpjax.timeline build DIR` can build its timeline again:
+`dpjax.timeline.capture`); `write` joins the raw trace to the registered
 programs (`dpjax.timeline.build`) and saves the timeline. Host annotations (`step(i)`,
 `phase(name)`) mark the loop's steps and phases and cost nothing outside a profile.
 
@@ -15,14 +17,13 @@ programs (`dpjax.timeline.build`) and saves the timeline. Host annotations (`ste
 from __future__ import annotations
 
 import contextlib
-import glob
 import gzip
 import json
-import os
 import shutil
 import tempfile
 
 from dpjax import scopes
+from dpjax.timeline import capture
 from dpjax.timeline.build import build
 from dpjax.timeline.program import Program, compiled_text
 
@@ -35,6 +36,7 @@ class Recorder:
 
     def __init__(self, keep: str | None = None):
         self.programs: dict[str, Program] = {}
+        self.texts: dict[str, str] = {}  # module -> its HLO text (kept beside a kept capture)
         self.main: str | None = None
         self._dir: str | None = keep
         self._keep = keep  # a folder the raw capture stays in (for XProf / TensorBoard), else a temporary one
@@ -42,8 +44,9 @@ class Recorder:
         self._before: set | None = None  # captures the folder held before ours
 
     def program(self, fn, *args, **kwargs) -> Program:
-        prog = Program.from_text(compiled_text(fn, *args, **kwargs))
-        self.programs[prog.module] = prog
+        text = compiled_text(fn, *args, **kwargs)
+        prog = Program.from_text(text)
+        self.programs[prog.module], self.texts[prog.module] = prog, text
         self.main = self.main or prog.module
         return prog
 
@@ -97,21 +100,24 @@ class Recorder:
 
     def raw_events(self) -> list[dict]:
         """The events of every profile() so far (one perfetto_trace.json.gz per session)."""
-        events = []
-        for path in sorted(set(self._captures()) - (self._before or set())):
-            with gzip.open(path) as fh:
-                events += json.load(fh)["traceEvents"]
-        return events
+        return [e for session in self._ours() for e in capture.read_events(session)]
 
     def _captures(self) -> list[str]:
-        return glob.glob(os.path.join(self._dir or "", "plugins", "profile", "*", "perfetto_trace.json.gz"))
+        return capture.sessions(self._dir) if self._dir else []
+
+    def _ours(self) -> list[str]:
+        return sorted(set(self._captures()) - (self._before or set()))
 
     def write(self, path: str) -> dict:
         """Builds the timeline of what was profiled, writes it to `path` (gzipped if it
-        ends in .gz), deletes the raw trace (unless it was to be kept), and returns the
-        timeline."""
+        ends in .gz), deletes the raw trace (unless it was to be kept: then the programs'
+        HLO text is kept beside it), and returns the timeline."""
         if not self.programs:
             raise ValueError("register the profiled step with Recorder.program(fn, *args) before write()")
+        if self._keep:  # the step's text first (`build DIR` takes it for the step), kept even if building fails
+            texts = [self.texts[self.main]] + [t for m, t in self.texts.items() if m != self.main]
+            for session in self._ours():
+                capture.keep_programs(session, texts)
         timeline = build(self.raw_events(), list(self.programs.values()), main=self.main)
         save(timeline, path)
         if not self._keep:

@@ -9,7 +9,8 @@ instant of the step (its program's first op to its last) is counted once, in thi
     wait           else, a collective waits at its rendezvous for the other devices (idle)
     gap            else, nothing runs (the runtime between ops, or a thread not scheduled)
 
-so the four add up to the step. comm_fraction = (communication + wait) / step. Per
+so the four add up to the step (on a GPU, wait is 0: a collective waits for its peers
+inside its NCCL kernel, which is communication). comm_fraction = (communication + wait) / step. Per
 collective: calls per step, nccl-tests' size S, time per call (the time its own ops ran
 on a device, mean over devices and steps), and the effective bandwidths of nccl-tests
 (doc/PERFORMANCE.md): algbw = S / t, busbw = algbw x 2(n-1)/n for allreduce, (n-1)/n for
@@ -24,7 +25,7 @@ import gzip
 import json
 import statistics
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from dpjax.collectives.cost import bus_factor
 from dpjax.errors import UserError
@@ -62,6 +63,7 @@ class Summary:
     devices: list  # one dict per device (means over steps)
     phases: list  # one dict per phase (device phases and host phases)
     collectives: list  # one dict per collective label
+    notes: list = field(default_factory=list)  # what the timeline could not tell (e.g. GPU command buffers)
 
     def step_fraction(self) -> dict:
         return {row["step"]: row["comm_fraction"] for row in self.steps}
@@ -102,7 +104,8 @@ def summarize(data: dict) -> Summary:
                           "slowest": slow})
     dev_rows = [{"device": d, **{k: statistics.fmean(acct[(d, s)][k] for s in steps_ if (d, s) in acct)
                                  for k in ("time", "compute", "comm", "wait", "gap")}} for d in devices]
-    return Summary(step_rows, dev_rows, _phases(ev, acct, len(steps_)), _collectives(ev, len(acct)))
+    return Summary(step_rows, dev_rows, _phases(ev, acct, len(steps_)), _collectives(ev, len(acct)),
+                   list((data.get("otherData") or {}).get("notes") or []))
 
 
 def _phases(ev, acct, nsteps) -> list:
@@ -171,4 +174,5 @@ def render(s: Summary) -> str:
     slow = max(s.devices, key=lambda r: r["compute"])
     out += ["", f"slowest device: {slow['device']} (compute {_ms(slow['compute'])} ms per step, waits "
                 f"{_ms(slow['wait'])} ms; the others wait for it)"]
+    out += [f"note: {n}" for n in s.notes]
     return "\n".join(out)

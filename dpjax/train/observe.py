@@ -48,3 +48,5 @@ def write_timeline(recorder, path: str, step, args, write, steps, say) -> None:
     share = sum(r["comm_fraction"] for r in summary.steps) / len(summary.steps)
     say(f"timeline: steps {steps.start}-{steps[-1]} in {path}, communication {100 * share:.0f}% of a step "
         f"(python -m dpjax.timeline {path})")
+    for note in summary.notes:  # e.g. a GPU's command buffers, whose ops the profile cannot name
+        say(f"timeline: {note}")
