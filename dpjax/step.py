@@ -246,7 +246,7 @@ def for_plan(plan: Plan, donate: bool = True, clock=None) -> TrainStep:
     par)`, `init`): its own loss, or on a layout with a stage axis the pipeline's schedule
     in place of value_and_grad(model.loss)."""
     model, layout = plan.model, plan.layout
-    abstract = jax.eval_shape(lambda k: layout.store(model.init(k)), jax.random.key(0))
+    abstract = jax.eval_shape(lambda k: plan.policy.store(layout.store(model.init(k))), jax.random.key(0))
     if layout.pipeline is None:
         return build(model.loss, plan, abstract_params=abstract, donate=donate, clock=clock)
     staged = pipeline_staged.for_model(model, layout, plan.exchange.algorithm)

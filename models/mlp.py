@@ -51,7 +51,7 @@ class MLP(ByteModel):
 
     def apply(self, params, tokens_BdxT, par: Parallel = DENSE):
         c = self.config
-        p = par.use(params)
+        p = par.policy.cast(par.use(params))  # the compute dtype (dpjax.policy); the loss upcasts the logits
         e_BdxTxE = p["embed_VxE"][tokens_BdxT]
         # window t holds bytes t-context+1 .. t (zeros before the start)
         padded = jnp.pad(e_BdxTxE, ((0, 0), (c.context - 1, 0), (0, 0)))

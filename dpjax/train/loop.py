@@ -27,8 +27,9 @@ def setup_devices(cfg: Settings):
     """Starts jax.distributed if launched as one of several processes and simulates the
     CPU devices this process contributes to the mesh (before JAX starts); the devices
     the mesh is made of."""
-    from dpjax.mesh import mesh_size, simulate_cpu_devices
+    from dpjax.mesh import mesh_size, recommended_xla_flags, simulate_cpu_devices
 
+    recommended_xla_flags()  # GPU: collectives overlapped with compute (before JAX starts; the user's flags win)
     distributed.initialize(collectives=cfg.collectives)
     per_process = devices_per_process(cfg, distributed.launched_processes())
     simulate_cpu_devices(per_process or 8)

@@ -1,0 +1,161 @@
+"""The compute policy (dpjax.policy) on every layout: scan equals the Python loop and
+remat equals no remat bit for bit in float32; XLA's attention kernel equals the naive
+one; bfloat16 compute trains within a few percent of float32; parameters and the
+optimizer state stay float32 whatever the compute dtype.
+
+The reference for scan and remat is the same run with the layers as a Python loop and
+nothing recomputed (what dpjax did before the stack runner); for the kernels, the naive
+T x T attention written out in `dpjax.attention.naive`; for bfloat16, the float32 run."""
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dpjax import attention, step as S
+from dpjax.mesh import data_axes
+from dpjax.models import get_model
+from dpjax.plan import resolve
+from dpjax.policy import Policy
+from dpjax.settings import Settings
+from dpjax.tensor_parallel import Parallel
+
+GPT = dict(d_model=32, n_layers=4, n_heads=4, d_ff=64)
+LAYOUTS = {  # name: (mesh, extra settings)
+    "8x1": ("8x1", {}),
+    "2x4 tensor-parallel": ("2x4", {}),
+    "8x1 fsdp": ("8x1", {"fsdp": True}),
+    "pipeline stage=2": ("stage=2,data=4", {"microbatches": 2}),
+    "2x2x2 fsdp workers=node sparse:2": ("2x2x2", {"fsdp": True, "workers": "node", "update": "sparse:2"}),
+}
+
+
+def run(mesh_of, layout, steps, batch=16, **options):
+    """(losses, final parameters as numpy, plan) of `steps` steps (AdamW unless `options`
+    say otherwise) of a 4-layer GPT."""
+    spec, extra = LAYOUTS[layout]
+    mesh = mesh_of(spec, 8)
+    s = Settings(mesh=spec, data="synthetic", seq_len=16, batch_size=batch, seed=3, model_options=GPT,
+                 **{"lr": 1e-2, **extra, **options})
+    plan = resolve(s, mesh=mesh)
+    step = S.for_plan(plan, donate=False)
+    params, state = step.init(S.init_params(plan.model, plan.layout, jax.random.key(0), plan.policy))
+    rng = np.random.default_rng(0)
+    losses = []
+    for _ in range(steps):
+        batch = rng.integers(0, 256, (1, s.batch_size, 17)).astype(np.int32)
+        batch = jax.device_put(batch, jax.sharding.NamedSharding(mesh, jax.P(None, data_axes(mesh))))
+        params, state, loss = step.train(params, state, batch)
+        losses.append(float(loss))
+    return losses, jax.tree.map(np.asarray, step.consensus(params)), plan
+
+
+def test_scan_and_remat_equal_the_loop_bit_for_bit():
+    """float32 on one device: the scanned stack under every remat policy gives the loop's
+    loss and gradient bit for bit (the same ops, recomputed in the same order)."""
+    model = get_model("gpt", seq_len=16, **GPT)
+    params = model.init(jax.random.key(0))
+    batch = jax.random.randint(jax.random.key(1), (16, 17), 0, 256)
+
+    def grad(policy):
+        return jax.jit(jax.value_and_grad(lambda p, b: model.loss(p, b, Parallel(policy=policy))))(params, batch)
+
+    want_loss, want = grad(Policy(scan=False))
+    for remat in ("none", "dots", "full"):
+        loss, got = grad(Policy(remat=remat))
+        assert loss == want_loss, remat
+        jax.tree.map(lambda a, b: np.testing.assert_array_equal(a, b, err_msg=remat), got, want)
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_scan_and_remat_equal_the_loop(mesh_of, layout):
+    """float32 on every layout: the scanned stack under every remat policy against the
+    loop, 3 SGD steps. Not bit for bit here: inside the sharded step XLA:CPU lays out
+    some of the scan body's matmuls otherwise than the unrolled loop's and their sums
+    round differently in the last bit (gradients 6e-8 apart on 1e-2 values; Adam would
+    carry that on to 3e-6 in the parameters, so the comparison uses SGD, where it stays
+    round-off)."""
+    sgd = dict(batch=128, optimizer="sgd", lr=0.1, clip_norm=0.0)
+    want_losses, want_params, _ = run(mesh_of, layout, 3, layer_loop=True, remat="none", **sgd)
+    for remat in ("none", "dots", "full"):
+        losses, params, plan = run(mesh_of, layout, 3, remat=remat, **sgd)
+        assert plan.policy.scan and plan.policy.remat == remat and plan.policy.dtype == "float32"
+        np.testing.assert_allclose(losses, want_losses, rtol=1e-6, err_msg=remat)
+        for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(want_params)):
+            assert np.max(np.abs(a - b)) <= 1e-6 * np.max(np.abs(b)), (remat, np.max(np.abs(a - b)))
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_bfloat16_trains_like_float32(mesh_of, layout):
+    """100 steps in bfloat16 compute end within a few percent of float32's loss; the
+    master weights stay float32."""
+    f32, _, _ = run(mesh_of, layout, 100, dtype="float32")
+    bf16, params, plan = run(mesh_of, layout, 100, dtype="bfloat16")
+    assert plan.policy.compute == jnp.bfloat16
+    assert {x.dtype for x in jax.tree.leaves(params)} == {np.dtype(np.float32)}
+    assert f32[-1] < 0.8 * f32[0]  # it learned something, so the comparison means something
+    assert abs(bf16[-1] - f32[-1]) < 0.03 * f32[-1], (bf16[-1], f32[-1])
+    assert bf16 != f32  # bfloat16 did compute: the runs are not the same program
+
+
+def _dots(mesh, dtype):
+    """The dot_general lines of the lowered train step of the 8x1 run in `dtype`."""
+    plan = resolve(Settings(mesh="8x1", data="synthetic", seq_len=16, batch_size=16, dtype=dtype,
+                            model_options=GPT), mesh=mesh)
+    step = S.for_plan(plan, donate=False)
+    params = jax.eval_shape(lambda k: S.init_params(plan.model, plan.layout, k, plan.policy), jax.random.key(0))
+    text = step.train.lower(*jax.eval_shape(step.init, params), jax.ShapeDtypeStruct((1, 16, 17), jnp.int32)).as_text()
+    return [line for line in text.splitlines() if "dot_general" in line]
+
+
+def test_bfloat16_compute_is_in_the_program(mesh_of):
+    """The compiled step multiplies in bfloat16: every matmul of the bfloat16 run takes
+    bfloat16 operands, none of the float32 run's does."""
+    mesh = mesh_of("8x1", 8)
+    f32, bf16 = _dots(mesh, "float32"), _dots(mesh, "bfloat16")
+    assert len(f32) == len(bf16) > 0
+    assert not any("bf16" in line for line in f32)
+    operands = lambda line: line.split("(")[-1].split("->")[0]  # noqa: E731  "(tensor<..>, tensor<..>) -> .."
+    assert all(operands(line).count("bf16") == 2 for line in bf16), [operands(x) for x in bf16]
+
+
+@pytest.mark.parametrize("kernel", ["xla"])
+def test_attention_kernels_equal_the_naive_one(kernel):
+    """jax.nn.dot_product_attention (CPU: its XLA kernel) against the scores written out,
+    forward and backward, and through the GPT's loss."""
+    keys = jax.random.split(jax.random.key(1), 3)
+    q, k, v = (jax.random.normal(key, (2, 24, 4, 8)) for key in keys)
+    np.testing.assert_allclose(attention.causal(q, k, v, kernel), attention.naive(q, k, v), rtol=2e-6, atol=2e-6)
+    # the naive kernel against numpy, so that the reference itself is checked
+    s = np.einsum("bqhk,bthk->bhqt", q, k) / math.sqrt(8)
+    s = np.where(np.tril(np.ones((24, 24), bool)), s, -np.inf)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    np.testing.assert_allclose(attention.naive(q, k, v), np.einsum("bhqt,bthk->bqhk", p, v), rtol=2e-6, atol=2e-6)
+    model = get_model("gpt", seq_len=16, **GPT)
+    params = model.init(jax.random.key(0))
+    batch = jax.random.randint(jax.random.key(2), (4, 17), 0, 256)
+    grad = lambda pol: jax.value_and_grad(lambda p: model.loss(p, batch, Parallel(policy=pol)))(params)  # noqa: E731
+    (want, g_want), (got, g_got) = grad(Policy()), grad(Policy(attention=kernel))
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6), g_got, g_want)
+
+
+def test_param_dtype_makes_bfloat16_master_weights(mesh_of):
+    losses, params, plan = run(mesh_of, "8x1", 2, dtype="bfloat16", param_dtype="bfloat16")
+    assert {x.dtype for x in jax.tree.leaves(params)} == {jnp.dtype(jnp.bfloat16)}
+    assert all(np.isfinite(losses))
+
+
+def test_policy_refuses_what_cannot_run():
+    from dpjax.plan import UsageError
+
+    with pytest.raises(UsageError, match="--attention cudnn: cuDNN attention needs an NVIDIA GPU"):
+        resolve(Settings(mesh="8x1", data="synthetic", attention="cudnn"))
+    with pytest.raises(ValueError, match="remat='some'"):
+        Policy(remat="some")
+    with pytest.raises(ValueError, match="attention kernel 'flash'"):
+        attention.causal(*(jnp.zeros((1, 4, 1, 8)),) * 3, "flash")
