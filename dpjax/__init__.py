@@ -34,7 +34,8 @@ from dpjax.errors import UserError
 from dpjax.replicas import ReplicationError
 from dpjax.rng import device_key
 from dpjax.mesh import data_axes, dp_size, make_mesh, parse_mesh_spec, simulate_cpu_devices
-from dpjax import sharding_rules, updates
+from dpjax import attention, sharding_rules, stack, updates
+from dpjax.policy import Policy
 from dpjax.updates import delayed_gradients
 from dpjax.step import Exchange, make_update_step
 from dpjax import horovod
@@ -42,9 +43,11 @@ from dpjax import horovod
 __all__ = [
     "DistributedOptimizer",
     "Exchange",
+    "Policy",
     "ReplicationError",
     "UserError",
     "allreduce_gradients",
+    "attention",
     "broadcast_params",
     "collectives",
     "data_axes",
@@ -63,6 +66,7 @@ __all__ = [
     "shard_batch",
     "shard_step",
     "simulate_cpu_devices",
+    "stack",
     "updates",
 ]
 __version__ = "0.1.0"

@@ -155,9 +155,10 @@ class GPT(ByteModel):
 
     def head(self, params, x_BdxTxD, par: Parallel = DENSE):
         """Final layer norm and the tied output head (the last stage's work): Bd x T x Vm,
-        in the compute dtype (the loss takes them to float32)."""
-        x_BdxTxD = layer_norm(x_BdxTxD, params["ln_f"]["scale_D"], params["ln_f"]["bias_D"])
-        return tp.column_parallel(x_BdxTxD, par.policy.cast(params["embed_VmxD"]).T, None, par)  # tied output head
+        float32 whatever the compute dtype (the logits are a numerically sensitive part:
+        `dpjax.policy`)."""
+        x_BdxTxD = layer_norm(x_BdxTxD, params["ln_f"]["scale_D"], params["ln_f"]["bias_D"]).astype(jnp.float32)
+        return tp.column_parallel(x_BdxTxD, params["embed_VmxD"].T.astype(jnp.float32), None, par)  # tied head
 
     def head_loss(self, params, x_BdxTxD, targets_BdxT, par: Parallel = DENSE):
         """Vocabulary-parallel cross-entropy of the head's logits: the full logits are never gathered."""
