@@ -9,8 +9,8 @@ and dpjax's best explicit allreduce in bus bandwidth against the device's peak.
     python experiments/gpu_check.py --smoke                    # CPU, seconds: what the tests run
 
 Each run is a process of its own (this one starts no JAX backend: on a GPU it would take
-the memory the runs need; it imports dpjax only for its table of device peaks). Tokens/s is the median over the steps after the first
-`--skip` (which compile). MFU = 6 x parameters x tokens/s / (devices x peak), the
+the memory the runs need; it imports dpjax only for its table of device peaks). Tokens/s
+is the median over the steps after the first `--skip` (which compile). MFU = 6 x parameters x tokens/s / (devices x peak), the
 usual estimate (Kaplan et al. 2020; attention's FLOPs left out); the peak is the
 dense TF32 tensor-core rate, since the model trains in float32 and XLA's default
 matmul precision on NVIDIA GPUs is TF32. Peaks (TF32 FLOP/s, NVLink bandwidth) are dpjax's

@@ -12,8 +12,9 @@ A step's program can hold exchanges that run on some steps only, each under a na
 `cost.hlo_comm` alone adds every branch of every cond. Here a step is charged what it
 runs: the computations reachable from the entry that follow only the taken branch of
 each marked cond (other conds and calls are followed whole, as hlo_comm counts them,
-and a while loop's body trip-count times, `hlo.Module.times`). A cond's branch_computations are {false, true}: lax.cond turns the predicate
-into branch index 0 for False, 1 for True.
+and a while loop's body trip-count times, `hlo.Module.times`). A cond's
+branch_computations are {false, true}: lax.cond turns the predicate into branch index 0
+for False, 1 for True.
 """
 
 from __future__ import annotations
