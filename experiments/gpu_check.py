@@ -10,12 +10,13 @@ and dpjax's best explicit allreduce in bus bandwidth against the device's peak.
 
 Each run is a process of its own (this one starts no JAX backend: on a GPU it would take
 the memory the runs need; it imports dpjax only for its table of device peaks). Tokens/s
-is the median over the steps after the first `--skip` (which compile). MFU = 6 x parameters x tokens/s / (devices x peak), the
-usual estimate (Kaplan et al. 2020; attention's FLOPs left out); the peak is the
-dense TF32 tensor-core rate, since the model trains in float32 and XLA's default
-matmul precision on NVIDIA GPUs is TF32. Peaks (TF32 FLOP/s, NVLink bandwidth) are dpjax's
-one table, `dpjax.train.efficiency.DEVICE_PEAKS` (the vendors' datasheet figures); a device
-not in it shows n/a. With --markdown the table goes to that file only.
+is the median over the steps after the first `--skip` (which compile). MFU = 6 x
+parameters x tokens/s / (devices x peak), the usual estimate (Kaplan et al. 2020;
+attention's FLOPs left out); the peak is the dense TF32 tensor-core rate, since the model
+trains in float32 and XLA's default matmul precision on NVIDIA GPUs is TF32. Peaks (TF32
+FLOP/s, NVLink bandwidth) are dpjax's one table, `dpjax.train.efficiency.DEVICE_PEAKS`
+(the vendors' datasheet figures); a device not in it shows n/a. With --markdown the table
+goes to that file only.
 """
 
 from __future__ import annotations
