@@ -8,13 +8,15 @@ and dpjax's best explicit allreduce in bus bandwidth against the device's peak.
     python experiments/gpu_check.py --markdown gpu.md          # on whatever GPUs are present
     python experiments/gpu_check.py --smoke                    # CPU, seconds: what the tests run
 
-Each run is a process of its own (this one never imports JAX: on a GPU it would take
-the memory the runs need). Tokens/s is the median over the steps after the first
-`--skip` (which compile). MFU = 6 x parameters x tokens/s / (devices x peak), the
-usual estimate (Kaplan et al. 2020; attention's FLOPs left out); the peak is the
-dense TF32 tensor-core rate, since the model trains in float32 and XLA's default
-matmul precision on NVIDIA GPUs is TF32. Peaks are the vendors' datasheet figures for
-the SXM parts; a device not in `PEAKS` shows n/a.
+Each run is a process of its own (this one starts no JAX backend: on a GPU it would take
+the memory the runs need; it imports dpjax only for its table of device peaks). Tokens/s
+is the median over the steps after the first `--skip` (which compile). MFU = 6 x
+parameters x tokens/s / (devices x peak), the usual estimate (Kaplan et al. 2020;
+attention's FLOPs left out); the peak is the dense TF32 tensor-core rate, since the model
+trains in float32 and XLA's default matmul precision on NVIDIA GPUs is TF32. Peaks (TF32
+FLOP/s, NVLink bandwidth) are dpjax's one table, `dpjax.train.efficiency.DEVICE_PEAKS`
+(the vendors' datasheet figures); a device not in it shows n/a. With --markdown the table
+goes to that file only.
 """
 
 from __future__ import annotations
@@ -31,17 +33,17 @@ import tempfile
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 
-# device_kind substring: (dense TF32 FLOP/s, NVLink bandwidth per GPU and direction, bytes/s)
-PEAKS = {
-    "H100 80GB HBM3": (494.7e12, 450e9),  # H100 SXM5: NVLink 4, 900 GB/s both directions
-    "H200": (494.7e12, 450e9),
-    "A100-SXM4": (156e12, 300e9),  # NVLink 3, 600 GB/s both directions
-}
 SMOKE_MODEL = ["--d-model", "32", "--n-layers", "1", "--n-heads", "2", "--seq-len", "16", "--batch-size", "16"]
 
 
 def peak(kind: str):
-    return next((v for k, v in PEAKS.items() if k in kind), (None, None))
+    """(dense TF32 FLOP/s, NVLink bytes/s per GPU and direction) of a device kind, from
+    dpjax's table (None where it has no figure)."""
+    from dpjax.train.efficiency import device_peaks
+
+    peaks = device_peaks(kind)
+    scale = lambda key, unit: None if key not in peaks else peaks[key] * unit  # noqa: E731
+    return scale("float32", 1e12), scale("link", 1e9)
 
 
 def _env(smoke: bool, devices: int | None = None) -> dict:
@@ -145,7 +147,9 @@ def main(argv=None) -> int:
     if args.markdown:
         with open(args.markdown, "w") as f:
             f.write(table)
-    print(table, end="")
+        print(f"gpu_check: the table is in {args.markdown}")
+    else:
+        print(table, end="")
     return 0
 
 

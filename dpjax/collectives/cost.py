@@ -21,12 +21,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from dpjax import hlo
 from dpjax.collectives import registry
-
-_DTYPE_BYTES = {
-    "pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
-    "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8,
-}
 
 
 @dataclass(frozen=True)
@@ -126,29 +122,19 @@ def lower_bound_bytes(n: int, nbytes: int) -> float:
 # Reading the compiled program
 
 _COLLECTIVES = ("collective-permute", "all-reduce", "all-gather", "reduce-scatter", "all-to-all")
-_OP_RE = re.compile(
-    r"=\s*(?P<result>.*?)\s(?P<op>" + "|".join(_COLLECTIVES) + r")(?P<start>-start)?\((?P<args>[^)]*)\)"
-    r"(?P<attrs>.*)$"
-)
-_SHAPE_RE = re.compile(r"\b(" + "|".join(_DTYPE_BYTES) + r")\[([0-9,]*)\]")
 _PAIRS_RE = re.compile(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}")
 _GROUPS_RE = re.compile(r"replica_groups=\{((?:\{[\d,]*\},?)*)\}")
 
 
-def _shape_bytes(text: str) -> int:
-    total = 0
-    for dtype, dims in _SHAPE_RE.findall(text):
-        total += _DTYPE_BYTES[dtype] * math.prod(int(d) for d in dims.split(",") if d)
-    return total
-
-
 @dataclass
 class HloComm:
-    """What a compiled program sends: collective ops in program order and bytes per device."""
+    """What a compiled program sends: collective ops in program order and bytes per device;
+    `unknown_trips`: collectives inside loops of unknown trip count (counted once)."""
 
     ops: Counter = field(default_factory=Counter)
     steps: int = 0
     bytes_per_device: Counter = field(default_factory=Counter)
+    unknown_trips: int = 0
 
     @property
     def max_bytes(self) -> int:
@@ -176,54 +162,66 @@ def _replica_groups(attrs: str) -> list[list[int]]:
     return moved.reshape(math.prod(ids.shape[i] for i in keep) if keep else 1, -1).tolist()
 
 
-def hlo_comm(hlo_text: str) -> HloComm:
-    """Counts collective steps and bytes each device sends in compiled HLO text.
+def _sent(op: str, start: bool, ins) -> dict[int, int]:
+    """Bytes each device sends in one run of collective `ins`."""
+    # Compiled HLO names operands without their shapes; the result (the first array of
+    # an async -start tuple) has the operand's shape for permutes and all-reduces, the
+    # gathered shape for all-gather, the piece for reduce-scatter. XLA's combiner gives
+    # one all-reduce a tuple of results, and an all-to-all has one result per block:
+    # charge them all.
+    first = hlo.SHAPE_RE.search(ins.shape)
+    if op in ("all-reduce", "all-to-all") and not start:
+        nbytes = hlo.shape_bytes(ins.shape)
+    else:
+        nbytes = hlo.shape_bytes(first.group(0)) if first else 0
+    out: Counter = Counter()
+    if op == "collective-permute":
+        pairs = _PAIRS_RE.search(ins.attrs)
+        for pair in re.findall(r"\{(\d+),(\d+)\}", pairs.group(1) if pairs else ""):
+            out[int(pair[0])] += nbytes
+        return out
+    for group in _replica_groups(ins.attrs):
+        k = len(group)
+        if k < 2:
+            continue
+        if op == "all-reduce":
+            sent = 2 * (k - 1) * math.ceil(nbytes / k)
+        elif op == "reduce-scatter":
+            sent = (k - 1) * nbytes
+        else:  # all-gather, all-to-all
+            sent = (k - 1) * nbytes // k
+        for d in group:
+            out[d] += sent
+    return out
+
+
+def hlo_comm(program, follow=None) -> HloComm:
+    """Counts collective steps and bytes each device sends in compiled HLO text (or an
+    `hlo.Module` of it).
 
     A collective-permute charges its operand's bytes to each source device of its
     `source_target_pairs`. XLA's own all-reduce / reduce-scatter / all-gather ops are
     charged as the ring would send them within each replica group (their real
-    schedule is XLA's choice). Ops inside loops are counted once, so dpjax unrolls its
-    schedules in Python.
+    schedule is XLA's choice). A collective runs as many times as its computation does
+    (`hlo.Module.times`): a while loop's body its trip count, every branch of a
+    conditional unless `follow` names the branches taken.
     """
+    module = program if isinstance(program, hlo.Module) else hlo.Module(program)
     out = HloComm()
-    for line in hlo_text.splitlines():
-        m = _OP_RE.search(line)
-        if not m or "-done" in m.group("op"):
+    for name, runs in module.times(follow).items():
+        if runs == 0:
             continue
-        op = m.group("op")
-        out.ops[op] += 1
-        out.steps += 1
-        # Compiled HLO names operands without their shapes; the result (the first
-        # array of an async -start tuple) has the operand's shape for permutes and
-        # all-reduces, the gathered shape for all-gather, the piece for reduce-scatter.
-        # XLA's combiner gives one all-reduce a tuple of results, and an all-to-all has
-        # one result per block: charge them all.
-        first = _SHAPE_RE.search(m.group("result"))
-        if op in ("all-reduce", "all-to-all") and not m.group("start"):
-            nbytes = _shape_bytes(m.group("result"))
-        else:
-            nbytes = _shape_bytes(first.group(0)) if first else 0
-        attrs = m.group("attrs")
-        if op == "collective-permute":
-            pairs = _PAIRS_RE.search(attrs)
-            for pair in re.findall(r"\{(\d+),(\d+)\}", pairs.group(1) if pairs else ""):
-                out.bytes_per_device[int(pair[0])] += nbytes
-            continue
-        members = _replica_groups(attrs)
-        for group in members:
-            k = len(group)
-            if k < 2:
+        for ins in module.computations[name].instructions:
+            start = ins.op.endswith("-start")
+            op = ins.op[:-len("-start")] if start else ins.op
+            if op not in _COLLECTIVES:
                 continue
-            if op == "all-reduce":
-                sent = 2 * (k - 1) * math.ceil(nbytes / k)
-            elif op == "all-gather":
-                sent = (k - 1) * nbytes // k
-            elif op == "reduce-scatter":
-                sent = (k - 1) * nbytes
-            else:  # all-to-all
-                sent = (k - 1) * nbytes // k
-            for d in group:
-                out.bytes_per_device[d] += sent
+            n = 1 if runs is None else runs
+            out.unknown_trips += runs is None
+            out.ops[op] += n
+            out.steps += n
+            for d, sent in _sent(op, start, ins).items():
+                out.bytes_per_device[d] += n * sent
     return out
 
 

@@ -11,9 +11,10 @@ A step's program can hold exchanges that run on some steps only, each under a na
 
 `cost.hlo_comm` alone adds every branch of every cond. Here a step is charged what it
 runs: the computations reachable from the entry that follow only the taken branch of
-each marked cond (other conds, loops and calls are followed whole, as hlo_comm counts
-them). A cond's branch_computations are {false, true}: lax.cond turns the predicate
-into branch index 0 for False, 1 for True.
+each marked cond (other conds and calls are followed whole, as hlo_comm counts them,
+and a while loop's body trip-count times, `hlo.Module.times`). A cond's
+branch_computations are {false, true}: lax.cond turns the predicate into branch index 0
+for False, 1 for True.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import re
 # a marked cond: its op_name ends in the scope's cond (a cond nested in a marked
 # branch carries the outer name too, further up its op_name)
 _MARK = re.compile(r'op_name="[^"]*dpjax:(compression|average)\([^()"]*\)/cond"')
-_HEAD = re.compile(r"(ENTRY\s+)?%([^\s(]+)\s.*\{\s*$")
+_BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
 
 
 class StepBytes:
@@ -31,44 +32,26 @@ class StepBytes:
     compressed (else the exact) exchange, and averages (else skips sparse:P's average)."""
 
     def __init__(self, hlo_text: str):
-        self.comps, self.entry, cur = {}, None, None
-        for line in hlo_text.splitlines():
-            head = _HEAD.match(line)
-            if head and not line.startswith(" "):
-                cur = self.comps.setdefault(head.group(2), [])
-                self.entry = head.group(2) if head.group(1) else self.entry
-            elif line.startswith("}"):
-                cur = None
-            elif cur is not None:
-                cur.append(line)
-        self._memo: dict = {}
+        from dpjax.hlo import Module
 
-    def _reached(self, take: dict) -> set:
-        """Computations run from the entry, taking branch `take[kind]` of each marked cond."""
-        seen, todo = set(), [self.entry]
-        while todo:
-            name = todo.pop()
-            if name in seen or name not in self.comps:
-                continue
-            seen.add(name)
-            for line in self.comps[name]:
-                mark = _MARK.search(line) if " conditional(" in line else None
-                branches = re.search(r"branch_computations=\{([^}]*)\}", line) if mark else None
-                if branches:
-                    false, true = (b.strip().lstrip("%") for b in branches.group(1).split(","))
-                    todo.append(true if take[mark.group(1)] else false)
-                    continue
-                todo.extend(ref for ref in re.findall(r"%([\w.\-]+)", line) if ref in self.comps)
-        return seen
+        self.module = Module(hlo_text)
+        self._memo: dict = {}
 
     def at(self, compressed: bool, averaged: bool = True) -> int:
         from dpjax.collectives.cost import hlo_comm
 
         key = (bool(compressed), bool(averaged))
         if key not in self._memo:
-            names = self._reached({"compression": not compressed, "average": averaged})
-            lines = [line for n in self.comps if n in names for line in self.comps[n]]
-            self._memo[key] = max(hlo_comm("\n".join(lines)).bytes_per_device.values(), default=0)
+            take = {"compression": not compressed, "average": averaged}
+
+            def follow(ins):  # the taken branch of a marked cond; every branch of others
+                mark, branches = _MARK.search(ins.attrs), _BRANCHES.search(ins.attrs)
+                if not (mark and branches):
+                    return None
+                false, true = (b.strip().lstrip("%") for b in branches.group(1).split(","))
+                return [true if take[mark.group(1)] else false]
+
+            self._memo[key] = hlo_comm(self.module, follow).max_bytes
         return self._memo[key]
 
 

@@ -6,27 +6,33 @@ Model FLOPs are the model's own count, `flops_per_token()` (6 x the matmul param
 attention, Kaplan et al. 2020, "Scaling laws for neural language models"), times the
 tokens a step trains on. MFU (model FLOPs utilisation, Chowdhery et al. 2022, "PaLM",
 appendix B) divides their rate per device by the device's dense peak. Hardware FLOPs
-are what the compiled step executes on one device (XLA's `cost_analysis()` of the
-per-device program): the optimizer, the collectives' additions, softmax and layer-norm
-arithmetic and any recomputation on top of the model's count; their rate over the peak
-is the hardware FLOPs utilisation (HFU).
+are the matrix FLOPs the compiled step executes on one device, counted from its HLO by
+`dpjax.hlo` (dots, convolutions, cuBLAS and cuDNN custom calls, loop bodies trip-count
+times) on every backend: recomputation, the optimizer's and the collectives' matmuls on
+top of the model's count. XLA's `cost_analysis()` is not used: on GPU it counts the
+cuBLAS / cuDNN calls as no FLOPs. Where the program holds a call whose FLOPs cannot be
+read (a Pallas kernel, say) there is no hardware figure rather than a short one. Their
+rate over the peak is the hardware FLOPs utilisation (HFU).
 
-The peak comes from `--peak-tflops` or from `PEAK_TFLOPS` by the device's `device_kind`;
+The peak comes from `--peak-tflops` or from `DEVICE_PEAKS` by the device's `device_kind`;
 on CPU there is no table entry, so MFU appears only when `--peak-tflops` is given.
 """
 
 from __future__ import annotations
 
-# Dense (no structured sparsity) peak TFLOP/s per device, from the vendors' data sheets,
-# by a substring of `jax.Device.device_kind` (the first key found in it wins, so the
-# more specific names come first). "float32" is what a float32 matmul runs at under
+# The one table of device peaks (experiments/gpu_check.py reads it too), from the vendors'
+# data sheets, by a substring of `jax.Device.device_kind` (the first key found in it wins,
+# so the more specific names come first): dense (no structured sparsity) TFLOP/s by compute
+# dtype, and "link", the NVLink bandwidth of one GPU in one direction in GB/s (the ceiling of
+# nccl-tests' bus bandwidth), where known. "float32" is what a float32 matmul runs at under
 # JAX's default precision: TF32 tensor cores on NVIDIA since Ampere, one bf16 pass on TPU.
-PEAK_TFLOPS = {
+DEVICE_PEAKS = {
     "H100 PCIe": {"bfloat16": 756.0, "float32": 378.0},
-    "H100": {"bfloat16": 989.4, "float32": 494.7},  # SXM (device_kind "NVIDIA H100 80GB HBM3")
-    "H200": {"bfloat16": 989.4, "float32": 494.7},
+    "H100": {"bfloat16": 989.4, "float32": 494.7, "link": 450.0},  # SXM5 ("NVIDIA H100 80GB HBM3"), NVLink 4
+    "H200": {"bfloat16": 989.4, "float32": 494.7, "link": 450.0},
     "GH200": {"bfloat16": 989.4, "float32": 494.7},
     "B200": {"bfloat16": 2250.0, "float32": 1100.0},
+    "A100-SXM4": {"bfloat16": 312.0, "float32": 156.0, "link": 300.0},  # NVLink 3
     "A100": {"bfloat16": 312.0, "float32": 156.0},
     "L40S": {"bfloat16": 362.0, "float32": 183.0},
     "L4": {"bfloat16": 121.0, "float32": 60.0},
@@ -39,6 +45,11 @@ PEAK_TFLOPS = {
 }
 
 
+def device_peaks(device_kind: str) -> dict:
+    """The table's entry for a device of this kind ({} if none, e.g. CPUs)."""
+    return next((peaks for key, peaks in DEVICE_PEAKS.items() if key in device_kind), {})
+
+
 def peak_tflops(device_kind: str, dtype: str = "float32") -> float | None:
     """The table's dense peak for a device of this kind computing in `dtype` (None if
     the kind is not in the table, e.g. CPUs). Under `jax_default_matmul_precision`
@@ -47,32 +58,29 @@ def peak_tflops(device_kind: str, dtype: str = "float32") -> float | None:
 
     if dtype == "float32" and jax.config.jax_default_matmul_precision in ("highest", "float32", "fp32"):
         return None
-    for key, peaks in PEAK_TFLOPS.items():
-        if key in device_kind:
-            return peaks.get(dtype)
-    return None
+    return device_peaks(device_kind).get(dtype)
 
 
 def compiled_figures(fn, *args) -> dict:
     """What the compiled program of jitted `fn` at these arguments says of one device:
-    'flops' it executes (None if XLA does not say) and the 'memory' it needs at most
-    (arguments + outputs + temporaries - donated aliases; None if unknown). After a call
-    with the same shapes and shardings this reads JAX's cached executable (no compile)."""
+    'flops', the matrix FLOPs it executes (`dpjax.hlo`; None where some cannot be read,
+    'flops_unknown' saying which), and the 'memory' it needs at most (arguments + outputs +
+    temporaries - donated aliases; None if unknown). After a call with the same shapes and
+    shardings this reads JAX's cached executable (no compile)."""
     import jax
 
+    from dpjax.hlo import Module
     from dpjax.timeline.program import _abstract
 
     abstract = jax.tree.map(_abstract, args)
     compiled = fn.lower(*abstract).compile()
-    cost = compiled.cost_analysis()
-    cost = cost[0] if isinstance(cost, (list, tuple)) else cost  # older JAX: one dict per program
-    flops = float(cost["flops"]) if cost and cost.get("flops", -1) >= 0 else None
+    flops = Module(compiled.as_text()).flops()
     memory = None
     mem = compiled.memory_analysis()
     if mem is not None:
         memory = int(mem.argument_size_in_bytes + mem.output_size_in_bytes + mem.temp_size_in_bytes
                      - mem.alias_size_in_bytes)
-    return {"flops": flops, "memory": memory}
+    return {"flops": flops.value, "flops_unknown": flops.unknown, "memory": memory}
 
 
 def device_peak_memory(devices) -> int | None:

@@ -14,9 +14,12 @@ from dpjax.train.efficiency import Efficiency
 from dpjax.train.metrics import open_writers
 from dpjax.train.progress import Progress
 
-# Dispatched-but-unfinished steps allowed in flight: the CPU backend deadlocks with
-# ~40+ collective programs dispatched and not awaited, and a few hide dispatch latency.
-MAX_IN_FLIGHT = 4
+# Dispatched-but-unfinished steps allowed in flight: one, queued behind the one running,
+# hides the host's work for the next step (its batch, its dispatch) behind the device's.
+# More let several steps finish while the loop looks elsewhere (the first step's
+# figures, a busy host), and a metrics row could not time its own step: with 4 in
+# flight, runs on CPU wrote rows of 0.0 s beside rows holding several steps' time.
+MAX_IN_FLIGHT = 1
 
 
 def run_loop(self) -> dict:
@@ -39,6 +42,7 @@ def run_loop(self) -> dict:
     old_handler = signal.signal(signal.SIGINT, on_sigint)
     progress = Progress(cfg.progress if is_main else "none", cfg.steps, self.start)
     in_flight: collections.deque = collections.deque()
+    finished: dict = {}  # step -> when it was first seen finished (`seen_finished`)
     last_done = t0 = time.perf_counter()
     last = {"loss": float("nan"), "eval_loss": None, "tokens_per_s": 0.0}
     tps_window: collections.deque = collections.deque(maxlen=20)
@@ -54,12 +58,23 @@ def run_loop(self) -> dict:
 
     write({"record": self.run_record})
 
+    def seen_finished():
+        """Stamps the steps in flight that have finished, oldest first, without waiting:
+        a row's step_time runs from the previous step's end to its own, each seen as soon
+        as the loop looks (a backend that runs a program inside its dispatch, as XLA's CPU
+        one does on one device, has finished it when the dispatch returns)."""
+        for step_i, loss, *_ in in_flight:
+            if step_i not in finished:
+                if not loss.is_ready():
+                    break
+                finished[step_i] = time.perf_counter()
+
     def retire():
         nonlocal last_done
         step_i, loss, extra, step = in_flight.popleft()
         with phase("host_wait"):
             loss = float(loss)  # waits for the step
-        now = time.perf_counter()
+        now = finished.pop(step_i, None) or time.perf_counter()
         dt, last_done = now - last_done, now
         tps_window.append(tokens_per_step / dt)
         last.update(loss=loss, tokens_per_s=float(np.median(tps_window)))
@@ -97,17 +112,19 @@ def run_loop(self) -> dict:
             with phase("data"):
                 cursor = self.cursor  # the step's first sample: the step log shows none read twice or skipped
                 batch = self.batch()
+            seen_finished()
             args, began = (self.params, self.opt_state, batch), time.perf_counter()
             with phase("dispatch"):
                 self.params, self.opt_state, loss = step.train(*args)
             extra = {"cursor": cursor, **({"trial": str(trial[0])} if trial is not None else {})}
+            in_flight.append((step_i, loss, extra, step))
+            seen_finished()  # before the row's figures below: the first step's take a compile
             if metrics:
                 extra["comm_bytes"] = self.comm_bytes(step, args, step_i)
                 if self.compression_ratio is not None:
                     extra["compression_ratio"] = self.compression_ratio(step_i)
             if id(step) not in shapes:  # the step's argument shapes: its compiled figures are looked up by them
                 shapes[id(step)] = observe.shapes(args)
-            in_flight.append((step_i, loss, extra, step))
             if self.elastic is not None:  # commit, heartbeat, injected fault (dpjax.train.elastic)
                 self.elastic.after_step(self, step_i + 1, write, in_flight)
             if trial is not None or profiled:  # autotuned and profiled steps run alone, to their end
