@@ -34,6 +34,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from dpjax import stack as stack_runner
 from dpjax.hlo import Module
 from dpjax.mesh import data_axes, make_mesh
 from dpjax.pipeline import Pipeline, bubble_formula
@@ -138,10 +139,8 @@ def plain_flops(model, microbatches: int, rows: int) -> float:
     micro = jax.ShapeDtypeStruct((rows, T + 1), np.int32)
     value_and_grad = program_flops(jax.jit(jax.value_and_grad(model.loss)).lower(params, micro))
 
-    def layers(stack, x_bxTxD):
-        for i in range(model.config.n_layers):
-            x_bxTxD = model.layer(jax.tree.map(lambda w: w[i], stack), x_bxTxD)
-        return x_bxTxD
+    def layers(stack, x_bxTxD):  # the one stack runner (scanned: the HLO count reads the loop's trip count)
+        return stack_runner.run(model.layer, stack, x_bxTxD)
 
     x = jax.ShapeDtypeStruct((rows, T, model.config.d_model), np.float32)
     forward = program_flops(jax.jit(layers).lower(params[model.LAYERS], x))
