@@ -80,15 +80,9 @@ def preallocation_note(platform: str) -> str:
     return (" (JAX takes 75% of a GPU's memory by default: XLA_PYTHON_CLIENT_MEM_FRACTION=.95 gives it more)")
 
 
-def _available_host() -> int | None:
-    """The host memory free for this process now (MemAvailable), else its physical memory."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
+def _host_memory() -> int | None:
+    """The host's physical memory (not what is free now: a plan must not depend on what
+    else happens to run at the moment it is made)."""
     try:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):
@@ -103,15 +97,15 @@ CPU_RUNTIME_BYTES = 1 << 30
 
 def device_memory(mesh) -> int | None:
     """What one device of `mesh` can hold: the accelerator's limit, or on CPU the host's
-    memory available now less the runtime's own, shared by this process's devices (None
-    if unknown)."""
+    physical memory less the runtime's own, shared by this process's devices (None if
+    unknown)."""
     import jax
 
     dev = next(d for d in mesh.devices.flat if d.process_index == jax.process_index())  # stats are local only
     stats = dev.memory_stats() if hasattr(dev, "memory_stats") else None
     if stats and stats.get("bytes_limit"):
         return int(stats["bytes_limit"])
-    host = _available_host()
+    host = _host_memory()
     if host is None:
         return None
     local = sum(1 for d in mesh.devices.flat if d.process_index == dev.process_index)
