@@ -19,11 +19,14 @@ GPT width (d_model 128, 8 heads, d_ff 512, seq 128, batch 32) at each depth, mes
 on 8 simulated CPU devices; `--extra` adds other layouts at a few depths.
 
 Each compile starts cold: a fresh step (new jitted functions), JAX's in-memory caches
-cleared and the persistent compilation cache off. The measurements are interleaved
+cleared and the persistent compilation cache off. Each is timed twice: wall clock, and
+the CPU seconds this process spent (`time.process_time`, every thread), which a loaded
+shared machine stretches far less than the wall clock. The measurements are interleaved
 (each round compiles every point once, the starting variant alternating), so load from
-other processes on a shared machine hits both variants alike; reported per point: the
-median over rounds, and loop / scan, the median of the same-round ratios. A loop
-compile slower than --loop-cap-s stops the loop at greater depths (said in the output).
+other processes hits both variants alike; reported per point: the median over rounds,
+and loop / scan, the median of the same-round ratios. A loop compile that takes more
+than --loop-cap-s CPU seconds stops the loop at greater depths, that round and after (said in
+the output); --resume goes on from a JSON written before.
 """
 
 from __future__ import annotations
@@ -146,16 +149,19 @@ def points(args):
     return out
 
 
-def resumed(path):
-    """(times, capped) from a JSON this script wrote (--resume)."""
+def resumed(path, cap_s: float):
+    """(times, capped) from a JSON this script wrote (--resume); the loop is capped again by
+    this run's --loop-cap-s."""
     with open(path) as fh:
         saved = json.load(fh)
-    times = {}
+    times, capped = {}, {}
     for c in saved["compiles"]:
         c = dict(c)
         key = (c.pop("layout"), c.pop("depth"), c.pop("variant"))
         times.setdefault(key, []).append(c)
-    return times, saved["capped"]
+        if key[2] == "loop" and c["cpu_total_s"] > cap_s:
+            capped[key[0]] = min(capped.get(key[0], key[1]), key[1])
+    return times, capped
 
 
 def measure(args, save=None):
@@ -164,7 +170,7 @@ def measure(args, save=None):
     measured). No round starts after --budget-s. With --resume, a (round, point, variant)
     already measured is not measured again."""
     # capped: layout name -> the depth whose loop compile passed --loop-cap-s
-    times, capped = resumed(args.resume) if args.resume else ({}, {})
+    times, capped = resumed(args.resume, args.loop_cap_s) if args.resume else ({}, {})
     t0 = time.perf_counter()
     for r in range(args.rounds):
         if r and time.perf_counter() - t0 > args.budget_s:
