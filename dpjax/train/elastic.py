@@ -64,9 +64,45 @@ class Elastic:
     def __init__(self, trainer, committer, heartbeat: str | None):
         import jax
 
+        from dpjax.commit_every import AutoInterval
+        from dpjax.train.run import MAX_IN_FLIGHT
+
         self.cfg, self.committer, self.heartbeat_path = trainer.cfg, committer, heartbeat
         self.faults = faults.for_process(jax.process_index())
         self.restored, self.reported = None, False
+        every = trainer.cfg.commit_every
+        # auto: a commit's device copy shows in the loop's iterations up to MAX_IN_FLIGHT later
+        self.auto = AutoInterval(lag=MAX_IN_FLIGHT + 1) if str(every) == "auto" else None
+        self.every = None if self.auto else int(every)
+        self.next_commit = trainer.start + (self.auto.first if self.auto else self.every)
+        self.last_t, self.settled_after = None, 0  # the last iteration's end; iterations a finished commit still shows in
+        self.announced, self.gaps = False, {}  # the gap decided at each commit not yet finished
+
+    def _due(self, done: int) -> bool:
+        if done == self.cfg.steps:  # the last step is always committed
+            return True
+        if self.auto is None:
+            return done % self.every == 0
+        return done >= self.next_commit
+
+    def _gap(self, done: int) -> int:
+        """At a commit under --commit-every auto: the gap to the next one, decided by
+        process 0 (every process must commit the same steps) and read by the others."""
+        import jax
+
+        if self.every is not None and self.auto is None:
+            return self.every
+        key = f"dpjax/commit/every/{_env('restart', '0')}/{done}"
+        client = getattr(self.committer, "client", None)
+        if jax.process_index() == 0 or client is None:
+            gap = self.auto.committed()
+            if client is not None and jax.process_count() > 1:
+                client.key_value_set(key, str(gap))
+        else:
+            from dpjax.commit import WAIT_MS
+
+            gap = int(client.blocking_key_value_get(key, WAIT_MS))
+        return gap
 
     def after_step(self, trainer, done: int, write, in_flight=()) -> None:
         """After step `done` (steps done) is dispatched; `in_flight`: the loop's steps
@@ -83,14 +119,61 @@ class Elastic:
                 c.flush()  # the fault strikes at a step boundary: what was asked for before is written
             self.heartbeat(done)
             faults.fire(self.faults[done])
-        if c is not None and (done % self.cfg.commit_every == 0 or done == self.cfg.steps):
+        began, finished = False, []
+        if c is not None and self._due(done):
+            c.flush()  # the previous commit (commit() waits for it anyway): its figures go into the choice
+            finished = self._finished()
             # the losses of the steps up to this one that the loop has not written yet: a
             # restart from this commit writes them, so that the metrics miss no step
             losses = {step: loss for step, loss, *_ in in_flight}
-            c.commit(done, trainer._state(), {"cursor": trainer.cursor, "record": trainer.record}, losses)
+            gap = self._gap(done)
+            self.next_commit, self.gaps[done], began = done + gap, gap, True
+            meta = {"cursor": trainer.cursor, "record": trainer.record, "commit_every": gap}
+            c.commit(done, trainer._state(), meta, losses, ready=in_flight[-1][1] if in_flight else None)
+            if done == self.cfg.steps:
+                c.flush()  # the last commit's figures land in the last row
+        if c is not None:
+            self._measure(done, began, write, in_flight, finished)
         self.heartbeat(done)
         if self.restored is not None and not self.reported and c is not None and c.completed > self.restored["step"]:
             self.report(trainer, write)
+
+    def _finished(self) -> list:
+        """The commits finished since the last look, their seconds told to the auto interval."""
+        finished = self.committer.poll()
+        for f in finished:
+            if self.auto is not None:
+                self.auto.finished(f["commit_s"])
+        return finished
+
+    def _measure(self, done: int, began: bool, write, in_flight, finished) -> None:
+        """Finished commits into the metrics rows of the steps in flight (the newest
+        into this step's); the iteration's time into the auto interval; its choice said
+        once."""
+        now = time.perf_counter()
+        finished = [*finished, *self._finished()]
+        free = [extra for _, _, extra, *_ in reversed(in_flight) if "commit_s" not in extra]  # newest first
+        for back, f in enumerate(reversed(finished)):
+            row = {"commit_s": round(f["commit_s"], 4), "commit_bytes": f["commit_bytes"],
+                   "commit_every": self.gaps.pop(f["step"], None), "commit_step": f["step"]}
+            if back < len(free):
+                free[back].update(row)
+            else:
+                write({"step": done - 1, **row})
+        if self.auto is not None and self.last_t is not None:
+            self.auto.tick(now - self.last_t, busy=self.committer.busy or bool(finished), began=began)
+        self.last_t = now
+        if self.auto is not None and began and self.auto.measured and not self.announced:
+            import jax
+
+            self.announced = True
+            d = self.auto.describe()
+            write({"step": done - 1, "commit_every": d})
+            if jax.process_index() == 0:
+                print(f"dpjax.commit: committing every {d['every']} steps (--commit-every auto: a commit costs "
+                      f"{d['cost_s']:.3g} s of the loop and takes {d['commit_s']:.3g} s, a step {d['step_s']:.3g} s; "
+                      f"within {100 * d['target']:g}% of the step); a failure loses at most {d['every'] + 1} steps. "
+                      f"Fewer: --commit-every N", flush=True)
 
     def heartbeat(self, done: int) -> None:
         if self.heartbeat_path:
@@ -108,7 +191,8 @@ class Elastic:
         r, failure = self.restored, json.loads(_env("failure", "{}"))
         row = {"event": "restart", "attempt": int(_env("restart", "0")), "processes": jax.process_count(),
                "devices": jax.device_count(), "mesh": dict(trainer.mesh.shape), "restored_step": r["step"],
-               "from": r["sources"], **micro_batches(trainer.cfg, trainer.mesh)}
+               "from": r["sources"], "commit_every": r.get("commit_every"),
+               **micro_batches(trainer.cfg, trainer.mesh)}
         if failure.get("skipped"):  # sizes the agent could have formed that cannot hold the run
             row["sizes_skipped"] = failure["skipped"]
         if failure:
@@ -156,7 +240,9 @@ def attach(trainer) -> Elastic | None:
     if root is not None:
         restoring = restart > 0 or cfg.resume
         committer = Committer(os.path.abspath(root), _env("host", "local"), jax.process_index(), jax.process_count(),
-                              int(_env("per_host", "1")), jax_distributed.global_state.client, fresh=not restoring)
+                              int(_env("per_host", "1")), jax_distributed.global_state.client, fresh=not restoring,
+                              coordinator=jax_distributed.global_state.coordinator_address)
+        trainer.run_record["commit"] = {"dir": os.path.abspath(root), "every": cfg.commit_every}
     if heartbeat is not None:  # under the agent: an exception ends this process at once
         sys.excepthook = _exit_now
     elastic = Elastic(trainer, committer, heartbeat)
@@ -167,6 +253,7 @@ def attach(trainer) -> Elastic | None:
             trainer.params, trainer.opt_state, trainer.rng = state["params"], state["opt_state"], state["rng"]
             trainer.start, trainer.cursor = meta["step"], meta["cursor"]
             elastic.restored = {**meta, "restored_at": time.time()}
+            elastic.next_commit = trainer.start + (elastic.auto.first if elastic.auto else elastic.every)
             _say(f"dpjax.elastic: restored step {meta['step']} from commits {meta['sources']} onto mesh "
                         f"{dict(trainer.mesh.shape)}")
     return elastic
