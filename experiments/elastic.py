@@ -237,6 +237,96 @@ def commit_cost(args, out_dir):
     return head, out, notes
 
 
+def _fsdp_state(gb: float):
+    """Arrays of about `gb` GB in float32, split over 8 devices as FSDP splits a GPT's
+    (3 leaves: parameters and adamw's two moments), with random contents."""
+    import jax
+    import numpy as np
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import dpjax
+
+    mesh = dpjax.make_mesh("8x1", jax.devices()[:8])
+    rows = max(8, int(gb * 1e9 / 3 / 4 / 4096) // 8 * 8)
+    rng = np.random.default_rng(0)
+    return {k: jax.device_put(rng.standard_normal((rows, 4096), np.float32), NamedSharding(mesh, P("data")))
+            for k in ("params", "mu", "nu")}
+
+
+def paths(args, out_dir):
+    """The commit path beside its alternatives, on one state of --gb GB, the variants
+    alternated --writes times in one process: to save it, a commit (dpjax.commit: device
+    copy, then written by its thread), a plain numpy write of the same bytes to a new
+    file, orbax's async save (what the step waits for, and until it is written); to get
+    it back, dpjax's restore from the local file, the same bytes fetched from a live
+    neighbour's copy over the commits' TCP channel (two processes' servers here in one,
+    on 127.0.0.1), and orbax's restore."""
+    import jax
+    import numpy as np
+    import orbax.checkpoint as ocp
+
+    from dpjax.commit import Committer, read
+    from dpjax.commit_peer import LocalKV, Peers
+
+    shm = "/dev/shm" if os.access("/dev/shm", os.W_OK) else out_dir
+    root = tempfile.mkdtemp(prefix="dpjax-commit-paths-", dir=shm)
+    state = _fsdp_state(args.gb)
+    nbytes = sum(x.nbytes for x in state.values())
+    times: dict = {}
+    try:
+        c = Committer(os.path.join(root, "c"), "h", 0, 1)
+        mgr = ocp.CheckpointManager(os.path.join(root, "orbax"), options=ocp.CheckpointManagerOptions(
+            max_to_keep=2, create=True, enable_async_checkpointing=True))
+        client = LocalKV()
+        server = Peers(root, 0, client, None)
+        fetcher = Peers(root, 1, client, None)
+        template = jax.tree.map(jax.numpy.zeros_like, state)
+        abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
+        for i in range(args.writes + 1):  # the first warms every path (compiles, pages), not counted
+            t = time.perf_counter()
+            c.commit(i + 1, state, {"cursor": 0})
+            c.flush()
+            commit_s = time.perf_counter() - t
+            path = os.path.join(root, "c", "h", "own", "r0", f"s{i + 1:09d}_w1.bin")
+            plain_s = _plain_write_s(nbytes, shm)
+            t = time.perf_counter()
+            mgr.save(i + 1, args=ocp.args.StandardSave(state))
+            orbax_block_s = time.perf_counter() - t
+            mgr.wait_until_finished()
+            orbax_s = time.perf_counter() - t
+            t = time.perf_counter()
+            restored, _ = c.restore(template)
+            jax.block_until_ready(restored)
+            local_s = time.perf_counter() - t
+            t = time.perf_counter()
+            blob = fetcher.get(0, os.path.relpath(path, root))
+            fetch_s = time.perf_counter() - t
+            t = time.perf_counter()
+            back = mgr.restore(i + 1, args=ocp.args.StandardRestore(abstract))
+            jax.block_until_ready(back)
+            orbax_restore_s = time.perf_counter() - t
+            assert bytes(blob[-4096:]) == bytes(read(path)[-4096:])
+            assert all(np.array_equal(np.asarray(restored[k]), np.asarray(state[k])) for k in state)
+            del restored, back, blob
+            if i:
+                for k, v in (("commit", commit_s), ("plain write", plain_s), ("orbax save: step blocked",
+                             orbax_block_s), ("orbax save: written", orbax_s), ("restore from the local file",
+                             local_s), ("fetch from the neighbour (TCP)", fetch_s), ("orbax restore",
+                             orbax_restore_s)):
+                    times.setdefault(k, []).append(v)
+        c.close()
+        mgr.close()
+        server.close()
+        fetcher.close()
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    head = ["path", "median s", "GB/s", "each try s"]
+    rows = [[k, f"{_bench.median(v):.3f}", f"{nbytes / _bench.median(v) / 1e9:.2f}", " ".join(f"{x:.2f}" for x in v)]
+            for k, v in times.items()]
+    return head, rows, [f"state: {nbytes / 1e9:.3f} GB (3 float32 leaves split over 8 devices)"]
+
+
 def main():
     p = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()),
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -249,7 +339,10 @@ def main():
                    help="--commit-cost: the main job or the GPT of 1.2 GB of state (8x1 FSDP, d_model 1024, 8 layers)")
     p.add_argument("--rounds", type=int, default=12, help="--commit-cost: rounds of (no commit, auto, every step)")
     p.add_argument("--block", type=int, default=20, help="--commit-cost: steps per block")
-    p.add_argument("--writes", type=int, default=3, help="--commit-cost: commits alone against plain writes")
+    p.add_argument("--writes", type=int, default=3, help="--commit-cost / --paths: tries of each path")
+    p.add_argument("--paths", action="store_true",
+                   help="the commit path beside a plain write and orbax, saving and restoring one state")
+    p.add_argument("--gb", type=float, default=1.2, help="--paths: the state's size")
     p.add_argument("--data", default=None, help="a text file; None: 300 kB of the stdlib corpus")
     _bench.add_smoke(p, "the same-size scenario, 8 steps; or 2 rounds of 8-step blocks for the commit cost")
     args = p.parse_args()
@@ -262,12 +355,15 @@ def main():
             fh.write(load_corpus("stdlib", max_bytes=300_000).tobytes())
     if args.smoke:
         args.steps, args.at, args.scenarios, args.rounds, args.block, args.writes = 8, 3, "same", 2, 8, 1
-    if args.commit_cost:  # in this process: the main job's 8 simulated devices, before JAX starts
+    if args.smoke and args.paths:
+        args.gb = 0.01
+    if args.commit_cost or args.paths:  # in this process: the main job's 8 simulated devices, before JAX starts
         from dpjax.mesh import simulate_cpu_devices
 
         simulate_cpu_devices(8)
     print(f"# {_bench.machine()}, load {_bench.load_avg():.1f}, {time.strftime('%Y-%m-%d')}, outputs in {out_dir}")
-    head, rows, *notes = commit_cost(args, out_dir) if args.commit_cost else scenarios(args, out_dir)
+    head, rows, *notes = (commit_cost(args, out_dir) if args.commit_cost else paths(args, out_dir) if args.paths
+                          else scenarios(args, out_dir))
     print(_bench.markdown_table(head, rows))
     for line in (notes[0] if notes else []):
         print(f"# {line}")

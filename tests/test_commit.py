@@ -153,36 +153,15 @@ def test_a_commit_file_reuses_the_oldest_kept_files_pages(tmp_path):
     assert inodes[2] == inodes[0] and inodes[3] == inodes[1]
 
 
-class FakeClient:
-    """jax.distributed's key-value client in one process (what the commits use of it)."""
-
-    def __init__(self):
-        import threading
-
-        self.kv, self.cv = {}, threading.Condition()
-
-    def key_value_set(self, key, value):
-        with self.cv:
-            self.kv[key] = value
-            self.cv.notify_all()
-
-    def blocking_key_value_get(self, key, timeout_ms):
-        with self.cv:
-            if not self.cv.wait_for(lambda: key in self.kv, timeout_ms / 1000):
-                raise RuntimeError("DEADLINE_EXCEEDED")
-            return self.kv[key]
-
-    def wait_at_barrier(self, name, timeout_ms):
-        pass
-
-
 def test_the_commits_channel_moves_files_bit_for_bit(tmp_path):
     """Two processes' servers in one: a put lands as the sender's file in the receiver's
     peer folder, a get returns a file under the root, both the bytes sent; a path out
     of the root and a process that never published an address are refused."""
     from dpjax.commit_peer import PeerError, Peers, TIMEOUT_S
 
-    client, got = FakeClient(), {}
+    from dpjax.commit_peer import LocalKV
+
+    client, got = LocalKV(), {}
 
     def store(rank):
         def _store(sender, name, size, sock):

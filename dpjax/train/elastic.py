@@ -77,6 +77,7 @@ class Elastic:
         self.next_commit = trainer.start + (self.auto.first if self.auto else self.every)
         self.last_t, self.settled_after = None, 0  # the last iteration's end; iterations a finished commit still shows in
         self.announced, self.gaps = False, {}  # the gap decided at each commit not yet finished
+        self.finished, self.first_done_at = 0, None  # steps whose results the loop has; the restart's first step
 
     def _due(self, done: int) -> bool:
         if done == self.cfg.steps:  # the last step is always committed
@@ -114,9 +115,13 @@ class Elastic:
                 # rows the lost job never wrote; step s read from cursor(commit) - (commit - s) steps' batches
                 cursor = r["cursor"] - (r["step"] - int(step)) * per_step
                 write({"step": int(step), "loss": loss, "cursor": cursor, "from_commit": True})
+        self.finished = max(self.finished, done - len(in_flight))  # the loop has these steps' results
         if done in self.faults:
             if c is not None:
                 c.flush()  # the fault strikes at a step boundary: what was asked for before is written
+            if len(in_flight) > 1:  # ... and the steps before this one are done: what the failure loses
+                in_flight[-2][1].block_until_ready()
+                self.finished = done - 1
             self.heartbeat(done)
             faults.fire(self.faults[done])
         began, finished = False, []
@@ -135,8 +140,20 @@ class Elastic:
         if c is not None:
             self._measure(done, began, write, in_flight, finished)
         self.heartbeat(done)
-        if self.restored is not None and not self.reported and c is not None and c.completed > self.restored["step"]:
+        if self.restored is not None and done == self.restored["step"] + 1 and in_flight:
+            self._stamp_first(in_flight[-1][1])
+        if self.restored is not None and not self.reported and self.first_done_at is not None:
             self.report(trainer, write)
+
+    def _stamp_first(self, loss) -> None:
+        """When the first step after a restore is done (a thread waits for its loss)."""
+        import threading
+
+        def wait():
+            loss.block_until_ready()
+            self.first_done_at = time.time()
+
+        threading.Thread(target=wait, daemon=True, name="dpjax-first-step").start()
 
     def _finished(self) -> list:
         """The commits finished since the last look, their seconds told to the auto interval."""
@@ -177,7 +194,9 @@ class Elastic:
 
     def heartbeat(self, done: int) -> None:
         if self.heartbeat_path:
-            completed = self.committer.completed if self.committer is not None else None
+            # the furthest step done (its state committed, or its results in the loop's hands): a
+            # failure loses the steps from the restored commit to this one (steps_lost)
+            completed = max(self.finished, self.committer.completed) if self.committer is not None else None
             tmp = f"{self.heartbeat_path}.tmp"
             with open(tmp, "w") as fh:
                 json.dump({"dispatched": done, "completed": completed, "t": time.time()}, fh)
@@ -199,12 +218,13 @@ class Elastic:
             reached = failure.get("completed")
             row.update(failed=failure.get("line"), steps_lost=None if reached is None else max(0, reached - r["step"]),
                        restart_s=round(failure["restarted"] - failure["t"], 2),
-                       seconds_lost=round(self.committer.completed_at - failure["t"], 2),
+                       seconds_lost=round(self.first_done_at - failure["t"], 2),
                        # where the seconds went: processes started -> imports done -> joined,
-                       # planned and restored -> first step (compiled or from the cache) done
+                       # planned, parameters made -> restored -> first step (compiled or from the cache) done
                        breakdown={"start_import": round(IMPORTED - failure["restarted"], 2),
-                                  "join_plan_restore": round(r["restored_at"] - IMPORTED, 2),
-                                  "first_step": round(self.committer.completed_at - r["restored_at"], 2)})
+                                  "join_plan_init": round(r["restoring_at"] - IMPORTED, 2),
+                                  "restore": round(r["restored_at"] - r["restoring_at"], 2),
+                                  "first_step": round(self.first_done_at - r["restored_at"], 2)})
         write(row)
         _say("dpjax.elastic: " + ", ".join(f"{k} {v}" for k, v in row.items() if k != "event"))
 
@@ -247,12 +267,13 @@ def attach(trainer) -> Elastic | None:
         sys.excepthook = _exit_now
     elastic = Elastic(trainer, committer, heartbeat)
     if committer is not None and (restart > 0 or cfg.resume):
+        restoring_at = time.time()
         got = committer.restore(trainer._state(), expect=trainer.record)
         if got is not None and got[1]["step"] > trainer.start:  # newer than the orbax checkpoint
             state, meta = got
             trainer.params, trainer.opt_state, trainer.rng = state["params"], state["opt_state"], state["rng"]
             trainer.start, trainer.cursor = meta["step"], meta["cursor"]
-            elastic.restored = {**meta, "restored_at": time.time()}
+            elastic.restored = {**meta, "restoring_at": restoring_at, "restored_at": time.time()}
             elastic.next_commit = trainer.start + (elastic.auto.first if elastic.auto else elastic.every)
             _say(f"dpjax.elastic: restored step {meta['step']} from commits {meta['sources']} onto mesh "
                         f"{dict(trainer.mesh.shape)}")
