@@ -237,7 +237,7 @@ def test_dpjax_train_commits_at_the_interval_auto_chose_and_says_so(corpus, tmp_
     assert f"committing every {chosen['every']} steps" in out and chosen["step_s"] > 0
     done = [r for r in rows if "commit_s" in r]
     steps = [r["commit_step"] for r in done]
-    assert steps[0] == 6  # 2 compiling steps, 3 measured, then the first commit
+    assert steps[0] == 7  # the first iteration is not timed, 2 compile, 3 measured, then the first commit
     for a, b in zip(done, done[1:]):
         assert b["commit_step"] - a["commit_step"] == a["commit_every"] or b["commit_step"] == 40
     assert steps[-1] == 40 and all(r["commit_s"] > 0 and r["commit_bytes"] > 0 for r in done)
@@ -262,3 +262,16 @@ def test_a_fixed_interval_and_bad_ones(corpus, tmp_path, capsys):
     for bad in ("0", "two"):
         assert main([*args, "--steps", "10", "--commit-every", bad]) == 2
         assert f"--commit-every takes a number of steps (at least 1) or auto, got '{bad}'" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_the_paths_experiment_smoke():
+    """experiments/elastic.py --paths --smoke (test_experiments runs the other modes):
+    every path is timed and its restore checked against the state (the script asserts)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    r = subprocess.run([sys.executable, os.path.join("experiments", "elastic.py"), "--paths", "--smoke"], cwd=root,
+                       capture_output=True, text=True, timeout=600, env=env)
+    assert r.returncode == 0, r.stderr[-2000:]
+    for path in ("commit", "plain write", "orbax save: written", "fetch from the neighbour (TCP)", "orbax restore"):
+        assert f"| {path} |" in r.stdout

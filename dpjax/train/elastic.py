@@ -74,10 +74,15 @@ class Elastic:
         # auto: a commit's device copy shows in the loop's iterations up to MAX_IN_FLIGHT later
         self.auto = AutoInterval(lag=MAX_IN_FLIGHT + 1) if str(every) == "auto" else None
         self.every = None if self.auto else int(every)
-        self.next_commit = trainer.start + (self.auto.first if self.auto else self.every)
+        self.next_commit = self.first_commit(trainer.start)
         self.last_t, self.settled_after = None, 0  # the last iteration's end; iterations a finished commit still shows in
         self.announced, self.gaps = False, {}  # the gap decided at each commit not yet finished
         self.finished, self.first_done_at = 0, None  # steps whose results the loop has; the restart's first step
+
+    def first_commit(self, start: int) -> int:
+        """The step of the first commit from `start`: under auto, once the interval has
+        timed its first iterations (the first iteration has none before it to be timed from)."""
+        return start + (self.auto.first + 1 if self.auto else self.every)
 
     def _due(self, done: int) -> bool:
         if done == self.cfg.steps:  # the last step is always committed
@@ -274,7 +279,7 @@ def attach(trainer) -> Elastic | None:
             trainer.params, trainer.opt_state, trainer.rng = state["params"], state["opt_state"], state["rng"]
             trainer.start, trainer.cursor = meta["step"], meta["cursor"]
             elastic.restored = {**meta, "restoring_at": restoring_at, "restored_at": time.time()}
-            elastic.next_commit = trainer.start + (elastic.auto.first if elastic.auto else elastic.every)
+            elastic.next_commit = elastic.first_commit(trainer.start)
             _say(f"dpjax.elastic: restored step {meta['step']} from commits {meta['sources']} onto mesh "
                         f"{dict(trainer.mesh.shape)}")
     return elastic
