@@ -270,13 +270,16 @@ class Committer:
         if self._error is not None:
             raise self._error
 
-    def close(self) -> None:
+    def close(self, finished: bool = True) -> None:
+        """finished: the run ended as planned, every process closing too (they wait for
+        each other: every last commit reaches its neighbour before any server goes); not
+        on a failure's way out, where the others may never come."""
         self.flush()
         self._queue.put(None)
         self._thread.join()
         if self.peers is not None:
-            # every process's last commit reached its neighbour before any server goes
-            self.client.wait_at_barrier("dpjax/commit/close", WAIT_MS)
+            if finished:
+                self.client.wait_at_barrier("dpjax/commit/close", WAIT_MS)
             self.peers.close()
 
     # --- restoring ---

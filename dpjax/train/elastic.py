@@ -235,7 +235,8 @@ class Elastic:
 
     def close(self) -> None:
         if self.committer is not None:
-            self.committer.close()
+            # the last step's commit made: the run ended as planned (not on an exception's way out)
+            self.committer.close(finished=self.committer.completed == self.cfg.steps)
 
 
 def _exit_now(kind, value, tb):
@@ -274,6 +275,9 @@ def attach(trainer) -> Elastic | None:
     if committer is not None and (restart > 0 or cfg.resume):
         restoring_at = time.time()
         got = committer.restore(trainer._state(), expect=trainer.record)
+        if got is None and restart > 0:  # failed before the first commit: from the start, and said so
+            elastic.restored = {"step": trainer.start, "cursor": trainer.cursor, "sources": {}, "commit_every": None,
+                                "restoring_at": restoring_at, "restored_at": time.time()}
         if got is not None and got[1]["step"] > trainer.start:  # newer than the orbax checkpoint
             state, meta = got
             trainer.params, trainer.opt_state, trainer.rng = state["params"], state["opt_state"], state["rng"]
