@@ -75,7 +75,7 @@ class Elastic:
         self.auto = AutoInterval(lag=MAX_IN_FLIGHT + 1) if str(every) == "auto" else None
         self.every = None if self.auto else int(every)
         self.next_commit = self.first_commit(trainer.start)
-        self.last_t, self.settled_after = None, 0  # the last iteration's end; iterations a finished commit still shows in
+        self.last_t = None  # when the last iteration ended (the auto interval times each)
         self.announced, self.gaps = False, {}  # the gap decided at each commit not yet finished
         self.finished, self.first_done_at = 0, None  # steps whose results the loop has; the restart's first step
 
