@@ -78,6 +78,7 @@ class Elastic:
         self.last_t = None  # when the last iteration ended (the auto interval times each)
         self.announced, self.gaps = False, {}  # the gap decided at each commit not yet finished
         self.finished, self.first_done_at = 0, None  # steps whose results the loop has; the restart's first step
+        self.beaten = False  # whether this process has written a heartbeat
 
     def first_commit(self, start: int) -> int:
         """The step of the first commit from `start`: under auto, once the interval has
@@ -144,6 +145,12 @@ class Elastic:
                 c.flush()  # the last commit's figures land in the last row
         if c is not None:
             self._measure(done, began, write, in_flight, finished)
+        if not self.beaten and in_flight and self.heartbeat_path:
+            # the first heartbeat once this process's first step is done, which takes every process
+            # (its collectives): until then --start-timeout applies, not --hang-timeout, so that a
+            # process whose peers are still starting or restoring is not taken for hung
+            in_flight[-1][1].block_until_ready()
+        self.beaten = True
         self.heartbeat(done)
         if self.restored is not None and done == self.restored["step"] + 1 and in_flight:
             self._stamp_first(in_flight[-1][1])
