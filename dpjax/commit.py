@@ -2,29 +2,44 @@
 
 Horovod elastic's `state.commit()` keeps the state in host memory and TorchFT heals a
 rejoining replica from a live peer; here each process writes, every `--commit-every`
-steps, its own shards of the state (parameters, optimizer and update-rule state, RNG
+steps (`dpjax.commit_every`: by default the smallest interval that costs at most 5% of
+the step), its own shards of the state (parameters, optimizer and update-rule state, RNG
 key data) with their global index, and the step and data cursor, to a file on local
 storage (`<commit dir>/<host>/own/r<rank>/`), written to a temporary name and renamed
 (a reader never sees half a commit), the last `keep` kept. Only the shards of replica 0
 are written, so the processes' files together hold each array once.
 
-The neighbour copy: the same bytes go to the process with the same local rank on the
-next host (rank + processes per host), which writes them into ITS host's folder
-(`<its host>/peer/r<rank>/`): losing a whole host loses nothing committed. The bytes
-travel through the `jax.distributed` coordinator's key-value store, the one channel
-every process of a job already has, between hosts as on 127.0.0.1 (a shared folder
-would only work on one machine or a shared file system); it suits states of up to some
-hundreds of MiB, and the copy runs on a background thread, off the step's path.
+The path, near the hardware (orbax's async checkpointing does the same): the step blocks
+only for a copy of the state on its devices (the next step donates its buffers; on a
+GPU a copy at device-memory speed); the writer thread then starts every device-to-host
+copy at once (`copy_to_host_async`: the DMAs overlap the next step) and writes each
+array's bytes straight into the file (no serialised copy of the state: the header says
+where each piece goes), reusing the oldest kept file's pages (on tmpfs an overwrite is
+about twice a fresh write, which must first allocate and zero every page).
+
+The neighbour copy: the same file goes to the process with the same local rank on the
+next host (rank + processes per host), which writes it into ITS host's folder
+(`<its host>/peer/r<rank>/`): losing a whole host loses nothing committed. The bytes go
+over a TCP connection between the two processes (`dpjax.commit_peer`: the file sent
+with sendfile, received into a reused buffer), not through `jax.distributed`'s key-value
+store (1 MiB entries through the coordinator), between hosts as on 127.0.0.1. A commit
+is complete once its neighbour holds it.
+
+Every finished commit is measured: `commit_s` (from the end of its step until written
+and held by the neighbour) and `commit_bytes` (this process's file), in the metrics row
+of the step it finished in (`dpjax.train.elastic`).
 
 Restore (`restore`): every process publishes what its host's folder holds; the newest
 step that every old rank has committed (own copy or neighbour's) is chosen; each old
-rank's bytes come from a local file or from the one process that holds it; the global
-arrays are put back together and laid out as the new plan's arrays are (any mesh: the
-plan was made for the devices that are left), bit for bit what was committed.
+rank's bytes come from a local file or from the one process that holds it (over the
+same TCP channel); the global arrays are put back together and laid out as the new
+plan's arrays are (any mesh: the plan was made for the devices that are left), bit for
+bit what was committed.
 """
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import queue
@@ -38,47 +53,67 @@ import numpy as np
 from dpjax.errors import UserError
 
 MAGIC = b"DPJC1"
-CHUNK = 1 << 20  # bytes per key-value entry: far below the coordination service's message cap
-WAIT_MS = 60_000  # a neighbour that does not send its commit within this is gone or stuck
+WAIT_MS = 60_000  # a process that does not publish what it holds within this is gone or stuck
 
 
 class CommitError(UserError):
     """Commits that cannot be used; the message says why."""
 
 
-def encode(meta: dict, arrays: list) -> bytes:
+def _raw(a: np.ndarray) -> memoryview:
+    """An array's bytes without copying them (bfloat16 and 0-d arrays included)."""
+    return memoryview(np.ascontiguousarray(a).reshape(-1).view(np.uint8))
+
+
+def header(meta: dict) -> bytes:
     head = json.dumps(meta).encode()
-    return b"".join([MAGIC, struct.pack("<Q", len(head)), head, *(np.ascontiguousarray(a).tobytes() for a in arrays)])
+    return MAGIC + struct.pack("<Q", len(head)) + head
 
 
-def decode(blob: bytes) -> tuple[dict, list]:
-    """(meta, the arrays of its pieces) of a commit's bytes."""
+def encode(meta: dict, arrays: list) -> bytes:
+    """A commit's bytes in one buffer (what the writer streams into a file piece by piece)."""
+    return b"".join([header(meta), *(_raw(a) for a in arrays)])
+
+
+def decode(blob) -> tuple[dict, list]:
+    """(meta, the arrays of its pieces: views into blob) of a commit's bytes."""
     import jax.numpy as jnp
 
-    if not blob.startswith(MAGIC):
+    blob = memoryview(blob)
+    if bytes(blob[:len(MAGIC)]) != MAGIC:
         raise CommitError("a commit file is not one (bad magic)")
     n = struct.unpack("<Q", blob[len(MAGIC):len(MAGIC) + 8])[0]
     at = len(MAGIC) + 8
-    meta = json.loads(blob[at:at + n])
+    meta = json.loads(bytes(blob[at:at + n]))
     at += n
     arrays = []
     for leaf in meta["leaves"]:
         dtype = np.dtype(jnp.dtype(leaf["dtype"]))
         for index in leaf["pieces"]:
             shape = tuple(stop - start for start, stop in index)
-            size = int(np.prod(shape)) * dtype.itemsize
-            arrays.append(np.frombuffer(blob, dtype, count=int(np.prod(shape)), offset=at).reshape(shape))
-            at += size
+            count = int(np.prod(shape))
+            arrays.append(np.frombuffer(blob, dtype, count=count, offset=at).reshape(shape))
+            at += count * dtype.itemsize
+    if at != len(blob):
+        raise CommitError(f"a commit file holds {len(blob)} bytes, its header says {at} (cut short or corrupt)")
     return meta, arrays
 
 
+def read(path: str) -> bytearray:
+    """A file's bytes, read into one buffer (no second copy)."""
+    with open(path, "rb") as fh:
+        out = bytearray(os.fstat(fh.fileno()).st_size)
+        fh.readinto(out)
+    return out
+
+
 def _pieces(leaf):
-    """(global index as [start, stop] per dimension, host array) of each replica-0 shard."""
+    """(global index as [start, stop] per dimension, single-device array) of each replica-0 shard."""
     out = []
     for shard in leaf.addressable_shards:
         if shard.replica_id == 0:
             index = [[s.start or 0, n if s.stop is None else s.stop] for s, n in zip(shard.index, leaf.shape)]
-            out.append((index, np.asarray(shard.data)))
+            out.append((index, shard.data))
     return out
 
 
@@ -93,25 +128,36 @@ def _parse_name(name: str):
     return int(step), int(world)
 
 
-def _write(folder: str, name: str, blob: bytes, keep: int) -> None:
+def write_file(folder: str, name: str, keep: int, fill) -> tuple[str, int]:
+    """Writes `fill(file)` as `folder/name`, atomically (a temporary name, then a rename),
+    keeping the newest `keep` commits there; the oldest one's file is reused when there
+    are `keep` already (its pages are overwritten, not allocated again). (path, bytes)."""
     os.makedirs(folder, exist_ok=True)
-    tmp = os.path.join(folder, f".{name}.tmp{os.getpid()}")
-    with open(tmp, "wb") as fh:
-        fh.write(blob)
-    os.replace(tmp, os.path.join(folder, name))  # atomic: all of a commit or none of it
-    done = sorted((p, f) for f in os.listdir(folder) if (p := _parse_name(f)))
-    for _, f in done[:-keep]:
+    done = sorted((p, f) for f in os.listdir(folder) if (p := _parse_name(f)) and f != name)
+    tmp = os.path.join(folder, f".{name}.tmp{os.getpid()}.{threading.get_ident()}")
+    if len(done) >= keep:
+        os.replace(os.path.join(folder, done.pop(0)[1]), tmp)
+    with open(tmp, "r+b" if os.path.exists(tmp) else "wb") as fh:
+        fill(fh)
+        fh.truncate()
+        size = fh.tell()
+    path = os.path.join(folder, name)
+    os.replace(tmp, path)  # atomic: all of a commit or none of it
+    for _, f in done[:max(0, len(done) - (keep - 1))]:
         os.remove(os.path.join(folder, f))
+    return path, size
 
 
 class Committer:
     """Commits of one process. root: the commit folder of the run; host: this host's
     name (its folder); rank, world: this process among the job's; per_host: processes per
     host (the neighbour is rank + per_host); client: the jax.distributed client (None in
-    a single process: no neighbour)."""
+    a single process: no neighbour); coordinator: its address (the route to the others)."""
 
     def __init__(self, root: str, host: str, rank: int, world: int, per_host: int = 1, client=None,
-                 keep: int = 2, fresh: bool = True):
+                 keep: int = 2, fresh: bool = True, coordinator: str | None = None):
+        from dpjax.commit_peer import Peers
+
         self.root, self.host, self.rank, self.world, self.keep, self.client = root, host, rank, world, keep, client
         self.own = os.path.join(root, host, "own", f"r{rank}")
         self.neighbour = (rank + per_host) % world if world > 1 else None
@@ -121,31 +167,49 @@ class Committer:
             for folder in (self.own, self.peer):
                 if folder:
                     shutil.rmtree(folder, ignore_errors=True)
+        self.peers = None
+        if client is not None and world > 1:
+            os.makedirs(root, exist_ok=True)
+            self.peers = Peers(root, rank, client, self._store, coordinator)
         self._queue: queue.Queue = queue.Queue()
         self._error = None
+        self._finished: collections.deque = collections.deque()  # measured commits not yet polled
         self._thread = threading.Thread(target=self._work, daemon=True, name="dpjax-commit")
         self._thread.start()
         self._copy = None
-        self.completed, self.completed_at = -1, None  # the newest step whose state reached the host
+        self.completed, self.completed_at = -1, None  # the newest step whose state left the step's buffers
 
     # --- writing ---
 
-    def commit(self, step: int, state, meta: dict, losses: dict | None = None) -> None:
+    def commit(self, step: int, state, meta: dict, losses: dict | None = None, ready=None) -> None:
         """Commits `state` (a pytree of global arrays) as of `step` (steps done). Returns
-        once the previous commit is written: the state is copied on the devices (the next
-        step donates its buffers) and written by a background thread while the next step
-        runs. losses: {step: scalar array} kept in the meta as numbers (what the metrics
-        of a restarted run must not miss)."""
+        once the previous commit is written and this one's device copy is dispatched
+        (the next step donates the state's buffers); the rest runs on the writer thread
+        while the next steps run. losses: {step: scalar array} kept in the meta as
+        numbers (what the metrics of a restarted run must not miss); ready: an output
+        of the step (its loss), whose arrival marks the step's end (commit_s's start)."""
         import jax
         import jax.numpy as jnp
 
         # The previous commit must be written first: then no process's commits run more
-        # than one step ahead of another's (the steps' collectives pace them), and the
+        # than one commit ahead of another's (the steps' collectives pace them), and the
         # last two kept always include a step that every process has.
         self.flush()
         if self._copy is None:
             self._copy = jax.jit(lambda t: jax.tree.map(jnp.copy, t))
-        self._queue.put((step, self._copy(state), meta, losses or {}))
+        self._queue.put((step, self._copy(state), meta, losses or {}, ready))
+
+    @property
+    def busy(self) -> bool:
+        """Whether a commit is being made (asked for and not yet written and copied)."""
+        return self._queue.unfinished_tasks > 0
+
+    def poll(self) -> list:
+        """The commits finished since the last poll: {"step", "commit_s", "commit_bytes"}."""
+        out = []
+        while self._finished:
+            out.append(self._finished.popleft())
+        return out
 
     def _work(self):
         while True:
@@ -159,28 +223,46 @@ class Committer:
             finally:
                 self._queue.task_done()
 
-    def _write(self, step, state, meta, losses):
+    def _write(self, step, snapshot, meta, losses, ready):
         import jax
 
-        leaves, treedef = jax.tree.flatten(state)
-        jax.block_until_ready(leaves)  # the step is done here, whether or not this process holds replica 0
+        if ready is not None:
+            jax.block_until_ready(ready)
+        t0 = time.perf_counter()  # the step is done: the commit's own time starts
+        leaves, treedef = jax.tree.flatten(snapshot)
         meta = {**meta, "losses": {str(s): float(v) for s, v in losses.items()}, "step": step, "world": self.world,
                 "rank": self.rank, "treedef": str(treedef), "leaves": []}
         arrays = []
         for leaf in leaves:
-            pieces = _pieces(leaf)  # waits for the step
+            pieces = _pieces(leaf)
             meta["leaves"].append({"shape": list(leaf.shape), "dtype": str(leaf.dtype),
                                    "pieces": [index for index, _ in pieces]})
             arrays += [a for _, a in pieces]
+        for a in arrays:  # every device-to-host copy at once: they overlap each other and the writing
+            a.copy_to_host_async()
+        jax.block_until_ready(leaves)  # the device copy is made: the step's buffers may go
         self.completed, self.completed_at = step, time.time()
-        blob, name = encode(meta, arrays), _name(step, self.world)
-        _write(self.own, name, blob, self.keep)
+
+        def fill(fh):
+            fh.write(header(meta))
+            for a in arrays:
+                fh.write(_raw(np.asarray(a)))  # waits for this piece's copy only
+
+        name = _name(step, self.world)
+        path, size = write_file(self.own, name, self.keep, fill)
+        del arrays, snapshot, leaves  # the host and device copies go before the neighbour's
         if self.neighbour is not None:
-            key = f"dpjax/commit/{step}/{self.rank}"
-            _send(self.client, key, blob)
-            theirs = _receive(self.client, f"dpjax/commit/{step}/{self.sender}", WAIT_MS)
-            self.client.key_value_delete(f"dpjax/commit/{step}/{self.sender}")
-            _write(self.peer, _name(step, self.world), theirs, self.keep)
+            self.peers.put(self.neighbour, name, path)
+        self._finished.append({"step": step, "commit_s": time.perf_counter() - t0, "commit_bytes": size})
+
+    def _store(self, sender: int, name: str, size: int, sock) -> None:
+        """A neighbour's commit arriving (the peer server's thread): into this host's folder."""
+        from dpjax.commit_peer import recv_into_file
+
+        if _parse_name(name) is None:
+            raise CommitError(f"{name!r} is not a commit's name")
+        folder = os.path.join(self.root, self.host, "peer", f"r{sender}")
+        write_file(folder, name, self.keep, lambda fh: recv_into_file(sock, fh, size))
 
     def flush(self) -> None:
         """Waits until every commit asked for is written (and copied to the neighbour)."""
@@ -188,16 +270,24 @@ class Committer:
         if self._error is not None:
             raise self._error
 
-    def close(self) -> None:
+    def close(self, finished: bool = True) -> None:
+        """finished: the run ended as planned, every process closing too (they wait for
+        each other: every last commit reaches its neighbour before any server goes); not
+        on a failure's way out, where the others may never come."""
         self.flush()
         self._queue.put(None)
         self._thread.join()
+        if self.peers is not None:
+            if finished:
+                self.client.wait_at_barrier("dpjax/commit/close", WAIT_MS)
+            self.peers.close()
 
     # --- restoring ---
 
     def inventory(self) -> list:
-        """[old rank, step, world, path] of every commit file in this host's folder (one
-        process alone is the whole job: then every host's folder under the root is its)."""
+        """[old rank, step, world, path relative to the root] of every commit file in this
+        host's folder (one process alone is the whole job: then every host's folder under
+        the root is its)."""
         hosts = [self.host] if self.world > 1 or not os.path.isdir(self.root) else sorted(os.listdir(self.root))
         out = []
         for host in hosts:
@@ -206,7 +296,7 @@ class Committer:
                 for sub in sorted(os.listdir(base)) if os.path.isdir(base) else ():
                     for f in sorted(os.listdir(os.path.join(base, sub))):
                         if parsed := _parse_name(f):
-                            out.append([int(sub[1:]), parsed[0], parsed[1], os.path.join(base, sub, f)])
+                            out.append([int(sub[1:]), parsed[0], parsed[1], os.path.join(host, kind, sub, f)])
         return out
 
     def restore(self, template, expect: dict | None = None):
@@ -227,23 +317,18 @@ class Committer:
             return None
         step, world = max(complete)
         local = {}
-        for old, s, w, path in mine:  # the own copy where both are here
-            if (s, w) == (step, world) and (old not in local or "/own/" in path):
-                local[old] = path
-        where = {old: everyone[proc] for old, proc in holders[(step, world)].items()}
-        sources = {old: next(os.path.relpath(p, self.root) for o, s, w, p in inv if (o, s, w) == (old, step, world))
-                   for old, inv in where.items()}
-        for old, proc in sorted(holders[(step, world)].items()):
-            if proc == self.rank and self.client is not None:
-                with open(local[old], "rb") as fh:
-                    _send(self.client, f"dpjax/restore/data/{old}", fh.read())
+        for old, s, w, rel in mine:  # the own copy where both are here
+            if (s, w) == (step, world) and (old not in local or f"{os.sep}own{os.sep}" in rel):
+                local[old] = rel
+        sources = {}
+        for old, proc in holders[(step, world)].items():
+            sources[old] = local.get(old) or next(r for o, s, w, r in everyone[proc] if (o, s, w) == (old, step, world))
         blobs = {}
         for old in range(world):
             if old in local:
-                with open(local[old], "rb") as fh:
-                    blobs[old] = fh.read()
-            else:
-                blobs[old] = _receive(self.client, f"dpjax/restore/data/{old}", WAIT_MS)
+                blobs[old] = read(os.path.join(self.root, local[old]))
+            else:  # from the process that holds it, over the commits' own channel
+                blobs[old] = self.peers.get(holders[(step, world)][old], sources[old])
         decoded = [decode(blobs[old]) for old in range(world)]
         meta = {k: v for k, v in decoded[0][0].items() if k not in ("leaves", "treedef", "rank")}
         return _assemble(template, decoded, expect), {**meta, "sources": sources}
@@ -277,24 +362,6 @@ def _assemble(template, decoded, expect):
             raise CommitError(f"commit leaf {i}: the pieces cover {filled} of {whole.size} elements")
         out.append(jax.make_array_from_callback(leaf.shape, leaf.sharding, lambda idx, w=whole: w[idx]))
     return jax.tree.unflatten(treedef, out)
-
-
-# --- the key-value store as a channel (None: one process, nothing to send) ---
-
-
-def _send(client, key: str, blob: bytes) -> None:
-    chunks = [blob[i:i + CHUNK] for i in range(0, len(blob), CHUNK)] or [b""]
-    for i, chunk in enumerate(chunks):
-        client.key_value_set_bytes(f"{key}/{i}", chunk)
-    client.key_value_set(f"{key}/n", str(len(chunks)))  # last: its presence means every chunk is there
-
-
-def _receive(client, key: str, wait_ms: int) -> bytes:
-    try:
-        n = int(client.blocking_key_value_get(f"{key}/n", wait_ms))
-    except Exception:  # the client reports a deadline as an XlaRuntimeError
-        raise CommitError(f"{key}: not sent within {wait_ms / 1000:g} s; its process is gone or stuck") from None
-    return b"".join(client.blocking_key_value_get_bytes(f"{key}/{i}", wait_ms) for i in range(n))
 
 
 def _all_gather_json(client, key: str, rank: int, world: int, value) -> list:

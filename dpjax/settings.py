@@ -168,7 +168,10 @@ class Settings:
                                         "process's shards on local storage plus a copy on the next host's process); "
                                         "under python -m dpjax.agent one is given by default (/dev/shm). A restarted "
                                         "job, or --resume, restores the newest step every shard committed")
-    commit_every: int = _opt(1, "steps between commits (with --commit-dir or under dpjax.agent)")
+    commit_every: int | str = _opt("auto", "steps between commits (with --commit-dir or under dpjax.agent), or "
+                                           "auto: the smallest interval whose measured cost stays within 5 percent "
+                                           "of the step time (dpjax.commit_every); a failure loses at most the "
+                                           "interval plus the step in flight")
     progress: str = _opt("auto", "progress display: a bar on a terminal, log lines otherwise",
                          choices=("auto", "bar", "log", "none"))
     # Timeline and autotune (dpjax.timeline, dpjax.autotune)

@@ -102,81 +102,229 @@ def scenarios(args, out_dir):
     return head, rows
 
 
-class Interleaved:
-    """The run's Elastic, switched on and off block by block (`--block` steps each) inside
-    one process: block 0 (no commit) and block 1 (commits) warm up (compiles, the copy's
-    jit); then off and on alternate, ending with off. Each loop iteration's wall time is
-    kept (in steady state the step time: data, dispatch, the oldest step's wait, and the
-    commit), and on the commit blocks the time the loop's thread spent in the commit
-    beyond waiting for the previous step: a commit waits for the previous commit, which
-    waits for its step (the lockstep of dpjax.commit), a wait the loop would otherwise
-    make a few steps later in taking that step's loss; what is left is the commit's own
-    cost on the loop (the previous write's tail after its step was done, the copy's
-    dispatch)."""
+# --commit-cost's jobs: the main job (dpjax.train's defaults on --mesh 2x4: GPT d_model 128,
+# 2 layers, seq 128, batch 32, adamw; 5 MB of state) and the issue's GPT of 1.2 GB of state
+# (100M parameters and adamw's two moments, FSDP over 8 devices: replicated it does not fit),
+# on batches of 8 x 64 bytes: 1/8 of the default's compute, so that a step takes seconds on
+# 2 shared cores, and a commit weighs 8 times more against it than against the default's
+JOBS = {"main": ["--mesh", "2x4"],
+        "gpt1g": ["--mesh", "8x1", "--fsdp", "--d-model", "1024", "--n-layers", "8", "--d-ff", "4096",
+                  "--batch-size", "8", "--seq-len", "64"]}
+VARIANTS = ("none", "auto", "every")  # no commit; --commit-every auto (the default); a commit every step
 
-    def __init__(self, inner, block: int):
-        self.inner, self.block = inner, block
-        self.last, self.iteration, self.blocked = None, {}, {}
+
+class Interleaved:
+    """Two Elastics of the run, one with --commit-every auto, one with 1, sharing one
+    Committer, switched block by block (`--block` steps each) inside one process: none,
+    auto, every, none, auto, every, ..., none. The first three blocks warm up (compiles,
+    the copy's jit, the auto interval's first measure). Each loop iteration's wall time
+    is kept (in steady state the step time: data, dispatch, the oldest step's wait, and
+    whatever the commits add). The auto Elastic sees every iteration's time (outside its
+    blocks as free of its commits, or busy with the every-step ones), as it would in a
+    run of its own; it commits only in its blocks."""
+
+    def __init__(self, auto, every, block: int):
+        self.auto, self.every, self.block = auto, every, block
+        self.last, self.iteration, self.kind = None, {}, {}
 
     def after_step(self, trainer, done, write, in_flight=()):
-        if (done - 1) // self.block % 2:  # a commit block
-            if len(in_flight) > 1:
-                in_flight[-2][1].block_until_ready()  # the previous step (the commit would wait for it)
-            t = time.perf_counter()
-            self.inner.after_step(trainer, done, write, in_flight)
-            self.blocked[done] = time.perf_counter() - t
+        kind = VARIANTS[(done - 1) // self.block % 3]
+        self.kind[done] = kind
+        if kind == "auto":
+            self.auto.after_step(trainer, done, write, in_flight)
+        else:
+            if kind == "every":
+                self.every.after_step(trainer, done, write, in_flight)
+            now, el = time.perf_counter(), self.auto
+            if el.last_t is not None:  # the auto interval's view of this iteration
+                el.auto.tick(now - el.last_t, busy=kind == "every" or el.committer.busy, began=False)
+            el.last_t = now
         now = time.perf_counter()
         if self.last is not None:
             self.iteration[done] = now - self.last
         self.last = now
 
     def close(self):
-        self.inner.close()
+        self.every.close()
+
+
+def _plain_write_s(nbytes: int, folder: str) -> float:
+    """Seconds a plain numpy write of nbytes into a new file in folder takes."""
+    import numpy as np
+
+    a = np.ones(nbytes // 4 + 1, np.float32)
+    path = os.path.join(folder, "plain.bin")
+    t = time.perf_counter()
+    with open(path, "wb") as fh:
+        fh.write(a)
+    dt = time.perf_counter() - t
+    os.remove(path)
+    return dt
 
 
 def commit_cost(args, out_dir):
-    """What committing every step costs the main job (dpjax.train's defaults: GPT d_model
-    128, 2 layers, seq 128, batch 32, adamw, on --mesh 2x4), measured in ONE process so
-    that both variants share the compile, the data and the machine's load of the moment:
-    blocks of --block steps with and without commits alternate; each commit block's
-    median iteration time is paired with the mean of the two no-commit blocks around it
-    (a slow drift of the machine's load cancels), and the ratio's median over --rounds
-    blocks is reported, beside the loop thread's median time inside the commit beyond
-    waiting for the previous step (the direct measure, see Interleaved). The first MAX_IN_FLIGHT + 1 iterations of each block are left
-    out: the steps in flight still belong to the block before."""
+    """What commits cost a job, measured in ONE process so that the variants share the
+    compile, the data and the machine's load of the moment: blocks of --block steps of
+    the three VARIANTS alternate; each commit block's median iteration time is paired
+    with the mean of the two no-commit blocks around it (a slow drift of the machine's
+    load cancels), and the ratios' medians over --rounds are reported. The first
+    MAX_IN_FLIGHT + 1 iterations of each block are left out: the steps in flight still
+    belong to the block before. Then the commit path's speed: the commits' bytes over
+    their commit_s in the run (beside the steps), and, with nothing else running, a
+    commit of the trained state against a plain numpy write of the same bytes into a
+    new file in the same folder, alternated --writes times."""
+    from dpjax.commit import Committer
     from dpjax.train.cli import parse_args
+    from dpjax.train.elastic import Elastic
     from dpjax.train.loop import Trainer
     from dpjax.train.run import MAX_IN_FLIGHT
 
     block, skip = args.block, MAX_IN_FLIGHT + 1
-    steps = block * (2 * args.rounds + 3)
+    steps = block * (3 * args.rounds + 4)
     # the commits where dpjax.agent puts them by default: fast local storage (tmpfs)
     shm = "/dev/shm" if os.access("/dev/shm", os.W_OK) else out_dir
     commits = tempfile.mkdtemp(prefix="dpjax-commit-cost-", dir=shm)
+    metrics = os.path.join(out_dir, "commit-cost.jsonl")
     cfg = parse_args(["--progress", "none", "--eval-every", "0", "--eval-batches", "1", "--data", args.data,
-                      "--mesh", "2x4", "--steps", str(steps), "--commit-dir", commits])
+                      *JOBS[args.job], "--steps", str(steps), "--commit-dir", commits, "--metrics", metrics])
     try:
         trainer = Trainer(cfg)
-        trainer.elastic = probe = Interleaved(trainer.elastic, block)
+        committer = trainer.elastic.committer
+        every = Elastic(trainer, committer, None)
+        every.every, every.auto = 1, None
+        trainer.elastic = probe = Interleaved(trainer.elastic, every, block)
         trainer.run()
+        paired = []  # (plain write s, commit s, bytes) with nothing else running
+        c = Committer(os.path.join(commits, "alone"), "h", 0, 1)
+        for i in range(args.writes + 1):  # the first compiles the device copy and fills the pages reused later
+            t = time.perf_counter()
+            c.commit(steps + 1 + i, trainer._state(), {"cursor": 0})
+            c.flush()
+            alone = time.perf_counter() - t
+            nbytes = c.poll()[0]["commit_bytes"]
+            if i:
+                paired.append((_plain_write_s(nbytes, shm), alone, nbytes))
+        c.close()
     finally:
         shutil.rmtree(commits, ignore_errors=True)
+    with open(metrics) as fh:
+        rows = [r for r in map(json.loads, fh) if "commit_s" in r]
 
-    def blk(b, table):
-        return [table[s] for s in range(b * block + 1 + skip, (b + 1) * block + 1) if s in table]
+    def blk(b):
+        return [probe.iteration[s] for s in range(b * block + 1 + skip, (b + 1) * block + 1) if s in probe.iteration]
 
-    head = ["commit block", "ms, no commit before", "ms, commit every step", "ms, no commit after", "ratio",
-            "ms in the commit beyond its step (loop thread)", "that / step"]
-    rows, ratios, shares = [], [], []
-    for b in range(3, 2 * args.rounds + 3, 2):
-        before, on, after = (_bench.median(blk(x, probe.iteration)) for x in (b - 1, b, b + 1))
-        blocked = _bench.median(blk(b, probe.blocked))
-        ratios.append(on / ((before + after) / 2))
-        shares.append(blocked / on)
-        rows.append([b, f"{1e3 * before:.1f}", f"{1e3 * on:.1f}", f"{1e3 * after:.1f}", f"{ratios[-1]:.3f}",
-                     f"{1e3 * blocked:.2f}", f"{100 * shares[-1]:.1f}%"])
-    rows.append(["median", "", "", "", f"{_bench.median(ratios):.3f}", "", f"{100 * _bench.median(shares):.1f}%"])
-    return head, rows
+    head = ["round", "ms, no commit before", "ms, auto", "ms, every step", "ms, no commit after",
+            "ratio auto", "ratio every step"]
+    out, ratios = [], {"auto": [], "every": []}
+    for r in range(1, args.rounds + 1):
+        b = 3 * r  # the round's no-commit block; auto and every follow it
+        before, auto, each, after = (_bench.median(blk(x)) for x in (b, b + 1, b + 2, b + 3))
+        ratios["auto"].append(auto / ((before + after) / 2))
+        ratios["every"].append(each / ((before + after) / 2))
+        out.append([r, f"{1e3 * before:.0f}", f"{1e3 * auto:.0f}", f"{1e3 * each:.0f}", f"{1e3 * after:.0f}",
+                    f"{ratios['auto'][-1]:.3f}", f"{ratios['every'][-1]:.3f}"])
+    out.append(["median", "", "", "", "", f"{_bench.median(ratios['auto']):.3f}",
+                f"{_bench.median(ratios['every']):.3f}"])
+    gbs = [r["commit_bytes"] / r["commit_s"] / 1e9 for r in rows]
+    chosen = sorted({r["commit_every"] for r in rows if r.get("commit_every") and
+                     probe.kind.get(r["commit_step"]) == "auto"})
+    notes = [f"state written per commit: {rows[0]['commit_bytes'] / 1e9:.3f} GB; auto's intervals: {chosen}",
+             f"commit path in the run (beside the steps): median {_bench.median(gbs):.2f} GB/s over {len(gbs)} "
+             f"commits (commit_s median {_bench.median([r['commit_s'] for r in rows]):.2f} s)",
+             "alone, alternated with a plain numpy write of the same bytes to a new file in " + shm + ": "
+             + "; ".join(f"commit {n / c / 1e9:.2f} GB/s, plain {n / p / 1e9:.2f} GB/s" for p, c, n in paired)
+             + f"; median ratio {_bench.median([p / c for p, c, _ in paired]):.2f}"]
+    return head, out, notes
+
+
+def _fsdp_state(gb: float):
+    """Arrays of about `gb` GB in float32, split over 8 devices as FSDP splits a GPT's
+    (3 leaves: parameters and adamw's two moments), with random contents."""
+    import jax
+    import numpy as np
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import dpjax
+
+    mesh = dpjax.make_mesh("8x1", jax.devices()[:8])
+    rows = max(8, int(gb * 1e9 / 3 / 4 / 4096) // 8 * 8)
+    rng = np.random.default_rng(0)
+    return {k: jax.device_put(rng.standard_normal((rows, 4096), np.float32), NamedSharding(mesh, P("data")))
+            for k in ("params", "mu", "nu")}
+
+
+def paths(args, out_dir):
+    """The commit path beside its alternatives, on one state of --gb GB, the variants
+    alternated --writes times in one process: to save it, a commit (dpjax.commit: device
+    copy, then written by its thread), a plain numpy write of the same bytes to a new
+    file, orbax's async save (what the step waits for, and until it is written); to get
+    it back, dpjax's restore from the local file, the same bytes fetched from a live
+    neighbour's copy over the commits' TCP channel (two processes' servers here in one,
+    on 127.0.0.1), and orbax's restore."""
+    import jax
+    import numpy as np
+    import orbax.checkpoint as ocp
+
+    from dpjax.commit import Committer, read
+    from dpjax.commit_peer import LocalKV, Peers
+
+    shm = "/dev/shm" if os.access("/dev/shm", os.W_OK) else out_dir
+    root = tempfile.mkdtemp(prefix="dpjax-commit-paths-", dir=shm)
+    state = _fsdp_state(args.gb)
+    nbytes = sum(x.nbytes for x in state.values())
+    times: dict = {}
+    try:
+        c = Committer(os.path.join(root, "c"), "h", 0, 1)
+        mgr = ocp.CheckpointManager(os.path.join(root, "orbax"), options=ocp.CheckpointManagerOptions(
+            max_to_keep=2, create=True, enable_async_checkpointing=True))
+        client = LocalKV()
+        server = Peers(root, 0, client, None)
+        fetcher = Peers(root, 1, client, None)
+        template = jax.tree.map(jax.numpy.zeros_like, state)
+        abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
+        for i in range(args.writes + 1):  # the first warms every path (compiles, pages), not counted
+            t = time.perf_counter()
+            c.commit(i + 1, state, {"cursor": 0})
+            c.flush()
+            commit_s = time.perf_counter() - t
+            path = os.path.join(root, "c", "h", "own", "r0", f"s{i + 1:09d}_w1.bin")
+            plain_s = _plain_write_s(nbytes, shm)
+            t = time.perf_counter()
+            mgr.save(i + 1, args=ocp.args.StandardSave(state))
+            orbax_block_s = time.perf_counter() - t
+            mgr.wait_until_finished()
+            orbax_s = time.perf_counter() - t
+            t = time.perf_counter()
+            restored, _ = c.restore(template)
+            jax.block_until_ready(restored)
+            local_s = time.perf_counter() - t
+            t = time.perf_counter()
+            blob = fetcher.get(0, os.path.relpath(path, root))
+            fetch_s = time.perf_counter() - t
+            t = time.perf_counter()
+            back = mgr.restore(i + 1, args=ocp.args.StandardRestore(abstract))
+            jax.block_until_ready(back)
+            orbax_restore_s = time.perf_counter() - t
+            assert bytes(blob[-4096:]) == bytes(read(path)[-4096:])
+            assert all(np.array_equal(np.asarray(restored[k]), np.asarray(state[k])) for k in state)
+            del restored, back, blob
+            if i:
+                for k, v in (("commit", commit_s), ("plain write", plain_s), ("orbax save: step blocked",
+                             orbax_block_s), ("orbax save: written", orbax_s), ("restore from the local file",
+                             local_s), ("fetch from the neighbour (TCP)", fetch_s), ("orbax restore",
+                             orbax_restore_s)):
+                    times.setdefault(k, []).append(v)
+        c.close()
+        mgr.close()
+        server.close()
+        fetcher.close()
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    head = ["path", "median s", "GB/s", "each try s"]
+    rows = [[k, f"{_bench.median(v):.3f}", f"{nbytes / _bench.median(v) / 1e9:.2f}", " ".join(f"{x:.2f}" for x in v)]
+            for k, v in times.items()]
+    return head, rows, [f"state: {nbytes / 1e9:.3f} GB (3 float32 leaves split over 8 devices)"]
 
 
 def main():
@@ -187,10 +335,16 @@ def main():
     p.add_argument("--scenarios", default=",".join(SCENARIOS), help="the scenarios to run, comma-separated")
     p.add_argument("--commit-cost", action="store_true",
                    help="measure what committing every step costs the main job instead of the scenarios")
-    p.add_argument("--rounds", type=int, default=12, help="--commit-cost: commit blocks (each between two without)")
+    p.add_argument("--job", choices=tuple(JOBS), default="main",
+                   help="--commit-cost: the main job or the GPT of 1.2 GB of state (8x1 FSDP, d_model 1024, 8 layers)")
+    p.add_argument("--rounds", type=int, default=12, help="--commit-cost: rounds of (no commit, auto, every step)")
     p.add_argument("--block", type=int, default=20, help="--commit-cost: steps per block")
+    p.add_argument("--writes", type=int, default=3, help="--commit-cost / --paths: tries of each path")
+    p.add_argument("--paths", action="store_true",
+                   help="the commit path beside a plain write and orbax, saving and restoring one state")
+    p.add_argument("--gb", type=float, default=1.2, help="--paths: the state's size")
     p.add_argument("--data", default=None, help="a text file; None: 300 kB of the stdlib corpus")
-    _bench.add_smoke(p, "the same-size scenario, 8 steps; or 2 commit blocks of 8 steps for the commit cost")
+    _bench.add_smoke(p, "the same-size scenario, 8 steps; or 2 rounds of 8-step blocks for the commit cost")
     args = p.parse_args()
     out_dir = tempfile.mkdtemp(prefix="dpjax-elastic-")
     if args.data is None:
@@ -200,14 +354,19 @@ def main():
         with open(args.data, "wb") as fh:
             fh.write(load_corpus("stdlib", max_bytes=300_000).tobytes())
     if args.smoke:
-        args.steps, args.at, args.scenarios, args.rounds, args.block = 8, 3, "same", 2, 8
-    if args.commit_cost:  # in this process: the main job's 8 simulated devices, before JAX starts
+        args.steps, args.at, args.scenarios, args.rounds, args.block, args.writes = 8, 3, "same", 2, 8, 1
+    if args.smoke and args.paths:
+        args.gb = 0.01
+    if args.commit_cost or args.paths:  # in this process: the main job's 8 simulated devices, before JAX starts
         from dpjax.mesh import simulate_cpu_devices
 
         simulate_cpu_devices(8)
     print(f"# {_bench.machine()}, load {_bench.load_avg():.1f}, {time.strftime('%Y-%m-%d')}, outputs in {out_dir}")
-    head, rows = commit_cost(args, out_dir) if args.commit_cost else scenarios(args, out_dir)
+    head, rows, *notes = (commit_cost(args, out_dir) if args.commit_cost else paths(args, out_dir) if args.paths
+                          else scenarios(args, out_dir))
     print(_bench.markdown_table(head, rows))
+    for line in (notes[0] if notes else []):
+        print(f"# {line}")
     print(f"# load after: {_bench.load_avg():.1f}")
 
 

@@ -131,3 +131,147 @@ def test_a_lost_own_commit_restores_from_the_neighbour(corpus, tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     assert "restored step 5 from commits" in r.stdout and "1: 'local/peer/r1/s000000005_w2.bin'" in r.stdout
     assert read_losses(path) == read_losses(straight)  # bit for bit
+
+
+# ---------------------------------------------------------------------------------------
+# the path near the hardware: files reused, the commits' own channel, the measured rows
+
+
+def test_a_commit_file_reuses_the_oldest_kept_files_pages(tmp_path):
+    """Against the bytes each commit was made of: the third commit is written into the
+    first's file (same inode: its tmpfs pages overwritten, not allocated again), the
+    last two kept, no temporary file left; a shorter commit is cut to its size."""
+    from dpjax.commit import write_file
+
+    blobs = [bytes([i]) * (1000 - 100 * i) for i in range(4)]
+    inodes = []
+    for step, blob in enumerate(blobs, 1):
+        path, size = write_file(str(tmp_path), f"s{step:09d}_w1.bin", 2, lambda fh, b=blob: fh.write(b))
+        assert size == len(blob) and open(path, "rb").read() == blob
+        inodes.append(os.stat(path).st_ino)
+    assert sorted(os.listdir(tmp_path)) == ["s000000003_w1.bin", "s000000004_w1.bin"]
+    assert inodes[2] == inodes[0] and inodes[3] == inodes[1]
+
+
+def test_the_commits_channel_moves_files_bit_for_bit(tmp_path):
+    """Two processes' servers in one: a put lands as the sender's file in the receiver's
+    peer folder, a get returns a file under the root, both the bytes sent; a path out
+    of the root and a process that never published an address are refused."""
+    from dpjax.commit_peer import PeerError, Peers, TIMEOUT_S
+
+    from dpjax.commit_peer import LocalKV
+
+    client, got = LocalKV(), {}
+
+    def store(rank):
+        def _store(sender, name, size, sock):
+            from dpjax.commit_peer import recv_into_file
+
+            with open(tmp_path / f"at{rank}-from{sender}-{name}", "wb") as fh:
+                recv_into_file(sock, fh, size, bytearray(4096))  # a buffer smaller than the file
+            got[rank] = name
+        return _store
+
+    a, b = (Peers(str(tmp_path), r, client, store(r)) for r in (0, 1))
+    blob = np.random.default_rng(0).integers(0, 256, 3 * 4096 + 17, dtype=np.uint8).tobytes()
+    (tmp_path / "c.bin").write_bytes(blob)
+    assert a.put(1, "s000000001_w2.bin", str(tmp_path / "c.bin")) == len(blob)
+    assert got == {1: "s000000001_w2.bin"}
+    assert (tmp_path / "at1-from0-s000000001_w2.bin").read_bytes() == blob
+    assert bytes(b.get(0, "c.bin")) == blob
+    with pytest.raises(PeerError, match="not under the commit root"):
+        b.get(0, "../etc/passwd")
+    import dpjax.commit_peer as cp
+
+    old, cp.TIMEOUT_S = TIMEOUT_S, 0.2
+    try:
+        with pytest.raises(PeerError, match="process 7 published no commit address"):
+            a.get(7, "c.bin")
+    finally:
+        cp.TIMEOUT_S = old
+    a.close()
+    b.close()
+
+
+def test_every_commit_is_measured(tmp_path):
+    """commit_bytes is the file's size, commit_s is positive; poll hands each once."""
+    mesh = dpjax.make_mesh("4x2", jax.devices()[:8])
+    c = Committer(str(tmp_path), "h0", 0, 1)
+    for step in (1, 2):
+        c.commit(step, _state(mesh, _arrays(step), SAVE_SPECS), {"cursor": step})
+    c.flush()
+    rows = c.poll()
+    assert [r["step"] for r in rows] == [1, 2] and c.poll() == []
+    for r in rows:
+        assert r["commit_bytes"] == os.path.getsize(tmp_path / "h0" / "own" / "r0" / f"s{r['step']:09d}_w1.bin")
+        assert r["commit_s"] > 0
+    c.close()
+
+
+def _rows(path):
+    import json
+
+    with open(path) as fh:
+        return [json.loads(line) for line in fh]
+
+
+def test_dpjax_train_commits_at_the_interval_auto_chose_and_says_so(corpus, tmp_path, capsys):
+    """--commit-dir with the default --commit-every auto: the run record says auto; the
+    commits come where the rows' intervals say (each commit's gap to the next is the
+    commit_every its row carries; the last step is always committed); every row that
+    finished a commit carries commit_s, commit_bytes (its file's size: one process) and
+    commit_every; the choice is a row and one printed line; a restart from the last
+    commit gives the straight run's losses bit for bit."""
+    from dpjax.train import main
+
+    from conftest import tiny_gpt
+
+    root, path, straight = tmp_path / "c", tmp_path / "m.jsonl", tmp_path / "s.jsonl"
+    args = tiny_gpt(corpus, "--mesh", "4x2", "--commit-dir", str(root), "--metrics", str(path))
+    assert main([*args, "--steps", "40"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("dpjax.commit: committing every") == 1
+    rows = _rows(path)
+    assert rows[0]["record"]["commit"]["every"] == "auto"
+    (chosen,) = [r["commit_every"] for r in rows if isinstance(r.get("commit_every"), dict)]
+    assert f"committing every {chosen['every']} steps" in out and chosen["step_s"] > 0
+    done = [r for r in rows if "commit_s" in r]
+    steps = [r["commit_step"] for r in done]
+    assert steps[0] == 7  # the first iteration is not timed, 2 compile, 3 measured, then the first commit
+    for a, b in zip(done, done[1:]):
+        assert b["commit_step"] - a["commit_step"] == a["commit_every"] or b["commit_step"] == 40
+    assert steps[-1] == 40 and all(r["commit_s"] > 0 and r["commit_bytes"] > 0 for r in done)
+    assert done[-1]["commit_bytes"] == os.path.getsize(root / "local" / "own" / "r0" / "s000000040_w1.bin")
+    assert main([*tiny_gpt(corpus, "--mesh", "4x2"), "--steps", "48", "--metrics", str(straight)]) == 0
+    assert main([*args, "--steps", "48", "--resume"]) == 0
+    assert "restored step 40 from commits" in capsys.readouterr().out
+    assert read_losses(path) == read_losses(straight)
+
+
+def test_a_fixed_interval_and_bad_ones(corpus, tmp_path, capsys):
+    from dpjax.train import main
+
+    from conftest import tiny_gpt
+
+    path = tmp_path / "m.jsonl"
+    args = tiny_gpt(corpus, "--mesh", "2x4", "--commit-dir", str(tmp_path / "c"), "--metrics", str(path))
+    assert main([*args, "--steps", "10", "--commit-every", "4"]) == 0
+    done = [r for r in _rows(path) if "commit_s" in r]
+    assert [(r["commit_step"], r["commit_every"]) for r in done] == [(4, 4), (8, 4), (10, 4)]
+    assert "committing every" not in capsys.readouterr().out
+    for bad in ("0", "two"):
+        assert main([*args, "--steps", "10", "--commit-every", bad]) == 2
+        assert f"--commit-every takes a number of steps (at least 1) or auto, got '{bad}'" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_the_paths_experiment_smoke():
+    """experiments/elastic.py --paths --smoke (test_experiments runs the other modes):
+    every path is timed and its restore checked against the state (the script asserts)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    r = subprocess.run([sys.executable, os.path.join("experiments", "elastic.py"), "--paths", "--smoke"], cwd=root,
+                       capture_output=True, text=True, timeout=600, env=env)
+    assert r.returncode == 0, r.stderr[-2000:]
+    for path in ("commit", "plain write", "orbax save: written", "fetch from the neighbour (TCP)", "orbax restore"):
+        assert f"| {path} |" in r.stdout

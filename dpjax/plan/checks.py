@@ -20,7 +20,7 @@ def flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-_AT_LEAST_1 = ("steps", "batch_size", "seq_len", "backward_passes", "ckpt_every", "commit_every", "eval_batches", "timeline_steps",
+_AT_LEAST_1 = ("steps", "batch_size", "seq_len", "backward_passes", "ckpt_every", "eval_batches", "timeline_steps",
                "autotune_samples")
 _NOT_NEGATIVE = ("eval_every", "warmup_steps", "weight_decay", "clip_norm", "lr")
 
@@ -83,6 +83,8 @@ def check(s: Settings) -> None:
         value = getattr(s, name)
         if value is not None and value < 1:
             raise UsageError(f"{flag(name)} must be at least 1, got {value}")
+    if s.commit_every != "auto" and not (str(s.commit_every).isdigit() and int(s.commit_every) >= 1):
+        raise UsageError(f"--commit-every takes a number of steps (at least 1) or auto, got {s.commit_every!r}")
     if not isinstance(s.fusion_mb, (int, float)) and s.fusion_mb != "auto":
         raise UsageError(f"--fusion-mb takes MiB or auto, got {s.fusion_mb!r}")
     for name in _NOT_NEGATIVE + (() if s.fusion_mb == "auto" else ("fusion_mb",)):

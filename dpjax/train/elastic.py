@@ -64,9 +64,52 @@ class Elastic:
     def __init__(self, trainer, committer, heartbeat: str | None):
         import jax
 
+        from dpjax.commit_every import AutoInterval
+        from dpjax.train.run import MAX_IN_FLIGHT
+
         self.cfg, self.committer, self.heartbeat_path = trainer.cfg, committer, heartbeat
         self.faults = faults.for_process(jax.process_index())
         self.restored, self.reported = None, False
+        every = trainer.cfg.commit_every
+        # auto: a commit's device copy shows in the loop's iterations up to MAX_IN_FLIGHT later
+        self.auto = AutoInterval(lag=MAX_IN_FLIGHT + 1) if str(every) == "auto" else None
+        self.every = None if self.auto else int(every)
+        self.next_commit = self.first_commit(trainer.start)
+        self.last_t = None  # when the last iteration ended (the auto interval times each)
+        self.announced, self.gaps = False, {}  # the gap decided at each commit not yet finished
+        self.finished, self.first_done_at = 0, None  # steps whose results the loop has; the restart's first step
+        self.beaten = False  # whether this process has written a heartbeat
+
+    def first_commit(self, start: int) -> int:
+        """The step of the first commit from `start`: under auto, once the interval has
+        timed its first iterations (the first iteration has none before it to be timed from)."""
+        return start + (self.auto.first + 1 if self.auto else self.every)
+
+    def _due(self, done: int) -> bool:
+        if done == self.cfg.steps:  # the last step is always committed
+            return True
+        if self.auto is None:
+            return done % self.every == 0
+        return done >= self.next_commit
+
+    def _gap(self, done: int) -> int:
+        """At a commit under --commit-every auto: the gap to the next one, decided by
+        process 0 (every process must commit the same steps) and read by the others."""
+        import jax
+
+        if self.every is not None and self.auto is None:
+            return self.every
+        key = f"dpjax/commit/every/{_env('restart', '0')}/{done}"
+        client = getattr(self.committer, "client", None)
+        if jax.process_index() == 0 or client is None:
+            gap = self.auto.committed()
+            if client is not None and jax.process_count() > 1:
+                client.key_value_set(key, str(gap))
+        else:
+            from dpjax.commit import WAIT_MS
+
+            gap = int(client.blocking_key_value_get(key, WAIT_MS))
+        return gap
 
     def after_step(self, trainer, done: int, write, in_flight=()) -> None:
         """After step `done` (steps done) is dispatched; `in_flight`: the loop's steps
@@ -78,23 +121,94 @@ class Elastic:
                 # rows the lost job never wrote; step s read from cursor(commit) - (commit - s) steps' batches
                 cursor = r["cursor"] - (r["step"] - int(step)) * per_step
                 write({"step": int(step), "loss": loss, "cursor": cursor, "from_commit": True})
+        self.finished = max(self.finished, done - len(in_flight))  # the loop has these steps' results
         if done in self.faults:
             if c is not None:
                 c.flush()  # the fault strikes at a step boundary: what was asked for before is written
+            if len(in_flight) > 1:  # ... and the steps before this one are done: what the failure loses
+                in_flight[-2][1].block_until_ready()
+                self.finished = done - 1
             self.heartbeat(done)
             faults.fire(self.faults[done])
-        if c is not None and (done % self.cfg.commit_every == 0 or done == self.cfg.steps):
+        began, finished = False, []
+        if c is not None and self._due(done):
+            c.flush()  # the previous commit (commit() waits for it anyway): its figures go into the choice
+            finished = self._finished()
             # the losses of the steps up to this one that the loop has not written yet: a
             # restart from this commit writes them, so that the metrics miss no step
             losses = {step: loss for step, loss, *_ in in_flight}
-            c.commit(done, trainer._state(), {"cursor": trainer.cursor, "record": trainer.record}, losses)
+            gap = self._gap(done)
+            self.next_commit, self.gaps[done], began = done + gap, gap, True
+            meta = {"cursor": trainer.cursor, "record": trainer.record, "commit_every": gap}
+            c.commit(done, trainer._state(), meta, losses, ready=in_flight[-1][1] if in_flight else None)
+            if done == self.cfg.steps:
+                c.flush()  # the last commit's figures land in the last row
+        if c is not None:
+            self._measure(done, began, write, in_flight, finished)
+        if not self.beaten and in_flight and self.heartbeat_path:
+            # the first heartbeat once this process's first step is done, which takes every process
+            # (its collectives): until then --start-timeout applies, not --hang-timeout, so that a
+            # process whose peers are still starting or restoring is not taken for hung
+            in_flight[-1][1].block_until_ready()
+        self.beaten = True
         self.heartbeat(done)
-        if self.restored is not None and not self.reported and c is not None and c.completed > self.restored["step"]:
+        if self.restored is not None and done == self.restored["step"] + 1 and in_flight:
+            self._stamp_first(in_flight[-1][1])
+        if self.restored is not None and not self.reported and self.first_done_at is not None:
             self.report(trainer, write)
+
+    def _stamp_first(self, loss) -> None:
+        """When the first step after a restore is done (a thread waits for its loss)."""
+        import threading
+
+        def wait():
+            loss.block_until_ready()
+            self.first_done_at = time.time()
+
+        threading.Thread(target=wait, daemon=True, name="dpjax-first-step").start()
+
+    def _finished(self) -> list:
+        """The commits finished since the last look, their seconds told to the auto interval."""
+        finished = self.committer.poll()
+        for f in finished:
+            if self.auto is not None:
+                self.auto.finished(f["commit_s"])
+        return finished
+
+    def _measure(self, done: int, began: bool, write, in_flight, finished) -> None:
+        """Finished commits into the metrics rows of the steps in flight (the newest
+        into this step's); the iteration's time into the auto interval; its choice said
+        once."""
+        now = time.perf_counter()
+        finished = [*finished, *self._finished()]
+        free = [extra for _, _, extra, *_ in reversed(in_flight) if "commit_s" not in extra]  # newest first
+        for back, f in enumerate(reversed(finished)):
+            row = {"commit_s": round(f["commit_s"], 4), "commit_bytes": f["commit_bytes"],
+                   "commit_every": self.gaps.pop(f["step"], None), "commit_step": f["step"]}
+            if back < len(free):
+                free[back].update(row)
+            else:
+                write({"step": done - 1, **row})
+        if self.auto is not None and self.last_t is not None:
+            self.auto.tick(now - self.last_t, busy=self.committer.busy or bool(finished), began=began)
+        self.last_t = now
+        if self.auto is not None and began and self.auto.measured and not self.announced:
+            import jax
+
+            self.announced = True
+            d = self.auto.describe()
+            write({"step": done - 1, "commit_every": d})
+            if jax.process_index() == 0:
+                print(f"dpjax.commit: committing every {d['every']} steps (--commit-every auto: a commit costs "
+                      f"{d['cost_s']:.3g} s of the loop and takes {d['commit_s']:.3g} s, a step {d['step_s']:.3g} s; "
+                      f"within {100 * d['target']:g}% of the step); a failure loses at most {d['every'] + 1} steps. "
+                      f"Fewer: --commit-every N", flush=True)
 
     def heartbeat(self, done: int) -> None:
         if self.heartbeat_path:
-            completed = self.committer.completed if self.committer is not None else None
+            # the furthest step done (its state committed, or its results in the loop's hands): a
+            # failure loses the steps from the restored commit to this one (steps_lost)
+            completed = max(self.finished, self.committer.completed) if self.committer is not None else None
             tmp = f"{self.heartbeat_path}.tmp"
             with open(tmp, "w") as fh:
                 json.dump({"dispatched": done, "completed": completed, "t": time.time()}, fh)
@@ -108,25 +222,28 @@ class Elastic:
         r, failure = self.restored, json.loads(_env("failure", "{}"))
         row = {"event": "restart", "attempt": int(_env("restart", "0")), "processes": jax.process_count(),
                "devices": jax.device_count(), "mesh": dict(trainer.mesh.shape), "restored_step": r["step"],
-               "from": r["sources"], **micro_batches(trainer.cfg, trainer.mesh)}
+               "from": r["sources"], "commit_every": r.get("commit_every"),
+               **micro_batches(trainer.cfg, trainer.mesh)}
         if failure.get("skipped"):  # sizes the agent could have formed that cannot hold the run
             row["sizes_skipped"] = failure["skipped"]
         if failure:
             reached = failure.get("completed")
             row.update(failed=failure.get("line"), steps_lost=None if reached is None else max(0, reached - r["step"]),
                        restart_s=round(failure["restarted"] - failure["t"], 2),
-                       seconds_lost=round(self.committer.completed_at - failure["t"], 2),
+                       seconds_lost=round(self.first_done_at - failure["t"], 2),
                        # where the seconds went: processes started -> imports done -> joined,
-                       # planned and restored -> first step (compiled or from the cache) done
+                       # planned, parameters made -> restored -> first step (compiled or from the cache) done
                        breakdown={"start_import": round(IMPORTED - failure["restarted"], 2),
-                                  "join_plan_restore": round(r["restored_at"] - IMPORTED, 2),
-                                  "first_step": round(self.committer.completed_at - r["restored_at"], 2)})
+                                  "join_plan_init": round(r["restoring_at"] - IMPORTED, 2),
+                                  "restore": round(r["restored_at"] - r["restoring_at"], 2),
+                                  "first_step": round(self.first_done_at - r["restored_at"], 2)})
         write(row)
         _say("dpjax.elastic: " + ", ".join(f"{k} {v}" for k, v in row.items() if k != "event"))
 
     def close(self) -> None:
         if self.committer is not None:
-            self.committer.close()
+            # the last step's commit made: the run ended as planned (not on an exception's way out)
+            self.committer.close(finished=self.committer.completed == self.cfg.steps)
 
 
 def _exit_now(kind, value, tb):
@@ -156,17 +273,24 @@ def attach(trainer) -> Elastic | None:
     if root is not None:
         restoring = restart > 0 or cfg.resume
         committer = Committer(os.path.abspath(root), _env("host", "local"), jax.process_index(), jax.process_count(),
-                              int(_env("per_host", "1")), jax_distributed.global_state.client, fresh=not restoring)
+                              int(_env("per_host", "1")), jax_distributed.global_state.client, fresh=not restoring,
+                              coordinator=jax_distributed.global_state.coordinator_address)
+        trainer.run_record["commit"] = {"dir": os.path.abspath(root), "every": cfg.commit_every}
     if heartbeat is not None:  # under the agent: an exception ends this process at once
         sys.excepthook = _exit_now
     elastic = Elastic(trainer, committer, heartbeat)
     if committer is not None and (restart > 0 or cfg.resume):
+        restoring_at = time.time()
         got = committer.restore(trainer._state(), expect=trainer.record)
+        if got is None and restart > 0:  # failed before the first commit: from the start, and said so
+            elastic.restored = {"step": trainer.start, "cursor": trainer.cursor, "sources": {}, "commit_every": None,
+                                "restoring_at": restoring_at, "restored_at": time.time()}
         if got is not None and got[1]["step"] > trainer.start:  # newer than the orbax checkpoint
             state, meta = got
             trainer.params, trainer.opt_state, trainer.rng = state["params"], state["opt_state"], state["rng"]
             trainer.start, trainer.cursor = meta["step"], meta["cursor"]
-            elastic.restored = {**meta, "restored_at": time.time()}
+            elastic.restored = {**meta, "restoring_at": restoring_at, "restored_at": time.time()}
+            elastic.next_commit = elastic.first_commit(trainer.start)
             _say(f"dpjax.elastic: restored step {meta['step']} from commits {meta['sources']} onto mesh "
                         f"{dict(trainer.mesh.shape)}")
     return elastic

@@ -1,0 +1,137 @@
+"""`--commit-every auto`: the smallest commit interval whose measured cost stays within 5%
+of the step time, measured as the run goes.
+
+Others fix the interval by hand (orbax's emergency checkpoints: local every 10 steps by
+default; Horovod's elastic docs: commit every N batches). Here it is measured, from the
+loop's iteration times (in steady state the step time) and each commit's end-to-end
+seconds:
+
+    step_s   the median iteration with no commit's effect in it: no commit in flight and
+             none finished within `lag` iterations (a commit's device copy delays steps
+             the loop waits for up to MAX_IN_FLIGHT iterations later)
+    cost_s   what one commit adds to the loop: over the last `window` iterations,
+             (their sum - their count x step_s) / the commits begun in them; until that
+             can be measured, and never above it, the commit's own end-to-end seconds
+             (a commit cannot take more from the loop than it lasts: its device copy
+             and its writing thread's time)
+    every    max(ceil(cost_s / (target x step_s)), ceil(commit_s / step_s)): the cost
+             within `target` of the step, and no commit asked for before the previous
+             one is written (the loop would wait for it); at most `max_every`
+
+The first commit comes once `warm` iterations are measured (the first `skip`, which
+compile, are not: `first`), the second lag + 2 steps later (the first one's effect
+seen whole); from then on the interval is decided at each commit for the gap to the
+next one, and what a failure loses is at most that gap plus the step in flight. When no
+iteration has been free of commits for `stale` iterations (a small interval), the next
+gap is made long enough to measure the step again (the iterations a commit's effect
+lasts, plus `warm`).
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+
+TARGET = 0.05
+
+
+def _median(xs):
+    s = sorted(xs)
+    n = len(s)
+    return None if not n else (s[n // 2] if n % 2 else (s[n // 2 - 1] + s[n // 2]) / 2)
+
+
+class AutoInterval:
+    def __init__(self, target: float = TARGET, lag: int = 5, max_every: int = 100, window: int = 32,
+                 stale: int = 64, skip: int = 2, warm: int = 3):
+        self.target, self.lag, self.max_every, self.stale, self.skip, self.warm = \
+            target, lag, max_every, stale, skip, warm
+        self.clean: collections.deque = collections.deque(maxlen=16)  # iteration seconds free of commits
+        self.recent: collections.deque = collections.deque(maxlen=window)  # (seconds, commits begun)
+        self.commit_s: collections.deque = collections.deque(maxlen=5)  # end-to-end seconds of the last commits
+        self.seen, self.since_clean, self.quiet_after = 0, 0, 0
+        self.began_at, self.span = None, 2 * lag  # iterations one commit's effect lasts (until measured: a guess)
+        self.every: int | None = None  # the gap to the next commit, decided at the last commit
+        self.measured = False  # whether that gap came from a measured cost
+        self.remeasure = False  # whether it was made long to measure the step again
+
+    # --- what the loop tells it ---
+
+    def tick(self, seconds: float, busy: bool, began: bool) -> None:
+        """One loop iteration's seconds; busy: a commit was in flight during it (or
+        finished less than `lag` iterations ago); began: a commit was asked for in it."""
+        self.seen += 1
+        if began:
+            self.began_at = self.seen
+        if self.seen <= self.skip:
+            return
+        self.recent.append((seconds, int(began)))
+        self.quiet_after = self.lag if busy else max(0, self.quiet_after - 1)
+        if busy or self.quiet_after:
+            self.since_clean += 1
+        else:
+            if self.since_clean and self.began_at is not None:  # a commit's effect is over: how long it lasted
+                self.span = self.seen - self.began_at
+            self.clean.append(seconds)
+            self.since_clean = 0
+
+    def finished(self, commit_s: float) -> None:
+        """A commit's end-to-end seconds (from its step's end until written and copied)."""
+        self.commit_s.append(commit_s)
+
+    # --- what it tells the loop ---
+
+    @property
+    def step_s(self) -> float | None:
+        return _median(self.clean) if len(self.clean) >= self.warm else None
+
+    @property
+    def cost_s(self) -> float | None:
+        """One commit's cost to the loop, in seconds (None: nothing measured yet)."""
+        upper = _median(self.commit_s)
+        if upper is None or self.step_s is None:
+            return None
+        commits = sum(b for _, b in self.recent)
+        if not commits:
+            return upper
+        slowdown = (sum(s for s, _ in self.recent) - len(self.recent) * self.step_s) / commits
+        return min(upper, max(0.0, slowdown))
+
+    def choose(self) -> int | None:
+        """The interval for the next gap (None: not measured yet, no commit but the first)."""
+        step, cost = self.step_s, self.cost_s
+        if step is None or cost is None:
+            return None
+        every = max(_ceil(cost / (self.target * step)), _ceil(_median(self.commit_s) / step), 1)
+        every = min(every, self.max_every)
+        self.remeasure = self.since_clean >= self.stale
+        if self.remeasure:  # measure the step again: a gap with `warm` iterations free of commits
+            every = max(every, self.span + self.warm)
+            self.since_clean = 0
+        return every
+
+    def committed(self) -> int:
+        """At a commit: the gap to the next one, decided now (recorded in its meta). Until
+        a commit's cost is measured: lag + 2, long enough to see its effect whole."""
+        chosen = self.choose()
+        self.every = chosen if chosen is not None else self.lag + 2
+        self.measured = chosen is not None
+        return self.every
+
+    @property
+    def first(self) -> int:
+        """Steps from the start (or a restart) to the first commit: the step measured first."""
+        return self.skip + self.warm + 1
+
+    def describe(self) -> dict:
+        return {"every": self.every, "step_s": _round(self.step_s), "cost_s": _round(self.cost_s),
+                "commit_s": _round(_median(self.commit_s)), "target": self.target}
+
+
+def _ceil(x: float) -> int:
+    """ceil, but a ratio that is whole up to round-off (0.2 / 0.05) stays whole."""
+    return math.ceil(x - 1e-9)
+
+
+def _round(x):
+    return None if x is None else round(x, 4)
