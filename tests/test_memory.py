@@ -28,7 +28,8 @@ def compiled_bytes(plan) -> int:
     return m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes
 
 
-@pytest.mark.parametrize("spec,extra", [("8x1", {}), ("2x4", {}), ("8x1", {"fsdp": True})],
+@pytest.mark.parametrize("spec,extra", [("8x1", {}), pytest.param("2x4", {}, marks=pytest.mark.slow),
+                                        pytest.param("8x1", {"fsdp": True}, marks=pytest.mark.slow)],
                          ids=["8x1", "2x4", "8x1-fsdp"])
 @pytest.mark.parametrize("remat", ["none", "dots", "full"])
 def test_the_estimate_holds_to_the_compiled_program(mesh_of, spec, extra, remat):
