@@ -129,16 +129,19 @@ def main(argv=None) -> int:
     p.add_argument("--out", help="write the markdown table here (default: print it)")
     p.add_argument("--smoke", action="store_true", help="tiny sizes on CPU, a few steps: checks the script runs")
     a = p.parse_args(argv)
-    if not os.path.exists(a.ref):
+    missing = not os.path.exists(a.ref)
+    if missing and not a.smoke:
         print(f"error: --ref {a.ref}: no such file (../shared/gpu/ref_gpt.py beside the repository)", file=sys.stderr)
         return 2
+    if missing:  # a clone without shared/ beside it: the smoke run checks dpjax's side alone
+        print(f"note: --ref {a.ref} is missing: the smoke run leaves the yardstick out", flush=True)
     sizes = SMOKE if a.smoke else {k: SIZES[k] for k in a.sizes.split(",")}
     steps, skip = (4, 1) if a.smoke else (a.steps, a.skip)
     env = _env(a.smoke)
     rows, device = [], "cpu"
     with tempfile.TemporaryDirectory() as tmp:
         for name, size in sizes.items():
-            ref = ref_run(a.ref, size, steps, env)
+            ref = {"error": "no yardstick script"} if missing else ref_run(a.ref, size, steps, env)
             mine = dpjax_run(size, steps, skip, env, tmp)
             device = ref.get("device", device)
             rows.append((name, mine, ref))
@@ -150,7 +153,7 @@ def main(argv=None) -> int:
         with open(a.out, "w") as fh:
             fh.write(text + "\n")
     print(text)
-    failed = [name for name, mine, ref in rows if "error" in mine or "error" in ref]
+    failed = [name for name, mine, ref in rows if "error" in mine or ("error" in ref and not missing)]
     return 1 if failed or not timeline.startswith("yes") else 0
 
 
