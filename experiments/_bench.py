@@ -224,3 +224,17 @@ def smoke_outputs(args, *names) -> str | None:
             setattr(args, name, os.path.join(tmp, os.path.basename(os.path.normpath(path))))
     print(f"smoke run: outputs in {tmp}", flush=True)
     return tmp
+
+
+def finish_plot(fig, axes, path) -> None:
+    """A grid and the legend on `axes` (one Axes or several), and the figure written to
+    `path` (the experiments' plots alike)."""
+    import matplotlib.pyplot as plt
+
+    for ax in axes if isinstance(axes, (list, tuple)) else (axes,):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    print(f"wrote {path}", flush=True)

@@ -25,7 +25,7 @@ import sys
 import jax
 
 import _bench
-from update_runs import DATE, MACHINE, Bench, finish_plot
+from update_runs import DATE, MACHINE, Bench
 
 from dpjax import step as S
 from dpjax.collectives.cost import compressed_bytes, hlo_comm
@@ -120,7 +120,7 @@ def plot_points(path, rows, steps):
     ax.set_xscale("log")
     ax.set(xlabel="MB sent by the busiest device over the run (log)", ylabel="final validation loss",
            title=f"GPT on 8 devices, {steps} steps (filled: error feedback; hollow: ef=0)")
-    finish_plot(fig, ax, path)
+    _bench.finish_plot(fig, ax, path)
 
 
 if __name__ == "__main__":

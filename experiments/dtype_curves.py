@@ -196,13 +196,7 @@ def plot(path: str, runs: dict, title: str) -> None:
     ax.set(ylabel="loss (nats / byte)", title=title)
     bx.axhline(0, color="k", lw=0.5)
     bx.set(xlabel="step", ylabel="train loss diff (%)")
-    for a in (ax, bx):
-        a.grid(alpha=0.3)
-        a.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    print(f"wrote {path}", flush=True)
+    _bench.finish_plot(fig, (ax, bx), path)
 
 
 def main(argv=None) -> int:

@@ -13,6 +13,7 @@ import statistics
 import time
 from dataclasses import dataclass, field
 
+from _bench import finish_plot
 from dpjax.mesh import simulate_cpu_devices
 
 simulate_cpu_devices(8)  # before jax starts: 8 simulated workers on a CPU-only machine
@@ -158,13 +159,3 @@ def plot(path, series, xlabel, ylabel, title, logx=False):
     return True
 
 
-def finish_plot(fig, ax, path) -> None:
-    """A grid, the legend, and the figure written to `path` (the experiments' plots alike)."""
-    import matplotlib.pyplot as plt
-
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    print(f"wrote {path}", flush=True)

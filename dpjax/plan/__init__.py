@@ -31,6 +31,8 @@ DEFAULT_ALGORITHM, DEFAULT_FUSION_MB = "ring", 64.0
 
 
 from dpjax.plan.checks import UsageError, check, devices_per_process, fit_devices, fit_mesh, flag  # noqa: F401
+from dpjax.plan.compute import (check_memory, compute_policy, default_allreduce, memory_refusal,  # noqa: F401
+                                target_platform)
 
 @dataclass(frozen=True)
 class Exchange:
@@ -320,93 +322,3 @@ def for_rule(rule, mesh, abstract_params, *, param_specs=None, passes: int = 1,
         raise ValueError(f"passes must be at least 1, got {passes}")
     specs = param_specs if param_specs is not None else jax.tree.map(lambda _: P(), abstract_params)
     return Plan(mesh, Layout(mesh, specs, workers=as_axes(rule.axes)), rule, exchange, passes)
-
-
-# ---------------------------------------------------------------------------------------
-# Memory: refuse what cannot fit before compiling it
-
-
-def target_platform(s: Settings, mesh) -> str:
-    """The platform a plan is made for: the devices'; a GPU for --dry-run --device-memory
-    on a machine without one (plan a GPU job from a laptop)."""
-    from dpjax.policy import accelerated
-
-    platform = mesh.devices.flat[0].platform
-    return "gpu" if s.dry_run and s.device_memory and not accelerated(platform) else platform
-
-
-def default_allreduce(platform: str) -> str:
-    """The gradient exchange when --allreduce is not given: XLA's own (psum: NCCL on GPUs,
-    the ICI on TPUs) on accelerators, where it is the fastest; dpjax's explicit ring on
-    CPU, where the collectives are what a run is there to show."""
-    from dpjax.policy import accelerated
-
-    return "psum" if accelerated(platform) else DEFAULT_ALGORITHM
-
-
-def compute_policy(s: Settings, model, platform: str) -> tuple[Policy, list]:
-    """(the compute policy of `s` on `platform`, notes to print once). remat auto stays
-    `none` here; `check_memory` chooses it."""
-    from dpjax import policy as P
-
-    head_dim = None
-    config = getattr(model, "config", None)
-    if getattr(config, "n_heads", None):
-        head_dim = config.d_model // config.n_heads
-    attention = s.attention
-    if attention == "auto" and not P.accelerated(platform):
-        attention = "naive"  # CPU: the reference kernel, as every CPU figure was measured with
-    try:
-        return P.resolve(s.dtype, s.param_dtype, s.remat, attention, platform=platform, head_dim=head_dim,
-                         scan=not s.layer_loop)
-    except ValueError as e:
-        raise UsageError(str(e)) from None
-
-
-def check_memory(plan: Plan) -> Plan:
-    """Estimates the bytes each device needs (its shards of the parameters and of the
-    optimizer / rule state, the activations one micro-batch keeps for the backward
-    pass under the compute policy) and refuses, in one line, a run that cannot fit in
-    what a device has (--device-memory, else the device's own). With --remat auto it
-    chooses the least recomputation that fits (none, then dots, then full). Returns the
-    plan with its policy's remat and its estimate (`plan.memory`)."""
-    model, s = plan.model, plan.settings
-    if model is None or s is None or not hasattr(model, "activation_bytes"):
-        return plan
-    from dpjax.memory import device_memory, estimate, parse_size, preallocation_note
-
-    platform = target_platform(s, plan.mesh)
-    if s.device_memory:
-        try:
-            have = parse_size(s.device_memory)
-        except ValueError as e:
-            raise UsageError(f"--device-memory: {e}") from None
-    else:
-        have = device_memory(plan.mesh)
-    candidates = ("none", "dots", "full") if s.remat == "auto" else (plan.policy.remat,)
-    for remat in candidates:
-        policy = dataclasses.replace(plan.policy, remat=remat)
-        need = estimate(plan.model, plan.layout, plan.global_batch, plan.exchange.compression, policy, platform)
-        if have is None or need["total"] <= have:
-            break
-    plan = dataclasses.replace(plan, policy=policy, memory={**need, "device": have})
-    if have is not None and need["total"] > have and not s.dry_run:
-        raise UsageError(memory_line(plan, platform if not s.device_memory else None))
-    return plan
-
-
-def memory_line(plan: Plan, platform: str | None) -> str:
-    """The one line of a run that does not fit: what it needs by part, what a device has,
-    what to change."""
-    from dpjax.memory import preallocation_note
-
-    need, have = plan.memory, plan.memory["device"]
-    gib = lambda b: f"{b / 2**30:,.1f} GiB"  # noqa: E731
-    remat = plan.policy.remat
-    return (f"this run needs about {gib(need['total'])} per device (parameters {gib(need['params'])}, "
-            f"optimizer state {gib(need['state'])}, gradients {gib(need['grads'])}, "
-            + (f"compression error buffers {gib(need['error'])}, " if need["error"] else "")
-            + f"activations {gib(need['activations'])} with --remat {remat}) and a device has {gib(have)}"
-            + (preallocation_note(platform) if platform else "")
-            + ": lower --batch-size, --seq-len or the model size, add --backward-passes"
-            + (", --remat full" if remat != "full" else "") + ", or use more devices")

@@ -206,16 +206,16 @@ def run(cfg: Settings) -> dict:
 def dry_run(cfg: Settings) -> int:
     """--dry-run: the plan resolved on the devices here (or for --device-memory), printed,
     nothing compiled; 0 if it fits, 2 (and the one line saying why) if not."""
-    from dpjax.plan import UsageError, memory_line
+    from dpjax.plan import UsageError, memory_refusal
     from dpjax.train.plan_table import plan_lines
 
     check(cfg)
     plan = resolve(elastic.fit(cfg), setup_devices(cfg))
     for line in plan_lines(plan):
         print(line)
+    refusal = memory_refusal(plan)
+    if refusal:
+        raise UsageError(refusal)
     mem = plan.memory
-    if mem and mem["device"] is not None and mem["total"] > mem["device"]:
-        platform = None if cfg.device_memory else plan.mesh.devices.flat[0].platform
-        raise UsageError(memory_line(plan, platform))
     print("the plan fits" + (f" in {mem['device'] / 2**30:,.1f} GiB per device" if mem and mem["device"] else ""))
     return 0

@@ -1,0 +1,101 @@
+"""The compute policy and the memory a plan needs: part of `dpjax.plan` (the platform a
+plan is made for, the default exchange there, the policy's `auto`s resolved, and the
+refusal of what cannot fit, with --remat auto's choice), before anything is compiled."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from dpjax.plan.checks import UsageError
+from dpjax.policy import Policy, accelerated
+from dpjax.settings import Settings
+
+
+def target_platform(s: Settings, mesh) -> str:
+    """The platform a plan is made for: the devices'; a GPU for --dry-run --device-memory
+    on a machine without one (plan a GPU job from a laptop)."""
+    platform = mesh.devices.flat[0].platform
+    return "gpu" if s.dry_run and s.device_memory and not accelerated(platform) else platform
+
+
+def default_allreduce(platform: str) -> str:
+    """The gradient exchange when --allreduce is not given: XLA's own (psum: NCCL on GPUs,
+    the ICI on TPUs) on accelerators, where it is the fastest; dpjax's explicit ring on
+    CPU, where the collectives are what a run is there to show."""
+    from dpjax.plan import DEFAULT_ALGORITHM  # the plan's own constant (its module imports this one)
+
+    return "psum" if accelerated(platform) else DEFAULT_ALGORITHM
+
+
+def compute_policy(s: Settings, model, platform: str) -> tuple[Policy, list]:
+    """(the compute policy of `s` on `platform`, notes to print once). remat auto stays
+    `none` here; `check_memory` chooses it."""
+    from dpjax import policy as P
+
+    head_dim = None
+    config = getattr(model, "config", None)
+    if getattr(config, "n_heads", None):
+        head_dim = config.d_model // config.n_heads
+    attention = s.attention
+    if attention == "auto" and not P.accelerated(platform):
+        attention = "naive"  # CPU: the reference kernel, as every CPU figure was measured with
+    try:
+        return P.resolve(s.dtype, s.param_dtype, s.remat, attention, platform=platform, head_dim=head_dim,
+                         scan=not s.layer_loop)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+
+
+def check_memory(plan):
+    """Estimates the bytes each device needs (its shards of the parameters and of the
+    optimizer / rule state, the activations one micro-batch keeps for the backward
+    pass under the compute policy) and refuses, in one line, a run that cannot fit in
+    what a device has (--device-memory, else the device's own). With --remat auto it
+    chooses the least recomputation that fits (none, then dots, then full). Returns the
+    plan with its policy's remat and its estimate (`plan.memory`)."""
+    model, s = plan.model, plan.settings
+    if model is None or s is None or not hasattr(model, "activation_bytes"):
+        return plan
+    from dpjax.memory import device_memory, estimate, parse_size
+
+    platform = target_platform(s, plan.mesh)
+    if s.device_memory:
+        try:
+            have = parse_size(s.device_memory)
+        except ValueError as e:
+            raise UsageError(f"--device-memory: {e}") from None
+    else:
+        have = device_memory(plan.mesh)
+    candidates = ("none", "dots", "full") if s.remat == "auto" else (plan.policy.remat,)
+    for remat in candidates:
+        policy = dataclasses.replace(plan.policy, remat=remat)
+        need = estimate(plan.model, plan.layout, plan.global_batch, plan.exchange.compression, policy, platform)
+        if have is None or need["total"] <= have:
+            break
+    plan = dataclasses.replace(plan, policy=policy, memory={**need, "device": have})
+    refusal = memory_refusal(plan)
+    if refusal and not s.dry_run:  # --dry-run prints the plan first, then refuses (dpjax.train.loop.dry_run)
+        raise UsageError(refusal)
+    return plan
+
+
+def memory_refusal(plan) -> str | None:
+    """The one line of a run that does not fit (what it needs by part, what a device has,
+    what to change), or None when it fits or nothing is known of the device. On a GPU
+    without --device-memory it says what JAX's preallocation leaves."""
+    from dpjax.memory import preallocation_note
+
+    if plan.memory is None or plan.memory["device"] is None or plan.memory["total"] <= plan.memory["device"]:
+        return None
+    s = plan.settings
+    platform = None if s.device_memory else target_platform(s, plan.mesh)
+    need, have = plan.memory, plan.memory["device"]
+    gib = lambda b: f"{b / 2**30:,.1f} GiB"  # noqa: E731
+    remat = plan.policy.remat
+    return (f"this run needs about {gib(need['total'])} per device (parameters {gib(need['params'])}, "
+            f"optimizer state {gib(need['state'])}, gradients {gib(need['grads'])}, "
+            + (f"compression error buffers {gib(need['error'])}, " if need["error"] else "")
+            + f"activations {gib(need['activations'])} with --remat {remat}) and a device has {gib(have)}"
+            + (preallocation_note(platform) if platform else "")
+            + ": lower --batch-size, --seq-len or the model size, add --backward-passes"
+            + (", --remat full" if remat != "full" else "") + ", or use more devices")
