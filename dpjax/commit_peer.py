@@ -12,7 +12,8 @@ replica the same way, over a plain HTTP transport between peers.
 
 Two requests, one per connection: `put` (the bytes of a commit file, stored by the
 receiver's `store` callback; answered once stored, so a commit is complete only when
-its neighbour holds it) and `get` (a file under the commit root, sent back). A request
+its neighbour holds it) and `get` (a file under the commit root, or its first bytes: a
+restore reads every commit's header and only the files it needs, sent back). A request
 is a 4-byte length and a JSON head; a put's bytes follow it.
 """
 
@@ -115,8 +116,10 @@ class Peers:
                         raise PeerError(f"{head['path']!r} is not under the commit root")
                     with open(path, "rb") as fh:
                         size = os.fstat(fh.fileno()).st_size
+                        if head.get("length") is not None:  # the first bytes only (a commit's header)
+                            size = min(size, int(head["length"]))
                         _send_head(conn, {"ok": True, "size": size})
-                        conn.sendfile(fh)
+                        conn.sendfile(fh, count=size)
             except Exception as e:  # the requester hears it
                 try:
                     _send_head(conn, {"ok": False, "error": f"{type(e).__name__}: {e}"})
@@ -154,10 +157,11 @@ class Peers:
             self._answer(sock, f"process {rank} storing {name}")
         return size
 
-    def get(self, rank: int, path: str) -> bytearray:
-        """The bytes of the file `path` (relative to the commit root) that process `rank` holds."""
+    def get(self, rank: int, path: str, length: int | None = None) -> bytearray:
+        """The bytes of the file `path` (relative to the commit root) that process `rank`
+        holds; its first `length` bytes only when given."""
         with self._connect(rank) as sock:
-            _send_head(sock, {"op": "get", "path": path})
+            _send_head(sock, {"op": "get", "path": path, "length": length})
             size = self._answer(sock, f"process {rank} sending {path}")["size"]
             out = bytearray(size)
             view, got = memoryview(out), 0

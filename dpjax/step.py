@@ -278,13 +278,24 @@ def make_update_step(loss_fn, rule: UpdateRule, mesh, params, *, param_specs=Non
     return build(lambda p, b, par: loss_fn(p, b), plan, abstract_params=abstract, donate=donate)
 
 
-def init_params(model, layout: Layout, key, policy=None):
+def init_params(model, layout: Layout, key, policy=None, keep=None):
     """The model's parameters, created by a jitted init directly in their sharding: no
     device ever holds a whole sharded weight, and the values do not depend on the mesh
     (jax's partitionable threefry). policy: a `dpjax.policy.Policy` whose param_dtype the
-    master weights take (default: as the model makes them, float32)."""
+    master weights take (default: as the model makes them, float32); keep: a
+    `dpjax.programs.Programs.keep` (the compiled init kept across restarts)."""
     store = (lambda p: p) if policy is None else policy.store
-    return jax.jit(lambda k: store(layout.store(model.init(k))), out_shardings=layout.shardings())(key)
+    init = jax.jit(lambda k: store(layout.store(model.init(k))), out_shardings=layout.shardings())
+    return (init if keep is None else keep("init_params", init))(key)
+
+
+def kept(step: TrainStep, keep, tag: str = "") -> TrainStep:
+    """`step` with each program kept by `keep` (`dpjax.programs.Programs.keep`): a
+    restarted process loads their executables instead of tracing and compiling them.
+    tag: what tells this step's programs from another step's of the same run (an
+    autotune's settings)."""
+    return dataclasses.replace(step, **{f: keep(f"{f}{tag}", getattr(step, f))
+                                        for f in ("init", "train", "evaluate", "flush", "consensus")})
 
 
 def replicated(mesh):

@@ -3,6 +3,7 @@ state bit for bit (against the numpy arrays it was made from); the newest step e
 rank committed is the one restored; commits are atomic and the last two are kept; a
 process whose own commit is lost restores from its neighbour's copy (two processes)."""
 
+import json
 import os
 import subprocess
 import sys
@@ -275,3 +276,48 @@ def test_the_paths_experiment_smoke():
     assert r.returncode == 0, r.stderr[-2000:]
     for path in ("commit", "plain write", "orbax save: written", "fetch from the neighbour (TCP)", "orbax restore"):
         assert f"| {path} |" in r.stdout
+
+
+def test_pieces_from_several_files_are_placed_on_any_layout(tmp_path):
+    """Three old ranks' files whose pieces cut the arrays unlike the target's blocks (and
+    the third fetched from a "remote" holder) are placed bit for bit, every device's block
+    cut from the pieces that overlap it."""
+    from dpjax.commit import LocalFile, RemoteFile, header, place
+
+    arrays = _arrays(3)
+    boxes = {  # old rank -> {leaf: global index of its piece}
+        0: {"w": [[0, 3], [0, 6]], "key": [[0, 2]]},
+        1: {"w": [[3, 8], [0, 2]], "b": [[0, 4]]},
+        2: {"w": [[3, 8], [2, 6]], "count": []},
+    }
+    target = dpjax.make_mesh("2x2", jax.devices()[:4])
+    template = _state(target, {k: np.zeros_like(v) for k, v in arrays.items()},
+                      {"w": P("model", "data"), "b": P("data"), "key": P(), "count": P()})
+    leaves, treedef = jax.tree.flatten(template)
+    names = list(jax.tree.unflatten(treedef, list(range(len(leaves)))))  # the dict's keys in leaf order
+    paths = []
+    for rank, mine in boxes.items():
+        meta = {"step": 9, "cursor": 0, "record": {}, "treedef": str(treedef), "leaves": []}
+        blob = []
+        for k in names:
+            pieces = [mine[k]] if k in mine else []
+            meta["leaves"].append({"shape": list(arrays[k].shape), "dtype": str(arrays[k].dtype), "pieces": pieces})
+            blob += [np.ascontiguousarray(np.asarray(arrays[k])[tuple(slice(a, b) for a, b in p)]).tobytes()
+                     for p in pieces]
+        paths.append(tmp_path / f"r{rank}.bin")
+        paths[-1].write_bytes(header(meta) + b"".join(blob))
+    fetched = []
+
+    def fetch(n=None):
+        fetched.append(n)
+        data = paths[2].read_bytes()
+        return data if n is None else data[:n]
+
+    state = place(template, [LocalFile(str(paths[0])), LocalFile(str(paths[1])), RemoteFile(fetch)])
+    for k, v in arrays.items():
+        assert state[k].sharding == template[k].sharding
+        np.testing.assert_array_equal(np.asarray(state[k]), v)
+    assert fetched[:2] != [None, None] and fetched.count(None) == 1  # the header first, then the file once
+    paths[1].write_bytes(header({**json.loads(json.dumps(meta)), "treedef": "other"}))
+    with pytest.raises(CommitError, match="another state structure"):
+        place(template, [LocalFile(str(p)) for p in paths])

@@ -101,6 +101,8 @@ def test_same_size_kill_is_bit_for_bit(corpus, straight, tmp_path):
     # --commit-every auto (the default): at most the interval in force plus the step in flight lost
     every = ev["commit_every"]
     assert every >= 1 and ev["restored_step"] >= AT - every - 1 and ev["steps_lost"] <= every + 1
+    # the restarted processes load their programs from the commit folder: none compiled again
+    assert ev["programs"]["compiled"] == 0 and ev["programs"]["loaded"] >= 3, ev["programs"]
     assert read_losses(metrics) == straight  # bit for bit
 
 

@@ -52,6 +52,25 @@ def fit(cfg):
     return fit_devices(cfg, int(per_process) * launched_processes())
 
 
+NOT_IN_PROGRAMS = ("steps", "resume", "metrics", "tensorboard", "progress", "ckpt_dir", "ckpt_every", "commit_dir",
+                   "commit_every", "eval_every")
+
+
+def programs(cfg):
+    """The run's compiled programs kept beside its commits (`dpjax.programs`), so that a
+    restart loads them instead of tracing and compiling; None without a commit folder."""
+    root = cfg.commit_dir or _env("commit_dir")
+    if root is None:
+        return None
+    import dataclasses
+
+    from dpjax.programs import Programs
+
+    # every setting but those no program depends on (a --resume of a plain run loads them too)
+    run = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in NOT_IN_PROGRAMS}
+    return Programs(os.path.join(os.path.abspath(root), _env("host", "local"), "programs"), run)
+
+
 def micro_batches(cfg, mesh) -> dict:
     """How the global batch is cut on this mesh (what a restart at another size changes)."""
     from dpjax.mesh import dp_size
@@ -237,6 +256,8 @@ class Elastic:
                                   "join_plan_init": round(r["restoring_at"] - IMPORTED, 2),
                                   "restore": round(r["restored_at"] - r["restoring_at"], 2),
                                   "first_step": round(self.first_done_at - r["restored_at"], 2)})
+        if trainer.programs is not None:  # compiled programs loaded from the run's folder / compiled again
+            row["programs"] = {"loaded": trainer.programs.loaded, "compiled": trainer.programs.compiled}
         write(row)
         _say("dpjax.elastic: " + ", ".join(f"{k} {v}" for k, v in row.items() if k != "event"))
 

@@ -51,6 +51,7 @@ class Trainer:
         check(cfg)  # before JAX starts: a bad flag costs nothing
         user = cfg  # what must match on resume is what the user asked, whatever the size now
         self.cfg = cfg = elastic.fit(cfg)  # under dpjax.agent: mesh and micro-batches for the hosts there are now
+        self.programs = elastic.programs(cfg)  # where commits are: compiled programs a restart loads (before any compile)
         self.plan = plan = resolve(cfg, setup_devices(cfg))
         distributed.ready(plan.mesh)  # the transport's communicators for this mesh (MPI: see transport.py)
         import jax
@@ -93,7 +94,8 @@ class Trainer:
             # the layer stack is stored V x L/V: it resumes on any stage count, with the same V
             self.record["model"]["virtual_stages"] = self.layout.pipeline.virtual_stages
         key = jax.random.key(cfg.seed)
-        self.params, self.opt_state = self.step.init(S.init_params(self.model, self.layout, key, plan.policy))
+        self.params, self.opt_state = self.step.init(S.init_params(self.model, self.layout, key, plan.policy,
+                                                                  keep=self.programs and self.programs.keep))
         # The run's RNG state: nothing in the step draws from it yet (no dropout), but it is
         # saved and restored with the rest so that stochastic steps resume exactly too.
         self.rng = jax.device_put(jax.random.key_data(jax.random.fold_in(key, 1)), S.replicated(self.mesh))
@@ -131,6 +133,8 @@ class Trainer:
             if (setting.algorithm, setting.fusion_mb) != (plan.exchange.algorithm, plan.exchange.fusion_mb):
                 plan = plan.with_exchange(setting.algorithm, setting.fusion_mb)
             step = S.for_plan(plan)
+            if self.programs is not None:
+                step = S.kept(step, self.programs.keep, f"-{setting.algorithm}-{setting.fusion_mb}")
             if check_always():  # DPJAX_CHECK=1: every step's replicated values are checked (dpjax.replicas)
                 step = dataclasses.replace(step, train=checked(step.train, ("params", "opt_state", "loss"),
                                                                "dpjax.train step"))
