@@ -45,12 +45,11 @@ def _listen() -> None:
 @functools.cache
 def _sources() -> str:
     """A digest of dpjax's own source files (and its models'): a changed line is another program."""
-    import dpjax
-    import dpjax.models
+    import importlib.util
 
     h = hashlib.sha256()
-    for pkg in (dpjax, dpjax.models):
-        root = os.path.dirname(pkg.__file__)
+    for root in (os.path.dirname(os.path.abspath(__file__)),
+                 os.path.dirname(importlib.util.find_spec("dpjax.models").origin)):
         for base, dirs, files in sorted(os.walk(root)):
             dirs.sort()
             for f in sorted(files):

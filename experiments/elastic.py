@@ -5,6 +5,12 @@ every step costs the main job (`--mesh 2x4`, one process).
 
     python experiments/elastic.py [--steps 120 --at 30] [--scenarios same,smaller,...]
     python experiments/elastic.py --commit-cost [--rounds 12 --block 20]
+    python experiments/elastic.py --restart [--tries 3]
+
+--restart: the restart as a user meets it, the issue's command: one agent, 4 processes x
+2 CPU devices, `python -m dpjax.train --mesh 4x2 --batch-size 16 --seq-len 64`, rank 2
+SIGKILLed at step 35; each try's restart record (seconds_lost and where they went, the
+programs loaded and compiled again), and their medians.
 
 Per scenario: did it finish, how long from the failure until the processes were
 started again (restart_s) and until the first step after it was done (seconds_lost),
@@ -75,6 +81,39 @@ def run_job(tmp, train, fault=None, nnodes="2:2", agent=()):
                 time.sleep(0.1)
     codes = [a.wait(timeout=1800) for a in agents]
     return time.time() - t0, metrics, codes
+
+
+def restart(args, out_dir):
+    """The issue's restart, `--tries` times (see the module's text)."""
+    from dpjax.agent.rendezvous import free_port
+
+    head = ["try", "seconds_lost", "start_import", "join_plan_init", "restore", "first_step", "steps_lost",
+            "programs loaded / compiled", "load"]
+    rows, train = [], ["--mesh", "4x2", "--batch-size", "16", "--seq-len", "64", "--steps", str(args.at + 5),
+                       "--data", args.data, "--eval-every", "0"]
+    for t in range(args.tries):
+        tmp = os.path.join(out_dir, f"restart-{t}")
+        os.makedirs(tmp)
+        env = {**{k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}, "DPJAX_FAULT": f"rank=2,step={args.at},kind=kill"}
+        metrics = os.path.join(tmp, "m.jsonl")
+        r = subprocess.run([sys.executable, "-m", "dpjax.agent", "--nproc-per-node", "4", "--devices-per-process", "2",
+                            "--rdzv", f"127.0.0.1:{free_port()}", "--commit-dir", os.path.join(tmp, "commits"), "--",
+                            sys.executable, "-m", "dpjax.train", *train, "--metrics", metrics],
+                           env=env, capture_output=True, text=True, timeout=1800)
+        if r.returncode != 0:
+            raise SystemExit(f"try {t}: the job failed (exit {r.returncode}):\n{r.stderr[-3000:]}")
+        with open(metrics) as fh:
+            ev = next(r for r in map(json.loads, fh) if r.get("event") == "restart")
+        b, progs = ev["breakdown"], ev.get("programs", {})
+        rows.append([t + 1, ev["seconds_lost"], b["start_import"], b["join_plan_init"], b["restore"], b["first_step"],
+                     ev["steps_lost"], f"{progs.get('loaded', '-')} / {progs.get('compiled', '-')}",
+                     f"{_bench.load_avg():.1f}"])
+        print(" | ".join(map(str, rows[-1])), flush=True)
+    if len(rows) > 1:
+        import numpy as np
+
+        rows.append(["median", *(float(np.median([r[i] for r in rows])) for i in range(1, 7)), "", ""])
+    return head, rows
 
 
 def scenarios(args, out_dir):
@@ -343,6 +382,9 @@ def main():
     p.add_argument("--paths", action="store_true",
                    help="the commit path beside a plain write and orbax, saving and restoring one state")
     p.add_argument("--gb", type=float, default=1.2, help="--paths: the state's size")
+    p.add_argument("--restart", action="store_true",
+                   help="the issue's restart as a user meets it (one agent, 4 processes, a kill at --at), --tries times")
+    p.add_argument("--tries", type=int, default=3, help="--restart: how many times")
     p.add_argument("--data", default=None, help="a text file; None: 300 kB of the stdlib corpus")
     _bench.add_smoke(p, "the same-size scenario, 8 steps; or 2 rounds of 8-step blocks for the commit cost")
     args = p.parse_args()
@@ -353,8 +395,10 @@ def main():
         args.data = os.path.join(out_dir, "corpus.txt")
         with open(args.data, "wb") as fh:
             fh.write(load_corpus("stdlib", max_bytes=300_000).tobytes())
+    if args.restart and args.at == p.get_default("at"):
+        args.at = 35  # the issue's step
     if args.smoke:
-        args.steps, args.at, args.scenarios, args.rounds, args.block, args.writes = 8, 3, "same", 2, 8, 1
+        args.steps, args.at, args.scenarios, args.rounds, args.block, args.writes, args.tries = 8, 3, "same", 2, 8, 1, 1
     if args.smoke and args.paths:
         args.gb = 0.01
     if args.commit_cost or args.paths:  # in this process: the main job's 8 simulated devices, before JAX starts
@@ -363,7 +407,7 @@ def main():
         simulate_cpu_devices(8)
     print(f"# {_bench.machine()}, load {_bench.load_avg():.1f}, {time.strftime('%Y-%m-%d')}, outputs in {out_dir}")
     head, rows, *notes = (commit_cost(args, out_dir) if args.commit_cost else paths(args, out_dir) if args.paths
-                          else scenarios(args, out_dir))
+                          else restart(args, out_dir) if args.restart else scenarios(args, out_dir))
     print(_bench.markdown_table(head, rows))
     for line in (notes[0] if notes else []):
         print(f"# {line}")

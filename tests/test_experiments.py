@@ -30,12 +30,13 @@ MODES = {
                        ["--pipeline", "stage=4,data=2", "--memory-sweep"]],
     "staleness.py": [[], ["--hybrid"]],
     "wan.py": [[], ["--gpt"]],
-    "elastic.py": [[], ["--commit-cost"]],
+    "elastic.py": [[], ["--commit-cost"], ["--restart"]],
 }
 # The slowest smoke runs (20-60 s each on 2 shared cores: each compiles a dozen or more
 # training steps); the fast set keeps one run of each script.
 SLOW = {("bench_train.py", 1), ("bench_train.py", 2), ("staleness.py", 1), ("wan.py", 0), ("wan.py", 1), ("autotune_vs_grid.py", 0),
-        ("adasum_large_batch.py", 0), ("elastic.py", 0), ("elastic.py", 1), ("jax_recoverability.py", 0)}
+        ("adasum_large_batch.py", 0), ("elastic.py", 0), ("elastic.py", 1), ("elastic.py", 2),
+        ("jax_recoverability.py", 0)}
 
 
 def cases():
