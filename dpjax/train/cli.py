@@ -153,19 +153,27 @@ def summary_line(s: dict) -> str:
 
 def main(argv=None) -> int:
     from dpjax.train.loop import dry_run, run
+    from dpjax.train.resume import interrupted
 
+    argv = sys.argv[1:] if argv is None else list(argv)
     try:
         settings = parse_args(argv)
         if settings.dry_run:
             return dry_run(settings)
         summary = run(settings)
-    except UserError as e:  # usage, data, checkpoint, mesh, model options: one line
+    except UserError as e:  # usage, data, checkpoint, mesh, model options, a NaN loss: one line
         if os.environ.get("DPJAX_DEBUG"):
             raise
         print(f"error: {e}", file=sys.stderr)
         return distributed.leave_now(2)  # one process of several: not via the shutdown barrier
+    except KeyboardInterrupt:  # Ctrl-C before the loop (starting, compiling) or after it: nothing to save
+        print("interrupted before training began: nothing was saved", file=sys.stderr)
+        return distributed.leave_now(130)
     import jax
 
     if jax.process_index() == 0:  # one job, one summary (every process has the same)
-        print(summary_line(summary), flush=True)
+        line = summary_line(summary)
+        if summary["interrupted"]:  # where it saved and how to go on: the last thing the user reads
+            line += "; " + interrupted(settings, summary["saved"], argv)
+        print(line, flush=True)
     return distributed.leave_now(130) if summary["interrupted"] else 0  # mpi ends a process with 0 at exit
