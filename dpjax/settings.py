@@ -182,7 +182,8 @@ class Settings:
                                            "on CPU)")
     ckpt_dir: str | None = SAVE(None, "folder for checkpoints (orbax)")
     ckpt_every: int = SAVE(100, "steps between checkpoints")
-    resume: bool = SAVE(False, "continue from the latest checkpoint in --ckpt-dir")
+    resume: bool = SAVE(False, "continue from the latest checkpoint in --ckpt-dir (or the newest commit in "
+                               "--commit-dir), appending to --metrics; nothing there to resume is an error")
     commit_dir: str | None = SAVE(None, "folder for per-step commits of the training state (dpjax.commit: each "
                                         "process's shards on local storage plus a copy on the next host's process); "
                                         "under python -m dpjax.agent one is given by default (/dev/shm). A restarted "

@@ -247,10 +247,10 @@ def test_a_second_ctrl_c_leaves_at_once_without_a_traceback(corpus, tmp_path):
     _wait_for_a_step(path, proc)
     proc.send_signal(signal.SIGINT)
     first = []
-    while not first or not first[-1].startswith("interrupted: "):  # the first one is taken: finishing and saving
+    while not first or not first[-1].startswith("Ctrl-C: "):  # the first one is taken: finishing and saving
         first.append(proc.stderr.readline())
         assert first[-1], first
-    assert first[-1] == "interrupted: finishing the step and saving; Ctrl-C again stops at once\n"
+    assert first[-1] == "Ctrl-C: finishing the step and saving; Ctrl-C again stops at once\n"
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == 130, err

@@ -47,8 +47,8 @@ def run_loop(self) -> dict:
             os._exit(130)
         stop["now"] = True
         if is_main:
-            print("interrupted: finishing the step" + (" and saving" if self.ckpt else "") + "; Ctrl-C again "
-                  "stops at once", file=sys.stderr, flush=True)
+            print("Ctrl-C: finishing the step" + (" and saving" if self.ckpt else "") + "; Ctrl-C again stops at "
+                  "once", file=sys.stderr, flush=True)
 
     old_handler = signal.signal(signal.SIGINT, on_sigint)
     progress = Progress(cfg.progress if is_main else "none", cfg.steps, self.start)
