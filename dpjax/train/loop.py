@@ -6,7 +6,8 @@
 
 The loop itself is `run.py`; beside it, not in it: the progress display
 (`progress.py`), the autotune's glue (`tuning.py`), what a run measures about itself
-(`observe.py`).
+(`observe.py`), starting fresh or resuming and the metrics file (`resume.py`), the stop
+on a NaN or Inf (`nonfinite.py`).
 """
 
 from __future__ import annotations
