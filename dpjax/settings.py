@@ -56,137 +56,157 @@ def _opt(default, help: str, **kw):
     return field(default=default, metadata={"help": help, **kw})
 
 
+def _topic(title: str):
+    """The field maker of one topic: `--help` groups the flags by it (argparse argument
+    groups), so a flag is found beside the ones it works with, not in a list of 60."""
+
+    def make(default, help, **kw):
+        return _opt(default, help, topic=title, **kw)
+
+    return make
+
+
+# The topics of --help, in the order it shows them, and the field maker of each.
+TOPICS = ("mesh and parallelism", "model and data", "optimizer and steps", "compute policy and memory",
+          "gradient exchange", "metrics, evaluation and progress", "checkpoints, resuming and failures",
+          "timeline and autotune")
+MESH, MODEL, OPTIM, COMPUTE, EXCHANGE, OUTPUT, SAVE, TIMELINE = map(_topic, TOPICS)
+
+
 @dataclass
 class Settings:
     """Every setting of a run, as the user gave it (nothing here is checked: that is
     `dpjax.plan.resolve`'s job). The command line is generated from these fields (a field
     `batch_size` is the flag `--batch-size`; `choices` and `help` may be callables that read
-    a registry when the parser is built); model options (`--d-model`, ...) come from the
+    a registry when the parser is built; `topic` is its group in --help); model options (`--d-model`, ...) come from the
     models' own configs into `model_options`."""
 
-    mesh: str | None = _opt(None, "device mesh: '8' or '8x1' (data x model), '2x2x2' (node x data x model), "
+    mesh: str | None = MESH(None, "device mesh: '8' or '8x1' (data x model), '2x2x2' (node x data x model), "
                                   "'data=2,model=4'; one -1 takes the remaining devices. Default: every device "
                                   "on data")
-    model: str = _opt("gpt", lambda: f"the model: {', '.join(_models())}")
-    data: str = _opt("stdlib", "'stdlib' (the Python standard library's source), a text file, a folder of text "
+    model: str = MODEL("gpt", lambda: f"the model: {', '.join(_models())}")
+    data: str = MODEL("stdlib", "'stdlib' (the Python standard library's source), a text file, a folder of text "
                                "files, 'synthetic' (random tokens), or a file of token ids ending in .bin (uint16 "
                                "or uint32, as nanoGPT and llm.c write them; needs --vocab-size)")
-    vocab_size: int | None = _opt(None, "the vocabulary of a token file (--data FILE.bin); default 256 (bytes)")
-    token_dtype: str = _opt("auto", "the ids' type in a token file; auto: uint32 if the file name says u32 or "
+    vocab_size: int | None = MODEL(None, "the vocabulary of a token file (--data FILE.bin); default 256 (bytes)")
+    token_dtype: str = MODEL("auto", "the ids' type in a token file; auto: uint32 if the file name says u32 or "
                                     "uint32, else uint16", choices=("auto", "uint16", "uint32"))
-    steps: int = _opt(200, "optimizer steps to run (in total, counting resumed ones)")
-    batch_size: int = _opt(32, "global batch in sequences per backward pass, split over the data axes")
-    seq_len: int = _opt(128, "tokens (bytes) per sequence")
-    optimizer: str = _opt("adamw", lambda: f"the inner optimizer: {', '.join(_optimizers())} (momentum: Nesterov, "
+    steps: int = OPTIM(200, "optimizer steps to run (in total, counting resumed ones)")
+    batch_size: int = OPTIM(32, "global batch in sequences per backward pass, split over the data axes")
+    seq_len: int = MODEL(128, "tokens (bytes) per sequence")
+    optimizer: str = OPTIM("adamw", lambda: f"the inner optimizer: {', '.join(_optimizers())} (momentum: Nesterov, "
                                            "0.9)")
-    lr: float = _opt(3e-3, "learning rate (before any scaling)")
-    lr_scaling: str = _opt("none", "linear: lr * global batch / 256 (Goyal et al. 2017)", choices=("none", "linear"))
-    warmup_steps: int = _opt(0, "steps of linear learning-rate warmup")
-    weight_decay: float = _opt(0.0, "AdamW's decoupled weight decay")
-    clip_norm: float = _opt(1.0, "clip each worker's gradient to this global norm (0: off)")
+    lr: float = OPTIM(3e-3, "learning rate (before any scaling)")
+    lr_scaling: str = OPTIM("none", "linear: lr * global batch / 256 (Goyal et al. 2017)", choices=("none", "linear"))
+    warmup_steps: int = OPTIM(0, "steps of linear learning-rate warmup")
+    weight_decay: float = OPTIM(0.0, "AdamW's decoupled weight decay")
+    clip_norm: float = OPTIM(1.0, "clip each worker's gradient to this global norm (0: off)")
     # The compute policy (dpjax.policy) and what the planner may choose
-    dtype: str = _opt("auto", "compute dtype of the layers (matmuls, activations, a pipeline's sends); auto: bfloat16 "
+    dtype: str = COMPUTE("auto", "compute dtype of the layers (matmuls, activations, a pipeline's sends); auto: bfloat16 "
                               "on GPU and TPU, float32 on CPU. Layer-norm statistics, softmax, logits, the loss, "
                               "gradient accumulation and the optimizer stay float32 whatever this says",
                       choices=("auto", "float32", "bfloat16", "float16"))
-    param_dtype: str = _opt("float32", "dtype of the master weights and so of the optimizer state",
+    param_dtype: str = COMPUTE("float32", "dtype of the master weights and so of the optimizer state",
                             choices=("float32", "bfloat16", "float16"))
-    remat: str = _opt("auto", "what each layer keeps for the backward pass: none (everything: fastest), dots (the "
+    remat: str = COMPUTE("auto", "what each layer keeps for the backward pass: none (everything: fastest), dots (the "
                               "matmul and attention outputs; the rest recomputed), full (only the layer's input; the "
                               "layer recomputed); auto: the least recomputation whose memory estimate fits a device",
                       choices=("auto", "none", "dots", "full"))
-    attention: str = _opt("auto", "causal attention kernel: naive (the T x T scores written out), xla "
+    attention: str = COMPUTE("auto", "causal attention kernel: naive (the T x T scores written out), xla "
                                   "(jax.nn.dot_product_attention's XLA kernel), cudnn (cuDNN flash attention: an "
                                   "NVIDIA GPU, bfloat16/float16, head width a multiple of 8 up to 256); auto: cudnn "
                                   "where it can run, else xla on a GPU, naive on CPU",
                           choices=("auto", "naive", "xla", "cudnn"))
-    layer_loop: bool = _opt(False, "run the stacked layers as a Python loop instead of one lax.scan (compile time "
+    layer_loop: bool = COMPUTE(False, "run the stacked layers as a Python loop instead of one lax.scan (compile time "
                                    "then grows with depth; for comparison)")
-    dry_run: bool = _opt(False, "resolve the plan, print it (mesh, layout, dtype, remat, attention, memory per "
+    dry_run: bool = COMPUTE(False, "resolve the plan, print it (mesh, layout, dtype, remat, attention, memory per "
                                 "device by part) and exit without compiling: 0 if it fits, 2 with one line if not")
-    device_memory: str | None = _opt(None, "plan for devices with this much memory, e.g. 80GiB, 141GB or 24000MB. "
+    device_memory: str | None = COMPUTE(None, "plan for devices with this much memory, e.g. 80GiB, 141GB or 24000MB. "
                                            "With --dry-run on a machine without a GPU the plan is made for GPUs "
                                            "(bf16, cuDNN attention where eligible): plan a GPU job from a laptop. "
                                            "Default: what a device here has")
-    update: str = _opt("sync", lambda: _updates_help())
-    workers: str | None = _opt(None, "the data axes the update rule's workers span, e.g. 'node' (one worker per "
+    update: str = MESH("sync", lambda: _updates_help())
+    workers: str | None = MESH(None, "the data axes the update rule's workers span, e.g. 'node' (one worker per "
                                      "node: synchronous data parallelism inside it, the rule between nodes). "
                                      "Default: every data axis for delayed/sparse/async (each rank a worker), "
                                      "none for sync. With --fsdp the parameters are split over the other data "
                                      "axes: '--workers node --fsdp' with sync is hybrid sharding (HSDP)")
-    link: list | None = _opt(None, "emulate a slow link on a mesh axis, e.g. 'node=183ms,23mbit' (repeatable): every "
+    link: list | None = EXCHANGE(None, "emulate a slow link on a mesh axis, e.g. 'node=183ms,23mbit' (repeatable): every "
                                    "collective crossing that axis waits for its alpha-beta time; values are "
                                    "unchanged, only time", action="append")
-    allreduce: str | None = _opt(None, lambda: f"gradient allreduce algorithm: {', '.join(_algorithms())}; or auto: "
+    allreduce: str | None = EXCHANGE(None, lambda: f"gradient allreduce algorithm: {', '.join(_algorithms())}; or auto: "
                                                "each is timed on the first steps of the run and the fastest kept "
                                                "(recorded in the metrics and the checkpoint; a resumed run keeps "
                                                "it). Default: psum (XLA's own: NCCL) on GPU and TPU, ring on CPU")
-    tp_allreduce: str = _opt("ring", lambda: "allreduce over the model axis inside tensor-parallel layers: "
+    tp_allreduce: str = EXCHANGE("ring", lambda: "allreduce over the model axis inside tensor-parallel layers: "
                                            f"{', '.join(a for a in _algorithms() if a != 'hierarchical')}")
-    fsdp: bool = _opt(False, "fully sharded data parallelism (ZeRO-3) inside each worker: parameters and "
+    fsdp: bool = MESH(False, "fully sharded data parallelism (ZeRO-3) inside each worker: parameters and "
                              "optimizer state split over the data axes too, all-gathered just before use, "
                              "gradients reduce-scattered (with the --allreduce algorithm)")
-    fusion_mb: float | str = _opt(64.0, "tensor-fusion bucket cap in MiB (0: one allreduce per tensor); 'auto': "
+    fusion_mb: float | str = EXCHANGE(64.0, "tensor-fusion bucket cap in MiB (0: one allreduce per tensor); 'auto': "
                                         "timed on the first steps like --allreduce auto", type="mib")
-    compression: str = _opt("none", lambda: "how gradients (and the rule's exchanges) travel on the wire: none, "
+    compression: str = EXCHANGE("none", lambda: "how gradients (and the rule's exchanges) travel on the wire: none, "
                                             f"{', '.join(_compressions())}; name[:N][,ef=0][,start=S], e.g. "
                                             "powersgd:4,start=100 (N: PowerSGD's rank, top-k's / random-k's "
                                             "fraction; ef=0: no error feedback; start: exact exchanges first). "
                                             "A method with error feedback compresses the exchange between workers "
                                             "(default: every data rank a worker)")
-    compress_axes: str | None = _opt(None, "compress only the exchange crossing these data axes, e.g. 'node' (the "
+    compress_axes: str | None = EXCHANGE(None, "compress only the exchange crossing these data axes, e.g. 'node' (the "
                                            "slow link between sites); the workers are then these axes and the "
                                            "exchange inside a worker is exact")
-    compress_whole: bool = _opt(False, "with --compress-axes: every device of a worker compresses and sends the "
+    compress_whole: bool = EXCHANGE(False, "with --compress-axes: every device of a worker compresses and sends the "
                                        "whole gradient across (the earlier form). Default: the per-shard form, each "
                                        "device of a site sends only its 1/k shard across and the site all-gathers "
                                        "the k shards exactly")
-    backward_passes: int = _opt(1, "micro-batches per step: gradients accumulated over this many backward "
+    backward_passes: int = MESH(1, "micro-batches per step: gradients accumulated over this many backward "
                                    "passes, exchanged once")
-    microbatches: int | None = _opt(None, "with a stage axis: micro-batches each data-parallel replica's batch is "
+    microbatches: int | None = MESH(None, "with a stage axis: micro-batches each data-parallel replica's batch is "
                                           "cut into, to flow through the pipeline's stages. Default: one per stage")
-    schedule: str | None = _opt(None, "with a stage axis: the pipeline schedule (naive: one stage at a time; "
+    schedule: str | None = MESH(None, "with a stage axis: the pipeline schedule (naive: one stage at a time; "
                                       "gpipe: all forwards, then all backwards; 1f1b: one forward, one backward, "
                                       "memory bounded by the stages; interleaved: 1f1b over --virtual-stages "
                                       "chunks per stage). Default: 1f1b",
                                 choices=lambda: tuple(_schedules()))
-    virtual_stages: int | None = _opt(None, "with --schedule interleaved: chunks of layers per stage, visited "
+    virtual_stages: int | None = MESH(None, "with --schedule interleaved: chunks of layers per stage, visited "
                                             "round robin (bubble (S-1)/(V*M+S-1)). Default: 2")
-    seed: int = _opt(0, "seed for initialisation, data order and async's staleness")
-    eval_every: int = _opt(50, "steps between validation evaluations (0: only at the end)")
-    eval_batches: int = _opt(4, "validation batches per evaluation")
-    metrics: str | None = _opt(None, "write one JSON object per step to this file (JSON lines)")
-    tensorboard: str | None = _opt(None, "also write the metrics as TensorBoard event files to this folder "
+    seed: int = MODEL(0, "seed for initialisation, data order and async's staleness")
+    eval_every: int = OUTPUT(50, "steps between validation evaluations (0: only at the end)")
+    eval_batches: int = OUTPUT(4, "validation batches per evaluation")
+    metrics: str | None = OUTPUT(None, "write one JSON object per step to this file (JSON lines). An existing file "
+                                       "is appended to by --resume (and an agent's restart) and refused otherwise")
+    overwrite: bool = OUTPUT(False, "replace an existing --metrics file instead of refusing to start")
+    tensorboard: str | None = OUTPUT(None, "also write the metrics as TensorBoard event files to this folder "
                                          "(needs tensorboardX)")
-    peak_tflops: float | None = _opt(None, "one device's dense peak TFLOP/s, for the MFU in the metrics and the "
+    peak_tflops: float | None = OUTPUT(None, "one device's dense peak TFLOP/s, for the MFU in the metrics and the "
                                            "summary (default: from a table of accelerators by device kind; none "
                                            "on CPU)")
-    ckpt_dir: str | None = _opt(None, "folder for checkpoints (orbax)")
-    ckpt_every: int = _opt(100, "steps between checkpoints")
-    resume: bool = _opt(False, "continue from the latest checkpoint in --ckpt-dir")
-    commit_dir: str | None = _opt(None, "folder for per-step commits of the training state (dpjax.commit: each "
+    ckpt_dir: str | None = SAVE(None, "folder for checkpoints (orbax)")
+    ckpt_every: int = SAVE(100, "steps between checkpoints")
+    resume: bool = SAVE(False, "continue from the latest checkpoint in --ckpt-dir (or the newest commit in "
+                               "--commit-dir), appending to --metrics; nothing there to resume is an error")
+    commit_dir: str | None = SAVE(None, "folder for per-step commits of the training state (dpjax.commit: each "
                                         "process's shards on local storage plus a copy on the next host's process); "
                                         "under python -m dpjax.agent one is given by default (/dev/shm). A restarted "
                                         "job, or --resume, restores the newest step every shard committed")
-    commit_every: int | str = _opt("auto", "steps between commits (with --commit-dir or under dpjax.agent), or "
+    commit_every: int | str = SAVE("auto", "steps between commits (with --commit-dir or under dpjax.agent), or "
                                            "auto: the smallest interval whose measured cost stays within 5 percent "
                                            "of the step time (dpjax.commit_every); a failure loses at most the "
                                            "interval plus the step in flight")
-    progress: str = _opt("auto", "progress display: a bar on a terminal, log lines otherwise",
+    progress: str = OUTPUT("auto", "progress display: a bar on a terminal, log lines otherwise",
                          choices=("auto", "bar", "log", "none"))
     # Timeline and autotune (dpjax.timeline, dpjax.autotune)
-    timeline: str | None = _opt(None, "write a Chrome trace / Perfetto timeline (a track per device: phases, every "
+    timeline: str | None = TIMELINE(None, "write a Chrome trace / Perfetto timeline (a track per device: phases, every "
                                       "collective and ring step, every op) of --timeline-steps profiled steps to "
                                       "this file (.json or .json.gz); summarise it with python -m dpjax.timeline "
                                       "FILE. Only those steps are profiled")
-    profile_dir: str | None = _opt(None, "with --timeline: keep the raw profiler capture (jax.profiler) in this "
+    profile_dir: str | None = TIMELINE(None, "with --timeline: keep the raw profiler capture (jax.profiler) in this "
                                          "folder, to open in XProf / TensorBoard (otherwise it is deleted)")
-    timeline_steps: int = _opt(3, "steps --timeline profiles: the ones after the first step (which compiles) and "
+    timeline_steps: int = TIMELINE(3, "steps --timeline profiles: the ones after the first step (which compiles) and "
                                   "after any autotune")
-    autotune_samples: int = _opt(3, "with --allreduce auto or --fusion-mb auto: timed steps per candidate in each "
+    autotune_samples: int = TIMELINE(3, "with --allreduce auto or --fusion-mb auto: timed steps per candidate in each "
                                     "round of the search (successive halving; the slower half goes each round)")
     # Processes (dpjax.distributed)
-    collectives: str | None = _opt(None, "CPU collectives between processes: gloo (TCP, works everywhere) or mpi "
+    collectives: str | None = EXCHANGE(None, "CPU collectives between processes: gloo (TCP, works everywhere) or mpi "
                                          "(JAX's MPI collectives through MPItrampoline: needs MPITRAMPOLINE_LIB, see "
                                          "the README's 'Running on a cluster'); GPUs use NCCL whatever this says. "
                                          "Default: dpjax.launch --collectives' choice (DPJAX_COLLECTIVES), else gloo",

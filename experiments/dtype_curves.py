@@ -114,7 +114,7 @@ def run_all(args, folder: str) -> dict:
     logs = {d: os.path.join(folder, file_name(d) + ".log") for d in names}
     for d in names:
         if os.path.exists(files[d]):
-            os.remove(files[d])  # --metrics appends only on resume; a stale file must not be read
+            os.remove(files[d])  # a stale file must not be read (and dpjax.train refuses to replace it)
     procs = {}
     for d in names:
         cmd = command(args, d, files[d])

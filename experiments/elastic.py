@@ -71,7 +71,8 @@ def run_job(tmp, train, fault=None, nnodes="2:2", agent=()):
         agents.append(subprocess.Popen(
             [sys.executable, "-m", "dpjax.agent", "--nnodes", nnodes, "--nproc-per-node", "2", "--rdzv",
              f"127.0.0.1:{port}", "--devices-per-process", "2", "--commit-dir", os.path.join(tmp, "commits"),
-             "--host-id", f"h{i}", *agent, "--", sys.executable, "-m", "dpjax.train", *train, "--metrics", metrics],
+             "--host-id", f"h{i}", *agent, "--", sys.executable, "-m", "dpjax.train", *train, "--metrics", metrics,
+             "--overwrite"],  # a run again into the same folder replaces the last one's rows
             env=env, stdout=subprocess.DEVNULL, stderr=open(os.path.join(tmp, f"agent{i}.err"), "w")))
         while i == 0:  # h0 runs the rendezvous: the faults strike h1, and a lost rendezvous host ends the job
             try:
@@ -225,7 +226,8 @@ def commit_cost(args, out_dir):
     commits = tempfile.mkdtemp(prefix="dpjax-commit-cost-", dir=shm)
     metrics = os.path.join(out_dir, "commit-cost.jsonl")
     cfg = parse_args(["--progress", "none", "--eval-every", "0", "--eval-batches", "1", "--data", args.data,
-                      *JOBS[args.job], "--steps", str(steps), "--commit-dir", commits, "--metrics", metrics])
+                      *JOBS[args.job], "--steps", str(steps), "--commit-dir", commits, "--metrics", metrics,
+                      "--overwrite"])
     try:
         trainer = Trainer(cfg)
         committer = trainer.elastic.committer

@@ -68,8 +68,8 @@ def test_metrics_and_summary_carry_efficiency(corpus, tmp_path, capsys):
         assert r["peak_memory_bytes"] > 0  # on CPU: the compiled step's own need
     last = capsys.readouterr().out.strip().splitlines()[-1]
     assert "TFLOP/s/device (MFU " in last and "peak memory" in last
-    # on CPU no peak is known: no MFU unless one is given
-    assert main(tiny(corpus, "--mesh", "2x2", "--steps", "2", "--metrics", str(path))) == 0
+    # on CPU no peak is known: no MFU unless one is given (the file replaced: a fresh run would be refused)
+    assert main(tiny(corpus, "--mesh", "2x2", "--steps", "2", "--metrics", str(path), "--overwrite")) == 0
     train = [r for r in rows(path) if "loss" in r]
     assert all("tflops_per_device" in r and "mfu" not in r and "hfu" not in r for r in train)
     assert "MFU" not in capsys.readouterr().out

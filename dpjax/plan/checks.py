@@ -41,6 +41,7 @@ def check(s: Settings) -> None:
         if value not in known:
             raise UsageError(f"unknown {what} {value!r}; choose one of {', '.join(map(str, known))}")
 
+    _check_finite(s)
     one_of("model", s.model, MODELS)
     wrong = [o for o in s.model_options if o not in model_options()[s.model]]
     if wrong:
@@ -106,6 +107,15 @@ def check(s: Settings) -> None:
                              ("profile_dir", _check_output_dir), ("tensorboard", _check_output_dir)):
         if getattr(s, name):
             check_path(flag(name), getattr(s, name))
+
+
+def _check_finite(s: Settings) -> None:
+    """nan and inf parse as floats (Python's float() takes them, and so do TOML and
+    JSON), but no setting means anything with them: --lr nan trained to NaN and exited 0."""
+    for f in dataclasses.fields(s):
+        value = getattr(s, f.name)
+        if isinstance(value, float) and not math.isfinite(value):
+            raise UsageError(f"{flag(f.name)} must be a finite number, got {value}")
 
 
 def _check_data(s: Settings) -> None:

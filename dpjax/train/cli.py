@@ -10,13 +10,17 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
 import os
+import re
+import shlex
+import shutil
 import sys
 
 from dpjax import distributed
 from dpjax.errors import UserError
 from dpjax.plan import flag
-from dpjax.settings import Settings
+from dpjax.settings import TOPICS, Settings
 from dpjax.train.efficiency import describe
 
 DESCRIPTION = ("Train a byte-level GPT (or MLP) on a device mesh: data parallelism over the data axes (gradients "
@@ -44,25 +48,72 @@ def _mib(text: str):
         raise argparse.ArgumentTypeError(f"expected a number of MiB or auto, got {text!r}") from None
 
 
+class ArgumentError(UserError):
+    """A command line argparse cannot read: printed as one line, like every user error."""
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse whose errors are one line naming the closest flag or value (a typo is the
+    usual cause), not the usage of 60 flags followed by the error."""
+
+    def error(self, message: str):
+        raise ArgumentError(self.explain(message))
+
+    def explain(self, message: str) -> str:
+        """argparse's message, with the nearest flag for an unknown one and the nearest
+        choice for a value not among them."""
+        if message.startswith("unrecognized arguments: "):
+            words = message[len("unrecognized arguments: "):].split()
+            flags = [w for w in words if w.startswith("-")]
+            if not flags:
+                return f"unexpected argument {words[0]!r} (every setting is a --flag; see --help)"
+            wrong = flags[0].split("=")[0]
+            known = [o for o in self._option_string_actions if o.startswith("--")]
+            return f"unknown flag {wrong}" + _did_you_mean(wrong, known, " (python -m dpjax.train --help lists them)")
+        choice = re.match(r"argument (\S+): invalid choice: (['\"]?)(.*?)\2 \(choose from", message)
+        if choice:
+            action = self._option_string_actions.get(choice.group(1).split("/")[0])
+            known = [str(c) for c in (action.choices or ())] if action else []
+            return (f"{choice.group(1)}: unknown value {choice.group(3)!r}; choose one of {', '.join(known)}"
+                    + _did_you_mean(choice.group(3), known))
+        return message.removeprefix("argument ")
+
+
+def _did_you_mean(word: str, known, otherwise: str = "") -> str:
+    close = difflib.get_close_matches(word, known, n=1)
+    return f"; did you mean {close[0]}?" if close else otherwise
+
+
+class HelpFormatter(argparse.HelpFormatter):
+    """Each default said once: "(default: X)" is added only where the help does not say
+    its default already and there is one to say (not None, not a switch that is off)."""
+
+    def _get_help_string(self, action):
+        help_ = action.help or ""
+        if "default" in help_.lower() or action.default in (None, False, [], argparse.SUPPRESS):
+            return help_
+        return help_ + " (default: %(default)s)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     from dpjax.models import model_options
 
-    p = argparse.ArgumentParser(prog="python -m dpjax.train", description=DESCRIPTION,
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = Parser(prog="python -m dpjax.train", description=DESCRIPTION, formatter_class=HelpFormatter)
     p.add_argument("--config", metavar="FILE", help="settings from a TOML or JSON file (Settings fields by name; a "
                    "run's record, run.json or its metrics file, repeats that run); flags given as well override it")
+    groups = {topic: p.add_argument_group(topic) for topic in TOPICS}
     for f in dataclasses.fields(Settings):
         if f.name == "model_options":
             continue
-        help_ = _resolved(f.metadata["help"])
+        g, help_ = groups[f.metadata["topic"]], _resolved(f.metadata["help"])
         if f.type in ("bool", bool):
-            p.add_argument(flag(f.name), action="store_true", help=help_)
+            g.add_argument(flag(f.name), action="store_true", help=help_)
         elif f.metadata.get("action") == "append":
-            p.add_argument(flag(f.name), action="append", default=f.default, help=help_, metavar="AXIS=LAT,BW")
+            g.add_argument(flag(f.name), action="append", default=f.default, help=help_, metavar="AXIS=LAT,BW")
         else:
             kind = {"int": int, "int | None": int, "float": float, "float | None": float, "mib": _mib}.get(
                 f.metadata.get("type") or str(f.type), str)
-            p.add_argument(flag(f.name), type=kind, default=f.default, help=help_,
+            g.add_argument(flag(f.name), type=kind, default=f.default, help=help_,
                            choices=_resolved(f.metadata.get("choices")))
     g = p.add_argument_group("model options (each belongs to one model; an option the chosen --model does "
                              "not have is an error)")
@@ -102,19 +153,27 @@ def summary_line(s: dict) -> str:
 
 def main(argv=None) -> int:
     from dpjax.train.loop import dry_run, run
+    from dpjax.train.resume import interrupted
 
+    argv = sys.argv[1:] if argv is None else list(argv)
     try:
         settings = parse_args(argv)
         if settings.dry_run:
             return dry_run(settings)
         summary = run(settings)
-    except UserError as e:  # usage, data, checkpoint, mesh, model options: one line
+    except UserError as e:  # usage, data, checkpoint, mesh, model options, a NaN loss: one line
         if os.environ.get("DPJAX_DEBUG"):
             raise
         print(f"error: {e}", file=sys.stderr)
         return distributed.leave_now(2)  # one process of several: not via the shutdown barrier
+    except KeyboardInterrupt:  # Ctrl-C before the loop (starting, compiling) or after it: nothing to save
+        print("interrupted before training began: nothing was saved", file=sys.stderr)
+        return distributed.leave_now(130)
     import jax
 
     if jax.process_index() == 0:  # one job, one summary (every process has the same)
-        print(summary_line(summary), flush=True)
+        line = summary_line(summary)
+        if summary["interrupted"]:  # where it saved and how to go on: the last thing the user reads
+            line += "; " + interrupted(settings, summary["saved"], argv)
+        print(line, flush=True)
     return distributed.leave_now(130) if summary["interrupted"] else 0  # mpi ends a process with 0 at exit

@@ -31,6 +31,16 @@ def _env(name: str, default=None):
     return os.environ.get(ENV[name]) or default
 
 
+def restart_number() -> int:
+    """0 for a job's first attempt (or a run without the agent), n after n restarts."""
+    return int(_env("restart", "0"))
+
+
+def under_agent() -> bool:
+    """Whether dpjax.agent started this process (it sets DPJAX_RESTART, 0 at first)."""
+    return ENV["restart"] in os.environ
+
+
 def _say(line: str) -> None:
     """What changed is always said (process 0), whatever --progress is: a restart is news."""
     import jax
@@ -285,7 +295,7 @@ def attach(trainer) -> Elastic | None:
 
     from dpjax.commit import Committer
 
-    cfg, restart = trainer.cfg, int(_env("restart", "0"))
+    cfg, restart = trainer.cfg, restart_number()
     root = cfg.commit_dir or _env("commit_dir")
     heartbeat = _env("heartbeat")
     if root is None and heartbeat is None and not os.environ.get(faults.VAR):

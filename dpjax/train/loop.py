@@ -6,7 +6,8 @@
 
 The loop itself is `run.py`; beside it, not in it: the progress display
 (`progress.py`), the autotune's glue (`tuning.py`), what a run measures about itself
-(`observe.py`).
+(`observe.py`), starting fresh or resuming and the metrics file (`resume.py`), the stop
+on a NaN or Inf (`nonfinite.py`).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from dpjax.checkpoint import compression_split
 from dpjax.train.comm_bytes import CommBytes
 from dpjax.plan import check, devices_per_process, resolve
 from dpjax.settings import Settings
-from dpjax.train import elastic, hardware, observe, record, tuning
+from dpjax.train import elastic, hardware, nonfinite, observe, record, resume, tuning
 
 
 def setup_devices(cfg: Settings):
@@ -49,6 +50,7 @@ class Trainer:
 
     def __init__(self, cfg: Settings):
         check(cfg)  # before JAX starts: a bad flag costs nothing
+        resume.check_metrics_file(cfg)  # ... nor does a metrics file that would be lost
         user = cfg  # what must match on resume is what the user asked, whatever the size now
         self.cfg = cfg = elastic.fit(cfg)  # under dpjax.agent: mesh and micro-batches for the hosts there are now
         self.programs = elastic.programs(cfg)  # where commits are: compiled programs a restart loads (before any compile)
@@ -99,13 +101,18 @@ class Trainer:
         # The run's RNG state: nothing in the step draws from it yet (no dropout), but it is
         # saved and restored with the rest so that stochastic steps resume exactly too.
         self.rng = jax.device_put(jax.random.key_data(jax.random.fold_in(key, 1)), S.replicated(self.mesh))
-        self.start, self.cursor, self.ckpt, self.resumed = 0, 0, None, {}
+        self.start, self.cursor, self.ckpt, self.resumed, self.saved = 0, 0, None, {}, []
         if cfg.ckpt_dir:
             self._restore()
         self.run_record = record.build(cfg, plan)  # the first metrics row, and run.json beside the checkpoints
-        if cfg.ckpt_dir and jax.process_index() == 0:
-            record.write_run_file(cfg.ckpt_dir, self.run_record)
         self.elastic = elastic.attach(self)  # commits, heartbeat, faults; a restart restores its commit
+        resume.fresh_or_refuse(self)  # before anything is written: --resume that found nothing is an error
+        if cfg.ckpt_dir:
+            from dpjax.checkpoint import Checkpointer
+
+            self.ckpt = self.ckpt or Checkpointer(cfg.ckpt_dir)  # the folder is made now, not for a refusal
+            if jax.process_index() == 0:
+                record.write_run_file(cfg.ckpt_dir, self.run_record)
         self.tuner = tuning.plan_search(self)
         self.recorder = None
         if cfg.timeline:
@@ -155,9 +162,11 @@ class Trainer:
         from dpjax.checkpoint import Checkpointer
         from dpjax.plan import UsageError
 
+        if not os.path.isdir(self.cfg.ckpt_dir):  # nothing to restore; made when the run is sure to start
+            return
         self.ckpt = Checkpointer(self.cfg.ckpt_dir)
         latest = self.ckpt.latest_step()
-        if latest is not None and not self.cfg.resume:
+        if latest is not None and not resume.resuming(self.cfg):  # an agent's restart resumes too
             raise UsageError(f"{self.cfg.ckpt_dir} already holds checkpoints (latest step {latest}); pass --resume "
                              "to continue, or another --ckpt-dir (nothing was overwritten)")
         if latest is None:
@@ -166,14 +175,28 @@ class Trainer:
         state, saved = self.ckpt.restore(abstract, expect=self.record)
         self.params, self.opt_state, self.rng = state["params"], state["opt_state"], state["rng"]
         self.start, self.cursor, self.resumed = saved["step"], saved["cursor"], saved
+        self.saved = [self.start]  # good as far as is known: a non-finite loss at this step sets it aside
 
     def save(self, step_done: int) -> None:
+        """A checkpoint of the state after `step_done` steps; never of a state that holds
+        a NaN or Inf (the run stops instead, naming the last good one)."""
+        if not nonfinite.finite((self.params, self.opt_state)):
+            raise nonfinite.stop(f"the update of step {step_done - 1} turned the parameters or optimizer state NaN "
+                                 "or Inf (not saved)", step_done, self.cfg, self.saved)
         self.ckpt.save(step_done, self._state(), {**self.record, "step": step_done, "cursor": self.cursor})
+        self.saved.append(step_done)
 
     def say(self, line: str) -> None:
         import jax
 
         if jax.process_index() == 0 and self.cfg.progress != "none":
+            print(line, flush=True)
+
+    def announce(self, line: str) -> None:
+        """A line said whatever --progress is (process 0): how the run starts is news."""
+        import jax
+
+        if jax.process_index() == 0:
             print(line, flush=True)
 
     # --- data and evaluation ---

@@ -6,10 +6,13 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import math
+import os
 import signal
+import sys
 import time
 
-from dpjax.train import observe, tuning
+from dpjax.train import nonfinite, observe, resume, tuning
 from dpjax.train.efficiency import Efficiency
 from dpjax.train.metrics import open_writers
 from dpjax.train.progress import Progress
@@ -30,14 +33,22 @@ def run_loop(self) -> dict:
     cfg, is_main = self.cfg, jax.process_index() == 0
     tokens_per_step = cfg.batch_size * cfg.seq_len * cfg.backward_passes
     # JSON lines (and TensorBoard): process 0's rows; the run record first
-    metrics = open_writers(cfg.metrics, cfg.tensorboard, append=bool(self.start)) if is_main else None
+    metrics = open_writers(cfg.metrics, cfg.tensorboard, append=resume.metrics_append(cfg)) if is_main else None
     efficiency = Efficiency(self.model, self.mesh, tokens_per_step, cfg.peak_tflops)
     stop = {"now": False}
+    set_aside = []  # a checkpoint saved at the step whose loss turned out not finite
 
     def on_sigint(signum, frame):
+        """The first Ctrl-C finishes the step and saves; a second one leaves at once,
+        in one line and without a traceback (the save under way is not finished: orbax
+        finalises a checkpoint only once it is whole, so --resume takes the one before)."""
         if stop["now"]:
-            raise KeyboardInterrupt
+            print("interrupted again: stopped at once, without waiting for the save", file=sys.stderr, flush=True)
+            os._exit(130)
         stop["now"] = True
+        if is_main:
+            print("Ctrl-C: finishing the step" + (" and saving" if self.ckpt else "") + "; Ctrl-C again stops at "
+                  "once", file=sys.stderr, flush=True)
 
     old_handler = signal.signal(signal.SIGINT, on_sigint)
     progress = Progress(cfg.progress if is_main else "none", cfg.steps, self.start)
@@ -74,6 +85,11 @@ def run_loop(self) -> dict:
         step_i, loss, extra, step = in_flight.popleft()
         with phase("host_wait"):
             loss = float(loss)  # waits for the step
+        if not math.isfinite(loss):  # the state of step_i steps done gives it: no step after is worth running
+            write({"event": "non_finite_loss", "step": step_i, "value": str(loss)})
+            if step_i in self.saved and is_main:
+                set_aside.append(step_i)
+            raise nonfinite.stop(f"the loss is {loss} at step {step_i}", step_i, cfg, self.saved)
         now = finished.pop(step_i, None) or time.perf_counter()
         dt, last_done = now - last_done, now
         tps_window.append(tokens_per_step / dt)
@@ -161,15 +177,19 @@ def run_loop(self) -> dict:
         if rec is not None and rec.active:
             rec.stop()  # interrupted inside the profiled steps
         progress.close()
-        signal.signal(signal.SIGINT, old_handler)
         if metrics:
             metrics.close()
         if self.ckpt:
             self.ckpt.close()
+            for step in set_aside:  # its save finished (close waits)
+                nonfinite.set_aside(self.ckpt.directory, step)
         if self.elastic is not None:
             self.elastic.close()
+        if not stop["now"]:  # interrupted, the handler stays until the process ends: a second Ctrl-C leaves
+            signal.signal(signal.SIGINT, old_handler)  # at once wherever it lands (saving, the summary)
     fig = (efficiency.row(tokens_per_step / last["tokens_per_s"], self.step, shapes[id(self.step)])
            if last["tokens_per_s"] and id(self.step) in shapes else {})
-    return {"steps": step_i + 1, "interrupted": stop["now"], "loss": last["loss"],
+    return {"steps": step_i + 1, "interrupted": stop["now"], "saved": self.saved[-1] if self.saved else None,
+            "loss": last["loss"],
             "eval_loss": last["eval_loss"], "tokens_per_s": last["tokens_per_s"],
             "seconds": time.perf_counter() - t0, "mesh": dict(self.mesh.shape), "efficiency": fig}
