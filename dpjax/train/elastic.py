@@ -63,7 +63,7 @@ def fit(cfg):
 
 
 NOT_IN_PROGRAMS = ("steps", "resume", "metrics", "tensorboard", "progress", "ckpt_dir", "ckpt_every", "commit_dir",
-                   "commit_every", "eval_every")
+                   "commit_every", "eval_every", "overwrite")
 
 
 def programs(cfg):
