@@ -30,11 +30,13 @@ and held by the neighbour) and `commit_bytes` (this process's file), in the metr
 of the step it finished in (`dpjax.train.elastic`).
 
 Restore (`restore`): every process publishes what its host's folder holds; the newest
-step that every old rank has committed (own copy or neighbour's) is chosen; each old
-rank's bytes come from a local file or from the one process that holds it (over the
-same TCP channel); the global arrays are put back together and laid out as the new
-plan's arrays are (any mesh: the plan was made for the devices that are left), bit for
-bit what was committed.
+step that every old rank has committed (own copy or neighbour's) is chosen; every old
+rank's header is read (a local file is mapped, not read; another host's header comes
+over the same TCP channel), and each of this process's devices gets its block of each
+array cut from the pieces that overlap it (`place`), laid out as the new plan's arrays
+are (any mesh: the plan was made for the devices that are left), bit for bit what was
+committed. No global array is put together on the host, and a file none of whose pieces
+this process needs is never read or fetched.
 """
 
 from __future__ import annotations
