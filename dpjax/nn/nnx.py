@@ -56,13 +56,17 @@ class _ParallelLinear(nnx.Module):
     split: int  # the kernel's dimension split over the axis: 1 columns, 0 rows
 
     def __init__(self, in_features: int, out_features: int, *, use_bias: bool = True, axis: str = MODEL,
-                 algorithm: str = "ring", kernel_init=default_init, dtype=None, param_dtype=jnp.float32,
-                 rngs: nnx.Rngs):
+                 algorithm: str = "ring", kernel_init=default_init, bias_init=nnx.initializers.zeros_init(),
+                 dtype=None, param_dtype=jnp.float32, rngs: nnx.Rngs):
         self.in_features, self.out_features, self.axis, self.algorithm = in_features, out_features, axis, algorithm
         self.dtype, self.param_dtype = dtype, param_dtype
         kernel_axes = (None, axis) if self.split == 1 else (axis, None)
+        # the keys drawn as nnx.Linear draws them (the kernel's, then the bias's if there is
+        # one): a layer swapped for nnx.Linear starts from its values, and so does every
+        # layer created after it from the same rngs
         self.kernel = _param(kernel_init(rngs.params(), (in_features, out_features), param_dtype), kernel_axes)
-        self.bias = _param(jnp.zeros((out_features,), param_dtype), kernel_axes[1:]) if use_bias else None
+        self.bias = _param(bias_init(rngs.params(), (out_features,), param_dtype), kernel_axes[1:]) if use_bias \
+            else nnx.data(None)
 
     def _weights(self):
         """(kernel, bias or None): this device's blocks in the compute dtype, their shapes checked."""
