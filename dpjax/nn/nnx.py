@@ -1,4 +1,5 @@
-"""Megatron tensor-parallel layers as flax NNX modules, built on `dpjax.tensor_parallel`.
+"""Megatron tensor-parallel layers as flax NNX modules, built on `dpjax.tensor_parallel`
+(and `sync_batchnorm`, the synchronised BatchNorm of a whole model, for data parallelism).
 
 Shoeybi et al., "Megatron-LM" (2019), section 3: column- and row-parallel dense layers,
 head-parallel self-attention (figure 3b) and the vocabulary-parallel embedding, with
@@ -164,3 +165,18 @@ def cross_entropy(logits_BxTxVm, targets_BxT, *, axis: str = MODEL, algorithm: s
     """Mean softmax cross-entropy of logits split by vocabulary over `axis` (a
     ColumnParallelLinear's or VocabParallelEmbed.attend's output), never gathering them."""
     return tp.vocab_parallel_cross_entropy(logits_BxTxVm, targets_BxT, parallel(axis, algorithm))
+
+
+def sync_batchnorm(model, axis_name="data"):
+    """torch's `SyncBatchNorm.convert_sync_batchnorm` for NNX: every `nnx.BatchNorm` in
+    `model` (however deep, however many) averages its batch statistics over `axis_name`,
+    so that inside `dpjax.shard_step` each device normalises by the global batch's mean
+    and variance (and the running statistics stay one copy), as on one device. Returns
+    `model` (changed in place), so it wraps the constructor: one line,
+    `model = sync_batchnorm(CNN(rngs=nnx.Rngs(0)))`. `axis_name`: the mesh's data axes,
+    ("node", "data") on a node x data x model mesh. Outside shard_step such a BatchNorm
+    runs in eval mode only (in training mode it averages over an axis that is not there)."""
+    norms = [node for _, node in nnx.iter_graph(model) if isinstance(node, nnx.BatchNorm)]
+    for norm in norms:
+        norm.axis_name = axis_name
+    return model
