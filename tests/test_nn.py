@@ -215,3 +215,27 @@ def test_swapped_layers_start_where_flax_layers_start(mesh_of, use_bias):
     assert ("bias" in got["down"]) == use_bias
     for (path, g), w in zip(jax.tree_util.tree_flatten_with_path(got)[0], jax.tree.leaves(want)):
         np.testing.assert_array_equal(np.asarray(g), np.asarray(w), err_msg=jax.tree_util.keystr(path))
+
+
+class LinenSwappable(nn.Module):
+    parallel: bool
+
+    @nn.compact
+    def __call__(self, x):
+        bias = dict(bias_init=nn.initializers.normal(1.0))
+        if self.parallel:  # named as the layers they replace: Linen derives a parameter's key from its path
+            h = pln.ColumnParallelDense(F, name="Dense_0", **bias)(x)
+            h = pln.RowParallelDense(D, name="Dense_1", **bias)(h)
+        else:
+            h = nn.Dense(F, **bias)(x)
+            h = nn.Dense(D, **bias)(h)
+        return nn.Dense(V, name="Dense_2")(h)
+
+
+def test_linen_layers_named_as_flaxs_start_where_they_start():
+    x = jnp.ones((B, D))
+    want = LinenSwappable(False).init(jax.random.key(0), x)
+    got = nn.unbox(LinenSwappable(True).init(jax.random.key(0), x))
+    assert jax.tree.structure(got) == jax.tree.structure(want)
+    for (path, g), w in zip(jax.tree_util.tree_flatten_with_path(got)[0], jax.tree.leaves(want)):
+        np.testing.assert_array_equal(g, w, err_msg=jax.tree_util.keystr(path))
