@@ -100,12 +100,14 @@ def _has_nnx(tree, variables: bool = True) -> bool:
     return any(isinstance(x, kinds) for x in jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, kinds)))
 
 
-def shard_step(fn=None, mesh=None, batch_argnums=(), *, donate_argnums=(), in_specs=None, out_specs=P(),
+def shard_step(fn=None, mesh=None, batch_argnums=None, *, donate_argnums=(), in_specs=None, out_specs=P(),
                check=None):
     """`fn` as one jit(shard_map) step over `mesh` (default: every device on a `data` axis).
 
     mesh: a Mesh or a spec for `dpjax.make_mesh` ("4x2": data x model), made at the first call.
-    batch_argnums: arguments whose leaves are split by rows over the data axes.
+    batch_argnums: arguments whose leaves are split by rows over the data axes (left out,
+    with nothing else split over a data axis larger than 1: a warning, once; `()` says
+    that nothing is to be split, as in a step that broadcasts parameters).
     in_specs: per argument, None (the rule above) or a PartitionSpec / tree of them
     for a pytree argument (sharded state: FSDP, tensor parallelism). out_specs, for fn's
     outputs, a PartitionSpec or one of these words, or a tree of them: P() (the default)
@@ -120,7 +122,9 @@ def shard_step(fn=None, mesh=None, batch_argnums=(), *, donate_argnums=(), in_sp
     if fn is None or isinstance(fn, (Mesh, str)):
         return functools.partial(shard_step, mesh=mesh if fn is None else fn, batch_argnums=batch_argnums,
                                  donate_argnums=donate_argnums, in_specs=in_specs, out_specs=out_specs, check=check)
-    return ShardedStep(fn, mesh, _argnums(batch_argnums), _argnums(donate_argnums), in_specs, out_specs, check)
+    step = ShardedStep(fn, mesh, _argnums(batch_argnums or ()), _argnums(donate_argnums), in_specs, out_specs, check)
+    step.warn_unsplit = batch_argnums is None
+    return step
 
 
 @dataclass(frozen=True)
@@ -142,6 +146,7 @@ class ShardedStep:
         self.fn, self._mesh, self.batch_argnums, self.donate_argnums = fn, mesh, batch_argnums, donate_argnums
         self.in_specs, self.out_specs, self.check = in_specs, out_specs, check
         self.calls = 0
+        self.warn_unsplit = False  # shard_step sets it when batch_argnums was left out
         self._programs: dict = {}
         self._replicas = ReplicaCheck()
         try:
@@ -182,7 +187,8 @@ class ShardedStep:
         specs = tuple(m.spec for m in meta)
         if self.calls == 1:
             checks.warn_single_cpu(mesh)
-            checks.warn_unsplit(self.__name__, mesh, data_axes(mesh), specs)
+            if self.warn_unsplit:
+                checks.warn_unsplit(self.__name__, mesh, data_axes(mesh), specs)
         k = len(leaves) - sum(n for _, n in tree_defs)
         key = (graphdef, state_def, tuple(tree_defs), nnx_idx, tree_idx, specs,
                tuple(m.kind == "RngKey" for m in meta[:k]), tuple(m.summed for m in meta[:k]),
