@@ -122,7 +122,8 @@ def shard_step(fn=None, mesh=None, batch_argnums=None, *, donate_argnums=(), in_
     if fn is None or isinstance(fn, (Mesh, str)):
         return functools.partial(shard_step, mesh=mesh if fn is None else fn, batch_argnums=batch_argnums,
                                  donate_argnums=donate_argnums, in_specs=in_specs, out_specs=out_specs, check=check)
-    step = ShardedStep(fn, mesh, _argnums(batch_argnums or ()), _argnums(donate_argnums), in_specs, out_specs, check)
+    batch = _argnums(() if batch_argnums is None else batch_argnums)  # 0 is an argument, None none said
+    step = ShardedStep(fn, mesh, batch, _argnums(donate_argnums), in_specs, out_specs, check)
     step.warn_unsplit = batch_argnums is None
     return step
 
