@@ -29,7 +29,12 @@ Each call is one `jax.jit(jax.shard_map(...))` (compiled once per structure):
    the new state) is checked to be equal on the devices that share it
    (`dpjax.replicas`) on the first calls and on every call under DPJAX_CHECK=1; a
    divergence is one error line naming the value, how far apart the copies are, and
-   the usual cause.
+   the usual cause. An output under out_specs "mean" is averaged over the data axes
+   first; one under "rows" comes back split over them (one value per batch row).
+
+Before the first call runs, `dpjax.wrapper_checks` refuses what would look right and be
+wrong (an nnx.Linear whose bias does not fit its kernel's split) and warns once about
+what would not be parallel (nothing split over the data axes; one CPU device).
 """
 
 from __future__ import annotations
