@@ -129,7 +129,7 @@ def shard_step(fn=None, mesh=None, batch_argnums=None, *, donate_argnums=(), in_
                                  donate_argnums=donate_argnums, in_specs=in_specs, out_specs=out_specs, check=check)
     batch = _argnums(() if batch_argnums is None else batch_argnums)  # 0 is an argument, None none said
     step = ShardedStep(fn, mesh, batch, _argnums(donate_argnums), in_specs, out_specs, check)
-    step.warn_unsplit = batch_argnums is None
+    step.warn_unsplit = batch_argnums is None and not getattr(fn, "dpjax_splits_nothing", False)
     return step
 
 

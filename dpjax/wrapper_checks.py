@@ -76,6 +76,13 @@ def _features(node) -> str:
     return f"{node.in_features}, {node.out_features}"
 
 
+def splits_nothing(fn):
+    """Marks `fn` as a step that splits nothing on purpose (dpjax's broadcasts of the
+    parameters): shard_step(fn) then does not warn that it splits nothing."""
+    fn.dpjax_splits_nothing = True
+    return fn
+
+
 def warn_unsplit(step: str, mesh, data_axes, specs) -> None:
     """A warning when the data axes (> 1 device) split no argument of the step."""
     n = math.prod(mesh.shape[a] for a in data_axes)

@@ -45,7 +45,7 @@ def train(steps=100, seed=0):
         return optax.apply_updates(params, updates), opt_state, jax.lax.pmean(loss, "data")  # distributed: mean loss
 
     step = dpjax.shard_step(step, mesh, batch_argnums=(2, 3))  # distributed: shard the step
-    params = dpjax.shard_step(dpjax.broadcast_params, mesh, batch_argnums=())(params)  # distributed: broadcast
+    params = dpjax.shard_step(dpjax.broadcast_params, mesh)(params)  # distributed: broadcast
     losses = []
     for x, y in batches(steps, seed=seed):
         params, opt_state, loss = step(params, opt_state, *dpjax.shard_batch(mesh, x, y))  # distributed: shard the batch

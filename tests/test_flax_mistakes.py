@@ -188,7 +188,9 @@ def test_a_step_that_splits_nothing_over_data_warns_once():
         step(np.ones((8, 2), np.float32))  # once
         dpjax.shard_step(lambda x: x.sum(), batch_argnums=0, out_specs="mean")(np.ones((8, 2), np.float32))
         dpjax.shard_step(lambda x: x.sum(), "1x8")(np.ones((8, 2), np.float32))  # a data axis of 1: nothing to split
-        dpjax.shard_step(dpjax.broadcast_params, batch_argnums=())({"w": np.ones(3)})  # (): nothing, on purpose
+        dpjax.shard_step(lambda w: w * 2, batch_argnums=())(np.ones(3))  # (): nothing, on purpose
+        dpjax.shard_step(dpjax.broadcast_params)({"w": np.ones(3)})  # dpjax's broadcasts say it themselves
+        dpjax.shard_step(dpjax.horovod.broadcast_parameters)({"w": np.ones(3)})
 
 
 def test_a_cpu_run_with_one_device_says_so_once():
