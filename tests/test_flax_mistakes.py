@@ -209,3 +209,18 @@ def test_a_cpu_run_with_one_device_says_so_once():
     assert lines[0].endswith("SingleDeviceWarning: dpjax: one CPU device, so shard_step runs unsplit; call "
                              "dpjax.simulate_cpu_devices(8) before JAX starts (or set XLA_FLAGS=--xla_force_host_"
                              "platform_device_count=8) to simulate 8 devices")
+
+
+def test_a_row_parallel_layer_fed_a_whole_input_is_one_line():
+    class Unpaired(nnx.Module):
+        def __init__(self, rngs):
+            self.up = nnx.Linear(6, 16, rngs=rngs)  # whole, where a ColumnParallelLinear belongs
+            self.down = dpjax.nn.nnx.RowParallelLinear(16, 3, rngs=rngs)
+
+        def __call__(self, x):
+            return self.down(self.up(x))
+
+    step = dpjax.shard_step(lambda model, x: model(x), "4x2", batch_argnums=1, out_specs="rows")
+    with pytest.raises(dpjax.UserError, match=r"^RowParallelLinear\(16, 3\): its input's last dimension is 16, not "
+                                              r"this device's 8 rows: feed it a ColumnParallelLinear's output"):
+        step(Unpaired(nnx.Rngs(0)), batch()[0])

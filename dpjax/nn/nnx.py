@@ -35,6 +35,7 @@ from flax import nnx
 
 from dpjax import attention as kernels
 from dpjax import tensor_parallel as tp
+from dpjax.errors import UserError
 from dpjax.nn._common import local, mesh_is_set, parallel
 from dpjax.mesh import MODEL
 
@@ -101,7 +102,10 @@ class RowParallelLinear(_ParallelLinear):
     def __call__(self, h_BxFm):
         kernel_FmxD, bias_D = self._weights()
         (h_BxFm,) = _cast(self.dtype, h_BxFm)
-        assert h_BxFm.shape[-1] == kernel_FmxD.shape[0], (h_BxFm.shape, kernel_FmxD.shape)
+        if h_BxFm.shape[-1] != kernel_FmxD.shape[0]:
+            raise UserError(f"RowParallelLinear({self.in_features}, {self.out_features}): its input's last dimension "
+                            f"is {h_BxFm.shape[-1]}, not this device's {kernel_FmxD.shape[0]} rows: feed it a "
+                            "ColumnParallelLinear's output (split over the same axis), not a whole one")
         return tp.row_parallel(h_BxFm, kernel_FmxD, bias_D, parallel(self.axis, self.algorithm))
 
 
