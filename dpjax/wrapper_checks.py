@@ -41,7 +41,8 @@ def spec_axes(spec) -> list:
 def _split(spec, dims, mesh) -> list:
     """The mesh axes larger than 1 that split any of `dims` of a parameter annotated `spec`."""
     spec = tuple(spec)
-    return [a for d in dims if d < len(spec) for a in spec_axes(P(spec[d])) if mesh.shape.get(a, 1) > 1]  # an unknown axis: shard_step names it
+    # an axis the mesh does not have counts as 1 here: shard_step names it in its own error
+    return [a for d in dims if d < len(spec) for a in spec_axes(P(spec[d])) if mesh.shape.get(a, 1) > 1]
 
 
 def check_flax_biases(step: str, graph, mesh, name, pspec) -> None:

@@ -174,7 +174,8 @@ def test_sync_batchnorm_converts_every_batchnorm():
     rows = dpjax.shard_step(lambda model, x: model(x), batch_argnums=1, out_specs="rows")(model, x)
     dense = Norms(nnx.Rngs(0))
     np.testing.assert_allclose(rows, dense(x), **TOL)
-    for got, want in zip(jax.tree.leaves(nnx.state(model, nnx.BatchStat)), jax.tree.leaves(nnx.state(dense, nnx.BatchStat))):
+    stats = [jax.tree.leaves(nnx.state(m, nnx.BatchStat)) for m in (model, dense)]
+    for got, want in zip(*stats):
         np.testing.assert_allclose(got, want, **TOL)
 
 
