@@ -34,6 +34,7 @@ from dpjax.compression import check as check_compression
 from dpjax.fusion import pack, plan_buckets, unpack
 from dpjax.mesh import data_axes
 from dpjax.wrapper import shard_step  # noqa: F401  (the step wrapper lives in its own module)
+from dpjax.wrapper_checks import splits_nothing
 
 OPS = ("mean", "sum", "adasum")
 
@@ -163,6 +164,7 @@ def DistributedOptimizer(inner: optax.GradientTransformation, axis_name="data", 
     return optax.GradientTransformation(init_fn, update_fn)
 
 
+@splits_nothing
 def broadcast_params(params, axis_name="data", *, root: int = 0, algorithm: str = "tree",
                      fusion_mb: float = 64):
     """Every rank along `axis_name` ends with root's parameters (inside shard_map).

@@ -41,13 +41,26 @@ import jax.numpy as jnp
 from jax import lax
 
 from dpjax import collectives
-from dpjax.collectives._common import axis_size
+from dpjax.collectives._common import Subgroups, axis_size
 from dpjax.policy import Policy
 
 
 def _active(axis) -> bool:
-    """Whether `axis` needs communication (a named axis of size > 1)."""
-    return axis is not None and axis_size(axis) > 1
+    """Whether `axis` needs communication: a named axis of size > 1, bound here (inside a
+    shard_map over it). Where it is not bound (one device, `nnx.jit`, `jax.jit` under
+    `jax.set_mesh`) every array is whole, so f, g and the parallel layers are the dense
+    computation: a model written with them evaluates anywhere without a change."""
+    return axis is not None and _bound(axis) and axis_size(axis) > 1
+
+
+def _bound(axis) -> bool:
+    names = axis.axis if isinstance(axis, Subgroups) else axis
+    try:
+        for name in names if isinstance(names, tuple) else (names,):
+            lax.axis_size(name)
+    except NameError:
+        return False
+    return True
 
 
 def _on_wire(reduce, g, wire, n: int, op: str):
@@ -96,12 +109,16 @@ _reduce.defvjp(_reduce_fwd, _reduce_bwd)
 
 
 def copy_to_model(x, axis="model", algorithm: str = "ring"):
-    """Megatron's f: identity forward, allreduce (sum) of the gradient backward."""
+    """Megatron's f: identity forward, allreduce (sum) of the gradient backward. Before a
+    column-parallel matmul whose input depends on parameters (its gradient is the sum of
+    every model rank's). The identity where `axis` is not bound (outside shard_step)."""
     return _copy(x, axis, algorithm, "sum", None) if _active(axis) else x
 
 
 def reduce_from_model(x, axis="model", algorithm: str = "ring"):
-    """Megatron's g: allreduce (sum) forward, identity backward."""
+    """Megatron's g: allreduce (sum) forward, identity backward. After a row-parallel
+    matmul (each model rank holds a partial product); add that layer's bias after it, once.
+    The identity where `axis` is not bound (outside shard_step)."""
     return _reduce(x, axis, algorithm) if _active(axis) else x
 
 

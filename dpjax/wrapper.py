@@ -29,7 +29,12 @@ Each call is one `jax.jit(jax.shard_map(...))` (compiled once per structure):
    the new state) is checked to be equal on the devices that share it
    (`dpjax.replicas`) on the first calls and on every call under DPJAX_CHECK=1; a
    divergence is one error line naming the value, how far apart the copies are, and
-   the usual cause.
+   the usual cause. An output under out_specs "mean" is averaged over the data axes
+   first; one under "rows" comes back split over them (one value per batch row).
+
+Before the first call runs, `dpjax.wrapper_checks` refuses what would look right and be
+wrong (an nnx.Linear whose bias does not fit its kernel's split) and warns once about
+what would not be parallel (nothing split over the data axes; one CPU device).
 """
 
 from __future__ import annotations
@@ -47,6 +52,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from dpjax import per_rank
+from dpjax import wrapper_checks as checks
 from dpjax.errors import UserError
 from dpjax.mesh import data_axes, make_mesh
 from dpjax.replicas import FIRST_CALLS, ReplicaCheck, check_always
@@ -57,15 +63,16 @@ HINTS = {
              "as its tx, or average them with dpjax.allreduce_gradients",
     "Opt": "were the gradients averaged over {axes}? give the optimizer dpjax.DistributedOptimizer(...) "
            "as its tx, or average them with dpjax.allreduce_gradients",
-    "BatchStat": "give the BatchNorm axis_name='data' (the mesh's data axes) so that its batch statistics are "
-                 "averaged across devices",
+    "BatchStat": "give the BatchNorm axis_name='data' (the mesh's data axes), or every BatchNorm at once with "
+                 "model = dpjax.nn.nnx.sync_batchnorm(model), so that its batch statistics are averaged across "
+                 "devices",
     "MetricState": "dpjax sums the updates of nnx.metrics.Average and Accuracy over the data axes; another metric "
                    "must synchronise itself (lax.psum) inside the step",
     "per_rank": "it is DistributedOptimizer's error-feedback buffer, which differs from rank to rank by design: "
                 "keep the optimizer in an nnx.Optimizer (shard_step gives that state a slot a rank), or run the "
                 "step in your own jax.shard_map and return the buffer with a leading axis split over {axis}",
-    "output": "average it inside the step (jax.lax.pmean(x, {axis}), dpjax.allreduce_gradients) or declare it "
-              "split with out_specs",
+    "output": "average it inside the step (jax.lax.pmean(x, {axis}), dpjax.allreduce_gradients, or "
+              "out_specs=\"mean\"), or, for one value per batch row, declare it split with out_specs=\"rows\"",
 }
 # Copies that differ along `model` are not a missing average: each model rank computed from
 # its own shard of a split weight, and the partial results were never summed.
@@ -98,23 +105,32 @@ def _has_nnx(tree, variables: bool = True) -> bool:
     return any(isinstance(x, kinds) for x in jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, kinds)))
 
 
-def shard_step(fn=None, mesh=None, batch_argnums=(), *, donate_argnums=(), in_specs=None, out_specs=P(),
+def shard_step(fn=None, mesh=None, batch_argnums=None, *, donate_argnums=(), in_specs=None, out_specs=P(),
                check=None):
     """`fn` as one jit(shard_map) step over `mesh` (default: every device on a `data` axis).
 
-    batch_argnums: arguments whose leaves are split by rows over the data axes.
+    mesh: a Mesh or a spec for `dpjax.make_mesh` ("4x2": data x model), made at the first call.
+    batch_argnums: arguments whose leaves are split by rows over the data axes (left out,
+    with nothing else split over a data axis larger than 1: a warning, once; `()` says
+    that nothing is to be split, as in a step that broadcasts parameters).
     in_specs: per argument, None (the rule above) or a PartitionSpec / tree of them
-    for a pytree argument (sharded state: FSDP, tensor parallelism). out_specs: a
-    PartitionSpec or tree of them for fn's outputs (default P(): replicated, checked).
+    for a pytree argument (sharded state: FSDP, tensor parallelism). out_specs, for fn's
+    outputs, a PartitionSpec or one of these words, or a tree of them: P() (the default)
+    replicated, checked; "mean" averaged over the data axes (a loss or metric of this
+    device's rows; then replicated, checked); "rows" one row per batch row (a prediction:
+    each device's rows joined in batch order, P(data axes)).
     check: None checks the first calls (dpjax.replicas.FIRST_CALLS), True every call,
     False none; DPJAX_CHECK=1 checks every call whatever this says.
-    Also a decorator: `@shard_step(batch_argnums=3)`, `@shard_step(mesh, batch_argnums=3)`.
+    Also a decorator: `@shard_step(batch_argnums=3)`, `@shard_step("4x2", batch_argnums=3)`.
     See the module docstring for what it does with NNX objects, RNGs and metrics.
     """
-    if fn is None or isinstance(fn, Mesh):
+    if fn is None or isinstance(fn, (Mesh, str)):
         return functools.partial(shard_step, mesh=mesh if fn is None else fn, batch_argnums=batch_argnums,
                                  donate_argnums=donate_argnums, in_specs=in_specs, out_specs=out_specs, check=check)
-    return ShardedStep(fn, mesh, _argnums(batch_argnums), _argnums(donate_argnums), in_specs, out_specs, check)
+    batch = _argnums(() if batch_argnums is None else batch_argnums)  # 0 is an argument, None none said
+    step = ShardedStep(fn, mesh, batch, _argnums(donate_argnums), in_specs, out_specs, check)
+    step.warn_unsplit = batch_argnums is None and not getattr(fn, "dpjax_splits_nothing", False)
+    return step
 
 
 @dataclass(frozen=True)
@@ -136,6 +152,7 @@ class ShardedStep:
         self.fn, self._mesh, self.batch_argnums, self.donate_argnums = fn, mesh, batch_argnums, donate_argnums
         self.in_specs, self.out_specs, self.check = in_specs, out_specs, check
         self.calls = 0
+        self.warn_unsplit = False  # shard_step sets it when batch_argnums was left out
         self._programs: dict = {}
         self._replicas = ReplicaCheck()
         try:
@@ -145,8 +162,8 @@ class ShardedStep:
 
     @property
     def mesh(self):
-        if self._mesh is None:  # chosen at the first call: the device count is known by then
-            self._mesh = make_mesh(f"{jax.device_count()}x1")
+        if self._mesh is None or isinstance(self._mesh, str):  # made at the first call: the devices are known then
+            self._mesh = make_mesh(self._mesh or f"{jax.device_count()}x1")
         return self._mesh
 
     def _argname(self, i: int) -> str:
@@ -174,6 +191,10 @@ class ShardedStep:
         leaves = [per_rank.spread(x, mesh, m.spec) if m.per_rank else x for x, m in zip(leaves, meta)]
         self._check_splits(leaves, meta, mesh)
         specs = tuple(m.spec for m in meta)
+        if self.calls == 1:
+            checks.warn_single_cpu(mesh)
+            if self.warn_unsplit:
+                checks.warn_unsplit(self.__name__, mesh, data_axes(mesh), specs)
         k = len(leaves) - sum(n for _, n in tree_defs)
         key = (graphdef, state_def, tuple(tree_defs), nnx_idx, tree_idx, specs,
                tuple(m.kind == "RngKey" for m in meta[:k]), tuple(m.summed for m in meta[:k]),
@@ -207,7 +228,9 @@ class ShardedStep:
         from flax import nnx
         from flax.nnx import spmd
 
-        graph = list(nnx.iter_graph(nodes))  # walked once for both
+        graph = list(nnx.iter_graph(nodes))  # walked once for all three
+        checks.check_flax_biases(self.__name__, graph, mesh, lambda p: _path_name(self._argname(nnx_idx[p[0]]), p[1:]),
+                                 spmd.get_var_pspec)
         averages = {path for path, node in graph if isinstance(node, nnx.metrics.Average)}
         slots = per_rank.nnx_prefixes(graph)
         out = []
@@ -277,7 +300,7 @@ class ShardedStep:
             for i, (treedef, n) in zip(tree_idx, tree_defs):
                 args[i] = treedef.unflatten(mine[start:start + n])
                 start += n
-            out = fn(*args)
+            out = _averaged(fn(*args), self.out_specs, data_axes(mesh))
             if out_slots is not None:  # a returned optimizer state: its buffers in their slots
                 flat, out_def = jax.tree.flatten(out)
                 out = out_def.unflatten([per_rank.slot(x) if s else x for x, s in zip(flat, out_slots)])
@@ -297,7 +320,7 @@ class ShardedStep:
                    for x, old, rng, add in zip(new, mine, is_rng, summed)]
             return out, tuple(per_rank.slot(x) if s else x for x, s in zip(new, slots))
 
-        out_specs = self.out_specs
+        out_specs = _out_specs(self.out_specs, mesh, self.__name__)
         if out_specs == P() and any(slots[k:]):  # a pytree state with buffers in: where are they in the output?
             shapes = jax.eval_shape(jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=(P(), specs[:k]),
                                                   check_vma=False), *leaves)[0]
@@ -317,8 +340,31 @@ def _path_name(prefix: str, path) -> str:
     return "/".join([prefix] + [str(k) for k in keys])
 
 
-def _spec_axes(spec) -> list:
-    return [a for e in spec if e is not None for a in (e if isinstance(e, tuple) else (e,))]
+_spec_axes = checks.spec_axes
+OUT_WORDS = ("mean", "rows")  # out_specs' words beside PartitionSpecs
+
+
+def _is_out_leaf(x) -> bool:
+    return isinstance(x, (P, str))
+
+
+def _out_specs(out_specs, mesh, step: str):
+    """out_specs with its words as PartitionSpecs: "mean" replicated (after `_averaged`),
+    "rows" split over the data axes."""
+    def spec(x):
+        if isinstance(x, str) and x not in OUT_WORDS:
+            raise UserError(f"{step}: out_specs {x!r} is not one of {', '.join(map(repr, OUT_WORDS))} or a "
+                            "PartitionSpec")
+        return P(data_axes(mesh)) if x == "rows" else P() if x == "mean" else x
+    return jax.tree.map(spec, out_specs, is_leaf=_is_out_leaf)
+
+
+def _averaged(out, out_specs, axes):
+    """fn's outputs with those under an out_specs "mean" averaged over the data `axes`."""
+    if not any(x == "mean" for x in jax.tree.leaves(out_specs, is_leaf=_is_out_leaf)) or not axes:
+        return out
+    mean = lambda sub: jax.tree.map(lambda x: lax.pmean(x, axes), sub)  # noqa: E731
+    return jax.tree.map(lambda s, sub: mean(sub) if s == "mean" else sub, out_specs, out, is_leaf=_is_out_leaf)
 
 
 def _hint(kind: str, along: tuple = ("data",), name: str = "") -> str:

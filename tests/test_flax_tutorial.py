@@ -1,7 +1,8 @@
 """The README's NNX recipe on flax's own MNIST tutorial as flax writes it
 (examples/nnx_tutorial_*.py: BatchNorm after biased convolutions, Dropout, `rngs` passed
-to the train step, the loss returned): eight lines change, and with dropout off the
-distributed loop trains like the plain one.
+to the train step, the loss returned): five lines change (the two BatchNorms by one
+`dpjax.nn.nnx.sync_batchnorm`, the returned loss by `out_specs="mean"`), and with
+dropout off the distributed loop trains like the plain one.
 
 When the equality holds (what the README says): with flax's AdamW, the losses and the
 training metrics agree to float32 round-off, the parameters do not: a parameter whose
@@ -43,9 +44,9 @@ def flat(model) -> dict:
             nnx.to_flat_state(nnx.state(model, nnx.Param))}
 
 
-def test_eight_lines_change():
+def test_five_lines_change():
     lines = changed_lines("nnx_tutorial_plain", "nnx_tutorial_distributed")
-    assert len(lines) == 8, lines
+    assert len(lines) <= 5, lines
     assert all("dpjax" in line for line in lines), lines
 
 

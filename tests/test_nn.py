@@ -186,3 +186,56 @@ def test_linen_layers_equal_the_dense_computation(mesh_of):
     assert got[1]["params"]["ColumnParallelDense_0"]["kernel"].sharding.spec == P(None, "model")
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         np.testing.assert_allclose(g, w, **TOL)
+
+
+class Swappable(nnx.Module):
+    """flax's layers, or dpjax.nn's in their place (`parallel`); `after` is created last,
+    from the same rngs, so it starts where it did only if the swapped layers drew the keys
+    flax's did. A bias initialiser that draws (normal) shows the bias's key too."""
+
+    def __init__(self, rngs: nnx.Rngs, parallel: bool, use_bias: bool = True):
+        bias = dict(use_bias=use_bias, bias_init=nnx.initializers.normal(1.0))
+        self.embed = (pnn.VocabParallelEmbed if parallel else nnx.Embed)(V, D, rngs=rngs)
+        self.up = (pnn.ColumnParallelLinear if parallel else nnx.Linear)(D, F, **bias, rngs=rngs)
+        self.down = (pnn.RowParallelLinear if parallel else nnx.Linear)(F, D, **bias, rngs=rngs)
+        self.after = nnx.Linear(D, V, rngs=rngs)
+
+
+@pytest.mark.parametrize("use_bias", [True, False])
+def test_swapped_layers_start_where_flax_layers_start(mesh_of, use_bias):
+    """dpjax.nn's layers draw their keys as nnx.Linear / nnx.Embed do (the kernel's, then the
+    bias's): swapped in for them, born sharded on 2x4, every parameter, gathered, is the
+    plain model's, and so is the layer created after them."""
+    plain = nnx.state(Swappable(nnx.Rngs(0), parallel=False, use_bias=use_bias), nnx.Param)
+    with jax.set_mesh(mesh_of("2x4", 8)):
+        swapped = nnx.state(jax.jit(lambda: Swappable(nnx.Rngs(0), parallel=True, use_bias=use_bias))(), nnx.Param)
+    assert swapped["up"]["kernel"][...].sharding.spec == P(None, "model")
+    got, want = nnx.to_pure_dict(swapped), nnx.to_pure_dict(plain)
+    assert jax.tree.structure(got) == jax.tree.structure(want)
+    assert ("bias" in got["down"]) == use_bias
+    for (path, g), w in zip(jax.tree_util.tree_flatten_with_path(got)[0], jax.tree.leaves(want)):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w), err_msg=jax.tree_util.keystr(path))
+
+
+class LinenSwappable(nn.Module):
+    parallel: bool
+
+    @nn.compact
+    def __call__(self, x):
+        bias = dict(bias_init=nn.initializers.normal(1.0))
+        if self.parallel:  # named as the layers they replace: Linen derives a parameter's key from its path
+            h = pln.ColumnParallelDense(F, name="Dense_0", **bias)(x)
+            h = pln.RowParallelDense(D, name="Dense_1", **bias)(h)
+        else:
+            h = nn.Dense(F, **bias)(x)
+            h = nn.Dense(D, **bias)(h)
+        return nn.Dense(V, name="Dense_2")(h)
+
+
+def test_linen_layers_named_as_flaxs_start_where_they_start():
+    x = jnp.ones((B, D))
+    want = LinenSwappable(False).init(jax.random.key(0), x)
+    got = nn.unbox(LinenSwappable(True).init(jax.random.key(0), x))
+    assert jax.tree.structure(got) == jax.tree.structure(want)
+    for (path, g), w in zip(jax.tree_util.tree_flatten_with_path(got)[0], jax.tree.leaves(want)):
+        np.testing.assert_array_equal(g, w, err_msg=jax.tree_util.keystr(path))

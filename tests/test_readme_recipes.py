@@ -44,7 +44,7 @@ class MLP(nnx.Module):
         self.psum = psum
 
     def __call__(self, x):
-        y = self.w2(nnx.relu(self.w1(x)))
+        y = self.w2(nnx.relu(self.w1(dpjax.tensor_parallel.copy_to_model(x))))
         if self.psum is not None:
             y = self.psum(y, "model")  # dpjax: the row-parallel sum
         return y + self.b2
@@ -82,12 +82,12 @@ def test_flax_layers_with_annotations_and_one_sum_equal_one_device(psum):
         return loss
 
     xs, ys = data()
-    with jax.set_mesh(mesh):  # flax places annotated parameters on the mesh in context
+    with jax.set_mesh(mesh):  # flax places annotated parameters (and the optimizer's state) on the mesh in context
         model = MLP(nnx.Rngs(0), reduce)
+        opt = nnx.Optimizer(model, dpjax.DistributedOptimizer(optax.sgd(0.1, momentum=0.9)), wrt=nnx.Param)
     with jax.set_mesh(dpjax.make_mesh("1x1", jax.devices()[:1])):  # the reference: the same values, one device
         ref = MLP(nnx.Rngs(0), psum=None)
-    opt = nnx.Optimizer(model, dpjax.DistributedOptimizer(optax.sgd(0.1)), wrt=nnx.Param)
-    ref_opt = nnx.Optimizer(ref, optax.sgd(0.1), wrt=nnx.Param)
+        ref_opt = nnx.Optimizer(ref, optax.sgd(0.1, momentum=0.9), wrt=nnx.Param)
     got = [float(step(model, opt, x, y)) for x, y in zip(xs, ys)]
     want = [float(plain_step(ref, ref_opt, x, y)) for x, y in zip(xs, ys)]
     assert want[-1] < want[0]

@@ -10,6 +10,7 @@ from dpjax.collectives._common import axis_size
 from dpjax.horovod.collectives import Adasum, Average
 from dpjax.horovod.compression import Compression
 from dpjax.horovod.ranks import global_process_set, set_groups, world_axis
+from dpjax.wrapper_checks import splits_nothing
 
 
 def DistributedOptimizer(optimizer, named_parameters=None, compression=Compression.none,
@@ -37,6 +38,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
     return optax.GradientTransformation(template.init, update)
 
 
+@splits_nothing
 def broadcast_parameters(params, root_rank=0, *, axis_name=None, algorithm="tree"):
     """Every rank ends with root_rank's parameters (any pytree); returns them."""
     return data_parallel.broadcast_params(params, world_axis(axis_name, "broadcast_parameters"), root=root_rank,

@@ -32,13 +32,14 @@ class _ParallelDense(nn.Module):
     axis: str = MODEL
     algorithm: str = "ring"
     kernel_init: Callable = nn.initializers.lecun_normal()
+    bias_init: Callable = nn.initializers.zeros_init()
     dtype: Any = None
     param_dtype: Any = jnp.float32
 
     def _weights(self, rows: int, cols: int, kernel_axes: tuple):
         kernel = self.param("kernel", nn.with_partitioning(self.kernel_init, kernel_axes), (rows, cols),
                             self.param_dtype)
-        bias = self.param("bias", nn.with_partitioning(nn.initializers.zeros, kernel_axes[1:]), (cols,),
+        bias = self.param("bias", nn.with_partitioning(self.bias_init, kernel_axes[1:]), (cols,),
                           self.param_dtype) if self.use_bias else None
         return _cast(self.dtype, kernel, bias)
 

@@ -1,4 +1,5 @@
-"""Megatron tensor-parallel layers as flax NNX modules, built on `dpjax.tensor_parallel`.
+"""Megatron tensor-parallel layers as flax NNX modules, built on `dpjax.tensor_parallel`
+(and `sync_batchnorm`, the synchronised BatchNorm of a whole model, for data parallelism).
 
 Shoeybi et al., "Megatron-LM" (2019), section 3: column- and row-parallel dense layers,
 head-parallel self-attention (figure 3b) and the vocabulary-parallel embedding, with
@@ -34,6 +35,7 @@ from flax import nnx
 
 from dpjax import attention as kernels
 from dpjax import tensor_parallel as tp
+from dpjax.errors import UserError
 from dpjax.nn._common import local, mesh_is_set, parallel
 from dpjax.mesh import MODEL
 
@@ -56,13 +58,17 @@ class _ParallelLinear(nnx.Module):
     split: int  # the kernel's dimension split over the axis: 1 columns, 0 rows
 
     def __init__(self, in_features: int, out_features: int, *, use_bias: bool = True, axis: str = MODEL,
-                 algorithm: str = "ring", kernel_init=default_init, dtype=None, param_dtype=jnp.float32,
-                 rngs: nnx.Rngs):
+                 algorithm: str = "ring", kernel_init=default_init, bias_init=nnx.initializers.zeros_init(),
+                 dtype=None, param_dtype=jnp.float32, rngs: nnx.Rngs):
         self.in_features, self.out_features, self.axis, self.algorithm = in_features, out_features, axis, algorithm
         self.dtype, self.param_dtype = dtype, param_dtype
         kernel_axes = (None, axis) if self.split == 1 else (axis, None)
+        # the keys drawn as nnx.Linear draws them (the kernel's, then the bias's if there is
+        # one): a layer swapped for nnx.Linear starts from its values, and so does every
+        # layer created after it from the same rngs
         self.kernel = _param(kernel_init(rngs.params(), (in_features, out_features), param_dtype), kernel_axes)
-        self.bias = _param(jnp.zeros((out_features,), param_dtype), kernel_axes[1:]) if use_bias else None
+        self.bias = _param(bias_init(rngs.params(), (out_features,), param_dtype), kernel_axes[1:]) if use_bias \
+            else nnx.data(None)
 
     def _weights(self):
         """(kernel, bias or None): this device's blocks in the compute dtype, their shapes checked."""
@@ -96,7 +102,10 @@ class RowParallelLinear(_ParallelLinear):
     def __call__(self, h_BxFm):
         kernel_FmxD, bias_D = self._weights()
         (h_BxFm,) = _cast(self.dtype, h_BxFm)
-        assert h_BxFm.shape[-1] == kernel_FmxD.shape[0], (h_BxFm.shape, kernel_FmxD.shape)
+        if h_BxFm.shape[-1] != kernel_FmxD.shape[0]:
+            raise UserError(f"RowParallelLinear({self.in_features}, {self.out_features}): its input's last dimension "
+                            f"is {h_BxFm.shape[-1]}, not this device's {kernel_FmxD.shape[0]} rows: feed it a "
+                            "ColumnParallelLinear's output (split over the same axis), not a whole one")
         return tp.row_parallel(h_BxFm, kernel_FmxD, bias_D, parallel(self.axis, self.algorithm))
 
 
@@ -160,3 +169,18 @@ def cross_entropy(logits_BxTxVm, targets_BxT, *, axis: str = MODEL, algorithm: s
     """Mean softmax cross-entropy of logits split by vocabulary over `axis` (a
     ColumnParallelLinear's or VocabParallelEmbed.attend's output), never gathering them."""
     return tp.vocab_parallel_cross_entropy(logits_BxTxVm, targets_BxT, parallel(axis, algorithm))
+
+
+def sync_batchnorm(model, axis_name="data"):
+    """torch's `SyncBatchNorm.convert_sync_batchnorm` for NNX: every `nnx.BatchNorm` in
+    `model` (however deep, however many) averages its batch statistics over `axis_name`,
+    so that inside `dpjax.shard_step` each device normalises by the global batch's mean
+    and variance (and the running statistics stay one copy), as on one device. Returns
+    `model` (changed in place), so it wraps the constructor: one line,
+    `model = sync_batchnorm(CNN(rngs=nnx.Rngs(0)))`. `axis_name`: the mesh's data axes,
+    ("node", "data") on a node x data x model mesh. Outside shard_step such a BatchNorm
+    runs in eval mode only (in training mode it averages over an axis that is not there)."""
+    norms = [node for _, node in nnx.iter_graph(model) if isinstance(node, nnx.BatchNorm)]
+    for norm in norms:
+        norm.axis_name = axis_name
+    return model
