@@ -27,8 +27,8 @@ from dpjax.data_parallel import (
     broadcast_params,
     process_rows,
     shard_batch,
-    shard_step,
 )
+from dpjax.wrapper import shard_step
 from dpjax.distributed import local_rank, process_count, process_index
 from dpjax.errors import UserError
 from dpjax.replicas import ReplicationError

@@ -36,8 +36,8 @@ class Staged(NamedTuple):
 
 
 def _stage_algorithm(algorithm: str) -> str:
-    # hierarchical needs two axes; `stage` is one
-    return "ring" if algorithm == "hierarchical" else algorithm
+    # an algorithm over (outer, inner) levels needs two axes; `stage` is one
+    return "ring" if collectives.registry.nested(algorithm) else algorithm
 
 
 def for_model(model, layout, algorithm: str = "ring") -> Staged:
