@@ -23,6 +23,7 @@ from jax.sharding import PartitionSpec as P
 from dpjax import attention, collectives, stack
 from dpjax import tensor_parallel as tp
 from dpjax.errors import UserError
+from dpjax.models.registry import Entry, register
 from dpjax.tensor_parallel import DENSE, Parallel
 
 
@@ -217,3 +218,6 @@ class GPT(ByteModel):
         matmul = c.n_layers * (4 * c.d_model**2 + 2 * c.d_model * c.d_ff) + c.vocab_size * c.d_model
         attention = c.n_layers * 4 * c.seq_len * c.d_model  # QK^T and PV: forward FLOPs per token
         return 6 * matmul + 3 * attention
+
+
+register(Entry("gpt", GPT, GPTConfig))

@@ -16,6 +16,7 @@ from jax.sharding import PartitionSpec as P
 
 from dpjax import tensor_parallel as tp
 from dpjax.models.gpt import ByteModel, check_positive
+from dpjax.models.registry import Entry, register
 from dpjax.tensor_parallel import DENSE, Parallel
 
 
@@ -71,3 +72,6 @@ class MLP(ByteModel):
     def flops_per_token(self) -> float:
         c = self.config
         return 6 * (c.context * c.d_embed * c.d_hidden + c.d_hidden * c.vocab_size)
+
+
+register(Entry("mlp", MLP, MLPConfig))

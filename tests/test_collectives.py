@@ -227,13 +227,16 @@ def run_bundle(mesh, axis, bodies: dict, inputs: dict) -> dict:
 
 
 # The primitives each algorithm has ("lax": the lax twins of the float cases).
-PRIMITIVES = {"psum": ("allreduce", "reduce_scatter", "all_gather", "broadcast"),
-              "ring": ("allreduce", "reduce_scatter", "all_gather", "broadcast"),
-              "butterfly": ("allreduce", "reduce_scatter", "all_gather"), "tree": ("allreduce", "broadcast"),
-              "ps": ("allreduce",), "hierarchical": ("allreduce", "reduce_scatter", "all_gather"),
-              "lax": ("allreduce", "reduce_scatter", "all_gather")}
 BASE_CASES = {"allreduce": allreduce_cases, "reduce_scatter": reduce_scatter_cases,
               "all_gather": all_gather_cases, "broadcast": broadcast_cases}
+
+
+def primitives(algorithm: str) -> tuple[str, ...]:
+    """The primitives of BASE_CASES an algorithm implements, read from its registration
+    (a new algorithm needs no entry here); "lax" is the lax twins' own variant."""
+    if algorithm == "lax":
+        return ("allreduce", "reduce_scatter", "all_gather")
+    return tuple(p for p in BASE_CASES if C.registry.get(algorithm).implements(p))
 
 
 def body_of(algorithm: str, opts: dict, primitive: str, axis, n: int, case: Case):
@@ -271,7 +274,7 @@ def program(cache, mesh_of, mc: MeshCase, variant, cases_fn=None):
     def build():
         table = {"allreduce": cases_fn} if cases_fn else BASE_CASES
         bodies, inputs = {}, {}
-        for primitive in PRIMITIVES[algorithm]:
+        for primitive in primitives(algorithm):
             cases = list(mesh_cases(mc, table[primitive])) if primitive in table else []
             if not cases_fn and primitive in OP_CATALOGUE and (name, mc) in OP_SLOTS:
                 cases += [c for c in op_cases(primitive, OP_SLOTS[name, mc]) if op_supported(algorithm, primitive, c)]

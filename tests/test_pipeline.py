@@ -100,10 +100,7 @@ GRID = [(S, M) for S in (1, 2, 3, 4, 8) for M in (1, 2, 3, 4, 8, 16)]
 def test_timetables(schedule):
     for S, M in GRID:
         live = check_timetable(timetable(Pipeline(schedule, M), S))
-        if schedule == "1f1b":
-            assert live == min(M, 2 * S - 1)  # bounded by the stages, not by M
-        else:
-            assert live == M  # every micro-batch's input, until the backwards begin
+        assert live == SCHEDULES[schedule].stash(S, M, 1)  # 1f1b: bounded by the stages; else every input
 
 
 def test_interleaved_timetable():
@@ -113,7 +110,7 @@ def test_interleaved_timetable():
             tt = timetable(Pipeline("interleaved", g * S, V), S)
             assert tt.ticks == V * g * S + V * S + S - 2
             live[g] = check_timetable(tt)
-        assert live[2] == live[4] <= 2 * S * V - 1  # bounded by the stages and chunks, not by M
+        assert live[2] == live[4] <= SCHEDULES["interleaved"].stash(S, 2 * S, V)  # by the stages and chunks, not M
     for S, M in GRID:  # one chunk per stage is 1F1B, slot for slot
         a, b = timetable(Pipeline("interleaved", M, 1), S), timetable(Pipeline("1f1b", M), S)
         assert a.phases == b.phases and walk(a) == walk(b)
@@ -373,7 +370,8 @@ def test_memory_of_the_stages(mesh_of, schedule):
         ma = cost.train_memory(step, model, b * M)
         assert ma.argument_size_in_bytes == 3 * (layers // S + shared) + scalars + b * M * (T + 1) * 4
         temp[M] = ma.temp_size_in_bytes
-    if schedule == "1f1b":
+    stash = SCHEDULES[schedule].stash
+    if stash(S, 16, 1) == stash(S, 4, 1):  # a stash bounded by the stages (1f1b)
         assert temp[16] == temp[4]
     else:
         assert temp[16] - temp[4] >= 12 * 2 * b * T * D * 4, temp
