@@ -33,7 +33,7 @@ it with the error buffer, the start step and the state's layout):
                                program is checked against (`accounting.compressed_bytes`)
     gather                     whether the exchange all-gathers every rank's message
                                (sign, top-k) rather than summing on the ring
-    reduce_scatter(rows_NxC, axis_name, spec, key, algorithm) -> (mean_C, resid_NxC)
+    reduce_scatter(rows_IxN, axis_name, spec, key, algorithm) -> (mean_N, resid_IxN)
                                FSDP's reduce-scatter (`dpjax.compression.sharded`) of one
                                tensor's error-corrected local gradient cut into the n
                                destination shards (rows): what every rank sends of row r is
