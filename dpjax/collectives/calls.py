@@ -77,6 +77,14 @@ def _prepare(what, x, axis_name, algorithm, *, groups=None, reorder=False, **arg
     return alg, axis_name, n, groups
 
 
+def _local(out, shape, what: str, algorithm: str):
+    """`out`, asserted to be the block of the result its algorithm owes this device, whose
+    shape follows from the block the device gave (`shape`): every algorithm's result
+    passes here, where the blocks are local (DESIGN.md: the scaling book's habit)."""
+    assert out.shape == tuple(shape), f"{what} {algorithm!r} returned a {out.shape} block, not {tuple(shape)}"
+    return out
+
+
 def _within(groups, fn, x, axis_name, n):
     return fn(x, axis_name) if groups is None else process_sets.run(fn, x, axis_name, groups, n)
 
@@ -140,6 +148,7 @@ def allreduce(x, axis_name, *, algorithm: str = "ring", op: str = "sum", prescal
                          f"algorithm='butterfly', not {algorithm!r}")
     fn = adasum.allreduce if op == "adasum" else alg.allreduce
     out = _within(groups, lambda v, ax: fn(v, ax, op=op, **options), ops.scale(x, prescale_factor), axis_name, n)
+    _local(out, x.shape, "allreduce", algorithm)
     size = _group_size(groups, n, axis_name)
     if isinstance(size, int):
         return ops.finish(out, op, size, postscale_factor)
@@ -168,6 +177,7 @@ def reduce_scatter(x, axis_name, *, algorithm: str = "ring", op: str = "sum", pr
     split_dim0(x, k, "reduce_scatter", " (or give sizes=[rows of each rank])")
     x = ops.scale(x, prescale_factor)
     out = _within(groups, lambda v, ax: alg.reduce_scatter(v, ax, op=op), x, axis_name, n)
+    _local(out, (x.shape[0] // k, *x.shape[1:]), "reduce_scatter", algorithm)
     return ops.finish(out, op, k, postscale_factor)
 
 
@@ -187,6 +197,8 @@ def all_gather(x, axis_name, *, algorithm: str = "ring", sizes=None, groups=None
         sizes = uneven.check_sizes(sizes, _group_size(groups, n, axis_name), "all_gather")
         uneven.check_gather_input(x, sizes)
     out = _within(groups, alg.all_gather, x, axis_name, n)
+    k = _group_size(groups, n, axis_name)
+    _local(out, (k * x.shape[0], *x.shape[1:]) if isinstance(k, int) else out.shape, "all_gather", algorithm)
     return out if sizes is None else uneven.cut_blocks(out, sizes)
 
 
@@ -208,7 +220,8 @@ def broadcast(x, axis_name, *, root: int = 0, algorithm: str = "tree", groups=No
     if not 0 <= root < k:
         raise ValueError(f"broadcast root {root} is outside the " + (
             f"axis of size {n}" if groups is None else f"smallest group, of size {k}"))
-    return _within(groups, lambda v, ax: alg.broadcast(v, ax, root=root), x, axis_name, n)
+    return _local(_within(groups, lambda v, ax: alg.broadcast(v, ax, root=root), x, axis_name, n), x.shape,
+                  "broadcast", algorithm)
 
 
 @_named("all_to_all")
@@ -219,4 +232,4 @@ def all_to_all(x, axis_name, *, algorithm: str = "pairwise", groups=None):
     x = jnp.asarray(x)
     alg, axis_name, n, groups = _prepare("all_to_all", x, axis_name, algorithm, groups=groups)
     split_dim0(x, _group_size(groups, n, axis_name), "all_to_all")
-    return _within(groups, alg.all_to_all, x, axis_name, n)
+    return _local(_within(groups, alg.all_to_all, x, axis_name, n), x.shape, "all_to_all", algorithm)
