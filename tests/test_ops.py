@@ -26,8 +26,8 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from test_collectives import (DTYPES, FLAT_VARIANTS, HIERARCHICAL, OP_CATALOGUE, OP_SLOTS, primitives, program,
-                              sum_bound)
+from collectives_harness import (DTYPES, FLAT_VARIANTS, HIERARCHICAL, OP_CATALOGUE, OP_SLOTS, primitives, program,
+                                 sum_bound)
 
 VARIANTS = {v[0]: v for v in FLAT_VARIANTS + [HIERARCHICAL]}
 

@@ -22,7 +22,7 @@ from dpjax import collectives as C
 from dpjax.collectives import registry
 from dpjax.collectives.uneven import default_sizes
 from dpjax.compression import summable  # the collectives take a resolved wire method
-from test_collectives import run_bundle
+from collectives_harness import run_bundle
 
 N = 8
 UNEQUAL = [[0, 2, 4], [1, 3], [5, 6, 7]]  # three sizes, every rank in a set
