@@ -6,15 +6,32 @@ initials (`Bd`: the batch split over the data axes, `Fm`: F split over `model`, 
 the layers split over `stage`). Outside a shard_map the name is the global array,
 inside it this device's block, and every shard_map body asserts its local shapes.
 
-    B  sequences in a batch          A  accumulated micro-batches (--backward-passes)
-    T  tokens in a sequence (T1: +1) M  pipeline micro-batches (--microbatches)
-    D  model width (d_model)         L  layers of a stack
-    F  MLP width (d_ff)              S  pipeline stages
-    H  attention heads               W  workers of an update rule
-    K  width of one head             R  slots of an update rule's history (its delay)
-    V  vocabulary                    P  a parameter's own shape (any rank)
-    E  embedding width (mlp)         N  elements of a flattened buffer
-    C  context window (mlp)          U  unique values (the replica check)
+    B  sequences in a batch (or in one micro-batch, beside M)
+    T  tokens in a sequence (T1: one more, the targets' shift)
+    D  model width (d_model)
+    F  MLP width (gpt's d_ff, mlp's d_hidden)
+    H  attention heads
+    K  width of one head
+    V  vocabulary
+    E  embedding width (mlp)
+    C  the mlp's input window (context x E)
+    A  accumulated micro-batches (--backward-passes)
+    M  pipeline micro-batches (--microbatches)
+    L  layers of a stack (or of one chunk, beside G)
+    S  pipeline stages
+    G  chunks of a stage's layers (virtual stages)
+    W  workers of an update rule
+    R  slots of a rule's history (delayed:T keeps T, async:TAU keeps TAU + 1)
+    P  a parameter's own shape (any rank)
+    N  elements of a flat buffer (a fusion bucket, a rank's row, a quantised block)
+    I  ranks along an axis (a row each)
+    J  shards of a tensor (compression's per-shard form)
+    Q  values a sparse compression picks (top-k's and random-k's k)
+    Z  blocks of a quantised buffer (one scale each)
+    U  uint32 words of a block's bits (the replica check's fingerprint)
+
+Axis initials, lower case after a letter: d data, m model, n node, s stage.
+tests/test_shape_letters.py reads this table and the package's names.
 
 Scalars are words, not letters: `delay` (delayed:T), `tau` (async:TAU), `period`
 (sparse:P), `virtual_stages` (V in the papers' bubble formulas).
@@ -27,8 +44,8 @@ from dpjax.data_parallel import (
     broadcast_params,
     process_rows,
     shard_batch,
-    shard_step,
 )
+from dpjax.wrapper import shard_step
 from dpjax.distributed import local_rank, process_count, process_index
 from dpjax.errors import UserError
 from dpjax.replicas import ReplicationError

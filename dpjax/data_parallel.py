@@ -17,7 +17,6 @@ twice (once by JAX, silently, once here).
 
 from __future__ import annotations
 
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -31,10 +30,11 @@ from dpjax import collectives, scopes
 from dpjax.collectives._common import axis_size
 from dpjax.compression import COMPRESSIONS  # noqa: F401  (the names --compression takes; step.Exchange reads it)
 from dpjax.compression import check as check_compression
+from dpjax.compression import summable
 from dpjax.fusion import pack, plan_buckets, unpack
 from dpjax.mesh import data_axes
-from dpjax.wrapper import shard_step  # noqa: F401  (the step wrapper lives in its own module)
 from dpjax.wrapper_checks import splits_nothing
+from dpjax.per_rank import DistributedState  # noqa: F401  (its home: the per-rank state it carries)
 
 OPS = ("mean", "sum", "adasum")
 
@@ -61,16 +61,9 @@ def allreduce_gradients(grads, axis_name="data", *, algorithm: str = "ring", fus
     if op != "mean" and f != 1.0:
         raise ValueError(f"gradient_predivide_factor applies to op='mean' only, not to op={op!r}")
     with scopes.phase("exchange"):  # every rule's exchange passes here (dpjax.scopes, dpjax.timeline)
-        return collectives.grouped_allreduce(grads, axis_name, op=op, fusion_mb=fusion_mb, compression=compression,
+        return collectives.grouped_allreduce(grads, axis_name, op=op, fusion_mb=fusion_mb, compression=summable(compression),
                                              algorithm=algorithm, prescale_factor=1 / f, postscale_factor=f,
                                              **options)
-
-
-class DistributedState(NamedTuple):
-    inner: optax.OptState
-    passes: jax.Array  # backward passes accumulated so far (mod backward_passes_per_step)
-    accumulated: optax.Updates  # sum of local gradients since the last exchange (or ())
-    compression: object = ()  # this rank's error feedback (dpjax.compression.feedback.State), or ()
 
 
 def DistributedOptimizer(inner: optax.GradientTransformation, axis_name="data", algorithm: str = "ring",

@@ -149,6 +149,18 @@ def as_axes(axis_name) -> tuple[str, ...]:
     return tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
 
 
+def is_spec(x) -> bool:
+    """Whether `x` is a PartitionSpec (the leaf of a tree of specs)."""
+    from jax.sharding import PartitionSpec  # importing dpjax.mesh does not import JAX
+
+    return isinstance(x, PartitionSpec)
+
+
+def spec_axes(spec) -> tuple:
+    """Every mesh axis a PartitionSpec splits a dimension over, in the spec's order."""
+    return tuple(a for e in spec for a in as_axes(e))
+
+
 def axis_arg(axes: tuple):
     """The axis argument collectives take: one name, or a tuple for several."""
     return axes[0] if len(axes) == 1 else tuple(axes)

@@ -14,6 +14,7 @@ the first call spreads it into the slots (all zero alike).
 from __future__ import annotations
 
 import math
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -25,9 +26,17 @@ from dpjax.mesh import as_axes, data_axes
 FIELDS = ("compression", "error")  # where a DistributedState keeps the per-rank part
 
 
-def _is_state(x) -> bool:
-    from dpjax.data_parallel import DistributedState
+class DistributedState(NamedTuple):
+    """`DistributedOptimizer`'s state (`dpjax.data_parallel`), here beside the code that
+    finds its per-rank part, which `shard_step` (`dpjax.wrapper`) imports."""
 
+    inner: Any  # the inner optax state
+    passes: jax.Array  # backward passes accumulated so far (mod backward_passes_per_step)
+    accumulated: Any  # sum of local gradients since the last exchange (or ())
+    compression: object = ()  # this rank's error feedback (dpjax.compression.feedback.State), or ()
+
+
+def _is_state(x) -> bool:
     return isinstance(x, DistributedState)
 
 

@@ -34,12 +34,8 @@ from jax.sharding import PartitionSpec as P
 
 from dpjax.errors import UserError
 from dpjax import pipeline as pp
-from dpjax.mesh import MODEL, STAGE, as_axes, data_axes
+from dpjax.mesh import MODEL, STAGE, as_axes, data_axes, is_spec, spec_axes
 from dpjax.tensor_parallel import Parallel
-
-
-def is_spec(x) -> bool:
-    return isinstance(x, P)
 
 
 def leaf_name(path) -> str:
@@ -54,10 +50,6 @@ def specs_from_table(tree, table: dict):
             raise KeyError(f"parameter {leaf_name(path)} has no entry in the sharding table")
         return table[key]
     return jax.tree_util.tree_map_with_path(spec, tree)
-
-
-def spec_axes(spec: P) -> tuple:
-    return tuple(a for e in spec for a in as_axes(e))
 
 
 def _resolve(spec: P, ndim: int, names) -> P:

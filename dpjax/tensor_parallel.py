@@ -259,18 +259,27 @@ class Parallel:
     def rank(self):
         return lax.axis_index(self.model_axis) if _active(self.model_axis) else 0
 
+    def size(self) -> int:
+        """The model axis's size (1 when dense): a dimension split over `model` is its
+        global size over this, where the blocks are local."""
+        return axis_size(self.model_axis) if _active(self.model_axis) else 1
+
 
 DENSE = Parallel()
 
 
 def column_parallel(x_BdxTxD, w_DxFm, b_Fm=None, par: Parallel = DENSE):
     """x @ W[:, cols] (+ b[cols]): W split by columns; the output is this shard's columns."""
+    assert x_BdxTxD.shape[-1] == w_DxFm.shape[0] and (b_Fm is None or b_Fm.shape == w_DxFm.shape[1:]), (
+        x_BdxTxD.shape, w_DxFm.shape, None if b_Fm is None else b_Fm.shape)  # this device's blocks
     y_BdxTxFm = par.f(x_BdxTxD) @ w_DxFm
     return y_BdxTxFm if b_Fm is None else y_BdxTxFm + b_Fm
 
 
 def row_parallel(h_BdxTxFm, w_FmxD, b_D=None, par: Parallel = DENSE):
     """sum over shards of h[:, rows] @ W[rows, :] (+ b): input split, output whole."""
+    assert h_BdxTxFm.shape[-1] == w_FmxD.shape[0] and (b_D is None or b_D.shape == w_FmxD.shape[1:]), (
+        h_BdxTxFm.shape, w_FmxD.shape, None if b_D is None else b_D.shape)  # this device's blocks
     y_BdxTxD = par.g(h_BdxTxFm @ w_FmxD)
     return y_BdxTxD if b_D is None else y_BdxTxD + b_D
 
@@ -279,6 +288,9 @@ def head_parallel_attention(x_BdxTxD, wqkv_Dx3xHmxK, wo_HmxKxD, core, par: Paral
     """Multi-head attention with this shard's heads: QKV column-parallel, the output
     projection row-parallel (Megatron-LM, figure 3b). `core(q, k, v)` is the per-head
     attention, Bd x T x Hm x K in and out."""
+    D = x_BdxTxD.shape[-1]
+    assert wqkv_Dx3xHmxK.shape[:2] == (D, 3) and wo_HmxKxD.shape == (*wqkv_Dx3xHmxK.shape[2:], D), (
+        x_BdxTxD.shape, wqkv_Dx3xHmxK.shape, wo_HmxKxD.shape)  # this device's heads
     qkv = jnp.einsum("btd,dihk->ibthk", par.f(x_BdxTxD), wqkv_Dx3xHmxK)
     a_BdxTxHmxK = core(qkv[0], qkv[1], qkv[2])
     return par.g(jnp.einsum("bthk,hkd->btd", a_BdxTxHmxK, wo_HmxKxD))
@@ -294,6 +306,8 @@ def _local_ids(ids, n_local: int, par: Parallel):
 def vocab_parallel_embed(tokens_BdxT, embed_VmxD, par: Parallel = DENSE):
     """Rows of an embedding table split by vocabulary: each shard looks up the tokens it
     owns (zeros elsewhere) and g sums the shards (Megatron-LM, section 3)."""
+    assert embed_VmxD.ndim == 2 and jnp.issubdtype(tokens_BdxT.dtype, jnp.integer), (embed_VmxD.shape,
+                                                                                      tokens_BdxT.dtype)
     local, inside = _local_ids(tokens_BdxT, embed_VmxD.shape[0], par)
     e_BdxTxD = jnp.where(inside[..., None], embed_VmxD[local], 0)
     return par.g(e_BdxTxD)
@@ -304,6 +318,7 @@ def vocab_parallel_cross_entropy(logits_BdxTxVm, targets_BdxT, par: Parallel = D
     loss = log sum_v exp(z_v - m) - (z_target - m), with m the global maximum (from the
     shards' maxima), the sum of exponentials and the target logit each assembled by g.
     The gradient w.r.t. this shard's logits is softmax - onehot on its slice."""
+    assert logits_BdxTxVm.shape[:-1] == targets_BdxT.shape, (logits_BdxTxVm.shape, targets_BdxT.shape)
     z_BdxTxVm = logits_BdxTxVm.astype(jnp.float32)
     m_BdxT = lax.stop_gradient(z_BdxTxVm.max(-1))
     if _active(par.model_axis):  # the max of the shards' maxima: an explicit all-gather of Bd x T

@@ -12,7 +12,7 @@ job's settings, the same data, initial parameters and steps for every variant; o
 random-k 1%), each with error feedback and without (`,ef=0`). Bytes sent are what the
 busiest device sends per step, read from the compiled program (`cost.hlo_comm`, what
 `comm_bytes` in the metrics reports), times the steps; each method's formula
-(`cost.compressed_bytes`) is printed beside it (the program sends 14 bytes more: the
+(`accounting.compressed_bytes`) is printed beside it (the program sends 14 bytes more: the
 reported loss's scalar mean).
 """
 
@@ -28,7 +28,8 @@ import _bench
 from update_runs import DATE, MACHINE, Bench
 
 from dpjax import step as S
-from dpjax.collectives.cost import compressed_bytes, hlo_comm
+from dpjax.collectives.cost import hlo_comm
+from dpjax.compression.accounting import compressed_bytes
 from dpjax.timeline import compiled_text
 
 METHODS = ["powersgd:1", "powersgd:2", "powersgd:4", "int8", "int4", "sign", "topk:0.01", "randk:0.01"]

@@ -34,7 +34,8 @@ from dpjax.data import make_streams  # noqa: E402
 from dpjax.mesh import make_mesh  # noqa: E402
 from dpjax.models import get_model  # noqa: E402
 from dpjax.optim import OptimizerConfig  # noqa: E402
-from dpjax.sharding import is_spec, make_layout, spec_axes  # noqa: E402
+from dpjax.mesh import is_spec, spec_axes  # noqa: E402
+from dpjax.sharding import make_layout  # noqa: E402
 
 MiB = 2**20
 LAYOUTS = [("1x1", False), ("1x8", False), ("2x4", False), ("8x1", True), ("2x4", True)]

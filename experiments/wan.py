@@ -40,7 +40,7 @@ per-shard form (each device of a site sends its quarter of the site's gradient a
 23 Mbit/s, reach the target loss of sync on the datacenter link in at most 1.25x the
 datacenter run's time; the last line says what the best variant reaches. A compressed
 variant's prediction charges the ring's latencies over the 2 sites and the method's
-bytes (`cost.compressed_bytes`): a lower bound (PowerSGD chains three allreduces).
+bytes (`accounting.compressed_bytes`): a lower bound (PowerSGD chains three allreduces).
 
 --clock virtual (the default with --gpt) runs the emulated wire on a `dpjax.links.VirtualTime`:
 before each step the clock moves by the variant's compute a step (measured without
@@ -63,7 +63,8 @@ import _bench
 from update_runs import DATE, MACHINE, Bench, plot
 
 from dpjax import step as S
-from dpjax.collectives.cost import Link, compressed_bytes, schedule
+from dpjax.collectives.cost import Link, schedule
+from dpjax.compression.accounting import compressed_bytes
 from dpjax.compression.shards import shard_shape
 from dpjax.links import AxisLink, Clock, VirtualTime
 

@@ -4,7 +4,8 @@ A model is a small object with `config`, `init(key) -> params`, `loss(params, ba
 par=DENSE)` (`batch`: int32 tokens of shape (B, T+1); the loss predicts tokens[:, 1:]
 from tokens[:, :-1]; `par`, a `dpjax.tensor_parallel.Parallel`, names the model axis
 inside a sharded step), `SPECS` (its one sharding table: leaf name -> PartitionSpec over
-`model`) and `flops_per_token()`.
+`model`) and `flops_per_token()` (`registry.Model`). Each model registers itself at the
+end of its file (`registry.py`).
 """
 
 from __future__ import annotations
@@ -12,18 +13,25 @@ from __future__ import annotations
 import dataclasses
 
 from dpjax.errors import UserError
+from dpjax.models import gpt, mlp
 from dpjax.models.gpt import GPT, GPTConfig
 from dpjax.models.mlp import MLP, MLPConfig
+from dpjax.models.registry import MODELS, Entry, Model, register, registered, unregister
 
-MODELS = {"gpt": (GPT, GPTConfig), "mlp": (MLP, MLPConfig)}
+REGISTERED_BY = (gpt, mlp)  # importing a model's module registers it
 # Set by the data, not chosen per model.
 _NOT_OPTIONS = ("vocab_size", "seq_len")
 
 
 def model_options() -> dict[str, dict[str, object]]:
     """Each model's settable options and their defaults: {model: {field: default}}."""
-    return {name: {f.name: f.default for f in dataclasses.fields(cfg) if f.name not in _NOT_OPTIONS}
-            for name, (_, cfg) in MODELS.items()}
+    return {name: {f.name: f.default for f in dataclasses.fields(m.config) if f.name not in _NOT_OPTIONS}
+            for name, m in MODELS.items()}
+
+
+def option_types() -> dict[str, type]:
+    """Each model option's type, read from the configs (the command line parses with it)."""
+    return {k: t for m in MODELS.values() for k, t in m.option_types().items() if k not in _NOT_OPTIONS}
 
 
 def get_model(name: str, **overrides):
@@ -31,7 +39,7 @@ def get_model(name: str, **overrides):
     option the model does not have is an error naming the ones it has."""
     if name not in MODELS:
         raise UserError(f"unknown model {name!r}; choose one of {', '.join(MODELS)}")
-    cls, cfg_cls = MODELS[name]
+    cls, cfg_cls = MODELS[name].build, MODELS[name].config
     fields = {f.name for f in dataclasses.fields(cfg_cls)}
     given = {k: v for k, v in overrides.items() if v is not None}
     wrong = sorted(set(given) - fields)
@@ -41,4 +49,5 @@ def get_model(name: str, **overrides):
     return cls(cfg_cls(**given))
 
 
-__all__ = ["GPT", "GPTConfig", "MLP", "MLPConfig", "MODELS", "get_model", "model_options"]
+__all__ = ["GPT", "GPTConfig", "MLP", "MLPConfig", "MODELS", "Entry", "Model", "get_model", "model_options",
+           "option_types", "register", "registered", "unregister"]

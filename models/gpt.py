@@ -23,6 +23,7 @@ from jax.sharding import PartitionSpec as P
 from dpjax import attention, collectives, stack
 from dpjax import tensor_parallel as tp
 from dpjax.errors import UserError
+from dpjax.models.registry import Entry, register
 from dpjax.tensor_parallel import DENSE, Parallel
 
 
@@ -138,14 +139,20 @@ class GPT(ByteModel):
 
     def embed(self, params, tokens_BdxT, par: Parallel = DENSE):
         """Token plus position embeddings (the first stage's work): Bd x T x D."""
-        T = tokens_BdxT.shape[1]
+        c, T = self.config, tokens_BdxT.shape[1]
+        assert T <= c.seq_len and params["embed_VmxD"].shape == (c.vocab_size // par.size(), c.d_model), (
+            tokens_BdxT.shape, params["embed_VmxD"].shape, par.size())  # this device's blocks
         embed_VmxD, pos_TxD = par.policy.cast((params["embed_VmxD"], params["pos_TxD"]))
         return tp.vocab_parallel_embed(tokens_BdxT, embed_VmxD, par) + pos_TxD[:T]
 
     def layer(self, blk, x_BdxTxD, par: Parallel = DENSE):
         """One pre-LN transformer block; `blk` is one layer of the stack (its leaves without
         the leading L: `w1_LsxDxFm` is D x Fm here)."""
-        a, m = blk["attn"], blk["mlp"]
+        a, m, c, n = blk["attn"], blk["mlp"], self.config, par.size()
+        D, H = c.d_model, c.n_heads
+        assert x_BdxTxD.shape[-1] == D and a["wqkv_LsxDx3xHmxK"].shape == (D, 3, H // n, D // H) and \
+            m["w1_LsxDxFm"].shape == (D, c.d_ff // n), (x_BdxTxD.shape, a["wqkv_LsxDx3xHmxK"].shape,
+                                                          m["w1_LsxDxFm"].shape, n)  # this device's blocks
         h_BdxTxD = layer_norm(x_BdxTxD, blk["ln1"]["scale_LsxD"], blk["ln1"]["bias_LsxD"])
         x_BdxTxD = x_BdxTxD + tp.head_parallel_attention(h_BdxTxD, a["wqkv_LsxDx3xHmxK"], a["wo_LsxHmxKxD"],
                                                          attention.kernel(par.policy.attention), par)
@@ -157,6 +164,7 @@ class GPT(ByteModel):
         """Final layer norm and the tied output head (the last stage's work): Bd x T x Vm,
         float32 whatever the compute dtype (the logits are a numerically sensitive part:
         `dpjax.policy`)."""
+        assert x_BdxTxD.shape[-1] == self.config.d_model, x_BdxTxD.shape
         x_BdxTxD = layer_norm(x_BdxTxD, params["ln_f"]["scale_D"], params["ln_f"]["bias_D"]).astype(jnp.float32)
         return tp.column_parallel(x_BdxTxD, params["embed_VmxD"].T.astype(jnp.float32), None, par)  # tied head
 
@@ -217,3 +225,6 @@ class GPT(ByteModel):
         matmul = c.n_layers * (4 * c.d_model**2 + 2 * c.d_model * c.d_ff) + c.vocab_size * c.d_model
         attention = c.n_layers * 4 * c.seq_len * c.d_model  # QK^T and PV: forward FLOPs per token
         return 6 * matmul + 3 * attention
+
+
+register(Entry("gpt", GPT, GPTConfig))

@@ -16,6 +16,7 @@ from jax.sharding import PartitionSpec as P
 
 from dpjax import tensor_parallel as tp
 from dpjax.models.gpt import ByteModel, check_positive
+from dpjax.models.registry import Entry, register
 from dpjax.tensor_parallel import DENSE, Parallel
 
 
@@ -34,7 +35,7 @@ class MLPConfig:
 class MLP(ByteModel):
     name = "mlp"
     # Hidden units split over the model axis: w1 column-parallel, w2 row-parallel.
-    SPECS = {"embed_VxE": P(), "w1_CxHm": P(None, "model"), "b1_Hm": P("model"), "w2_HmxV": P("model", None),
+    SPECS = {"embed_VxE": P(), "w1_CxFm": P(None, "model"), "b1_Fm": P("model"), "w2_FmxV": P("model", None),
              "b2_V": P()}
 
     def init(self, key):
@@ -43,9 +44,9 @@ class MLP(ByteModel):
         C = c.context * c.d_embed
         return {
             "embed_VxE": 0.1 * jax.random.normal(k[0], (c.vocab_size, c.d_embed)),
-            "w1_CxHm": jax.random.normal(k[1], (C, c.d_hidden)) / math.sqrt(C),
-            "b1_Hm": jnp.zeros((c.d_hidden,)),
-            "w2_HmxV": jax.random.normal(k[2], (c.d_hidden, c.vocab_size)) / math.sqrt(c.d_hidden),
+            "w1_CxFm": jax.random.normal(k[1], (C, c.d_hidden)) / math.sqrt(C),
+            "b1_Fm": jnp.zeros((c.d_hidden,)),
+            "w2_FmxV": jax.random.normal(k[2], (c.d_hidden, c.vocab_size)) / math.sqrt(c.d_hidden),
             "b2_V": jnp.zeros((c.vocab_size,)),
         }
 
@@ -57,8 +58,8 @@ class MLP(ByteModel):
         padded = jnp.pad(e_BdxTxE, ((0, 0), (c.context - 1, 0), (0, 0)))
         T = tokens_BdxT.shape[1]
         win_BdxTxC = jnp.concatenate([padded[:, i:i + T] for i in range(c.context)], axis=-1)
-        h_BdxTxHm = jax.nn.relu(tp.column_parallel(win_BdxTxC, p["w1_CxHm"], p["b1_Hm"], par))
-        return tp.row_parallel(h_BdxTxHm, p["w2_HmxV"], p["b2_V"], par)
+        h_BdxTxFm = jax.nn.relu(tp.column_parallel(win_BdxTxC, p["w1_CxFm"], p["b1_Fm"], par))
+        return tp.row_parallel(h_BdxTxFm, p["w2_FmxV"], p["b2_V"], par)
 
     def activation_bytes(self, rows: int, **policy) -> int:
         """Bytes of float32 activations the backward pass of `rows` sequences keeps (an
@@ -71,3 +72,6 @@ class MLP(ByteModel):
     def flops_per_token(self) -> float:
         c = self.config
         return 6 * (c.context * c.d_embed * c.d_hidden + c.d_hidden * c.vocab_size)
+
+
+register(Entry("mlp", MLP, MLPConfig))

@@ -31,7 +31,7 @@ from jax.sharding import PartitionSpec as P
 
 import dpjax
 from dpjax import collectives as C
-from test_collectives import run_bundle
+from collectives_harness import run_bundle
 
 U32 = 2.0 ** -24
 

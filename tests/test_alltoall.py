@@ -18,7 +18,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from dpjax import collectives as C
-from test_collectives import run_bundle
+from collectives_harness import run_bundle
 
 DTYPES = [np.float32, ml_dtypes.bfloat16, np.int32, np.bool_]
 

@@ -10,7 +10,7 @@ import jax
 import numpy as np
 import pytest
 
-from dpjax.collectives import cost
+from dpjax.compression import accounting
 from dpjax.train import main
 
 from conftest import tiny_gpt
@@ -42,14 +42,14 @@ def _shapes(plan):
 def test_each_row_has_its_steps_ratio_and_bytes(corpus, tmp_path, update, spec):
     """Steps 0-1 exchange exactly (sparse:2 averages once every 2 steps, so start=1 is
     its step 2), steps 2-3 compressed: each row's comm_bytes is that exchange's formula
-    (`cost.compressed_bytes`) plus the loss's mean, and its compression_ratio the
+    (`accounting.compressed_bytes`) plus the loss's mean, and its compression_ratio the
     formulas' ratio; the TensorBoard scalars carry the same ratio. sparse:2 averages at
     the end of steps 1 and 3 only: steps 0 and 2 send the loss's mean alone."""
     path, tb = tmp_path / "m.jsonl", tmp_path / "tb"
     assert main(_tiny(corpus, "--mesh", "8x1", "--update", update, "--compression", spec, "--metrics", str(path),
                       "--tensorboard", str(tb))) == 0
     plan = _plan(mesh="8x1", update=update, compression=spec)
-    plain, packed = (cost.compressed_bytes(c, _shapes(plan), 8, algorithm="ring", fusion_mb=64)
+    plain, packed = (accounting.compressed_bytes(c, _shapes(plan), 8, algorithm="ring", fusion_mb=64)
                      for c in (None, spec))
     rows = _rows(path)
     assert [r["step"] for r in rows] == [0, 1, 2, 3]

@@ -168,7 +168,7 @@ def test_bytes_across_sites_are_the_formula_of_the_shards(mesh_of, spec):
              for k, s in shapes.items()}
         return _crossing_bytes(f.lower(g, st).compile().as_text())
 
-    from dpjax.collectives.cost import compressed_bytes
+    from dpjax.compression.accounting import compressed_bytes
 
     shard = crossing(True)
     want = compressed_bytes(spec, [shard_shape(s, K) for s in shapes.values()], SITES, **ALLREDUCE)
@@ -195,7 +195,7 @@ def test_the_plan_picks_the_form():
     plan = _plan(mesh="2x4x1", compression="int8", compress_axes="node")
     assert plan.exchange.shards == Shards(("data",), 4, ("data", "model"))
     assert plan.describe()["exchange"]["per_shard"] == ["data"]
-    from dpjax.collectives.cost import compressed_bytes
+    from dpjax.compression.accounting import compressed_bytes
 
     shapes = [shard_shape(x.shape, 4) for x in jax.tree.leaves(jax.eval_shape(plan.model.init, jax.random.key(0)))]
     assert plan.describe()["compression_ratio"] == compressed_bytes(None, shapes, 2) / compressed_bytes("int8", shapes, 2)

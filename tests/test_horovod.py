@@ -21,7 +21,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import dpjax.horovod as hvd
-from test_collectives import run_bundle
+from collectives_harness import run_bundle
 
 N, AXES = 8, ("node", "data")
 EVEN = hvd.ProcessSet([0, 2, 4, 6])

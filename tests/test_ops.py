@@ -26,8 +26,8 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from test_collectives import (DTYPES, FLAT_VARIANTS, HIERARCHICAL, OP_CATALOGUE, OP_SLOTS, PRIMITIVES, program,
-                              sum_bound)
+from collectives_harness import (DTYPES, FLAT_VARIANTS, HIERARCHICAL, OP_CATALOGUE, OP_SLOTS, primitives, program,
+                                 sum_bound)
 
 VARIANTS = {v[0]: v for v in FLAT_VARIANTS + [HIERARCHICAL]}
 
@@ -59,7 +59,7 @@ def reference(x: np.ndarray, case):
 
 
 PARAMS = [pytest.param(primitive, name, mc, id=f"{primitive}-{name}-{mc.id}")
-          for primitive in OP_CATALOGUE for name, mc in OP_SLOTS if primitive in PRIMITIVES[VARIANTS[name][1]]]
+          for primitive in OP_CATALOGUE for name, mc in OP_SLOTS if primitive in primitives(VARIANTS[name][1])]
 
 
 @pytest.mark.parametrize("primitive, name, mc", PARAMS)

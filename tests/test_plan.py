@@ -115,7 +115,9 @@ def test_one_sgd_step_moves_by_the_unsharded_gradient(mesh_of, put, mesh, passes
     want = jax.tree.map(lambda *g: sum(g) / passes, *grads)
     got = jax.tree.map(lambda a, b: np.asarray(a) - np.asarray(b), jax.device_get(p0), jax.device_get(p1))
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
-        np.testing.assert_allclose(g, w, rtol=2e-4, atol=2e-6)
+        # float32 sums in another order (the ring, the model shards, the micro-batches):
+        # at most 6e-8 apart on CPU (measured on both meshes), where a wrong factor is 100%
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=2e-7)
     norm = float(np.sqrt(sum(np.sum(np.square(w)) for w in jax.tree.leaves(want))))
     assert norm == pytest.approx(GOLDEN_GRAD_NORM[passes], rel=1e-4)
 

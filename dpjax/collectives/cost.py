@@ -223,26 +223,3 @@ def hlo_comm(program, follow=None) -> HloComm:
             for d, sent in _sent(op, start, ins).items():
                 out.bytes_per_device[d] += n * sent
     return out
-
-
-def compressed_bytes(compression, shapes, n: int, *, algorithm: str = "ring", fusion_mb: float = 64,
-                     **options) -> int:
-    """What the busiest of n ranks sends to average float32 tensors of `shapes` through
-    `compression` (a `dpjax.compression` spec, None for none): fused buckets as
-    `allreduce_gradients` packs them, each the algorithm's schedule in the wire dtype for
-    no compression or a cast, each method's own formula (`Method.wire_bytes`) for the
-    methods with error feedback. The compiled program sends exactly this
-    (tests/test_compression_feedback.py)."""
-    import jax
-    import jax.numpy as jnp
-
-    from dpjax.compression import parse
-    from dpjax.fusion import plan_buckets
-
-    spec = parse(compression)
-    if spec is not None and spec.method.stateful:
-        return spec.method.wire_bytes(list(shapes), n, spec, {"algorithm": algorithm, "fusion_mb": fusion_mb,
-                                                              **options})
-    itemsize = 4 if spec is None else np.dtype(spec.method.wire_dtype).itemsize
-    plan = plan_buckets([jax.ShapeDtypeStruct(tuple(s), jnp.float32) for s in shapes], fusion_mb * 2**20)
-    return sum(schedule(algorithm, n, sum(b.sizes), itemsize, **options).total_bytes for b in plan.buckets)

@@ -13,7 +13,8 @@ return the same structure. The tensors are packed into tensor-fusion buckets as 
 Per device each bucket costs what one collective of its size costs (cost.schedule);
 fusing T tensors saves (T - buckets) times the algorithm's steps.
 
-compression: a method of `dpjax.compression` ("bf16", "fp16"): the buckets it compresses
+compression: a resolved wire method (`dpjax.compression.summable("bf16")`, or None), which
+its callers look up: collectives sit below compression and never import it. The buckets it compresses
 (floating-point ones for the casts; integers and bools travel as they are, as Horovod's
 `Compression.fp16` leaves them) travel encoded; the sum and any prescale happen on the
 wire, the mean and the postscale after decoding (within process sets, `groups=`, each
@@ -27,9 +28,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from dpjax import scopes
+from dpjax.collectives import calls
 from dpjax.collectives._common import axis_size
 from dpjax.collectives.ops import finish
-from dpjax.compression import summable
 from dpjax.fusion import pack, plan_buckets, unpack
 
 
@@ -38,10 +39,9 @@ def allreduce(tensors, axis_name, *, op: str = "sum", fusion_mb: float = 64, com
     """`collectives.allreduce` of every tensor, one call per fusion bucket.
 
     op="adasum": each tensor of a bucket gets its own Adasum coefficients (`segments`)."""
-    from dpjax.collectives import allreduce as one
-
+    one = calls.allreduce
     n = axis_size(axis_name, "grouped allreduce")
-    method = summable(compression)
+    method = _wire_method(compression)
     plan = plan_buckets(tensors, fusion_mb * 2**20)
     out = []
     for i, (bucket, buf) in enumerate(zip(plan.buckets, pack(plan, tensors))):
@@ -55,6 +55,22 @@ def allreduce(tensors, axis_name, *, op: str = "sum", fusion_mb: float = 64, com
             y = method.decode(y, buf) if compress else y
             out.append(finish(y, op, n, postscale_factor) if split else y)
     return unpack(plan, out)
+
+
+def mean(tensors, axis_name, **options):
+    """The mean of every tensor over `axis_name`, as the gradient exchange takes it (the
+    step's "exchange" phase, `dpjax.scopes`): what a compression method calls for its
+    exact steps and its uncompressed tensors."""
+    with scopes.phase("exchange"):
+        return allreduce(tensors, axis_name, op="mean", **options)
+
+
+def _wire_method(compression):
+    """`compression` if it is a resolved wire method (encode / decode / compresses) or None."""
+    if compression is None or all(hasattr(compression, a) for a in ("encode", "decode", "compresses")):
+        return compression
+    raise TypeError(f"grouped allreduce takes a resolved wire method, not {compression!r}: pass "
+                    f"dpjax.compression.summable({compression!r})")
 
 
 def _bucket(plan, i: int):
@@ -78,8 +94,7 @@ def _check_rows(plan, what: str, n: int | None = None):
 
 def all_gather(tensors, axis_name, *, fusion_mb: float = 64, **options):
     """`collectives.all_gather` (tiled on dimension 0) of every tensor."""
-    from dpjax.collectives import all_gather as one
-
+    one = calls.all_gather
     n = axis_size(axis_name, "grouped all_gather")
     plan = plan_buckets(tensors, fusion_mb * 2**20)
     _check_rows(plan, "grouped all_gather")
@@ -94,8 +109,7 @@ def all_gather(tensors, axis_name, *, fusion_mb: float = 64, **options):
 
 def reduce_scatter(tensors, axis_name, *, op: str = "sum", fusion_mb: float = 64, **options):
     """`collectives.reduce_scatter` (tiled on dimension 0) of every tensor."""
-    from dpjax.collectives import reduce_scatter as one
-
+    one = calls.reduce_scatter
     n = axis_size(axis_name, "grouped reduce_scatter")
     plan = plan_buckets(tensors, fusion_mb * 2**20)
     _check_rows(plan, "grouped reduce_scatter", n)

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 
-from dpjax.collectives import ring
+from dpjax.collectives import calls, ring
 from dpjax.collectives._common import as_chunks, axis_size, split_dim0
 from dpjax.collectives.cost import Schedule, no_model
 from dpjax.collectives.registry import Algorithm, register
@@ -45,13 +45,11 @@ def _sizes(axis_name):
 
 
 def allreduce(x, axis_name, *, op: str = "sum", outer_algorithm: str = "ring"):
-    from dpjax.collectives import allreduce as flat_allreduce
-
     outer, inner, G, L = _sizes(axis_name)
     rows, undo = as_chunks(x, L)
     mine = rows[0] if L == 1 else ring.reduce_scatter_rows(rows, inner, L, op)
     if G > 1:  # the public call finishes "mean" itself, so the outer level only combines
-        mine = flat_allreduce(mine, outer, algorithm=outer_algorithm, op="sum" if op == "mean" else op)
+        mine = calls.allreduce(mine, outer, algorithm=outer_algorithm, op="sum" if op == "mean" else op)
     full = mine[None] if L == 1 else ring.all_gather_rows(mine, inner, L)
     return undo(full)
 

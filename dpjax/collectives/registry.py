@@ -65,6 +65,13 @@ def get(name: str) -> Algorithm:
     return _ALGORITHMS[name]
 
 
+def nested(name) -> bool:
+    """Whether the algorithm `name` reads its axis as (outer, inner) levels (`nested_axes`):
+    it needs two axes. False for a name that is not registered ("auto", None)."""
+    alg = _ALGORITHMS.get(name) if isinstance(name, str) else None
+    return alg is not None and alg.nested_axes
+
+
 def names(primitive: str | None = None) -> tuple[str, ...]:
     """Every registered name, in registration order; with `primitive`, those implementing it."""
     if primitive is not None and primitive not in PRIMITIVES:

@@ -10,8 +10,8 @@ name as `compression=` to `allreduce_gradients`, `DistributedOptimizer`,
 """
 
 from dpjax.compression import casts, powersgd, quantise, randk, sign, topk
-from dpjax.compression.grammar import Spec, parse, stateful
-from dpjax.compression.registry import (NONE, Compressions, Method, check, names, register, registered, summable,
+from dpjax.compression.grammar import Spec, check, parse, stateful, summable
+from dpjax.compression.registry import (NONE, Compressions, Method, names, register, registered,
                                         unregister)
 
 REGISTERED_BY = (casts, sign, quantise, powersgd, topk, randk)  # importing a method's module registers it

@@ -1,5 +1,5 @@
 """What a plan's compression saves, by the formulas the compiled program matches
-(`cost.compressed_bytes`): the ratio for the run record, and the one-line warning when
+(`compressed_bytes`): the ratio for the run record, and the one-line warning when
 the alpha-beta model says the method cannot pay on the plan's emulated links.
 
 Functions of a `dpjax.plan.Plan` (read, not imported: the plan is above this package).
@@ -7,21 +7,44 @@ Functions of a `dpjax.plan.Plan` (read, not imported: the plan is above this pac
 
 from __future__ import annotations
 
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dpjax.collectives import cost
+from dpjax.collectives.cost import schedule
+from dpjax.compression import sharded
+from dpjax.compression.grammar import parse
+from dpjax.compression.shards import shard_shape
+from dpjax.fusion import plan_buckets
+from dpjax.mesh import data_axes
+
+
+def compressed_bytes(compression, shapes, n: int, *, algorithm: str = "ring", fusion_mb: float = 64,
+                     **options) -> int:
+    """What the busiest of n ranks sends to average float32 tensors of `shapes` through
+    `compression` (a `dpjax.compression` spec, None for none): fused buckets as
+    `allreduce_gradients` packs them, each the algorithm's schedule in the wire dtype for
+    no compression or a cast, each method's own formula (`Method.wire_bytes`) for the
+    methods with error feedback. The compiled program sends exactly this
+    (tests/test_compression_feedback.py)."""
+    spec = parse(compression)
+    if spec is not None and spec.method.stateful:
+        return spec.method.wire_bytes(list(shapes), n, spec, {"algorithm": algorithm, "fusion_mb": fusion_mb,
+                                                              **options})
+    itemsize = 4 if spec is None else np.dtype(spec.method.wire_dtype).itemsize
+    plan = plan_buckets([jax.ShapeDtypeStruct(tuple(s), jnp.float32) for s in shapes], fusion_mb * 2**20)
+    return sum(schedule(algorithm, n, sum(b.sizes), itemsize, **options).total_bytes for b in plan.buckets)
+
 
 def _exchange(plan):
     """(ranks of the compressed exchange, the model's parameter shapes, the allreduce's arguments)."""
-    import math
-
-    import jax
-
-    from dpjax.mesh import data_axes
-
     ex = plan.exchange
     axes = tuple(plan.workers) if ex.between_workers_only else data_axes(plan.mesh)
     shapes = [tuple(x.shape) for x in jax.tree.leaves(jax.eval_shape(plan.model.init, jax.random.key(0)))]
     if ex.shards is not None:  # the per-shard form: each device exchanges its shards (compressed or not)
-        from dpjax.compression.shards import shard_shape
-
         shapes = [shard_shape(s, ex.shards.size) for s in shapes]
     return axes, math.prod(plan.mesh.shape[a] for a in axes), shapes, {"algorithm": ex.algorithm,
                                                                         "fusion_mb": ex.fusion_mb, **ex.options}
@@ -30,13 +53,8 @@ def _exchange(plan):
 def exchange_bytes(plan, compression="plan") -> tuple[tuple, int]:
     """(the axes of the compressed exchange, what the busiest rank sends in one exchange of
     the model's gradient over them through `compression`, by default the plan's; None:
-    uncompressed): `cost.compressed_bytes`, or under FSDP through random-k the
+    uncompressed): `compressed_bytes`, or under FSDP through random-k the
     reduce-scatters' (`sharded.wire_bytes`). The compiled program matches both."""
-    import jax
-
-    from dpjax.collectives import cost
-    from dpjax.compression import sharded
-
     compression = plan.exchange.compression if compression == "plan" else compression
     axes, n, shapes, opts = _exchange(plan)
     if sharded.applies(plan.layout, plan.exchange.compression):
@@ -46,7 +64,7 @@ def exchange_bytes(plan, compression="plan") -> tuple[tuple, int]:
                                                           algorithm=opts["algorithm"], fusion_mb=opts["fusion_mb"])
     if n < 2:
         return axes, 0
-    return axes, cost.compressed_bytes(compression, shapes, n, **opts)
+    return axes, compressed_bytes(compression, shapes, n, **opts)
 
 
 def ratio(plan) -> float:
@@ -60,14 +78,11 @@ def ratio(plan) -> float:
 def warning(plan) -> str | None:
     """One line when the cost model says the compression cannot pay on the plan's links:
     the workers' exchange over the slowest emulated link they cross, uncompressed against
-    compressed (alpha-beta, `cost.compressed_bytes`, the same number of latencies for
+    compressed (alpha-beta, `compressed_bytes`, the same number of latencies for
     both: a lower bound for the methods that send more messages, so a method that loses
     even then cannot pay). Agarwal et al. (MLSys 2022) found compression beat a tuned
     synchronous baseline in only 6 of 200+ datacenter settings. None when it can pay,
     without links, or without compression."""
-    from dpjax.collectives import cost
-    from dpjax.compression import sharded
-
     ex = plan.exchange
     if ex.compression is None or not plan.links or plan.model is None:
         return None
@@ -96,16 +111,12 @@ def warning(plan) -> str | None:
 def period(plan) -> int:
     """The steps between the rule's exchanges between workers (`Kind.period`): one a step
     but for sparse:P."""
-    from dpjax.updates.registry import get
-
-    return get(plan.update.kind).period(plan.update) if plan.update is not None else 1
+    return plan.period  # the plan reads it from the rule (this package sits below dpjax.updates)
 
 
 def compressed_at(plan, step: int) -> bool:
     """Whether step `step` (0-based) of the plan's run exchanges compressed: always without
     start=S, else from its S-th exchange on (one every `period(plan)` steps)."""
-    from dpjax.compression import parse
-
     spec = parse(plan.exchange.compression)
     if spec is None or spec.start == 0:
         return spec is not None

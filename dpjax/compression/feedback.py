@@ -26,6 +26,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from dpjax import scopes
+from dpjax.collectives import calls, cost, grouped
 from dpjax.compression.grammar import parse
 from dpjax.fusion import classes_of, pack, plan_buckets, unpack
 
@@ -58,8 +59,6 @@ def mean(tree, state: State, axis_name, *, compression, **allreduce):
     """(the mean of `tree` over `axis_name` through the compression, the new state).
     allreduce: the exchange's `algorithm`, `fusion_mb` and options (for the exact start
     steps, and the methods that run an allreduce: PowerSGD's factors, random-k's values)."""
-    from dpjax.data_parallel import allreduce_gradients
-
     spec = parse(compression)
     allreduce = {k: v for k, v in allreduce.items() if k != "compression"}
 
@@ -69,7 +68,7 @@ def mean(tree, state: State, axis_name, *, compression, **allreduce):
         return out, (resid if spec.ef else ()), own
 
     def exact():
-        return allreduce_gradients(tree, axis_name, **allreduce), state.error, state.method
+        return grouped.mean(tree, axis_name, **allreduce), state.error, state.method
 
     with scopes.phase("exchange"):
         if spec.start > 0:
@@ -90,8 +89,6 @@ def per_bucket(reduce_flat):
     sizes of the bucket's tensors): the tree is packed into buckets as the uncompressed
     allreduce packs it; integer buckets travel exactly."""
     def exchange(tree, own, axis_name, spec, t, allreduce):
-        from dpjax.collectives import allreduce as one
-
         plan = plan_buckets(tree, allreduce.get("fusion_mb", 64) * 2**20, classes_of(tree))  # never mixing shards
         key = jax.random.fold_in(jax.random.key(0), t)  # the same on every rank: random-k's shared seed
         means, resids = [], []
@@ -99,7 +96,7 @@ def per_bucket(reduce_flat):
             if floating(buf.dtype):
                 m, r = reduce_flat(buf, axis_name, spec, jax.random.fold_in(key, i), bucket.sizes, allreduce)
             else:
-                m, r = one(buf, axis_name, op="mean", algorithm=allreduce.get("algorithm", "ring")), jnp.zeros_like(buf)
+                m, r = calls.allreduce(buf, axis_name, op="mean", algorithm=allreduce.get("algorithm", "ring")), jnp.zeros_like(buf)
             means.append(m)
             resids.append(r)
         return unpack(plan, means), unpack(plan, resids), own
@@ -121,7 +118,5 @@ def per_bucket_bytes(flat_bytes):
 
 def allreduce_bytes(d: int, n: int, allreduce, itemsize: int = 4) -> int:
     """What the busiest rank sends in the exchange's allreduce of d values."""
-    from dpjax.collectives import cost
-
     opts = {k: v for k, v in allreduce.items() if k not in ("algorithm", "fusion_mb", "compression")}
     return cost.schedule(allreduce.get("algorithm", "ring"), n, d, itemsize, **opts).total_bytes

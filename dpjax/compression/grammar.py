@@ -83,6 +83,25 @@ def parse(text) -> Spec | None:
     return Spec(method, value, bool(got.get("ef", 1)), got.get("start", 0))
 
 
+def check(name) -> registry.Method | None:
+    """The method of `name` (a method's name or a spec such as "powersgd:4,ef=0",
+    `grammar.parse`), None for no compression (None or "none"); else a one-line ValueError."""
+    spec = parse(name)
+    return None if spec is None else spec.method
+
+
+def summable(name) -> registry.Method | None:
+    """`check(name)`, for an exchange that sums the encoded values on the wire (an
+    allreduce, a reduce-scatter): the method must be linear and keep no state."""
+    method = check(name)
+    if method is not None and method.stateful:
+        raise ValueError(f"compression {name!r} keeps error-feedback state across steps: a one-off reduction "
+                         "cannot carry it (use DistributedOptimizer, an update rule or dpjax.compression.feedback)")
+    if method is not None and not method.linear:
+        raise ValueError(f"compression {name!r} is not linear: a reduction cannot sum it on the wire")
+    return method
+
+
 def _example(method) -> str:
     return "0.01" if method.number_type is float else "4"
 

@@ -27,7 +27,9 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from dpjax.collectives import grouped
 from dpjax.compression.registry import Method, register
+from dpjax.mesh import spec_axes
 
 
 MIN_RATE = 2  # torch's min_compression_rate: smaller savings are not worth the two extra exchanges
@@ -67,8 +69,6 @@ def init(params, spec):
 
 def state_specs(param_specs, spec):
     """Each Q on the axes its parameter is split over (tensor parallelism: each shard its own Q)."""
-    from dpjax.sharding import spec_axes
-
     def one(s):
         axes = spec_axes(s)
         return P(axes or None, None, None)
@@ -86,12 +86,10 @@ def factor_mean(Ms, Qs, mean):
 
 
 def exchange(tree, Qs, axis_name, spec, t, allreduce):
-    from dpjax.data_parallel import allreduce_gradients
-
     R = spec.number
     leaves, treedef = jax.tree.flatten(tree)
     qs = treedef.flatten_up_to(Qs)
-    mean = lambda xs: allreduce_gradients(xs, axis_name, **allreduce)  # noqa: E731
+    mean = lambda xs: grouped.mean(xs, axis_name, **allreduce)  # noqa: E731
     low = [i for i, x in enumerate(leaves) if compressed(x.shape, x.dtype, R)]
     rest = [i for i in range(len(leaves)) if i not in low]
     out, resid, new_q = list(leaves), [jnp.zeros_like(x) for x in leaves], list(qs)

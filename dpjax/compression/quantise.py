@@ -31,11 +31,11 @@ from dpjax.compression.registry import Method, register
 BLOCK = 256  # values per scale
 
 
-def exponents(x_KxB, bits: int):
+def exponents(x_ZxN, bits: int):
     """Per block, the smallest k with L * 2^k >= max|x| (int32; at least -128 so it fits a byte)."""
     L = 2 ** (bits - 1) - 1
     p = L.bit_length()  # 2^(p-1) <= L < 2^p, so 2^(e-p) or 2^(e-p+1) is the scale (frexp: max < 2^e)
-    top = jnp.max(jnp.abs(x_KxB), axis=1)
+    top = jnp.max(jnp.abs(x_ZxN), axis=1)
     k = jnp.frexp(top)[1] - p
     k = jnp.where(L * jnp.ldexp(jnp.ones_like(top), k) < top, k + 1, k)  # exact: a power of two times L
     return jnp.clip(k, -128, 127)

@@ -48,21 +48,21 @@ def shard_indices(key, n: int, c: int, k: int):
     return jnp.stack([indices(jax.random.fold_in(key, r), c, k) for r in range(n)])
 
 
-def _reduce_scatter(rows_NxC, axis_name, spec, key, algorithm):
+def _reduce_scatter(rows_IxN, axis_name, spec, key, algorithm):
     from dpjax.collectives import reduce_scatter
     from dpjax.collectives._common import axis_size, index
 
-    n, c = rows_NxC.shape
-    assert n == axis_size(axis_name, "random-k reduce-scatter"), (rows_NxC.shape, axis_name)
+    n, c = rows_IxN.shape
+    assert n == axis_size(axis_name, "random-k reduce-scatter"), (rows_IxN.shape, axis_name)
     k = count(c, spec.number)
-    idx_NxK = shard_indices(key, n, c, k)
-    picked_NxK = jnp.take_along_axis(rows_NxC, idx_NxK, axis=1)
-    total_K = reduce_scatter(picked_NxK.reshape(-1), axis_name, algorithm=algorithm, op="sum")
-    assert total_K.shape == (k,), (total_K.shape, k)
-    mine_K = idx_NxK[index(axis_name)]
-    mean_C = jnp.zeros((c,), rows_NxC.dtype).at[mine_K].set(total_K / jnp.asarray(n, rows_NxC.dtype))
-    resid_NxC = rows_NxC.at[jnp.arange(n)[:, None], idx_NxK].set(0)
-    return mean_C, resid_NxC
+    idx_IxQ = shard_indices(key, n, c, k)
+    picked_IxQ = jnp.take_along_axis(rows_IxN, idx_IxQ, axis=1)
+    total_Q = reduce_scatter(picked_IxQ.reshape(-1), axis_name, algorithm=algorithm, op="sum")
+    assert total_Q.shape == (k,), (total_Q.shape, k)
+    mine_Q = idx_IxQ[index(axis_name)]
+    mean_N = jnp.zeros((c,), rows_IxN.dtype).at[mine_Q].set(total_Q / jnp.asarray(n, rows_IxN.dtype))
+    resid_IxN = rows_IxN.at[jnp.arange(n)[:, None], idx_IxQ].set(0)
+    return mean_N, resid_IxN
 
 
 def _reduce_scatter_bytes(c, n, spec, algorithm):

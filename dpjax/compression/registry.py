@@ -30,10 +30,10 @@ it with the error buffer, the start step and the state's layout):
     state_specs(param_specs, spec) -> the PartitionSpecs of mstate
     wire_bytes(sizes, n, spec, allreduce) -> what the busiest rank sends for tensors of
                                `sizes` (shapes) over n ranks: the formula the compiled
-                               program is checked against (`cost.compressed_bytes`)
+                               program is checked against (`accounting.compressed_bytes`)
     gather                     whether the exchange all-gathers every rank's message
                                (sign, top-k) rather than summing on the ring
-    reduce_scatter(rows_NxC, axis_name, spec, key, algorithm) -> (mean_C, resid_NxC)
+    reduce_scatter(rows_IxN, axis_name, spec, key, algorithm) -> (mean_N, resid_IxN)
                                FSDP's reduce-scatter (`dpjax.compression.sharded`) of one
                                tensor's error-corrected local gradient cut into the n
                                destination shards (rows): what every rank sends of row r is
@@ -96,27 +96,6 @@ register, unregister, registered = _METHODS.register, _METHODS.unregister, _METH
 def names() -> tuple[str, ...]:
     """Every registered method, in registration order."""
     return tuple(_METHODS)
-
-
-def check(name) -> Method | None:
-    """The method of `name` (a method's name or a spec such as "powersgd:4,ef=0",
-    `grammar.parse`), None for no compression (None or "none"); else a one-line ValueError."""
-    from dpjax.compression.grammar import parse
-
-    spec = parse(name)
-    return None if spec is None else spec.method
-
-
-def summable(name) -> Method | None:
-    """`check(name)`, for an exchange that sums the encoded values on the wire (an
-    allreduce, a reduce-scatter): the method must be linear and keep no state."""
-    method = check(name)
-    if method is not None and method.stateful:
-        raise ValueError(f"compression {name!r} keeps error-feedback state across steps: a one-off reduction "
-                         "cannot carry it (use DistributedOptimizer, an update rule or dpjax.compression.feedback)")
-    if method is not None and not method.linear:
-        raise ValueError(f"compression {name!r} is not linear: a reduction cannot sum it on the wire")
-    return method
 
 
 def get(name: str) -> Method | None:

@@ -39,7 +39,7 @@ from jax.sharding import PartitionSpec as P
 from dpjax import scopes
 from dpjax.compression.feedback import State
 from dpjax.compression.grammar import parse
-from dpjax.mesh import as_axes, axis_arg
+from dpjax.mesh import as_axes, axis_arg, is_spec
 
 
 def applies(layout, compression) -> bool:
@@ -84,7 +84,6 @@ def init(compression, params, dims, n: int) -> State:
 def specs(compression, param_specs, axes) -> State:
     """The state's PartitionSpecs: an error buffer per device, its leading axis over the
     data `axes`, the rest laid out as the parameter but whole over the data axes."""
-    from dpjax.sharding import is_spec
 
     def one(spec):
         keep = [tuple(a for a in as_axes(e) if a not in axes) for e in spec]

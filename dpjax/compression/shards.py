@@ -78,10 +78,10 @@ def split(x, k: int, i):
     return lax.dynamic_slice_in_dim(m, i * rows, rows, 0)
 
 
-def _unsplit(blocks_K, shape):
+def _unsplit(blocks_J, shape):
     """The tensor of `shape` from its k shards stacked (k, rows, ...)."""
     view, turned = _view(tuple(shape))
-    m = blocks_K.reshape(-1, *blocks_K.shape[2:])[:view[0]]
+    m = blocks_J.reshape(-1, *blocks_J.shape[2:])[:view[0]]
     return (m.T if turned else m).reshape(shape)
 
 
@@ -96,11 +96,11 @@ def join(shards, like, sh: Shards):
     for dtype in dict.fromkeys(x.dtype for x in leaves):
         ids = [j for j, x in enumerate(leaves) if x.dtype == dtype]
         buf = jnp.concatenate([jnp.ravel(leaves[j]) for j in ids])
-        got_KxS = all_gather(buf, sh.axis, algorithm="ring").reshape(sh.size, buf.shape[0])
+        got_JxN = all_gather(buf, sh.axis, algorithm="ring").reshape(sh.size, buf.shape[0])
         at = 0
         for j in ids:
             n = leaves[j].size
-            out[j] = _unsplit(got_KxS[:, at:at + n].reshape(sh.size, *leaves[j].shape), shapes[j])
+            out[j] = _unsplit(got_JxN[:, at:at + n].reshape(sh.size, *leaves[j].shape), shapes[j])
             at += n
     return jax.tree.unflatten(treedef, out)
 

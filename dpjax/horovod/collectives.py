@@ -61,7 +61,7 @@ def grouped_allreduce(tensors, average=None, name=None, compression=Compression.
     groups = set_groups(process_set, axis_size(axis, "allreduce"), partition=False)
 
     def reduce(ts):
-        return C.grouped_allreduce(list(ts), axis, op=op, compression=compression, fusion_mb=fusion_mb,
+        return C.grouped_allreduce(list(ts), axis, op=op, compression=summable(compression), fusion_mb=fusion_mb,
                                    algorithm="butterfly" if op == Adasum else algorithm, groups=groups,
                                    prescale_factor=prescale_factor, postscale_factor=postscale_factor)
 

@@ -139,8 +139,8 @@ def plain_flops(model, microbatches: int, rows: int) -> float:
     micro = jax.ShapeDtypeStruct((rows, T + 1), np.int32)
     value_and_grad = program_flops(jax.jit(jax.value_and_grad(model.loss)).lower(params, micro))
 
-    def layers(stack, x_bxTxD):  # the one stack runner (scanned: the HLO count reads the loop's trip count)
-        return stack_runner.run(model.layer, stack, x_bxTxD)
+    def layers(stack, x_BxTxD):  # the one stack runner (scanned: the HLO count reads the loop's trip count)
+        return stack_runner.run(model.layer, stack, x_BxTxD)
 
     x = jax.ShapeDtypeStruct((rows, T, model.config.d_model), np.float32)
     forward = program_flops(jax.jit(layers).lower(params[model.LAYERS], x))

@@ -23,8 +23,8 @@ one program for all stages keeps every collective in step. The embedding and the
 are masked the same way on the stages that do not own them. Everything crossing a stage
 boundary is in the two sends; the parameters never move.
 
-`pieces`: embed(shared, tokens_bxT) -> x_bxTxD, chunk(chunk_params_Lc, x) -> x (one chunk:
-its leaves carry the chunk's layers on the leading axis) and loss(shared, y, targets_bxT)
+`pieces`: embed(shared, tokens_BxT) -> x_BxTxD, chunk(chunk_params_L, x) -> x (one chunk:
+its leaves carry the chunk's layers on the leading axis) and loss(shared, y, targets_BxT)
 -> mean loss of a micro-batch. `shared` holds the parameters outside the layers (the
 embedding, tied to the head, and the final norm), the same on every stage.
 """
@@ -72,30 +72,30 @@ def _add(acc, d, ok):
     return jax.tree.map(lambda a, g: a + jnp.where(ok, g, jnp.zeros_like(g)), acc, d)
 
 
-def run(tt: Timetable, pieces: Pieces, shared, chunks_VxLc, batch_MxbxT1, *, axis: str, grad: bool = True,
+def run(tt: Timetable, pieces: Pieces, shared, chunks_GxL, batch_MxBxT1, *, axis: str, grad: bool = True,
         unroll: bool = False):
     """The mean loss over the M micro-batches (on every stage), and with `grad` this
-    stage's gradients: (loss, d_shared, d_chunks_VxLc). d_shared is this stage's part
+    stage's gradients: (loss, d_shared, d_chunks_GxL). d_shared is this stage's part
     only (the embedding's on the first stage, the head's on the last, zeros elsewhere):
     the caller sums it over the stage axis. unroll: the tick loops as straight-line code
     (XLA's cost analysis counts a loop body once; the bubble measurement needs every tick)."""
     S, M, V = tt.stages, tt.microbatches, tt.chunks
-    assert batch_MxbxT1.ndim == 3 and batch_MxbxT1.shape[0] == M, (batch_MxbxT1.shape, M)
-    _, b, T1 = batch_MxbxT1.shape
-    assert all(c.shape[0] == V for c in jax.tree.leaves(chunks_VxLc)), (jax.tree.map(jnp.shape, chunks_VxLc), V)
+    assert batch_MxBxT1.ndim == 3 and batch_MxBxT1.shape[0] == M, (batch_MxBxT1.shape, M)
+    _, b, T1 = batch_MxBxT1.shape
+    assert all(c.shape[0] == V for c in jax.tree.leaves(chunks_GxL)), (jax.tree.map(jnp.shape, chunks_GxL), V)
     # Opaque to XLA even where the axis has one stage: no stage's program may fold away an
     # idle slot's work or its masks, so every program executes what its timetable says.
     s = lax.optimization_barrier(lax.axis_index(axis))
-    x_spec = jax.eval_shape(pieces.embed, shared, batch_MxbxT1[0, :, :-1])
+    x_spec = jax.eval_shape(pieces.embed, shared, batch_MxBxT1[0, :, :-1])
     assert x_spec.shape[:2] == (b, T1 - 1), (x_spec.shape, b, T1)  # b x T x D: what every send carries
     zeros_x = jnp.zeros(x_spec.shape, x_spec.dtype)
 
     def micro(m):  # tokens and targets of micro-batch m (clamped: an idle slot's are masked away)
-        b_bxT1 = _get(batch_MxbxT1, jnp.clip(m, 0, M - 1))
-        return b_bxT1[:, :-1], b_bxT1[:, 1:]
+        b_BxT1 = _get(batch_MxBxT1, jnp.clip(m, 0, M - 1))
+        return b_BxT1[:, :-1], b_BxT1[:, 1:]
 
     def chunk(r):
-        return jax.tree.map(lambda c: c[r], chunks_VxLc)
+        return jax.tree.map(lambda c: c[r], chunks_GxL)
 
     def first(r):
         return (s == 0) & (r == 0)
@@ -145,7 +145,7 @@ def run(tt: Timetable, pieces: Pieces, shared, chunks_VxLc, batch_MxbxT1, *, axi
     if grad:
         carry.update(recv_dx=zeros_x, stash=jnp.zeros((tt.stash_slots, *x_spec.shape), x_spec.dtype),
                      seeds=jnp.zeros((tt.seed_slots, *x_spec.shape), x_spec.dtype),
-                     d_shared=jax.tree.map(jnp.zeros_like, shared), d_chunks=jax.tree.map(jnp.zeros_like, chunks_VxLc))
+                     d_shared=jax.tree.map(jnp.zeros_like, shared), d_chunks=jax.tree.map(jnp.zeros_like, chunks_GxL))
     for ph in tt.phases:
         do_forward, do_backward = ph.forward, ph.backward and grad
         if not (do_forward or do_backward):

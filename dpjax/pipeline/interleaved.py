@@ -58,4 +58,4 @@ def timetable(stages: int, microbatches: int, virtual_stages: int) -> Timetable:
 
 
 SCHEDULE = Schedule("interleaved", timetable, bubble=lambda S, M, V: (S - 1) / (V * M + S - 1),
-                    virtual_stages=True)
+                    virtual_stages=True, stash=lambda S, M, V: min(M * V, 2 * S * V - 1))

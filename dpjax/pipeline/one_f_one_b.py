@@ -43,4 +43,5 @@ def timetable(stages: int, microbatches: int, virtual_stages: int = 1) -> Timeta
                      stash_slots=K, stash_slot=lambda m, r, s: (m + s) % K, seed_slots=1)
 
 
-SCHEDULE = Schedule("1f1b", timetable, bubble=lambda S, M, V: (S - 1) / (M + S - 1))
+SCHEDULE = Schedule("1f1b", timetable, bubble=lambda S, M, V: (S - 1) / (M + S - 1),
+                    stash=lambda S, M, V: min(M, 2 * S - 1))  # bounded by the stages, not by M

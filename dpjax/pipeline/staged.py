@@ -36,8 +36,8 @@ class Staged(NamedTuple):
 
 
 def _stage_algorithm(algorithm: str) -> str:
-    # hierarchical needs two axes; `stage` is one
-    return "ring" if algorithm == "hierarchical" else algorithm
+    # an algorithm over (outer, inner) levels needs two axes; `stage` is one
+    return "ring" if collectives.registry.nested(algorithm) else algorithm
 
 
 def for_model(model, layout, algorithm: str = "ring") -> Staged:
@@ -50,12 +50,12 @@ def for_model(model, layout, algorithm: str = "ring") -> Staged:
     algorithm = _stage_algorithm(algorithm)
 
     def chunk_fn(par):
-        def chunk(chunk_Lc, x_bxTxD):  # a chunk's layers, gathered already, by the one stack runner
-            return stack.run(model.layer, chunk_Lc, x_bxTxD, par)
+        def chunk(chunk_L, x_BxTxD):  # a chunk's layers, gathered already, by the one stack runner
+            return stack.run(model.layer, chunk_L, x_BxTxD, par)
         return chunk
 
     def prepare(params, batch_BdxT1, par):
-        """(pieces, shared, chunks_VxLc, micro-batches, the FSDP gather's VJP or None)."""
+        """(pieces, shared, chunks_GxL, micro-batches, the FSDP gather's VJP or None)."""
         B, T1 = batch_BdxT1.shape
         assert T1 == model.config.seq_len + 1, (batch_BdxT1.shape, model.config.seq_len)
         assert B % M == 0, f"{M} micro-batches do not divide the replica's {B} rows (dpjax.pipeline.check_batch)"
@@ -65,26 +65,26 @@ def for_model(model, layout, algorithm: str = "ring") -> Staged:
         dense = dataclasses.replace(par, gather_dims=None)  # gathered already: the pieces use them as they are
         stack_Ls = params[key]
         # V = 1: the stage's L/S layers are its one chunk; V > 1: stored V x L/(SV) already
-        chunks_VxLc = jax.tree.map(lambda w: w[None] if V == 1 else w, stack_Ls)
-        n = jax.tree.leaves(chunks_VxLc)[0].shape[1]
-        assert all(w.shape[:2] == (V, n) for w in jax.tree.leaves(chunks_VxLc)), jax.tree.map(jax.numpy.shape,
-                                                                                             chunks_VxLc)
+        chunks_GxL = jax.tree.map(lambda w: w[None] if V == 1 else w, stack_Ls)
+        n = jax.tree.leaves(chunks_GxL)[0].shape[1]
+        assert all(w.shape[:2] == (V, n) for w in jax.tree.leaves(chunks_GxL)), jax.tree.map(jax.numpy.shape,
+                                                                                             chunks_GxL)
         shared = {k: v for k, v in params.items() if k != key}
         pieces = engine.Pieces(embed=lambda sh, tok: model.embed(sh, tok, dense), chunk=chunk_fn(dense),
                                loss=lambda sh, y, tgt: model.head_loss(sh, y, tgt, dense))
-        return pieces, shared, chunks_VxLc, batch_BdxT1.reshape(M, B // M, T1), unshard
+        return pieces, shared, chunks_GxL, batch_BdxT1.reshape(M, B // M, T1), unshard
 
     def loss(params, batch_BdxT1, par):
-        pieces, shared, chunks_VxLc, batch_MxbxT1, _ = prepare(params, batch_BdxT1, par)
-        return engine.run(tt, pieces, shared, chunks_VxLc, batch_MxbxT1, axis=STAGE, grad=False, unroll=pipe.unroll)
+        pieces, shared, chunks_GxL, batch_MxBxT1, _ = prepare(params, batch_BdxT1, par)
+        return engine.run(tt, pieces, shared, chunks_GxL, batch_MxBxT1, axis=STAGE, grad=False, unroll=pipe.unroll)
 
     def schedule(params, batch_BdxT1, par):
-        pieces, shared, chunks_VxLc, batch_MxbxT1, _ = prepare(params, batch_BdxT1, par)
-        return engine.run(tt, pieces, shared, chunks_VxLc, batch_MxbxT1, axis=STAGE, unroll=pipe.unroll)
+        pieces, shared, chunks_GxL, batch_MxBxT1, _ = prepare(params, batch_BdxT1, par)
+        return engine.run(tt, pieces, shared, chunks_GxL, batch_MxBxT1, axis=STAGE, unroll=pipe.unroll)
 
     def value_and_grad(params, batch_BdxT1, par):
-        pieces, shared, chunks_VxLc, batch_MxbxT1, unshard = prepare(params, batch_BdxT1, par)
-        loss, d_shared, d_chunks = engine.run(tt, pieces, shared, chunks_VxLc, batch_MxbxT1, axis=STAGE,
+        pieces, shared, chunks_GxL, batch_MxBxT1, unshard = prepare(params, batch_BdxT1, par)
+        loss, d_shared, d_chunks = engine.run(tt, pieces, shared, chunks_GxL, batch_MxBxT1, axis=STAGE,
                                               unroll=pipe.unroll)
         grads = {**d_shared, key: jax.tree.map(lambda g: g[0] if V == 1 else g, d_chunks)}
         if unshard is not None:

@@ -38,12 +38,15 @@ from typing import Callable, NamedTuple
 class Schedule(NamedTuple):
     """A pipeline schedule: its name, `timetable(S, M, V)` and the bubble its paper states,
     `bubble(S, M, V)` (the idle share of a stage's executed slots). virtual_stages: it
-    runs V > 1 chunks a stage (else V is 1)."""
+    runs V > 1 chunks a stage (else V is 1). stash(S, M, V): the most micro-batch inputs
+    a stage holds at once (its activation memory, in micro-batches): by default all M,
+    kept until the backwards begin."""
 
     name: str
     timetable: Callable  # (stages S, microbatches M, virtual_stages V) -> Timetable
     bubble: Callable  # (S, M, V) -> float
     virtual_stages: bool = False
+    stash: Callable = lambda S, M, V: M  # (S, M, V) -> int
 
 
 class Phase(NamedTuple):

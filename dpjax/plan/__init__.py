@@ -25,14 +25,10 @@ from typing import Any
 
 from dpjax.policy import Policy
 from dpjax.settings import Settings
-
-# The autotune's starting point for a knob set to `auto` (its baseline).
-DEFAULT_ALGORITHM, DEFAULT_FUSION_MB = "ring", 64.0
-
-
 from dpjax.plan.checks import UsageError, check, devices_per_process, fit_devices, fit_mesh, flag  # noqa: F401
-from dpjax.plan.compute import (check_memory, compute_policy, default_allreduce, memory_refusal,  # noqa: F401
-                                target_platform)
+from dpjax.plan.compute import (DEFAULT_ALGORITHM, DEFAULT_FUSION_MB, check_memory, compute_policy,  # noqa: F401
+                                default_allreduce, memory_refusal, target_platform)
+
 
 @dataclass(frozen=True)
 class Exchange:
@@ -110,6 +106,15 @@ class Plan:
     def workers(self) -> tuple:
         return self.layout.workers
 
+    @property
+    def period(self) -> int:
+        """The steps between the rule's exchanges between workers (`Kind.period`): one a
+        step but for sparse:P (`dpjax.compression.accounting` reads it from here: that
+        package sits below the rules)."""
+        from dpjax.updates.registry import get
+
+        return get(self.update.kind).period(self.update) if self.update is not None else 1
+
     def with_exchange(self, algorithm: str, fusion_mb: float) -> "Plan":
         """The same run with another allreduce algorithm and fusion cap (the autotune's
         candidates): the FSDP gathers and the rule's exchanges follow the algorithm."""
@@ -167,6 +172,7 @@ def resolve(s: Settings, devices=None, *, mesh=None, model=None, optimizer=None,
     candidate); tensor_parallel=False: every parameter replicated over `model` (the
     experiments' dense baselines). Raises UsageError (one line) for anything that does
     not fit."""
+    from dpjax.collectives.registry import nested
     from dpjax.compression import stateful
     from dpjax.links import parse_link
     from dpjax.mesh import STAGE, data_axes, make_mesh
@@ -185,8 +191,8 @@ def resolve(s: Settings, devices=None, *, mesh=None, model=None, optimizer=None,
         mesh = make_mesh(s.mesh or f"{len(devs)}x1", devs)
     update = parse_update(s.update)
     workers, compress_axes = _workers(s, mesh, update)
-    if s.allreduce == "hierarchical" and len(data_axes(mesh)) < 2:
-        raise UsageError("--allreduce hierarchical needs a node axis: use a three-axis mesh such as 2x4x1")
+    if nested(s.allreduce) and len(data_axes(mesh)) < 2:
+        raise UsageError(f"--allreduce {s.allreduce} needs a node axis: use a three-axis mesh such as 2x4x1")
     if model is None:
         model = get_model(s.model, seq_len=s.seq_len, vocab_size=s.vocab_size, **s.model_options)
     platform = target_platform(s, mesh)

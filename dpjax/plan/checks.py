@@ -29,6 +29,7 @@ def check(s: Settings) -> None:
     """Every check that needs no devices; run before JAX starts, so a bad flag costs
     nothing. Raises UsageError (one line)."""
     from dpjax.collectives import ALGORITHMS, REDUCE_SCATTER_ALGORITHMS
+    from dpjax.collectives.registry import nested
     from dpjax import compression
     from dpjax.distributed import COLLECTIVES, transport
     from dpjax.models import MODELS, model_options
@@ -75,8 +76,8 @@ def check(s: Settings) -> None:
     one_of("--collectives", collectives, COLLECTIVES)
     if transport.problem(collectives):  # e.g. mpi without MPItrampoline's library
         raise UsageError(transport.problem(collectives))
-    if s.tp_allreduce == "hierarchical":
-        raise UsageError("--tp-allreduce hierarchical needs two axes; the model axis is one")
+    if nested(s.tp_allreduce):
+        raise UsageError(f"--tp-allreduce {s.tp_allreduce} needs two axes; the model axis is one")
     if s.fsdp and s.allreduce not in (*REDUCE_SCATTER_ALGORITHMS, "auto", None):
         raise UsageError(f"--fsdp all-gathers and reduce-scatters with the --allreduce algorithm; "
                          f"{s.allreduce!r} has none: choose one of {', '.join(REDUCE_SCATTER_ALGORITHMS)}")

@@ -10,6 +10,10 @@ from dpjax.plan.checks import UsageError
 from dpjax.policy import Policy, accelerated
 from dpjax.settings import Settings
 
+# The exchange's defaults (`dpjax.plan.Exchange`), and the autotune's starting point for a knob set to
+# `auto` (its baseline): here, which the plan imports, so that this module never imports the plan
+DEFAULT_ALGORITHM, DEFAULT_FUSION_MB = "ring", 64.0
+
 
 def target_platform(s: Settings, mesh) -> str:
     """The platform a plan is made for: the devices'; a GPU for --dry-run --device-memory
@@ -22,8 +26,6 @@ def default_allreduce(platform: str) -> str:
     """The gradient exchange when --allreduce is not given: XLA's own (psum: NCCL on GPUs,
     the ICI on TPUs) on accelerators, where it is the fastest; dpjax's explicit ring on
     CPU, where the collectives are what a run is there to show."""
-    from dpjax.plan import DEFAULT_ALGORITHM  # the plan's own constant (its module imports this one)
-
     return "psum" if accelerated(platform) else DEFAULT_ALGORITHM
 
 

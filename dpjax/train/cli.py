@@ -96,7 +96,7 @@ class HelpFormatter(argparse.HelpFormatter):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from dpjax.models import model_options
+    from dpjax.models import model_options, option_types
 
     p = Parser(prog="python -m dpjax.train", description=DESCRIPTION, formatter_class=HelpFormatter)
     p.add_argument("--config", metavar="FILE", help="settings from a TOML or JSON file (Settings fields by name; a "
@@ -117,10 +117,13 @@ def build_parser() -> argparse.ArgumentParser:
                            choices=_resolved(f.metadata.get("choices")))
     g = p.add_argument_group("model options (each belongs to one model; an option the chosen --model does "
                              "not have is an error)")
+    types, owners = option_types(), {}  # each option parses as its config field's type
     for model, opts in model_options().items():
-        for name, default in opts.items():
-            g.add_argument(flag(name), type=int, default=argparse.SUPPRESS, dest=f"model_{name}", metavar="N",
-                           help=f"{model}: {MODEL_OPTION_HELP.get(name, name)} (default: {default})")
+        for name, default in opts.items():  # an option two models share is one flag
+            owners.setdefault(name, []).append(f"{model}: {MODEL_OPTION_HELP.get(name, name)} (default: {default})")
+    for name, which in owners.items():
+        g.add_argument(flag(name), type=types[name], default=argparse.SUPPRESS, dest=f"model_{name}", metavar="N",
+                       help="; ".join(which))
     return p
 
 

@@ -13,7 +13,7 @@ this package knows nothing of models, layouts or meshes beyond the worker axes.
 
 from dpjax.updates.base import UpdateRule, as_axes, axis_arg
 from dpjax.updates.grammar import UpdateSpec, help_text, parse_update
-from dpjax.updates.registry import make_rule
+from dpjax.updates.grammar import make_rule
 
 # Each rule registers itself when imported; this order is the order of HELP and the errors.
 from dpjax.updates import sync as _sync, delayed as _delayed, sparse as _sparse, stale_async as _async  # noqa: E401

@@ -104,5 +104,14 @@ def stacked(param_specs):
     return jax.tree.map(lambda s: P(None, *s), param_specs)
 
 
+def local_like(tree, like, what: str = "gradients"):
+    """`tree`, asserted to hold this device's blocks in the shapes of `like`'s (a rule's
+    step runs inside the step's shard_map: its gradients are local blocks shaped as the
+    local parameters, whatever the layout)."""
+    got, want = jax.tree.map(lambda x: tuple(x.shape), tree), jax.tree.map(lambda x: tuple(x.shape), like)
+    assert got == want, f"{what}: local shapes {got}, not the parameters' {want}"
+    return tree
+
+
 def identity(params, state):
     return params, state

@@ -20,7 +20,7 @@ from jax.sharding import PartitionSpec as P
 from dpjax import links
 from dpjax.data_parallel import DistributedOptimizer
 from dpjax.sharding import state_specs
-from dpjax.updates.base import UpdateRule, as_axes, exact, exchange_over, mean_over, stacked
+from dpjax.updates.base import UpdateRule, as_axes, exact, exchange_over, local_like, mean_over, stacked
 from dpjax.updates.registry import Kind, register
 from dpjax.updates.sync import sync
 
@@ -100,7 +100,7 @@ def delayed(inner, delay: int, axis_name="data", *, compensate: bool = True, **a
 
     def step(grad_fn, params, state, batch):
         loss, grads = grad_fn(params, batch)
-        updates, state = tx.update(grads, state, params)
+        updates, state = tx.update(local_like(grads, params), state, params)
         return optax.apply_updates(params, updates), state, loss
 
     def flush(params, state):

@@ -100,3 +100,14 @@ def parse_update(text: str) -> UpdateSpec:
             raise bad(f"option {option.key} must be {option.must}, got {val.strip()!r}")
         fields[option.field] = value
     return UpdateSpec(kind.name, n, **fields)
+
+
+def make_rule(spec, inner, axis_name="data", *, seed: int = 0, **allreduce):
+    """The rule a spec (an `UpdateSpec` or its text) names, wrapping the inner optimizer
+    `inner`, between the workers that `axis_name` (one data axis or a tuple of them; ()
+    for one worker) numbers. A rule that is not registered is a UserError."""
+    s = parse_update(spec) if isinstance(spec, str) else spec
+    names = [k.name for k in registry.kinds()]
+    if s.kind not in names:
+        raise UserError(f"unknown update rule {s.kind!r}; choose one of {', '.join(names)}")
+    return registry.get(s.kind).build(s, inner, axis_name, seed=seed, **allreduce)

@@ -3,7 +3,7 @@
 A rule's module ends with `register(Kind(...))`: its name, what its number means and
 its lower bound, its options, its help text, when a spec of it is the sync program,
 and `build(spec, inner, axis_name, seed=, **allreduce) -> UpdateRule`. The grammar
-(`grammar.parse_update`, `HELP`, `UpdateSpec.is_sync`) and `make_rule` (here) read them
+(`grammar.parse_update`, `HELP`, `UpdateSpec.is_sync`, `make_rule`) reads them
 from here, so no list of rule names is kept anywhere else.
 """
 
@@ -70,15 +70,3 @@ def get(name: str) -> Kind:
 def kinds() -> tuple[Kind, ...]:
     """Every registered rule, in registration order."""
     return tuple(_KINDS.values())
-
-
-def make_rule(spec, inner, axis_name="data", *, seed: int = 0, **allreduce):
-    """The rule a spec (an `UpdateSpec` or its text) names, wrapping the inner optimizer
-    `inner`, between the workers that `axis_name` (one data axis or a tuple of them; ()
-    for one worker) numbers. A rule that is not registered is a UserError."""
-    from dpjax.updates.grammar import parse_update  # the grammar reads this module: import it late
-
-    s = parse_update(spec) if isinstance(spec, str) else spec
-    if s.kind not in _KINDS:
-        raise UserError(f"unknown update rule {s.kind!r}; choose one of {', '.join(_KINDS)}")
-    return _KINDS[s.kind].build(s, inner, axis_name, seed=seed, **allreduce)

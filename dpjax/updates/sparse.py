@@ -18,7 +18,7 @@ from jax.sharding import PartitionSpec as P
 
 from dpjax import scopes
 from dpjax.sharding import state_specs
-from dpjax.updates.base import UpdateRule, as_axes, exact, exchange_over, identity, mean_over
+from dpjax.updates.base import UpdateRule, as_axes, exact, exchange_over, identity, local_like, mean_over
 from dpjax.updates.registry import Kind, Option, register
 from dpjax.updates.sync import sync
 
@@ -71,7 +71,7 @@ def sparse(inner, period: int, axis_name="data", *, outer: optax.GradientTransfo
 
     def step(grad_fn, params, state, batch):
         loss, grads = grad_fn(params, batch)
-        updates, inner_state = inner.update(grads, state.inner, params)
+        updates, inner_state = inner.update(local_like(grads, params), state.inner, params)
         params = optax.apply_updates(params, updates)
         state = state._replace(inner=inner_state, t=state.t + 1)
         # in a cond, so the exchange (and its bytes) happens once per period; named, so that

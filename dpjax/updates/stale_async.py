@@ -18,7 +18,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from dpjax.sharding import state_specs
-from dpjax.updates.base import UpdateRule, as_axes, axis_arg, exchange_over, identity, stacked
+from dpjax.updates.base import UpdateRule, as_axes, axis_arg, exchange_over, identity, local_like, stacked
 from dpjax.updates.registry import Kind, Option, register
 from dpjax.updates.sync import sync
 
@@ -82,6 +82,7 @@ def stale_async(inner, tau: int, axis_name="data", *, seed: int = 0, fetch_every
                                state.history_RxP)
         local = jax.tree.map(lambda a, b: jnp.where(fetch, a, b), fetched, state.local)
         loss, grads = grad_fn(local, batch)
+        grads = local_like(grads, params)
         acc = state.acc
         if Q > 1:
             acc = jax.tree.map(jnp.add, acc, grads)

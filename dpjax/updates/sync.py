@@ -11,7 +11,7 @@ from typing import NamedTuple
 import optax
 
 from dpjax.sharding import state_specs
-from dpjax.updates.base import UpdateRule, as_axes, exchange_over, identity, mean_over
+from dpjax.updates.base import UpdateRule, as_axes, exchange_over, identity, local_like, mean_over
 from dpjax.updates.registry import Kind, register
 
 
@@ -36,7 +36,7 @@ def sync(inner, axis_name=(), **allreduce) -> UpdateRule:
 
     def step(grad_fn, params, state, batch):
         loss, grads = grad_fn(params, batch)
-        updates, state = inner.update(mean(grads), state, params)
+        updates, state = inner.update(mean(local_like(grads, params)), state, params)
         return optax.apply_updates(params, updates), state, loss
 
     return UpdateRule("sync", inner.init, step, identity, lambda ps, shapes: state_specs(inner, shapes, ps),
@@ -49,7 +49,7 @@ def _with_feedback(inner, axes, ex) -> UpdateRule:
 
     def step(grad_fn, params, state, batch):
         loss, grads = grad_fn(params, batch)
-        grads, exchange = ex.mean(grads, state.exchange)
+        grads, exchange = ex.mean(local_like(grads, params), state.exchange)
         updates, inner_state = inner.update(grads, state.inner, params)
         return optax.apply_updates(params, updates), SyncState(inner_state, exchange), loss
 
