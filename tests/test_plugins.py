@@ -25,7 +25,7 @@ from dpjax.models import MLP, MLPConfig, registry as models
 from dpjax.pipeline import gpipe
 from dpjax.plan import resolve
 from dpjax.tensor_parallel import DENSE
-from dpjax.train.cli import build_parser, parse_args
+from dpjax.train.cli import ArgumentError, build_parser, parse_args
 from dpjax.updates import registry as rules
 
 # --- the five toys: each is what its own file would hold, its last line the registration
@@ -123,7 +123,7 @@ def test_a_toy_model_is_parsed_with_its_own_types_planned_and_costed():
         batch = jnp.zeros((2, 9), jnp.int32)
         hot = Toy(ToyConfig(seq_len=8, temperature=2.5)).loss(params, batch)
         assert hot != MLP(MLPConfig(seq_len=8)).loss(params, batch)  # the temperature is used
-    with pytest.raises(SystemExit):
+    with pytest.raises(ArgumentError, match="unknown flag --temperature"):  # gone with its model
         parse_args(["--model", "toy-mlp", "--temperature", "2.5"])
     assert "toy-mlp" not in models.MODELS
 

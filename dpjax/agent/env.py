@@ -1,7 +1,10 @@
 """The environment variables dpjax.agent sets for each process it starts, besides
 dpjax.distributed's (coordinator, process count and id, local rank). One table, read by
 the agent that writes them and by the training loop that reads them
-(`dpjax.train.elastic`); `dpjax.fault` reads DPJAX_RESTART and DPJAX_AGENT_PID."""
+(`dpjax.train.elastic`, `dpjax.train.resume`); `dpjax.fault` reads DPJAX_RESTART and
+DPJAX_AGENT_PID."""
+
+import os
 
 ENV = {
     "restart": "DPJAX_RESTART",              # 0 for a job's first attempt, n after n restarts
@@ -13,3 +16,13 @@ ENV = {
     "failure": "DPJAX_LAST_FAILURE",         # JSON: what ended the previous attempt, when, how far it got
     "agent_pid": "DPJAX_AGENT_PID",          # the host's agent (a lost host takes it down too)
 }
+
+
+def restart_number() -> int:
+    """0 for a job's first attempt (or a run without the agent), n after n restarts."""
+    return int(os.environ.get(ENV["restart"]) or "0")
+
+
+def under_agent() -> bool:
+    """Whether dpjax.agent started this process (it sets DPJAX_RESTART, 0 at first)."""
+    return ENV["restart"] in os.environ

@@ -24,21 +24,11 @@ import traceback
 IMPORTED = time.time()  # about when this process started (the restart's breakdown)
 
 from dpjax import fault as faults  # noqa: E402
-from dpjax.agent.env import ENV  # noqa: E402
+from dpjax.agent.env import ENV, restart_number  # noqa: E402
 
 
 def _env(name: str, default=None):
     return os.environ.get(ENV[name]) or default
-
-
-def restart_number() -> int:
-    """0 for a job's first attempt (or a run without the agent), n after n restarts."""
-    return int(_env("restart", "0"))
-
-
-def under_agent() -> bool:
-    """Whether dpjax.agent started this process (it sets DPJAX_RESTART, 0 at first)."""
-    return ENV["restart"] in os.environ
 
 
 def _say(line: str) -> None:

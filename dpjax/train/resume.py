@@ -19,7 +19,7 @@ import shutil
 import sys
 
 from dpjax.errors import UserError
-from dpjax.train import elastic
+from dpjax.agent.env import restart_number, under_agent
 
 
 class NothingToResume(UserError):
@@ -32,7 +32,7 @@ class MetricsFileExists(UserError):
 
 def resuming(cfg) -> bool:
     """--resume, or an agent's restart (the same command again, continuing from the commits)."""
-    return cfg.resume or elastic.restart_number() > 0
+    return cfg.resume or restart_number() > 0
 
 
 def check_metrics_file(cfg) -> None:
@@ -71,9 +71,9 @@ def fresh_or_refuse(trainer) -> None:
     --ckpt-dir says that it starts fresh. Under dpjax.agent, a first start with nothing
     committed is a fresh start (its restarts say what they restored themselves)."""
     cfg = trainer.cfg
-    if trainer.start > 0 or elastic.restart_number() > 0:
+    if trainer.start > 0 or restart_number() > 0:
         return
-    if cfg.resume and not elastic.under_agent():
+    if cfg.resume and not under_agent():
         raise NothingToResume(f"--resume: nothing to resume, {_where(cfg)}; check the path, or leave out --resume "
                               "to start a fresh run")
     if cfg.ckpt_dir and not cfg.resume:
