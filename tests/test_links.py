@@ -3,8 +3,10 @@ host clock, the time a training step takes under each rule, and that only time c
 
 The timing tests use a 200 ms link between the two nodes of a node=2 x data=4 mesh and
 the hierarchical allreduce, whose only steps across nodes are the outer ring's 2: one
-exchange costs 2 x (200 ms + bytes / bandwidth), far above the few milliseconds a step
-of the tiny model computes, so the bounds below hold on a loaded 2-core machine.
+exchange costs 2 x (200 ms + bytes / bandwidth). They run on the links' virtual clock
+(`VirtualTime`: computing takes no time, waiting moves the clock to the wire's end), so
+each step's time is exactly what the rule waits for: no wall-clock window, no machine
+load in the figures, and no real sleeping.
 """
 
 import time
@@ -214,22 +216,24 @@ def batches():
 
 
 def _run(mesh_of, put, batches, update, with_link, workers=None):
+    """(losses, each step's time after the first on the virtual clock, the step)."""
     mesh = mesh_of("node=2,data=4", 8)
     settings = Settings(mesh="node=2,data=4", model="mlp", update=update, batch_size=B, optimizer="sgd", lr=0.1,
                         clip_norm=0, allreduce="hierarchical", link=[str(SLOW)] if with_link else None,
                         workers=None if workers is None else ",".join(workers))
     plan = resolve(settings, mesh=mesh, model=MODEL)
-    layout, step = plan.layout, S.for_plan(plan, donate=False)
+    clock = links.Clock(8, links.VirtualTime())
+    layout, step = plan.layout, S.for_plan(plan, donate=False, clock=clock)
     params, state = step.init(S.init_params(MODEL, layout, jax.random.key(0)))
     placed = [put(mesh, b, P(None, ("node", "data"))) for b in batches]
-    params, state, loss = step.train(params, state, placed[0])  # compile
+    params, state, loss = step.train(params, state, placed[0])  # with the initial broadcast's wait
     jax.block_until_ready(loss)
     losses, times = [float(loss)], []
     for b in placed[1:]:
-        t = time.perf_counter()
+        t = clock.source.now()
         params, state, loss = step.train(params, state, b)
         losses.append(float(loss))  # waits for the step
-        times.append(time.perf_counter() - t)
+        times.append(clock.source.now() - t)
     return losses, times, step
 
 
@@ -242,39 +246,33 @@ def _comm(step_batch_bytes=None):
 
 
 @pytest.fixture(scope="module")
-def compute(mesh_of, put, batches):
-    """The unemulated step time (median) and losses of each rule."""
-    out = {}
-    for update in ("sync", "delayed:4", "sparse:4"):
-        losses, times, step = _run(mesh_of, put, batches, update, False)
-        out[update] = (losses, float(np.median(times)))
-    return out
+def unlinked(mesh_of, put, batches):
+    """Each rule's losses without a link: a link must change only time."""
+    return {update: _run(mesh_of, put, batches, update, False)[0] for update in ("sync", "delayed:4", "sparse:4")}
 
 
-def test_sync_waits_for_the_link_every_step(mesh_of, put, batches, compute):
+def test_sync_waits_for_the_link_every_step(mesh_of, put, batches, unlinked):
     losses, times, _ = _run(mesh_of, put, batches[:4], "sync", True)
-    assert losses == compute["sync"][0][:4]  # only time changes
-    assert min(times) >= _comm()  # every step pays the whole exchange
+    assert losses == unlinked["sync"][:4]  # only time changes
+    assert times == pytest.approx([_comm()] * 3, rel=1e-9)  # every step pays the whole exchange
 
 
-def test_delayed_hides_the_link_behind_T_steps(mesh_of, put, batches, compute):
+def test_delayed_hides_the_link_behind_T_steps(mesh_of, put, batches, unlinked):
     losses, times, _ = _run(mesh_of, put, batches, "delayed:4", True)
-    assert losses == compute["delayed:4"][0]
+    assert losses == unlinked["delayed:4"]
     # steps 1-3 find nothing to wait for; from step 4 on each waits for the exchange issued
-    # 4 steps earlier, so the pace is max(compute, comm / 4). (Exchanges issued in a burst
-    # arrive in a burst: steps 4..11, two whole periods, average out where they land.)
-    steady = float(np.mean(times[3:11]))
-    expect = max(compute["delayed:4"][1], _comm() / 4)
-    assert 0.85 * expect <= steady <= 1.5 * expect + 0.02, (steady, expect)
-    assert steady < 0.5 * _comm()  # far from sync's pace
+    # 4 steps earlier, which was issued when the one before it had just arrived: the link
+    # carries one exchange per 4 steps, comm / 4 a step (nothing computes on this clock)
+    assert times[:3] == [0.0, 0.0, 0.0]
+    assert sum(times[3:11]) == pytest.approx(2 * _comm(), rel=1e-3)  # two whole periods
+    assert max(times[3:11]) == pytest.approx(_comm(), rel=1e-3)  # one step of each period waits
 
 
-def test_sparse_pays_the_link_once_a_period(mesh_of, put, batches, compute):
+def test_sparse_pays_the_link_once_a_period(mesh_of, put, batches, unlinked):
     losses, times, _ = _run(mesh_of, put, batches[:9], "sparse:4", True)
-    assert losses == compute["sparse:4"][0][:9]
-    per_step = float(np.mean(times[:8]))  # steps 1..8: two averages (after steps 3 and 7)
-    expect = compute["sparse:4"][1] + _comm() / 4
-    assert 0.85 * expect <= per_step <= 1.5 * expect + 0.02, (per_step, expect)
+    assert losses == unlinked["sparse:4"][:9]
+    # steps 1..8: the averages after steps 3 and 7 wait for the whole exchange, the rest nothing
+    assert times == pytest.approx([0, 0, _comm(), 0, 0, 0, _comm(), 0], rel=1e-9, abs=1e-12)
 
 
 def test_a_deferred_exchange_with_start_steps_only_changes_time(mesh_of, put, batches):

@@ -88,25 +88,17 @@ def test_a_stage_link_charges_every_stage_send(steps):
         assert loss == want
 
 
-def test_a_stage_link_slows_the_step_by_the_modelled_wait(steps):
-    """In real time: a step with the link takes at least the modelled wait longer than
-    without it (each wait sleeps to its transfer's end), and not much more (the callbacks'
-    own cost). Paired steps, so that a loaded machine slows both alike."""
+def test_a_real_time_link_sleeps_at_least_the_modelled_wait(steps):
+    """The same compiled step on real time: each wait sleeps to its transfer's end, so a
+    step takes at least the modelled wait. (How long exactly is the virtual clock's test
+    above: a wall-clock upper bound would measure the machine's load, not the emulator.)"""
     step, params, state, batches, clock = steps["linked"]
-    plain, p_params, p_state, _, _ = steps["plain"]
-    clock.source = links.RealTime()  # the same compiled step, now sleeping for its wire
+    clock.source = links.RealTime()
     try:
-        extra = []
-        for batch in batches[:3]:
-            t = time.perf_counter()
-            p_params, p_state, _ = run(plain, p_params, p_state, batch)
-            t_plain = time.perf_counter() - t
+        for batch in batches[:2]:
             t = time.perf_counter()
             params, state, _ = run(step, params, state, batch)
-            t_link = time.perf_counter() - t
-            assert t_link >= modelled_wait(), (t_link, modelled_wait())
-            extra.append(t_link - t_plain)
-        assert float(np.median(extra)) <= 1.5 * modelled_wait(), (extra, modelled_wait())
+            assert time.perf_counter() - t >= modelled_wait(), (time.perf_counter() - t, modelled_wait())
     finally:
         clock.source = steps["clock"]
 
