@@ -80,7 +80,8 @@ class Agent:
                     "PYTHONUNBUFFERED": "1", ENV["restart"]: str(view["round"] - 1), ENV["host"]: self.host,
                     ENV["per_host"]: str(view["nproc"]), ENV["commit_dir"]: a.commit_dir,
                     ENV["agent_pid"]: str(os.getpid())})
-        env.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(a.commit_dir, "jit-cache"))  # restarts skip compiling
+        # a restarted command skips compiling (dpjax.train keeps its own programs: dpjax.programs)
+        env.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(a.commit_dir, "jit-cache"))
         # The agent stops every process on any failure, so jax.distributed's own heartbeat
         # need not: it must outlast --hang-timeout, or the coordination service aborts the
         # survivors of a stopped (SIGSTOP) process first and the hang is blamed on them.
