@@ -78,7 +78,7 @@ def _signature(args) -> str:
         sharding = getattr(x, "sharding", None)
         spec = getattr(sharding, "spec", None)
         mesh = getattr(sharding, "mesh", None)
-        where = (repr(spec), dict(mesh.shape), [d.id for d in mesh.devices.flat]) if mesh is not None else repr(sharding)
+        where = repr(sharding) if mesh is None else (repr(spec), dict(mesh.shape), [d.id for d in mesh.devices.flat])
         return [getattr(x, "shape", None), str(getattr(x, "dtype", type(x).__name__)), getattr(x, "weak_type", None),
                 where]
 
