@@ -87,7 +87,8 @@ def onebit_adam(adamw, clip, schedule, axis_name=(), *, b1: float, b2: float, ep
             with scopes.scope("momentum"):
                 m, exchange = ex.mean(local, state.exchange)
             count = optax.safe_increment(adam.count)
-            lr = schedule(_find(state.inner, optax.ScaleByScheduleState).count)
+            sched = _find(state.inner, optax.ScaleByScheduleState)  # None for a constant lr given as a float
+            lr = schedule(adam.count if sched is None else sched.count)
 
             def one(p, m, v):
                 m_hat = m / (1 - b1 ** count).astype(m.dtype)
