@@ -169,3 +169,20 @@ def test_refusals_are_one_line(kw, needle):
     with pytest.raises(UserError, match=re.escape(needle)) as e:
         _plan(optimizer="onebit_adam", **kw)
     assert "\n" not in str(e.value)
+
+
+def test_the_start_warning_for_a_biased_compressor_under_adam():
+    """sign, top-k, random-k and onebit with error feedback under AdamW: one line naming
+    1-bit Adam; none under SGD, with ef=0, for a quantiser, or under onebit_adam."""
+    from dpjax.compression.accounting import optimizer_warning
+
+    line = optimizer_warning(_plan(optimizer="adamw", compression="topk:0.01"))
+    assert line.startswith("warning: --compression topk:0.01 with error feedback under --optimizer adamw: a biased "
+                           "compressor") and "use --optimizer onebit_adam" in line and "topk:0.01,ef=0" in line
+    assert "\n" not in line
+    for name in ("sign", "randk:0.01", "onebit"):
+        assert optimizer_warning(_plan(optimizer="adamw", compression=name)) is not None, name
+    for kw in ({"optimizer": "sgd", "compression": "sign"}, {"optimizer": "adamw", "compression": "sign,ef=0"},
+               {"optimizer": "adamw", "compression": "int8"},
+               {"optimizer": "onebit_adam", "compression": "onebit,start=2"}):
+        assert optimizer_warning(_plan(**kw)) is None, kw
