@@ -9,7 +9,8 @@ fixed per-coordinate preconditioner, and compressing the momentum with error fee
 is as safe as it is for SGD. Per worker (`--compression METHOD,start=S`):
 
     steps < S   (warm-up)   g = the exact mean of the workers' gradients (the uncompressed
-                            allreduce), then the AdamW of `--optimizer adamw` (its clipping,
+                            allreduce; in the per-shard form of `--compress-axes`, each
+                            device's shard across and the site's all-gather), then the AdamW of `--optimizer adamw` (its clipping,
                             schedule, betas, eps and weight decay): bit for bit that run
     steps >= S  (frozen)    g = this worker's own gradient, clipped to the global norm
                             m_i = b1 m + (1 - b1) g
@@ -45,7 +46,7 @@ import optax
 from jax import lax
 
 from dpjax import scopes
-from dpjax.compression import parse
+from dpjax.compression import parse, shards
 from dpjax.sharding import state_specs
 from dpjax.updates.base import UpdateRule, as_axes, exact, exchange_over, identity, mean_over
 
@@ -68,6 +69,9 @@ def onebit_adam(adamw, clip, schedule, axis_name=(), *, b1: float, b2: float, ep
     assert spec is not None and spec.method.stateful and spec.start >= 1, spec  # dpjax.plan refuses the rest
     freeze = spec.start
     grad_mean = mean_over(axes, exact(allreduce))
+    sh = allreduce.get("shard_over")
+    if sh is not None and axes:  # the per-shard form: each device sends its shard across, the site gathers
+        grad_mean = shards.plain_mean(grad_mean, sh)
     ex = exchange_over(axes, {**allreduce, "compression": dataclasses.replace(spec, start=0)})
     assert ex.stateful or not axes, spec
 
