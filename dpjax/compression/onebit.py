@@ -25,12 +25,11 @@ C = sum ceil(d/n) chunk values. The busiest rank sends 2 (n-1) of them: about
 Nothing is lost, only delayed, through both buffers: after any number of exchanges,
 sum(applied means) + mean_i(worker_err_i) + sum_r(server_err_r) == sum(true means).
 The server error is this method's own state (`feedback.State.method`), kept shaped like
-the parameters so that it is laid out, checkpointed and resharded like them: rank r's
-buffer holds its chunk's error and zeros elsewhere, so the buffers of the ranks sum to
-the whole server error (one full-size buffer a rank, as the worker error; DeepSpeed
-keeps 1/n of it). The ranks are the positions along the exchange's axes: resharding to
-another worker count moves the buffers with their values, not the chunks' owners, so
-`dpjax.plan` treats it like the other per-worker error buffers.
+the parameters so that it is laid out and checkpointed like them: rank r's buffer holds
+its chunk's error and zeros elsewhere, so the buffers of the ranks sum to the whole
+server error (one full-size buffer a rank, as the worker error; DeepSpeed keeps 1/n of
+it). The chunks are cut from each rank's local shard, so a resume across a change of
+the model split is refused, as for PowerSGD's Q (`checkpoint.compression_split`).
 
 It is meant for a quantity whose scale changes slowly, such as Adam's momentum after
 its variance is frozen (`dpjax.updates.onebit_adam`); it also runs as a gradient

@@ -31,8 +31,9 @@ allreduce runs between workers after the freeze. The two are a `lax.cond` under
 metrics' comm_bytes charges each step the branch it runs. The state is the AdamW
 chain's own (its mu and nu, sharded like the parameters) and the exchange's
 (`feedback.State`: the worker error and the method's state, e.g. the server error),
-per worker, so checkpoints save and restore it and a resharding restore moves it like
-every other rule's state.
+per worker, so checkpoints save and restore it. A resume across a change of the model
+or stage split is refused (`checkpoint.compression_split`: the method keeps state of its
+own), because each server owns chunks of its local shard and the split moves them.
 """
 
 from __future__ import annotations
