@@ -38,7 +38,7 @@ import _bench
 from update_runs import DATE, MACHINE, Bench
 
 from dpjax import step as S
-from dpjax.collectives.cost import compressed_bytes, hlo_comm
+from dpjax.collectives.cost import compressed_bytes
 from dpjax.timeline import compiled_text
 
 METHODS = ["powersgd:1", "powersgd:2", "powersgd:4", "int8", "int4", "sign", "topk:0.01", "randk:0.01"]
