@@ -137,13 +137,13 @@ def _replace(state, fns):
     return state
 
 
-def for_config(opt, adamw, global_batch: int, specs, axis_name=(), **allreduce) -> UpdateRule:
+def for_config(opt, adamw, global_batch: int, specs, axis_name=(), *, b1: float, b2: float, eps: float,
+               **allreduce) -> UpdateRule:
     """The rule of a `dpjax.optim.OptimizerConfig` named onebit_adam, whose `make` gave
     `adamw` (the warm-up's chain): its clipping over the layout's `specs`, schedule for
-    `global_batch` and AdamW's constants."""
-    from dpjax.optim import ADAM_B1, ADAM_B2, ADAM_EPS
-
+    `global_batch`, weight decay, and AdamW's b1, b2, eps (`dpjax.optim.ADAM_*`, passed
+    by the plan: optim is this package's neighbour, not below it)."""
     clipper = opt.clipper(specs)
     clip = (lambda g: g) if clipper is None else (lambda g: clipper.update(g, optax.EmptyState())[0])
-    return onebit_adam(adamw, clip, opt.schedule(global_batch), axis_name, b1=ADAM_B1, b2=ADAM_B2, eps=ADAM_EPS,
+    return onebit_adam(adamw, clip, opt.schedule(global_batch), axis_name, b1=b1, b2=b2, eps=eps,
                        weight_decay=opt.weight_decay, **allreduce)
