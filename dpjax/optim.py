@@ -18,7 +18,8 @@ import optax
 from dpjax.errors import UserError
 from dpjax.sharding import sq_norm
 
-OPTIMIZERS = ("adamw", "sgd", "momentum")
+OPTIMIZERS = ("adamw", "sgd", "momentum", "onebit_adam")
+ADAM_B1, ADAM_B2, ADAM_EPS = 0.9, 0.95, 1e-8  # adamw's, and 1-bit Adam's (dpjax.updates.onebit_adam)
 LR_SCALINGS = ("none", "linear")
 
 
@@ -50,19 +51,23 @@ class OptimizerConfig:
         if self.lr_scaling not in LR_SCALINGS:
             raise UserError(f"unknown lr scaling {self.lr_scaling!r}; choose {' or '.join(LR_SCALINGS)}")
         sched = self.schedule(global_batch)
-        if self.name == "adamw":
-            opt = optax.adamw(sched, b1=0.9, b2=0.95, weight_decay=self.weight_decay)
+        if self.name in ("adamw", "onebit_adam"):  # 1-bit Adam's warm-up is this AdamW, bit for bit
+            opt = optax.adamw(sched, b1=ADAM_B1, b2=ADAM_B2, eps=ADAM_EPS, weight_decay=self.weight_decay)
         elif self.name == "sgd":
             opt = optax.sgd(sched)
         elif self.name == "momentum":
             opt = optax.sgd(sched, momentum=0.9, nesterov=True)
         else:
             raise UserError(f"unknown optimizer {self.name!r}; choose {', '.join(OPTIMIZERS)}")
+        clip = self.clipper(specs)
+        return opt if clip is None else optax.chain(clip, opt)
+
+    def clipper(self, specs=None) -> optax.GradientTransformation | None:
+        """The global-norm clipping `make` chains before the optimizer (None: off)."""
         if self.clip_norm <= 0:
-            return opt
-        clip = optax.clip_by_global_norm(self.clip_norm) if specs is None else clip_by_global_norm(
+            return None
+        return optax.clip_by_global_norm(self.clip_norm) if specs is None else clip_by_global_norm(
             self.clip_norm, functools.partial(sq_norm, specs=specs))
-        return optax.chain(clip, opt)
 
 
 def clip_by_global_norm(max_norm: float, sq_norm_fn) -> optax.GradientTransformation:

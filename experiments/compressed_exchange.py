@@ -14,6 +14,16 @@ busiest device sends per step, read from the compiled program (`cost.hlo_comm`, 
 `comm_bytes` in the metrics reports), times the steps; each method's formula
 (`accounting.compressed_bytes`) is printed beside it (the program sends 14 bytes more: the
 reported loss's scalar mean).
+
+1-bit Adam (`--optimizer onebit_adam --compression onebit,start=S`, issue 31) is a row
+of its own, "onebit_adam onebit,start=S": S exact AdamW steps, then Adam's variance
+frozen and the momentum sent through 1-bit Adam's compressed allreduce. A row with a
+start step sends the uncompressed bytes for S steps and the compressed ones after
+(`dpjax.train.comm_bytes.StepBytes`: the branch each step runs); the table gives both
+the bytes of a compressed step and the run's total. Every variant runs for each of
+--seeds (data order and initial parameters); the table gives the mean final loss and
+the spread (min-max) over the seeds. --json is rewritten after every run, so a long
+sweep cut short keeps what it measured.
 """
 
 from __future__ import annotations
@@ -28,37 +38,58 @@ import _bench
 from update_runs import DATE, MACHINE, Bench
 
 from dpjax import step as S
-from dpjax.collectives.cost import hlo_comm
 from dpjax.compression.accounting import compressed_bytes
 from dpjax.timeline import compiled_text
 
 METHODS = ["powersgd:1", "powersgd:2", "powersgd:4", "int8", "int4", "sign", "topk:0.01", "randk:0.01"]
+ONEBIT_ADAM = ["onebit_adam onebit,start=10", "onebit_adam onebit,start=50"]
+OPTIMIZER = "adamw"  # the inner optimizer of every row but the 1-bit Adam ones
 
 
-def variants(methods):
-    """none, then every method with error feedback and without."""
-    return ["none"] + [m + suffix for m in methods for suffix in ("", ",ef=0")]
+def variants(methods, onebit=ONEBIT_ADAM):
+    """none, the 1-bit Adam rows, then every method with error feedback and without."""
+    return ["none", *onebit] + [m + suffix for m in methods for suffix in ("", ",ef=0")]
 
 
-def run(bench, spec):
-    """(the Run of sync training through `spec`, bytes the busiest device sends per step in
-    the compiled train step, the formula's): one compiled step serves all three."""
+def split(variant) -> tuple[str, str]:
+    """(the optimizer, the --compression) of a variant: "onebit_adam onebit,start=10"."""
+    head, _, rest = variant.partition(" ")
+    return (head, rest) if rest else (OPTIMIZER, head)
+
+
+def run(bench, variant):
+    """(the Run of sync training through `variant`, the bytes the busiest device sends in
+    a compressed step and in an exact one (a start step), the formula's bytes of a
+    compressed step, the run's total bytes): one compiled step serves them all."""
+    import dataclasses
+
     import numpy as np
 
+    from dpjax.compression import parse
+    from dpjax.train.comm_bytes import StepBytes
     from update_runs import Run
 
+    optimizer, spec = split(variant)
     bench.compression = spec
+    bench.settings = dataclasses.replace(bench.settings, optimizer=optimizer)
     layout, step = bench.step("sync", donate=False)
     params, state = step.init(S.init_params(bench.model, layout, jax.random.key(bench.seed)))
-    out = Run(spec, [])
+    out = Run(variant, [])
     for i, batch in enumerate(bench.train):
         params, state, loss = step.train(params, state, batch)
         out.losses.append(float(loss))
         if (i + 1) % bench.eval_every == 0 or i + 1 == bench.steps:
             out.evals.append((i + 1, float(np.mean([float(step.evaluate(params, b)) for b in bench.val]))))
-    measured = hlo_comm(compiled_text(step.train, params, state, bench.train[0])).max_bytes  # the cached program
+    sent = StepBytes(compiled_text(step.train, params, state, bench.train[0]))  # the cached program
     shapes = [tuple(x.shape) for x in jax.tree.leaves(jax.eval_shape(bench.model.init, jax.random.key(0)))]
-    return out, measured, compressed_bytes(None if spec == "none" else spec, shapes, layout.mesh.size)
+    formula = compressed_bytes(None if spec == "none" else spec, shapes, layout.mesh.size)
+    start = min(bench.steps, parse(spec).start if spec != "none" else 0)
+    total = start * sent.at(False) + (bench.steps - start) * sent.at(True)
+    return out, sent.at(True), sent.at(False), formula, total
+
+
+def spread(values) -> str:
+    return f"{min(values):.4f}-{max(values):.4f}" if len(values) > 1 else "(one seed)"
 
 
 def main(argv=None):
@@ -66,42 +97,68 @@ def main(argv=None):
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--methods", nargs="+", default=METHODS)
+    p.add_argument("--onebit", nargs="*", default=ONEBIT_ADAM, help="the 1-bit Adam rows ('onebit_adam SPEC')")
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--plot", default="experiments/plots/compression.png")
     p.add_argument("--json")
-    _bench.add_smoke(p, "3 steps of a d_model 16 GPT; none, and int8 with and without feedback")
+    _bench.add_smoke(p, "3 steps of a d_model 16 GPT, one seed; none, 1-bit Adam from step 1, and int8 with and "
+                        "without feedback")
     args = p.parse_args(argv)
     d_model = None
     if args.smoke:
         args.steps, args.methods, args.seq_len, d_model = 3, ["int8"], 16, 16
+        args.onebit, args.seeds = ["onebit_adam onebit,start=1"], [0]
         _bench.smoke_outputs(args, "plot", "json")
-    bench = Bench(model="gpt", mesh="8x1", batch_size=args.batch_size, seq_len=args.seq_len, steps=args.steps,
-                  optimizer="adamw", lr=3e-3, clip_norm=1.0, eval_every=max(1, args.steps // 10), d_model=d_model)
-    rows, curves = [], {}
-    for spec in variants(args.methods):
-        run_, measured, formula = run(bench, spec)
-        curves[spec] = run_
-        rows.append((spec, run_.final_eval, run_.losses[-1], measured, formula))
-        print(f"  {spec:18s} final eval {run_.final_eval:.4f}  {measured:>12,} B/step (formula {formula:,})",
-              flush=True)
-    base = rows[0][3]
-    print(f"\nMEASURED: {MACHINE}; {DATE}; gpt ({bench.gradient_elements():,} parameters), mesh 8x1, batch "
-          f"{args.batch_size} x {args.seq_len}, adamw lr 3e-3, clip 1.0, {args.steps} steps, sync\n")
-    print("| compression | final eval loss | final train loss | bytes/step (busiest device) | x fewer than none | "
-          "total MB sent |\n|---|---:|---:|---:|---:|---:|")
-    for spec, ev, tr, measured, _ in rows:
-        print(f"| {spec} | {ev:.4f} | {tr:.4f} | {measured:,} | {base / measured:.1f} | "
-              f"{measured * args.steps / 1e6:,.1f} |")
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump({"args": vars(args), "rows": rows, "evals": {k: v.evals for k, v in curves.items()}}, fh)
+    results = {}  # variant -> [(seed, final eval, final train, bytes compressed step, bytes exact step, formula, total)]
+    benches = {seed: Bench(model="gpt", mesh="8x1", batch_size=args.batch_size, seq_len=args.seq_len,
+                           steps=args.steps, optimizer="adamw", lr=3e-3, clip_norm=1.0,
+                           eval_every=max(1, args.steps // 10), d_model=d_model, seed=seed)
+               for seed in args.seeds}  # a seed's variants share its Bench (data, initial parameters)
+    for variant in variants(args.methods, args.onebit):  # every seed of a variant before the next variant
+        for seed, bench in benches.items():
+            run_, step_bytes, exact_bytes, formula, total = run(bench, variant)
+            results.setdefault(variant, []).append((seed, run_.final_eval, run_.losses[-1], step_bytes, exact_bytes,
+                                                    formula, total, run_.evals))
+            print(f"  seed {seed} {variant:30s} final eval {run_.final_eval:.4f}  {step_bytes:>12,} B/step "
+                  f"(formula {formula:,}), {total / 1e6:,.1f} MB in the run", flush=True)
+            if args.json:
+                with open(args.json, "w") as fh:
+                    json.dump({"args": vars(args), "results": results}, fh)
+    rows = table(results, args, bench)
     plot_points(args.plot, rows, args.steps)
     return 0
 
 
+def table(results, args, bench):
+    """Print the markdown table (mean over the seeds, the spread); returns the plot's rows."""
+    import statistics
+
+    base = statistics.mean(r[6] for r in results["none"]) if "none" in results else None
+    base_step = results["none"][0][3] if "none" in results else None
+    print(f"\nMEASURED: {MACHINE}; {DATE}; gpt ({bench.gradient_elements():,} parameters), mesh 8x1, batch "
+          f"{args.batch_size} x {args.seq_len}, adamw lr 3e-3, clip 1.0, {args.steps} steps, sync, seeds "
+          f"{' '.join(map(str, args.seeds))}\n")
+    print("| variant | final eval loss (mean) | spread over seeds | vs none | final train loss (mean) | "
+          "bytes of a compressed step (busiest device) | formula | x fewer a step | MB sent in the run | "
+          "x fewer over the run |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    rows = []
+    none_eval = statistics.mean(r[1] for r in results["none"]) if "none" in results else None
+    for variant, rs in results.items():
+        ev, tr = statistics.mean(r[1] for r in rs), statistics.mean(r[2] for r in rs)
+        step_bytes, formula, total = rs[0][3], rs[0][5], statistics.mean(r[6] for r in rs)
+        rel = f"{100 * (ev / none_eval - 1):+.1f}%" if none_eval else ""
+        print(f"| `{variant}` | {ev:.4f} | {spread([r[1] for r in rs])} | {rel} | {tr:.4f} | {step_bytes:,} | "
+              f"{formula:,} | {base_step / step_bytes if base_step else 0:.1f} | {total / 1e6:,.1f} | "
+              f"{base / total if base else 0:.1f} |")
+        rows.append((variant, ev, tr, step_bytes, total))
+    return rows
+
+
 def plot_points(path, rows, steps):
-    """One point per variant: a colour per method, filled with error feedback, hollow without."""
+    """One point per variant (the mean over the seeds): a colour per method, filled with
+    error feedback, hollow without."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -110,17 +167,19 @@ def plot_points(path, rows, steps):
         print(f"not writing {path}: matplotlib is not installed", flush=True)
         return
     fig, ax = plt.subplots(figsize=(7.5, 4.8))
-    methods = list(dict.fromkeys(spec.split(",")[0] for spec, *_ in rows))
+    methods = list(dict.fromkeys(variant.split(",")[0] for variant, *_ in rows))
     colours = plt.get_cmap("tab10")
-    for spec, ev, _, measured, _ in rows:
-        method = spec.split(",")[0]
+    for variant, ev, _, _, total in rows:
+        method = variant.split(",")[0]
         c = colours(methods.index(method) % 10)
-        ef = not spec.endswith(",ef=0")
-        ax.scatter([measured * steps / 1e6], [ev], s=60, color=c if ef else "none", edgecolors=c, linewidths=1.5,
-                   label=method if ef or method == "none" else None)
+        ef = not variant.endswith(",ef=0")
+        ax.scatter([total / 1e6], [ev], s=60, color=c if ef else "none", edgecolors=c, linewidths=1.5,
+                   marker="*" if variant.startswith("onebit_adam") else "o",
+                   label=variant if variant.startswith("onebit_adam") else (method if ef or method == "none"
+                                                                           else None))
     ax.set_xscale("log")
-    ax.set(xlabel="MB sent by the busiest device over the run (log)", ylabel="final validation loss",
-           title=f"GPT on 8 devices, {steps} steps (filled: error feedback; hollow: ef=0)")
+    ax.set(xlabel="MB sent by the busiest device over the run (log)", ylabel="final validation loss (mean of seeds)",
+           title=f"GPT on 8 devices, {steps} steps (filled: error feedback; hollow: ef=0; star: 1-bit Adam)")
     _bench.finish_plot(fig, ax, path)
 
 

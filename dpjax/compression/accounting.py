@@ -103,6 +103,22 @@ def warning(plan) -> str | None:
             f"{'it barely shrinks them' if packed > 0.8 * plain else 'the link latency dominates'})")
 
 
+def optimizer_warning(plan) -> str | None:
+    """One line when the compression is known to misbehave with the inner optimizer: a
+    biased compressor with error feedback (`Method.under_adam`) under AdamW, naming the
+    alternatives. None otherwise (1-bit Adam compresses after the variance is frozen)."""
+    from dpjax.compression import parse
+
+    spec = parse(plan.exchange.compression)
+    opt = plan.opt
+    if spec is None or not spec.ef or not spec.method.under_adam or opt is None or opt.name != "adamw":
+        return None
+    return (f"warning: --compression {spec} with error feedback under --optimizer adamw: {spec.method.under_adam}; "
+            f"use --optimizer onebit_adam --compression onebit,start=S (Adam's variance frozen after S exact steps, "
+            f"the momentum compressed), a quantiser (int8, int4), or {spec.name}"
+            f"{'' if spec.number is None else f':{spec.number}'},ef=0")
+
+
 # ---------------------------------------------------------------------------------------
 # Per step: with start=S the program holds both the exact and the compressed exchange (a
 # `lax.cond`); a step runs one of them.

@@ -44,6 +44,8 @@ it with the error buffer, the start step and the state's layout):
                                tensor of n shards of c values
     nonlinear                  for a stateful method without `reduce_scatter`: why it is not
                                linear (the refusal of FSDP without --workers says it)
+    under_adam                 why error feedback through it misbehaves under Adam, measured
+                               ("" if it does not): the run's start warning says it
     number                     what N in `name:N` means ("the rank R"), None if it takes none;
                                number_type / number_ok / number_must: its type and bounds
 Encode and decode of these methods are one rank's message (for `hvd.Compression` and the
@@ -77,6 +79,7 @@ class Method:
     reduce_scatter: Callable | None = None
     reduce_scatter_bytes: Callable | None = None
     nonlinear: str = ""
+    under_adam: str = ""
     number: str | None = None
     number_type: Callable = int
     number_ok: Callable = lambda v: v >= 1

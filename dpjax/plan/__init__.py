@@ -254,7 +254,14 @@ def for_layout(model, layout, *, global_batch: int, update="sync", opt=None, opt
                          f"mesh {dict(layout.mesh.shape)}; use a multiple of {dp}")
     if layout.pipeline is not None:
         check_batch(layout.pipeline, global_batch // dp, f"--batch-size {global_batch} over {dp} data-parallel ranks")
-    rule = make_rule(update, inner, layout.workers, seed=seed, **exchange.rule_kwargs())
+    if opt is not None and optimizer is None and opt.name == "onebit_adam":  # it owns the exchange between workers
+        from dpjax.optim import ADAM_B1, ADAM_B2, ADAM_EPS
+        from dpjax.updates.onebit_adam import for_config
+
+        rule = for_config(opt, inner, global_batch * passes, layout.specs, layout.workers, b1=ADAM_B1, b2=ADAM_B2,
+                          eps=ADAM_EPS, **exchange.rule_kwargs())
+    else:
+        rule = make_rule(update, inner, layout.workers, seed=seed, **exchange.rule_kwargs())
     if sharded.applies(layout, exchange.compression):  # FSDP's reduce-scatter carries the error feedback
         rule = sharded.wrap(rule, layout, exchange)
     return Plan(layout.mesh, layout, rule, exchange, passes, tuple(links), global_batch, model,

@@ -67,6 +67,8 @@ def check(s: Settings) -> None:
         raise UsageError(f"--compression {s.compression} cannot run inside FSDP's reduce-scatter, it is not linear: "
                          f"{spec.method.nonlinear}; compress only between sites (--workers node --compress-axes "
                          f"node, exact FSDP inside) or use a linear method ({', '.join(linear)})")
+    if s.optimizer == "onebit_adam":
+        _check_onebit_adam(s, spec)
     if s.compress_whole and s.compress_axes is None:
         raise UsageError("--compress-whole chooses the form of the exchange --compress-axes compresses: give "
                          "--compress-axes too (e.g. node)")
@@ -117,6 +119,27 @@ def _check_finite(s: Settings) -> None:
         value = getattr(s, f.name)
         if isinstance(value, float) and not math.isfinite(value):
             raise UsageError(f"{flag(f.name)} must be a finite number, got {value}")
+
+
+def _check_onebit_adam(s: Settings, spec) -> None:
+    """1-bit Adam (`dpjax.updates.onebit_adam`) is its own synchronous exchange between
+    workers: it needs a method with error feedback and S >= 1 exact warm-up steps."""
+    from dpjax.updates import parse_update
+
+    example = "e.g. --compression onebit,start=100"
+    if spec is None or not spec.method.stateful:
+        raise UsageError(f"--optimizer onebit_adam sends the momentum through a compression with error feedback after "
+                         f"S exact AdamW steps, got --compression {s.compression}: {example}")
+    if spec.start < 1:
+        raise UsageError(f"--optimizer onebit_adam freezes Adam's variance after start=S exact steps, S >= 1: "
+                         f"--compression {s.compression},start=S ({example})")
+    if not parse_update(s.update).is_sync:
+        raise UsageError(f"--optimizer onebit_adam is its own synchronous exchange (the momentum, compressed); "
+                         f"--update {s.update} cannot wrap it: use --update sync")
+    if s.fsdp and s.workers is None and s.compress_axes is None:
+        raise UsageError("--optimizer onebit_adam with --fsdp over every data axis: FSDP's reduce-scatter exchanges "
+                         "gradients, not the momentum; shard inside sites and compress between them (--workers "
+                         "node --fsdp)")
 
 
 def _check_data(s: Settings) -> None:

@@ -89,9 +89,10 @@ class Trainer:
                 self.record["optimizer"]["compression_model_split"] = split
         from dpjax.compression import accounting
 
-        warning = accounting.warning(plan)  # one line when the cost model says it cannot pay
-        if warning:
-            self.say(warning)
+        for warning in (accounting.warning(plan),  # one line when the cost model says it cannot pay
+                        accounting.optimizer_warning(plan)):  # ... when the method misbehaves under the optimizer
+            if warning:
+                self.say(warning)
         if self.layout.pipeline is not None and self.layout.pipeline.virtual_stages > 1:
             # the layer stack is stored V x L/V: it resumes on any stage count, with the same V
             self.record["model"]["virtual_stages"] = self.layout.pipeline.virtual_stages
