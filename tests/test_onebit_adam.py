@@ -117,10 +117,10 @@ def test_a_checkpoint_across_the_freeze_resumes_bit_for_bit(corpus, tmp_path, ex
 
 
 def test_compiled_bytes_are_the_formula():
-    """A frozen step sends 1-bit Adam's formula (`cost.compressed_bytes("onebit")`, 29x
+    """A frozen step sends 1-bit Adam's formula (`accounting.compressed_bytes("onebit")`, 29x
     fewer than AdamW's ring allreduce here), a warm-up step what AdamW's step sends; both
     besides the reported loss's scalar mean, which AdamW's step sends too."""
-    from dpjax.collectives.cost import compressed_bytes
+    from dpjax.compression.accounting import compressed_bytes
     from dpjax.timeline import compiled_text
     from dpjax.train.comm_bytes import StepBytes
 
