@@ -53,6 +53,7 @@ class AutoInterval:
         self.began_at, self.span = None, 2 * lag  # iterations one commit's effect lasts (until measured: a guess)
         self.every: int | None = None  # the gap to the next commit, decided at the last commit
         self.measured = False  # whether that gap came from a measured cost
+        self.basis: dict = {}  # the figures the last measured gap was chosen from
         self.remeasure = False  # whether it was made long to measure the step again
 
     # --- what the loop tells it ---
@@ -102,6 +103,7 @@ class AutoInterval:
         step, cost = self.step_s, self.cost_s
         if step is None or cost is None:
             return None
+        self.basis = {"step_s": step, "cost_s": cost, "commit_s": _median(self.commit_s)}  # what decided it
         every = max(_ceil(cost / (self.target * step)), _ceil(_median(self.commit_s) / step), 1)
         every = min(every, self.max_every)
         self.remeasure = self.since_clean >= self.stale
@@ -124,8 +126,11 @@ class AutoInterval:
         return self.skip + self.warm + 1
 
     def describe(self) -> dict:
-        return {"every": self.every, "step_s": _round(self.step_s), "cost_s": _round(self.cost_s),
-                "commit_s": _round(_median(self.commit_s)), "target": self.target}
+        """The last gap chosen and the figures it was chosen from (not those of now: the
+        loop has measured more iterations since)."""
+        basis = self.basis if self.measured else {"step_s": self.step_s, "cost_s": self.cost_s,
+                                                  "commit_s": _median(self.commit_s)}
+        return {"every": self.every, **{k: _round(v) for k, v in basis.items()}, "target": self.target}
 
 
 def _ceil(x: float) -> int:

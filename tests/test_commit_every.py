@@ -82,3 +82,18 @@ def test_the_first_commit_waits_for_a_measured_step():
     for i in range(auto.first - 1):
         auto.tick(1.0, busy=False, began=False)
     assert auto.step_s == pytest.approx(1.0)  # the first `skip` (compiling) not counted
+
+
+def test_what_it_says_is_what_it_chose_from():
+    """describe() (the printed line and the metrics row) gives the figures the last gap
+    was chosen from: after more iterations, in which the commit's cost grew, it still
+    says them, and they give the gap by the rule, not figures the choice never saw."""
+    auto = AutoInterval(lag=2)
+    simulate(auto, 40, lambda i: 1.0, 0.12, 0.5)
+    every = auto.committed()
+    said = auto.describe()
+    assert said["every"] == every == max(math.ceil(said["cost_s"] / (0.05 * said["step_s"]) - 1e-9),
+                                         math.ceil(said["commit_s"] / said["step_s"] - 1e-9), 1)
+    for _ in range(10):  # the loop goes on, each iteration slowed by a commit
+        auto.tick(1.5, busy=False, began=True)
+    assert auto.cost_s != said["cost_s"] and auto.describe() == said
