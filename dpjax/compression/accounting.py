@@ -111,7 +111,7 @@ def optimizer_warning(plan) -> str | None:
 
     spec = parse(plan.exchange.compression)
     opt = plan.opt
-    if spec is None or not spec.ef or not spec.method.under_adam or opt is None or opt.name != "adamw":
+    if spec is None or not spec.ef or not spec.method.under_adam or getattr(opt, "name", None) != "adamw":
         return None
     return (f"warning: --compression {spec} with error feedback under --optimizer adamw: {spec.method.under_adam}; "
             f"use --optimizer onebit_adam --compression onebit,start=S (Adam's variance frozen after S exact steps, "

@@ -254,7 +254,8 @@ def for_layout(model, layout, *, global_batch: int, update="sync", opt=None, opt
                          f"mesh {dict(layout.mesh.shape)}; use a multiple of {dp}")
     if layout.pipeline is not None:
         check_batch(layout.pipeline, global_batch // dp, f"--batch-size {global_batch} over {dp} data-parallel ranks")
-    if opt is not None and optimizer is None and opt.name == "onebit_adam":  # it owns the exchange between workers
+    # 1-bit Adam owns the exchange between workers (an opt made by hand need not have a name)
+    if opt is not None and optimizer is None and getattr(opt, "name", None) == "onebit_adam":
         from dpjax.optim import ADAM_B1, ADAM_B2, ADAM_EPS
         from dpjax.updates.onebit_adam import for_config
 
