@@ -44,18 +44,14 @@ def _listen() -> None:
 
 @functools.cache
 def _sources() -> str:
-    """A digest of dpjax's own source files (and its models'): a changed line is another program."""
-    import importlib.util
-
+    """A digest of dpjax's own source files (its models' among them): a changed line is another program."""
     h = hashlib.sha256()
-    for root in (os.path.dirname(os.path.abspath(__file__)),
-                 os.path.dirname(importlib.util.find_spec("dpjax.models").origin)):
-        for base, dirs, files in sorted(os.walk(root)):
-            dirs.sort()
-            for f in sorted(files):
-                if f.endswith(".py"):
-                    with open(os.path.join(base, f), "rb") as fh:
-                        h.update(f.encode() + fh.read())
+    for base, dirs, files in sorted(os.walk(os.path.dirname(os.path.abspath(__file__)))):
+        dirs.sort()
+        for f in sorted(files):
+            if f.endswith(".py"):
+                with open(os.path.join(base, f), "rb") as fh:
+                    h.update(f.encode() + fh.read())
     return h.hexdigest()
 
 

@@ -75,6 +75,19 @@ def test_metrics_and_summary_carry_efficiency(corpus, tmp_path, capsys):
     assert "MFU" not in capsys.readouterr().out
 
 
+def test_mfu_is_against_the_peak_of_the_compute_dtype(corpus, tmp_path, monkeypatch):
+    """A bf16 run's MFU divides by the table's bf16 peak, not its float32 (TF32) one: on the
+    H200 the summary said MFU 91.6% at 453 TFLOP/s (494.7, TF32's peak) for 45.8% (989.4).
+    The table gets an entry for this CPU's device kind with the two peaks apart."""
+    from dpjax.train import efficiency as E
+
+    monkeypatch.setitem(E.DEVICE_PEAKS, jax.devices()[0].device_kind, {"bfloat16": 0.004, "float32": 0.002})
+    path = tmp_path / "m.jsonl"
+    assert main(tiny(corpus, "--mesh", "1x1", "--steps", "2", "--dtype", "bfloat16", "--metrics", str(path))) == 0
+    train = [r for r in rows(path) if "loss" in r]
+    assert train and all(r["mfu"] == pytest.approx(r["tflops_per_device"] / 0.004, rel=1e-3) for r in train)
+
+
 def test_peak_table_reads_device_kinds():
     from dpjax.train.efficiency import peak_tflops
 

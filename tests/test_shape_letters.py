@@ -21,15 +21,15 @@ SHAPE = re.compile(r"^[a-z][a-z0-9]*(?:_[a-z0-9]+)*_((?=[A-Za-z0-9]*[A-Z])[A-Za-
 DIM = re.compile(r"^([A-Z])([0-9]*)([a-z]*)$")
 
 # Where each letter's concept lives: path prefixes (relative to the repository). "*": anywhere.
-MODEL_MATH = ("models/", "dpjax/tensor_parallel.py", "dpjax/nn/", "dpjax/attention.py", "dpjax/stack.py",
+MODEL_MATH = ("dpjax/models/", "dpjax/tensor_parallel.py", "dpjax/nn/", "dpjax/attention.py", "dpjax/stack.py",
               "dpjax/pipeline/", "dpjax/step.py", "dpjax/sharding.py")
-ATTENTION = ("models/gpt.py", "dpjax/tensor_parallel.py", "dpjax/nn/", "dpjax/attention.py")
+ATTENTION = ("dpjax/models/gpt.py", "dpjax/tensor_parallel.py", "dpjax/nn/", "dpjax/attention.py")
 HOMES = {
     "B": "*", "T": "*", "P": "*", "N": "*",
     "D": MODEL_MATH, "F": MODEL_MATH, "L": MODEL_MATH,
     "H": ATTENTION, "K": ATTENTION,
-    "V": ("models/", "dpjax/tensor_parallel.py", "dpjax/nn/"),
-    "E": ("models/mlp.py",), "C": ("models/mlp.py",),
+    "V": ("dpjax/models/", "dpjax/tensor_parallel.py", "dpjax/nn/"),
+    "E": ("dpjax/models/mlp.py",), "C": ("dpjax/models/mlp.py",),
     "A": ("dpjax/step.py",), "M": ("dpjax/pipeline/", "dpjax/step.py"),
     "S": ("dpjax/pipeline/", "dpjax/stack.py", "dpjax/sharding.py", "dpjax/step.py"),
     "G": ("dpjax/pipeline/",),
@@ -79,7 +79,7 @@ def problems(sources) -> list[str]:
 
 
 def package_sources():
-    files = sorted([*(ROOT / "dpjax").rglob("*.py"), *(ROOT / "models").rglob("*.py")])
+    files = sorted((ROOT / "dpjax").rglob("*.py"))
     return [(f.relative_to(ROOT).as_posix(), f.read_text()) for f in files]
 
 
