@@ -83,8 +83,8 @@ def run(bench, variant):
     sent = StepBytes(compiled_text(step.train, params, state, bench.train[0]))  # the cached program
     shapes = [tuple(x.shape) for x in jax.tree.leaves(jax.eval_shape(bench.model.init, jax.random.key(0)))]
     formula = compressed_bytes(None if spec == "none" else spec, shapes, layout.mesh.size)
-    start = min(bench.steps, parse(spec).start if spec != "none" else 0)
-    total = start * sent.at(False) + (bench.steps - start) * sent.at(True)
+    exact_steps = 0 if spec == "none" else sum(parse(spec).exact_at(t) for t in range(bench.steps))
+    total = exact_steps * sent.at(False) + (bench.steps - exact_steps) * sent.at(True)
     return out, sent.at(True), sent.at(False), formula, total
 
 
@@ -102,7 +102,13 @@ def main(argv=None):
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--plot", default="experiments/plots/compression.png")
-    p.add_argument("--json")
+    p.add_argument("--json", help="write every run here (rewritten after each one)")
+    p.add_argument("--only", nargs="+", metavar="VARIANT",
+                   help="run exactly these variants (e.g. none 'sign,ef=0' 'onebit_adam onebit,start=3,refresh=2'), "
+                        "not none + --onebit + --methods")
+    p.add_argument("--merge", nargs="+", metavar="JSON",
+                   help="run nothing: the table and plot of the runs these --json files hold (a variant's seeds "
+                        "from every file; a seed run twice, the later file's)")
     _bench.add_smoke(p, "3 steps of a d_model 16 GPT, one seed; none, 1-bit Adam from step 1, and int8 with and "
                         "without feedback")
     args = p.parse_args(argv)
@@ -111,12 +117,17 @@ def main(argv=None):
         args.steps, args.methods, args.seq_len, d_model = 3, ["int8"], 16, 16
         args.onebit, args.seeds = ["onebit_adam onebit,start=1"], [0]
         _bench.smoke_outputs(args, "plot", "json")
+    if args.merge:
+        results = merged(args.merge)
+        rows = table(results, args, None)
+        plot_points(args.plot, rows, args.steps)
+        return 0
     results = {}  # variant -> [(seed, final eval, final train, bytes compressed step, bytes exact step, formula, total)]
     benches = {seed: Bench(model="gpt", mesh="8x1", batch_size=args.batch_size, seq_len=args.seq_len,
                            steps=args.steps, optimizer="adamw", lr=3e-3, clip_norm=1.0,
                            eval_every=max(1, args.steps // 10), d_model=d_model, seed=seed)
                for seed in args.seeds}  # a seed's variants share its Bench (data, initial parameters)
-    for variant in variants(args.methods, args.onebit):  # every seed of a variant before the next variant
+    for variant in args.only or variants(args.methods, args.onebit):  # every seed of a variant before the next
         for seed, bench in benches.items():
             run_, step_bytes, exact_bytes, formula, total = run(bench, variant)
             results.setdefault(variant, []).append((seed, run_.final_eval, run_.losses[-1], step_bytes, exact_bytes,
@@ -131,25 +142,39 @@ def main(argv=None):
     return 0
 
 
+def merged(paths) -> dict:
+    """The results of several --json files: variant -> its runs, one a seed (the later
+    file's where two hold the same seed), variants in the order first seen."""
+    out: dict = {}
+    for path in paths:
+        with open(path) as fh:
+            for variant, runs in json.load(fh)["results"].items():
+                by_seed = {r[0]: r for r in out.get(variant, [])}
+                by_seed.update({r[0]: r for r in runs})
+                out[variant] = [by_seed[k] for k in sorted(by_seed)]
+    return out
+
+
 def table(results, args, bench):
     """Print the markdown table (mean over the seeds, the spread); returns the plot's rows."""
     import statistics
 
     base = statistics.mean(r[6] for r in results["none"]) if "none" in results else None
     base_step = results["none"][0][3] if "none" in results else None
-    print(f"\nMEASURED: {MACHINE}; {DATE}; gpt ({bench.gradient_elements():,} parameters), mesh 8x1, batch "
+    size = f"{bench.gradient_elements():,}" if bench is not None else "444,928"  # --merge: the default model's
+    print(f"\nMEASURED: {MACHINE}; {DATE}; gpt ({size} parameters), mesh 8x1, batch "
           f"{args.batch_size} x {args.seq_len}, adamw lr 3e-3, clip 1.0, {args.steps} steps, sync, seeds "
-          f"{' '.join(map(str, args.seeds))}\n")
-    print("| variant | final eval loss (mean) | spread over seeds | vs none | final train loss (mean) | "
+          f"{' '.join(map(str, sorted({r[0] for rs in results.values() for r in rs})))}\n")
+    print("| variant | seeds | final eval loss (mean) | spread over seeds | vs none | final train loss (mean) | "
           "bytes of a compressed step (busiest device) | formula | x fewer a step | MB sent in the run | "
-          "x fewer over the run |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+          "x fewer over the run |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     rows = []
     none_eval = statistics.mean(r[1] for r in results["none"]) if "none" in results else None
     for variant, rs in results.items():
         ev, tr = statistics.mean(r[1] for r in rs), statistics.mean(r[2] for r in rs)
         step_bytes, formula, total = rs[0][3], rs[0][5], statistics.mean(r[6] for r in rs)
         rel = f"{100 * (ev / none_eval - 1):+.1f}%" if none_eval else ""
-        print(f"| `{variant}` | {ev:.4f} | {spread([r[1] for r in rs])} | {rel} | {tr:.4f} | {step_bytes:,} | "
+        print(f"| `{variant}` | {len(rs)} | {ev:.4f} | {spread([r[1] for r in rs])} | {rel} | {tr:.4f} | {step_bytes:,} | "
               f"{formula:,} | {base_step / step_bytes if base_step else 0:.1f} | {total / 1e6:,.1f} | "
               f"{base / total if base else 0:.1f} |")
         rows.append((variant, ev, tr, step_bytes, total))

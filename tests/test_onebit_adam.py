@@ -60,19 +60,27 @@ def test_the_warm_up_is_adamw_bit_for_bit(mesh, extra, reference):
     assert losses[:4] == want_losses[:4]  # the 4th loss is the one of the 3 warm-up steps' parameters
 
 
-def test_after_the_freeze_nothing_of_the_momentum_is_lost(mesh_of):
-    """float64, 4 workers, start=2: after the freeze, the momenta applied + the mean
-    worker error + the servers' errors == the sum of the true means of the workers'
-    momenta b1 m + (1 - b1) g_i, over 4 compressed steps; the variance does not move and
-    every worker holds the same parameters."""
+@pytest.mark.parametrize("compression,exact_steps", [
+    ("onebit,start=2", (0, 1)),
+    ("onebit,start=2,refresh=2,bound=0.02", (0, 1, 4)),  # refreshes at 4, 8, ...; the bound binds
+], ids=["frozen", "refresh-bound"])
+def test_after_the_freeze_nothing_of_the_momentum_is_lost(mesh_of, compression, exact_steps):
+    """float64, 4 workers, 7 steps: after the freeze, the momenta applied + the mean
+    worker error + the servers' errors (+ what the bound holds) == the sum of the true
+    means of the workers' momenta b1 m + (1 - b1) g_i; every worker holds the same
+    parameters; each step moves them by AdamW's formula from the m it keeps and v over
+    its k updates (k counted here: the exact steps so far); v moves on the exact steps
+    only, by AdamW's rule from the exact mean gradient; under bound=C no coordinate of
+    m passes C sqrt(v_hat), and some reach it."""
     from dpjax.updates.onebit_adam import _find, onebit_adam
 
-    n, shapes = 4, {"w": (12, 40), "b": (40,), "v": (300,)}
+    n, shapes, lr, eps = 4, {"w": (12, 40), "b": (40,), "v": (300,)}, 1e-3, 1e-8
+    bound = float(compression.partition("bound=")[2] or 0)
     mesh = mesh_of(f"data={n}", n)
     rng = np.random.default_rng(0)
     with jax.enable_x64(True):
-        rule = onebit_adam(optax.adamw(1e-3, b1=B1, b2=B2, eps=1e-8), lambda g: g, lambda c: 1e-3, "data",
-                           b1=B1, b2=B2, eps=1e-8, weight_decay=0.0, compression="onebit,start=2",
+        rule = onebit_adam(optax.adamw(lr, b1=B1, b2=B2, eps=eps), lambda g: g, lambda c: lr, "data",
+                           b1=B1, b2=B2, eps=eps, weight_decay=0.0, compression=compression,
                            algorithm="ring", fusion_mb=64)
         params = {k: jnp.asarray(rng.standard_normal(s)) for k, s in shapes.items()}
         state = jax.tree.map(lambda x: jnp.broadcast_to(x, (n, *x.shape)), rule.init(params))
@@ -85,23 +93,38 @@ def test_after_the_freeze_nothing_of_the_momentum_is_lost(mesh_of):
 
         f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("data"), out_specs=P("data"), check_vma=False))
         flat = lambda tree: np.concatenate([np.ravel(tree[k]) for k in shapes])  # noqa: E731
+        first = lambda tree: flat(jax.tree.map(lambda x: x[0], tree))  # noqa: E731
         applied = true = 0
-        for step in range(6):
+        for step in range(7):
             g = {k: jnp.asarray(rng.standard_normal((n, *s))) for k, s in shapes.items()}
-            before = _find(state.inner, optax.ScaleByAdamState)
+            g_mean = flat(jax.tree.map(lambda x: np.mean(x, 0), g))
+            before, p_before = _find(state.inner, optax.ScaleByAdamState), first(params)
             params, state = f(params, state, g)
             after = _find(state.inner, optax.ScaleByAdamState)
             for k in shapes:  # every worker applies the same update
                 np.testing.assert_array_equal(params[k][0], params[k][n - 1])
             if step < 2:
                 continue
-            np.testing.assert_array_equal(flat(after.nu), flat(before.nu))  # frozen
-            m_prev = flat(jax.tree.map(lambda x: x[0], before.mu))
-            true = true + B1 * m_prev + (1 - B1) * flat(jax.tree.map(lambda x: np.mean(x, 0), g))
-            applied = applied + flat(jax.tree.map(lambda x: x[0], after.mu))
+            k_v = sum(1 for s_ in exact_steps if s_ <= step)
+            m, v = first(after.mu), first(after.nu)
+            if step in exact_steps:  # a refresh: AdamW's rule from the exact mean gradient
+                np.testing.assert_allclose(v, B2 * first(before.nu) + (1 - B2) * g_mean ** 2, rtol=1e-12)
+                np.testing.assert_allclose(m, B1 * first(before.mu) + (1 - B1) * g_mean, rtol=1e-12, atol=1e-15)
+            else:
+                np.testing.assert_array_equal(v, first(before.nu))  # frozen
+            v_hat = v / (1 - B2 ** k_v)
+            np.testing.assert_allclose(first(params), p_before - lr * (m / (1 - B1 ** (step + 1)) / (np.sqrt(v_hat) + eps)),
+                                       rtol=1e-12, atol=1e-15)
+            if bound and step not in exact_steps:
+                assert np.all(np.abs(m) <= bound * np.sqrt(v_hat) * (1 + 1e-12))
+                assert np.isclose(np.abs(m), bound * np.sqrt(v_hat), rtol=1e-9).mean() > 0.1  # it binds
+            true = true + B1 * first(before.mu) + (1 - B1) * g_mean
+            applied = applied + m
         ex = state.exchange
         buffers = flat(jax.tree.map(lambda x: np.mean(x, 0), ex.error)) + flat(jax.tree.map(lambda x: np.sum(x, 0),
                                                                                              ex.method))
+        if bound:
+            buffers = buffers + first(state.held)  # the same on every worker: it goes out once
         assert np.abs(applied - true).max() > 1e-3  # it really compresses
         np.testing.assert_allclose(applied + buffers, true, rtol=0, atol=1e-12)
 
@@ -110,10 +133,11 @@ def test_after_the_freeze_nothing_of_the_momentum_is_lost(mesh_of):
     ("--mesh", "8x1"),
     pytest.param(("--mesh", "2x4x1", "--compress-axes", "node"), marks=pytest.mark.slow)], ids=["8x1", "sites"])
 def test_a_checkpoint_across_the_freeze_resumes_bit_for_bit(corpus, tmp_path, extra):
-    """m, v, the worker and server errors are in the checkpoint: 3 steps (the freeze after
-    2), a restart, 3 more equal 6 straight steps exactly."""
+    """m, v, the worker and server errors and what the bound holds are in the checkpoint:
+    3 steps (the freeze after 2), a restart, 3 more (a refresh of v at step 4) equal 6
+    straight steps exactly."""
     assert_resumes_bit_for_bit(tiny_gpt(corpus, *extra, "--optimizer", "onebit_adam", "--lr", "0.003",
-                                        "--compression", "onebit,start=2"), tmp_path)
+                                        "--compression", "onebit,start=2,refresh=2,bound=0.1"), tmp_path)
 
 
 def test_compiled_bytes_are_the_formula():
@@ -130,13 +154,23 @@ def test_compiled_bytes_are_the_formula():
         batch = S.put_batch(make_streams("synthetic", 16, 0)[0], 0, 16, plan.mesh, passes=1)
         return StepBytes(compiled_text(st.train, params, state, batch))
 
-    plain, onebit = _plan(mesh="8x1"), _plan(mesh="8x1", optimizer="onebit_adam", compression="onebit,start=2")
+    plain = _plan(mesh="8x1")
+    onebit = _plan(mesh="8x1", optimizer="onebit_adam", compression="onebit,start=2,refresh=2,bound=0.1")
     shapes = [tuple(x.shape) for x in jax.tree.leaves(jax.eval_shape(plain.model.init, jax.random.key(0)))]
     scalar = sent(plain).at(True) - compressed_bytes(None, shapes, 8)
     got = sent(onebit)
     assert got.at(True) == compressed_bytes("onebit", shapes, 8) + scalar, (got.at(True), scalar)
     assert got.at(False) == sent(plain).at(True)
     assert got.at(True) * 16 < got.at(False)
+
+
+def test_the_metrics_charge_a_refresh_the_exact_exchange():
+    """start=2,refresh=3: steps 0, 1, 6, 18, 54 exchange exactly, the others compressed
+    (what comm_bytes charges each step)."""
+    from dpjax.compression.accounting import compressed_at
+
+    plan = _plan(mesh="8x1", optimizer="onebit_adam", compression="onebit,start=2,refresh=3")
+    assert [t for t in range(60) if not compressed_at(plan, t)] == [0, 1, 6, 18, 54]
 
 
 @pytest.mark.parametrize("extra", [
@@ -162,12 +196,17 @@ def test_it_trains_on_the_layouts_it_composes_with(corpus, tmp_path, extra):
     ({"compression": "onebit"}, "freezes Adam's variance after start=S exact steps, S >= 1"),
     ({"compression": "onebit,start=2", "update": "sparse:4"}, "--update sparse:4 cannot wrap it"),
     ({"compression": "randk:0.1,start=2", "fsdp": True}, "--optimizer onebit_adam with --fsdp over every data axis"),
+    ({"compression": "onebit,refresh=2"}, "needs start=S >= 1 and R >= 2"),
+    ({"compression": "onebit,start=2,refresh=1"}, "needs start=S >= 1 and R >= 2"),
+    ({"compression": "onebit,start=2,bound=x"}, "bound takes a number >= 0, got 'x'"),
+    ({"optimizer": "adamw", "compression": "sign,start=2,refresh=2"}, "with --optimizer onebit_adam only"),
+    ({"optimizer": "adamw", "compression": "sign,start=2,bound=0.1"}, "with --optimizer onebit_adam only"),
 ])
 def test_refusals_are_one_line(kw, needle):
     from dpjax.errors import UserError
 
     with pytest.raises(UserError, match=re.escape(needle)) as e:
-        _plan(optimizer="onebit_adam", **kw)
+        _plan(**{"optimizer": "onebit_adam", **kw})
     assert "\n" not in str(e.value)
 
 

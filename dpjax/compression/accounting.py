@@ -114,8 +114,8 @@ def optimizer_warning(plan) -> str | None:
     if spec is None or not spec.ef or not spec.method.under_adam or getattr(opt, "name", None) != "adamw":
         return None
     return (f"warning: --compression {spec} with error feedback under --optimizer adamw: {spec.method.under_adam}; "
-            f"use --optimizer onebit_adam --compression onebit,start=S (Adam's variance frozen after S exact steps, "
-            f"the momentum compressed), a quantiser (int8, int4), or {spec.name}"
+            f"use --optimizer onebit_adam --compression onebit,start=3,refresh=2,bound=0.1 (Adam's variance frozen "
+            f"after 3 exact steps and refreshed at steps 6, 12, 24, ..., the momentum compressed), a quantiser (int8, int4), or {spec.name}"
             f"{'' if spec.number is None else f':{spec.number}'},ef=0")
 
 
@@ -132,11 +132,12 @@ def period(plan) -> int:
 
 def compressed_at(plan, step: int) -> bool:
     """Whether step `step` (0-based) of the plan's run exchanges compressed: always without
-    start=S, else from its S-th exchange on (one every `period(plan)` steps)."""
+    start=S, else from its S-th exchange on (one every `period(plan)` steps), but for
+    the exact refreshes of refresh=R (1-bit Adam's variance updates)."""
     spec = parse(plan.exchange.compression)
     if spec is None or spec.start == 0:
         return spec is not None
-    return step // period(plan) >= spec.start
+    return not spec.exact_at(step // period(plan))
 
 
 def ratio_at(plan, step: int, whole: float | None = None) -> float:

@@ -8,6 +8,13 @@
               off (the experiments' ablation)
     start=S   the first S exchanges are exact, the uncompressed allreduce bit for bit
               (PowerSGD's start_powerSGD_iter; default 0)
+    refresh=R with --optimizer onebit_adam only: after the S exact steps, the exchanges
+              S R, S R^2, S R^3, ... are exact too, and Adam's variance is updated from
+              them (0/1 Adam's exponentially sparser variance updates; default 0: frozen
+              after step S, as 1-bit Adam freezes it)
+    bound=C   with --optimizer onebit_adam only: after the freeze, no coordinate of the
+              exchanged momentum goes beyond C sqrt(v) (Adam's own per-coordinate scale);
+              the excess is held and sent with the next step's, not lost (default 0: none)
 
 Only methods with error feedback (`Method.stateful`) take options. Every message is one
 line (a `ValueError`; `dpjax.plan.check` turns it into a `UsageError`).
@@ -19,7 +26,8 @@ from dataclasses import dataclass
 
 from dpjax.compression import registry
 
-OPTIONS = ("ef", "start")
+OPTIONS = ("ef", "start", "refresh", "bound")
+_OPTIONS_TEXT = "ef=0|1, start=S, refresh=R and bound=C"
 
 
 @dataclass(frozen=True)
@@ -31,6 +39,21 @@ class Spec:
     number: float | int | None = None
     ef: bool = True
     start: int = 0
+    refresh: int = 0
+    bound: float = 0.0
+
+    def refreshes(self, limit: int = 2**31 - 1) -> tuple:
+        """The exchanges after the start that run exact again (refresh=R: S R, S R^2, ...
+        below `limit`); () without refresh."""
+        out, at = [], self.start * self.refresh
+        while self.refresh and at < limit:
+            out.append(at)
+            at *= self.refresh
+        return tuple(out)
+
+    def exact_at(self, t: int) -> bool:
+        """Whether exchange t (0-based) is exact: before the start, or a refresh."""
+        return t < self.start or t in self.refreshes(t + 1)
 
     @property
     def name(self) -> str:
@@ -38,7 +61,8 @@ class Spec:
 
     def __str__(self) -> str:
         out = self.name if self.number is None else f"{self.name}:{self.number}"
-        return out + ("" if self.ef else ",ef=0") + (f",start={self.start}" if self.start else "")
+        return out + ("" if self.ef else ",ef=0") + (f",start={self.start}" if self.start else "") + \
+            (f",refresh={self.refresh}" if self.refresh else "") + (f",bound={self.bound:g}" if self.bound else "")
 
 
 def parse(text) -> Spec | None:
@@ -73,14 +97,34 @@ def parse(text) -> Spec | None:
     for opt in opts:
         key, eq, val = opt.partition("=")
         if key not in OPTIONS or not eq:
-            raise ValueError(f"compression {text!r}: unknown option {opt!r}; options are ef=0|1 and start=S")
+            raise ValueError(f"compression {text!r}: unknown option {opt!r}; options are {_OPTIONS_TEXT}")
         if key in got:
             raise ValueError(f"compression {text!r}: option {key!r} given twice")
+        if key == "bound":
+            got[key] = _positive(text, val)
+            continue
         if not val.isdigit() or (key == "ef" and val not in ("0", "1")):
             raise ValueError(f"compression {text!r}: {key} takes {'0 or 1' if key == 'ef' else 'an integer >= 0'}, "
                              f"got {val!r}")
         got[key] = int(val)
-    return Spec(method, value, bool(got.get("ef", 1)), got.get("start", 0))
+    if got.get("refresh", 0) == 1 or (got.get("refresh") and not got.get("start")):
+        raise ValueError(f"compression {text!r}: refresh=R makes exchanges S R, S R^2, ... exact after start=S: it "
+                         "needs start=S >= 1 and R >= 2 (0: no refresh)")
+    if got.get("bound") and not got.get("start"):
+        raise ValueError(f"compression {text!r}: bound=C limits the momentum after the variance is frozen at "
+                         "start=S: it needs start=S >= 1")
+    return Spec(method, value, bool(got.get("ef", 1)), got.get("start", 0), got.get("refresh", 0),
+                got.get("bound", 0.0))
+
+
+def _positive(text: str, val: str) -> float:
+    try:
+        out = float(val)
+    except ValueError:
+        out = float("nan")
+    if not (out >= 0 and out < float("inf")):
+        raise ValueError(f"compression {text!r}: bound takes a number >= 0, got {val!r}")
+    return out
 
 
 def check(name) -> registry.Method | None:

@@ -69,6 +69,9 @@ def check(s: Settings) -> None:
                          f"node, exact FSDP inside) or use a linear method ({', '.join(linear)})")
     if s.optimizer == "onebit_adam":
         _check_onebit_adam(s, spec)
+    elif spec is not None and (spec.refresh or spec.bound):
+        raise UsageError(f"--compression {s.compression}: {'refresh=R' if spec.refresh else 'bound=C'} is 1-bit Adam's "
+                         f"(Adam's variance, frozen), with --optimizer onebit_adam only (this run's is {s.optimizer})")
     if s.compress_whole and s.compress_axes is None:
         raise UsageError("--compress-whole chooses the form of the exchange --compress-axes compresses: give "
                          "--compress-axes too (e.g. node)")

@@ -18,8 +18,22 @@ is as safe as it is for SGD. Per worker (`--compression METHOD,start=S`):
                                 (`onebit`, the default: scaled sign with worker and server
                                 error, 1-bit Adam's compressed allreduce; or any registered
                                 method with error feedback)
-                            p <- p - lr (m / (1 - b1^t) / (sqrt(v / (1 - b2^S)) + eps) + wd p)
-                            v stays as step S left it
+                            p <- p - lr (m / (1 - b1^t) / (sqrt(v / (1 - b2^k)) + eps) + wd p)
+                            v stays as its k-th update left it (k = S without refresh)
+    refresh=R   (steps S R, S R^2, ...)  g = the exact mean, clipped, as in the warm-up
+                            m = b1 m + (1 - b1) g;  v = b2 v + (1 - b2) g^2 (its k-th update)
+                            p <- p - lr (m / (1 - b1^t) / (sqrt(v / (1 - b2^k)) + eps) + wd p)
+
+The refreshes are 0/1 Adam's answer (Lu, Li, Zhang, Tang & He, "Maximizing Communication
+Efficiency for Large-scale Training via 0/1 Adam", ICLR 2023; DeepSpeed's ZeroOneAdam)
+to a variance frozen too early: v keeps being updated, from exact exchanges whose
+interval grows exponentially (0/1 Adam doubles it every `var_update_scaler` updates;
+here every update, after the S warm-up steps). On the main job (experiments/RESULTS.md)
+start=3,refresh=2 (9 exact steps in 300) with the momentum sent exactly ends level with
+AdamW: the refreshed variance costs nothing there, where a variance frozen at step 50
+costs 2-4%. 0/1 Adam's other half, 1-bit compression of the gradient instead of the
+momentum, ended far worse under this schedule (RESULTS.md), and its local steps
+(skipped rounds) are not built.
 
 Where it lives: an update rule (the workers' side of the exchange), chosen by the plan
 for `--optimizer onebit_adam` with `--update sync`. The gradient is averaged inside a
@@ -28,7 +42,8 @@ fast link), and between workers the rule owns the exchange: in the warm-up it is
 gradient's exact allreduce, after it the momentum's compressed one, so no gradient
 allreduce runs between workers after the freeze. The two are a `lax.cond` under
 `dpjax:compression(start=S)`, as `compression.feedback`'s start steps are, so the
-metrics' comm_bytes charges each step the branch it runs. The state is the AdamW
+metrics' comm_bytes charges each step the branch it runs (`accounting.compressed_at`
+knows the refreshes). The state is the AdamW
 chain's own (its mu and nu, sharded like the parameters) and the exchange's
 (`feedback.State`: the worker error and the method's state, e.g. the server error),
 per worker, so checkpoints save and restore it. A resume across a change of the model
@@ -55,6 +70,7 @@ from dpjax.updates.base import UpdateRule, as_axes, exact, exchange_over, identi
 class OneBitState(NamedTuple):
     inner: optax.OptState  # the AdamW chain's state: (clip,) (adam's count, mu, nu; ...; the schedule's count)
     exchange: Any  # the momentum's compressed exchange (dpjax.compression.feedback.State)
+    held: Any = ()  # bound=C: the momentum held back by the bound, shaped like the parameters (() without)
 
 
 def onebit_adam(adamw, clip, schedule, axis_name=(), *, b1: float, b2: float, eps: float, weight_decay: float,
@@ -63,55 +79,88 @@ def onebit_adam(adamw, clip, schedule, axis_name=(), *, b1: float, b2: float, ep
     `--optimizer adamw` (the warm-up runs it as it is, and its state's ScaleByAdamState and
     ScaleByScheduleState carry on after); clip(g) -> g clipped to the global norm (or g);
     schedule(count) -> lr; b1, b2, eps, weight_decay: AdamW's, the same as `adamw`'s.
-    allreduce: the exchange's arguments; its `compression` (METHOD,start=S) names the
-    momentum's method and S, the warm-up steps (at least 1: v is frozen from them)."""
+    allreduce: the exchange's arguments; its `compression` (METHOD,start=S[,refresh=R])
+    names the momentum's method, S, the warm-up steps (at least 1: v is frozen from
+    them), and R, the refreshes' ratio (0: none)."""
     axes = as_axes(axis_name)
     spec = parse(allreduce.get("compression"))
     assert spec is not None and spec.method.stateful and spec.start >= 1, spec  # dpjax.plan refuses the rest
-    freeze = spec.start
+    freeze, bound = spec.start, spec.bound
+    refreshes = jnp.asarray(spec.refreshes(), jnp.int32)  # the steps after the freeze that update v (maybe none)
     grad_mean = mean_over(axes, exact(allreduce))
     sh = allreduce.get("shard_over")
     if sh is not None and axes:  # the per-shard form: each device sends its shard across, the site gathers
         grad_mean = shards.plain_mean(grad_mean, sh)
-    ex = exchange_over(axes, {**allreduce, "compression": dataclasses.replace(spec, start=0)})
+    ex = exchange_over(axes, {**allreduce, "compression": dataclasses.replace(spec, start=0, refresh=0, bound=0.0)})
     assert ex.stateful or not axes, spec
 
     def init(params):
-        return OneBitState(adamw.init(params), ex.init(params))
+        return OneBitState(adamw.init(params), ex.init(params), jax.tree.map(jnp.zeros_like, params) if bound else ())
+
+    def v_updates(count):
+        """How many times v was updated in the `count` steps done: each warm-up step, each refresh."""
+        return jnp.minimum(count, freeze) + jnp.sum(refreshes < count)
+
+    def adam_step(params, m, v, count, k, lr):
+        """AdamW's update of the parameters from m (t = count steps, these included) and v (k updates)."""
+        def one(p, m, v):
+            m_hat = m / (1 - b1 ** count).astype(m.dtype)
+            v_hat = v / (1 - b2 ** k).astype(v.dtype)
+            return p - lr * (m_hat / (jnp.sqrt(v_hat) + eps) + weight_decay * p)
+
+        return jax.tree.map(one, params, m, v)
 
     def step(grad_fn, params, state, batch):
         loss, g = grad_fn(params, batch)
+        adam = _find(state.inner, optax.ScaleByAdamState)
+        count = optax.safe_increment(adam.count)
+        sched = _find(state.inner, optax.ScaleByScheduleState)  # None for a constant lr given as a float
+        lr = schedule(adam.count if sched is None else sched.count)
 
-        def warm():
-            updates, inner = adamw.update(grad_mean(g), state.inner, params)
-            return optax.apply_updates(params, updates), OneBitState(inner, state.exchange)
+        def carried(m, nu):
+            """The chain's state after a step of ours: adam's count, mu and nu; the schedule's count."""
+            return _replace(state.inner, {optax.ScaleByAdamState: lambda s: s._replace(count=count, mu=m, nu=nu),
+                                          optax.ScaleByScheduleState: lambda s: s._replace(
+                                              count=optax.safe_increment(s.count))})
+
+        def exact_step():
+            gm = grad_mean(g)  # the one exchange of this branch (the update below has none)
+
+            def warm():
+                updates, inner = adamw.update(gm, state.inner, params)
+                return optax.apply_updates(params, updates), state._replace(inner=inner)
+
+            def refresh():
+                gc = clip(gm)
+                m = jax.tree.map(lambda gi, mu: (1 - b1) * gi + b1 * mu, gc, adam.mu)
+                v = jax.tree.map(lambda gi, nu: (1 - b2) * gi * gi + b2 * nu, gc, adam.nu)
+                params_ = adam_step(params, m, v, count, v_updates(adam.count) + 1, lr)
+                return params_, state._replace(inner=carried(m, v))
+
+            return lax.cond(adam.count < freeze, warm, refresh)
 
         def frozen():
-            adam = _find(state.inner, optax.ScaleByAdamState)
             local = jax.tree.map(lambda gi, mu: (1 - b1) * gi + b1 * mu, clip(g), adam.mu)
+            if bound:  # what the bound held back last step goes out now, once (the same on every worker)
+                local = jax.tree.map(jnp.add, local, state.held)
             with scopes.scope("momentum"):
                 m, exchange = ex.mean(local, state.exchange)
-            count = optax.safe_increment(adam.count)
-            sched = _find(state.inner, optax.ScaleByScheduleState)  # None for a constant lr given as a float
-            lr = schedule(adam.count if sched is None else sched.count)
+            k = v_updates(adam.count)
+            held = ()
+            if bound:  # no coordinate's momentum beyond bound x sqrt(v_hat): the excess is held, not lost
+                limit = jax.tree.map(lambda v: bound * jnp.sqrt(v / (1 - b2 ** k).astype(v.dtype)), adam.nu)
+                kept = jax.tree.map(lambda a, lim: jnp.clip(a, -lim, lim), m, limit)
+                held, m = jax.tree.map(jnp.subtract, m, kept), kept
+            params_ = adam_step(params, m, adam.nu, count, k, lr)
+            return params_, OneBitState(carried(m, adam.nu), exchange, held)
 
-            def one(p, m, v):
-                m_hat = m / (1 - b1 ** count).astype(m.dtype)
-                v_hat = v / (1 - b2 ** freeze)
-                return p - lr * (m_hat / (jnp.sqrt(v_hat) + eps) + weight_decay * p)
-
-            params_ = jax.tree.map(one, params, m, adam.nu)
-            inner = _replace(state.inner, {optax.ScaleByAdamState: lambda s: s._replace(count=count, mu=m),
-                                           optax.ScaleByScheduleState: lambda s: s._replace(
-                                               count=optax.safe_increment(s.count))})
-            return params_, OneBitState(inner, exchange)
-
+        exact_now = (adam.count < freeze) | jnp.any(refreshes == adam.count)
         with scopes.scope("compression", start=freeze):  # comm_bytes charges a step the branch it runs
-            params, state = lax.cond(_find(state.inner, optax.ScaleByAdamState).count < freeze, warm, frozen)
+            params, state = lax.cond(exact_now, exact_step, frozen)
         return params, state, loss
 
     def specs(ps, shapes):
-        return OneBitState(state_specs(adamw, shapes.inner, ps), ex.specs(ps))
+        return OneBitState(state_specs(adamw, shapes.inner, ps), ex.specs(ps), ps if bound else ())
 
     return UpdateRule("onebit_adam", init, step, identity, specs, lambda params: params, axes, ex.stateful)
 
