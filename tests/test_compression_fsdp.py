@@ -183,6 +183,11 @@ def test_training_equals_an_unsharded_reference(mesh_of):
                                        atol=1e-12)
 
 
+# 35-60 s on 2 cores (the FSDP + randk programs' compile). The fast set keeps per-device
+# error buffers resumed bit for bit (test_compression_shards.py's
+# test_a_checkpoint_mid_run_resumes_bit_for_bit_per_shard, test_compression_feedback.py's
+# with start=2) and an FSDP checkpoint resumed (test_train.py's test_resume_on_another_mesh).
+@pytest.mark.slow
 def test_a_checkpoint_mid_run_resumes_bit_for_bit(corpus, tmp_path):
     """The error buffers (full-size, per device) are in the checkpoint: 3 steps, a
     restart, 3 more equal 6 straight steps exactly (the start step falls in the first 3)."""

@@ -164,7 +164,10 @@ def _one_job(results, path, single):
     np.testing.assert_allclose(read_losses(path), single, rtol=2e-5, atol=0)
 
 
-@pytest.mark.parametrize("kind", ["openmpi", "mpich", "slurm"])
+# Each launcher's variables making one job: test_processes_under_each_launcher_join_one_job
+# (fast, all three); training across the processes so made: Open MPI's in the fast set.
+@pytest.mark.parametrize("kind", ["openmpi", pytest.param("mpich", marks=pytest.mark.slow),
+                                  pytest.param("slurm", marks=pytest.mark.slow)])
 def test_two_processes_under_each_launcher_train_as_one(corpus, single, tmp_path, kind):
     path = tmp_path / "m.jsonl"
     _one_job(run_under(kind, _train(corpus, path)), path, single)

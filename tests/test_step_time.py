@@ -21,7 +21,8 @@ SLEEPS = (0.1, 0.7, 0.4)
 STEPS = 9
 
 
-@pytest.mark.parametrize("mesh", ["1x1", "2x1"])
+# the timing code is the same on every mesh: one device in the slow set
+@pytest.mark.parametrize("mesh", [pytest.param("1x1", marks=pytest.mark.slow), "2x1"])
 def test_each_row_times_its_own_step_and_the_rows_add_up(mesh, monkeypatch, tmp_path):
     ends, build = [], S.for_plan
 
