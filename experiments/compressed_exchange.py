@@ -108,7 +108,7 @@ def main(argv=None):
                         "not none + --onebit + --methods")
     p.add_argument("--merge", nargs="+", metavar="JSON",
                    help="run nothing: the table and plot of the runs these --json files hold (a variant's seeds "
-                        "from every file; a seed run twice, the later file's)")
+                        "from every file; a seed run twice, the later file's); --json writes them merged")
     _bench.add_smoke(p, "3 steps of a d_model 16 GPT, one seed; none, 1-bit Adam from step 1, and int8 with and "
                         "without feedback")
     args = p.parse_args(argv)
@@ -116,9 +116,13 @@ def main(argv=None):
     if args.smoke:
         args.steps, args.methods, args.seq_len, d_model = 3, ["int8"], 16, 16
         args.onebit, args.seeds = ["onebit_adam onebit,start=1"], [0]
+        args.json = args.json or "compression.json"  # so that the smoke run reads it back as --merge does
         _bench.smoke_outputs(args, "plot", "json")
     if args.merge:
         results = merged(args.merge)
+        if args.json:  # the merged runs, in the same form (a later --merge can read it)
+            with open(args.json, "w") as fh:
+                json.dump({"args": vars(args), "results": results}, fh)
         rows = table(results, args, None)
         plot_points(args.plot, rows, args.steps)
         return 0
@@ -139,6 +143,8 @@ def main(argv=None):
                     json.dump({"args": vars(args), "results": results}, fh)
     rows = table(results, args, bench)
     plot_points(args.plot, rows, args.steps)
+    if args.smoke:  # --merge's path: the file this run wrote, read back, gives the same table
+        assert table(merged([args.json]), args, None) == rows
     return 0
 
 
@@ -194,14 +200,18 @@ def plot_points(path, rows, steps):
     fig, ax = plt.subplots(figsize=(7.5, 4.8))
     methods = list(dict.fromkeys(variant.split(",")[0] for variant, *_ in rows))
     colours = plt.get_cmap("tab10")
+    first_onebit = next((v for v, *_ in rows if v.startswith("onebit_adam")), None)
     for variant, ev, _, _, total in rows:
         method = variant.split(",")[0]
         c = colours(methods.index(method) % 10)
         ef = not variant.endswith(",ef=0")
         ax.scatter([total / 1e6], [ev], s=60, color=c if ef else "none", edgecolors=c, linewidths=1.5,
                    marker="*" if variant.startswith("onebit_adam") else "o",
-                   label=variant if variant.startswith("onebit_adam") else (method if ef or method == "none"
-                                                                           else None))
+                   label=("1-bit Adam" if variant == first_onebit else None) if variant.startswith("onebit_adam")
+                   else (method if ef or method == "none" else None))
+        if variant.startswith("onebit_adam"):  # the stars share a colour: each says which it is
+            ax.annotate(variant.partition(",")[2], (total / 1e6, ev), textcoords="offset points", xytext=(6, -3),
+                        fontsize=7)
     ax.set_xscale("log")
     ax.set(xlabel="MB sent by the busiest device over the run (log)", ylabel="final validation loss (mean of seeds)",
            title=f"GPT on 8 devices, {steps} steps (filled: error feedback; hollow: ef=0; star: 1-bit Adam)")
