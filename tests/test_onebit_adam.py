@@ -176,12 +176,12 @@ def test_the_metrics_charge_a_refresh_the_exact_exchange():
 @pytest.mark.parametrize("extra", [
     ("--mesh", "4x2"),  # tensor parallel: the momentum of each model shard
     ("--mesh", "2x4x1", "--workers", "node", "--fsdp"),  # HSDP: FSDP inside a site, 1-bit Adam between sites
-    ("--mesh", "2x4x1", "--compress-axes", "node", "--compression", "int4,start=2"),  # another method, per shard
+    ("--mesh", "2x4x1", "--compress-axes", "node", "--compression", "int4,start=2,refresh=2,bound=0.1"),  # per shard
 ], ids=["tp", "hsdp", "sites-int4"])
 def test_it_trains_on_the_layouts_it_composes_with(corpus, tmp_path, extra):
     path = tmp_path / "m.jsonl"
-    args = tiny_gpt(corpus, "--optimizer", "onebit_adam", "--lr", "0.003", "--compression", "onebit,start=2",
-                    *extra, "--steps", "5", "--metrics", str(path))
+    args = tiny_gpt(corpus, "--optimizer", "onebit_adam", "--lr", "0.003", "--compression",
+                    "onebit,start=2,refresh=2,bound=0.1", *extra, "--steps", "5", "--metrics", str(path))  # step 4: a refresh
     from dpjax.train import main
 
     assert main(args) == 0
