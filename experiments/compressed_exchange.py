@@ -180,7 +180,8 @@ def table(results, args, bench):
         ev, tr = statistics.mean(r[1] for r in rs), statistics.mean(r[2] for r in rs)
         step_bytes, formula, total = rs[0][3], rs[0][5], statistics.mean(r[6] for r in rs)
         rel = f"{100 * (ev / none_eval - 1):+.1f}%" if none_eval else ""
-        print(f"| `{variant}` | {len(rs)} | {ev:.4f} | {spread([r[1] for r in rs])} | {rel} | {tr:.4f} | {step_bytes:,} | "
+        print(f"| `{variant}` | {len(rs)} | {ev:.4f} | {spread([r[1] for r in rs])} | {rel} | {tr:.4f} | "
+              f"{step_bytes:,} | "
               f"{formula:,} | {base_step / step_bytes if base_step else 0:.1f} | {total / 1e6:,.1f} | "
               f"{base / total if base else 0:.1f} |")
         rows.append((variant, ev, tr, step_bytes, total))

@@ -113,8 +113,8 @@ def test_after_the_freeze_nothing_of_the_momentum_is_lost(mesh_of, compression, 
             else:
                 np.testing.assert_array_equal(v, first(before.nu))  # frozen
             v_hat = v / (1 - B2 ** k_v)
-            np.testing.assert_allclose(first(params), p_before - lr * (m / (1 - B1 ** (step + 1)) / (np.sqrt(v_hat) + eps)),
-                                       rtol=1e-12, atol=1e-15)
+            want = p_before - lr * (m / (1 - B1 ** (step + 1)) / (np.sqrt(v_hat) + eps))
+            np.testing.assert_allclose(first(params), want, rtol=1e-12, atol=1e-15)
             if bound and step not in exact_steps:
                 assert np.all(np.abs(m) <= bound * np.sqrt(v_hat) * (1 + 1e-12))
                 assert np.isclose(np.abs(m), bound * np.sqrt(v_hat), rtol=1e-9).mean() > 0.1  # it binds
@@ -181,7 +181,8 @@ def test_the_metrics_charge_a_refresh_the_exact_exchange():
 def test_it_trains_on_the_layouts_it_composes_with(corpus, tmp_path, extra):
     path = tmp_path / "m.jsonl"
     args = tiny_gpt(corpus, "--optimizer", "onebit_adam", "--lr", "0.003", "--compression",
-                    "onebit,start=2,refresh=2,bound=0.1", *extra, "--steps", "5", "--metrics", str(path))  # step 4: a refresh
+                    "onebit,start=2,refresh=2,bound=0.1", *extra, "--steps", "5",  # step 4: a refresh
+                    "--metrics", str(path))
     from dpjax.train import main
 
     assert main(args) == 0
