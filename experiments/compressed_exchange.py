@@ -35,10 +35,11 @@ import sys
 import jax
 
 import _bench
-from update_runs import DATE, MACHINE, Bench
+from update_runs import DATE, MACHINE, Bench, parameter_count
 
 from dpjax import step as S
 from dpjax.compression.accounting import compressed_bytes
+from dpjax.models import get_model
 from dpjax.timeline import compiled_text
 
 METHODS = ["powersgd:1", "powersgd:2", "powersgd:4", "int8", "int4", "sign", "topk:0.01", "randk:0.01"]
@@ -123,7 +124,7 @@ def main(argv=None):
         if args.json:  # the merged runs, in the same form (a later --merge can read it)
             with open(args.json, "w") as fh:
                 json.dump({"args": vars(args), "results": results}, fh)
-        rows = table(results, args, None)
+        rows = table(results, args, parameter_count(get_model("gpt", seq_len=args.seq_len)))
         plot_points(args.plot, rows, args.steps)
         return 0
     results = {}  # variant -> [(seed, final eval, final train, bytes compressed step, bytes exact step, formula, total)]
@@ -141,10 +142,10 @@ def main(argv=None):
             if args.json:
                 with open(args.json, "w") as fh:
                     json.dump({"args": vars(args), "results": results}, fh)
-    rows = table(results, args, bench)
+    rows = table(results, args, bench.gradient_elements())
     plot_points(args.plot, rows, args.steps)
     if args.smoke:  # --merge's path: the file this run wrote, read back, gives the same table
-        assert table(merged([args.json]), args, None) == rows
+        assert table(merged([args.json]), args, bench.gradient_elements()) == rows
     return 0
 
 
@@ -161,14 +162,14 @@ def merged(paths) -> dict:
     return out
 
 
-def table(results, args, bench):
-    """Print the markdown table (mean over the seeds, the spread); returns the plot's rows."""
+def table(results, args, n_params: int):
+    """Print the markdown table (mean over the seeds, the spread) of a run of the GPT of
+    `n_params` parameters; returns the plot's rows."""
     import statistics
 
     base = statistics.mean(r[6] for r in results["none"]) if "none" in results else None
     base_step = results["none"][0][3] if "none" in results else None
-    size = f"{bench.gradient_elements():,}" if bench is not None else "444,928"  # --merge: the default model's
-    print(f"\nMEASURED: {MACHINE}; {DATE}; gpt ({size} parameters), mesh 8x1, batch "
+    print(f"\nMEASURED: {MACHINE}; {DATE}; gpt ({n_params:,} parameters), mesh 8x1, batch "
           f"{args.batch_size} x {args.seq_len}, adamw lr 3e-3, clip 1.0, {args.steps} steps, sync, seeds "
           f"{' '.join(map(str, sorted({r[0] for rs in results.values() for r in rs})))}\n")
     print("| variant | seeds | final eval loss (mean) | spread over seeds | vs none | final train loss (mean) | "

@@ -47,6 +47,11 @@ class Run:
         return next((s for s, v in self.evals if v <= target), None)
 
 
+def parameter_count(model) -> int:
+    """How many values `model` has (what a gradient exchange carries)."""
+    return sum(x.size for x in jax.tree.leaves(jax.eval_shape(model.init, jax.random.key(0))))
+
+
 class Bench:
     """One model, mesh and data for a sweep of rules. workers: the data axes a rule's
     workers span ('node': one worker per node, synchronous inside; None: the rule's
@@ -118,8 +123,7 @@ class Bench:
         return out
 
     def gradient_elements(self) -> int:
-        abstract = jax.eval_shape(self.model.init, jax.random.key(0))
-        return sum(x.size for x in jax.tree.leaves(abstract))
+        return parameter_count(self.model)
 
     def compute_seconds(self, reps: int = 20) -> float:
         """Median time of one worker's step alone: its slice of the batch on one device,
