@@ -110,14 +110,17 @@ def onebit_adam(adamw, clip, schedule, axis_name=(), *, b1: float, b2: float, ep
         """How many times v was updated in the `count` steps done: each warm-up step, each refresh."""
         return jnp.minimum(count, freeze) + jnp.sum(refreshes < count)
 
-    def adam_step(params, m, v, count, k, lr):
-        """AdamW's update of the parameters from m (t = count steps, these included) and v (k updates)."""
-        def one(p, m, v):
+    def debiased(v, k):
+        """v_hat: v after k updates, its bias corrected."""
+        return jax.tree.map(lambda x: x / (1 - b2 ** k).astype(x.dtype), v)
+
+    def adam_step(params, m, v_hat, count, lr):
+        """AdamW's update of the parameters from m (t = count steps, these included) and v_hat."""
+        def one(p, m, v_hat):
             m_hat = m / (1 - b1 ** count).astype(m.dtype)
-            v_hat = v / (1 - b2 ** k).astype(v.dtype)
             return p - lr * (m_hat / (jnp.sqrt(v_hat) + eps) + weight_decay * p)
 
-        return jax.tree.map(one, params, m, v)
+        return jax.tree.map(one, params, m, v_hat)
 
     def step(grad_fn, params, state, batch):
         loss, g = grad_fn(params, batch)
@@ -125,6 +128,10 @@ def onebit_adam(adamw, clip, schedule, axis_name=(), *, b1: float, b2: float, ep
         count = optax.safe_increment(adam.count)
         sched = _find(state.inner, optax.ScaleByScheduleState)  # None for a constant lr given as a float
         lr = schedule(adam.count if sched is None else sched.count)
+
+        def momentum(g):
+            """b1 m + (1 - b1) g, from the m the state holds."""
+            return jax.tree.map(lambda gi, mu: (1 - b1) * gi + b1 * mu, g, adam.mu)
 
         def carried(m, nu):
             """The chain's state after a step of ours: adam's count, mu and nu; the schedule's count."""
@@ -141,26 +148,25 @@ def onebit_adam(adamw, clip, schedule, axis_name=(), *, b1: float, b2: float, ep
 
             def refresh():
                 gc = clip(gm)
-                m = jax.tree.map(lambda gi, mu: (1 - b1) * gi + b1 * mu, gc, adam.mu)
+                m = momentum(gc)
                 v = jax.tree.map(lambda gi, nu: (1 - b2) * gi * gi + b2 * nu, gc, adam.nu)
-                params_ = adam_step(params, m, v, count, v_updates(adam.count) + 1, lr)
+                params_ = adam_step(params, m, debiased(v, v_updates(adam.count) + 1), count, lr)
                 return params_, state._replace(inner=carried(m, v))
 
             return lax.cond(adam.count < freeze, warm, refresh)
 
         def frozen():
-            local = jax.tree.map(lambda gi, mu: (1 - b1) * gi + b1 * mu, clip(g), adam.mu)
+            local = momentum(clip(g))
             if bound:  # what the bound held back last step goes out now, once (the same on every worker)
                 local = jax.tree.map(jnp.add, local, state.held)
             with scopes.scope("momentum"):
                 m, exchange = ex.mean(local, state.exchange)
-            k = v_updates(adam.count)
+            v_hat = debiased(adam.nu, v_updates(adam.count))
             held = ()
             if bound:  # no coordinate's momentum beyond bound x sqrt(v_hat): the excess is held, not lost
-                limit = jax.tree.map(lambda v: bound * jnp.sqrt(v / (1 - b2 ** k).astype(v.dtype)), adam.nu)
-                kept = jax.tree.map(lambda a, lim: jnp.clip(a, -lim, lim), m, limit)
+                kept = jax.tree.map(lambda a, v: jnp.clip(a, -bound * jnp.sqrt(v), bound * jnp.sqrt(v)), m, v_hat)
                 held, m = jax.tree.map(jnp.subtract, m, kept), kept
-            params_ = adam_step(params, m, adam.nu, count, k, lr)
+            params_ = adam_step(params, m, v_hat, count, lr)
             return params_, OneBitState(carried(m, adam.nu), exchange, held)
 
         exact_now = (adam.count < freeze) | jnp.any(refreshes == adam.count)
