@@ -17,7 +17,7 @@ import pytest
 from flax import nnx
 
 from test_flax_examples import changed_lines, load
-from test_flax_tutorial import TOL, flat, run
+from test_flax_tutorial import TOL, assert_everything_agrees, run
 
 PAIR = ("nnx_tp_plain", "nnx_tp_distributed")
 
@@ -47,13 +47,7 @@ def sgd():
 
 def test_with_sgd_everything_agrees(sgd):
     (p_model, plain), (d_model, dist) = sgd
-    assert plain.keys() == dist.keys() and all(plain.values())
-    for key in plain:
-        np.testing.assert_allclose(dist[key], plain[key], **TOL, err_msg=key)
-    p, d = flat(p_model), flat(d_model)
-    assert p.keys() == d.keys() and "linear2/bias" in p
-    for name in p:
-        np.testing.assert_allclose(d[name], p[name], **TOL, err_msg=name)
+    assert_everything_agrees(*sgd, "linear2/bias")
     assert d_model.linear1.kernel[...].sharding.spec == jax.P(None, "model")  # it trained split
     assert tuple(d_model.linear2.kernel[...].sharding.spec) in (("model",), ("model", None))
     assert plain["step_loss"][-1] < plain["step_loss"][0]

@@ -57,16 +57,22 @@ def test_with_adamw_the_losses_and_training_metrics_agree(adamw):
     assert plain["test_loss"][-1] < plain["test_loss"][0]  # it learns
 
 
-def test_with_sgd_everything_agrees():
-    (p_model, plain), (d_model, dist) = [run(name, sgd=True) for name in ("nnx_tutorial_plain",
-                                                                           "nnx_tutorial_distributed")]
+def assert_everything_agrees(plain_run, dist_run, a_parameter: str):
+    """Two runs' (model, history): every metric of the history and every parameter, the
+    named one among them, equal within TOL."""
+    (p_model, plain), (d_model, dist) = plain_run, dist_run
     assert plain.keys() == dist.keys() and all(plain.values())
     for key in plain:
         np.testing.assert_allclose(dist[key], plain[key], **TOL, err_msg=key)
     p, d = flat(p_model), flat(d_model)
-    assert p.keys() == d.keys() and "conv1/bias" in p
+    assert p.keys() == d.keys() and a_parameter in p
     for name in p:
         np.testing.assert_allclose(d[name], p[name], **TOL, err_msg=name)
+
+
+def test_with_sgd_everything_agrees():
+    assert_everything_agrees(*[run(name, sgd=True) for name in ("nnx_tutorial_plain", "nnx_tutorial_distributed")],
+                             "conv1/bias")
 
 
 def test_with_dropout_it_trains():
