@@ -37,6 +37,9 @@ array cut from the pieces that overlap it (`place`), laid out as the new plan's 
 are (any mesh: the plan was made for the devices that are left), bit for bit what was
 committed. No global array is put together on the host, and a file none of whose pieces
 this process needs is never read or fetched.
+
+The file's format is `dpjax.commit_file`'s; laying a commit's pieces out on the devices,
+`dpjax.commit_place`'s.
 """
 
 from __future__ import annotations
@@ -46,89 +49,15 @@ import json
 import os
 import queue
 import shutil
-import struct
 import threading
 import time
 
 import numpy as np
 
-from dpjax.errors import UserError
+from dpjax.commit_file import CommitError, header, raw
+from dpjax.commit_place import LocalFile, RemoteFile, place
 
-MAGIC = b"DPJC1"
 WAIT_MS = 60_000  # a process that does not publish what it holds within this is gone or stuck
-
-
-class CommitError(UserError):
-    """Commits that cannot be used; the message says why."""
-
-
-def _raw(a: np.ndarray) -> memoryview:
-    """An array's bytes without copying them (bfloat16 and 0-d arrays included)."""
-    return memoryview(np.ascontiguousarray(a).reshape(-1).view(np.uint8))
-
-
-def header(meta: dict) -> bytes:
-    head = json.dumps(meta).encode()
-    return MAGIC + struct.pack("<Q", len(head)) + head
-
-
-def encode(meta: dict, arrays: list) -> bytes:
-    """A commit's bytes in one buffer (what the writer streams into a file piece by piece)."""
-    return b"".join([header(meta), *(_raw(a) for a in arrays)])
-
-
-def _header(blob) -> tuple[dict, int]:
-    """(meta, where the pieces' bytes start) of a commit's first bytes."""
-    blob = memoryview(blob)
-    if bytes(blob[:len(MAGIC)]) != MAGIC:
-        raise CommitError("a commit file is not one (bad magic)")
-    n = struct.unpack("<Q", blob[len(MAGIC):len(MAGIC) + 8])[0]
-    at = len(MAGIC) + 8
-    return json.loads(bytes(blob[at:at + n])), at + n
-
-
-def header_size(prefix) -> int:
-    """The length of a commit's header, from its first len(MAGIC) + 8 bytes."""
-    return len(MAGIC) + 8 + struct.unpack("<Q", bytes(prefix[len(MAGIC):len(MAGIC) + 8]))[0]
-
-
-def decode(blob) -> tuple[dict, list]:
-    """(meta, the arrays of its pieces: views into blob) of a commit's bytes."""
-    meta, at = _header(blob)
-    arrays = []
-    for leaf in meta["leaves"]:
-        dtype = _dtype(leaf["dtype"])
-        for index in leaf["pieces"]:
-            shape = tuple(stop - start for start, stop in index)
-            count = int(np.prod(shape))
-            arrays.append(np.frombuffer(blob, dtype, count=count, offset=at).reshape(shape))
-            at += count * dtype.itemsize
-    if at != len(blob):
-        raise CommitError(f"a commit file holds {len(blob)} bytes, its header says {at} (cut short or corrupt)")
-    return meta, arrays
-
-
-def _dtype(name: str) -> np.dtype:
-    import jax.numpy as jnp
-
-    return np.dtype(jnp.dtype(name))
-
-
-def read(path: str) -> bytearray:
-    """A file's bytes, read into one buffer (no second copy)."""
-    with open(path, "rb") as fh:
-        out = bytearray(os.fstat(fh.fileno()).st_size)
-        fh.readinto(out)
-    return out
-
-
-def mapped(path: str):
-    """A file's bytes, mapped read-only: a restore reads the pages of the pieces it
-    places and no others (on tmpfs the mapping is the file's own pages: no copy)."""
-    import mmap
-
-    with open(path, "rb") as fh:
-        return memoryview(mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ))
 
 
 def _pieces(leaf):
@@ -270,7 +199,7 @@ class Committer:
         def fill(fh):
             fh.write(header(meta))
             for a in arrays:
-                fh.write(_raw(np.asarray(a)))  # waits for this piece's copy only
+                fh.write(raw(np.asarray(a)))  # waits for this piece's copy only
 
         name = _name(step, self.world)
         path, size = write_file(self.own, name, self.keep, fill)
@@ -357,88 +286,6 @@ class Committer:
         files = [source(old) for old in range(world)]
         meta = {k: v for k, v in files[0].meta.items() if k not in ("leaves", "treedef", "rank")}
         return place(template, files, expect), {**meta, "sources": sources}
-
-
-class LocalFile:
-    """A commit on this host: its header read at once, its pieces' pages when placed."""
-
-    def __init__(self, path: str):
-        self.blob = mapped(path)
-        self.meta, self._start = _header(self.blob)
-
-    def arrays(self) -> list:
-        return decode(self.blob)[1]
-
-
-class RemoteFile:
-    """A commit another process holds: its header fetched at once, the whole file only
-    when one of its pieces is placed here. fetch(n): the file's first n bytes (all: None)."""
-
-    def __init__(self, fetch):
-        self.fetch = fetch
-        size = header_size(fetch(len(MAGIC) + 8))
-        self.meta, self._start = _header(fetch(size))
-        self._arrays = None
-
-    def arrays(self) -> list:
-        if self._arrays is None:
-            self._arrays = decode(self.fetch())[1]
-        return self._arrays
-
-
-def _boxes(meta: dict, i: int):
-    return [tuple(tuple(b) for b in index) for index in meta["leaves"][i]["pieces"]]
-
-
-def place(template, files, expect=None):
-    """The committed state laid out like `template`'s arrays: each device's block is cut
-    from the pieces that overlap it, so no global array is put together on the host and a file none of whose pieces this
-    process's devices hold is not read. files: each old rank's `LocalFile` / `RemoteFile`."""
-    import jax
-
-    from dpjax.checkpoint import check_compatible
-
-    leaves, treedef = jax.tree.flatten(template)
-    meta0 = files[0].meta
-    if expect is not None:
-        check_compatible(meta0.get("record", {}), expect, f"the commit of step {meta0['step']}")
-    if any(f.meta["treedef"] != str(treedef) or len(f.meta["leaves"]) != len(leaves) for f in files):
-        raise CommitError(f"the commit of step {meta0['step']} holds another state structure than this run's")
-    first = [0] * len(files)  # each file's index of its leaf's first piece among its arrays
-    out = []
-    for i, leaf in enumerate(leaves):
-        info = meta0["leaves"][i]
-        if tuple(info["shape"]) != leaf.shape or info["dtype"] != str(leaf.dtype):
-            raise CommitError(f"commit leaf {i} is {info['dtype']}{info['shape']}, this run's is "
-                              f"{leaf.dtype}{list(leaf.shape)}; restart with the same settings")
-        covered = sum(int(np.prod([b - a for a, b in box])) for f in files for box in _boxes(f.meta, i))
-        if covered != int(np.prod(leaf.shape)):  # replica-0 pieces tile each array exactly once
-            raise CommitError(f"commit leaf {i}: the pieces cover {covered} of {int(np.prod(leaf.shape))} elements")
-        dtype, blocks, made = _dtype(info["dtype"]), [], {}
-        for device, index in leaf.sharding.addressable_devices_indices_map(leaf.shape).items():
-            box = tuple((s.start or 0, n if s.stop is None else s.stop) for s, n in zip(index, leaf.shape))
-            if box not in made:  # devices that hold the same block (replicas) share its host copy
-                made[box] = _block(box, dtype, files, first, i)
-            blocks.append(jax.device_put(made[box], device))
-        out.append(jax.make_array_from_single_device_arrays(leaf.shape, leaf.sharding, blocks))
-        for d, f in enumerate(files):
-            first[d] += len(f.meta["leaves"][i]["pieces"])
-    return jax.tree.unflatten(treedef, out)
-
-
-def _block(box, dtype, files, first, i) -> np.ndarray:
-    """One device's block (global index `box`) of leaf i, in fresh host memory (a device
-    array must never alias a commit file's pages: the file is overwritten later)."""
-    out = np.empty(tuple(b - a for a, b in box), dtype)
-    for d, f in enumerate(files):
-        for k, piece in enumerate(_boxes(f.meta, i)):
-            lo = [max(a, p) for (a, _), (p, _) in zip(box, piece)]
-            hi = [min(b, q) for (_, b), (_, q) in zip(box, piece)]
-            if all(l < h for l, h in zip(lo, hi)) or not box:
-                src = f.arrays()[first[d] + k]
-                out[tuple(slice(l - a, h - a) for l, h, (a, _) in zip(lo, hi, box))] = \
-                    src[tuple(slice(l - p, h - p) for l, h, (p, _) in zip(lo, hi, piece))]
-    return out
 
 
 def _all_gather_json(client, key: str, rank: int, world: int, value) -> list:

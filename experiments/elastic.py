@@ -307,7 +307,8 @@ def paths(args, out_dir):
     import numpy as np
     import orbax.checkpoint as ocp
 
-    from dpjax.commit import Committer, read
+    from dpjax.commit import Committer
+    from dpjax.commit_file import read
     from dpjax.commit_peer import LocalKV, Peers
 
     shm = "/dev/shm" if os.access("/dev/shm", os.W_OK) else out_dir

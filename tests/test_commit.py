@@ -15,7 +15,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import dpjax
-from dpjax.commit import Committer, CommitError, decode
+from dpjax.commit import Committer
+from dpjax.commit_file import CommitError, decode
 
 from conftest import read_losses
 
@@ -282,7 +283,8 @@ def test_pieces_from_several_files_are_placed_on_any_layout(tmp_path):
     """Three old ranks' files whose pieces cut the arrays unlike the target's blocks (and
     the third fetched from a "remote" holder) are placed bit for bit, every device's block
     cut from the pieces that overlap it."""
-    from dpjax.commit import LocalFile, RemoteFile, header, place
+    from dpjax.commit_file import header
+    from dpjax.commit_place import LocalFile, RemoteFile, place
 
     arrays = _arrays(3)
     boxes = {  # old rank -> {leaf: global index of its piece}

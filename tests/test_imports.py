@@ -21,13 +21,13 @@ LAYERS = [
     ["dpjax.errors", "dpjax.registry", "dpjax.fusion", "dpjax.hlo", "dpjax.scopes", "dpjax.policy",
      "dpjax.commit_every", "dpjax.commit_peer", "dpjax.agent.env", "dpjax.programs"],
     ["dpjax.mesh", "dpjax.links", "dpjax.distributed", "dpjax.data", "dpjax.replicas", "dpjax.attention",
-     "dpjax.wrapper_checks"],
+     "dpjax.wrapper_checks", "dpjax.commit_file"],
     ["dpjax.rng", "dpjax.per_rank", "dpjax.collectives"],
     ["dpjax.wrapper", "dpjax.compression", "dpjax.tensor_parallel", "dpjax.timeline", "dpjax.autotune",
      "dpjax.prepare", "dpjax.fault"],
     ["dpjax.data_parallel", "dpjax.stack", "dpjax.memory", "dpjax.checkpoint", "dpjax.nn"],
-    ["dpjax.pipeline", "dpjax.models", "dpjax.horovod", "dpjax.commit"],
-    ["dpjax.sharding"],  # beside the pipeline in DESIGN.md: it lays the stages out, so it imports them
+    ["dpjax.pipeline", "dpjax.models", "dpjax.horovod", "dpjax.commit_place"],  # commit_place: checkpoint's check
+    ["dpjax.sharding", "dpjax.commit"],  # sharding beside the pipeline in DESIGN.md: it lays the stages out
     ["dpjax.sharding_rules", "dpjax.optim", "dpjax.updates", "dpjax.pipeline.cost"],  # cost compiles a layout
     ["dpjax.settings"],  # every setting's choices come from the registries below
     ["dpjax.plan"],
