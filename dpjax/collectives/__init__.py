@@ -28,7 +28,12 @@ sizes), so ranks that disagree get one clear error instead of garbage or a hang.
 
 from __future__ import annotations
 
-from dpjax.collectives import registry
+from dpjax.collectives import cpu_runtime, registry
+
+# Before anything lowers a collective or JAX starts its CPU client (cpu_runtime.py: XLA:CPU's
+# in-process collectives abort the process without these two)
+cpu_runtime.enough_threads()
+cpu_runtime.unique_channel_ids()
 
 # Each algorithm registers itself when imported; this order is the order of the views.
 from dpjax.collectives import xla, ring, butterfly, tree, ps, hierarchical, alltoall, adasum  # noqa: E401
