@@ -52,6 +52,12 @@ def _collectives():
     return tuple(COLLECTIVES)
 
 
+def _context_attentions():
+    from dpjax.context import CONTEXT_ATTENTIONS
+
+    return tuple(CONTEXT_ATTENTIONS)
+
+
 def _opt(default, help: str, **kw):
     return field(default=default, metadata={"help": help, **kw})
 
@@ -158,6 +164,10 @@ class Settings:
                                        "whole gradient across (the earlier form). Default: the per-shard form, each "
                                        "device of a site sends only its 1/k shard across and the site all-gathers "
                                        "the k shards exactly")
+    context_attention: str = MESH("ring", "with a context axis (--mesh data=2,context=4: each sequence split over "
+                                          "it, device i holding chunks i and 2C-1-i of 2C): ring (K/V blocks passed "
+                                          "round the axis, blockwise softmax) or allgather (K/V gathered, attended "
+                                          "locally)", choices=lambda: _context_attentions())
     backward_passes: int = MESH(1, "micro-batches per step: gradients accumulated over this many backward "
                                    "passes, exchanged once")
     microbatches: int | None = MESH(None, "with a stage axis: micro-batches each data-parallel replica's batch is "

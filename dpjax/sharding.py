@@ -34,7 +34,7 @@ from jax.sharding import PartitionSpec as P
 
 from dpjax.errors import UserError
 from dpjax import pipeline as pp
-from dpjax.mesh import MODEL, STAGE, as_axes, data_axes, is_spec, spec_axes
+from dpjax.mesh import CONTEXT, MODEL, STAGE, as_axes, data_axes, is_spec, spec_axes
 from dpjax.tensor_parallel import Parallel
 
 
@@ -91,12 +91,19 @@ class Layout:
     def parallel(self, fsdp_wire=None) -> Parallel:
         """The model's view: tensor-parallel layers over `model` if any parameter is split
         over it, else the dense computation; FSDP gathers over the inner axes, their
-        gradients reduce-scattered in `fsdp_wire` (a `dpjax.compression` method, or None for full precision)."""
+        gradients reduce-scattered in `fsdp_wire` (a `dpjax.compression` method, or None for full precision);
+        sequences split over the context axis if the mesh has one of more than one device."""
         inner = self.inner_axes
         split = any(MODEL in spec_axes(s) for s in jax.tree.leaves(self.specs, is_leaf=is_spec))
         return Parallel(model_axis=MODEL if split else None, algorithm=self.algorithm,
                         data_axis=(inner[0] if len(inner) == 1 else inner) if inner else None,
-                        gather_dims=self.gather_dims, fsdp_algorithm=self.fsdp_algorithm, fsdp_wire=fsdp_wire)
+                        gather_dims=self.gather_dims, fsdp_algorithm=self.fsdp_algorithm, fsdp_wire=fsdp_wire,
+                        context_axis=CONTEXT if self.context_axes else None)
+
+    @property
+    def context_axes(self) -> tuple:
+        """(CONTEXT,) when the mesh splits sequences over more than one device, else ()."""
+        return (CONTEXT,) if self.mesh.shape.get(CONTEXT, 1) > 1 else ()
 
     def shardings(self, specs=None):
         return jax.tree.map(lambda s: NamedSharding(self.mesh, s), self.specs if specs is None else specs,

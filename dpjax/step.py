@@ -113,11 +113,8 @@ def build(loss_fn, plan: Plan, *, abstract_params, donate: bool = True, value_an
     mesh, axes = layout.mesh, data_axes(layout.mesh)
     assert as_axes(rule.axes) == tuple(layout.workers), (rule.axes, layout.workers)  # one plan made both
     par = dataclasses.replace(layout.parallel(fsdp_wire=exchange.wire), policy=plan.policy)  # dpjax.policy
-    inner = layout.inner_axes
-    if inner and not layout.fsdp:
-        inner_mean = functools.partial(allreduce_gradients, axis_name=axis_arg(inner), **exchange.inner_kwargs())
-    else:  # FSDP's reduce-scatter in the backward pass already averaged over the inner axes
-        inner_mean = lambda g: g  # noqa: E731
+    inner_mean = _inner_mean(layout, exchange)
+    loss_axes = axes + layout.context_axes  # a context axis's devices each hold a share of every sequence's tokens
     loss_and_grad = functools.partial(value_and_grad or jax.value_and_grad(loss_fn), par=par)
     zeros_grad = lambda p: jax.tree.map(jnp.zeros_like, p)  # noqa: E731
     if sharded.applies(layout, exchange.compression):  # FSDP through random-k: the rule (wrapped) reduces
@@ -198,14 +195,14 @@ def build(loss_fn, plan: Plan, *, abstract_params, donate: bool = True, value_an
         with scopes.phase("optimizer"):  # the rule's own work; grad_fn's phases name themselves inside
             params, state, loss = rule.step(grad_fn, unwrap(params), unwrap(state), batch_AxBdxT1)
         with scopes.phase("loss"):
-            loss = lax.pmean(loss, axes)
+            loss = lax.pmean(loss, loss_axes)
         return wrap(params), wrap(state), loss
 
     def eval_body(params, batch_BdxT1):
         assert_local(params)
         assert batch_BdxT1.ndim == 2 and batch_BdxT1.shape[0] == (local_rows or batch_BdxT1.shape[0]), (
             batch_BdxT1.shape, local_rows)
-        return lax.pmean(loss_fn(rule.consensus(unwrap(params)), batch_BdxT1, par), axes)
+        return lax.pmean(loss_fn(rule.consensus(unwrap(params)), batch_BdxT1, par), loss_axes)
 
     def flush_body(params, state):
         assert_local(params)
@@ -223,6 +220,17 @@ def build(loss_fn, plan: Plan, *, abstract_params, donate: bool = True, value_an
         evaluate=jax.jit(smap(eval_body, (pspecs_w, P(rows)), P())),
         flush=jax.jit(smap(flush_body, (pspecs_w, sspecs_w), (pspecs_w, sspecs_w))),
         consensus=jax.jit(smap(consensus_body, (pspecs_w,), pspecs)))
+
+
+def _inner_mean(layout: Layout, exchange: Exchange):
+    """The mean of a worker's gradient over its own devices: dpjax's fused allreduce over
+    the inner data axes (none under FSDP: its reduce-scatter in the backward pass already
+    averaged over them) and the context axis (each of its devices took the gradient of
+    its own tokens' loss; the mean over them is the gradient of the sequences' mean)."""
+    axes = (layout.inner_axes if not layout.fsdp else ()) + layout.context_axes  # (dpjax.plan refuses a
+    if not axes:  # nested algorithm, which reads two axes as levels, with a context axis)
+        return lambda g: g
+    return functools.partial(allreduce_gradients, axis_name=axis_arg(axes), **exchange.inner_kwargs())
 
 
 def _traced_within(context, fn):

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from dpjax import attention, collectives, stack
+from dpjax import attention, collectives, context, stack
 from dpjax import tensor_parallel as tp
 from dpjax.errors import UserError
 from dpjax.models.registry import Entry, register
@@ -96,6 +96,7 @@ class GPT(ByteModel):
     into `embed` (first stage), `layer` (L times) and `head_loss` (last stage)."""
 
     name = "gpt"
+    CONTEXT = True  # its loss splits each sequence over a context axis (dpjax.context)
     LAYERS = "blocks"  # the key of the stacked layers, which a pipeline divides over `stage`
     # The one sharding table (Megatron-LM layout), by leaf name; dimensions not named are
     # replicated. FSDP adds the data axes on top (dpjax.sharding.make_layout).
@@ -143,7 +144,9 @@ class GPT(ByteModel):
         assert T <= c.seq_len and params["embed_VmxD"].shape == (c.vocab_size // par.size(), c.d_model), (
             tokens_BdxT.shape, params["embed_VmxD"].shape, par.size())  # this device's blocks
         embed_VmxD, pos_TxD = par.policy.cast((params["embed_VmxD"], params["pos_TxD"]))
-        return tp.vocab_parallel_embed(tokens_BdxT, embed_VmxD, par) + pos_TxD[:T]
+        # with a context axis this device's tokens are chunks of the sequence: their global positions
+        pos_TcxD = pos_TxD[context.positions(T, par)] if context.active(par) else pos_TxD[:T]
+        return tp.vocab_parallel_embed(tokens_BdxT, embed_VmxD, par) + pos_TcxD
 
     def layer(self, blk, x_BdxTxD, par: Parallel = DENSE):
         """One pre-LN transformer block; `blk` is one layer of the stack (its leaves without
@@ -155,7 +158,7 @@ class GPT(ByteModel):
                                                           m["w1_LsxDxFm"].shape, n)  # this device's blocks
         h_BdxTxD = layer_norm(x_BdxTxD, blk["ln1"]["scale_LsxD"], blk["ln1"]["bias_LsxD"])
         x_BdxTxD = x_BdxTxD + tp.head_parallel_attention(h_BdxTxD, a["wqkv_LsxDx3xHmxK"], a["wo_LsxHmxKxD"],
-                                                         attention.kernel(par.policy.attention), par)
+                                                         context.kernel(par), par)
         h_BdxTxD = layer_norm(x_BdxTxD, blk["ln2"]["scale_LsxD"], blk["ln2"]["bias_LsxD"])
         h_BdxTxFm = jax.nn.gelu(tp.column_parallel(h_BdxTxD, m["w1_LsxDxFm"], m["b1_LsxFm"], par))
         return x_BdxTxD + tp.row_parallel(h_BdxTxFm, m["w2_LsxFmxD"], m["b2_LsxD"], par)
@@ -173,7 +176,8 @@ class GPT(ByteModel):
         return tp.vocab_parallel_cross_entropy(self.head(params, x_BdxTxD, par), targets_BdxT, par)
 
     def logits(self, params, tokens_BdxT, par: Parallel = DENSE):
-        """This shard's slice of the logits, Bd x T x Vm (all of them when dense)."""
+        """This shard's slice of the logits, Bd x T x Vm (all of them when dense); with a
+        context axis `tokens_BdxT` are this device's chunks (`context.split`)."""
         outer = {k: par.use(v, k) for k, v in params.items() if k != self.LAYERS}
         x_BdxTxD = self.embed(outer, tokens_BdxT, par)
         # dpjax.stack: scanned, rematerialised by the policy, FSDP gathering one layer at a time
@@ -181,19 +185,22 @@ class GPT(ByteModel):
         return self.head(outer, x_BdxTxD, par)
 
     def apply(self, params, tokens_BdxT, par: Parallel = DENSE):
-        """The full logits (dense; with a model axis, gathered: for inspection, not training)."""
+        """The full logits (dense; with a model axis, gathered: for inspection, not training;
+        with a context axis, of this device's tokens, `context.split`'s)."""
         logits = self.logits(params, tokens_BdxT, par)
         if par.model_axis is None:
             return logits
         return jnp.moveaxis(collectives.all_gather(jnp.moveaxis(logits, -1, 0), par.model_axis), 0, -1)
 
     def loss(self, params, batch_BdxT1, par: Parallel = DENSE):
-        """Vocabulary-parallel cross-entropy: the full logits are never gathered."""
-        logits_BdxTxVm = self.logits(params, batch_BdxT1[:, :-1], par)
-        return tp.vocab_parallel_cross_entropy(logits_BdxTxVm, batch_BdxT1[:, 1:], par)
+        """Vocabulary-parallel cross-entropy: the full logits are never gathered. With a
+        context axis, the mean over this device's share of the tokens (`dpjax.context`:
+        the step averages it over the axis)."""
+        tokens_BdxTc, targets_BdxTc = context.split(batch_BdxT1[:, :-1], par), context.split(batch_BdxT1[:, 1:], par)
+        return tp.vocab_parallel_cross_entropy(self.logits(params, tokens_BdxTc, par), targets_BdxTc, par)
 
     def activation_bytes(self, rows: int, *, remat: str = "none", attention: str = "naive", width: int = 4,
-                         split: int = 1) -> int:
+                         split: int = 1, context: int = 1) -> int:
         """Bytes of activations the backward pass of `rows` sequences keeps (an estimate,
         per device): each layer keeps what the remat policy saves, a layer being
         recomputed holds its whole working set once, and the ends of the model keep the
@@ -201,7 +208,9 @@ class GPT(ByteModel):
         CPU, where XLA computes bfloat16 in float32); the attention's scores and
         probabilities are float32 (naive, xla: heads x T per token; cudnn's flash kernel
         keeps a float32 log-sum-exp per head instead). `split`: the model axis's size
-        (heads, MLP width and vocabulary split; the model width not).
+        (heads, MLP width and vocabulary split; the model width not). `context`: the context
+        axis's size: a device holds T/context tokens of each sequence (each row's scores
+        still span the T keys: ring attention keeps them block by block for its backward).
 
         Per token and layer, in compute-dtype values: none keeps about 12 D + 6 F (the
         norms' inputs and outputs, Q K V, the attention and projection outputs, the MLP's
@@ -217,7 +226,7 @@ class GPT(ByteModel):
         saved = {"none": full_layer, "dots": (6 * D + F) * width, "full": D * width}[remat]
         working = {"none": 0.5, "dots": 0.6, "full": 1.0}[remat] * full_layer  # the layer being recomputed
         ends = (2 * V + 2 * D) * 4
-        return int(rows * T * (c.n_layers * saved + working + ends))
+        return int(rows * (T // context) * (c.n_layers * saved + working + ends))
 
     def flops_per_token(self) -> float:
         """Training FLOPs per token: 6 * matmul parameters + attention (Kaplan et al. 2020)."""

@@ -31,6 +31,7 @@ def check(s: Settings) -> None:
     from dpjax.collectives import ALGORITHMS, REDUCE_SCATTER_ALGORITHMS
     from dpjax.collectives.registry import nested
     from dpjax import compression
+    from dpjax.context import CONTEXT_ATTENTIONS
     from dpjax.distributed import COLLECTIVES, transport
     from dpjax.models import MODELS, model_options
     from dpjax.optim import LR_SCALINGS, OPTIMIZERS
@@ -57,6 +58,7 @@ def check(s: Settings) -> None:
     one_of("--remat", s.remat, ("auto", *REMATS))
     one_of("--attention", s.attention, ("auto", *ATTENTIONS))
     one_of("--tp-allreduce algorithm", s.tp_allreduce, ALGORITHMS)
+    one_of("--context-attention", s.context_attention, CONTEXT_ATTENTIONS)
     try:
         spec = compression.parse(s.compression)
     except ValueError as e:

@@ -1,0 +1,34 @@
+"""The plan's checks of the axes that split a sequence (`context`): part of `dpjax.plan`,
+made once the mesh is known. Each refusal is one line saying what to change."""
+
+from __future__ import annotations
+
+from dpjax.plan.checks import UsageError
+from dpjax.settings import Settings
+
+
+def check_context(s: Settings, model, mesh) -> None:
+    """A context axis of C devices splits each sequence into 2C chunks (`dpjax.context`):
+    the sequence must divide, the model must be one whose loss splits its tokens (it says
+    so with `CONTEXT = True`), and the axis composes with data, FSDP, tensor and worker
+    axes, not with a pipeline's stages (a stage sends whole sequences) nor with an
+    allreduce that reads two axes as levels (the gradient's mean spans the context axis too)."""
+    from dpjax.collectives.registry import nested
+    from dpjax.mesh import CONTEXT, STAGE
+
+    C = mesh.shape.get(CONTEXT, 1)
+    if C == 1:
+        return
+    where = f"the context axis of mesh {dict(mesh.shape)}"
+    if not getattr(model, "CONTEXT", False):
+        raise UsageError(f"--model {getattr(model, 'name', model)} has no sequence to split over {where}; "
+                         f"use --model gpt or drop the context axis")
+    T = getattr(model.config, "seq_len", s.seq_len)
+    if T % (2 * C):
+        raise UsageError(f"--seq-len {T} does not split into 2C = {2 * C} equal chunks over {where} (device i "
+                         f"holds chunks i and {2 * C - 1}-i); use a multiple of {2 * C}")
+    if STAGE in mesh.axis_names:
+        raise UsageError(f"{where} and a stage axis: a pipeline stage sends whole sequences; drop one of them")
+    if nested(s.allreduce):
+        raise UsageError(f"--allreduce {s.allreduce} reads two data axes as levels; with {where} the gradient's "
+                         f"mean spans the context axis too: choose another algorithm")
