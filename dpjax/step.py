@@ -53,7 +53,7 @@ from dpjax import scopes
 from dpjax.compression import sharded
 from dpjax.data_parallel import allreduce_gradients, broadcast_params
 from dpjax.fusion import leaf_classes
-from dpjax.mesh import NOT_DATA, as_axes, axis_arg, data_axes, dp_size, is_spec, local_shape, spec_axes
+from dpjax.mesh import EXPERT, NOT_DATA, as_axes, axis_arg, data_axes, dp_size, is_spec, local_shape, spec_axes
 from dpjax.pipeline import staged as pipeline_staged
 from dpjax.optim import OptimizerConfig  # noqa: F401  (dpjax.step.OptimizerConfig, as before)
 from dpjax.plan import Exchange, Plan, for_layout, for_rule
@@ -178,12 +178,19 @@ def build(loss_fn, plan: Plan, *, abstract_params, donate: bool = True, value_an
     # broadcast from rank 0 over those makes every replica start alike.
     replicated_over = layout.workers if layout.fsdp else axes
 
+    experts = layout.expert_leaves()  # a mixture's experts differ along `expert`: broadcast over the others only
+    expert_over = tuple(a for a in replicated_over if a != EXPERT)
+
+    def broadcast(leaves, over):
+        return broadcast_params(leaves, axis_arg(over), root=0) if over and leaves else leaves
+
     def init_body(params):
         assert jax.tree.map(lambda x: tuple(x.shape), params) == jax.tree.map(
             lambda a, sp: local_shape(a.shape, sp, mesh), abstract_params, pspecs,
             is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct)), "init: local parameter shapes"
         if replicated_over:
-            params = broadcast_params(params, axis_arg(replicated_over), root=0)
+            params = _by_leaf(params, experts, lambda ls: broadcast(ls, expert_over),
+                              lambda ls: broadcast(ls, replicated_over))
         return wrap(params), wrap(rule.init(params))
 
     local_rows = plan.global_batch // dp_size(mesh) if plan.global_batch else None  # B / dp
@@ -228,9 +235,32 @@ def _inner_mean(layout: Layout, exchange: Exchange):
     averaged over them) and the context axis (each of its devices took the gradient of
     its own tokens' loss; the mean over them is the gradient of the sequences' mean)."""
     axes = (layout.inner_axes if not layout.fsdp else ()) + layout.context_axes  # (dpjax.plan refuses a
-    if not axes:  # nested algorithm, which reads two axes as levels, with a context axis)
-        return lambda g: g
-    return functools.partial(allreduce_gradients, axis_name=axis_arg(axes), **exchange.inner_kwargs())
+    # nested algorithm, which reads two axes as levels, with a context axis)
+
+    def mean_over(over):
+        if not over:
+            return lambda g: g
+        return functools.partial(allreduce_gradients, axis_name=axis_arg(over), **exchange.inner_kwargs())
+
+    if not layout.expert_split:
+        return mean_over(axes)
+    # A device's experts got, through the all-to-all's transpose, the gradient of every
+    # token routed to them from the whole expert axis: of the loss summed over its n
+    # devices. The mean over the other axes and a division by n make it the mean's.
+    n, mean, experts_mean = layout.mesh.shape[EXPERT], mean_over(axes), mean_over(tuple(a for a in axes if a != EXPERT))
+    return lambda g: _by_leaf(g, layout.expert_leaves(), lambda ls: [x / n for x in experts_mean(ls)], mean)
+
+
+def _by_leaf(tree, mask, if_true, if_false):
+    """`tree` with the list of its leaves where `mask` (a tree of bools like it) is true
+    replaced by if_true(that list), and the others by if_false(theirs)."""
+    leaves, treedef = jax.tree.flatten(tree)
+    flags = jax.tree.leaves(mask)
+    assert len(flags) == len(leaves), (len(flags), len(leaves))
+    picked = {True: [x for x, f in zip(leaves, flags) if f], False: [x for x, f in zip(leaves, flags) if not f]}
+    done = {True: iter(if_true(picked[True]) if picked[True] else []),
+            False: iter(if_false(picked[False]) if picked[False] else [])}
+    return jax.tree.unflatten(treedef, [next(done[bool(f)]) for f in flags])
 
 
 def _traced_within(context, fn):

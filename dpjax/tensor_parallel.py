@@ -199,6 +199,7 @@ class Parallel:
     probes: Any = None
     policy: Policy = Policy()  # the compute dtype, remat, attention kernel and scan (dpjax.stack runs by it)
     context_axis: Any = None  # the axis each sequence is split over (dpjax.context), None: whole sequences
+    expert_axis: Any = None  # the axis a mixture of experts' experts are split over (dpjax.models.moe), None: all here
 
     def _gather(self, x, d, probe):
         if probe is not None:

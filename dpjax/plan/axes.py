@@ -1,5 +1,6 @@
-"""The plan's checks of the axes that split a sequence (`context`): part of `dpjax.plan`,
-made once the mesh is known. Each refusal is one line saying what to change."""
+"""The plan's checks of the axes that split a sequence (`context`) and a mixture's experts
+(`expert`): part of `dpjax.plan`, made once the mesh is known. Each refusal is one line
+saying what to change."""
 
 from __future__ import annotations
 
@@ -32,3 +33,34 @@ def check_context(s: Settings, model, mesh) -> None:
     if nested(s.allreduce):
         raise UsageError(f"--allreduce {s.allreduce} reads two data axes as levels; with {where} the gradient's "
                          f"mean spans the context axis too: choose another algorithm")
+
+
+def check_expert(s: Settings, model, mesh, update) -> None:
+    """An expert axis of n devices is a data axis (the batch's rows split over it) that
+    also splits a mixture's E experts, E/n on each (`dpjax.models.moe`): the model must
+    have E experts, n must divide E, and the experts, which differ along the axis, must
+    not be averaged or gathered over it: no FSDP, no update rule whose workers diverge, no
+    --workers or --compress-axes naming it, no compression with error feedback, no stage
+    or context axis beside it (none of these is built for experts yet)."""
+    from dpjax.compression import stateful
+    from dpjax.mesh import CONTEXT, EXPERT, STAGE
+
+    n = mesh.shape.get(EXPERT, 1)
+    E = getattr(getattr(model, "config", None), "experts", 0)
+    if n == 1:
+        return
+    where = f"the expert axis of mesh {dict(mesh.shape)}"
+    if not E:
+        raise UsageError(f"{where} splits a mixture of experts: give the model experts (--experts E, a multiple "
+                         f"of {n}) or name the axis data")
+    if E % n:
+        raise UsageError(f"--experts {E} do not split over the {n} devices of {where}; use a multiple of {n}")
+    beside = [why for cond, why in ((s.fsdp, "--fsdp"), (not update.is_sync, f"--update {s.update}"),
+                                    (EXPERT in str(s.workers or "") or EXPERT in str(s.compress_axes or ""),
+                                     "--workers/--compress-axes naming it"),
+                                    (stateful(s.compression), f"--compression {s.compression}"),
+                                    (STAGE in mesh.axis_names, "a stage axis"),
+                                    (CONTEXT in mesh.axis_names, "a context axis")) if cond]
+    if beside:
+        raise UsageError(f"{where} with {beside[0]}: each device's experts are its own, and this would average, "
+                         f"gather or send them as replicas; drop one of them")

@@ -16,7 +16,8 @@ def plan_lines(plan) -> list[str]:
     layout = ["tensor-parallel" if plan.mesh.shape.get("model", 1) > 1 and plan.tensor_parallel else None,
               "FSDP" if lay.fsdp else None,
               f"pipeline ({lay.pipeline.schedule})" if lay.pipeline is not None else None,
-              f"context-parallel ({pol.context_attention} attention)" if lay.context_axes else None]
+              f"context-parallel ({pol.context_attention} attention)" if lay.context_axes else None,
+              _experts(plan)]
     from dpjax.plan import target_platform
 
     target = target_platform(plan.settings, plan.mesh) if plan.settings is not None else devices[0].platform
@@ -59,3 +60,15 @@ def _context_lines(plan) -> list[str]:
     return [f"context: each sequence of {T} split over {C} devices in {2 * C} chunks of {T // (2 * C)} (device i "
             f"holds i and {2 * C - 1}-i); {name} attention sends {mib(sched.bytes)} per device and layer in "
             f"{sched.steps} steps each way (forward, backward), the bound {mib(bound)}"]
+
+
+def _experts(plan) -> str | None:
+    """With an expert axis: how the experts are split and moved."""
+    from dpjax.mesh import EXPERT
+
+    c = getattr(plan.model, "config", None)
+    if not plan.layout.expert_split or c is None:
+        return None
+    n = plan.mesh.shape[EXPERT]
+    return (f"expert-parallel ({c.experts} experts, {c.experts // n} a device, top {c.top_k}, capacity factor "
+            f"{c.capacity_factor:g}, {plan.policy.expert_alltoall} all-to-all)")
