@@ -84,6 +84,7 @@ class TrainStep:
     evaluate: Callable
     flush: Callable
     consensus: Callable
+    stats: Callable | None = None  # stats(params, batch_BxT1) -> the model's own figures (a MoE's drops), or None
 
     @property
     def workers(self) -> int:
@@ -95,7 +96,7 @@ class TrainStep:
 
 
 def build(loss_fn, plan: Plan, *, abstract_params, donate: bool = True, value_and_grad=None,
-          clock=None) -> TrainStep:
+          clock=None, stats_fn=None) -> TrainStep:
     """The steps of `plan` (`dpjax.plan`: its layout, rule between the workers, exchange,
     passes and links) for `loss_fn(params, batch_BdxT1, par) -> scalar` (`par`: the
     `dpjax.tensor_parallel.Parallel` the layout gives; a model's `loss`).
@@ -107,7 +108,9 @@ def build(loss_fn, plan: Plan, *, abstract_params, donate: bool = True, value_an
     this device's gradient is computed (default: `jax.value_and_grad(loss_fn)`; a
     pipeline's schedule, `dpjax.pipeline.staged`, on a layout with a stage axis). clock:
     the emulated links' `dpjax.links.Clock` (default: one on real time; a test passes one
-    on `VirtualTime`).
+    on `VirtualTime`). stats_fn(params, batch_BdxT1, par) -> a dict of scalars: figures
+    of the model's own (a mixture's dropped tokens), averaged over the devices like the
+    loss (the `stats` program; none without it).
     """
     layout, rule, exchange, passes, links = plan.layout, plan.rule, plan.exchange, plan.passes, plan.links
     mesh, axes = layout.mesh, data_axes(layout.mesh)
@@ -211,6 +214,11 @@ def build(loss_fn, plan: Plan, *, abstract_params, donate: bool = True, value_an
             batch_BdxT1.shape, local_rows)
         return lax.pmean(loss_fn(rule.consensus(unwrap(params)), batch_BdxT1, par), loss_axes)
 
+    def stats_body(params, batch_BdxT1):
+        assert_local(params)
+        return jax.tree.map(lambda v: lax.pmean(v, loss_axes),
+                            stats_fn(rule.consensus(unwrap(params)), batch_BdxT1, par))
+
     def flush_body(params, state):
         assert_local(params)
         return tuple(wrap(x) for x in rule.flush(unwrap(params), unwrap(state)))
@@ -226,7 +234,8 @@ def build(loss_fn, plan: Plan, *, abstract_params, donate: bool = True, value_an
                       donate_argnums=(0, 1) if donate else ()),
         evaluate=jax.jit(smap(eval_body, (pspecs_w, P(rows)), P())),
         flush=jax.jit(smap(flush_body, (pspecs_w, sspecs_w), (pspecs_w, sspecs_w))),
-        consensus=jax.jit(smap(consensus_body, (pspecs_w,), pspecs)))
+        consensus=jax.jit(smap(consensus_body, (pspecs_w,), pspecs)),
+        stats=None if stats_fn is None else jax.jit(smap(stats_body, (pspecs_w, P(rows)), P())))
 
 
 def _inner_mean(layout: Layout, exchange: Exchange):
@@ -286,7 +295,8 @@ def for_plan(plan: Plan, donate: bool = True, clock=None) -> TrainStep:
     model, layout = plan.model, plan.layout
     abstract = jax.eval_shape(lambda k: plan.policy.store(layout.store(model.init(k))), jax.random.key(0))
     if layout.pipeline is None:
-        return build(model.loss, plan, abstract_params=abstract, donate=donate, clock=clock)
+        stats = model.router_stats if getattr(getattr(model, "config", None), "experts", 0) else None
+        return build(model.loss, plan, abstract_params=abstract, donate=donate, clock=clock, stats_fn=stats)
     staged = pipeline_staged.for_model(model, layout, plan.exchange.algorithm)
     return build(staged.loss, plan, abstract_params=abstract, donate=donate, value_and_grad=staged.value_and_grad,
                  clock=clock)

@@ -141,6 +141,12 @@ def test_a_moe_gpt_step_over_an_expert_axis_moves_by_the_one_device_gradient(mes
     got = jax.tree.map(lambda a, b: np.asarray(a) - np.asarray(b), jax.device_get(p0), jax.device_get(p1))
     for path, g, w in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(got), jax.tree.leaves(want)):
         np.testing.assert_allclose(g, w, rtol=1e-5, atol=2e-7, err_msg=jax.tree_util.keystr(path[0]))
+    # the metrics' router figures (the step's stats program: each device's, averaged) against the groups'
+    stats = jax.device_get(step.stats(p0, put(plan.mesh, tokens[0], P(data_axes(plan.mesh)))))
+    want_stats = [jax.jit(model.router_stats)(whole, g) for g in groups]
+    for key in ("router_balance", "router_z", "dropped"):
+        assert float(stats[key]) == pytest.approx(np.mean([float(w[key]) for w in want_stats]), rel=1e-5, abs=1e-7)
+    assert float(stats["dropped"]) == 0.0
 
 
 @pytest.mark.parametrize("flags,says", [

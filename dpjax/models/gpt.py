@@ -178,10 +178,11 @@ class GPT(ByteModel):
     def layer(self, blk, x_BdxTxD, par: Parallel = DENSE):
         """One pre-LN transformer block; `blk` is one layer of the stack (its leaves without
         the leading L: `w1_LsxDxFm` is D x Fm here). With experts the carry is (x, the
-        router losses summed so far: balance, z) and so is the result."""
+        router statistics summed so far: balance loss, z loss, share of choices dropped)
+        and so is the result."""
         a, m, c, n = blk["attn"], blk["mlp"], self.config, par.size()
         if c.experts:
-            x_BdxTxD, aux_2 = x_BdxTxD
+            x_BdxTxD, aux_3 = x_BdxTxD
         D, H = c.d_model, c.n_heads
         assert x_BdxTxD.shape[-1] == D and a["wqkv_LsxDx3xHmxK"].shape == (D, 3, H // n, D // H), (
             x_BdxTxD.shape, a["wqkv_LsxDx3xHmxK"].shape, n)  # this device's heads
@@ -191,7 +192,8 @@ class GPT(ByteModel):
         h_BdxTxD = layer_norm(x_BdxTxD, blk["ln2"]["scale_LsxD"], blk["ln2"]["bias_LsxD"])
         if c.experts:
             y_BdxTxD, stats = self.mixture(m, h_BdxTxD, par)
-            return x_BdxTxD + y_BdxTxD, aux_2 + jnp.stack([stats["balance"], stats["z"]])
+            dropped = jax.lax.stop_gradient(stats["dropped"] / stats["choices"])
+            return x_BdxTxD + y_BdxTxD, aux_3 + jnp.stack([stats["balance"], stats["z"], dropped])
         assert m["w1_LsxDxFm"].shape == (D, c.d_ff // n), (m["w1_LsxDxFm"].shape, n)  # this device's columns
         h_BdxTxFm = jax.nn.gelu(tp.column_parallel(h_BdxTxD, m["w1_LsxDxFm"], m["b1_LsxFm"], par))
         return x_BdxTxD + tp.row_parallel(h_BdxTxFm, m["w2_LsxFmxD"], m["b2_LsxD"], par)
@@ -227,14 +229,15 @@ class GPT(ByteModel):
         return self.forward(params, tokens_BdxT, par)[0]
 
     def forward(self, params, tokens_BdxT, par: Parallel = DENSE):
-        """(`logits`, the router losses (balance, z) averaged over the layers; None without experts)."""
+        """(`logits`, the router statistics (balance loss, z loss, share of the choices dropped)
+        averaged over the layers; None without experts)."""
         outer = {k: par.use(v, k) for k, v in params.items() if k != self.LAYERS}
         x_BdxTxD = self.embed(outer, tokens_BdxT, par)
-        carry = (x_BdxTxD, jnp.zeros(2, jnp.float32)) if self.config.experts else x_BdxTxD
+        carry = (x_BdxTxD, jnp.zeros(3, jnp.float32)) if self.config.experts else x_BdxTxD
         # dpjax.stack: scanned, rematerialised by the policy, FSDP gathering one layer at a time
         carry = stack.run(self.layer, params[self.LAYERS], carry, par, path=(self.LAYERS,))
-        x_BdxTxD, aux_2 = carry if self.config.experts else (carry, None)
-        return self.head(outer, x_BdxTxD, par), None if aux_2 is None else aux_2 / self.config.n_layers
+        x_BdxTxD, aux_3 = carry if self.config.experts else (carry, None)
+        return self.head(outer, x_BdxTxD, par), None if aux_3 is None else aux_3 / self.config.n_layers
 
     def apply(self, params, tokens_BdxT, par: Parallel = DENSE):
         """The full logits (dense; with a model axis, gathered: for inspection, not training;
@@ -249,11 +252,19 @@ class GPT(ByteModel):
         context axis, the mean over this device's share of the tokens (`dpjax.context`:
         the step averages it over the axis)."""
         tokens_BdxTc, targets_BdxTc = context.split(batch_BdxT1[:, :-1], par), context.split(batch_BdxT1[:, 1:], par)
-        logits_BdxTcxVm, aux_2 = self.forward(params, tokens_BdxTc, par)
+        logits_BdxTcxVm, aux_3 = self.forward(params, tokens_BdxTc, par)
         loss = tp.vocab_parallel_cross_entropy(logits_BdxTcxVm, targets_BdxTc, par)
-        if aux_2 is None:
+        if aux_3 is None:
             return loss
-        return loss + self.config.router_aux_weight * aux_2[0] + self.config.router_z_weight * aux_2[1]
+        return loss + self.config.router_aux_weight * aux_3[0] + self.config.router_z_weight * aux_3[1]
+
+    def router_stats(self, params, batch_BdxT1, par: Parallel = DENSE):
+        """With experts: {'router_balance', 'router_z', 'dropped'} of this device's tokens
+        (the metrics' figures, `dpjax.step`'s `stats` program); None without experts."""
+        if not self.config.experts:
+            return None
+        aux_3 = self.forward(params, context.split(batch_BdxT1[:, :-1], par), par)[1]
+        return {"router_balance": aux_3[0], "router_z": aux_3[1], "dropped": aux_3[2]}
 
     def activation_bytes(self, rows: int, *, remat: str = "none", attention: str = "naive", width: int = 4,
                          split: int = 1, context: int = 1) -> int:
