@@ -155,6 +155,8 @@ def test_a_moe_gpt_step_over_an_expert_axis_moves_by_the_one_device_gradient(mes
     ({"mesh": "data=2,expert=4", "experts": 8, "fsdp": True}, "with --fsdp: each device's experts are its own"),
     ({"mesh": "data=2,expert=4", "experts": 8, "update": "delayed:2"}, "with --update delayed:2"),
     ({"mesh": "data=2,expert=4", "experts": 8, "expert_alltoall": "ring"}, "unknown --expert-alltoall 'ring'"),
+    ({"mesh": "stage=2,data=4", "experts": 8}, "--experts 8 with a stage axis"),
+    ({"mesh": "data=2,context=4", "experts": 8}, "--experts 8 with a context axis"),
 ])
 def test_what_an_expert_axis_cannot_run_is_refused_in_one_line(flags, says):
     from dpjax.plan import UsageError, resolve

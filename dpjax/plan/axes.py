@@ -47,6 +47,10 @@ def check_expert(s: Settings, model, mesh, update) -> None:
 
     n = mesh.shape.get(EXPERT, 1)
     E = getattr(getattr(model, "config", None), "experts", 0)
+    if E and (STAGE in mesh.axis_names or mesh.shape.get(CONTEXT, 1) > 1):
+        raise UsageError(f"--experts {E} with a {'stage' if STAGE in mesh.axis_names else 'context'} axis in mesh "
+                         f"{dict(mesh.shape)}: a mixture of experts does not run in a pipeline or over split "
+                         f"sequences yet; drop one of them")
     if n == 1:
         return
     where = f"the expert axis of mesh {dict(mesh.shape)}"
@@ -59,7 +63,6 @@ def check_expert(s: Settings, model, mesh, update) -> None:
                                     (EXPERT in str(s.workers or "") or EXPERT in str(s.compress_axes or ""),
                                      "--workers/--compress-axes naming it"),
                                     (stateful(s.compression), f"--compression {s.compression}"),
-                                    (STAGE in mesh.axis_names, "a stage axis"),
                                     (CONTEXT in mesh.axis_names, "a context axis")) if cond]
     if beside:
         raise UsageError(f"{where} with {beside[0]}: each device's experts are its own, and this would average, "
