@@ -9,7 +9,7 @@ import re
 
 import jax
 
-from dpjax.mesh import MODEL, dp_size
+from dpjax.mesh import CONTEXT, MODEL, dp_size
 
 
 def estimate(model, layout, global_batch: int, compression=None, policy=None, platform: str | None = None) -> dict:
@@ -23,7 +23,7 @@ def estimate(model, layout, global_batch: int, compression=None, policy=None, pl
     through random-k (`dpjax.compression.sharded`) each device's full local gradient,
     n times its shards; the activations are the model's own estimate for its rows under
     the compute `policy` (`dpjax.policy.Policy`: dtype, remat, attention; default the
-    float32 reference), split by the model axis. `platform`: where it runs (default
+    float32 reference), split by the model axis and the context axis. `platform`: where it runs (default
     JAX's backend): XLA:CPU computes bfloat16 in float32, so on CPU a value is 4 bytes."""
     from dpjax.policy import Policy, accelerated
 
@@ -39,8 +39,9 @@ def estimate(model, layout, global_batch: int, compression=None, policy=None, pl
     rows = max(1, global_batch // dp_size(layout.mesh))
     split = layout.mesh.shape.get(MODEL, 1)
     width = policy.compute.itemsize if accelerated(platform) else 4
+    context = layout.mesh.shape.get(CONTEXT, 1)  # a device holds 1/context of each sequence's tokens
     activations = model.activation_bytes(rows, remat=policy.remat, attention=policy.attention, width=width,
-                                         split=split)
+                                         split=split, **({"context": context} if context > 1 else {}))
     return {"params": params, "state": state, "grads": grads, "error": error, "activations": activations,
             "total": params + state + grads + error + activations}
 

@@ -27,7 +27,10 @@ DATA = "data"
 MODEL = "model"
 NODE = "node"
 STAGE = "stage"
-NOT_DATA = (MODEL, STAGE)  # axes that split the model; every other axis splits the batch
+CONTEXT = "context"  # splits each sequence (dpjax.context): parameters replicated, the batch's rows not split
+EXPERT = "expert"  # a data axis that also splits a mixture of experts' experts (dpjax.models.moe)
+# axes that do not split the batch's rows (the model's, the sequence's); every other axis splits the batch
+NOT_DATA = (MODEL, STAGE, CONTEXT)
 
 _DEFAULT_NAMES = {1: (DATA, MODEL), 2: (DATA, MODEL), 3: (NODE, DATA, MODEL)}
 _NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -115,7 +118,7 @@ def make_mesh(spec: str, devices=None):
 
 
 def data_axes(mesh) -> tuple[str, ...]:
-    """The axes the batch is split over: every axis but `model` and `stage`, outermost first."""
+    """The axes the batch is split over: every axis but `model`, `stage` and `context`, outermost first."""
     return tuple(a for a in mesh.axis_names if a not in NOT_DATA)
 
 

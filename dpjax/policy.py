@@ -16,6 +16,10 @@ backward pass, and which attention kernel they call.
                   (its cuDNN flash kernel, GPU only)
     scan          the stacked layers run as one `lax.scan` (compile time flat in depth)
                   rather than a Python loop (`dpjax.stack`)
+    context_attention  how attention crosses a `context` axis (`dpjax.context`: ring or
+                  allgather; the plan checks the name)
+    expert_alltoall  the all-to-all a mixture of experts dispatches and combines by
+                  (`dpjax.models.moe`: pairwise, bruck, or xla's)
 
 Whatever the policy, the numerically sensitive parts compute in float32: the layer
 norms' statistics, the softmax, the logits and the loss (the models and
@@ -47,6 +51,8 @@ class Policy:
     remat: str = "none"
     attention: str = "naive"
     scan: bool = True
+    context_attention: str = "ring"  # across a context axis: a name of dpjax.context.CONTEXT_ATTENTIONS
+    expert_alltoall: str = "pairwise"  # a mixture's dispatch and combine: a dpjax all-to-all algorithm
 
     def __post_init__(self):
         for name, value, allowed in (("dtype", self.dtype, DTYPES), ("param_dtype", self.param_dtype, DTYPES),
@@ -83,7 +89,8 @@ class Policy:
 
     def describe(self) -> dict:
         return {"dtype": self.dtype, "param_dtype": self.param_dtype, "remat": self.remat,
-                "attention": self.attention, "scan": self.scan}
+                "attention": self.attention, "scan": self.scan, "context_attention": self.context_attention,
+                "expert_alltoall": self.expert_alltoall}
 
 
 def accelerated(platform: str) -> bool:
@@ -103,7 +110,8 @@ def cudnn_refusal(dtype: str, head_dim: int | None, platform: str) -> str | None
 
 
 def resolve(dtype: str = "auto", param_dtype: str = "float32", remat: str = "none", attention: str = "auto",
-            *, platform: str | None = None, head_dim: int | None = None, scan: bool = True) -> tuple[Policy, list]:
+            *, platform: str | None = None, head_dim: int | None = None, scan: bool = True,
+            context_attention: str = "ring", expert_alltoall: str = "pairwise") -> tuple[Policy, list]:
     """(the policy, notes): `auto` resolved for `platform` (default: JAX's backend);
     dtype auto: bfloat16 on GPU / TPU, float32 on CPU; attention auto: cudnn where it
     can run, else xla, with a note saying why not on a GPU. remat `auto` is the
@@ -122,4 +130,5 @@ def resolve(dtype: str = "auto", param_dtype: str = "float32", remat: str = "non
         why = cudnn_refusal(dtype, head_dim, platform)
         if why is not None:
             raise ValueError(f"--attention cudnn: {why}; use --attention xla")
-    return Policy(dtype, param_dtype, "none" if remat == "auto" else remat, attention, scan), notes
+    return Policy(dtype, param_dtype, "none" if remat == "auto" else remat, attention, scan, context_attention,
+                  expert_alltoall), notes

@@ -52,6 +52,18 @@ def _collectives():
     return tuple(COLLECTIVES)
 
 
+def _context_attentions():
+    from dpjax.context import CONTEXT_ATTENTIONS
+
+    return tuple(CONTEXT_ATTENTIONS)
+
+
+def _all_to_alls():
+    from dpjax.collectives import ALL_TO_ALL_ALGORITHMS
+
+    return tuple(ALL_TO_ALL_ALGORITHMS)
+
+
 def _opt(default, help: str, **kw):
     return field(default=default, metadata={"help": help, **kw})
 
@@ -158,6 +170,15 @@ class Settings:
                                        "whole gradient across (the earlier form). Default: the per-shard form, each "
                                        "device of a site sends only its 1/k shard across and the site all-gathers "
                                        "the k shards exactly")
+    context_attention: str = MESH("ring", "with a context axis (--mesh data=2,context=4: each sequence split over "
+                                          "it, device i holding chunks i and 2C-1-i of 2C): ring (K/V blocks passed "
+                                          "round the axis, blockwise softmax) or allgather (K/V gathered, attended "
+                                          "locally)", choices=lambda: _context_attentions())
+    expert_alltoall: str = MESH("pairwise", lambda: "with an expert axis (--mesh data=2,expert=4 --experts 8): the "
+                                                  "all-to-all a mixture of experts dispatches tokens to their experts' "
+                                                  f"devices and combines them back by: {', '.join(_all_to_alls())} "
+                                                  "(xla: lax.all_to_all, the baseline)",
+                                choices=lambda: _all_to_alls())
     backward_passes: int = MESH(1, "micro-batches per step: gradients accumulated over this many backward "
                                    "passes, exchanged once")
     microbatches: int | None = MESH(None, "with a stage axis: micro-batches each data-parallel replica's batch is "

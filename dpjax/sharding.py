@@ -34,7 +34,7 @@ from jax.sharding import PartitionSpec as P
 
 from dpjax.errors import UserError
 from dpjax import pipeline as pp
-from dpjax.mesh import MODEL, STAGE, as_axes, data_axes, is_spec, spec_axes
+from dpjax.mesh import CONTEXT, EXPERT, MODEL, STAGE, as_axes, data_axes, is_spec, spec_axes
 from dpjax.tensor_parallel import Parallel
 
 
@@ -91,12 +91,31 @@ class Layout:
     def parallel(self, fsdp_wire=None) -> Parallel:
         """The model's view: tensor-parallel layers over `model` if any parameter is split
         over it, else the dense computation; FSDP gathers over the inner axes, their
-        gradients reduce-scattered in `fsdp_wire` (a `dpjax.compression` method, or None for full precision)."""
+        gradients reduce-scattered in `fsdp_wire` (a `dpjax.compression` method, or None for full precision);
+        sequences split over the context axis if the mesh has one of more than one device."""
         inner = self.inner_axes
         split = any(MODEL in spec_axes(s) for s in jax.tree.leaves(self.specs, is_leaf=is_spec))
         return Parallel(model_axis=MODEL if split else None, algorithm=self.algorithm,
                         data_axis=(inner[0] if len(inner) == 1 else inner) if inner else None,
-                        gather_dims=self.gather_dims, fsdp_algorithm=self.fsdp_algorithm, fsdp_wire=fsdp_wire)
+                        gather_dims=self.gather_dims, fsdp_algorithm=self.fsdp_algorithm, fsdp_wire=fsdp_wire,
+                        context_axis=CONTEXT if self.context_axes else None,
+                        expert_axis=EXPERT if self.expert_split else None)
+
+    @property
+    def expert_split(self) -> bool:
+        """Whether some parameter is split over an expert axis of more than one device."""
+        return self.mesh.shape.get(EXPERT, 1) > 1 and any(
+            EXPERT in spec_axes(s) for s in jax.tree.leaves(self.specs, is_leaf=is_spec))
+
+    def expert_leaves(self):
+        """A tree of bools like the parameters: which leaves are split over the expert axis
+        (each device holds its own experts: never broadcast nor averaged over that axis)."""
+        return jax.tree.map(lambda s: self.expert_split and EXPERT in spec_axes(s), self.specs, is_leaf=is_spec)
+
+    @property
+    def context_axes(self) -> tuple:
+        """(CONTEXT,) when the mesh splits sequences over more than one device, else ()."""
+        return (CONTEXT,) if self.mesh.shape.get(CONTEXT, 1) > 1 else ()
 
     def shardings(self, specs=None):
         return jax.tree.map(lambda s: NamedSharding(self.mesh, s), self.specs if specs is None else specs,
@@ -175,6 +194,8 @@ def layout_from_specs(abstract, specs, mesh, *, what: str = "parameter", algorit
         return spec
 
     def split_over_data(path, x, spec, skip):
+        if EXPERT in spec_axes(spec):  # a mixture's experts: split over `expert`, never gathered (dpjax.plan
+            return spec, -1            # refuses FSDP beside an expert axis)
         named = [d for d, e in enumerate(spec) if set(as_axes(e)) & set(data_axes(mesh))]
         if named:  # the spec chose: FSDP on that dimension, over exactly the inner data axes, last
             e = as_axes(spec[named[0]])

@@ -53,7 +53,7 @@ from dpjax import scopes
 from dpjax.compression import sharded
 from dpjax.data_parallel import allreduce_gradients, broadcast_params
 from dpjax.fusion import leaf_classes
-from dpjax.mesh import NOT_DATA, as_axes, axis_arg, data_axes, dp_size, is_spec, local_shape, spec_axes
+from dpjax.mesh import EXPERT, NOT_DATA, as_axes, axis_arg, data_axes, dp_size, is_spec, local_shape, spec_axes
 from dpjax.pipeline import staged as pipeline_staged
 from dpjax.optim import OptimizerConfig  # noqa: F401  (dpjax.step.OptimizerConfig, as before)
 from dpjax.plan import Exchange, Plan, for_layout, for_rule
@@ -84,6 +84,7 @@ class TrainStep:
     evaluate: Callable
     flush: Callable
     consensus: Callable
+    stats: Callable | None = None  # stats(params, batch_BxT1) -> the model's own figures (a MoE's drops), or None
 
     @property
     def workers(self) -> int:
@@ -95,7 +96,7 @@ class TrainStep:
 
 
 def build(loss_fn, plan: Plan, *, abstract_params, donate: bool = True, value_and_grad=None,
-          clock=None) -> TrainStep:
+          clock=None, stats_fn=None) -> TrainStep:
     """The steps of `plan` (`dpjax.plan`: its layout, rule between the workers, exchange,
     passes and links) for `loss_fn(params, batch_BdxT1, par) -> scalar` (`par`: the
     `dpjax.tensor_parallel.Parallel` the layout gives; a model's `loss`).
@@ -107,17 +108,16 @@ def build(loss_fn, plan: Plan, *, abstract_params, donate: bool = True, value_an
     this device's gradient is computed (default: `jax.value_and_grad(loss_fn)`; a
     pipeline's schedule, `dpjax.pipeline.staged`, on a layout with a stage axis). clock:
     the emulated links' `dpjax.links.Clock` (default: one on real time; a test passes one
-    on `VirtualTime`).
+    on `VirtualTime`). stats_fn(params, batch_BdxT1, par) -> a dict of scalars: figures
+    of the model's own (a mixture's dropped tokens), averaged over the devices like the
+    loss (the `stats` program; none without it).
     """
     layout, rule, exchange, passes, links = plan.layout, plan.rule, plan.exchange, plan.passes, plan.links
     mesh, axes = layout.mesh, data_axes(layout.mesh)
     assert as_axes(rule.axes) == tuple(layout.workers), (rule.axes, layout.workers)  # one plan made both
     par = dataclasses.replace(layout.parallel(fsdp_wire=exchange.wire), policy=plan.policy)  # dpjax.policy
-    inner = layout.inner_axes
-    if inner and not layout.fsdp:
-        inner_mean = functools.partial(allreduce_gradients, axis_name=axis_arg(inner), **exchange.inner_kwargs())
-    else:  # FSDP's reduce-scatter in the backward pass already averaged over the inner axes
-        inner_mean = lambda g: g  # noqa: E731
+    inner_mean = _inner_mean(layout, exchange)
+    loss_axes = axes + layout.context_axes  # a context axis's devices each hold a share of every sequence's tokens
     loss_and_grad = functools.partial(value_and_grad or jax.value_and_grad(loss_fn), par=par)
     zeros_grad = lambda p: jax.tree.map(jnp.zeros_like, p)  # noqa: E731
     if sharded.applies(layout, exchange.compression):  # FSDP through random-k: the rule (wrapped) reduces
@@ -181,12 +181,19 @@ def build(loss_fn, plan: Plan, *, abstract_params, donate: bool = True, value_an
     # broadcast from rank 0 over those makes every replica start alike.
     replicated_over = layout.workers if layout.fsdp else axes
 
+    experts = layout.expert_leaves()  # a mixture's experts differ along `expert`: broadcast over the others only
+    expert_over = tuple(a for a in replicated_over if a != EXPERT)
+
+    def broadcast(leaves, over):
+        return broadcast_params(leaves, axis_arg(over), root=0) if over and leaves else leaves
+
     def init_body(params):
         assert jax.tree.map(lambda x: tuple(x.shape), params) == jax.tree.map(
             lambda a, sp: local_shape(a.shape, sp, mesh), abstract_params, pspecs,
             is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct)), "init: local parameter shapes"
         if replicated_over:
-            params = broadcast_params(params, axis_arg(replicated_over), root=0)
+            params = _by_leaf(params, experts, lambda ls: broadcast(ls, expert_over),
+                              lambda ls: broadcast(ls, replicated_over))
         return wrap(params), wrap(rule.init(params))
 
     local_rows = plan.global_batch // dp_size(mesh) if plan.global_batch else None  # B / dp
@@ -198,14 +205,19 @@ def build(loss_fn, plan: Plan, *, abstract_params, donate: bool = True, value_an
         with scopes.phase("optimizer"):  # the rule's own work; grad_fn's phases name themselves inside
             params, state, loss = rule.step(grad_fn, unwrap(params), unwrap(state), batch_AxBdxT1)
         with scopes.phase("loss"):
-            loss = lax.pmean(loss, axes)
+            loss = lax.pmean(loss, loss_axes)
         return wrap(params), wrap(state), loss
 
     def eval_body(params, batch_BdxT1):
         assert_local(params)
         assert batch_BdxT1.ndim == 2 and batch_BdxT1.shape[0] == (local_rows or batch_BdxT1.shape[0]), (
             batch_BdxT1.shape, local_rows)
-        return lax.pmean(loss_fn(rule.consensus(unwrap(params)), batch_BdxT1, par), axes)
+        return lax.pmean(loss_fn(rule.consensus(unwrap(params)), batch_BdxT1, par), loss_axes)
+
+    def stats_body(params, batch_BdxT1):
+        assert_local(params)
+        return jax.tree.map(lambda v: lax.pmean(v, loss_axes),
+                            stats_fn(rule.consensus(unwrap(params)), batch_BdxT1, par))
 
     def flush_body(params, state):
         assert_local(params)
@@ -222,7 +234,42 @@ def build(loss_fn, plan: Plan, *, abstract_params, donate: bool = True, value_an
                       donate_argnums=(0, 1) if donate else ()),
         evaluate=jax.jit(smap(eval_body, (pspecs_w, P(rows)), P())),
         flush=jax.jit(smap(flush_body, (pspecs_w, sspecs_w), (pspecs_w, sspecs_w))),
-        consensus=jax.jit(smap(consensus_body, (pspecs_w,), pspecs)))
+        consensus=jax.jit(smap(consensus_body, (pspecs_w,), pspecs)),
+        stats=None if stats_fn is None else jax.jit(smap(stats_body, (pspecs_w, P(rows)), P())))
+
+
+def _inner_mean(layout: Layout, exchange: Exchange):
+    """The mean of a worker's gradient over its own devices: dpjax's fused allreduce over
+    the inner data axes (none under FSDP: its reduce-scatter in the backward pass already
+    averaged over them) and the context axis (each of its devices took the gradient of
+    its own tokens' loss; the mean over them is the gradient of the sequences' mean)."""
+    axes = (layout.inner_axes if not layout.fsdp else ()) + layout.context_axes  # (dpjax.plan refuses a
+    # nested algorithm, which reads two axes as levels, with a context axis)
+
+    def mean_over(over):
+        if not over:
+            return lambda g: g
+        return functools.partial(allreduce_gradients, axis_name=axis_arg(over), **exchange.inner_kwargs())
+
+    if not layout.expert_split:
+        return mean_over(axes)
+    # A device's experts got, through the all-to-all's transpose, the gradient of every
+    # token routed to them from the whole expert axis: of the loss summed over its n
+    # devices. The mean over the other axes and a division by n make it the mean's.
+    n, mean, experts_mean = layout.mesh.shape[EXPERT], mean_over(axes), mean_over(tuple(a for a in axes if a != EXPERT))
+    return lambda g: _by_leaf(g, layout.expert_leaves(), lambda ls: [x / n for x in experts_mean(ls)], mean)
+
+
+def _by_leaf(tree, mask, if_true, if_false):
+    """`tree` with the list of its leaves where `mask` (a tree of bools like it) is true
+    replaced by if_true(that list), and the others by if_false(theirs)."""
+    leaves, treedef = jax.tree.flatten(tree)
+    flags = jax.tree.leaves(mask)
+    assert len(flags) == len(leaves), (len(flags), len(leaves))
+    picked = {True: [x for x, f in zip(leaves, flags) if f], False: [x for x, f in zip(leaves, flags) if not f]}
+    done = {True: iter(if_true(picked[True]) if picked[True] else []),
+            False: iter(if_false(picked[False]) if picked[False] else [])}
+    return jax.tree.unflatten(treedef, [next(done[bool(f)]) for f in flags])
 
 
 def _traced_within(context, fn):
@@ -248,7 +295,8 @@ def for_plan(plan: Plan, donate: bool = True, clock=None) -> TrainStep:
     model, layout = plan.model, plan.layout
     abstract = jax.eval_shape(lambda k: plan.policy.store(layout.store(model.init(k))), jax.random.key(0))
     if layout.pipeline is None:
-        return build(model.loss, plan, abstract_params=abstract, donate=donate, clock=clock)
+        stats = model.router_stats if getattr(getattr(model, "config", None), "experts", 0) else None
+        return build(model.loss, plan, abstract_params=abstract, donate=donate, clock=clock, stats_fn=stats)
     staged = pipeline_staged.for_model(model, layout, plan.exchange.algorithm)
     return build(staged.loss, plan, abstract_params=abstract, donate=donate, value_and_grad=staged.value_and_grad,
                  clock=clock)

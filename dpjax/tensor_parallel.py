@@ -27,7 +27,8 @@ with the algorithm the caller chooses.
 dense computation, used for the unsharded reference), under fully sharded data
 parallelism which dimension of each parameter to all-gather just before use, and the
 compute policy (`dpjax.policy.Policy`: dtype, remat, attention kernel, scan) that
-`dpjax.stack` runs the layers by.
+`dpjax.stack` runs the layers by; with a context axis, the axis each sequence is split
+over (`dpjax.context`).
 """
 
 from __future__ import annotations
@@ -197,6 +198,8 @@ class Parallel:
     # shaped like the gathered parameters, which receive each device's unreduced gradient
     probes: Any = None
     policy: Policy = Policy()  # the compute dtype, remat, attention kernel and scan (dpjax.stack runs by it)
+    context_axis: Any = None  # the axis each sequence is split over (dpjax.context), None: whole sequences
+    expert_axis: Any = None  # the axis a mixture of experts' experts are split over (dpjax.models.moe), None: all here
 
     def _gather(self, x, d, probe):
         if probe is not None:

@@ -43,7 +43,9 @@ SLOW = {("bench_train.py", 1), ("bench_train.py", 2), ("staleness.py", 1), ("wan
         ("huge_layer.py", 0), ("gpu_yardstick.py", 0),
         # 60-150 s: real training processes; the fast set runs the combination both drive
         # (tests/test_cpu_runtime.py) and the sweep's row cover (tests/test_sweep.py)
-        ("sweep.py", 0), ("cpu_collectives_repro.py", 0)}
+        ("sweep.py", 0), ("cpu_collectives_repro.py", 0),
+        # two training runs in subprocesses (about 60 s); tests/test_moe.py keeps a MoE step fast
+        ("moe_vs_dense.py", 0)}
 
 
 def cases():

@@ -25,7 +25,7 @@ LAYERS = [
     ["dpjax.rng", "dpjax.per_rank", "dpjax.collectives"],
     ["dpjax.wrapper", "dpjax.compression", "dpjax.tensor_parallel", "dpjax.timeline", "dpjax.autotune",
      "dpjax.prepare", "dpjax.fault"],
-    ["dpjax.data_parallel", "dpjax.stack", "dpjax.memory", "dpjax.checkpoint", "dpjax.nn"],
+    ["dpjax.data_parallel", "dpjax.stack", "dpjax.context", "dpjax.memory", "dpjax.checkpoint", "dpjax.nn"],
     ["dpjax.pipeline", "dpjax.models", "dpjax.horovod", "dpjax.commit_place"],  # commit_place: checkpoint's check
     ["dpjax.sharding", "dpjax.commit"],  # sharding beside the pipeline in DESIGN.md: it lays the stages out
     ["dpjax.sharding_rules", "dpjax.optim", "dpjax.updates", "dpjax.pipeline.cost"],  # cost compiles a layout

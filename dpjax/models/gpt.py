@@ -20,9 +20,10 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from dpjax import attention, collectives, stack
+from dpjax import attention, collectives, context, stack
 from dpjax import tensor_parallel as tp
 from dpjax.errors import UserError
+from dpjax.models import moe
 from dpjax.models.registry import Entry, register
 from dpjax.tensor_parallel import DENSE, Parallel
 
@@ -34,17 +35,30 @@ class GPTConfig:
     d_model: int = 128  # model width
     n_layers: int = 2  # transformer blocks
     n_heads: int = 8  # attention heads
-    d_ff: int = 512  # MLP width
+    d_ff: int = 512  # MLP width (each expert's, with experts)
+    experts: int = 0  # E > 0: every block's MLP a mixture of E experts (dpjax.models.moe), split over `expert`
+    top_k: int = 2  # experts a token is routed to
+    capacity_factor: float = 1.25  # an expert's slots per device: ceil(F N k / E) of the device's N tokens
+    router_aux_weight: float = 0.01  # Switch's load-balancing loss, in the loss with this weight
+    router_z_weight: float = 0.001  # the router z-loss's weight
 
     def __post_init__(self):
-        check_positive(self, "GPT")
+        check_positive(self, "GPT", skip=MOE_OPTIONS)
         if self.d_model % self.n_heads:
             raise UserError(f"GPT d_model={self.d_model} is not divisible by n_heads={self.n_heads}")
+        if self.experts < 0 or self.capacity_factor <= 0 or min(self.router_aux_weight, self.router_z_weight) < 0:
+            raise UserError(f"GPT experts {self.experts}, capacity_factor {self.capacity_factor} and the router "
+                            f"weights must not be negative (a capacity factor above 0)")
+        if self.experts and not 1 <= self.top_k <= self.experts:
+            raise UserError(f"GPT top_k={self.top_k} must be between 1 and experts={self.experts}")
 
 
-def check_positive(config, kind: str) -> None:
+MOE_OPTIONS = ("experts", "top_k", "capacity_factor", "router_aux_weight", "router_z_weight")
+
+
+def check_positive(config, kind: str, skip: tuple = ()) -> None:
     for name, value in asdict(config).items():
-        if value < 1:
+        if name not in skip and value < 1:
             raise UserError(f"{kind} {name} must be positive, got {value}")
 
 
@@ -96,6 +110,7 @@ class GPT(ByteModel):
     into `embed` (first stage), `layer` (L times) and `head_loss` (last stage)."""
 
     name = "gpt"
+    CONTEXT = True  # its loss splits each sequence over a context axis (dpjax.context)
     LAYERS = "blocks"  # the key of the stacked layers, which a pipeline divides over `stage`
     # The one sharding table (Megatron-LM layout), by leaf name; dimensions not named are
     # replicated. FSDP adds the data axes on top (dpjax.sharding.make_layout).
@@ -108,6 +123,10 @@ class GPT(ByteModel):
         "wo_LsxHmxKxD": P("stage", "model", None, None),  # heads split: row-parallel
         "w1_LsxDxFm": P("stage", None, "model"), "b1_LsxFm": P("stage", "model"),  # column-parallel
         "w2_LsxFmxD": P("stage", "model", None), "b2_LsxD": P("stage", None),  # row-parallel; b2 added after g
+        # with experts (dpjax.models.moe): E split over `expert`, each expert whole (replicated over `model`)
+        "router_LsxDxE": P("stage", None, None), "w1_LsxEexDxF": P("stage", "expert", None, None),
+        "b1_LsxEexF": P("stage", "expert", None), "w2_LsxEexFxD": P("stage", "expert", None, None),
+        "b2_LsxEexD": P("stage", "expert", None),
     }
 
     def init(self, key):
@@ -120,6 +139,16 @@ class GPT(ByteModel):
             return jnp.stack([scale * jax.random.normal(keys[2 + 4 * i + j], shape) for i in range(L)])
 
         ln = lambda: {"scale_LsxD": jnp.ones((L, D)), "bias_LsxD": jnp.zeros((L, D))}  # noqa: E731
+        E = c.experts
+        if E:  # each expert's matrices drawn as the dense MLP's are, one key per layer and matrix
+            router = jnp.stack([std * jax.random.normal(jax.random.fold_in(keys[4 + 4 * i], E), (D, E))
+                                for i in range(L)])  # its own key, folded from w1's
+            mlp = {"router_LsxDxE": router,
+                   "w1_LsxEexDxF": stacked(2, (E, D, F), std), "b1_LsxEexF": jnp.zeros((L, E, F)),
+                   "w2_LsxEexFxD": stacked(3, (E, F, D), out_std), "b2_LsxEexD": jnp.zeros((L, E, D))}
+        else:
+            mlp = {"w1_LsxDxFm": stacked(2, (D, F), std), "b1_LsxFm": jnp.zeros((L, F)),
+                   "w2_LsxFmxD": stacked(3, (F, D), out_std), "b2_LsxD": jnp.zeros((L, D))}
         return {
             "embed_VmxD": std * jax.random.normal(keys[0], (c.vocab_size, D)),
             "pos_TxD": std * jax.random.normal(keys[1], (c.seq_len, D)),
@@ -128,8 +157,7 @@ class GPT(ByteModel):
                 "attn": {"wqkv_LsxDx3xHmxK": stacked(0, (D, 3, H, K), std),
                          "wo_LsxHmxKxD": stacked(1, (H, K, D), out_std)},
                 "ln2": ln(),
-                "mlp": {"w1_LsxDxFm": stacked(2, (D, F), std), "b1_LsxFm": jnp.zeros((L, F)),
-                        "w2_LsxFmxD": stacked(3, (F, D), out_std), "b2_LsxD": jnp.zeros((L, D))},
+                "mlp": mlp,
             },
             "ln_f": {"scale_D": jnp.ones((D,)), "bias_D": jnp.zeros((D,))},
         }
@@ -143,22 +171,45 @@ class GPT(ByteModel):
         assert T <= c.seq_len and params["embed_VmxD"].shape == (c.vocab_size // par.size(), c.d_model), (
             tokens_BdxT.shape, params["embed_VmxD"].shape, par.size())  # this device's blocks
         embed_VmxD, pos_TxD = par.policy.cast((params["embed_VmxD"], params["pos_TxD"]))
-        return tp.vocab_parallel_embed(tokens_BdxT, embed_VmxD, par) + pos_TxD[:T]
+        # with a context axis this device's tokens are chunks of the sequence: their global positions
+        pos_TcxD = pos_TxD[context.positions(T, par)] if context.active(par) else pos_TxD[:T]
+        return tp.vocab_parallel_embed(tokens_BdxT, embed_VmxD, par) + pos_TcxD
 
     def layer(self, blk, x_BdxTxD, par: Parallel = DENSE):
         """One pre-LN transformer block; `blk` is one layer of the stack (its leaves without
-        the leading L: `w1_LsxDxFm` is D x Fm here)."""
+        the leading L: `w1_LsxDxFm` is D x Fm here). With experts the carry is (x, the
+        router statistics summed so far: balance loss, z loss, share of choices dropped)
+        and so is the result."""
         a, m, c, n = blk["attn"], blk["mlp"], self.config, par.size()
+        if c.experts:
+            x_BdxTxD, aux_3 = x_BdxTxD
         D, H = c.d_model, c.n_heads
-        assert x_BdxTxD.shape[-1] == D and a["wqkv_LsxDx3xHmxK"].shape == (D, 3, H // n, D // H) and \
-            m["w1_LsxDxFm"].shape == (D, c.d_ff // n), (x_BdxTxD.shape, a["wqkv_LsxDx3xHmxK"].shape,
-                                                          m["w1_LsxDxFm"].shape, n)  # this device's blocks
+        assert x_BdxTxD.shape[-1] == D and a["wqkv_LsxDx3xHmxK"].shape == (D, 3, H // n, D // H), (
+            x_BdxTxD.shape, a["wqkv_LsxDx3xHmxK"].shape, n)  # this device's heads
         h_BdxTxD = layer_norm(x_BdxTxD, blk["ln1"]["scale_LsxD"], blk["ln1"]["bias_LsxD"])
         x_BdxTxD = x_BdxTxD + tp.head_parallel_attention(h_BdxTxD, a["wqkv_LsxDx3xHmxK"], a["wo_LsxHmxKxD"],
-                                                         attention.kernel(par.policy.attention), par)
+                                                         context.kernel(par), par)
         h_BdxTxD = layer_norm(x_BdxTxD, blk["ln2"]["scale_LsxD"], blk["ln2"]["bias_LsxD"])
+        if c.experts:
+            y_BdxTxD, stats = self.mixture(m, h_BdxTxD, par)
+            dropped = jax.lax.stop_gradient(stats["dropped"] / stats["choices"])
+            return x_BdxTxD + y_BdxTxD, aux_3 + jnp.stack([stats["balance"], stats["z"], dropped])
+        assert m["w1_LsxDxFm"].shape == (D, c.d_ff // n), (m["w1_LsxDxFm"].shape, n)  # this device's columns
         h_BdxTxFm = jax.nn.gelu(tp.column_parallel(h_BdxTxD, m["w1_LsxDxFm"], m["b1_LsxFm"], par))
         return x_BdxTxD + tp.row_parallel(h_BdxTxFm, m["w2_LsxFmxD"], m["b2_LsxD"], par)
+
+    def mixture(self, m, h_BdxTxD, par: Parallel = DENSE):
+        """The block's mixture of experts on this device's tokens (`dpjax.models.moe`): its
+        experts split over the expert axis (all here without one); every model rank
+        computes it whole. (output, the layer's router statistics)."""
+        c, (B, T, D) = self.config, h_BdxTxD.shape
+        axis = par.expert_axis if tp._active(par.expert_axis) else None
+        names = {"router_DxE": "router_LsxDxE", "w1_EexDxF": "w1_LsxEexDxF", "b1_EexF": "b1_LsxEexF",
+                 "w2_EexFxD": "w2_LsxEexFxD", "b2_EexD": "b2_LsxEexD"}
+        y_NxD, stats = moe.moe_mlp(h_BdxTxD.reshape(B * T, D), {k: m[v] for k, v in names.items()}, k=c.top_k,
+                                   capacity_factor=c.capacity_factor, axis=axis,
+                                   algorithm=par.policy.expert_alltoall)
+        return y_NxD.reshape(B, T, D), stats
 
     def head(self, params, x_BdxTxD, par: Parallel = DENSE):
         """Final layer norm and the tied output head (the last stage's work): Bd x T x Vm,
@@ -173,27 +224,50 @@ class GPT(ByteModel):
         return tp.vocab_parallel_cross_entropy(self.head(params, x_BdxTxD, par), targets_BdxT, par)
 
     def logits(self, params, tokens_BdxT, par: Parallel = DENSE):
-        """This shard's slice of the logits, Bd x T x Vm (all of them when dense)."""
+        """This shard's slice of the logits, Bd x T x Vm (all of them when dense); with a
+        context axis `tokens_BdxT` are this device's chunks (`context.split`)."""
+        return self.forward(params, tokens_BdxT, par)[0]
+
+    def forward(self, params, tokens_BdxT, par: Parallel = DENSE):
+        """(`logits`, the router statistics (balance loss, z loss, share of the choices dropped)
+        averaged over the layers; None without experts)."""
         outer = {k: par.use(v, k) for k, v in params.items() if k != self.LAYERS}
         x_BdxTxD = self.embed(outer, tokens_BdxT, par)
+        carry = (x_BdxTxD, jnp.zeros(3, jnp.float32)) if self.config.experts else x_BdxTxD
         # dpjax.stack: scanned, rematerialised by the policy, FSDP gathering one layer at a time
-        x_BdxTxD = stack.run(self.layer, params[self.LAYERS], x_BdxTxD, par, path=(self.LAYERS,))
-        return self.head(outer, x_BdxTxD, par)
+        carry = stack.run(self.layer, params[self.LAYERS], carry, par, path=(self.LAYERS,))
+        x_BdxTxD, aux_3 = carry if self.config.experts else (carry, None)
+        return self.head(outer, x_BdxTxD, par), None if aux_3 is None else aux_3 / self.config.n_layers
 
     def apply(self, params, tokens_BdxT, par: Parallel = DENSE):
-        """The full logits (dense; with a model axis, gathered: for inspection, not training)."""
+        """The full logits (dense; with a model axis, gathered: for inspection, not training;
+        with a context axis, of this device's tokens, `context.split`'s)."""
         logits = self.logits(params, tokens_BdxT, par)
         if par.model_axis is None:
             return logits
         return jnp.moveaxis(collectives.all_gather(jnp.moveaxis(logits, -1, 0), par.model_axis), 0, -1)
 
     def loss(self, params, batch_BdxT1, par: Parallel = DENSE):
-        """Vocabulary-parallel cross-entropy: the full logits are never gathered."""
-        logits_BdxTxVm = self.logits(params, batch_BdxT1[:, :-1], par)
-        return tp.vocab_parallel_cross_entropy(logits_BdxTxVm, batch_BdxT1[:, 1:], par)
+        """Vocabulary-parallel cross-entropy: the full logits are never gathered. With a
+        context axis, the mean over this device's share of the tokens (`dpjax.context`:
+        the step averages it over the axis)."""
+        tokens_BdxTc, targets_BdxTc = context.split(batch_BdxT1[:, :-1], par), context.split(batch_BdxT1[:, 1:], par)
+        logits_BdxTcxVm, aux_3 = self.forward(params, tokens_BdxTc, par)
+        loss = tp.vocab_parallel_cross_entropy(logits_BdxTcxVm, targets_BdxTc, par)
+        if aux_3 is None:
+            return loss
+        return loss + self.config.router_aux_weight * aux_3[0] + self.config.router_z_weight * aux_3[1]
+
+    def router_stats(self, params, batch_BdxT1, par: Parallel = DENSE):
+        """With experts: {'router_balance', 'router_z', 'dropped'} of this device's tokens
+        (the metrics' figures, `dpjax.step`'s `stats` program); None without experts."""
+        if not self.config.experts:
+            return None
+        aux_3 = self.forward(params, context.split(batch_BdxT1[:, :-1], par), par)[1]
+        return {"router_balance": aux_3[0], "router_z": aux_3[1], "dropped": aux_3[2]}
 
     def activation_bytes(self, rows: int, *, remat: str = "none", attention: str = "naive", width: int = 4,
-                         split: int = 1) -> int:
+                         split: int = 1, context: int = 1) -> int:
         """Bytes of activations the backward pass of `rows` sequences keeps (an estimate,
         per device): each layer keeps what the remat policy saves, a layer being
         recomputed holds its whole working set once, and the ends of the model keep the
@@ -201,7 +275,9 @@ class GPT(ByteModel):
         CPU, where XLA computes bfloat16 in float32); the attention's scores and
         probabilities are float32 (naive, xla: heads x T per token; cudnn's flash kernel
         keeps a float32 log-sum-exp per head instead). `split`: the model axis's size
-        (heads, MLP width and vocabulary split; the model width not).
+        (heads, MLP width and vocabulary split; the model width not). `context`: the context
+        axis's size: a device holds T/context tokens of each sequence (each row's scores
+        still span the T keys: ring attention keeps them block by block for its backward).
 
         Per token and layer, in compute-dtype values: none keeps about 12 D + 6 F (the
         norms' inputs and outputs, Q K V, the attention and projection outputs, the MLP's
@@ -217,12 +293,14 @@ class GPT(ByteModel):
         saved = {"none": full_layer, "dots": (6 * D + F) * width, "full": D * width}[remat]
         working = {"none": 0.5, "dots": 0.6, "full": 1.0}[remat] * full_layer  # the layer being recomputed
         ends = (2 * V + 2 * D) * 4
-        return int(rows * T * (c.n_layers * saved + working + ends))
+        return int(rows * (T // context) * (c.n_layers * saved + working + ends))
 
     def flops_per_token(self) -> float:
-        """Training FLOPs per token: 6 * matmul parameters + attention (Kaplan et al. 2020)."""
+        """Training FLOPs per token: 6 * matmul parameters + attention (Kaplan et al. 2020);
+        with experts, the active ones: a token's k experts and the router."""
         c = self.config
-        matmul = c.n_layers * (4 * c.d_model**2 + 2 * c.d_model * c.d_ff) + c.vocab_size * c.d_model
+        mlp = 2 * c.d_model * c.d_ff * (c.top_k if c.experts else 1) + c.d_model * c.experts  # active: k experts
+        matmul = c.n_layers * (4 * c.d_model**2 + mlp) + c.vocab_size * c.d_model
         attention = c.n_layers * 4 * c.seq_len * c.d_model  # QK^T and PV: forward FLOPs per token
         return 6 * matmul + 3 * attention
 

@@ -28,9 +28,10 @@ _NOT_NEGATIVE = ("eval_every", "warmup_steps", "weight_decay", "clip_norm", "lr"
 def check(s: Settings) -> None:
     """Every check that needs no devices; run before JAX starts, so a bad flag costs
     nothing. Raises UsageError (one line)."""
-    from dpjax.collectives import ALGORITHMS, REDUCE_SCATTER_ALGORITHMS
+    from dpjax.collectives import ALGORITHMS, ALL_TO_ALL_ALGORITHMS, REDUCE_SCATTER_ALGORITHMS
     from dpjax.collectives.registry import nested
     from dpjax import compression
+    from dpjax.context import CONTEXT_ATTENTIONS
     from dpjax.distributed import COLLECTIVES, transport
     from dpjax.models import MODELS, model_options
     from dpjax.optim import LR_SCALINGS, OPTIMIZERS
@@ -57,6 +58,8 @@ def check(s: Settings) -> None:
     one_of("--remat", s.remat, ("auto", *REMATS))
     one_of("--attention", s.attention, ("auto", *ATTENTIONS))
     one_of("--tp-allreduce algorithm", s.tp_allreduce, ALGORITHMS)
+    one_of("--context-attention", s.context_attention, CONTEXT_ATTENTIONS)
+    one_of("--expert-alltoall", s.expert_alltoall, ALL_TO_ALL_ALGORITHMS)
     try:
         spec = compression.parse(s.compression)
     except ValueError as e:

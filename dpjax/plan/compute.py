@@ -43,7 +43,8 @@ def compute_policy(s: Settings, model, platform: str) -> tuple[Policy, list]:
         attention = "naive"  # CPU: the reference kernel, as every CPU figure was measured with
     try:
         return P.resolve(s.dtype, s.param_dtype, s.remat, attention, platform=platform, head_dim=head_dim,
-                         scan=not s.layer_loop)
+                         scan=not s.layer_loop, context_attention=s.context_attention,
+                         expert_alltoall=s.expert_alltoall)
     except ValueError as e:
         raise UsageError(str(e)) from None
 

@@ -220,6 +220,20 @@ class Trainer:
                   for i in range(cfg.eval_batches)]
         return float(np.mean([float(x) for x in losses]))
 
+    def model_stats(self) -> dict:
+        """The model's own figures on the validation batches (a mixture of experts' router
+        losses and share of dropped choices: `dpjax.step`'s `stats`), {} for a model without."""
+        import numpy as np
+
+        from dpjax.step import put_batch
+
+        if self.step.stats is None:
+            return {}
+        cfg = self.cfg
+        got = [self.step.stats(self.params, put_batch(self.val_stream, i * cfg.batch_size, cfg.batch_size, self.mesh))
+               for i in range(cfg.eval_batches)]
+        return {k: float(np.mean([float(g[k]) for g in got])) for k in got[0]}
+
     def run(self) -> dict:
         from dpjax.train.run import run_loop
 

@@ -21,7 +21,8 @@ class MissingPackage(UserError):
 # The TensorBoard group of each scalar a row may carry (others go under "train").
 GROUPS = {"eval_loss": "eval", "tflops_per_device": "efficiency", "mfu": "efficiency",
           "hw_tflops_per_device": "efficiency", "hfu": "efficiency", "peak_memory_bytes": "efficiency",
-          "comm_bytes": "comm", "comm_fraction": "comm", "compression_ratio": "comm"}
+          "comm_bytes": "comm", "comm_fraction": "comm", "compression_ratio": "comm",
+          "dropped": "eval", "router_balance": "eval", "router_z": "eval"}  # a mixture of experts' (dpjax.models.moe)
 
 
 class JsonLines:

@@ -15,7 +15,9 @@ def plan_lines(plan) -> list[str]:
     devices = list(plan.mesh.devices.flat)
     layout = ["tensor-parallel" if plan.mesh.shape.get("model", 1) > 1 and plan.tensor_parallel else None,
               "FSDP" if lay.fsdp else None,
-              f"pipeline ({lay.pipeline.schedule})" if lay.pipeline is not None else None]
+              f"pipeline ({lay.pipeline.schedule})" if lay.pipeline is not None else None,
+              f"context-parallel ({pol.context_attention} attention)" if lay.context_axes else None,
+              _experts(plan)]
     from dpjax.plan import target_platform
 
     target = target_platform(plan.settings, plan.mesh) if plan.settings is not None else devices[0].platform
@@ -27,7 +29,7 @@ def plan_lines(plan) -> list[str]:
              f"batch {plan.global_batch} x {plan.passes} pass(es)",
              f"compute: dtype {pol.dtype}, parameters {pol.param_dtype}, remat {pol.remat}, attention "
              f"{pol.attention}, layers {'scanned' if pol.scan else 'a Python loop'}"]
-    lines += list(plan.notes)
+    lines += list(plan.notes) + _context_lines(plan)
     mem = plan.memory
     if mem is not None:
         parts = [f"parameters {_gib(mem['params'])}", f"optimizer state {_gib(mem['state'])}",
@@ -38,3 +40,35 @@ def plan_lines(plan) -> list[str]:
         lines.append(f"memory per device: about {_gib(mem['total'])} ({', '.join(parts)}); a device has "
                      f"{_gib(mem['device'])}")
     return lines
+
+
+def _context_lines(plan) -> list[str]:
+    """With a context axis: how a sequence is split, and what its attention sends per
+    layer and forward pass against the bound (`dpjax.context.schedule`)."""
+    from dpjax import context
+    from dpjax.mesh import CONTEXT, MODEL, dp_size
+
+    C, config = plan.mesh.shape.get(CONTEXT, 1), getattr(plan.model, "config", None)
+    if C == 1 or config is None or plan.global_batch is None:
+        return []
+    T, name = config.seq_len, plan.policy.context_attention
+    H, K = max(1, config.n_heads // plan.mesh.shape.get(MODEL, 1)), config.d_model // config.n_heads
+    rows, width = plan.global_batch // dp_size(plan.mesh), plan.policy.compute.itemsize
+    sched = context.schedule(name, C, rows, T, H, K, width)
+    bound = context.bound_bytes(C, 2 * rows * (T // C) * H * K * width)
+    mib = lambda b: f"{b / 2**20:,.2f} MiB"  # noqa: E731
+    return [f"context: each sequence of {T} split over {C} devices in {2 * C} chunks of {T // (2 * C)} (device i "
+            f"holds i and {2 * C - 1}-i); {name} attention sends {mib(sched.bytes)} per device and layer in "
+            f"{sched.steps} steps each way (forward, backward), the bound {mib(bound)}"]
+
+
+def _experts(plan) -> str | None:
+    """With an expert axis: how the experts are split and moved."""
+    from dpjax.mesh import EXPERT
+
+    c = getattr(plan.model, "config", None)
+    if not plan.layout.expert_split or c is None:
+        return None
+    n = plan.mesh.shape[EXPERT]
+    return (f"expert-parallel ({c.experts} experts, {c.experts // n} a device, top {c.top_k}, capacity factor "
+            f"{c.capacity_factor:g}, {plan.policy.expert_alltoall} all-to-all)")

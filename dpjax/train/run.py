@@ -107,7 +107,7 @@ def run_loop(self) -> dict:
 
     def record_eval(step_i):
         last["eval_loss"] = self.evaluate()
-        write({"step": step_i, "eval_loss": last["eval_loss"]})
+        write({"step": step_i, "eval_loss": last["eval_loss"], **self.model_stats()})  # a MoE's drops too
 
     step_i, shapes = self.start, {}
     try:

@@ -1,0 +1,229 @@
+"""The `context` axis: long sequences split over devices, and the attention across them.
+
+Each sequence of T tokens is cut into 2C chunks of c = T/2C; device i of the C devices
+along `context` holds chunks i and 2C-1-i (causal load balancing: under the causal mask
+an early chunk has little to attend to and a late one much, so every device takes one of
+each; Brandon et al., "Striped attention", 2023, and the zig-zag layout of Llama 3's
+context parallelism). Its tokens keep their global positions (the position embedding
+and the mask read them). Everything but attention is per token, so only attention crosses
+the axis, by one of the registered algorithms (`CONTEXT_ATTENTIONS`, `--context-attention`):
+
+    ring       Liu et al., "Ring attention with blockwise transformers" (2023): the K/V
+               blocks travel round a ring of ppermutes (`dpjax.collectives.p2p.send`,
+               so links and timelines see each hop); each device folds every block it
+               receives into a blockwise softmax with a running max m and sum l
+               (Milakov & Gimelshein 2018; FlashAttention's recurrence). The send of
+               the next block is issued before the current block is computed, so XLA
+               may overlap them. Under the zig-zag layout a block from another device
+               is exactly half needed: from an earlier device all my queries see its
+               first chunk; from a later one only my second chunk sees all of it; so
+               each step computes half a block and no device idles.
+    allgather  all-gather K and V over the axis (`dpjax.collectives.all_gather`), then
+               attend the local queries to all T keys, masked by global positions.
+
+The backward pass of both is JAX's autodiff of the forward: the transpose of each
+ppermute is a ppermute of the cotangent the other way, so the backward of the ring is a
+second ring carrying dK / dV home (the same bytes as the forward); the backward of the
+all-gather is a reduce-scatter. Blocks are computed with the scores written out in
+float32 (`dpjax.attention.naive`'s math), whatever the policy's kernel.
+
+Per layer and device, per forward pass, with KV = 2 B (T/C) H K values the local K and V:
+both send (C-1) KV values in C-1 steps, which is the bound: a device must receive the
+K and V of the other C-1 devices (`schedule`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from dpjax import collectives
+from dpjax.attention import kernel as local_kernel
+from dpjax.collectives._common import axis_size, index, shift_perm
+from dpjax.collectives.cost import Schedule
+from dpjax.collectives.p2p import send
+from dpjax.registry import Registry
+
+
+def chunk_positions(T: int, C: int, i) -> np.ndarray | jax.Array:
+    """The global positions of device i's T/C tokens: chunk i, then chunk 2C-1-i (c = T/2C
+    each). `i` may be a traced index (inside a shard_map) or an int."""
+    c, xp = T // (2 * C), np if isinstance(i, (int, np.integer)) else jnp
+    return xp.concatenate([i * c + xp.arange(c), (2 * C - 1 - i) * c + xp.arange(c)])
+
+
+def layout_order(T: int, C: int) -> np.ndarray:
+    """Every position in the order the devices hold them (device 0's tokens, then 1's, ...):
+    what `split` then a gather over the axis gives, and the keys' order after `allgather`."""
+    return np.concatenate([chunk_positions(T, C, i) for i in range(C)])
+
+
+def active(par) -> bool:
+    """Whether `par` (a `dpjax.tensor_parallel.Parallel`) splits sequences over a context axis here."""
+    from dpjax.tensor_parallel import _active
+
+    return _active(getattr(par, "context_axis", None))
+
+
+def split(x_BxT, par):
+    """This device's tokens of whole sequences B x T (dim 1): chunks i and 2C-1-i, B x T/C.
+    The sequences themselves where no context axis is active."""
+    if not active(par):
+        return x_BxT
+    C, i, T = axis_size(par.context_axis), index(par.context_axis), x_BxT.shape[1]
+    c = T // (2 * C)
+    assert T % (2 * C) == 0, (T, C)  # dpjax.plan refused anything else
+    return jnp.concatenate([lax.dynamic_slice_in_dim(x_BxT, i * c, c, axis=1),
+                            lax.dynamic_slice_in_dim(x_BxT, (2 * C - 1 - i) * c, c, axis=1)], axis=1)
+
+
+def positions(T_local: int, par):
+    """The global positions of this device's T_local tokens (0 .. T-1 when not split)."""
+    if not active(par):
+        return jnp.arange(T_local)
+    C = axis_size(par.context_axis)
+    return chunk_positions(T_local * C, C, index(par.context_axis))
+
+
+def kernel(par) -> Callable:
+    """The attention core `(q, k, v) -> out` (B x T/C x H x K each) a layer calls: the
+    policy's local kernel, or, with a context axis, the policy's context attention."""
+    if not active(par):
+        return local_kernel(par.policy.attention)
+    algorithm = CONTEXT_ATTENTIONS[par.policy.context_attention]
+    return lambda q, k, v: algorithm.attend(q, k, v, par.context_axis)
+
+
+# ---------------------------------------------------------------------------------------
+# Blockwise softmax: (o, m, l) the unnormalised output, running max and sum of a set of query rows
+
+
+def _scores(q_BxQxHxK, k_BxTxHxK):
+    K = q_BxQxHxK.shape[-1]
+    return jnp.einsum("bqhk,bthk->bhqt", q_BxQxHxK, k_BxTxHxK).astype(jnp.float32) / math.sqrt(K)
+
+
+def _first(s_BxHxQxT, v_BxTxHxK):
+    """(o, m, l) of the first block a row sees (it always has an unmasked key: itself)."""
+    m_BxHxQ = s_BxHxQxT.max(-1)
+    p_BxHxQxT = jnp.exp(s_BxHxQxT - m_BxHxQ[..., None])
+    o_BxQxHxK = jnp.einsum("bhqt,bthk->bqhk", p_BxHxQxT.astype(v_BxTxHxK.dtype), v_BxTxHxK,
+                           preferred_element_type=jnp.float32)
+    return o_BxQxHxK, m_BxHxQ, p_BxHxQxT.sum(-1)
+
+
+def _fold(stats, s_BxHxQxT, v_BxTxHxK):
+    """(o, m, l) with one more block of scores (no masked entry) folded in."""
+    o_BxQxHxK, m_BxHxQ, l_BxHxQ = stats
+    new_BxHxQ = jnp.maximum(m_BxHxQ, s_BxHxQxT.max(-1))
+    p_BxHxQxT = jnp.exp(s_BxHxQxT - new_BxHxQ[..., None])
+    keep_BxHxQ = jnp.exp(m_BxHxQ - new_BxHxQ)
+    o_BxQxHxK = o_BxQxHxK * jnp.swapaxes(keep_BxHxQ, 1, 2)[..., None] + jnp.einsum(
+        "bhqt,bthk->bqhk", p_BxHxQxT.astype(v_BxTxHxK.dtype), v_BxTxHxK, preferred_element_type=jnp.float32)
+    return o_BxQxHxK, new_BxHxQ, l_BxHxQ * keep_BxHxQ + p_BxHxQxT.sum(-1)
+
+
+def _rows(stats, lo: int, hi: int):
+    o, m, total = stats
+    return o[:, lo:hi], m[..., lo:hi], total[..., lo:hi]
+
+
+def _set_rows(stats, part, lo: int):
+    return tuple(lax.dynamic_update_slice_in_dim(x, p, lo, axis=1 if x.ndim == 4 else 2) for x, p in zip(stats, part))
+
+
+def _masked(q_BxQxHxK, k_BxTxHxK, pos_q, pos_k):
+    s_BxHxQxT = _scores(q_BxQxHxK, k_BxTxHxK)
+    return jnp.where(pos_q[:, None] >= pos_k[None, :], s_BxHxQxT, jnp.finfo(jnp.float32).min)
+
+
+def ring(q_BxTcxHxK, k_BxTcxHxK, v_BxTcxHxK, axis):
+    """Causal attention of this device's queries (chunks i and 2C-1-i) to the whole
+    sequence, the K/V blocks passed round the ring (see the module docstring)."""
+    B, Tc, H, K = q_BxTcxHxK.shape
+    assert k_BxTcxHxK.shape == v_BxTcxHxK.shape == (B, Tc, H, K) and Tc % 2 == 0, (q_BxTcxHxK.shape,
+                                                                                   k_BxTcxHxK.shape)
+    C, i, c = axis_size(axis, "ring attention"), index(axis), Tc // 2
+    pos = chunk_positions(Tc * C, C, i)
+    stats = _first(_masked(q_BxTcxHxK, k_BxTcxHxK, pos, pos), v_BxTcxHxK)  # my own block, causal
+    kv_2xBxTcxHxK = jnp.stack([k_BxTcxHxK, v_BxTcxHxK])
+    ahead = send(kv_2xBxTcxHxK, axis, shift_perm(C), name="kv") if C > 1 else None
+
+    def earlier(stats, kv):  # from device j < i: all my queries see its first chunk (chunk j) whole
+        k_BxcxHxK, v_BxcxHxK = kv[0][:, :c], kv[1][:, :c]
+        return _fold(stats, _scores(q_BxTcxHxK, k_BxcxHxK), v_BxcxHxK)
+
+    def later(stats, kv):  # from device j > i: my second chunk (2C-1-i) sees both of its chunks
+        part = _fold(_rows(stats, c, Tc), _scores(q_BxTcxHxK[:, c:], kv[0]), kv[1])
+        return _set_rows(stats, part, c)
+
+    for s in range(1, C):
+        kv_2xBxTcxHxK = ahead  # the block of device (i - s) mod C
+        if s < C - 1:
+            ahead = send(kv_2xBxTcxHxK, axis, shift_perm(C), name="kv")  # in flight while this block computes
+        stats = lax.cond((i - s) % C < i, earlier, later, stats, kv_2xBxTcxHxK)
+    o_BxTcxHxK, _, l_BxHxTc = stats
+    return (o_BxTcxHxK / jnp.swapaxes(l_BxHxTc, 1, 2)[..., None]).astype(q_BxTcxHxK.dtype)
+
+
+def allgather(q_BxTcxHxK, k_BxTcxHxK, v_BxTcxHxK, axis):
+    """Causal attention of this device's queries to all T keys, gathered over the axis
+    (dpjax's all-gather), masked by global positions."""
+    B, Tc, H, K = q_BxTcxHxK.shape
+    assert k_BxTcxHxK.shape == v_BxTcxHxK.shape == (B, Tc, H, K), (q_BxTcxHxK.shape, k_BxTcxHxK.shape)
+    C = axis_size(axis, "all-gather attention")
+    kv_Tcx2xBxHxK = jnp.moveaxis(jnp.stack([k_BxTcxHxK, v_BxTcxHxK]), 2, 0)
+    kv_Tx2xBxHxK = collectives.all_gather(kv_Tcx2xBxHxK, axis)  # in device order: layout_order's positions
+    k_BxTxHxK, v_BxTxHxK = jnp.moveaxis(kv_Tx2xBxHxK, 0, 2)
+    s_BxHxTcxT = _masked(q_BxTcxHxK, k_BxTxHxK, chunk_positions(Tc * C, C, index(axis)),
+                         jnp.asarray(layout_order(Tc * C, C)))
+    p_BxHxTcxT = jax.nn.softmax(s_BxHxTcxT, axis=-1).astype(v_BxTxHxK.dtype)
+    return jnp.einsum("bhqt,bthk->bqhk", p_BxHxTcxT, v_BxTxHxK)
+
+
+# ---------------------------------------------------------------------------------------
+# The registry and the cost model
+
+
+@dataclass(frozen=True)
+class ContextAttention:
+    """One context attention: attend(q, k, v, axis) inside a shard_map over the context
+    axis, and cost(C, kv_bytes) -> `Schedule` of one forward pass of one layer (kv_bytes:
+    a device's own K and V together); the backward pass sends as much again."""
+
+    name: str
+    attend: Callable
+    cost: Callable
+
+
+def _ring_cost(C: int, kv_bytes: int) -> Schedule:
+    return Schedule(C - 1, (C - 1) * kv_bytes)
+
+
+def _allgather_cost(C: int, kv_bytes: int) -> Schedule:
+    from dpjax.collectives.cost import schedule
+
+    return schedule("ring", C, C * kv_bytes // 4, 4, primitive="all_gather")
+
+
+def bound_bytes(C: int, kv_bytes: int) -> int:
+    """What any context attention must bring to a device per layer and forward pass: the
+    K and V of the other C-1 devices."""
+    return (C - 1) * kv_bytes
+
+
+def schedule(name: str, C: int, B: int, T: int, H: int, K: int, itemsize: int = 4) -> Schedule:
+    """(steps, bytes a device sends) of context attention `name` for one layer's forward
+    pass over B sequences of T tokens, H heads of width K (this device's heads)."""
+    return CONTEXT_ATTENTIONS[name].cost(C, 2 * B * (T // C) * H * K * itemsize)
+
+
+CONTEXT_ATTENTIONS: Registry[ContextAttention] = Registry("context attention")
+CONTEXT_ATTENTIONS.register(ContextAttention("ring", ring, _ring_cost))
+CONTEXT_ATTENTIONS.register(ContextAttention("allgather", allgather, _allgather_cost))

@@ -1,0 +1,69 @@
+"""The plan's checks of the axes that split a sequence (`context`) and a mixture's experts
+(`expert`): part of `dpjax.plan`, made once the mesh is known. Each refusal is one line
+saying what to change."""
+
+from __future__ import annotations
+
+from dpjax.plan.checks import UsageError
+from dpjax.settings import Settings
+
+
+def check_context(s: Settings, model, mesh) -> None:
+    """A context axis of C devices splits each sequence into 2C chunks (`dpjax.context`):
+    the sequence must divide, the model must be one whose loss splits its tokens (it says
+    so with `CONTEXT = True`), and the axis composes with data, FSDP, tensor and worker
+    axes, not with a pipeline's stages (a stage sends whole sequences) nor with an
+    allreduce that reads two axes as levels (the gradient's mean spans the context axis too)."""
+    from dpjax.collectives.registry import nested
+    from dpjax.mesh import CONTEXT, STAGE
+
+    C = mesh.shape.get(CONTEXT, 1)
+    if C == 1:
+        return
+    where = f"the context axis of mesh {dict(mesh.shape)}"
+    if not getattr(model, "CONTEXT", False):
+        raise UsageError(f"--model {getattr(model, 'name', model)} has no sequence to split over {where}; "
+                         f"use --model gpt or drop the context axis")
+    T = getattr(model.config, "seq_len", s.seq_len)
+    if T % (2 * C):
+        raise UsageError(f"--seq-len {T} does not split into 2C = {2 * C} equal chunks over {where} (device i "
+                         f"holds chunks i and {2 * C - 1}-i); use a multiple of {2 * C}")
+    if STAGE in mesh.axis_names:
+        raise UsageError(f"{where} and a stage axis: a pipeline stage sends whole sequences; drop one of them")
+    if nested(s.allreduce):
+        raise UsageError(f"--allreduce {s.allreduce} reads two data axes as levels; with {where} the gradient's "
+                         f"mean spans the context axis too: choose another algorithm")
+
+
+def check_expert(s: Settings, model, mesh, update) -> None:
+    """An expert axis of n devices is a data axis (the batch's rows split over it) that
+    also splits a mixture's E experts, E/n on each (`dpjax.models.moe`): the model must
+    have E experts, n must divide E, and the experts, which differ along the axis, must
+    not be averaged or gathered over it: no FSDP, no update rule whose workers diverge, no
+    --workers or --compress-axes naming it, no compression with error feedback, no stage
+    or context axis beside it (none of these is built for experts yet)."""
+    from dpjax.compression import stateful
+    from dpjax.mesh import CONTEXT, EXPERT, STAGE
+
+    n = mesh.shape.get(EXPERT, 1)
+    E = getattr(getattr(model, "config", None), "experts", 0)
+    if E and (STAGE in mesh.axis_names or mesh.shape.get(CONTEXT, 1) > 1):
+        raise UsageError(f"--experts {E} with a {'stage' if STAGE in mesh.axis_names else 'context'} axis in mesh "
+                         f"{dict(mesh.shape)}: a mixture of experts does not run in a pipeline or over split "
+                         f"sequences yet; drop one of them")
+    if n == 1:
+        return
+    where = f"the expert axis of mesh {dict(mesh.shape)}"
+    if not E:
+        raise UsageError(f"{where} splits a mixture of experts: give the model experts (--experts E, a multiple "
+                         f"of {n}) or name the axis data")
+    if E % n:
+        raise UsageError(f"--experts {E} do not split over the {n} devices of {where}; use a multiple of {n}")
+    beside = [why for cond, why in ((s.fsdp, "--fsdp"), (not update.is_sync, f"--update {s.update}"),
+                                    (EXPERT in str(s.workers or "") or EXPERT in str(s.compress_axes or ""),
+                                     "--workers/--compress-axes naming it"),
+                                    (stateful(s.compression), f"--compression {s.compression}"),
+                                    (CONTEXT in mesh.axis_names, "a context axis")) if cond]
+    if beside:
+        raise UsageError(f"{where} with {beside[0]}: each device's experts are its own, and this would average, "
+                         f"gather or send them as replicas; drop one of them")
