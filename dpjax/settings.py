@@ -16,6 +16,12 @@ def _models():
     return MODELS
 
 
+def _presets():
+    from dpjax.models import presets
+
+    return presets()
+
+
 def _optimizers():
     from dpjax.optim import OPTIMIZERS
 
@@ -85,6 +91,8 @@ class Settings:
                                   "'data=2,model=4'; one -1 takes the remaining devices. Default: every device "
                                   "on data")
     model: str = MODEL("gpt", lambda: f"the model: {', '.join(_models())}")
+    preset: str | None = MODEL(None, lambda: f"a named model shape: {', '.join(_presets())} (sets --model and its "
+                                            "options, and --vocab-size unless given; options given override it)")
     data: str = MODEL("stdlib", "'stdlib' (the Python standard library's source), a text file, a folder of text "
                                "files, 'synthetic' (random tokens), or a file of token ids ending in .bin (uint16 "
                                "or uint32, as nanoGPT and llm.c write them; needs --vocab-size)")

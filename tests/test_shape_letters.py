@@ -23,11 +23,12 @@ DIM = re.compile(r"^([A-Z])([0-9]*)([a-z]*)$")
 # Where each letter's concept lives: path prefixes (relative to the repository). "*": anywhere.
 MODEL_MATH = ("dpjax/models/", "dpjax/tensor_parallel.py", "dpjax/nn/", "dpjax/attention.py", "dpjax/stack.py",
               "dpjax/pipeline/", "dpjax/step.py", "dpjax/sharding.py")
-ATTENTION = ("dpjax/models/gpt.py", "dpjax/tensor_parallel.py", "dpjax/nn/", "dpjax/attention.py")
+ATTENTION = ("dpjax/models/gpt.py", "dpjax/models/llama.py", "dpjax/tensor_parallel.py", "dpjax/nn/",
+             "dpjax/attention.py")
 HOMES = {
     "B": "*", "T": "*", "P": "*", "N": "*",
     "D": MODEL_MATH, "F": MODEL_MATH, "L": MODEL_MATH,
-    "H": ATTENTION, "K": ATTENTION,
+    "H": ATTENTION, "K": ATTENTION, "Y": ("dpjax/models/llama.py",),
     "V": ("dpjax/models/", "dpjax/tensor_parallel.py", "dpjax/nn/"),
     "E": ("dpjax/models/mlp.py",), "C": ("dpjax/models/mlp.py",),
     "A": ("dpjax/step.py",), "M": ("dpjax/pipeline/", "dpjax/step.py"),

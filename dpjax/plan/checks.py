@@ -44,10 +44,11 @@ def check(s: Settings) -> None:
 
     _check_finite(s)
     one_of("model", s.model, MODELS)
-    wrong = [o for o in s.model_options if o not in model_options()[s.model]]
+    name, _ = model_choice(s)
+    wrong = [o for o in s.model_options if o not in model_options()[name]]
     if wrong:
-        has = ", ".join(flag(o) for o in model_options()[s.model])
-        raise UsageError(f"{', '.join(flag(o) for o in wrong)} does not apply to --model {s.model} (its options: {has})")
+        has = ", ".join(flag(o) for o in model_options()[name])
+        raise UsageError(f"{', '.join(flag(o) for o in wrong)} does not apply to --model {name} (its options: {has})")
     one_of("--optimizer", s.optimizer, OPTIMIZERS)
     one_of("--lr-scaling", s.lr_scaling, LR_SCALINGS)
     if s.allreduce is not None:  # None: the platform's default (dpjax.plan.default_allreduce)
@@ -113,6 +114,23 @@ def check(s: Settings) -> None:
                              ("profile_dir", _check_output_dir), ("tensorboard", _check_output_dir)):
         if getattr(s, name):
             check_path(flag(name), getattr(s, name))
+
+
+def model_choice(s: Settings) -> tuple[str, dict]:
+    """The model a run builds and its config fields: --preset's shape (and vocabulary,
+    unless --vocab-size is given), then the options given, which override it."""
+    from dpjax.models import presets
+
+    given = {"seq_len": s.seq_len, "vocab_size": s.vocab_size, **s.model_options}
+    if s.preset is None:
+        return s.model, given
+    known = presets()
+    if s.preset not in known:
+        raise UsageError(f"unknown --preset {s.preset!r}; choose one of {', '.join(known)}")
+    name, fields = known[s.preset]
+    if s.model not in (name, Settings.model):  # --preset names its model; another one given is a contradiction
+        raise UsageError(f"--preset {s.preset} is a {name} model, not --model {s.model}")
+    return name, {**fields, **{k: v for k, v in given.items() if v is not None}}
 
 
 def _check_finite(s: Settings) -> None:
