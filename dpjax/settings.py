@@ -188,6 +188,9 @@ class Settings:
     peak_tflops: float | None = OUTPUT(None, "one device's dense peak TFLOP/s, for the MFU in the metrics and the "
                                            "summary (default: from a table of accelerators by device kind; none "
                                            "on CPU)")
+    init_from: str | None = SAVE(None, "start from these weights: hf:DIR (a HuggingFace Llama folder: config.json and "
+                                       "safetensors) or a dpjax checkpoint folder (python -m dpjax.hf import's, or a "
+                                       "run's --ckpt-dir); the model and its options come from there")
     ckpt_dir: str | None = SAVE(None, "folder for checkpoints (orbax)")
     ckpt_every: int = SAVE(100, "steps between checkpoints")
     resume: bool = SAVE(False, "continue from the latest checkpoint in --ckpt-dir (or the newest commit in "

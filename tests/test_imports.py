@@ -28,7 +28,8 @@ LAYERS = [
     ["dpjax.data_parallel", "dpjax.stack", "dpjax.memory", "dpjax.checkpoint", "dpjax.nn"],
     ["dpjax.pipeline", "dpjax.models", "dpjax.horovod", "dpjax.commit_place"],  # commit_place: checkpoint's check
     ["dpjax.sharding", "dpjax.commit"],  # sharding beside the pipeline in DESIGN.md: it lays the stages out
-    ["dpjax.sharding_rules", "dpjax.optim", "dpjax.updates", "dpjax.pipeline.cost"],  # cost compiles a layout
+    ["dpjax.sharding_rules", "dpjax.optim", "dpjax.updates", "dpjax.pipeline.cost",  # cost compiles a layout
+     "dpjax.hf"],  # HuggingFace import / export: a model, its layout, a checkpoint
     ["dpjax.settings"],  # every setting's choices come from the registries below
     ["dpjax.plan"],
     ["dpjax.step"],

@@ -44,7 +44,13 @@ def check(s: Settings) -> None:
 
     _check_finite(s)
     one_of("model", s.model, MODELS)
-    name, _ = model_choice(s)
+    if s.init_from is not None:
+        mine = [flag(k) for k in ("preset", "vocab_size") if getattr(s, k) is not None]
+        mine += [flag(k) for k in s.model_options]
+        if mine or s.model != Settings.model:
+            raise UsageError(f"--init-from {s.init_from} brings its model; {', '.join(mine) or '--model'} cannot "
+                             "change it")
+    name = s.model if s.init_from is not None else model_choice(s)[0]
     wrong = [o for o in s.model_options if o not in model_options()[name]]
     if wrong:
         has = ", ".join(flag(o) for o in model_options()[name])
@@ -122,6 +128,11 @@ def model_choice(s: Settings) -> tuple[str, dict]:
     from dpjax.models import presets
 
     given = {"seq_len": s.seq_len, "vocab_size": s.vocab_size, **s.model_options}
+    if s.init_from is not None:  # (after JAX starts: a dpjax checkpoint's record is read by orbax)
+        from dpjax.hf import model_of
+
+        model, _, _ = model_of(s.init_from, s.seq_len)
+        return model.name, dataclasses.asdict(model.config)
     if s.preset is None:
         return s.model, given
     known = presets()

@@ -97,8 +97,15 @@ class Trainer:
             # the layer stack is stored V x L/V: it resumes on any stage count, with the same V
             self.record["model"]["virtual_stages"] = self.layout.pipeline.virtual_stages
         key = jax.random.key(cfg.seed)
-        self.params, self.opt_state = self.step.init(S.init_params(self.model, self.layout, key, plan.policy,
-                                                                  keep=self.programs and self.programs.keep))
+        if cfg.init_from:  # the weights given, read onto this layout; the optimizer state fresh
+            from dpjax.hf import params_of
+
+            initial = plan.policy.store(params_of(cfg.init_from, self.model, self.layout))
+            self.say(f"initialised from {cfg.init_from} ({self.model.num_params(initial):,} parameters)")
+        else:
+            initial = S.init_params(self.model, self.layout, key, plan.policy,
+                                    keep=self.programs and self.programs.keep)
+        self.params, self.opt_state = self.step.init(initial)
         # The run's RNG state: nothing in the step draws from it yet (no dropout), but it is
         # saved and restored with the rest so that stochastic steps resume exactly too.
         self.rng = jax.device_put(jax.random.key_data(jax.random.fold_in(key, 1)), S.replicated(self.mesh))
