@@ -180,6 +180,8 @@ class Settings:
     seed: int = MODEL(0, "seed for initialisation, data order and async's staleness")
     eval_every: int = OUTPUT(50, "steps between validation evaluations (0: only at the end)")
     eval_batches: int = OUTPUT(4, "validation batches per evaluation")
+    sample_tokens: int = OUTPUT(32, "at the end, print the model's greedy continuation of a validation sequence's "
+                                    "start, this many tokens (0: none; not with --progress none)")
     metrics: str | None = OUTPUT(None, "write one JSON object per step to this file (JSON lines). An existing file "
                                        "is appended to by --resume (and an agent's restart) and refused otherwise")
     overwrite: bool = OUTPUT(False, "replace an existing --metrics file instead of refusing to start")

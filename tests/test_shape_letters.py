@@ -28,7 +28,7 @@ ATTENTION = ("dpjax/models/gpt.py", "dpjax/models/llama.py", "dpjax/tensor_paral
 HOMES = {
     "B": "*", "T": "*", "P": "*", "N": "*",
     "D": MODEL_MATH, "F": MODEL_MATH, "L": MODEL_MATH,
-    "H": ATTENTION, "K": ATTENTION, "Y": ("dpjax/models/llama.py", "dpjax/hf/", "dpjax/generate/"),
+    "H": ATTENTION, "K": ATTENTION, "Y": ("dpjax/models/llama.py", "dpjax/hf/", "dpjax/generate/"), "O": ("dpjax/generate/",),
     "V": ("dpjax/models/", "dpjax/tensor_parallel.py", "dpjax/nn/", "dpjax/hf/", "dpjax/generate/"),
     "E": ("dpjax/models/mlp.py",), "C": ("dpjax/models/mlp.py",),
     "A": ("dpjax/step.py",), "M": ("dpjax/pipeline/", "dpjax/step.py"),

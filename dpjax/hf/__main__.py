@@ -17,29 +17,16 @@ import sys
 from dpjax.errors import UserError
 
 
-def _mesh(spec: str | None, model):
-    import jax
-
-    from dpjax.mesh import make_mesh
-
-    if spec is None:  # as many model ranks as divide the heads and the vocabulary
-        n = len(jax.devices())
-        while n > 1 and any(x % n for x in (model.config.n_heads, model.config.vocab_size, model.config.d_ff)):
-            n -= 1
-        return make_mesh(f"1x{n}", jax.devices()[:n])
-    return make_mesh(spec)
-
-
 def do_import(folder: str, out: str, mesh_spec: str | None) -> str:
     from dpjax.hf.export import save_checkpoint
     from dpjax.hf.load import model_from_hf
-    from dpjax.hf.source import params_of
+    from dpjax.hf.source import default_mesh, params_of
     from dpjax.sharding import make_layout
 
     model, hub = model_from_hf(folder)
     if os.path.isdir(out) and os.listdir(out):
         raise UserError(f"{out} exists and is not empty; pass a new folder")
-    layout = make_layout(model, _mesh(mesh_spec, model))
+    layout = make_layout(model, default_mesh(model, mesh_spec))
     params = params_of("hf:" + folder, model, layout)
     save_checkpoint(out, params, model, hub, hub.get("torch_dtype") or "float32")
     n = model.num_params(params)
@@ -48,13 +35,13 @@ def do_import(folder: str, out: str, mesh_spec: str | None) -> str:
 
 def do_export(ckpt: str, out: str, dtype: str | None, shard_mb: float) -> str:
     from dpjax.hf.export import export
-    from dpjax.hf.source import model_of, params_of
+    from dpjax.hf.source import default_mesh, model_of, params_of
     from dpjax.sharding import make_layout
 
     model, hub, record = model_of(ckpt)
     if model.name != "llama":
         raise UserError(f"{ckpt} holds a {model.name} model; the HuggingFace export writes llama")
-    layout = make_layout(model, _mesh(None, model))
+    layout = make_layout(model, default_mesh(model))
     params = params_of(ckpt, model, layout, record)
     dtype = dtype or (record.get("hf") or {}).get("dtype") or "float32"
     files = export(params, model, out, dtype=dtype, base_config=hub, max_shard_bytes=int(shard_mb * 2**20))

@@ -31,6 +31,19 @@ def model_of(source: str, seq_len: int | None = None):
     return get_model(record["model"]["model"], **fields), record.get("hf", {}).get("config"), record
 
 
+def default_mesh(model, spec: str | None = None):
+    """The mesh `spec` names, or every device here on `model` (as many as divide the
+    heads, the MLP width and the vocabulary): each device reads and holds its block."""
+    from dpjax.mesh import make_mesh
+
+    if spec is not None:
+        return make_mesh(spec)
+    c, n = model.config, len(jax.devices())
+    while n > 1 and any(x % n for x in (getattr(c, "n_heads", 1), getattr(c, "d_ff", 1), c.vocab_size)):
+        n -= 1
+    return make_mesh(f"1x{n}", jax.devices()[:n])
+
+
 def read_record(folder: str) -> dict:
     from dpjax.checkpoint import Checkpointer
 

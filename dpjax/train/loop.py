@@ -71,6 +71,10 @@ class Trainer:
             print(warning, file=sys.stderr, flush=True)
         self.train_stream, self.val_stream = make_streams(cfg.data, cfg.seq_len, cfg.seed, vocab_size=cfg.vocab_size,
                                                           token_dtype=cfg.token_dtype)
+        from dpjax.tokenizer import for_model
+
+        self.tokenizer = for_model(cfg.init_from, None, self.model.config.vocab_size,
+                                   text=not cfg.data.endswith(".bin") and cfg.data != "synthetic")
         self._steps, self.comm_bytes = {}, CommBytes(plan)
         self.compression_ratio = observe.CompressionRatio(plan) if plan.exchange.compression else None
         self.use(Setting(plan.exchange.algorithm, plan.exchange.fusion_mb))
