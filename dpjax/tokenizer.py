@@ -120,3 +120,15 @@ def for_model(source: str | None, given: str | None, vocab_size: int, text: bool
     if folder and os.path.isfile(os.path.join(folder, "tokenizer.json")):
         return load(os.path.join(folder, "tokenizer.json"))
     return Bytes() if vocab_size == 256 and text else None
+
+
+def vocab_of(spec: str) -> int:
+    """The vocabulary `spec` gives (bpe:N: N; a file: its size) without training anything."""
+    n = bpe_size(spec)
+    return n if n is not None else load(spec).vocab_size
+
+
+def for_corpus(spec: str, chunks):
+    """`spec`'s tokenizer; bpe:N trained on `chunks` (an iterable of text) here."""
+    n = bpe_size(spec)
+    return train_bpe(chunks, n) if n is not None else load(spec)

@@ -127,7 +127,12 @@ def model_choice(s: Settings) -> tuple[str, dict]:
     unless --vocab-size is given), then the options given, which override it."""
     from dpjax.models import presets
 
-    given = {"seq_len": s.seq_len, "vocab_size": s.vocab_size, **s.model_options}
+    vocab = s.vocab_size
+    if vocab is None and s.tokenizer is not None and s.init_from is None:
+        from dpjax.tokenizer import vocab_of
+
+        vocab = vocab_of(s.tokenizer)
+    given = {"seq_len": s.seq_len, "vocab_size": vocab, **s.model_options}
     if s.init_from is not None:  # (after JAX starts: a dpjax checkpoint's record is read by orbax)
         from dpjax.hf import model_of
 
@@ -175,9 +180,20 @@ def _check_onebit_adam(s: Settings, spec) -> None:
 
 
 def _check_data(s: Settings) -> None:
-    """A token file (--data X.bin) needs its vocabulary; bytes need at least 256 ids."""
+    """A token file (--data X.bin) needs its vocabulary; bytes need at least 256 ids; a
+    tokenizer tokenizes text (not a token file, nor synthetic ids)."""
     tokens = s.data.endswith(".bin")  # dpjax.data.TOKEN_SUFFIX
-    if tokens and s.vocab_size is None:
+    if s.tokenizer is not None:
+        from dpjax.tokenizer import vocab_of
+
+        if tokens or s.data == "synthetic":
+            raise UsageError(f"--tokenizer tokenizes text; --data {s.data} is {'ids' if tokens else 'synthetic'} "
+                             "already (python -m dpjax.prepare --tokenizer makes a token file from text)")
+        n = vocab_of(s.tokenizer)
+        if s.vocab_size is not None and s.vocab_size < n:
+            raise UsageError(f"--vocab-size {s.vocab_size} is smaller than --tokenizer {s.tokenizer}'s {n} ids")
+        return
+    if tokens and s.vocab_size is None and s.init_from is None and s.preset is None:
         raise UsageError(f"--data {s.data} is a token file: give its tokenizer's --vocab-size")
     if s.vocab_size is not None and s.vocab_size < (2 if tokens or s.data == "synthetic" else 256):
         raise UsageError(f"--vocab-size {s.vocab_size} is too small for --data {s.data}")
