@@ -19,9 +19,9 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 # its own unit or a lower layer's, never a higher one, nor one of its own layer.
 LAYERS = [
     ["dpjax.errors", "dpjax.registry", "dpjax.fusion", "dpjax.hlo", "dpjax.scopes", "dpjax.policy",
-     "dpjax.commit_every", "dpjax.commit_peer", "dpjax.agent.env", "dpjax.programs",
-     "dpjax.tokenizer"],
-    ["dpjax.mesh", "dpjax.links", "dpjax.distributed", "dpjax.data", "dpjax.replicas", "dpjax.attention",
+     "dpjax.commit_every", "dpjax.commit_peer", "dpjax.agent.env", "dpjax.programs"],
+    ["dpjax.mesh", "dpjax.links", "dpjax.distributed", "dpjax.data", "dpjax.tokenizer", "dpjax.replicas",
+     "dpjax.attention",
      "dpjax.wrapper_checks", "dpjax.commit_file"],
     ["dpjax.rng", "dpjax.per_rank", "dpjax.collectives"],
     ["dpjax.wrapper", "dpjax.compression", "dpjax.tensor_parallel", "dpjax.timeline", "dpjax.autotune",
