@@ -42,8 +42,8 @@ def sgd_step(model, mesh, put, **layout_kw):
 
 
 def dense_loss_and_grads(model):
-    params = model.init(jax.random.key(0))
-    loss, grads = jax.value_and_grad(model.loss)(params, jnp.asarray(batch()))
+    params = jax.jit(model.init)(jax.random.key(0))
+    loss, grads = jax.jit(jax.value_and_grad(model.loss))(params, jnp.asarray(batch()))
     return float(loss), grads
 
 
