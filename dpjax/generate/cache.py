@@ -19,10 +19,10 @@ from jax import lax
 from dpjax.models.llama import rms_norm
 
 
-def empty(model, B: int, O: int, dtype=jnp.float32) -> dict:
-    """A cache for B sequences of up to O tokens."""
+def empty(model, B: int, length: int, dtype=jnp.float32) -> dict:
+    """A cache for B sequences of up to `length` tokens."""
     c = model.config
-    shape = (c.n_layers, B, O, c.n_kv_heads, c.d_model // c.n_heads)
+    shape = (c.n_layers, B, length, c.n_kv_heads, c.d_model // c.n_heads)
     return {"k_LxBxOxYxK": jnp.zeros(shape, dtype), "v_LxBxOxYxK": jnp.zeros(shape, dtype)}
 
 
@@ -31,7 +31,7 @@ def forward(model, params, tokens_BxT, start, cache):
     keys and values written). Attention sees the cache up to each token's own position."""
     c = model.config
     B, T = tokens_BxT.shape
-    O = cache["k_LxBxOxYxK"].shape[2]
+    length = cache["k_LxBxOxYxK"].shape[2]
     positions_BxT = jnp.broadcast_to(start + jnp.arange(T), (B, T))
     x_BxTxD = model.embed(params, tokens_BxT)
 
@@ -45,7 +45,7 @@ def forward(model, params, tokens_BxT, start, cache):
         k_BxOxHxK, v_BxOxHxK = (jnp.repeat(a, group, axis=2) for a in (k_BxOxYxK, v_BxOxYxK))
         s_BxHxTxO = jnp.einsum("bthk,bohk->bhto", q_BxTxHxK, k_BxOxHxK).astype(jnp.float32) / math.sqrt(
             q_BxTxHxK.shape[-1])
-        visible_TxO = jnp.arange(O)[None, :] <= (start + jnp.arange(T))[:, None]
+        visible_TxO = jnp.arange(length)[None, :] <= (start + jnp.arange(T))[:, None]
         s_BxHxTxO = jnp.where(visible_TxO, s_BxHxTxO, jnp.finfo(jnp.float32).min)
         p_BxHxTxO = jax.nn.softmax(s_BxHxTxO, axis=-1).astype(v_BxOxHxK.dtype)
         o_BxTxHxK = jnp.einsum("bhto,bohk->bthk", p_BxHxTxO, v_BxOxHxK)
