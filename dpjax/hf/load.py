@@ -93,11 +93,10 @@ def load_params(folder: str, model, layout, dtype=np.float32):
                 out = np.stack([names.read_layer_block(key, hub_of(key, i), rest, c.d_model // c.n_heads)
                                 for i in layers]).astype(dtype)
                 return out.reshape(tuple(s.stop - s.start for s in idx))
-            return jax.make_array_from_callback(stored, sharding, block)
+            return place_blocks(stored, sharding, block)
         hub = hub_of(key, None)[0]
         used.add(names.OUTER[key])
-        return jax.make_array_from_callback(leaf.shape, sharding,
-                                            lambda idx: np.asarray(hub[_slices(idx, leaf.shape)]).astype(dtype))
+        return place_blocks(leaf.shape, sharding, lambda idx: np.asarray(hub[_slices(idx, leaf.shape)]).astype(dtype))
 
     params = jax.tree_util.tree_map_with_path(place, abstract)
     ignored = {n for n in tensors.names() if n.endswith("rotary_emb.inv_freq") or
@@ -107,6 +106,24 @@ def load_params(folder: str, model, layout, dtype=np.float32):
         raise HFError(f"{folder}: tensors dpjax's Llama has no place for: {', '.join(left[:5])}"
                       + (f" and {len(left) - 5} more" if len(left) > 5 else ""))
     return params
+
+
+def place_blocks(shape, sharding, read):
+    """A global array of `shape` in `sharding` whose blocks `read(index)` gives: each
+    distinct block read once, copied to each device that holds it, and let go as soon as
+    it is there (`jax.make_array_from_callback` kept every host block alive beside its
+    device copy on CPU: the embedding twice over)."""
+    by_index = {}
+    for device, idx in sharding.addressable_devices_indices_map(shape).items():
+        by_index.setdefault(tuple((s.start, s.stop, s.step) for s in idx), (idx, []))[1].append(device)
+    arrays = []
+    for idx, devices in by_index.values():
+        block = read(idx)
+        arrays += jax.block_until_ready([jax.device_put(block, d) for d in devices])
+        del block
+    order = {d: i for i, d in enumerate(sharding.addressable_devices_indices_map(shape))}
+    arrays.sort(key=lambda a: order[next(iter(a.devices()))])
+    return jax.make_array_from_single_device_arrays(shape, sharding, arrays)
 
 
 def _at(tree, path):
