@@ -12,6 +12,8 @@ inside it this device's block, and every shard_map body asserts its local shapes
     F  MLP width (gpt's d_ff, mlp's d_hidden)
     H  attention heads
     K  width of one head
+    Y  key/value heads (grouped-query attention: H/Y query heads share one)
+    O  positions a generation's KV cache holds (its longest sequence)
     V  vocabulary
     E  embedding width (mlp)
     C  the mlp's input window (context x E)

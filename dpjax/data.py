@@ -76,6 +76,31 @@ def load_corpus(source: str = "stdlib", max_bytes: int | None = None) -> np.ndar
     return data
 
 
+def text_chunks(source: str, chunk_bytes: int = 1 << 20):
+    """The corpus's text in pieces of about `chunk_bytes`, cut after a newline (each file
+    its own pieces): what a tokenizer encodes as a batch, in parallel."""
+    files = stdlib_files() if source == "stdlib" else _text_files(source)
+    for f in files:
+        with open(f, encoding="utf-8", errors="replace") as fh:
+            text = fh.read()
+        while text:
+            cut = text.find("\n", chunk_bytes) + 1 or len(text)
+            yield text[:cut]
+            text = text[cut:]
+
+
+def tokenize_corpus(source: str, tok) -> np.ndarray:
+    """`source`'s text (as load_corpus finds it) as token ids of `tok` (a
+    `dpjax.tokenizer` tokenizer), uint32, the files' ids joined in order."""
+    chunks = list(text_chunks(source))
+    batch = getattr(tok, "encode_batch", None)
+    ids = batch(chunks) if batch else [tok.encode(c) for c in chunks]
+    data = np.concatenate([np.asarray(piece, np.uint32) for piece in ids]) if ids else np.zeros(0, np.uint32)
+    if data.size == 0:
+        raise DataError(f"data source {source!r} is empty; pass a file or folder with some text in it")
+    return data
+
+
 @dataclass
 class ByteStream:
     """Windows of seq_len+1 tokens from `data`, read in a seeded order, epoch after epoch."""
@@ -174,19 +199,21 @@ class TokenStream(ByteStream):
 
 
 def make_streams(source: str, seq_len: int, seed: int, val_fraction: float = 0.05,
-                 max_bytes: int | None = None, vocab_size: int | None = None, token_dtype: str = "auto"):
+                 max_bytes: int | None = None, vocab_size: int | None = None, token_dtype: str = "auto",
+                 tokenizer=None):
     """(train stream, validation stream) for 'stdlib', 'synthetic', a text file or
-    folder, or a token file (a path ending in .bin: ids below `vocab_size`)."""
+    folder, or a token file (a path ending in .bin: ids below `vocab_size`). tokenizer:
+    text is tokenized by it (a `dpjax.tokenizer` tokenizer) instead of read as bytes."""
     if seq_len < 1:
         raise DataError(f"sequence length must be positive, got {seq_len}")
     if source == "synthetic":
         v = vocab_size or 256
         return SyntheticStream(seq_len, seed, v), SyntheticStream(seq_len, seed + 1_000_003, v)
-    if source.endswith(TOKEN_SUFFIX):
-        data = open_tokens(source, token_dtype)
+    if source.endswith(TOKEN_SUFFIX) or tokenizer is not None:
+        data = open_tokens(source, token_dtype) if tokenizer is None else tokenize_corpus(source, tokenizer)
         n_val = max(seq_len + 1, int(data.size * val_fraction))
         if data.size - n_val < seq_len + 1:
-            raise DataError(f"the token file {source!r} holds {data.size} tokens, too few for a train and a "
+            raise DataError(f"the tokens of {source!r} number {data.size}, too few for a train and a "
                             f"validation split of sequences of {seq_len}+1 tokens")
         return (TokenStream(data[:-n_val], seq_len, seed, vocab_size),
                 TokenStream(data[-n_val:], seq_len, seed, vocab_size))

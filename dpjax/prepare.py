@@ -1,20 +1,29 @@
 """Text -> a token file for `python -m dpjax.train --data FILE.bin --vocab-size N`:
 
-    python -m dpjax.prepare corpus.txt tokens.bin                # bytes: --vocab-size 256
-    python -m dpjax.prepare docs/ tokens.u32.bin --dtype uint32
+    python -m dpjax.prepare corpus.txt tokens.bin                          # bytes: --vocab-size 256
+    python -m dpjax.prepare docs/ notes.txt --out tokens.bin --tokenizer tokenizer.json
+    python -m dpjax.prepare stdlib --out tokens.bin --tokenizer bpe:8192  # trains a BPE here
 
-The tokenizer is the byte one dpjax trains on (each byte of the UTF-8 text one id, 256
-ids), so the token-file path is tested end to end without a tokenizer package; a file
-written by nanoGPT's or llm.c's prepare scripts (GPT-2's BPE, uint16) is read the same
-way. The ids are written flat, native-endian, as numpy's `tofile` writes them.
+The default tokenizer is the byte one dpjax trains on (each byte of the UTF-8 text one
+id, 256 ids). --tokenizer takes a HuggingFace tokenizer.json (the `tokenizers` package:
+the text is cut into pieces at line ends and encoded as a batch, on all of its threads)
+or bpe:N, a byte-level BPE of N ids trained on these texts and saved beside the tokens
+(tokens.tokenizer.json). The ids are written flat, native-endian, as numpy's `tofile`
+writes them: uint16 when the vocabulary fits, else uint32 (name the file *.u32.bin, or
+train with --token-dtype uint32). A file written by nanoGPT's or llm.c's prepare scripts
+(GPT-2's BPE, uint16) is read the same way.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
-from dpjax.data import TOKEN_SUFFIX, DataError, load_corpus
+import numpy as np
+
+from dpjax.data import TOKEN_SUFFIX, DataError, load_corpus, tokenize_corpus
+from dpjax.errors import UserError
 
 BYTE_VOCAB = 256
 
@@ -29,19 +38,55 @@ def prepare(source: str, out: str, dtype: str = "uint16") -> int:
     return int(ids.size)
 
 
+def prepare_tokens(sources: list[str], out: str, tokenizer: str, dtype: str = "auto") -> tuple[int, int, str, str]:
+    """Writes the tokens of `sources` (texts, folders, 'stdlib'; in order) by `tokenizer`
+    (a tokenizer.json or bpe:N, trained on them and saved beside `out`) to `out`.
+    Returns (tokens, vocabulary, dtype, the tokenizer's file)."""
+    from dpjax.data import text_chunks
+    from dpjax.tokenizer import for_corpus
+
+    if not out.endswith(TOKEN_SUFFIX):
+        raise DataError(f"{out}: a token file's name ends in {TOKEN_SUFFIX} (that is how --data tells it from text)")
+    tok = for_corpus(tokenizer, (c for s in sources for c in text_chunks(s)))
+    saved = getattr(tok, "name", tokenizer)
+    if tokenizer.startswith("bpe:"):
+        saved = out[:-len(TOKEN_SUFFIX)] + ".tokenizer.json"
+        tok.save(saved)
+    if dtype == "auto":
+        dtype = "uint16" if tok.vocab_size <= 2**16 else "uint32"
+    elif dtype == "uint16" and tok.vocab_size > 2**16:
+        raise UserError(f"--dtype uint16 cannot hold {tok.vocab_size} ids; use uint32")
+    ids = np.concatenate([tokenize_corpus(s, tok) for s in sources]).astype(dtype)
+    ids.tofile(out)
+    return int(ids.size), tok.vocab_size, dtype, saved
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m dpjax.prepare", description=__doc__.split("\n\n")[0])
-    p.add_argument("source", help="a text file, a folder of text files, or 'stdlib'")
-    p.add_argument("out", help=f"the token file to write (ends in {TOKEN_SUFFIX})")
-    p.add_argument("--dtype", choices=("uint16", "uint32"), default="uint16")
+    p.add_argument("sources", nargs="+", help="text files, folders of text files, or 'stdlib' (without --out, the "
+                                              "last one is the token file to write)")
+    p.add_argument("--out", help=f"the token file to write (ends in {TOKEN_SUFFIX})")
+    p.add_argument("--tokenizer", default="bytes", help="bytes (default), a tokenizer.json, or bpe:N")
+    p.add_argument("--dtype", choices=("auto", "uint16", "uint32"), default="auto",
+                   help="the ids' type (auto: uint16 when the vocabulary fits)")
     args = p.parse_args(argv)
+    sources, out = (args.sources, args.out) if args.out else (args.sources[:-1], args.sources[-1])
     try:
-        n = prepare(args.source, args.out, args.dtype)
-    except DataError as e:
+        if not sources:
+            raise DataError("no text to prepare: give TEXT... --out FILE.bin")
+        if args.tokenizer == "bytes":
+            dtype = "uint16" if args.dtype == "auto" else args.dtype
+            if len(sources) > 1:
+                raise DataError("the byte tokenizer prepares one source (a file or a folder); give a folder")
+            n, vocab, saved = prepare(sources[0], out, dtype), BYTE_VOCAB, None
+        else:
+            n, vocab, dtype, saved = prepare_tokens(sources, out, args.tokenizer, args.dtype)
+    except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(f"{args.out}: {n:,} tokens ({args.dtype}); train with --data {args.out} --vocab-size {BYTE_VOCAB}"
-          + (" --token-dtype uint32" if args.dtype == "uint32" and "32" not in args.out else ""))
+    hint = " --token-dtype uint32" if dtype == "uint32" and "32" not in os.path.basename(out) else ""
+    print(f"{out}: {n:,} tokens ({dtype}" + (f", tokenizer {saved}" if saved else "") +
+          f"); train with --data {out} --vocab-size {vocab}{hint}")
     return 0
 
 

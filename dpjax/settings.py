@@ -16,6 +16,12 @@ def _models():
     return MODELS
 
 
+def _presets():
+    from dpjax.models import presets
+
+    return presets()
+
+
 def _optimizers():
     from dpjax.optim import OPTIMIZERS
 
@@ -97,9 +103,14 @@ class Settings:
                                   "'data=2,model=4'; one -1 takes the remaining devices. Default: every device "
                                   "on data")
     model: str = MODEL("gpt", lambda: f"the model: {', '.join(_models())}")
+    preset: str | None = MODEL(None, lambda: f"a named model shape: {', '.join(_presets())} (sets --model and its "
+                                            "options, and --vocab-size unless given; options given override it)")
     data: str = MODEL("stdlib", "'stdlib' (the Python standard library's source), a text file, a folder of text "
                                "files, 'synthetic' (random tokens), or a file of token ids ending in .bin (uint16 "
                                "or uint32, as nanoGPT and llm.c write them; needs --vocab-size)")
+    tokenizer: str | None = MODEL(None, "tokenize the text --data with this: a HuggingFace tokenizer.json (needs the "
+                                        "hf extra), or bpe:N (a byte-level BPE of N ids trained on the corpus first). "
+                                        "Default: bytes (256 ids)")
     vocab_size: int | None = MODEL(None, "the vocabulary of a token file (--data FILE.bin); default 256 (bytes)")
     token_dtype: str = MODEL("auto", "the ids' type in a token file; auto: uint32 if the file name says u32 or "
                                     "uint32, else uint16", choices=("auto", "uint16", "uint32"))
@@ -193,6 +204,8 @@ class Settings:
     seed: int = MODEL(0, "seed for initialisation, data order and async's staleness")
     eval_every: int = OUTPUT(50, "steps between validation evaluations (0: only at the end)")
     eval_batches: int = OUTPUT(4, "validation batches per evaluation")
+    sample_tokens: int = OUTPUT(32, "at the end, print the model's greedy continuation of a validation sequence's "
+                                    "start, this many tokens (0: none; not with --progress none)")
     metrics: str | None = OUTPUT(None, "write one JSON object per step to this file (JSON lines). An existing file "
                                        "is appended to by --resume (and an agent's restart) and refused otherwise")
     overwrite: bool = OUTPUT(False, "replace an existing --metrics file instead of refusing to start")
@@ -201,6 +214,9 @@ class Settings:
     peak_tflops: float | None = OUTPUT(None, "one device's dense peak TFLOP/s, for the MFU in the metrics and the "
                                            "summary (default: from a table of accelerators by device kind; none "
                                            "on CPU)")
+    init_from: str | None = SAVE(None, "start from these weights: hf:DIR (a HuggingFace Llama folder: config.json and "
+                                       "safetensors) or a dpjax checkpoint folder (python -m dpjax.hf import's, or a "
+                                       "run's --ckpt-dir); the model and its options come from there")
     ckpt_dir: str | None = SAVE(None, "folder for checkpoints (orbax)")
     ckpt_every: int = SAVE(100, "steps between checkpoints")
     resume: bool = SAVE(False, "continue from the latest checkpoint in --ckpt-dir (or the newest commit in "

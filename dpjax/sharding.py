@@ -135,6 +135,13 @@ class Layout:
         return pp.store(params, self.layers, self.pipeline.virtual_stages)
 
 
+def model_table(model, mesh) -> dict:
+    """The model's sharding table on `mesh`: `model.sharding_table(mesh)` where a model's
+    table depends on the mesh (the Llama's K/V heads, split or replicated by the model
+    axis's size), else its SPECS."""
+    return model.sharding_table(mesh) if hasattr(model, "sharding_table") else model.SPECS
+
+
 def make_layout(model, mesh, *, algorithm: str = "ring", fsdp: bool = False, fsdp_algorithm: str = "ring",
                 tensor_parallel: bool = True, workers: tuple = (), pipeline: pp.Pipeline | None = None) -> Layout:
     """Resolves `model.SPECS` on `mesh` (tensor_parallel=False: every parameter replicated
@@ -150,11 +157,12 @@ def make_layout(model, mesh, *, algorithm: str = "ring", fsdp: bool = False, fsd
         raise ValueError(f"a pipeline needs a stage axis; mesh {dict(mesh.shape)} has none")
     V = pipeline.virtual_stages if pipeline else 1
     abstract = jax.eval_shape(lambda k: pp.store(model.init(k), layers, V), jax.random.key(0))
+    table = model_table(model, mesh)
     if tensor_parallel:
-        table_specs = specs_from_table(abstract, model.SPECS)
+        table_specs = specs_from_table(abstract, table)
     elif pipeline is not None:  # replicated over `model`, the layers still split over `stage`
         table_specs = jax.tree.map(lambda s: P(*[STAGE if STAGE in as_axes(e) else None for e in s]),
-                                   specs_from_table(abstract, model.SPECS), is_leaf=is_spec)
+                                   specs_from_table(abstract, table), is_leaf=is_spec)
     else:
         table_specs = jax.tree.map(lambda _: P(), abstract)
     if V > 1:  # the stored stack is V x L/V: the stage split moves to the second dimension

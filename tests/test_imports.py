@@ -20,7 +20,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 LAYERS = [
     ["dpjax.errors", "dpjax.registry", "dpjax.fusion", "dpjax.hlo", "dpjax.scopes", "dpjax.policy",
      "dpjax.commit_every", "dpjax.commit_peer", "dpjax.agent.env", "dpjax.programs"],
-    ["dpjax.mesh", "dpjax.links", "dpjax.distributed", "dpjax.data", "dpjax.replicas", "dpjax.attention",
+    ["dpjax.mesh", "dpjax.links", "dpjax.distributed", "dpjax.data", "dpjax.tokenizer", "dpjax.replicas",
+     "dpjax.attention",
      "dpjax.wrapper_checks", "dpjax.commit_file"],
     ["dpjax.rng", "dpjax.per_rank", "dpjax.collectives"],
     ["dpjax.wrapper", "dpjax.compression", "dpjax.tensor_parallel", "dpjax.timeline", "dpjax.autotune",
@@ -28,7 +29,9 @@ LAYERS = [
     ["dpjax.data_parallel", "dpjax.stack", "dpjax.context", "dpjax.memory", "dpjax.checkpoint", "dpjax.nn"],
     ["dpjax.pipeline", "dpjax.models", "dpjax.horovod", "dpjax.commit_place"],  # commit_place: checkpoint's check
     ["dpjax.sharding", "dpjax.commit"],  # sharding beside the pipeline in DESIGN.md: it lays the stages out
-    ["dpjax.sharding_rules", "dpjax.optim", "dpjax.updates", "dpjax.pipeline.cost"],  # cost compiles a layout
+    ["dpjax.sharding_rules", "dpjax.optim", "dpjax.updates", "dpjax.pipeline.cost",  # cost compiles a layout
+     "dpjax.hf"],  # HuggingFace import / export: a model, its layout, a checkpoint
+    ["dpjax.generate"],  # sampling from a model: weights from dpjax.hf, the train job's end-of-run sample
     ["dpjax.settings"],  # every setting's choices come from the registries below
     ["dpjax.plan"],
     ["dpjax.step"],

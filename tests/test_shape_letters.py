@@ -22,13 +22,14 @@ DIM = re.compile(r"^([A-Z])([0-9]*)([a-z]*)$")
 
 # Where each letter's concept lives: path prefixes (relative to the repository). "*": anywhere.
 MODEL_MATH = ("dpjax/models/", "dpjax/tensor_parallel.py", "dpjax/nn/", "dpjax/attention.py", "dpjax/stack.py",
-              "dpjax/pipeline/", "dpjax/step.py", "dpjax/sharding.py")
-ATTENTION = ("dpjax/models/gpt.py", "dpjax/tensor_parallel.py", "dpjax/nn/", "dpjax/attention.py")
+              "dpjax/pipeline/", "dpjax/step.py", "dpjax/sharding.py", "dpjax/hf/", "dpjax/generate/")
+ATTENTION = ("dpjax/models/gpt.py", "dpjax/models/llama.py", "dpjax/tensor_parallel.py", "dpjax/nn/",
+             "dpjax/attention.py", "dpjax/hf/", "dpjax/generate/")  # hf: the Hub's names of the model's leaves
 HOMES = {
     "B": "*", "T": "*", "P": "*", "N": "*",
     "D": MODEL_MATH, "F": MODEL_MATH, "L": MODEL_MATH,
-    "H": ATTENTION, "K": ATTENTION,
-    "V": ("dpjax/models/", "dpjax/tensor_parallel.py", "dpjax/nn/"),
+    "H": ATTENTION, "K": ATTENTION, "Y": ("dpjax/models/llama.py", "dpjax/hf/", "dpjax/generate/"), "O": ("dpjax/generate/",),
+    "V": ("dpjax/models/", "dpjax/tensor_parallel.py", "dpjax/nn/", "dpjax/hf/", "dpjax/generate/"),
     "E": ("dpjax/models/mlp.py",), "C": ("dpjax/models/mlp.py",),
     "A": ("dpjax/step.py",), "M": ("dpjax/pipeline/", "dpjax/step.py"),
     "S": ("dpjax/pipeline/", "dpjax/stack.py", "dpjax/sharding.py", "dpjax/step.py"),

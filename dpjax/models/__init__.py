@@ -13,12 +13,13 @@ from __future__ import annotations
 import dataclasses
 
 from dpjax.errors import UserError
-from dpjax.models import gpt, mlp
+from dpjax.models import gpt, llama, mlp
 from dpjax.models.gpt import GPT, GPTConfig
+from dpjax.models.llama import Llama, LlamaConfig
 from dpjax.models.mlp import MLP, MLPConfig
 from dpjax.models.registry import MODELS, Entry, Model, register, registered, unregister
 
-REGISTERED_BY = (gpt, mlp)  # importing a model's module registers it
+REGISTERED_BY = (gpt, llama, mlp)  # importing a model's module registers it
 # Set by the data, not chosen per model.
 _NOT_OPTIONS = ("vocab_size", "seq_len")
 
@@ -32,6 +33,11 @@ def model_options() -> dict[str, dict[str, object]]:
 def option_types() -> dict[str, type]:
     """Each model option's type, read from the configs (the command line parses with it)."""
     return {k: t for m in MODELS.values() for k, t in m.option_types().items() if k not in _NOT_OPTIONS}
+
+
+def presets() -> dict[str, tuple[str, dict]]:
+    """Every model's named shapes: {preset: (model, {field: value})} (`--preset`)."""
+    return {p: (name, fields) for name, m in MODELS.items() for p, fields in m.presets.items()}
 
 
 def get_model(name: str, **overrides):
@@ -49,5 +55,5 @@ def get_model(name: str, **overrides):
     return cls(cfg_cls(**given))
 
 
-__all__ = ["GPT", "GPTConfig", "MLP", "MLPConfig", "MODELS", "Entry", "Model", "get_model", "model_options",
-           "option_types", "register", "registered", "unregister"]
+__all__ = ["GPT", "GPTConfig", "Llama", "LlamaConfig", "MLP", "MLPConfig", "MODELS", "Entry", "Model", "get_model",
+           "model_options", "option_types", "presets", "register", "registered", "unregister"]

@@ -29,12 +29,13 @@ class Model(Protocol):
 
 @dataclasses.dataclass(frozen=True)
 class Entry:
-    """A registered model: its name, the class (called with a config, giving a `Model`)
-    and its config dataclass."""
+    """A registered model: its name, the class (called with a config, giving a `Model`),
+    its config dataclass and its named shapes."""
 
     name: str
     build: Callable[[Any], Model]
     config: type
+    presets: dict = dataclasses.field(default_factory=dict)  # named shapes (`--preset`): {name: {field: value}}
 
     def option_types(self) -> dict[str, type]:
         """Each config field's type (the command line parses an option with it)."""

@@ -26,7 +26,8 @@ from typing import Any
 from dpjax.policy import Policy
 from dpjax.settings import Settings
 from dpjax.plan.axes import check_context, check_expert
-from dpjax.plan.checks import UsageError, check, devices_per_process, fit_devices, fit_mesh, flag  # noqa: F401
+from dpjax.plan.checks import (UsageError, check, devices_per_process, fit_devices, fit_mesh, flag,  # noqa: F401
+                               model_choice)
 from dpjax.plan.compute import (DEFAULT_ALGORITHM, DEFAULT_FUSION_MB, check_memory, compute_policy,  # noqa: F401
                                 default_allreduce, memory_refusal, target_platform)
 
@@ -195,7 +196,8 @@ def resolve(s: Settings, devices=None, *, mesh=None, model=None, optimizer=None,
     if nested(s.allreduce) and len(data_axes(mesh)) < 2:
         raise UsageError(f"--allreduce {s.allreduce} needs a node axis: use a three-axis mesh such as 2x4x1")
     if model is None:
-        model = get_model(s.model, seq_len=s.seq_len, vocab_size=s.vocab_size, **s.model_options)
+        name, options = model_choice(s)
+        model = get_model(name, **options)
     check_context(s, model, mesh)
     check_expert(s, model, mesh, update)
     platform = target_platform(s, mesh)

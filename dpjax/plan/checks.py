@@ -45,10 +45,17 @@ def check(s: Settings) -> None:
 
     _check_finite(s)
     one_of("model", s.model, MODELS)
-    wrong = [o for o in s.model_options if o not in model_options()[s.model]]
+    if s.init_from is not None:
+        mine = [flag(k) for k in ("preset", "vocab_size") if getattr(s, k) is not None]
+        mine += [flag(k) for k in s.model_options]
+        if mine or s.model != Settings.model:
+            raise UsageError(f"--init-from {s.init_from} brings its model; {', '.join(mine) or '--model'} cannot "
+                             "change it")
+    name = s.model if s.init_from is not None else model_choice(s)[0]
+    wrong = [o for o in s.model_options if o not in model_options()[name]]
     if wrong:
-        has = ", ".join(flag(o) for o in model_options()[s.model])
-        raise UsageError(f"{', '.join(flag(o) for o in wrong)} does not apply to --model {s.model} (its options: {has})")
+        has = ", ".join(flag(o) for o in model_options()[name])
+        raise UsageError(f"{', '.join(flag(o) for o in wrong)} does not apply to --model {name} (its options: {has})")
     one_of("--optimizer", s.optimizer, OPTIMIZERS)
     one_of("--lr-scaling", s.lr_scaling, LR_SCALINGS)
     if s.allreduce is not None:  # None: the platform's default (dpjax.plan.default_allreduce)
@@ -118,6 +125,33 @@ def check(s: Settings) -> None:
             check_path(flag(name), getattr(s, name))
 
 
+def model_choice(s: Settings) -> tuple[str, dict]:
+    """The model a run builds and its config fields: --preset's shape (and vocabulary,
+    unless --vocab-size is given), then the options given, which override it."""
+    from dpjax.models import presets
+
+    vocab = s.vocab_size
+    if vocab is None and s.tokenizer is not None and s.init_from is None:
+        from dpjax.tokenizer import vocab_of
+
+        vocab = vocab_of(s.tokenizer)
+    given = {"seq_len": s.seq_len, "vocab_size": vocab, **s.model_options}
+    if s.init_from is not None:  # (after JAX starts: a dpjax checkpoint's record is read by orbax)
+        from dpjax.hf import model_of
+
+        model, _, _ = model_of(s.init_from, s.seq_len)
+        return model.name, dataclasses.asdict(model.config)
+    if s.preset is None:
+        return s.model, given
+    known = presets()
+    if s.preset not in known:
+        raise UsageError(f"unknown --preset {s.preset!r}; choose one of {', '.join(known)}")
+    name, fields = known[s.preset]
+    if s.model not in (name, Settings.model):  # --preset names its model; another one given is a contradiction
+        raise UsageError(f"--preset {s.preset} is a {name} model, not --model {s.model}")
+    return name, {**fields, **{k: v for k, v in given.items() if v is not None}}
+
+
 def _check_finite(s: Settings) -> None:
     """nan and inf parse as floats (Python's float() takes them, and so do TOML and
     JSON), but no setting means anything with them: --lr nan trained to NaN and exited 0."""
@@ -149,9 +183,20 @@ def _check_onebit_adam(s: Settings, spec) -> None:
 
 
 def _check_data(s: Settings) -> None:
-    """A token file (--data X.bin) needs its vocabulary; bytes need at least 256 ids."""
+    """A token file (--data X.bin) needs its vocabulary; bytes need at least 256 ids; a
+    tokenizer tokenizes text (not a token file, nor synthetic ids)."""
     tokens = s.data.endswith(".bin")  # dpjax.data.TOKEN_SUFFIX
-    if tokens and s.vocab_size is None:
+    if s.tokenizer is not None:
+        from dpjax.tokenizer import vocab_of
+
+        if tokens or s.data == "synthetic":
+            raise UsageError(f"--tokenizer tokenizes text; --data {s.data} is {'ids' if tokens else 'synthetic'} "
+                             "already (python -m dpjax.prepare --tokenizer makes a token file from text)")
+        n = vocab_of(s.tokenizer)
+        if s.vocab_size is not None and s.vocab_size < n:
+            raise UsageError(f"--vocab-size {s.vocab_size} is smaller than --tokenizer {s.tokenizer}'s {n} ids")
+        return
+    if tokens and s.vocab_size is None and s.init_from is None and s.preset is None:
         raise UsageError(f"--data {s.data} is a token file: give its tokenizer's --vocab-size")
     if s.vocab_size is not None and s.vocab_size < (2 if tokens or s.data == "synthetic" else 256):
         raise UsageError(f"--vocab-size {s.vocab_size} is too small for --data {s.data}")

@@ -23,15 +23,17 @@ from dpjax.plan import flag
 from dpjax.settings import TOPICS, Settings
 from dpjax.train.efficiency import describe
 
-DESCRIPTION = ("Train a byte-level GPT (or MLP) on a device mesh: data parallelism over the data axes (gradients "
-               "averaged by dpjax's explicit collectives in fused buckets), Megatron-style tensor parallelism over "
-               "the model axis (each device holds 1/n of every large layer), pipeline stages over a stage axis, "
+DESCRIPTION = ("Train a byte-level GPT, a Llama-family model or an MLP on a device mesh, with data parallelism "
+               "over the data axes (gradients averaged by dpjax's explicit collectives in fused buckets), "
+               "Megatron-style tensor parallelism over the model axis (each device holds 1/n of every large layer), pipeline stages over a stage axis, "
                "and an update rule between workers (sync, delayed, sparse/local SGD/DiLoCo, async). On a CPU-only "
                "machine the devices the mesh needs are simulated.")
 
 MODEL_OPTION_HELP = {"d_model": "model width", "n_layers": "transformer blocks", "n_heads": "attention heads",
                      "d_ff": "MLP width", "context": "bytes of context each position sees",
-                     "d_embed": "byte embedding width", "d_hidden": "hidden units"}
+                     "d_embed": "byte embedding width", "d_hidden": "hidden units",
+                     "n_kv_heads": "key/value heads (grouped-query attention)", "rope_theta": "rotary base",
+                     "norm_eps": "RMSNorm epsilon", "tie_embeddings": "output head = embedding table (true/false)"}
 
 
 def _resolved(value):
@@ -46,6 +48,15 @@ def _mib(text: str):
         return float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a number of MiB or auto, got {text!r}") from None
+
+
+def _switch(text: str) -> bool:
+    """A model's yes/no option (--tie-embeddings true): bool('false') would be True."""
+    if text.lower() in ("1", "true", "yes", "on"):
+        return True
+    if text.lower() in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
 
 
 class ArgumentError(UserError):
@@ -120,10 +131,13 @@ def build_parser() -> argparse.ArgumentParser:
     types, owners = option_types(), {}  # each option parses as its config field's type
     for model, opts in model_options().items():
         for name, default in opts.items():  # an option two models share is one flag
-            owners.setdefault(name, []).append(f"{model}: {MODEL_OPTION_HELP.get(name, name)} (default: {default})")
-    for name, which in owners.items():
-        g.add_argument(flag(name), type=types[name], default=argparse.SUPPRESS, dest=f"model_{name}", metavar="N",
-                       help="; ".join(which))
+            owners.setdefault(name, {})[model] = default
+    for name, defaults in owners.items():
+        same = len(set(map(str, defaults.values()))) == 1
+        default = next(iter(defaults.values())) if same else ", ".join(f"{m} {d}" for m, d in defaults.items())
+        g.add_argument(flag(name), type=_switch if types[name] is bool else types[name], default=argparse.SUPPRESS,
+                       dest=f"model_{name}", metavar="B" if types[name] is bool else "N",
+                       help=f"{', '.join(defaults)}: {MODEL_OPTION_HELP.get(name, name)} (default: {default})")
     return p
 
 

@@ -69,8 +69,25 @@ class Trainer:
         warning = hardware.cpu_but_gpu_warning(jax.devices())
         if warning and jax.process_index() == 0:
             print(warning, file=sys.stderr, flush=True)
-        self.train_stream, self.val_stream = make_streams(cfg.data, cfg.seq_len, cfg.seed, vocab_size=cfg.vocab_size,
-                                                          token_dtype=cfg.token_dtype)
+        from dpjax.tokenizer import Bytes, for_corpus, for_model
+
+        given = None
+        if cfg.tokenizer:  # bpe:N is trained on the corpus here
+            from dpjax.data import text_chunks
+
+            given = for_corpus(cfg.tokenizer, text_chunks(cfg.data))
+            if given.vocab_size > self.model.config.vocab_size:
+                from dpjax.plan import UsageError
+
+                raise UsageError(f"--tokenizer {cfg.tokenizer} has {given.vocab_size} ids, the model "
+                                 f"{self.model.config.vocab_size}")
+        self.train_stream, self.val_stream = make_streams(
+            cfg.data, cfg.seq_len, cfg.seed, vocab_size=self.model.config.vocab_size,
+            token_dtype=cfg.token_dtype, tokenizer=given)
+        text = not cfg.data.endswith(".bin") and cfg.data != "synthetic"
+        # what the ids are: the tokenizer given; bytes of text; for a token file, perhaps an --init-from folder's
+        self.tokenizer = given or (Bytes() if text else for_model(cfg.init_from, None, self.model.config.vocab_size,
+                                                                  text=False))
         self._steps, self.comm_bytes = {}, CommBytes(plan)
         self.compression_ratio = observe.CompressionRatio(plan) if plan.exchange.compression else None
         self.use(Setting(plan.exchange.algorithm, plan.exchange.fusion_mb))
@@ -97,8 +114,15 @@ class Trainer:
             # the layer stack is stored V x L/V: it resumes on any stage count, with the same V
             self.record["model"]["virtual_stages"] = self.layout.pipeline.virtual_stages
         key = jax.random.key(cfg.seed)
-        self.params, self.opt_state = self.step.init(S.init_params(self.model, self.layout, key, plan.policy,
-                                                                  keep=self.programs and self.programs.keep))
+        if cfg.init_from:  # the weights given, read onto this layout; the optimizer state fresh
+            from dpjax.hf import params_of
+
+            initial = plan.policy.store(params_of(cfg.init_from, self.model, self.layout))
+            self.say(f"initialised from {cfg.init_from} ({self.model.num_params(initial):,} parameters)")
+        else:
+            initial = S.init_params(self.model, self.layout, key, plan.policy,
+                                    keep=self.programs and self.programs.keep)
+        self.params, self.opt_state = self.step.init(initial)
         # The run's RNG state: nothing in the step draws from it yet (no dropout), but it is
         # saved and restored with the rest so that stochastic steps resume exactly too.
         self.rng = jax.device_put(jax.random.key_data(jax.random.fold_in(key, 1)), S.replicated(self.mesh))

@@ -12,7 +12,7 @@ import signal
 import sys
 import time
 
-from dpjax.train import nonfinite, observe, resume, tuning
+from dpjax.train import nonfinite, observe, resume, sample, tuning
 from dpjax.train.efficiency import Efficiency
 from dpjax.train.metrics import open_writers
 from dpjax.train.progress import Progress
@@ -174,6 +174,9 @@ def run_loop(self) -> dict:
         drain()
         if not stop["now"]:
             record_eval(cfg.steps - 1)
+            line = sample.sample_line(self)
+            if line:
+                self.say(line)
     finally:
         if rec is not None and rec.active:
             rec.stop()  # interrupted inside the profiled steps

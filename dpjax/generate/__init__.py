@@ -1,0 +1,108 @@
+"""Text from a model: greedy, temperature and nucleus (top-p) sampling, stopping at EOS.
+
+A Llama decodes with a KV cache (`cache.py`: the prompt in one pass, then one token a
+step, each step's cost independent of the length so far); the other models (the GPT,
+the MLP) recompute their window for each new token. The parameters may be sharded on any
+mesh: the programs are jitted over the global arrays, so XLA lays the work out as the
+parameters lie. `python -m dpjax.generate` is the command line; the train job's sample
+at the end of training calls `generate` too.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dpjax.generate import cache as kv
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """temperature 0: greedy (the most likely token); else softmax(logits / temperature)
+    restricted to the smallest set of tokens whose probability reaches top_p (Holtzman
+    et al., "The curious case of neural text degeneration", 2020)."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int = 0
+
+
+def pick(logits_BxV, key, sampling: Sampling):
+    """The next token of each row (int32, B)."""
+    if sampling.temperature == 0:
+        return jnp.argmax(logits_BxV, axis=-1).astype(jnp.int32)
+    z_BxV = logits_BxV.astype(jnp.float32) / sampling.temperature
+    if sampling.top_p < 1:
+        order_BxV = jnp.argsort(-z_BxV, axis=-1)
+        p_BxV = jax.nn.softmax(jnp.take_along_axis(z_BxV, order_BxV, axis=-1), axis=-1)
+        keep_BxV = jnp.cumsum(p_BxV, axis=-1) - p_BxV < sampling.top_p  # the first token past top_p stays in
+        kept_BxV = jnp.zeros_like(keep_BxV).at[jnp.arange(z_BxV.shape[0])[:, None], order_BxV].set(keep_BxV)
+        z_BxV = jnp.where(kept_BxV, z_BxV, -jnp.inf)
+    return jax.random.categorical(key, z_BxV, axis=-1).astype(jnp.int32)
+
+
+def generate(model, params, prompt_BxT, max_new_tokens: int, sampling: Sampling = Sampling(), eos=()):
+    """(B x N new tokens, as a numpy array): up to `max_new_tokens` after each prompt row
+    (rows of equal length), each row stopping after an id in `eos` (later places hold
+    the last EOS id). The model's seq_len bounds prompt + new tokens."""
+    prompt_BxT = np.asarray(prompt_BxT, np.int32)
+    B, T = prompt_BxT.shape
+    if T + max_new_tokens > model.config.seq_len:
+        raise ValueError(f"{T} prompt + {max_new_tokens} new tokens exceed the model's {model.config.seq_len}")
+    step = _cached_step(model) if model.name == "llama" else _window_step(model)
+    key = jax.random.key(sampling.seed)
+    state = step.start(params, jnp.asarray(prompt_BxT), B)
+    eos_ids = np.asarray(list(eos), np.int32)
+    done, out = np.zeros(B, bool), []
+    for i in range(max_new_tokens):
+        logits_BxV, state = step.next(params, state, T + i)
+        token_B = np.asarray(pick(logits_BxV, jax.random.fold_in(key, i), sampling))
+        token_B = np.where(done, out[-1] if out else token_B, token_B)
+        out.append(token_B)
+        done |= np.isin(token_B, eos_ids)
+        if done.all():
+            break
+        state = step.feed(params, state, jnp.asarray(token_B), T + i)
+    return np.stack(out, axis=1) if out else np.zeros((B, 0), np.int32)
+
+
+@dataclass
+class _Step:
+    start: object  # (params, prompt, B) -> state
+    next: object  # (params, state, length) -> (logits of the next token, state)
+    feed: object  # (params, state, token, position) -> state
+
+
+def _cached_step(model) -> _Step:
+    """The Llama with its KV cache: the state is (logits of the last position, cache)."""
+    forward = jax.jit(lambda p, t, start, c: kv.forward(model, p, t, start, c))
+
+    def start(params, prompt_BxT, B):
+        logits_BxTxV, cache = forward(params, prompt_BxT, 0, kv.empty(model, B, model.config.seq_len))
+        return logits_BxTxV[:, -1], cache
+
+    def feed(params, state, token_B, position):
+        logits_BxTxV, cache = forward(params, token_B[:, None], position, state[1])
+        return logits_BxTxV[:, -1], cache
+
+    return _Step(start, lambda params, state, length: (state[0], state), feed)
+
+
+def _window_step(model) -> _Step:
+    """Any model with `apply`: the whole sequence so far, padded to seq_len (causal: the
+    padding never reaches the logits read), recomputed for each token."""
+    apply = jax.jit(lambda p, t: model.apply(p, t))
+
+    def start(params, prompt_BxT, B):
+        return jnp.zeros((B, model.config.seq_len), jnp.int32).at[:, :prompt_BxT.shape[1]].set(prompt_BxT)
+
+    def next_(params, tokens_BxT, length):
+        return apply(params, tokens_BxT)[:, length - 1], tokens_BxT
+
+    def feed(params, tokens_BxT, token_B, position):
+        return tokens_BxT.at[:, position].set(token_B)
+
+    return _Step(start, next_, feed)

@@ -1,0 +1,80 @@
+"""`python -m dpjax.hf import DIR --out CKPT` / `python -m dpjax.hf export CKPT --out DIR`.
+
+import: a HuggingFace Llama folder (config.json, safetensors: one file or shards and
+their index) -> a dpjax checkpoint (parameters, float32, step 0), read on a mesh
+(--mesh, default every device on `model` where it divides: each device reads its own
+block from the memory-mapped files). export: a dpjax checkpoint (an import's, or a
+training run's --ckpt-dir, from any mesh) -> a HuggingFace folder in the Hub's layout.
+User errors: one line, exit 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from dpjax.errors import UserError
+
+
+def do_import(folder: str, out: str, mesh_spec: str | None) -> str:
+    from dpjax.hf.export import save_checkpoint
+    from dpjax.hf.load import model_from_hf
+    from dpjax.hf.source import default_mesh, params_of
+    from dpjax.sharding import make_layout
+
+    model, hub = model_from_hf(folder)
+    if os.path.isdir(out) and os.listdir(out):
+        raise UserError(f"{out} exists and is not empty; pass a new folder")
+    layout = make_layout(model, default_mesh(model, mesh_spec))
+    params = params_of("hf:" + folder, model, layout)
+    save_checkpoint(out, params, model, hub, hub.get("torch_dtype") or "float32")
+    n = model.num_params(params)
+    return f"{out}: {model.name} with {n:,} parameters from {folder} (step 0); train with --init-from {out}"
+
+
+def do_export(ckpt: str, out: str, dtype: str | None, shard_mb: float) -> str:
+    from dpjax.hf.export import export
+    from dpjax.hf.source import default_mesh, model_of, params_of
+    from dpjax.sharding import make_layout
+
+    model, hub, record = model_of(ckpt)
+    if model.name != "llama":
+        raise UserError(f"{ckpt} holds a {model.name} model; the HuggingFace export writes llama")
+    layout = make_layout(model, default_mesh(model))
+    params = params_of(ckpt, model, layout, record)
+    dtype = dtype or (record.get("hf") or {}).get("dtype") or "float32"
+    files = export(params, model, out, dtype=dtype, base_config=hub, max_shard_bytes=int(shard_mb * 2**20))
+    return f"{out}: {', '.join(files)} ({dtype})"
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m dpjax.hf", description=__doc__.split("\n\n")[1])
+    sub = p.add_subparsers(dest="command", required=True)
+    i = sub.add_parser("import", help="a HuggingFace Llama folder -> a dpjax checkpoint")
+    i.add_argument("folder")
+    i.add_argument("--out", required=True, help="the dpjax checkpoint folder to write")
+    i.add_argument("--mesh", help="read onto this mesh (default: every device on model where it divides)")
+    e = sub.add_parser("export", help="a dpjax checkpoint -> a HuggingFace folder")
+    e.add_argument("ckpt")
+    e.add_argument("--out", required=True, help="the HuggingFace folder to write")
+    e.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
+                   help="the files' dtype (default: the imported folder's, else float32)")
+    e.add_argument("--shard-mb", type=float, default=5 * 1024, help="largest safetensors file in MiB (default 5 GiB)")
+    args = p.parse_args(argv)
+    try:
+        if args.command == "import":
+            line = do_import(args.folder, args.out, args.mesh)
+        else:
+            line = do_export(args.ckpt, args.out, args.dtype, args.shard_mb)
+    except UserError as e:
+        if os.environ.get("DPJAX_DEBUG"):
+            raise
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(line)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

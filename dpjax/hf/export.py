@@ -1,0 +1,98 @@
+"""dpjax's Llama parameters -> a HuggingFace folder (safetensors shards, index, config.json),
+and the dpjax checkpoints `python -m dpjax.hf` reads and writes.
+
+Export fetches one layer of one leaf at a time to the host (a training run's arrays are
+sharded over any mesh; a layer is the unit the Hub's files hold) and writes each Hub
+tensor as it comes, so the host holds one layer's tensors, never the model. An
+untouched import exports every tensor bit for bit: the conversion is transposes and
+reshapes, and the dtype is the imported file's (`torch_dtype`) unless another is asked.
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax
+import numpy as np
+
+from dpjax.hf import llama as names
+from dpjax.hf.files import DTYPES, HFError, write_folder
+from dpjax.hf.load import CONFIG
+
+TORCH_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
+DEFAULT_SHARD_BYTES = 5 * 2**30  # transformers' save_pretrained default, 5 GB
+
+
+def hub_names(model) -> list[tuple[str, tuple, int | None]]:
+    """(Hub name, dpjax leaf key, layer or None) in the order the Hub writes them."""
+    c, out = model.config, [("model.embed_tokens.weight", ("embed_VmxD",), None)]
+    for i in range(c.n_layers):
+        for key, hub in names.LAYER.items():
+            out += [(f"model.layers.{i}." + n, key, i) for n in hub]
+    out.append(("model.norm.weight", ("norm", "scale_D"), None))
+    if not c.tie_embeddings:
+        out.append(("lm_head.weight", ("unembed_VmxD",), None))
+    return out
+
+
+def export(params, model, folder: str, *, dtype: str = "float32", base_config: dict | None = None,
+           max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> list[str]:
+    """Writes `params` (dpjax's Llama tree, any sharding, the layer stack L x ...) to
+    `folder` in the Hub's layout; returns the files written."""
+    import json
+
+    if dtype not in TORCH_DTYPES:
+        raise HFError(f"export dtype {dtype!r}: choose one of {', '.join(TORCH_DTYPES)}")
+    np_dtype = DTYPES[TORCH_DTYPES[dtype]]
+    os.makedirs(folder, exist_ok=True)
+    table = {hub: (key, i) for hub, key, i in hub_names(model)}
+    cache = {}  # the last (leaf, layer) fetched: k_proj and v_proj come from one wkv layer
+
+    def leaf(key):
+        tree = params[model.LAYERS] if key in names.LAYER else params
+        for k in key:
+            tree = tree[k]
+        return tree
+
+    def fetch(hub):
+        key, i = table[hub]
+        if (key, i) not in cache:
+            cache.clear()
+            value = leaf(key) if i is None else leaf(key)[i]
+            cache[(key, i)] = names.hub_tensors(key, np.asarray(jax.device_get(value)), i)
+        return cache[(key, i)][hub]
+
+    def spec(hub):
+        key, i = table[hub]
+        shape = leaf(key).shape if i is None else leaf(key).shape[1:]
+        return np_dtype, _hub_shape(key, shape, model.config)[hub.rsplit(".", 2)[-2] == "v_proj"]
+
+    files = write_folder(folder, list(table), spec, fetch, max_shard_bytes)
+    with open(os.path.join(folder, CONFIG), "w") as f:
+        json.dump(names.config_to_hub(model.config, dtype, base_config), f, indent=2)
+    return [*files, CONFIG]
+
+
+def _hub_shape(key, shape, c) -> tuple:
+    """The Hub shape(s) of one layer of leaf `key` (a pair: k_proj's, v_proj's)."""
+    name = key[-1]
+    if name == "wq_LsxDxHmxK":
+        shape = (shape[1] * shape[2], shape[0])
+    elif name == "wkv_LsxDx2xYmxK":
+        shape = (shape[2] * shape[3], shape[0])
+    elif name == "wo_LsxHmxKxD":
+        shape = (shape[2], shape[0] * shape[1])
+    elif len(shape) == 2 and name not in ("embed_VmxD", "unembed_VmxD"):
+        shape = shape[::-1]
+    return (shape, shape)
+
+
+def save_checkpoint(folder: str, params, model, hub_config: dict | None, dtype: str) -> None:
+    """A dpjax checkpoint of imported parameters (step 0, parameters only), its record
+    naming the model (what --init-from and export rebuild it from) and the Hub config."""
+    from dpjax.checkpoint import Checkpointer
+
+    ckpt = Checkpointer(folder)
+    ckpt.save(0, {"params": params}, {"model": model.describe(), "step": 0,
+                                      "hf": {"config": hub_config or {}, "dtype": dtype}})
+    ckpt.close()

@@ -1,0 +1,86 @@
+"""Where a run's starting weights come from: `hf:DIR` (a HuggingFace folder) or CKPT (a
+dpjax checkpoint folder: `python -m dpjax.hf import`'s, or a training run's --ckpt-dir),
+read onto a layout. `--init-from` (train), `python -m dpjax.generate` and export call this.
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax
+
+from dpjax.hf.files import HFError
+from dpjax.hf.load import HF_PREFIX, load_params, model_from_hf
+
+
+def is_hf(source: str) -> bool:
+    return source.startswith(HF_PREFIX)
+
+
+def model_of(source: str, seq_len: int | None = None):
+    """(the model, the Hub config or None, the dpjax record or None) that `source` holds."""
+    if is_hf(source):
+        model, hub = model_from_hf(source[len(HF_PREFIX):], seq_len)
+        return model, hub, None
+    record = read_record(source)
+    fields = {k: v for k, v in record["model"].items() if k not in ("model", "virtual_stages")}
+    if seq_len:
+        fields["seq_len"] = seq_len
+    from dpjax.models import get_model
+
+    return get_model(record["model"]["model"], **fields), record.get("hf", {}).get("config"), record
+
+
+def default_mesh(model, spec: str | None = None):
+    """The mesh `spec` names, or every device here on `model` (as many as divide the
+    heads, the MLP width and the vocabulary): each device reads and holds its block."""
+    from dpjax.mesh import make_mesh
+
+    if spec is not None:
+        return make_mesh(spec)
+    c, n = model.config, len(jax.devices())
+    while n > 1 and any(x % n for x in (getattr(c, "n_heads", 1), getattr(c, "d_ff", 1), c.vocab_size)):
+        n -= 1
+    return make_mesh(f"1x{n}", jax.devices()[:n])
+
+
+def read_record(folder: str) -> dict:
+    from dpjax.checkpoint import Checkpointer
+
+    if not os.path.isdir(folder):
+        raise HFError(f"{folder}: no such checkpoint folder (a HuggingFace folder is given as hf:{folder})")
+    return Checkpointer(folder).read_record()
+
+
+def params_of(source: str, model, layout, record: dict | None = None):
+    """`source`'s parameters in `layout`'s sharding (float32)."""
+    if is_hf(source):
+        return load_params(source[len(HF_PREFIX):], model, layout)
+    import orbax.checkpoint as ocp
+
+    from dpjax.checkpoint import CheckpointError, Checkpointer
+
+    ckpt = Checkpointer(source)
+    step = ckpt.latest_step()
+    record = record or ckpt.read_record(step)
+    V = record["model"].get("virtual_stages", 1)  # a pipeline's interleaved stack is stored V x L/V
+    abstract = jax.eval_shape(model.init, jax.random.key(0))
+    saved = jax.tree_util.tree_map_with_path(
+        lambda path, x: jax.ShapeDtypeStruct((V, x.shape[0] // V, *x.shape[1:]) if V > 1 and getattr(
+            path[0], "key", None) == getattr(model, "LAYERS", None) else x.shape, x.dtype), abstract)
+    stored_v = layout.pipeline.virtual_stages if layout.pipeline is not None else 1
+    target = layout.shardings() if V == 1 and stored_v == 1 else None
+    if target is not None:
+        saved = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), saved, target)
+    try:
+        item = {"params": saved}
+        state = ckpt._manager.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
+            item, restore_args=ocp.checkpoint_utils.construct_restore_args(item), partial_restore=True))).state
+    except Exception as e:  # orbax raises many kinds; all mean the same to a user
+        raise CheckpointError(f"{source}: its parameters cannot be read as {model.name} "
+                              f"({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''})") from None
+    params = state["params"]
+    if V > 1 or stored_v > 1:  # back to L x ..., then as the layout stores them (its own V), onto it
+        params = {**params, model.LAYERS: jax.tree.map(lambda x: x.reshape(-1, *x.shape[2:]), params[model.LAYERS])}
+        params = jax.device_put(layout.store(params), layout.shardings())
+    return params

@@ -1,0 +1,246 @@
+"""A Llama-family decoder: RMSNorm, rotary positions, SwiGLU, grouped-query attention.
+
+Touvron et al., "LLaMA" (2023) and "Llama 2" (2023); Grattafiori et al., "The Llama 3
+herd of models" (2024); grouped-query attention from Ainslie et al., "GQA" (2023).
+The arithmetic follows HuggingFace's `LlamaForCausalLM` (rotate-half rotary embeddings,
+the RMSNorm's statistics in float32, K/V head y serving query heads y*H/Y .. (y+1)*H/Y-1),
+so that a Hub checkpoint imports without permuting a weight (`dpjax.hf`).
+
+The parameter tree is stacked like the GPT's (`blocks`, a leading layer axis L that a
+`stage` axis splits), runs in the same stack runner and compute policy, and every matmul
+is a tensor-parallel one. Shape letters as in `dpjax/__init__.py`; Y is the K/V heads.
+Under tensor parallelism the query heads are split over `model`; the K/V heads too when
+there are at least as many as model ranks (Y % n == 0), else they are replicated and each
+rank computes all Y and uses the one its query heads share (n % Y == 0)."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+from dpjax import attention, stack
+from dpjax import tensor_parallel as tp
+from dpjax.errors import UserError
+from dpjax.models.gpt import GPT, ByteModel, GPTConfig
+from dpjax.models.registry import Entry, register
+from dpjax.tensor_parallel import DENSE, Parallel
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    vocab_size: int = 256
+    seq_len: int = 128
+    d_model: int = 128
+    n_layers: int = 2
+    n_heads: int = 8
+    n_kv_heads: int = 4  # grouped-query attention: n_heads / n_kv_heads query heads share one K/V head
+    d_ff: int = 384  # SwiGLU width
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = False  # the output head is the embedding table (Llama 3.2 1B / 3B)
+
+    def __post_init__(self):
+        for name in ("vocab_size", "seq_len", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff"):
+            if getattr(self, name) < 1:
+                raise UserError(f"Llama {name} must be positive, got {getattr(self, name)}")
+        if self.rope_theta <= 0 or self.norm_eps <= 0:
+            raise UserError(f"Llama rope_theta and norm_eps must be positive, got {self.rope_theta}, {self.norm_eps}")
+        if self.d_model % self.n_heads or (self.d_model // self.n_heads) % 2:
+            raise UserError(f"Llama d_model={self.d_model} must split into n_heads={self.n_heads} heads of an even "
+                            "width (rotary positions rotate pairs)")
+        if self.n_heads % self.n_kv_heads:
+            raise UserError(f"Llama n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}")
+
+
+# Named shapes (`--preset`): Meta's published configurations (the Hub's config.json). The
+# 3.2 1B's "llama3" rope scaling for long contexts is not modelled (`dpjax.hf` refuses it).
+PRESETS = {
+    "llama3-1b": dict(vocab_size=128256, d_model=2048, n_layers=16, n_heads=32, n_kv_heads=8, d_ff=8192,
+                      rope_theta=500000.0, tie_embeddings=True),
+    "llama3-3b": dict(vocab_size=128256, d_model=3072, n_layers=28, n_heads=24, n_kv_heads=8, d_ff=8192,
+                      rope_theta=500000.0, tie_embeddings=True),
+    "llama3-8b": dict(vocab_size=128256, d_model=4096, n_layers=32, n_heads=32, n_kv_heads=8, d_ff=14336,
+                      rope_theta=500000.0),
+    "llama2-7b": dict(vocab_size=32000, d_model=4096, n_layers=32, n_heads=32, n_kv_heads=32, d_ff=11008,
+                      norm_eps=1e-5),
+}
+
+
+def rms_norm(x, scale, eps: float):
+    """x / sqrt(mean(x^2) + eps) * scale, the statistics in float32 whatever `x`'s dtype
+    (HuggingFace's LlamaRMSNorm); the result in `x`'s dtype."""
+    x32 = x.astype(jnp.float32)
+    normed = x32 / jnp.sqrt((x32 * x32).mean(-1, keepdims=True) + eps)
+    return (scale * normed.astype(x.dtype)).astype(x.dtype)
+
+
+def rope_table(n_positions: int, K: int, theta: float):
+    """sin and cos of every position's angles, n_positions x K each (the K/2 frequencies
+    twice: the rotate-half layout). Made with numpy as HuggingFace's Flax Llama makes it
+    (frequencies in float64, cast to float32, then sin and cos): a constant of the trace."""
+    inv_freq = 1.0 / (theta ** (np.arange(0, K, 2) / K))
+    freqs = np.einsum("i,j->ij", np.arange(n_positions), inv_freq).astype(np.float32)
+    angles = np.concatenate([freqs, freqs], axis=-1)
+    return np.sin(angles), np.cos(angles)
+
+
+def rotate(x_BxTxHxK, sin_BxTxK, cos_BxTxK):
+    """Rotary embedding (Su et al., "RoFormer", 2021) in the rotate-half convention: the
+    pairs are (i, i + K/2), not neighbours."""
+    half = x_BxTxHxK.shape[-1] // 2
+    rotated = jnp.concatenate([-x_BxTxHxK[..., half:], x_BxTxHxK[..., :half]], axis=-1)
+    sin, cos = sin_BxTxK[:, :, None].astype(x_BxTxHxK.dtype), cos_BxTxK[:, :, None].astype(x_BxTxHxK.dtype)
+    return x_BxTxHxK * cos + rotated * sin
+
+
+class Llama(ByteModel):
+    """Pre-norm decoder blocks (RMSNorm, GQA with rotary positions, SwiGLU), a final
+    RMSNorm and an untied (or tied) output head; the pipeline's pieces are `embed`,
+    `layer` and `head_loss`, as the GPT's."""
+
+    name = "llama"
+    LAYERS = "blocks"
+    SPECS = {
+        "embed_VmxD": P("model", None), "unembed_VmxD": P("model", None),  # vocabulary-parallel
+        "scale_D": P(), "scale_LsxD": P("stage", None),  # the norms
+        "wq_LsxDxHmxK": P("stage", None, "model", None),  # query heads split: column-parallel
+        "wkv_LsxDx2xYmxK": P("stage", None, None, "model", None),  # K/V heads split (or replicated: sharding_table)
+        "wo_LsxHmxKxD": P("stage", "model", None, None),  # row-parallel
+        "wgate_LsxDxFm": P("stage", None, "model"), "wup_LsxDxFm": P("stage", None, "model"),  # column-parallel
+        "wdown_LsxFmxD": P("stage", "model", None),  # row-parallel
+    }
+
+    def sharding_table(self, mesh) -> dict:
+        """SPECS on `mesh`: the K/V heads split over `model` when they divide by it,
+        replicated when fewer (each rank then uses the one its query heads share)."""
+        n, Y = dict(mesh.shape).get("model", 1), self.config.n_kv_heads
+        if Y % n == 0:
+            return self.SPECS
+        if n % Y:
+            raise UserError(f"llama n_kv_heads={Y} and the model axis of {n}: one must divide the other (K/V "
+                            "heads split over the model ranks, or each shared by n/Y of them)")
+        return {**self.SPECS, "wkv_LsxDx2xYmxK": P("stage", None, None, None, None)}
+
+    def init(self, key):
+        c = self.config
+        D, F, H, Y, K, L = c.d_model, c.d_ff, c.n_heads, c.n_kv_heads, c.d_model // c.n_heads, c.n_layers
+        std = 0.02  # HuggingFace's initializer_range
+        keys = jax.random.split(key, 2 + 6 * L)
+
+        def stacked(j, shape):  # layer i draws from keys[2 + 6i + j], whatever L is split into
+            return jnp.stack([std * jax.random.normal(keys[2 + 6 * i + j], shape) for i in range(L)])
+
+        params = {
+            "embed_VmxD": std * jax.random.normal(keys[0], (c.vocab_size, D)),
+            "blocks": {
+                "attn_norm": {"scale_LsxD": jnp.ones((L, D))},
+                "attn": {"wq_LsxDxHmxK": stacked(0, (D, H, K)), "wkv_LsxDx2xYmxK": stacked(1, (D, 2, Y, K)),
+                         "wo_LsxHmxKxD": stacked(2, (H, K, D))},
+                "mlp_norm": {"scale_LsxD": jnp.ones((L, D))},
+                "mlp": {"wgate_LsxDxFm": stacked(3, (D, F)), "wup_LsxDxFm": stacked(4, (D, F)),
+                        "wdown_LsxFmxD": stacked(5, (F, D))},
+            },
+            "norm": {"scale_D": jnp.ones((D,))},
+        }
+        if not c.tie_embeddings:
+            params["unembed_VmxD"] = std * jax.random.normal(keys[1], (c.vocab_size, D))
+        return params
+
+    def embed(self, params, tokens_BdxT, par: Parallel = DENSE):
+        """The token embeddings (the first stage's work): Bd x T x D; positions enter in
+        each layer's attention."""
+        c = self.config
+        assert params["embed_VmxD"].shape == (c.vocab_size // par.size(), c.d_model), (
+            params["embed_VmxD"].shape, par.size())  # this device's block
+        return tp.vocab_parallel_embed(tokens_BdxT, par.policy.cast(params["embed_VmxD"]), par)
+
+    def project(self, a, h_BdxTxD, positions_BdxT, par: Parallel = DENSE):
+        """This rank's queries (Bd x T x Hm x K) and the K and V heads they read (Bd x T x
+        Ym x K: Y/n split heads, or the one replicated head its queries share), rotated
+        to `positions_BdxT`."""
+        c, n = self.config, par.size()
+        H, Y, K = c.n_heads, c.n_kv_heads, c.d_model // c.n_heads
+        replicated = a["wkv_LsxDx2xYmxK"].shape[2] == Y and n > 1 and Y % n != 0
+        assert a["wq_LsxDxHmxK"].shape == (c.d_model, H // n, K) and a["wkv_LsxDx2xYmxK"].shape[:2] == (
+            c.d_model, 2), (a["wq_LsxDxHmxK"].shape, a["wkv_LsxDx2xYmxK"].shape, n)  # this device's heads
+        hf_BdxTxD = par.f(h_BdxTxD)
+        q_BdxTxHmxK = jnp.einsum("btd,dhk->bthk", hf_BdxTxD, a["wq_LsxDxHmxK"])
+        if replicated:  # every rank computes the Y heads; f sums the ranks' partial cotangents of them
+            kv_Bdx2xTxYxK = par.f(jnp.einsum("btd,diyk->bityk", h_BdxTxD, a["wkv_LsxDx2xYmxK"]))
+            kv_Bdx2xTxYmxK = lax.dynamic_slice_in_dim(kv_Bdx2xTxYxK, par.rank() * Y // n, 1, axis=3)
+        else:
+            kv_Bdx2xTxYmxK = jnp.einsum("btd,diyk->bityk", hf_BdxTxD, a["wkv_LsxDx2xYmxK"])
+        sin_TxK, cos_TxK = rope_table(c.seq_len, K, c.rope_theta)
+        sin_BdxTxK, cos_BdxTxK = jnp.asarray(sin_TxK)[positions_BdxT], jnp.asarray(cos_TxK)[positions_BdxT]
+        q_BdxTxHmxK = rotate(q_BdxTxHmxK, sin_BdxTxK, cos_BdxTxK)
+        k_BdxTxYmxK = rotate(kv_Bdx2xTxYmxK[:, 0], sin_BdxTxK, cos_BdxTxK)
+        return q_BdxTxHmxK, k_BdxTxYmxK, kv_Bdx2xTxYmxK[:, 1]
+
+    def layer(self, blk, x_BdxTxD, par: Parallel = DENSE, positions_BdxT=None):
+        """One block; `blk` is one layer of the stack (its leaves without the leading L).
+        positions_BdxT: each token's position (default 0 .. T-1)."""
+        a, c = blk["attn"], self.config
+        B, T = x_BdxTxD.shape[:2]
+        if positions_BdxT is None:
+            positions_BdxT = jnp.broadcast_to(jnp.arange(T), (B, T))
+        h_BdxTxD = rms_norm(x_BdxTxD, blk["attn_norm"]["scale_LsxD"], c.norm_eps)
+        q_BdxTxHmxK, k_BdxTxYmxK, v_BdxTxYmxK = self.project(a, h_BdxTxD, positions_BdxT, par)
+        group = q_BdxTxHmxK.shape[2] // k_BdxTxYmxK.shape[2]  # query heads per K/V head on this rank
+        o_BdxTxHmxK = attention.causal(q_BdxTxHmxK, jnp.repeat(k_BdxTxYmxK, group, axis=2),
+                                       jnp.repeat(v_BdxTxYmxK, group, axis=2), par.policy.attention)
+        x_BdxTxD = x_BdxTxD + par.g(jnp.einsum("bthk,hkd->btd", o_BdxTxHmxK, a["wo_LsxHmxKxD"]))
+        return x_BdxTxD + self.mlp(blk, x_BdxTxD, par)
+
+    def mlp(self, blk, x_BdxTxD, par: Parallel = DENSE):
+        """The SwiGLU feed-forward (Shazeer, "GLU variants improve Transformer", 2020) of
+        the normed input: down(silu(gate(h)) * up(h)); one f for both column-parallel halves."""
+        m = blk["mlp"]
+        hf_BdxTxD = par.f(rms_norm(x_BdxTxD, blk["mlp_norm"]["scale_LsxD"], self.config.norm_eps))
+        h_BdxTxFm = jax.nn.silu(hf_BdxTxD @ m["wgate_LsxDxFm"]) * (hf_BdxTxD @ m["wup_LsxDxFm"])
+        return tp.row_parallel(h_BdxTxFm, m["wdown_LsxFmxD"], None, par)
+
+    def head(self, params, x_BdxTxD, par: Parallel = DENSE):
+        """Final RMSNorm and the output head: Bd x T x Vm logits in float32."""
+        x_BdxTxD = rms_norm(x_BdxTxD, params["norm"]["scale_D"], self.config.norm_eps).astype(jnp.float32)
+        unembed_VmxD = params["embed_VmxD" if self.config.tie_embeddings else "unembed_VmxD"]
+        return tp.column_parallel(x_BdxTxD, unembed_VmxD.T.astype(jnp.float32), None, par)
+
+    head_loss, apply, loss = GPT.head_loss, GPT.apply, GPT.loss
+
+    def logits(self, params, tokens_BdxT, par: Parallel = DENSE):
+        """This shard's slice of the logits, Bd x T x Vm (all of them when dense)."""
+        outer = {k: par.use(v, k) for k, v in params.items() if k != self.LAYERS}
+        x_BdxTxD = self.embed(outer, tokens_BdxT, par)
+        x_BdxTxD = stack.run(self.layer, params[self.LAYERS], x_BdxTxD, par, path=(self.LAYERS,))
+        return self.head(outer, x_BdxTxD, par)
+
+    def activation_bytes(self, rows: int, *, remat: str = "none", attention: str = "naive", width: int = 4,
+                         split: int = 1) -> int:
+        """The GPT's estimate (`GPT.activation_bytes`, fitted to XLA's buffers on CPU) with
+        this model's extra SwiGLU half counted as MLP width (F -> 1.5 F): an estimate the
+        planner sizes remat by, not a fit of its own."""
+        c = self.config
+        as_gpt = GPT(dataclasses.replace(_gpt_shape(c), d_ff=c.d_ff * 3 // 2))
+        return as_gpt.activation_bytes(rows, remat=remat, attention=attention, width=width, split=split)
+
+    def flops_per_token(self) -> float:
+        """Training FLOPs per token: 6 x matmul parameters + attention (Kaplan et al. 2020)."""
+        c = self.config
+        K = c.d_model // c.n_heads
+        attn = c.d_model * (2 * c.n_heads * K + 2 * c.n_kv_heads * K)
+        matmul = c.n_layers * (attn + 3 * c.d_model * c.d_ff) + c.vocab_size * c.d_model  # + the output head
+        return 6 * matmul + 3 * c.n_layers * 4 * c.seq_len * c.d_model
+
+
+def _gpt_shape(c: LlamaConfig) -> GPTConfig:
+    return GPTConfig(vocab_size=c.vocab_size, seq_len=c.seq_len, d_model=c.d_model, n_layers=c.n_layers,
+                     n_heads=c.n_heads, d_ff=c.d_ff)
+
+
+register(Entry("llama", Llama, LlamaConfig, presets=PRESETS))

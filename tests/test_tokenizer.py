@@ -1,0 +1,75 @@
+"""Real tokenizers: python -m dpjax.prepare --tokenizer against HuggingFace `tokenizers`'
+own encoding, a BPE trained here (lossless: its ids decode to the text), the training
+data tokenized on the fly, and the one-line errors."""
+
+import os
+
+import numpy as np
+import pytest
+
+from dpjax.data import make_streams
+from dpjax.prepare import main as prepare
+from dpjax.tokenizer import load
+
+FIXTURE = os.path.join(os.path.dirname(__file__), "fixtures", "llama_tiny", "tokenizer.json")
+TEXT = "".join(f"line {i}: the quick brown fox jumps over the lazy dog, {i * i} times\n" for i in range(300))
+
+
+@pytest.fixture()
+def corpus(tmp_path):
+    path = tmp_path / "corpus.txt"
+    path.write_text(TEXT)
+    return str(path)
+
+
+def test_prepare_with_a_tokenizer_json_writes_its_ids(corpus, tmp_path):
+    from tokenizers import Tokenizer
+
+    out = str(tmp_path / "t.bin")
+    assert prepare([corpus, "--out", out, "--tokenizer", FIXTURE]) == 0
+    want = Tokenizer.from_file(FIXTURE).encode(TEXT, add_special_tokens=False).ids
+    np.testing.assert_array_equal(np.fromfile(out, np.uint16), want)
+
+
+def test_prepare_trains_a_bpe_that_gives_the_text_back(corpus, tmp_path, capsys):
+    out = str(tmp_path / "t.bin")
+    assert prepare([corpus, "--out", out, "--tokenizer", "bpe:300"]) == 0
+    assert "--vocab-size 300" in capsys.readouterr().out
+    tok = load(str(tmp_path / "t.tokenizer.json"))
+    ids = np.fromfile(out, np.uint16)
+    assert tok.vocab_size == 300 and ids.max() < 300 and ids.size < len(TEXT) / 2  # merges: fewer ids than bytes
+    assert tok.decode(ids) == TEXT
+
+
+def test_text_data_tokenized_for_training(corpus):
+    """make_streams with a tokenizer: every row is a window of the corpus's ids."""
+    tok = load(FIXTURE)
+    ids = np.asarray(tok.encode(TEXT))
+    train, val = make_streams(corpus, 16, 0, vocab_size=tok.vocab_size, tokenizer=tok)
+    rows = train.batch(3, 4)
+    assert rows.shape == (4, 17)
+    for row in rows:
+        starts = [i for i in range(ids.size - 16) if np.array_equal(ids[i:i + 17], row)]
+        assert starts, row
+
+
+def test_user_errors_are_one_line(corpus, tmp_path, capsys):
+    from dpjax.train.cli import main as train
+
+    assert prepare([corpus, "--out", str(tmp_path / "t.bin"), "--tokenizer", "nothing.json"]) == 2
+    assert prepare([corpus, "--out", str(tmp_path / "t.bin"), "--tokenizer", "bpe:12"]) == 2
+    assert train(["--tokenizer", FIXTURE, "--data", "synthetic", "--dry-run"]) == 2
+    errors = capsys.readouterr().err.strip().splitlines()
+    assert len(errors) == 3 and all(e.startswith("error: ") for e in errors), errors
+    assert "no such file" in errors[0] and "bpe:N takes N > 256" in errors[1] and "tokenizes text" in errors[2]
+
+
+@pytest.mark.slow  # a training run's compile
+def test_train_with_a_tokenizer(corpus, capsys):
+    from dpjax.train.cli import main as train
+
+    assert train(["--tokenizer", FIXTURE, "--data", corpus, "--mesh", "1x1", "--steps", "2", "--batch-size", "2",
+                  "--seq-len", "16", "--d-model", "16", "--n-heads", "2", "--n-layers", "1", "--d-ff", "32",
+                  "--eval-every", "0", "--progress", "log", "--sample-tokens", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "sample: " in out and "done: 2 steps" in out.strip().splitlines()[-1]
