@@ -236,6 +236,11 @@ class ShardedStep:
                 raise UserError(line) from None
             if "with_sharding_constraint" not in str(e):
                 raise
+            if layout == "auto":
+                raise UserError(f"{self.__name__}: jax.lax.with_sharding_constraint inside shard_step names a data "
+                                f"axis ({', '.join(data_axes(mesh))}), which is manual here (each device holds its "
+                                "own rows); a constraint may name the model axes only: write None for the data axes "
+                                "(P(None, 'model') for P('data', 'model'))") from None
             raise UserError(f"{self.__name__}: jax.lax.with_sharding_constraint inside shard_step: every mesh axis "
                             "is manual here (each device holds its own block, as in_specs and the parameters' "
                             "sharding say); remove the constraint (a GSPMD hint has nothing to constrain), or keep "

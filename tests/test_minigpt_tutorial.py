@@ -8,19 +8,16 @@ run does to float32 round-off; and what shard_step says where it cannot.
 import types
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from flax import linen as nn
 from flax import nnx
-from flax.training.train_state import TrainState
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
+from test_flax_examples import changed_lines, load
 
 import dpjax
 from dpjax.annotations import LayoutWarning
-from test_flax_examples import changed_lines, load
 
 TOL = dict(rtol=2e-5, atol=2e-6)  # float32: the global batch's sums are added in another order
 STEPS = 2
