@@ -224,6 +224,9 @@ class ShardedStep:
         new = key not in self._programs
         if new:
             self._programs[key] = self._build(mesh, *key, leaves)
+        self._last = (self._programs[key], [jax.ShapeDtypeStruct(jax.numpy.shape(x), jax.numpy.result_type(x),
+                                                                 sharding=NamedSharding(mesh, s))
+                                            for x, s in zip(leaves, specs)])
         try:
             out, new_state = self._programs[key](*jax.device_put(leaves, [NamedSharding(mesh, s) for s in specs]))
         except UserError:
@@ -254,6 +257,12 @@ class ShardedStep:
             self._replicas(named, where=f"{self.__name__}: ",
                            hint=lambda name, along: _hint(kinds.get(name, "output"), along, name))
         return out
+
+    def compiled_text(self) -> str:
+        """The compiled program of the last call, as XLA's HLO text (for `dpjax.hlo`: its
+        collectives' bytes, its FLOPs)."""
+        program, args = self._last
+        return program.lower(*args).compile().as_text()
 
     def _nnx_leaves(self, nodes, nnx_idx, state, mesh) -> list:
         """A _Leaf for each array of the NNX state, in the order of jax.tree.flatten(state)."""

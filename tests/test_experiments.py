@@ -40,7 +40,9 @@ SLOW = {("bench_train.py", 1), ("bench_train.py", 2), ("staleness.py", 1), ("wan
         # 35-45 s each; the fast set keeps a smoke of 11 of the 18 scripts. What they drive is
         # fast elsewhere: a layout's compiled memory (tests/test_memory.py), dpjax.train's
         # --metrics and --timeline on one device (tests/test_run_record.py, test_timeline.py)
-        ("huge_layer.py", 0), ("gpu_yardstick.py", 0)}
+        ("huge_layer.py", 0), ("gpu_yardstick.py", 0),
+        # 60 s under load: three layouts compiled; the layouts themselves are tests/test_annotations.py's
+        ("model_axes.py", 0)}
 
 
 def cases():
