@@ -22,7 +22,7 @@ LAYERS = [
      "dpjax.commit_every", "dpjax.commit_peer", "dpjax.agent.env", "dpjax.programs"],
     ["dpjax.mesh", "dpjax.links", "dpjax.distributed", "dpjax.data", "dpjax.replicas", "dpjax.attention",
      "dpjax.wrapper_checks", "dpjax.commit_file"],
-    ["dpjax.rng", "dpjax.per_rank", "dpjax.collectives"],
+    ["dpjax.rng", "dpjax.per_rank", "dpjax.collectives", "dpjax.annotations"],
     ["dpjax.wrapper", "dpjax.compression", "dpjax.tensor_parallel", "dpjax.timeline", "dpjax.autotune",
      "dpjax.prepare", "dpjax.fault"],
     ["dpjax.data_parallel", "dpjax.stack", "dpjax.memory", "dpjax.checkpoint", "dpjax.nn"],

@@ -86,3 +86,15 @@ def test_an_odd_vocabulary_split_over_model_is_refused_naming_the_pad():
     assert str(e.value) == ("train_step: model/output_layer/bias (257,) is split over 'model', but its dimension 0 "
                             "(257) does not divide into 2 parts; pad it to 258 (a vocabulary of 258 whose extra id is "
                             "never used), or annotate that dimension None to keep it whole")
+
+
+def test_flax_gspmd_guide_in_four_lines_trains_as_the_guide():
+    """flax's "Scale up on multiple devices" (examples/gspmd_*.py): four changed lines, the
+    guide's constraint among them (P('data', 'model') names the data axis, which is
+    dpjax's here: P(None, 'model')); the guide's own GSPMD run on 2x4 is the reference."""
+    lines = changed_lines("gspmd_plain", "gspmd_distributed")
+    assert len(lines) <= 4 and all("dpjax" in line for line in lines), lines
+    (plain, want), (ours, got) = load("gspmd_plain").train(), load("gspmd_distributed").train()
+    np.testing.assert_allclose(got, want, **TOL)
+    np.testing.assert_allclose(np.asarray(ours.w2[...]), np.asarray(plain.w2[...]), **TOL)
+    assert ours.dot1.kernel[...].sharding.spec == P(None, "model")
