@@ -16,7 +16,7 @@ from jax.sharding import PartitionSpec as P
 
 MESH_SHAPE = (8, 1)  # dpjax: 8 data-parallel devices
 mesh = Mesh(mesh_utils.create_device_mesh(MESH_SHAPE, jax.devices()[:np.prod(MESH_SHAPE)]), ('batch', 'model'))
-vocab_size, maxlen, embed_dim, num_heads, feed_forward_dim, num_blocks = 257, 16, 32, 4, 32, 2
+vocab_size, maxlen, embed_dim, num_heads, feed_forward_dim, num_blocks = 257, 16, 32, 4, 32, 1
 
 
 def split(*axes):

@@ -18,7 +18,7 @@ from jax.sharding import PartitionSpec as P
 
 MESH_SHAPE = (4, 2)  # dpjax: 4 data x 2 model devices
 mesh = Mesh(mesh_utils.create_device_mesh(MESH_SHAPE, jax.devices()[:np.prod(MESH_SHAPE)]), ('batch', 'model'))
-vocab_size, maxlen, embed_dim, num_heads, feed_forward_dim, num_blocks = 256, 16, 32, 4, 32, 2  # dpjax: even
+vocab_size, maxlen, embed_dim, num_heads, feed_forward_dim, num_blocks = 256, 16, 32, 4, 32, 1  # dpjax: even
 
 
 def split(*axes):
