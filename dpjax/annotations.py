@@ -31,9 +31,10 @@ import sys
 import warnings
 
 import jax
-from jax.sharding import NamedSharding
+from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from dpjax.errors import UserError
 from dpjax.mesh import data_axes
 from dpjax.wrapper_checks import SingleDeviceWarning, spec_axes
 
@@ -117,9 +118,30 @@ def only(spec: P, axes) -> P:
     return P(*[keep(e) for e in spec])
 
 
-def warn_other_mesh(step: str, meshes, mesh) -> None:
+def renamed(spec: P, axes: dict) -> P:
+    """`spec` with the mesh axis names of `axes` (the user's -> dpjax's) replaced."""
+    if not axes:
+        return spec
+    name = lambda e: tuple(axes.get(a, a) for a in e) if isinstance(e, tuple) else axes.get(e, e)  # noqa: E731
+    return P(*[None if e is None else name(e) for e in spec])
+
+
+def renamed_mesh(mesh, axes: dict, step: str):
+    """The same devices with the user's axis names mapped to dpjax's ({"tp": "model"})."""
+    unknown = [a for a in axes if a not in mesh.axis_names]
+    names = tuple(axes.get(a, a) for a in mesh.axis_names)
+    if unknown or len(set(names)) < len(names):
+        why = (f"names {unknown[0]!r}, not an axis of the mesh" if unknown else
+               f"gives two axes one name ({', '.join(names)})")
+        raise UserError(f"{step}: axes={axes} {why} {dict(mesh.shape)}; map each of your axis names to one of "
+                        "dpjax's ('data', 'model', 'node', 'stage')")
+    return Mesh(mesh.devices, names, axis_types=mesh.axis_types)
+
+
+def warn_other_mesh(step: str, meshes, mesh, axes: dict | None = None) -> None:
     """Said once a step: the annotations' NamedShardings name a mesh other than the step's."""
-    other = next((m for m in meshes if m is not None and dict(m.shape) != dict(mesh.shape)), None)
+    shape = lambda m: {(axes or {}).get(a, a): n for a, n in m.shape.items()}  # noqa: E731
+    other = next((m for m in meshes if m is not None and shape(m) != dict(mesh.shape)), None)
     if other is not None:
         warnings.warn(f"dpjax: {step}: the model was made on the mesh {dict(other.shape)}, and shard_step lays it "
                       f"out on {dict(mesh.shape)} instead (its annotations' axes, this mesh's sizes)", LayoutWarning,

@@ -106,7 +106,7 @@ def _has_nnx(tree, variables: bool = True) -> bool:
 
 
 def shard_step(fn=None, mesh=None, batch_argnums=None, *, donate_argnums=(), in_specs=None, out_specs=P(),
-               check=None, model_axes=None):
+               check=None, model_axes=None, axes=None):
     """`fn` as one jit(shard_map) step over `mesh` (default: every device on a `data` axis).
 
     mesh: a Mesh or a spec for `dpjax.make_mesh` ("4x2": data x model), made at the first call.
@@ -126,19 +126,23 @@ def shard_step(fn=None, mesh=None, batch_argnums=None, *, donate_argnums=(), in_
     or "explicit" (each device its block, for dpjax.nn layers and code written for
     shard_map); None chooses: "explicit" where the model holds dpjax.nn layers or in_specs
     names a model axis, else "auto" where annotations name one.
+    axes: your mesh's axis names mapped to dpjax's, {"tp": "model"}: the step runs on the
+    same devices with dpjax's names (inside it, collectives name dpjax's axes), and the
+    annotations' names are read through the mapping. Without it every axis but `model`
+    and `stage` is a data axis, whatever its name.
     Also a decorator: `@shard_step(batch_argnums=3)`, `@shard_step("4x2", batch_argnums=3)`.
     See the module docstring for what it does with NNX objects, RNGs and metrics.
     """
     if fn is None or isinstance(fn, (Mesh, str)):
         return functools.partial(shard_step, mesh=mesh if fn is None else fn, batch_argnums=batch_argnums,
                                  donate_argnums=donate_argnums, in_specs=in_specs, out_specs=out_specs, check=check,
-                                 model_axes=model_axes)
+                                 model_axes=model_axes, axes=axes)
     if model_axes not in (None,) + annotations.LAYOUTS:
         raise UserError(f"shard_step: model_axes={model_axes!r} is not one of "
                         f"{', '.join(map(repr, annotations.LAYOUTS))} or None")
     batch = _argnums(() if batch_argnums is None else batch_argnums)  # 0 is an argument, None none said
     step = ShardedStep(fn, mesh, batch, _argnums(donate_argnums), in_specs, out_specs, check)
-    step.model_axes = model_axes
+    step.model_axes, step.axes = model_axes, dict(axes or {})
     step.warn_unsplit = batch_argnums is None and not getattr(fn, "dpjax_splits_nothing", False)
     return step
 
@@ -164,6 +168,8 @@ class ShardedStep:
         self.calls = 0
         self.warn_unsplit = False  # shard_step sets it when batch_argnums was left out
         self.model_axes = None  # shard_step sets it: "auto", "explicit" or None (chosen at the first call)
+        self.axes: dict = {}  # shard_step sets it: the user's axis names -> dpjax's
+        self._renamed = False
         self._whole: list = []  # parameters annotated over a model axis the mesh lacks
         self._meshes: list = []  # the meshes of the annotations' NamedShardings
         self._explicit_hint = False  # dpjax.nn layers, or in_specs naming a model axis
@@ -178,6 +184,8 @@ class ShardedStep:
     def mesh(self):
         if self._mesh is None or isinstance(self._mesh, str):  # made at the first call: the devices are known then
             self._mesh = make_mesh(self._mesh or f"{jax.device_count()}x1")
+        if self.axes and not self._renamed:  # once: the mesh kept is the renamed one
+            self._mesh, self._renamed = annotations.renamed_mesh(self._mesh, self.axes, self.__name__), True
         return self._mesh
 
     def _argname(self, i: int) -> str:
@@ -209,7 +217,7 @@ class ShardedStep:
             checks.warn_single_cpu(mesh)
             if self.warn_unsplit:
                 checks.warn_unsplit(self.__name__, mesh, data_axes(mesh), specs)
-            annotations.warn_other_mesh(self.__name__, self._meshes, mesh)
+            annotations.warn_other_mesh(self.__name__, self._meshes, mesh, self.axes)
             annotations.warn_no_model_axis(self.__name__, mesh, self._whole)
         self._check_splits(leaves, meta, mesh)
         layout = annotations.choose(self.model_axes, mesh, specs, self._explicit_hint)
@@ -309,6 +317,7 @@ class ShardedStep:
                 for p, s, m in zip(paths, specs, mine)]
 
     def _resolve(self, spec, mesh, name) -> P:
+        spec = annotations.renamed(spec, self.axes)
         absent = [a for a in _spec_axes(spec) if a in NOT_DATA and a not in mesh.axis_names]
         if absent:  # a model axis the mesh lacks: the layer stays whole, said once
             self._whole.append((name, absent[0]))

@@ -163,3 +163,21 @@ def test_an_unknown_layout_is_one_line():
     with pytest.raises(dpjax.UserError, match=r"^shard_step: model_axes='gspmd' is not one of 'auto', 'explicit' "
                                               r"or None$"):
         dpjax.shard_step(lambda x: x, model_axes="gspmd")
+
+
+def test_a_mesh_of_your_own_axis_names_maps_to_dpjax_s():
+    """A ('dp', 'tp') mesh with annotations over 'tp': axes={"tp": "model"} makes 'tp' the
+    model axis (else it would be a data axis: every axis but model and stage is)."""
+    mesh = Mesh(np.array(jax.devices()).reshape(4, 2), ("dp", "tp"))
+    ann = lambda *names: nnx.with_partitioning(nnx.initializers.lecun_normal(), names)  # noqa: E731
+    with jax.set_mesh(mesh):
+        model = nnx.Linear(16, 8, kernel_init=ann(None, "tp"), use_bias=False, rngs=nnx.Rngs(0))
+    dense = nnx.Linear(16, 8, use_bias=False, rngs=nnx.Rngs(0))
+    step = dpjax.shard_step(lambda model, x: model(x), mesh, batch_argnums=1, out_specs="rows",
+                            axes={"dp": "data", "tp": "model"})
+    x = data()[0][:, 0]
+    np.testing.assert_allclose(step(model, x), dense(x), **TOL)
+    assert step.mesh.shape == {"data": 4, "model": 2} and model.kernel[...].sharding.shard_shape((16, 8)) == (16, 4)
+    with pytest.raises(dpjax.UserError, match=r"^<lambda>: axes=\{'mp': 'model', 'dp': 'data'\} names 'mp', not an "
+                                              r"axis of the mesh \{'dp': 4, 'tp': 2\}; map each"):
+        dpjax.shard_step(lambda x: x, mesh, batch_argnums=0, axes={"mp": "model", "dp": "data"})(x)
