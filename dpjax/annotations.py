@@ -165,6 +165,23 @@ def _shapes_in(text: str) -> set:
     return {tuple(int(d) for d in (a or b).replace(" ", "").split(",")) for a, b in _SHAPE.findall(text)}
 
 
+def explain(step: str, error: Exception, leaves, meta, mesh, layout: str, traced: bool) -> str | None:
+    """One line for an error raised by a step's call (None: the error stays as it is): a
+    sharding constraint that cannot apply here, or, while the step is first traced, the
+    parameter the error most likely came from (`traced_error`)."""
+    if "with_sharding_constraint" in str(error):  # JAX's own message suggests `reshard`, which does not apply
+        if layout == "auto":
+            return (f"{step}: jax.lax.with_sharding_constraint inside shard_step names a data axis "
+                    f"({', '.join(data_axes(mesh))}), which is manual here (each device holds its own rows); a "
+                    "constraint may name the model axes only: write None for the data axes (P(None, 'model') for "
+                    "P('data', 'model'))")
+        return (f"{step}: jax.lax.with_sharding_constraint inside shard_step: every mesh axis is manual here (each "
+                "device holds its own block, as in_specs and the parameters' sharding say); remove the constraint "
+                "(a GSPMD hint has nothing to constrain), or keep it and run the model under jax.jit with "
+                "jax.set_mesh instead of shard_step")
+    return traced_error(step, error, leaves, meta, mesh, layout) if traced else None
+
+
 def traced_error(step: str, error: Exception, leaves, meta, mesh, layout: str) -> str | None:
     """One line for an error raised while tracing `step`: the parameter it most likely came
     from (one whose local block's shape the message names, else the first split over a

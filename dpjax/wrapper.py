@@ -242,20 +242,10 @@ class ShardedStep:
         except (TypeError, ValueError, NameError) as e:  # JAX's error while tracing: which parameter, laid how
             if new:
                 self._programs.pop(key)
-            line = annotations.traced_error(self.__name__, e, leaves, meta, mesh, layout) if new else None
-            if line is not None and "with_sharding_constraint" not in str(e):
-                raise UserError(line) from None
-            if "with_sharding_constraint" not in str(e):
+            line = annotations.explain(self.__name__, e, leaves, meta, mesh, layout, traced=new)
+            if line is None:
                 raise
-            if layout == "auto":
-                raise UserError(f"{self.__name__}: jax.lax.with_sharding_constraint inside shard_step names a data "
-                                f"axis ({', '.join(data_axes(mesh))}), which is manual here (each device holds its "
-                                "own rows); a constraint may name the model axes only: write None for the data axes "
-                                "(P(None, 'model') for P('data', 'model'))") from None
-            raise UserError(f"{self.__name__}: jax.lax.with_sharding_constraint inside shard_step: every mesh axis "
-                            "is manual here (each device holds its own block, as in_specs and the parameters' "
-                            "sharding say); remove the constraint (a GSPMD hint has nothing to constrain), or keep "
-                            "it and run the model under jax.jit with jax.set_mesh instead of shard_step") from None
+            raise UserError(line) from None
         if nodes:
             nnx.update(nodes, state_def.unflatten(list(new_state)))
         if self.check is True or check_always() or (self.check is None and self.calls <= FIRST_CALLS):

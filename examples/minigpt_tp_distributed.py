@@ -69,7 +69,8 @@ class MiniGPT(nnx.Module):
     self.transformer_blocks = nnx.List([TransformerBlock(embed_dim, num_heads, feed_forward_dim, rngs=rngs)
                                         for _ in range(num_blocks)])
     xavier, zeros = nnx.initializers.xavier_uniform(), nnx.initializers.zeros_init()
-    self.output_layer = nnx.Linear(embed_dim, vocab_size, kernel_init=nnx.with_partitioning(xavier, split(None, 'model')),
+    self.output_layer = nnx.Linear(embed_dim, vocab_size,
+                                   kernel_init=nnx.with_partitioning(xavier, split(None, 'model')),
                                    bias_init=nnx.with_partitioning(zeros, split('model')), rngs=rngs)
 
   def __call__(self, inputs, training: bool = False):

@@ -101,7 +101,8 @@ def test_linen_attention_split_by_heads_trains_as_on_one_device():
 
 
 def attention(mesh="4x2"):
-    with jax.set_mesh(dpjax.make_mesh(mesh, jax.devices()[:1] if mesh == "1x1" else None)):  # flax shards annotated Variables as it makes them
+    # flax shards annotated Variables as it makes them, on the mesh in context
+    with jax.set_mesh(dpjax.make_mesh(mesh, jax.devices()[:1] if mesh == "1x1" else None)):
         return NNXAttention(nnx.Rngs(0))
 
 
@@ -181,3 +182,12 @@ def test_a_mesh_of_your_own_axis_names_maps_to_dpjax_s():
     with pytest.raises(dpjax.UserError, match=r"^<lambda>: axes=\{'mp': 'model', 'dp': 'data'\} names 'mp', not an "
                                               r"axis of the mesh \{'dp': 4, 'tp': 2\}; map each"):
         dpjax.shard_step(lambda x: x, mesh, batch_argnums=0, axes={"mp": "model", "dp": "data"})(x)
+
+
+def test_a_constraint_naming_a_data_axis_under_automatic_model_axes_is_one_line():
+    def step(model, x):
+        return jax.lax.with_sharding_constraint(model(x), P("data"))  # flax's guide writes P('data', 'model')
+    with pytest.raises(dpjax.UserError, match=r"^step: jax\.lax\.with_sharding_constraint inside shard_step names a "
+                                              r"data axis \(data\), which is manual here .* write None for the data "
+                                              r"axes \(P\(None, 'model'\) for P\('data', 'model'\)\)$"):
+        dpjax.shard_step(step, "4x2", batch_argnums=1, out_specs="rows")(attention(), data()[0])
