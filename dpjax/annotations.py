@@ -61,9 +61,13 @@ def spec_of(var) -> P:
 
 
 def annotated_mesh(var):
-    """The mesh a NamedSharding annotation was made on (None for the other forms)."""
+    """The mesh the Variable was made on: its NamedSharding annotation's, else that of the
+    array flax placed when it made it under `jax.set_mesh` (None: neither)."""
     found = _annotation(var)
-    return found.mesh if isinstance(found, NamedSharding) else None
+    if isinstance(found, NamedSharding):
+        return found.mesh
+    placed = getattr(getattr(var, "get_value", lambda: None)(), "sharding", None)
+    return placed.mesh if isinstance(placed, NamedSharding) and _annotation(var) is not None else None
 
 
 def _is_box(x) -> bool:

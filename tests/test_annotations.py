@@ -146,7 +146,8 @@ def test_a_mesh_without_a_model_axis_leaves_the_layers_whole_said_once():
         rows = step(model, data()[0])
         step(model, data()[0])
     said = [str(w.message) for w in seen if issubclass(w.category, LayoutWarning)]
-    assert said == ["dpjax: <lambda>: the mesh {'batch': 8} has no 'model' axis, so the 8 parameters annotated over "
+    assert len(said) == 2 and said[0].startswith("dpjax: <lambda>: the model was made on the mesh {'data': 8, "), said
+    assert said[1:] == ["dpjax: <lambda>: the mesh {'batch': 8} has no 'model' axis, so the 8 parameters annotated over "
                     "it (model/mha/key/bias first) stay whole on every device; add the axis to the mesh to split "
                     "them"], said
     np.testing.assert_allclose(rows, dense(data()[0]), **TOL)
@@ -191,3 +192,26 @@ def test_a_constraint_naming_a_data_axis_under_automatic_model_axes_is_one_line(
                                               r"data axis \(data\), which is manual here .* write None for the data "
                                               r"axes \(P\(None, 'model'\) for P\('data', 'model'\)\)$"):
         dpjax.shard_step(step, "4x2", batch_argnums=1, out_specs="rows")(attention(), data()[0])
+
+
+def test_a_model_made_on_another_mesh_is_said_once():
+    model = attention("2x4")  # tuple annotations, placed by flax on the 2x4 mesh in context
+    step = dpjax.shard_step(lambda model, x: model(x), "4x2", batch_argnums=1, out_specs="rows")
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        rows = step(model, data()[0])
+        step(model, data()[0])
+    said = [str(w.message) for w in seen if issubclass(w.category, LayoutWarning)]
+    assert said == ["dpjax: <lambda>: the model was made on the mesh {'data': 2, 'model': 4}, and shard_step lays "
+                    "it out on {'data': 4, 'model': 2} instead (its annotations' axes, this mesh's sizes)"], said
+    np.testing.assert_allclose(rows, attention("1x1")(data()[0]), **TOL)
+
+
+def test_dpjax_nn_layers_on_a_mesh_without_a_model_axis_are_said_once():
+    mesh = Mesh(np.array(jax.devices()), ("batch",))
+    layer = dpjax.nn.nnx.ColumnParallelLinear(16, 8, rngs=nnx.Rngs(0))
+    step = dpjax.shard_step(lambda layer, x: layer(x), mesh, batch_argnums=1, out_specs="rows")
+    with pytest.warns(LayoutWarning, match=r"has no 'model' axis, so the 2 parameters annotated over it"):
+        rows = step(layer, data()[0][:, 0])
+    np.testing.assert_allclose(rows, data()[0][:, 0] @ np.asarray(layer.kernel[...]) + np.asarray(layer.bias[...]),
+                               **TOL)
