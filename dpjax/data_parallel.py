@@ -32,7 +32,8 @@ from dpjax.compression import COMPRESSIONS  # noqa: F401  (the names --compressi
 from dpjax.compression import check as check_compression
 from dpjax.compression import summable
 from dpjax.fusion import pack, plan_buckets, unpack
-from dpjax.mesh import data_axes
+from dpjax.mesh import DATA, data_axes
+from dpjax.rng import bound_data_axes
 from dpjax.wrapper_checks import splits_nothing
 from dpjax.per_rank import DistributedState  # noqa: F401  (its home: the per-rank state it carries)
 
@@ -64,6 +65,15 @@ def allreduce_gradients(grads, axis_name="data", *, algorithm: str = "ring", fus
         return collectives.grouped_allreduce(grads, axis_name, op=op, fusion_mb=fusion_mb, compression=summable(compression),
                                              algorithm=algorithm, prescale_factor=1 / f, postscale_factor=f,
                                              **options)
+
+
+def _named(axis_name):
+    """The default axis "data" as the mesh names it: on a mesh of the user's own axis names
+    (the JAX AI Stack's ('batch', 'model')) the data axes bound here, whatever they are called."""
+    if axis_name != DATA or DATA in jax.sharding.get_abstract_mesh().axis_names:
+        return axis_name
+    axes = bound_data_axes()
+    return axes[0] if len(axes) == 1 else axes or axis_name
 
 
 def DistributedOptimizer(inner: optax.GradientTransformation, axis_name="data", algorithm: str = "ring",
@@ -115,10 +125,11 @@ def DistributedOptimizer(inner: optax.GradientTransformation, axis_name="data", 
     def exchange(tree, comp):
         if axis_name is None:
             return tree, comp
+        axis = _named(axis_name)
         if keeps_state:
-            return feedback.mean(tree, comp, axis_name, algorithm=algorithm, fusion_mb=fusion_mb,
+            return feedback.mean(tree, comp, axis, algorithm=algorithm, fusion_mb=fusion_mb,
                                  compression=compression, **options)
-        return allreduce_gradients(tree, axis_name, algorithm=algorithm, fusion_mb=fusion_mb,
+        return allreduce_gradients(tree, axis, algorithm=algorithm, fusion_mb=fusion_mb,
                                    compression=compression, op=op,
                                    gradient_predivide_factor=gradient_predivide_factor, **options), comp
 

@@ -51,10 +51,10 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from dpjax import per_rank
+from dpjax import annotations, per_rank
 from dpjax import wrapper_checks as checks
 from dpjax.errors import UserError
-from dpjax.mesh import data_axes, make_mesh
+from dpjax.mesh import NOT_DATA, data_axes, make_mesh
 from dpjax.replicas import FIRST_CALLS, ReplicaCheck, check_always
 from dpjax.rng import bound_data_axes, fold_rng_keys
 
@@ -106,7 +106,7 @@ def _has_nnx(tree, variables: bool = True) -> bool:
 
 
 def shard_step(fn=None, mesh=None, batch_argnums=None, *, donate_argnums=(), in_specs=None, out_specs=P(),
-               check=None):
+               check=None, model_axes=None, axes=None):
     """`fn` as one jit(shard_map) step over `mesh` (default: every device on a `data` axis).
 
     mesh: a Mesh or a spec for `dpjax.make_mesh` ("4x2": data x model), made at the first call.
@@ -121,14 +121,28 @@ def shard_step(fn=None, mesh=None, batch_argnums=None, *, donate_argnums=(), in_
     each device's rows joined in batch order, P(data axes)).
     check: None checks the first calls (dpjax.replicas.FIRST_CALLS), True every call,
     False none; DPJAX_CHECK=1 checks every call whatever this says.
+    model_axes: how what the model annotates over its model axes is laid out (see
+    `dpjax.annotations`): "auto" (GSPMD inside the step, for flax code written for jax.jit)
+    or "explicit" (each device its block, for dpjax.nn layers and code written for
+    shard_map); None chooses: "explicit" where the model holds dpjax.nn layers or in_specs
+    names a model axis, else "auto" where annotations name one.
+    axes: your mesh's axis names mapped to dpjax's, {"tp": "model"}: the step runs on the
+    same devices with dpjax's names (inside it, collectives name dpjax's axes), and the
+    annotations' names are read through the mapping. Without it every axis but `model`
+    and `stage` is a data axis, whatever its name.
     Also a decorator: `@shard_step(batch_argnums=3)`, `@shard_step("4x2", batch_argnums=3)`.
     See the module docstring for what it does with NNX objects, RNGs and metrics.
     """
     if fn is None or isinstance(fn, (Mesh, str)):
         return functools.partial(shard_step, mesh=mesh if fn is None else fn, batch_argnums=batch_argnums,
-                                 donate_argnums=donate_argnums, in_specs=in_specs, out_specs=out_specs, check=check)
+                                 donate_argnums=donate_argnums, in_specs=in_specs, out_specs=out_specs, check=check,
+                                 model_axes=model_axes, axes=axes)
+    if model_axes not in (None,) + annotations.LAYOUTS:
+        raise UserError(f"shard_step: model_axes={model_axes!r} is not one of "
+                        f"{', '.join(map(repr, annotations.LAYOUTS))} or None")
     batch = _argnums(() if batch_argnums is None else batch_argnums)  # 0 is an argument, None none said
     step = ShardedStep(fn, mesh, batch, _argnums(donate_argnums), in_specs, out_specs, check)
+    step.model_axes, step.axes = model_axes, dict(axes or {})
     step.warn_unsplit = batch_argnums is None and not getattr(fn, "dpjax_splits_nothing", False)
     return step
 
@@ -153,6 +167,12 @@ class ShardedStep:
         self.in_specs, self.out_specs, self.check = in_specs, out_specs, check
         self.calls = 0
         self.warn_unsplit = False  # shard_step sets it when batch_argnums was left out
+        self.model_axes = None  # shard_step sets it: "auto", "explicit" or None (chosen at the first call)
+        self.axes: dict = {}  # shard_step sets it: the user's axis names -> dpjax's
+        self._renamed = False
+        self._whole: list = []  # parameters annotated over a model axis the mesh lacks
+        self._meshes: list = []  # the meshes of the annotations' NamedShardings
+        self._explicit_hint = False  # dpjax.nn layers, or in_specs naming a model axis
         self._programs: dict = {}
         self._replicas = ReplicaCheck()
         try:
@@ -164,6 +184,8 @@ class ShardedStep:
     def mesh(self):
         if self._mesh is None or isinstance(self._mesh, str):  # made at the first call: the devices are known then
             self._mesh = make_mesh(self._mesh or f"{jax.device_count()}x1")
+        if self.axes and not self._renamed:  # once: the mesh kept is the renamed one
+            self._mesh, self._renamed = annotations.renamed_mesh(self._mesh, self.axes, self.__name__), True
         return self._mesh
 
     def _argname(self, i: int) -> str:
@@ -180,7 +202,8 @@ class ShardedStep:
         nodes, nnx = tuple(args[i] for i in nnx_idx), _flax_nnx()
         graphdef, state = nnx.split(nodes) if nodes else (None, None)
         leaves, state_def = jax.tree.flatten(state)
-        meta = self._nnx_leaves(nodes, nnx_idx, state, mesh)
+        self._whole, self._meshes, self._explicit_hint = [], [], False
+        meta, graph = self._nnx_leaves(nodes, nnx_idx, state, mesh)
         tree_idx = tuple(i for i in range(len(args)) if i not in nnx_idx)
         tree_defs = []
         for i in tree_idx:
@@ -189,28 +212,40 @@ class ShardedStep:
             leaves += arg_leaves
             meta += self._tree_leaves(i, args[i], mesh)
         leaves = [per_rank.spread(x, mesh, m.spec) if m.per_rank else x for x, m in zip(leaves, meta)]
-        self._check_splits(leaves, meta, mesh)
         specs = tuple(m.spec for m in meta)
         if self.calls == 1:
             checks.warn_single_cpu(mesh)
             if self.warn_unsplit:
                 checks.warn_unsplit(self.__name__, mesh, data_axes(mesh), specs)
+            annotations.warn_other_mesh(self.__name__, self._meshes, mesh, self.axes)
+            annotations.warn_no_model_axis(self.__name__, mesh, self._whole)
+        self._check_splits(leaves, meta, mesh)
+        layout = annotations.choose(self.model_axes, mesh, specs, self._explicit_hint)
+        if layout == "explicit" and graph:
+            checks.check_flax_biases(self.__name__, graph, mesh,
+                                     lambda p: _path_name(self._argname(nnx_idx[p[0]]), p[1:]), annotations.spec_of)
         k = len(leaves) - sum(n for _, n in tree_defs)
         key = (graphdef, state_def, tuple(tree_defs), nnx_idx, tree_idx, specs,
                tuple(m.kind == "RngKey" for m in meta[:k]), tuple(m.summed for m in meta[:k]),
                tuple(m.per_rank for m in meta),
-               tuple(j for j, m in enumerate(meta) if m.owner in self.donate_argnums), len(args))
-        if key not in self._programs:
+               tuple(j for j, m in enumerate(meta) if m.owner in self.donate_argnums), len(args), layout)
+        new = key not in self._programs
+        if new:
             self._programs[key] = self._build(mesh, *key, leaves)
+        self._last = (self._programs[key], [jax.ShapeDtypeStruct(jax.numpy.shape(x), jax.numpy.result_type(x),
+                                                                 sharding=NamedSharding(mesh, s))
+                                            for x, s in zip(leaves, specs)])
         try:
             out, new_state = self._programs[key](*jax.device_put(leaves, [NamedSharding(mesh, s) for s in specs]))
-        except ValueError as e:  # JAX's own message suggests `reshard`, which does not apply here either
-            if "with_sharding_constraint" not in str(e):
+        except UserError:
+            raise
+        except (TypeError, ValueError, NameError) as e:  # JAX's error while tracing: which parameter, laid how
+            if new:
+                self._programs.pop(key)
+            line = annotations.explain(self.__name__, e, leaves, meta, mesh, layout, traced=new)
+            if line is None:
                 raise
-            raise UserError(f"{self.__name__}: jax.lax.with_sharding_constraint inside shard_step: every mesh axis "
-                            "is manual here (each device holds its own block, as in_specs and the parameters' "
-                            "sharding say); remove the constraint (a GSPMD hint has nothing to constrain), or keep "
-                            "it and run the model under jax.jit with jax.set_mesh instead of shard_step") from None
+            raise UserError(line) from None
         if nodes:
             nnx.update(nodes, state_def.unflatten(list(new_state)))
         if self.check is True or check_always() or (self.check is None and self.calls <= FIRST_CALLS):
@@ -221,16 +256,20 @@ class ShardedStep:
                            hint=lambda name, along: _hint(kinds.get(name, "output"), along, name))
         return out
 
+    def compiled_text(self) -> str:
+        """The compiled program of the last call, as XLA's HLO text (for `dpjax.hlo`: its
+        collectives' bytes, its FLOPs)."""
+        program, args = self._last
+        return program.lower(*args).compile().as_text()
+
     def _nnx_leaves(self, nodes, nnx_idx, state, mesh) -> list:
         """A _Leaf for each array of the NNX state, in the order of jax.tree.flatten(state)."""
         if not nodes:
-            return []
+            return [], []
         from flax import nnx
-        from flax.nnx import spmd
 
         graph = list(nnx.iter_graph(nodes))  # walked once for all three
-        checks.check_flax_biases(self.__name__, graph, mesh, lambda p: _path_name(self._argname(nnx_idx[p[0]]), p[1:]),
-                                 spmd.get_var_pspec)
+        self._explicit_hint |= any(type(node).__module__.startswith("dpjax.nn") for _, node in graph)
         averages = {path for path, node in graph if isinstance(node, nnx.metrics.Average)}
         slots = per_rank.nnx_prefixes(graph)
         out = []
@@ -239,23 +278,27 @@ class ShardedStep:
             keys = tuple(getattr(k, "key", getattr(k, "idx", k)) for k in path)
             name = _path_name(self._argname(nnx_idx[keys[0]]), path[1:])
             kind = type(var).__name__ if is_var(var) else "array"
-            spec = self._resolve(spmd.get_var_pspec(var) if is_var(var) else P(), mesh, name)
+            spec = self._resolve(annotations.spec_of(var) if is_var(var) else P(), mesh, name)
+            self._meshes.append(annotations.annotated_mesh(var) if is_var(var) else None)
             summed = kind == "MetricState" and keys[:-1] in averages
             mine = per_rank.under(keys, slots)
             spec = per_rank.spec(spec, mesh) if mine else spec
             out += [_Leaf(name, kind, spec, nnx_idx[keys[0]], summed, mine) for _ in jax.tree.leaves(var)]
-        return out
+        return out, graph
 
     def _tree_leaves(self, i, arg, mesh) -> list:
         """A _Leaf for each leaf of pytree argument i: its spec from in_specs, else the batch rule."""
         entry = None if self.in_specs is None or i >= len(self.in_specs) else self.in_specs[i]
+        boxed = annotations.box_specs(arg, mesh.axis_names) if entry is None and i not in self.batch_argnums else None
         if entry is None:
             entry = P(data_axes(mesh)) if i in self.batch_argnums else P()
         try:
-            specs = jax.tree.leaves(jax.tree.broadcast(entry, arg, is_leaf=_is_spec), is_leaf=_is_spec)
+            specs = boxed or jax.tree.leaves(jax.tree.broadcast(entry, arg, is_leaf=_is_spec), is_leaf=_is_spec)
         except ValueError as e:
             raise UserError(f"{self.__name__}: in_specs for argument {self._argname(i)} does not match its "
                             f"structure ({e})") from None
+        if boxed is None:  # in_specs naming a model axis: code written for shard_map
+            self._explicit_hint |= any(a in annotations.model_axes(mesh) for s in specs for a in _spec_axes(s))
         paths = [p for p, _ in jax.tree_util.tree_flatten_with_path(arg)[0]]
         slots = per_rank.tree_prefixes(arg) if self.in_specs is None or i >= len(self.in_specs) else []
         mine = [per_rank.under(per_rank.keys_of(p), slots) and i not in self.batch_argnums for p in paths]
@@ -264,6 +307,11 @@ class ShardedStep:
                 for p, s, m in zip(paths, specs, mine)]
 
     def _resolve(self, spec, mesh, name) -> P:
+        spec = annotations.renamed(spec, self.axes)
+        absent = [a for a in _spec_axes(spec) if a in NOT_DATA and a not in mesh.axis_names]
+        if absent:  # a model axis the mesh lacks: the layer stays whole, said once
+            self._whole.append((name, absent[0]))
+            spec = annotations.only(spec, mesh.axis_names)
         unknown = [a for a in _spec_axes(spec) if a not in mesh.axis_names]
         if unknown:
             raise UserError(f"{self.__name__}: {name} is annotated with sharding {tuple(spec)}, naming "
@@ -279,15 +327,25 @@ class ShardedStep:
                 raise UserError(f"{self.__name__}: {m.name} {shape} has fewer dimensions than its spec {m.spec}")
             for d, e in enumerate(m.spec):
                 n = math.prod(mesh.shape[a] for a in _spec_axes(P(e)))
-                if shape[d] % n:
-                    what = "rows" if m.owner in self.batch_argnums else f"dimension {d}"
-                    raise UserError(f"{self.__name__}: {m.name} {shape} is split over {e!r}, but its {what} "
-                                    f"do not divide into {n} parts; use a multiple of {n}")
+                if shape[d] % n and m.owner in self.batch_argnums:
+                    raise UserError(f"{self.__name__}: {m.name} {shape} is split over {e!r}, but its "
+                                    f"rows do not divide into {n} parts; use a multiple of {n}")
+                if shape[d] % n:  # JAX places no uneven blocks: the user pads (a vocabulary: its extra logits unused)
+                    pad = -(-shape[d] // n) * n
+                    raise UserError(f"{self.__name__}: {m.name} {shape} is split over {e!r}, but its dimension {d} "
+                                    f"({shape[d]}) does not divide into {n} parts; pad it to {pad} (a vocabulary "
+                                    f"of {pad} whose {_extra(pad - shape[d])} never used), or annotate that "
+                                    "dimension None to keep it whole")
 
-    def _build(self, mesh, graphdef, state_def, tree_defs, nnx_idx, tree_idx, specs, is_rng, summed, slots, donate,
-               nargs, leaves):
+    def _build(self, mesh, graphdef, state_def, tree_defs, nnx_idx, tree_idx, full_specs, is_rng, summed, slots,
+               donate, nargs, layout, leaves):
         fn, k, nnx = self.fn, len(is_rng), _flax_nnx()
         out_slots = None  # which outputs are per-rank buffers, once known
+        manual = set(data_axes(mesh)) if layout == "auto" else set(mesh.axis_names)
+        # auto: shard_map's in/out specs name the data axes only; the model axes' layout is
+        # the arrays' own (placed as annotated), kept on the new state by a constraint
+        specs = tuple(annotations.only(s, manual) for s in full_specs)
+        kept = [annotations.only(s, set(mesh.axis_names) - manual) for s in full_specs[:k]]
 
         def body(*local):
             args = [None] * nargs
@@ -318,19 +376,26 @@ class ShardedStep:
             # a metric's update on this device's rows is summed with the other devices'
             new = [old if rng else (old + lax.psum(x - old, axes) if add and axes else x)
                    for x, old, rng, add in zip(new, mine, is_rng, summed)]
+            if layout == "auto":
+                new = [lax.with_sharding_constraint(x, s) if len(s) else x for x, s in zip(new, kept)]
             return out, tuple(per_rank.slot(x) if s else x for x, s in zip(new, slots))
 
         out_specs = _out_specs(self.out_specs, mesh, self.__name__)
         if out_specs == P() and any(slots[k:]):  # a pytree state with buffers in: where are they in the output?
             shapes = jax.eval_shape(jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=(P(), specs[:k]),
-                                                  check_vma=False), *leaves)[0]
+                                                  check_vma=False, axis_names=manual), *leaves)[0]
             paths, out_def = jax.tree_util.tree_flatten_with_path(shapes)
             found = per_rank.tree_prefixes(shapes)
             mask = [per_rank.under(per_rank.keys_of(p), found) for p, _ in paths]
             if any(mask):  # the default is replicated, but a returned DistributedState's buffers go by rank
                 out_slots, out_specs = mask, out_def.unflatten([per_rank.spec(P(), mesh) if s else P() for s in mask])
-        smap = jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=(out_specs, specs[:k]), check_vma=False)
+        smap = jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=(out_specs, specs[:k]), check_vma=False,
+                             axis_names=manual)
         return jax.jit(smap, donate_argnums=donate)
+
+
+def _extra(k: int) -> str:
+    return "extra id is" if k == 1 else f"{k} extra ids are"
 
 
 def _path_name(prefix: str, path) -> str:

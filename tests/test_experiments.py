@@ -45,7 +45,9 @@ SLOW = {("bench_train.py", 1), ("bench_train.py", 2), ("staleness.py", 1), ("wan
         # (tests/test_cpu_runtime.py) and the sweep's row cover (tests/test_sweep.py)
         ("sweep.py", 0), ("cpu_collectives_repro.py", 0),
         # two training runs in subprocesses (about 60 s); tests/test_moe.py keeps a MoE step fast
-        ("moe_vs_dense.py", 0)}
+        ("moe_vs_dense.py", 0),
+        # 60 s under load: three layouts compiled; the layouts themselves are tests/test_annotations.py's
+        ("model_axes.py", 0)}
 
 
 def cases():

@@ -72,15 +72,35 @@ def mse(model, x, y):
                      r"with_partitioning\(nnx\.initializers\.zeros_init\(\), \('model',\)\)"),
 ])
 def test_flax_linear_biases_that_cannot_be_right_are_refused(down_bias, up_bias, want):
-    """The row-parallel nnx.Linear with its own bias trains (the copies agree) but adds the
-    bias twice on 4x2; shard_step refuses it before the first step, one line."""
+    """Laid out explicitly (each device its block), the row-parallel nnx.Linear with its own
+    bias trains (the copies agree) but adds the bias twice on 4x2; shard_step refuses it
+    before the first step, one line."""
     with jax.set_mesh(dpjax.make_mesh("4x2")):
         model = Megatron(nnx.Rngs(0), down_bias=down_bias, up_bias=up_bias)
-    step = dpjax.shard_step(lambda model, x, y: mse(model, x, y), "4x2", batch_argnums=(1, 2), out_specs="mean")
+    step = dpjax.shard_step(lambda model, x, y: mse(model, x, y), "4x2", batch_argnums=(1, 2), out_specs="mean",
+                            model_axes="explicit")
     step.__name__ = "step"
     with pytest.raises(dpjax.UserError, match=want) as e:
         step(model, *batch())
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("down_bias, up_bias", [(True, "split"), (False, "whole")])
+def test_the_same_layers_under_automatic_model_axes_are_the_dense_model(down_bias, up_bias):
+    """Left to shard_step (no dpjax.nn layer: the model axes automatic), the layers the
+    explicit layout refuses compute what they compute on one device: GSPMD adds the
+    row-split layer's bias once and splits the whole one as it needs."""
+    with jax.set_mesh(dpjax.make_mesh("4x2")):
+        model = Megatron(nnx.Rngs(0), down_bias=down_bias, up_bias=up_bias)
+    with jax.set_mesh(dpjax.make_mesh("1x1", jax.devices()[:1])):
+        dense = Megatron(nnx.Rngs(0), down_bias=down_bias, up_bias=up_bias)
+    dense.down.bias = None if dense.down.bias is None else nnx.Param(dense.down.bias[...] + 0.5)
+    model.down.bias = None if model.down.bias is None else nnx.Param(model.down.bias[...] + 0.5)  # seen if twice
+    step = dpjax.shard_step(lambda model, x, y: (mse(model, x, y), model(x)), "4x2", batch_argnums=(1, 2),
+                            out_specs=("mean", "rows"))
+    loss, rows = step(model, *batch())
+    np.testing.assert_allclose(rows, dense(batch()[0]), **TOL)
+    np.testing.assert_allclose(loss, mse(dense, *batch()), **TOL)
 
 
 def test_the_same_layers_split_on_a_model_axis_of_one_are_fine():

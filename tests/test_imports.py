@@ -23,7 +23,7 @@ LAYERS = [
     ["dpjax.mesh", "dpjax.links", "dpjax.distributed", "dpjax.data", "dpjax.tokenizer", "dpjax.replicas",
      "dpjax.attention",
      "dpjax.wrapper_checks", "dpjax.commit_file"],
-    ["dpjax.rng", "dpjax.per_rank", "dpjax.collectives"],
+    ["dpjax.rng", "dpjax.per_rank", "dpjax.collectives", "dpjax.annotations"],
     ["dpjax.wrapper", "dpjax.compression", "dpjax.tensor_parallel", "dpjax.timeline", "dpjax.autotune",
      "dpjax.prepare", "dpjax.fault"],
     ["dpjax.data_parallel", "dpjax.stack", "dpjax.context", "dpjax.memory", "dpjax.checkpoint", "dpjax.nn"],

@@ -40,7 +40,7 @@ class MLP(nnx.Module):
                              bias_init=nnx.with_partitioning(nnx.initializers.zeros_init(), ("model",)), rngs=rngs)
         self.w2 = nnx.Linear(16, 3, use_bias=False, kernel_init=nnx.with_partitioning(init, ("model", None)),
                              rngs=rngs)
-        self.b2 = nnx.Param(jnp.zeros((3,)))
+        self.b2 = nnx.Param(nnx.initializers.zeros_init()(rngs.params(), (3,)))  # the key nnx.Linear's bias draws
         self.psum = psum
 
     def __call__(self, x):
@@ -69,7 +69,7 @@ def test_flax_layers_with_annotations_and_one_sum_equal_one_device(psum):
     mesh = dpjax.make_mesh("4x2")
     reduce = dpjax.tensor_parallel.reduce_from_model if psum == "reduce_from_model" else jax.lax.psum
 
-    @dpjax.shard_step(mesh, batch_argnums=(2, 3))  # the decorator form, with an explicit mesh
+    @dpjax.shard_step(mesh, batch_argnums=(2, 3), model_axes="explicit")  # the decorator form, with a mesh
     def step(model, optimizer, x, y):
         loss, grads = nnx.value_and_grad(loss_fn)(model, x, y)
         optimizer.update(model, grads)
@@ -99,10 +99,62 @@ def test_flax_layers_with_annotations_and_one_sum_equal_one_device(psum):
     np.testing.assert_allclose(np.asarray(model.w2.kernel[...]), np.asarray(ref.w2.kernel[...]), rtol=2e-5, atol=1e-6)
 
 
+class FlaxMLP(nnx.Module):
+    """The same layers as flax writes them for jax.jit: annotations only, w2 with its own bias."""
+
+    def __init__(self, rngs, annotate=True):
+        init = nnx.initializers.lecun_normal()
+        ann = (lambda f, names: nnx.with_partitioning(f, names)) if annotate else (lambda f, names: f)
+        self.w1 = nnx.Linear(6, 16, kernel_init=ann(init, (None, "model")),
+                             bias_init=ann(nnx.initializers.zeros_init(), ("model",)), rngs=rngs)
+        self.w2 = nnx.Linear(16, 3, kernel_init=ann(init, ("model", None)), rngs=rngs)
+        self.after = nnx.Linear(3, 3, rngs=rngs)  # a layer made after: its keys show any shift in the draws
+
+    def __call__(self, x):
+        return self.after(self.w2(nnx.relu(self.w1(x))))
+
+
+def test_flax_layers_as_written_for_jit_train_as_one_device_and_keep_the_initialisation():
+    """The README's first recipe: no sum to write (the model axes automatic), and the
+    initialisation is the unannotated model's, the layer made after them included; the
+    explicit recipe's MLP (use_bias=False, its b2 drawn from the same key) keeps it too."""
+    mesh = dpjax.make_mesh("4x2")
+    with jax.set_mesh(mesh):
+        model = FlaxMLP(nnx.Rngs(0))
+        opt = nnx.Optimizer(model, dpjax.DistributedOptimizer(optax.sgd(0.1, momentum=0.9)), wrt=nnx.Param)
+    ref = FlaxMLP(nnx.Rngs(0), annotate=False)
+    ref_opt = nnx.Optimizer(ref, optax.sgd(0.1, momentum=0.9), wrt=nnx.Param)
+    rngs = nnx.Rngs(0)
+    with jax.set_mesh(mesh):
+        MLP(rngs)
+    after = nnx.Linear(3, 3, rngs=rngs)  # drawn after the explicit recipe's layers
+    np.testing.assert_array_equal(np.asarray(after.kernel[...]), np.asarray(ref.after.kernel[...]))
+    np.testing.assert_array_equal(np.asarray(model.after.kernel[...]), np.asarray(ref.after.kernel[...]))
+
+    @dpjax.shard_step(mesh, batch_argnums=(2, 3), out_specs="mean")
+    def step(model, optimizer, x, y):
+        loss, grads = nnx.value_and_grad(loss_fn)(model, x, y)
+        optimizer.update(model, grads)
+        return loss
+
+    @nnx.jit
+    def plain_step(model, optimizer, x, y):
+        loss, grads = nnx.value_and_grad(loss_fn)(model, x, y)
+        optimizer.update(model, grads)
+        return loss
+
+    xs, ys = data()
+    got = [float(step(model, opt, x, y)) for x, y in zip(xs, ys)]
+    want = [float(plain_step(ref, ref_opt, x, y)) for x, y in zip(xs, ys)]
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=0)
+    assert model.w1.kernel[...].sharding.spec == P(None, "model")  # it trained split
+    np.testing.assert_allclose(np.asarray(model.w2.bias[...]), np.asarray(ref.w2.bias[...]), rtol=2e-5, atol=1e-6)
+
+
 def test_without_the_psum_the_check_names_model_and_the_cause():
     mesh = dpjax.make_mesh("4x2")
     step = dpjax.shard_step(lambda model, x, y: jax.lax.pmean(loss_fn(model, x, y), "data"), mesh,
-                            batch_argnums=(1, 2))
+                            batch_argnums=(1, 2), model_axes="explicit")
     xs, ys = data()
     with jax.set_mesh(mesh):
         model = MLP(nnx.Rngs(0), psum=None)
