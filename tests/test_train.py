@@ -189,7 +189,9 @@ def test_checkpoint_refusals_lose_nothing(corpus, tmp_path, capsys):
     assert before
     # a fresh run into a folder with checkpoints: refused, nothing overwritten
     assert main(base + ["--steps", "4"]) == 2
-    assert "already holds checkpoints" in _one_error_line(capsys)
+    assert _one_error_line(capsys) == (f"error: --ckpt-dir {ckpt} already holds checkpoints (latest step 2); pass "
+                                       "--resume to continue that run, --overwrite to replace them, or another "
+                                       "--ckpt-dir (nothing was overwritten)")
     # another model: refused, naming the difference
     assert main(tiny(corpus, "--mesh", "8x1", "--ckpt-dir", str(ckpt), "--d-model", "64", "--steps", "4",
                      "--resume")) == 2
@@ -202,6 +204,32 @@ def test_checkpoint_refusals_lose_nothing(corpus, tmp_path, capsys):
                 fh.write(b"garbage")
     assert main(base + ["--steps", "4", "--resume"]) == 2
     assert "cannot be read" in _one_error_line(capsys)
+
+
+def test_a_fresh_run_replaces_saved_state_only_with_overwrite(corpus, tmp_path, capsys):
+    """--commit-dir follows --ckpt-dir's rule: a fresh run into a folder holding another
+    run's commits is refused in one line and removes nothing; --overwrite replaces them (a
+    later --resume continues the new run, not the old one's newer step); --resume continues."""
+    from dpjax.checkpoint import Checkpointer
+    from dpjax.commit import inventory
+
+    root, ckpt = tmp_path / "commits", tmp_path / "ckpt"
+    base = tiny(corpus, "--mesh", "1x1", "--commit-every", "1")
+    assert main(base + ["--steps", "4", "--commit-dir", str(root), "--ckpt-dir", str(ckpt)]) == 0
+    capsys.readouterr()
+    before = _snapshot(root)
+    assert max(step for _, step, *_ in inventory(str(root))) == 4
+    assert main(base + ["--steps", "2", "--commit-dir", str(root)]) == 2
+    assert _one_error_line(capsys) == (f"error: --commit-dir {root} already holds commits (latest step 4); pass "
+                                       "--resume to continue that run, --overwrite to replace them, or another "
+                                       "--commit-dir (nothing was overwritten)")
+    assert _snapshot(root) == before
+    assert main(base + ["--steps", "2", "--commit-dir", str(root), "--ckpt-dir", str(ckpt), "--overwrite"]) == 0
+    assert max(step for _, step, *_ in inventory(str(root))) == 2  # the old run's step 4 is gone
+    assert Checkpointer(str(ckpt)).latest_step() == 2
+    capsys.readouterr()
+    assert main(base + ["--steps", "3", "--commit-dir", str(root), "--resume"]) == 0
+    assert "restored step 2 from commits" in capsys.readouterr().out
 
 
 def test_golden_losses_of_the_default_model():

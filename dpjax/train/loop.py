@@ -51,6 +51,7 @@ class Trainer:
     def __init__(self, cfg: Settings):
         check(cfg)  # before JAX starts: a bad flag costs nothing
         resume.check_metrics_file(cfg)  # ... nor does a metrics file that would be lost
+        resume.check_commit_dir(cfg)  # ... nor commits a fresh run would remove
         user = cfg  # what must match on resume is what the user asked, whatever the size now
         self.cfg = cfg = elastic.fit(cfg)  # under dpjax.agent: mesh and micro-batches for the hosts there are now
         self.programs = elastic.programs(cfg)  # where commits are: compiled programs a restart loads (before any compile)
@@ -161,16 +162,15 @@ class Trainer:
         import jax
 
         from dpjax.checkpoint import Checkpointer
-        from dpjax.plan import UsageError
 
         if not os.path.isdir(self.cfg.ckpt_dir):  # nothing to restore; made when the run is sure to start
             return
         self.ckpt = Checkpointer(self.cfg.ckpt_dir)
         latest = self.ckpt.latest_step()
-        if latest is not None and not resume.resuming(self.cfg):  # an agent's restart resumes too
-            raise UsageError(f"{self.cfg.ckpt_dir} already holds checkpoints (latest step {latest}); pass --resume "
-                             "to continue, or another --ckpt-dir (nothing was overwritten)")
         if latest is None:
+            return
+        if resume.refuse_fresh_into(self.cfg, "--ckpt-dir", self.cfg.ckpt_dir, "checkpoints", latest):
+            self.ckpt.clear()  # --overwrite: a fresh run, its checkpoints the only ones there
             return
         abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), self._state())
         state, saved = self.ckpt.restore(abstract, expect=self.record)
