@@ -148,6 +148,7 @@ def _one_error_line(capsys):
 
 @pytest.mark.parametrize("extra,needle", [
     (["--mesh", "3x3"], "'3x3' needs 9 devices (8 devices available)"),
+    (["--mesh", "data=2,modle=4"], "names an unknown axis 'modle' (did you mean model?)"),
     (["--mesh", "8x1", "--batch-size", "12"], "--batch-size 12 is not divisible by the 8 data-parallel ranks"),
     (["--model", "resnet"], "unknown model 'resnet'; choose one of gpt, mlp"),
     (["--allreduce", "nccl"], "unknown --allreduce algorithm 'nccl'; choose one of"),
