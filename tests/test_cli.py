@@ -49,6 +49,16 @@ def test_non_finite_flags_are_one_line(corpus, capsys, extra):
     assert f"{name} must be a finite number, got " in _one_error_line(capsys)
 
 
+def test_lr_0_warns_in_one_line_and_trains(corpus, capsys):
+    """--lr 0 is allowed (an evaluation-only run) but rarely meant: it trained 200 flat steps
+    in silence. One warning line, whatever --progress says; other rates get none."""
+    for lr, warned in (("0", True), ("0.1", False)):
+        assert main(tiny_gpt(corpus, "--mesh", "1x1", "--steps", "1", "--lr", lr)) == 0
+        err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning: ")]
+        assert err == (["warning: --lr 0: every update is zero, so the parameters and the loss stay where they "
+                        "start (--lr takes the learning rate, e.g. 3e-3)"] if warned else []), err
+
+
 def test_a_non_finite_value_in_a_config_file_is_one_line(corpus, tmp_path, capsys):
     config = tmp_path / "run.toml"
     config.write_text("lr = nan\n")  # TOML has nan and inf

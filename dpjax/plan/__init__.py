@@ -25,7 +25,8 @@ from typing import Any
 
 from dpjax.policy import Policy
 from dpjax.settings import Settings
-from dpjax.plan.checks import UsageError, check, devices_per_process, fit_devices, fit_mesh, flag  # noqa: F401
+from dpjax.plan.checks import (UsageError, check, devices_per_process, fit_devices, fit_mesh, flag,  # noqa: F401
+                               warnings)
 from dpjax.plan.compute import (DEFAULT_ALGORITHM, DEFAULT_FUSION_MB, check_memory, compute_policy,  # noqa: F401
                                 default_allreduce, memory_refusal, target_platform)
 

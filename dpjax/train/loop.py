@@ -19,7 +19,7 @@ import sys
 from dpjax import distributed
 from dpjax.checkpoint import compression_split
 from dpjax.train.comm_bytes import CommBytes
-from dpjax.plan import check, devices_per_process, resolve
+from dpjax.plan import check, devices_per_process, resolve, warnings
 from dpjax.settings import Settings
 from dpjax.train import elastic, hardware, nonfinite, observe, record, resume, tuning
 
@@ -67,9 +67,9 @@ class Trainer:
         self.say(hardware.devices_line(list(self.mesh.devices.flat), jax.process_count()))
         for note in plan.notes:  # e.g. why the attention is not cuDNN's flash kernel
             self.say(note)
-        warning = hardware.cpu_but_gpu_warning(jax.devices())
-        if warning and jax.process_index() == 0:
-            print(warning, file=sys.stderr, flush=True)
+        for warning in [hardware.cpu_but_gpu_warning(jax.devices()), *warnings(cfg)]:
+            if warning and jax.process_index() == 0:
+                print(warning, file=sys.stderr, flush=True)
         self.train_stream, self.val_stream = make_streams(cfg.data, cfg.seq_len, cfg.seed, vocab_size=cfg.vocab_size,
                                                           token_dtype=cfg.token_dtype)
         self._steps, self.comm_bytes = {}, CommBytes(plan)
