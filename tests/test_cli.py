@@ -233,6 +233,46 @@ def _wait_for_a_step(path, proc, timeout=120):
     raise AssertionError("no step in time")
 
 
+def _jax_loading(pid) -> bool:
+    """Whether process `pid` has jaxlib's library mapped: `import dpjax` is importing JAX."""
+    with open(f"/proc/{pid}/maps") as fh:
+        return "jaxlib" in fh.read()
+
+
+@pytest.mark.parametrize("moment", ["importing", "compiling the initialisation", "compiling the first step"])
+def test_ctrl_c_at_any_moment_before_the_first_step_exits_130_in_one_line(corpus, tmp_path, moment):
+    """Ctrl-C while the package imports (it printed a traceback and died by SIGINT, or was
+    lost), while XLA compiles (the process segfaulted, 139, after the right line: the compile
+    went on in XLA's threads under the interpreter's teardown; on 8 devices, not on 1) and
+    while the first step compiles (the first Ctrl-C waited for the compile and the step):
+    status 130, one line, no step run."""
+    path = tmp_path / "m.jsonl"
+    proc = _start(tiny_gpt(corpus, "--mesh", "8x1", "--steps", "100", "--n-layers", "2", "--metrics", str(path),
+                           "--progress", "log"))
+    seen = []
+    if moment == "importing":
+        while not _jax_loading(proc.pid):
+            assert proc.poll() is None, proc.communicate()
+            time.sleep(0.01)
+    elif moment == "compiling the initialisation":
+        while not seen or not seen[-1].startswith("compiling the initialisation and the training step (gpt: "):
+            seen.append(proc.stdout.readline())
+            assert seen[-1], proc.communicate()
+        time.sleep(0.5)  # tracing done, XLA compiling (the moment it crashed)
+    else:  # the loop began (its first row, the run record, is written): the first step compiles
+        while not (path.exists() and path.read_text().strip()):
+            assert proc.poll() is None, proc.communicate()
+            time.sleep(0.02)
+        time.sleep(0.3)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    out = "".join(seen) + out
+    assert proc.returncode == 130, (out, err)
+    assert err.splitlines() == ["interrupted before training began: nothing was saved"], err
+    assert ("devices:" in out) == (moment != "importing"), out
+    assert not (path.exists() and read_losses(path))
+
+
 def test_ctrl_c_names_the_checkpoint_and_the_command_that_resumes(corpus, tmp_path):
     ckpt, path = tmp_path / "ckpt", tmp_path / "m.jsonl"
     args = tiny_gpt(corpus, "--mesh", "1x1", "--steps", "300", "--ckpt-dir", str(ckpt), "--ckpt-every", "1000",

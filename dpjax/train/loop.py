@@ -97,6 +97,9 @@ class Trainer:
         if self.layout.pipeline is not None and self.layout.pipeline.virtual_stages > 1:
             # the layer stack is stored V x L/V: it resumes on any stage count, with the same V
             self.record["model"]["virtual_stages"] = self.layout.pipeline.virtual_stages
+        from dpjax.train.plan_table import compiling_line
+
+        self.say(compiling_line(plan))  # a large model compiles for minutes: say what, and how to stop it
         key = jax.random.key(cfg.seed)
         self.params, self.opt_state = self.step.init(S.init_params(self.model, self.layout, key, plan.policy,
                                                                   keep=self.programs and self.programs.keep))

@@ -36,13 +36,18 @@ def run_loop(self) -> dict:
     metrics = open_writers(cfg.metrics, cfg.tensorboard, append=resume.metrics_append(cfg)) if is_main else None
     # the peak of the dtype the matmuls run in (bf16's is twice TF32's: the H200 summary said MFU 91.6% for 46%)
     efficiency = Efficiency(self.model, self.mesh, tokens_per_step, cfg.peak_tflops, self.plan.policy.dtype)
-    stop = {"now": False}
+    stop = {"now": False, "stepping": False}  # stepping: the first step is compiled and dispatched
     set_aside = []  # a checkpoint saved at the step whose loss turned out not finite
 
     def on_sigint(signum, frame):
         """The first Ctrl-C finishes the step and saves; a second one leaves at once,
         in one line and without a traceback (the save under way is not finished: orbax
-        finalises a checkpoint only once it is whole, so --resume takes the one before)."""
+        finalises a checkpoint only once it is whole, so --resume takes the one before).
+        Until the first step is compiled there is no step to finish: Ctrl-C stops the
+        compile (a KeyboardInterrupt, as Python's own handler raises; the compile that
+        took minutes on a large model used to run to its end first)."""
+        if not stop["stepping"]:
+            raise KeyboardInterrupt
         if stop["now"]:
             print("interrupted again: stopped at once, without waiting for the save", file=sys.stderr, flush=True)
             os._exit(130)
@@ -133,6 +138,7 @@ def run_loop(self) -> dict:
             args, began = (self.params, self.opt_state, batch), time.perf_counter()
             with phase("dispatch"):
                 self.params, self.opt_state, loss = step.train(*args)
+            stop["stepping"] = True
             extra = {"cursor": cursor, **({"trial": str(trial[0])} if trial is not None else {})}
             in_flight.append((step_i, loss, extra, step))
             seen_finished()  # before the row's figures below: the first step's take a compile
