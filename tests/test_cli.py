@@ -138,24 +138,24 @@ def test_a_nan_loss_stops_the_run_naming_the_last_good_checkpoint(corpus, tmp_pa
     ckpt, path = tmp_path / "ckpt", tmp_path / "m.jsonl"
     assert main(_diverging(corpus, ckpt, path)) == 2
     assert _one_error_line(capsys).startswith(
-        f"error: the loss is nan at step 2: stopped; the last good checkpoint is step 1 in {ckpt} (the one of step 2 "
+        f"error: the loss is nan at step 3: stopped; the last good checkpoint is step 1 in {ckpt} (the one of step 2 "
         "is set aside as nonfinite-2). A learning rate too high")
     rows = [json.loads(line) for line in open(path)]
-    assert [r["step"] for r in rows if "loss" in r] == [0, 1]  # no step after it ran
-    assert rows[-1] == {"event": "non_finite_loss", "step": 2, "value": "nan"}
+    assert [r["step"] for r in rows if "loss" in r] == [1, 2]  # no step after it ran
+    assert rows[-1] == {"event": "non_finite_loss", "step": 3, "value": "nan"}
     # the checkpoint of step 2 (its state gave the nan) is kept, but not where --resume looks
     assert _latest(ckpt) == 1 and (ckpt / "nonfinite-2").is_dir()
 
 
 def test_a_state_that_is_not_finite_is_never_saved(corpus, tmp_path, capsys):
-    """lr x weight decay overflows float32: step 1's update makes the parameters inf/nan
+    """lr x weight decay overflows float32: step 2's update makes the parameters inf/nan
     while its loss (computed before the update) is still finite."""
     ckpt, path = tmp_path / "ckpt", tmp_path / "m.jsonl"
     assert main(tiny_gpt(corpus, "--mesh", "1x1", "--optimizer", "adamw", "--lr", "1e38", "--weight-decay", "100",
                          "--warmup-steps", "1", "--steps", "4", "--ckpt-dir", str(ckpt), "--ckpt-every", "1",
                          "--metrics", str(path))) == 2
     assert _one_error_line(capsys).startswith(
-        "error: the update of step 1 turned the parameters or optimizer state NaN or Inf (not saved): stopped; the "
+        "error: the update of step 2 turned the parameters or optimizer state NaN or Inf (not saved): stopped; the "
         f"last good checkpoint is step 1 in {ckpt}.")
     assert _latest(ckpt) == 1 and not (ckpt / "2").exists()
 
@@ -192,10 +192,10 @@ def test_an_existing_metrics_file_is_refused_replaced_only_when_asked_and_append
     out = capsys.readouterr().out
     assert f"starting fresh at step 0: no checkpoint in --ckpt-dir {ckpt}" in out  # a fresh run says so
     rows = [json.loads(line) for line in open(path)]
-    assert "record" in rows[0] and [r["step"] for r in rows if "loss" in r] == [0, 1]
+    assert "record" in rows[0] and [r["step"] for r in rows if "loss" in r] == [1, 2]
     assert main(base + ["--steps", "4", "--resume"]) == 0
     rows = [json.loads(line) for line in open(path)]
-    assert sum("record" in r for r in rows) == 2 and [r["step"] for r in rows if "loss" in r] == [0, 1, 2, 3]
+    assert sum("record" in r for r in rows) == 2 and [r["step"] for r in rows if "loss" in r] == [1, 2, 3, 4]
 
 
 def test_an_agent_restart_resumes_and_appends_its_first_start_is_fresh(corpus, tmp_path, capsys, monkeypatch):
@@ -211,7 +211,7 @@ def test_an_agent_restart_resumes_and_appends_its_first_start_is_fresh(corpus, t
     assert "starting fresh at step 0: nothing saved or committed yet" in capsys.readouterr().out
     monkeypatch.setenv(ENV["restart"], "1")
     assert main(base + ["--steps", "4"]) == 0
-    assert [json.loads(line)["step"] for line in open(path) if '"loss"' in line] == [0, 1, 2, 3]
+    assert [json.loads(line)["step"] for line in open(path) if '"loss"' in line] == [1, 2, 3, 4]
 
 
 # --- Ctrl-C ------------------------------------------------------------------------------

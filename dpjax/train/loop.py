@@ -185,7 +185,7 @@ class Trainer:
         """A checkpoint of the state after `step_done` steps; never of a state that holds
         a NaN or Inf (the run stops instead, naming the last good one)."""
         if not nonfinite.finite((self.params, self.opt_state)):
-            raise nonfinite.stop(f"the update of step {step_done - 1} turned the parameters or optimizer state NaN "
+            raise nonfinite.stop(f"the update of step {step_done} turned the parameters or optimizer state NaN "
                                  "or Inf (not saved)", step_done, self.cfg, self.saved)
         self.ckpt.save(step_done, self._state(), {**self.record, "step": step_done, "cursor": self.cursor})
         self.saved.append(step_done)

@@ -33,7 +33,9 @@ def run_loop(self) -> dict:
     cfg, is_main = self.cfg, jax.process_index() == 0
     tokens_per_step = cfg.batch_size * cfg.seq_len * cfg.backward_passes
     # JSON lines (and TensorBoard): process 0's rows; the run record first
-    metrics = open_writers(cfg.metrics, cfg.tensorboard, append=resume.metrics_append(cfg)) if is_main else None
+    # ... each step once: a resumed run's file loses the rows after the restored step (run again now)
+    metrics = open_writers(cfg.metrics, cfg.tensorboard, append=resume.metrics_append(cfg),
+                           resumed_at=self.start if resume.resuming(cfg) else None) if is_main else None
     # the peak of the dtype the matmuls run in (bf16's is twice TF32's: the H200 summary said MFU 91.6% for 46%)
     efficiency = Efficiency(self.model, self.mesh, tokens_per_step, cfg.peak_tflops, self.plan.policy.dtype)
     stop = {"now": False, "stepping": False}  # stepping: the first step is compiled and dispatched
@@ -92,17 +94,17 @@ def run_loop(self) -> dict:
         with phase("host_wait"):
             loss = float(loss)  # waits for the step
         if not math.isfinite(loss):  # the state of step_i steps done gives it: no step after is worth running
-            write({"event": "non_finite_loss", "step": step_i, "value": str(loss)})
+            write({"event": "non_finite_loss", "step": step_i + 1, "value": str(loss)})
             if step_i in self.saved and is_main:
                 set_aside.append(step_i)
-            raise nonfinite.stop(f"the loss is {loss} at step {step_i}", step_i, cfg, self.saved)
+            raise nonfinite.stop(f"the loss is {loss} at step {step_i + 1}", step_i, cfg, self.saved)
         now = finished.pop(step_i, None) or time.perf_counter()
         dt, last_done = now - last_done, now
         tps_window.append(tokens_per_step / dt)
         last.update(loss=loss, tokens_per_s=float(np.median(tps_window)))
         if metrics:
             extra.update(efficiency.row(dt, step, shapes[id(step)]))
-        write({"step": step_i, "loss": loss, "step_time": dt, "tokens_per_s": tokens_per_step / dt,
+        write({"step": step_i + 1, "loss": loss, "step_time": dt, "tokens_per_s": tokens_per_step / dt,
                "lr": float(lr_at(step_i)), **extra})
         progress.update(step_i, loss, last["tokens_per_s"])
 
@@ -110,16 +112,16 @@ def run_loop(self) -> dict:
         while in_flight:
             retire()
 
-    def record_eval(step_i):
+    def record_eval(done):
         last["eval_loss"] = self.evaluate()
-        write({"step": step_i, "eval_loss": last["eval_loss"]})
+        write({"step": done, "eval_loss": last["eval_loss"]})  # of the state after step `done`
 
     step_i, shapes = self.start, {}
     try:
         for step_i in range(self.start, cfg.steps):
             trial = self.tuner.ask() if self.tuner is not None else None  # (setting, timed) while tuning
             if self.tuner is not None and trial is None:  # nothing left to compare (one candidate)
-                tuning.finish(self, write, step_i)
+                tuning.finish(self, write, step_i + 1)
             step = self.step if trial is None else self.step_for(trial[0])
             if rec is not None and window is None and trial is None:
                 window = range(step_i + 1, min(cfg.steps, step_i + 1 + cfg.timeline_steps))
@@ -130,7 +132,7 @@ def run_loop(self) -> dict:
                 rec.start()
             host = contextlib.ExitStack()
             if profiled:
-                host.enter_context(rec.step(step_i))
+                host.enter_context(rec.step(step_i + 1))  # the timeline numbers steps as the metrics do
             with phase("data"):
                 cursor = self.cursor  # the step's first sample: the step log shows none read twice or skipped
                 batch = self.batch()
@@ -159,12 +161,12 @@ def run_loop(self) -> dict:
             if trial is not None:
                 self.tuner.tell(trial[0], time.perf_counter() - began, trial[1])
                 if self.tuner.done:
-                    tuning.finish(self, write, step_i)
+                    tuning.finish(self, write, step_i + 1)
             done = step_i + 1
             if cfg.eval_every and done % cfg.eval_every == 0 and done < cfg.steps:
                 drain()
                 with phase("eval"):
-                    record_eval(step_i)
+                    record_eval(done)
                 last_done = time.perf_counter()  # evaluating is not the next step's time
             if self.ckpt and (done % cfg.ckpt_every == 0 or done == cfg.steps or stop["now"]):
                 drain()
@@ -179,7 +181,7 @@ def run_loop(self) -> dict:
                 break
         drain()
         if not stop["now"]:
-            record_eval(cfg.steps - 1)
+            record_eval(cfg.steps)
     finally:
         if rec is not None and rec.active:
             rec.stop()  # interrupted inside the profiled steps
