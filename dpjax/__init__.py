@@ -39,6 +39,10 @@ Scalars are words, not letters: `delay` (delayed:T), `tau` (async:TAU), `period`
 (sparse:P), `virtual_stages` (V in the papers' bubble formulas).
 """
 
+from dpjax import interrupt
+
+interrupt.while_starting()  # `python -m dpjax.<tool>`: a Ctrl-C while this package imports is one line, status 130
+
 from dpjax import collectives
 from dpjax.data_parallel import (
     DistributedOptimizer,
@@ -89,6 +93,7 @@ __all__ = [
     "updates",
 ]
 __version__ = "0.1.0"
+interrupt.started()  # Ctrl-C is Python's KeyboardInterrupt again (the tool's own handling takes it)
 
 
 def __getattr__(name: str):

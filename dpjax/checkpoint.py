@@ -45,6 +45,11 @@ class Checkpointer:
     def latest_step(self) -> int | None:
         return self._manager.latest_step()
 
+    def clear(self) -> None:
+        """Removes every checkpoint here (--overwrite: a fresh run replacing another's)."""
+        for step in self._manager.all_steps():
+            self._manager.delete(step)
+
     def save(self, step: int, state, record: dict) -> None:
         ocp = self._ocp
         self._manager.save(step, args=ocp.args.Composite(

@@ -241,16 +241,7 @@ class Committer:
         """[old rank, step, world, path relative to the root] of every commit file in this
         host's folder (one process alone is the whole job: then every host's folder under
         the root is its)."""
-        hosts = [self.host] if self.world > 1 or not os.path.isdir(self.root) else sorted(os.listdir(self.root))
-        out = []
-        for host in hosts:
-            for kind in ("own", "peer"):
-                base = os.path.join(self.root, host, kind)
-                for sub in sorted(os.listdir(base)) if os.path.isdir(base) else ():
-                    for f in sorted(os.listdir(os.path.join(base, sub))):
-                        if parsed := _parse_name(f):
-                            out.append([int(sub[1:]), parsed[0], parsed[1], os.path.join(host, kind, sub, f)])
-        return out
+        return inventory(self.root, [self.host] if self.world > 1 else None)
 
     def restore(self, template, expect: dict | None = None):
         """(state laid out like `template`'s arrays, meta) of the newest step every old
@@ -286,6 +277,22 @@ class Committer:
         files = [source(old) for old in range(world)]
         meta = {k: v for k, v in files[0].meta.items() if k not in ("leaves", "treedef", "rank")}
         return place(template, files, expect), {**meta, "sources": sources}
+
+
+def inventory(root: str, hosts=None) -> list:
+    """[old rank, step, world, path relative to `root`] of every commit file in the
+    folders of `hosts` (default: every host's folder under `root`)."""
+    if hosts is None:
+        hosts = sorted(os.listdir(root)) if os.path.isdir(root) else []
+    out = []
+    for host in hosts:
+        for kind in ("own", "peer"):
+            base = os.path.join(root, host, kind)
+            for sub in sorted(os.listdir(base)) if os.path.isdir(base) else ():
+                for f in sorted(os.listdir(os.path.join(base, sub))):
+                    if parsed := _parse_name(f):
+                        out.append([int(sub[1:]), parsed[0], parsed[1], os.path.join(host, kind, sub, f)])
+    return out
 
 
 def _all_gather_json(client, key: str, rank: int, world: int, value) -> list:

@@ -37,15 +37,13 @@ import time
 
 from dpjax import distributed
 from dpjax.distributed import transport
+from dpjax.distributed.output import NOISE, RankOutput, log_dir
 
 GRACE_S = 10  # between the steps of the Ctrl-C escalation (DPJAX_LAUNCH_GRACE overrides it)
 KILL_GRACE_S = 2  # after a rank died: SIGTERM, then SIGKILL this much later (DPJAX_LAUNCH_KILL_GRACE)
 SHAPED = "DPJAX_SHAPED_MBIT"  # set inside the shaped namespace: the launcher there does not shape again
 ESCALATION = (signal.SIGINT, signal.SIGTERM, signal.SIGKILL)
 ON_FAILURE = (signal.SIGTERM, signal.SIGKILL)  # survivors cannot finish a step without the dead rank
-# What a healthy process's libraries print (gloo's connection report, glog INFO / WARNING
-# lines): never the reason it died, so never the line that blames it.
-NOISE = re.compile(r"^\[Gloo\]|^[IW]\d{4} \d\d:\d\d:\d\d")
 
 
 def free_port() -> int:
@@ -67,14 +65,13 @@ def process_env(rank: int, n: int, port: int, devices_per_process: int | None, c
     return env
 
 
-def _pump(rank: int, stream, out, last_lines: dict, lock: threading.Lock):
+def _pump(rank: int, stream, shown: RankOutput, last_lines: dict):
     for line in iter(stream.readline, ""):
         if line.strip() and not NOISE.match(line):
             last_lines[rank] = line.rstrip()
-        with lock:
-            out.write(f"[{rank}] {line}")
-            out.flush()
+        shown.line(line)
     stream.close()
+    shown.close()
 
 
 def _stop(procs, sig=signal.SIGTERM):
@@ -114,9 +111,11 @@ class Stopper:
 
 
 def launch(command: list[str], n: int, devices_per_process: int | None = None, port: int | None = None,
-           collectives: str | None = None) -> int:
-    """Runs `command` in n processes; returns the exit status the launcher should exit with."""
+           collectives: str | None = None, verbose: bool = False) -> int:
+    """Runs `command` in n processes; returns the exit status the launcher should exit with.
+    verbose: every line the processes print (`dpjax.distributed.output`)."""
     port = port or free_port()
+    logs = log_dir("launch", port)
     lock = threading.Lock()
     last_out: dict[int, str] = {}
     last_err: dict[int, str] = {}
@@ -132,7 +131,8 @@ def launch(command: list[str], n: int, devices_per_process: int | None = None, p
         procs.append(p)
         threading.Thread(target=lambda r=rank, p=p: (p.wait(), exits.put(r)), daemon=True).start()
         for stream, out, last in ((p.stdout, sys.stdout, last_out), (p.stderr, sys.stderr, last_err)):
-            t = threading.Thread(target=_pump, args=(rank, stream, out, last, lock), daemon=True)
+            shown = RankOutput(rank, out, lock, logs, verbose)
+            t = threading.Thread(target=_pump, args=(rank, stream, shown, last), daemon=True)
             t.start()
             pumps.append(t)
 
@@ -227,6 +227,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--collectives", choices=tuple(transport.COLLECTIVES),
                    help="CPU collectives between the processes (sets DPJAX_COLLECTIVES). Default: the command's "
                         "own choice (dpjax.train --collectives), else gloo")
+    p.add_argument("--verbose", action="store_true",
+                   help="show every line the processes print: gloo's connection lines, glog's, whole tracebacks "
+                        "(by default a traceback shows as its last line and the log file that holds it)")
     p.add_argument("--shape-mbit", type=float,
                    help="shape the loopback the processes talk over to this many Mbit/s (tc tbf in a private "
                         "network namespace; Linux, root)")
@@ -277,7 +280,7 @@ def main(argv=None) -> int:
         unshaped = [a for i, a in enumerate(ours) if a != "--shape-mbit" and not a.startswith("--shape-mbit=")
                     and (i == 0 or ours[i - 1] != "--shape-mbit")]
         return shaped(unshaped + ["--", *command], args.shape_mbit)
-    return launch(command, args.nproc, args.devices_per_process, args.port, args.collectives)
+    return launch(command, args.nproc, args.devices_per_process, args.port, args.collectives, args.verbose)
 
 
 if __name__ == "__main__":

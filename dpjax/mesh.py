@@ -5,7 +5,7 @@ A mesh spec is a short string a user types on the command line:
     "8"               -> data=8, model=1           axes ("data", "model")
     "2x4"             -> data=2, model=4           axes ("data", "model")
     "2x2x2"           -> node=2, data=2, model=2   axes ("node", "data", "model")
-    "data=2,model=4"  -> the axes named explicitly (any identifiers, in that order)
+    "data=2,model=4"  -> the axes named explicitly (names from `AXES`, in that order)
     "-1x2"            -> one -1 is inferred from the device count
 
 Devices are laid out process-major (sorted by process index, then id), so the
@@ -15,6 +15,7 @@ boundaries first: an inner axis stays inside one process or host where possible.
 
 from __future__ import annotations
 
+import difflib
 import math
 import os
 import re
@@ -31,6 +32,10 @@ CONTEXT = "context"  # splits each sequence (dpjax.context): parameters replicat
 EXPERT = "expert"  # a data axis that also splits a mixture of experts' experts (dpjax.models.moe)
 # axes that do not split the batch's rows (the model's, the sequence's); every other axis splits the batch
 NOT_DATA = (MODEL, STAGE, CONTEXT)
+# Every axis name a mesh may have: the one list, which a new axis joins. An unknown name
+# is refused rather than taken for a data axis (`data_axes` counts every name but
+# NOT_DATA as one, so `modle=4` trained as 4 more data ranks).
+AXES = (NODE, DATA, MODEL, STAGE, CONTEXT, EXPERT)
 
 _DEFAULT_NAMES = {1: (DATA, MODEL), 2: (DATA, MODEL), 3: (NODE, DATA, MODEL)}
 _NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -63,6 +68,11 @@ def parse_mesh_spec(spec: str, num_devices: int) -> tuple[tuple[str, ...], tuple
             raw.append(size)
         if len(set(names)) != len(names):
             raise bad("names an axis twice")
+        unknown = next((n for n in names if n not in AXES), None)
+        if unknown is not None:
+            close = difflib.get_close_matches(unknown, AXES, n=1)
+            raise bad(f"names an unknown axis {unknown!r}" + (f" (did you mean {close[0]}?)" if close else "")
+                      + f"; the axes are {', '.join(AXES)}")
     else:
         raw = [s.strip() for s in text.lower().split("x")]
         if len(raw) not in _DEFAULT_NAMES:

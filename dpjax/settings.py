@@ -208,7 +208,8 @@ class Settings:
                                     "start, this many tokens (0: none; not with --progress none)")
     metrics: str | None = OUTPUT(None, "write one JSON object per step to this file (JSON lines). An existing file "
                                        "is appended to by --resume (and an agent's restart) and refused otherwise")
-    overwrite: bool = OUTPUT(False, "replace an existing --metrics file instead of refusing to start")
+    overwrite: bool = OUTPUT(False, "replace an existing --metrics file, and another run's checkpoints in --ckpt-dir "
+                                    "and commits in --commit-dir, instead of refusing to start")
     tensorboard: str | None = OUTPUT(None, "also write the metrics as TensorBoard event files to this folder "
                                          "(needs tensorboardX)")
     peak_tflops: float | None = OUTPUT(None, "one device's dense peak TFLOP/s, for the MFU in the metrics and the "

@@ -118,14 +118,14 @@ def test_fusion_auto_is_used_recorded_and_kept_on_resume(tmp_path, capsys):
     assert tuning in (budget - 8, budget)  # confirmed or not
     trials = [r for r in rows if "trial" in r]
     assert len(trials) == tuning and len({r["trial"] for r in trials}) == k
-    assert [r["step"] for r in trials] == list(range(tuning))
+    assert [r["step"] for r in trials] == list(range(1, tuning + 1))
     chosen = plan_buckets(grads, auto["fusion_mb"] * 2**20)
     # after the search every step runs the choice, and sends what its ring schedule says
     # (plus the loss's psum, charged as a ring would send 4 bytes)
     sent = sum(schedule("ring", 2, sum(b.sizes)).bytes for b in chosen.buckets) + schedule("psum", 2, 1).bytes
-    after = [r for r in rows if "loss" in r and r["step"] >= tuning]
+    after = [r for r in rows if "loss" in r and r["step"] > tuning]
     assert len(after) == steps - tuning and all("trial" not in r and r["comm_bytes"] == sent for r in after)
-    assert [r["step"] for r in rows if "comm_fraction" in r] == [tuning + 1, tuning + 2]
+    assert [r["step"] for r in rows if "comm_fraction" in r] == [tuning + 2, tuning + 3]
     assert all(0 < r["comm_fraction"] < 1 for r in rows if "comm_fraction" in r)
     ck = Checkpointer(str(ckpt))
     assert ck.read_record()["autotune"] == auto
@@ -134,7 +134,7 @@ def test_fusion_auto_is_used_recorded_and_kept_on_resume(tmp_path, capsys):
     assert main([*argv[:-4], "--steps", str(steps + 3), "--resume"]) == 0
     assert "keeping the checkpoint's choice" in capsys.readouterr().out
     resumed = [r for r in _rows(metrics)[len(rows):] if "loss" in r]
-    assert [r["step"] for r in resumed] == list(range(steps, steps + 3))
+    assert [r["step"] for r in resumed] == list(range(steps + 1, steps + 4))
     assert all("trial" not in r and r["comm_bytes"] == sent for r in resumed)
 
 

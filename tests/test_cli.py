@@ -49,6 +49,16 @@ def test_non_finite_flags_are_one_line(corpus, capsys, extra):
     assert f"{name} must be a finite number, got " in _one_error_line(capsys)
 
 
+def test_lr_0_warns_in_one_line_and_trains(corpus, capsys):
+    """--lr 0 is allowed (an evaluation-only run) but rarely meant: it trained 200 flat steps
+    in silence. One warning line, whatever --progress says; other rates get none."""
+    for lr, warned in (("0", True), ("0.1", False)):
+        assert main(tiny_gpt(corpus, "--mesh", "1x1", "--steps", "1", "--lr", lr)) == 0
+        err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning: ")]
+        assert err == (["warning: --lr 0: every update is zero, so the parameters and the loss stay where they "
+                        "start (--lr takes the learning rate, e.g. 3e-3)"] if warned else []), err
+
+
 def test_a_non_finite_value_in_a_config_file_is_one_line(corpus, tmp_path, capsys):
     config = tmp_path / "run.toml"
     config.write_text("lr = nan\n")  # TOML has nan and inf
@@ -128,24 +138,24 @@ def test_a_nan_loss_stops_the_run_naming_the_last_good_checkpoint(corpus, tmp_pa
     ckpt, path = tmp_path / "ckpt", tmp_path / "m.jsonl"
     assert main(_diverging(corpus, ckpt, path)) == 2
     assert _one_error_line(capsys).startswith(
-        f"error: the loss is nan at step 2: stopped; the last good checkpoint is step 1 in {ckpt} (the one of step 2 "
+        f"error: the loss is nan at step 3: stopped; the last good checkpoint is step 1 in {ckpt} (the one of step 2 "
         "is set aside as nonfinite-2). A learning rate too high")
     rows = [json.loads(line) for line in open(path)]
-    assert [r["step"] for r in rows if "loss" in r] == [0, 1]  # no step after it ran
-    assert rows[-1] == {"event": "non_finite_loss", "step": 2, "value": "nan"}
+    assert [r["step"] for r in rows if "loss" in r] == [1, 2]  # no step after it ran
+    assert rows[-1] == {"event": "non_finite_loss", "step": 3, "value": "nan"}
     # the checkpoint of step 2 (its state gave the nan) is kept, but not where --resume looks
     assert _latest(ckpt) == 1 and (ckpt / "nonfinite-2").is_dir()
 
 
 def test_a_state_that_is_not_finite_is_never_saved(corpus, tmp_path, capsys):
-    """lr x weight decay overflows float32: step 1's update makes the parameters inf/nan
+    """lr x weight decay overflows float32: step 2's update makes the parameters inf/nan
     while its loss (computed before the update) is still finite."""
     ckpt, path = tmp_path / "ckpt", tmp_path / "m.jsonl"
     assert main(tiny_gpt(corpus, "--mesh", "1x1", "--optimizer", "adamw", "--lr", "1e38", "--weight-decay", "100",
                          "--warmup-steps", "1", "--steps", "4", "--ckpt-dir", str(ckpt), "--ckpt-every", "1",
                          "--metrics", str(path))) == 2
     assert _one_error_line(capsys).startswith(
-        "error: the update of step 1 turned the parameters or optimizer state NaN or Inf (not saved): stopped; the "
+        "error: the update of step 2 turned the parameters or optimizer state NaN or Inf (not saved): stopped; the "
         f"last good checkpoint is step 1 in {ckpt}.")
     assert _latest(ckpt) == 1 and not (ckpt / "2").exists()
 
@@ -182,10 +192,10 @@ def test_an_existing_metrics_file_is_refused_replaced_only_when_asked_and_append
     out = capsys.readouterr().out
     assert f"starting fresh at step 0: no checkpoint in --ckpt-dir {ckpt}" in out  # a fresh run says so
     rows = [json.loads(line) for line in open(path)]
-    assert "record" in rows[0] and [r["step"] for r in rows if "loss" in r] == [0, 1]
+    assert "record" in rows[0] and [r["step"] for r in rows if "loss" in r] == [1, 2]
     assert main(base + ["--steps", "4", "--resume"]) == 0
     rows = [json.loads(line) for line in open(path)]
-    assert sum("record" in r for r in rows) == 2 and [r["step"] for r in rows if "loss" in r] == [0, 1, 2, 3]
+    assert sum("record" in r for r in rows) == 2 and [r["step"] for r in rows if "loss" in r] == [1, 2, 3, 4]
 
 
 def test_an_agent_restart_resumes_and_appends_its_first_start_is_fresh(corpus, tmp_path, capsys, monkeypatch):
@@ -201,7 +211,7 @@ def test_an_agent_restart_resumes_and_appends_its_first_start_is_fresh(corpus, t
     assert "starting fresh at step 0: nothing saved or committed yet" in capsys.readouterr().out
     monkeypatch.setenv(ENV["restart"], "1")
     assert main(base + ["--steps", "4"]) == 0
-    assert [json.loads(line)["step"] for line in open(path) if '"loss"' in line] == [0, 1, 2, 3]
+    assert [json.loads(line)["step"] for line in open(path) if '"loss"' in line] == [1, 2, 3, 4]
 
 
 # --- Ctrl-C ------------------------------------------------------------------------------
@@ -221,6 +231,46 @@ def _wait_for_a_step(path, proc, timeout=120):
         assert proc.poll() is None, proc.communicate()
         time.sleep(0.05)
     raise AssertionError("no step in time")
+
+
+def _jax_loading(pid) -> bool:
+    """Whether process `pid` has jaxlib's library mapped: `import dpjax` is importing JAX."""
+    with open(f"/proc/{pid}/maps") as fh:
+        return "jaxlib" in fh.read()
+
+
+@pytest.mark.parametrize("moment", ["importing", "compiling the initialisation", "compiling the first step"])
+def test_ctrl_c_at_any_moment_before_the_first_step_exits_130_in_one_line(corpus, tmp_path, moment):
+    """Ctrl-C while the package imports (it printed a traceback and died by SIGINT, or was
+    lost), while XLA compiles (the process segfaulted, 139, after the right line: the compile
+    went on in XLA's threads under the interpreter's teardown; on 8 devices, not on 1) and
+    while the first step compiles (the first Ctrl-C waited for the compile and the step):
+    status 130, one line, no step run."""
+    path = tmp_path / "m.jsonl"
+    proc = _start(tiny_gpt(corpus, "--mesh", "8x1", "--steps", "100", "--n-layers", "2", "--metrics", str(path),
+                           "--progress", "log"))
+    seen = []
+    if moment == "importing":
+        while not _jax_loading(proc.pid):
+            assert proc.poll() is None, proc.communicate()
+            time.sleep(0.01)
+    elif moment == "compiling the initialisation":
+        while not seen or not seen[-1].startswith("compiling the initialisation and the training step (gpt: "):
+            seen.append(proc.stdout.readline())
+            assert seen[-1], proc.communicate()
+        time.sleep(0.5)  # tracing done, XLA compiling (the moment it crashed)
+    else:  # the loop began (its first row, the run record, is written): the first step compiles
+        while not (path.exists() and path.read_text().strip()):
+            assert proc.poll() is None, proc.communicate()
+            time.sleep(0.02)
+        time.sleep(0.3)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    out = "".join(seen) + out
+    assert proc.returncode == 130, (out, err)
+    assert err.splitlines() == ["interrupted before training began: nothing was saved"], err
+    assert ("devices:" in out) == (moment != "importing"), out
+    assert not (path.exists() and read_losses(path))
 
 
 def test_ctrl_c_names_the_checkpoint_and_the_command_that_resumes(corpus, tmp_path):

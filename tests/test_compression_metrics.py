@@ -44,7 +44,7 @@ def test_each_row_has_its_steps_ratio_and_bytes(corpus, tmp_path, update, spec):
     its step 2), steps 2-3 compressed: each row's comm_bytes is that exchange's formula
     (`accounting.compressed_bytes`) plus the loss's mean, and its compression_ratio the
     formulas' ratio; the TensorBoard scalars carry the same ratio. sparse:2 averages at
-    the end of steps 1 and 3 only: steps 0 and 2 send the loss's mean alone."""
+    the end of steps 2 and 4 only: steps 1 and 3 send the loss's mean alone."""
     path, tb = tmp_path / "m.jsonl", tmp_path / "tb"
     assert main(_tiny(corpus, "--mesh", "8x1", "--update", update, "--compression", spec, "--metrics", str(path),
                       "--tensorboard", str(tb))) == 0
@@ -52,7 +52,7 @@ def test_each_row_has_its_steps_ratio_and_bytes(corpus, tmp_path, update, spec):
     plain, packed = (accounting.compressed_bytes(c, _shapes(plan), 8, algorithm="ring", fusion_mb=64)
                      for c in (None, spec))
     rows = _rows(path)
-    assert [r["step"] for r in rows] == [0, 1, 2, 3]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
     sent = [plain, plain, packed, packed] if update == "sync" else [0, plain, 0, packed]
     assert [r["comm_bytes"] for r in rows] == [b + LOSS_BYTES for b in sent]
     assert [r["compression_ratio"] for r in rows] == [1.0, 1.0, plain / packed, plain / packed]
@@ -61,7 +61,7 @@ def test_each_row_has_its_steps_ratio_and_bytes(corpus, tmp_path, update, spec):
 
     got = {ev.step: v.simple_value for ev in read_events(tb) for v in ev.summary.value
            if v.tag == "comm/compression_ratio"}
-    assert got == {i: np.float32(r["compression_ratio"]) for i, r in enumerate(rows)}
+    assert got == {r["step"]: np.float32(r["compression_ratio"]) for r in rows}
 
 
 def test_fsdp_rows_charge_the_reduce_scatter_they_run(corpus, tmp_path):

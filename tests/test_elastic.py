@@ -121,10 +121,10 @@ def test_smaller_when_the_host_does_not_come_back(corpus, straight, tmp_path):
     for r in rows:
         if "loss" in r:
             applied[r["step"]] = r
-    assert sorted(applied) == list(range(STEPS))  # every step applied exactly once in the final lineage
+    assert sorted(applied) == list(range(1, STEPS + 1))  # every step applied exactly once in the final lineage
     # the step log says where each step read: the data position is the step, so step s read samples
-    # [16 s, 16 s + 16), none twice, none skipped, before the failure and after it
-    assert [applied[s]["cursor"] for s in range(STEPS)] == [16 * s for s in range(STEPS)]
+    # [16 (s - 1), 16 s), none twice, none skipped, before the failure and after it
+    assert [applied[s]["cursor"] for s in range(1, STEPS + 1)] == [16 * s for s in range(STEPS)]
     windows = [w for s in sorted(applied) for w in range(applied[s]["cursor"], applied[s]["cursor"] + 16)]
     assert len(windows) == len(set(windows)) == 16 * STEPS
     losses = read_losses(metrics)
@@ -191,6 +191,6 @@ def test_a_size_that_cannot_hold_the_run_is_skipped_for_the_next_smaller(corpus,
     assert ev["processes"] == 2 and ev["mesh"] == {"data": 1, "model": 2} and ev["sizes_skipped"] == [why]
     assert (ev["global_batch"], ev["backward_passes"], ev["batch_per_pass"], ev["per_device"]) == (6, 3, 2, 2)
     applied = {r["step"]: r for r in map(json.loads, open(metrics)) if "loss" in r}
-    assert sorted(applied) == list(range(steps))
-    assert [applied[s]["cursor"] for s in range(steps)] == [6 * s for s in range(steps)]  # none twice, none skipped
+    assert sorted(applied) == list(range(1, steps + 1))
+    assert [applied[s]["cursor"] for s in range(1, steps + 1)] == [6 * s for s in range(steps)]  # none twice, none skipped
     assert pids_running(str(tmp_path)) == []

@@ -111,6 +111,26 @@ def test_a_launcher_that_cannot_join_fails_in_one_line(corpus):
     assert not os.path.exists(metrics)
 
 
+def test_the_agent_removes_the_folder_it_chose_at_exit(tmp_path):
+    """The agent's default commit folder is in /dev/shm (memory): it was left there after
+    the job; what the agent kept in it goes at its exit, its rank logs stay in the temporary
+    folder. A --commit-dir the user gave is the user's, kept."""
+    import tempfile
+
+    port = free_port()
+    shm = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
+    chosen, given = os.path.join(shm, f"dpjax-{port}"), tmp_path / "given"
+    for extra in ((), ("--commit-dir", str(given))):
+        r = subprocess.run([sys.executable, "-m", "dpjax.agent", "--nnodes", "1", "--nproc-per-node", "1", "--rdzv",
+                            f"127.0.0.1:{port}", "--host-id", "h0", *extra, "--", sys.executable, "-c",
+                            "print('hi')"], capture_output=True, text=True, timeout=120, cwd=ROOT)
+        assert r.returncode == 0 and "[0] hi" in r.stdout, r.stderr
+        assert r.stderr.strip().splitlines()[-1] == "dpjax.agent[h0]: done: the job finished in round 1", r.stderr
+    assert not os.path.exists(chosen) and (given / "heartbeat" / "h0").is_dir()
+    log = os.path.join(tempfile.gettempdir(), f"dpjax-agent-{port}-logs", "h0", "rank0.log")
+    assert open(log).read().count("hi\n") == 2  # both runs' lines
+
+
 def test_an_unknown_launcher_option_is_one_usage_line():
     r = subprocess.run([sys.executable, "-m", "dpjax.launch", "-n", "4", "--max-restart", "2", "--", "true"],
                        capture_output=True, text=True, timeout=60)

@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 
 import pytest
@@ -27,6 +28,34 @@ def test_the_last_line_is_the_ranks_own_error_not_a_library_status_line():
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 3
     assert r.stderr.strip().splitlines()[-1] == "dpjax.launch: rank 1 failed (exit code 3): ValueError: the real reason"
+
+
+CHATTY = ("import os, sys; rank = os.environ['DPJAX_PROCESS_ID']; "
+          "print(f'[Gloo] Rank {rank} is connected to 1 peer ranks.', file=sys.stderr, flush=True); "
+          "print('working', flush=True); "
+          "exec('def deep():\\n    raise ValueError(\\'the real reason\\')') ; "
+          "rank == '1' and deep()")
+
+
+@pytest.mark.parametrize("verbose", [False, True], ids=["quiet", "verbose"])
+def test_the_launch_is_quiet_and_the_failing_ranks_line_is_last(verbose):
+    """gloo's 'Rank N is connected' lines (31 a launch of 8) and the tracebacks (about 90
+    lines when a rank failed) only with --verbose: by default a traceback is its exception's
+    line and where the whole of it is; every line in the rank's log; the diagnosis last."""
+    port = free_port()
+    r = subprocess.run([sys.executable, "-m", "dpjax.launch", "-n", "2", "--port", str(port),
+                        *(["--verbose"] if verbose else []), "--", sys.executable, "-c", CHATTY],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1
+    err = r.stderr.strip().splitlines()
+    assert err[-1] == "dpjax.launch: rank 1 failed (exit code 1): ValueError: the real reason", err
+    log = os.path.join(tempfile.gettempdir(), f"dpjax-launch-{port}-logs", "rank1.log")
+    assert ("[1] Traceback (most recent call last):" in err) == verbose, err
+    assert any(line.startswith("[1] [Gloo] Rank 1 is connected") for line in err) == verbose, err
+    assert ("[1] ValueError: the real reason" + ("" if verbose else f" (its traceback: {log})")) in err, err
+    held = open(log).read()
+    assert "Traceback (most recent call last):" in held and "[Gloo] Rank 1 is connected" in held
+    assert "in deep" in held and "working" in held
 
 
 @pytest.mark.parametrize("victim", [0, 1])

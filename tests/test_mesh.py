@@ -21,7 +21,7 @@ from dpjax.mesh import mesh_size, simulate_cpu_devices
         ("model=4,data=2", 8, ("model", "data"), (4, 2)),
         ("data=8", 8, ("data",), (8,)),
         ("node=2,data=2,model=2", 8, ("node", "data", "model"), (2, 2, 2)),
-        ("a=2,b_2=1,c=4", 8, ("a", "b_2", "c"), (2, 1, 4)),
+        ("stage=2,node=1,data=4", 8, ("stage", "node", "data"), (2, 1, 4)),
         (" 2 x 4 ", 8, ("data", "model"), (2, 4)),
         ("2X4", 8, ("data", "model"), (2, 4)),
         ("data = 2 , model = 4", 8, ("data", "model"), (2, 4)),
@@ -84,6 +84,19 @@ def test_make_mesh_bad_spec_names_spec_and_device_count(devices, spec):
         dpjax.make_mesh(spec, devices)
     assert repr(spec) in str(info.value)
     assert re.search(r"\b8\b devices", str(info.value))
+
+
+@pytest.mark.parametrize("spec, close", [("data=2,modle=4", "model"), ("nodes=2,data=4", "node"),
+                                         ("data=4,stages=2", "stage"), ("data=2,x=4", None)])
+def test_an_unknown_axis_name_is_refused_naming_the_closest(spec, close):
+    """A misspelled axis used to become one more data axis (every name but model and stage
+    splits the batch): `data=2,modle=4` trained as 8-way data parallelism."""
+    with pytest.raises(ValueError) as info:
+        dpjax.parse_mesh_spec(spec, 8)
+    msg, wrong = str(info.value), spec.split(",")[1 if close != "node" else 0].split("=")[0]
+    assert f"names an unknown axis {wrong!r}" in msg and "\n" not in msg
+    assert ("did you mean" in msg) == (close is not None) and (close is None or f"did you mean {close}?" in msg)
+    assert msg.endswith(f"; the axes are {', '.join(dpjax.mesh.AXES)} (8 devices available)")
 
 
 def test_make_mesh_over_a_subset_checks_the_subset(devices):
@@ -167,7 +180,7 @@ def test_make_mesh_devices_not_mutated(devices):
         ("data=8", ("data",)),
         ("model=8", ()),
         ("model=2,data=4", ("data",)),
-        ("a=2,b=4", ("a", "b")),
+        ("stage=2,node=2,data=2", ("node", "data")),
     ],
 )
 def test_data_axes(devices, spec, axes):

@@ -161,7 +161,7 @@ def test_tensorboard_scalars_read_back(corpus, tmp_path):
     want = {r["step"]: r for r in rows(path) if "loss" in r}
     assert scalars["train/loss"] == {i: np.float32(r["loss"]) for i, r in want.items()}
     assert scalars["efficiency/tflops_per_device"] == {i: np.float32(r["tflops_per_device"]) for i, r in want.items()}
-    assert scalars["eval/eval_loss"] == {2: np.float32(rows(path)[-1]["eval_loss"])}
+    assert scalars["eval/eval_loss"] == {3: np.float32(rows(path)[-1]["eval_loss"])}
     text = scalars["run_record/text_summary"][0].strip("`\n")  # the record, as text
     assert json.loads(text) == rows(path)[0]["record"]
 

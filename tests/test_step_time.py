@@ -48,7 +48,7 @@ def test_each_row_times_its_own_step_and_the_rows_add_up(mesh, monkeypatch, tmp_
                  "--progress", "none", "--mesh", mesh, "--steps", str(STEPS), "--metrics", str(path)]) == 0
     rows = [json.loads(line) for line in open(path)]
     times = [r["step_time"] for r in rows if "step_time" in r]
-    assert [r["step"] for r in rows if "step_time" in r] == list(range(STEPS))
+    assert [r["step"] for r in rows if "step_time" in r] == list(range(1, STEPS + 1))
     assert len(ends) == STEPS  # one callback a step
     own = [b - a for a, b in zip(ends, ends[1:])]  # step i's own time: from step i-1's end to its own
     # no row near 0 while every step sleeps at least 0.1 s (the first row also holds the compile)

@@ -5,6 +5,7 @@ our own bugs keep their traceback."""
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -69,14 +70,19 @@ def test_metrics_and_summary(corpus, tmp_path, capsys, monkeypatch):
     evaluate = Trainer.evaluate
     monkeypatch.setattr(Trainer, "evaluate", lambda self: (time.sleep(1.5), evaluate(self))[1])  # a slow eval
     path = tmp_path / "m.jsonl"
-    assert main(tiny(corpus, "--mesh", "8x1", "--steps", "6", "--eval-every", "3", "--metrics", str(path))) == 0
+    assert main(tiny(corpus, "--mesh", "8x1", "--steps", "6", "--eval-every", "3", "--metrics", str(path),
+                     "--progress", "log")) == 0
+    out = capsys.readouterr().out
     recs = [json.loads(line) for line in open(path)]
     train = [r for r in recs if "loss" in r]
-    assert [r["step"] for r in train] == list(range(6))
+    assert [r["step"] for r in train] == list(range(1, 7))
+    # one numbering: the console's "step 3/6  loss X" is the metrics row of step 3 (it counted from 0)
+    console = [(int(m.group(1)), m.group(2)) for m in re.finditer(r"^step (\d+)/6  loss (\S+)", out, re.M)]
+    assert console and all(f"{train[n - 1]['loss']:.4f}" == loss for n, loss in console), (console, train)
     assert all(r["tokens_per_s"] > 0 and r["step_time"] > 0 for r in train)
-    assert train[3]["step_time"] < 1.5  # the evaluation before step 3 is not its time
-    assert [r["step"] for r in recs if "eval_loss" in r] == [2, 5]
-    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert train[3]["step_time"] < 1.5  # the evaluation before step 4 is not its time
+    assert [r["step"] for r in recs if "eval_loss" in r] == [3, 6]  # after step 3 and step 6
+    last = out.strip().splitlines()[-1]
     assert last.startswith("done: 6 steps on mesh 8x1, train loss ") and "eval loss" in last and "tokens/s" in last
 
 
@@ -121,6 +127,9 @@ def test_interrupt_and_resume_equals_uninterrupted(corpus, tmp_path, how, extra)
     assert main(args + ["--resume"]) == 0
     resumed = losses(path)
     assert len(resumed) == steps
+    # one row a step: the rows the killed run wrote after its last checkpoint are not repeated
+    rows = [json.loads(line) for line in open(path)]
+    assert [r["step"] for r in rows if "loss" in r] == list(range(1, steps + 1))
     # the same mesh, the same state restored bit for bit: the same losses as one run
     straight = tmp_path / "straight.jsonl"
     assert main(tiny(corpus, *extra, "--steps", str(steps), "--metrics", str(straight))) == 0
@@ -148,6 +157,7 @@ def _one_error_line(capsys):
 
 @pytest.mark.parametrize("extra,needle", [
     (["--mesh", "3x3"], "'3x3' needs 9 devices (8 devices available)"),
+    (["--mesh", "data=2,modle=4"], "names an unknown axis 'modle' (did you mean model?)"),
     (["--mesh", "8x1", "--batch-size", "12"], "--batch-size 12 is not divisible by the 8 data-parallel ranks"),
     (["--model", "resnet"], "unknown model 'resnet'; choose one of gpt, llama, mlp"),
     (["--allreduce", "nccl"], "unknown --allreduce algorithm 'nccl'; choose one of"),
@@ -189,7 +199,9 @@ def test_checkpoint_refusals_lose_nothing(corpus, tmp_path, capsys):
     assert before
     # a fresh run into a folder with checkpoints: refused, nothing overwritten
     assert main(base + ["--steps", "4"]) == 2
-    assert "already holds checkpoints" in _one_error_line(capsys)
+    assert _one_error_line(capsys) == (f"error: --ckpt-dir {ckpt} already holds checkpoints (latest step 2); pass "
+                                       "--resume to continue that run, --overwrite to replace them, or another "
+                                       "--ckpt-dir (nothing was overwritten)")
     # another model: refused, naming the difference
     assert main(tiny(corpus, "--mesh", "8x1", "--ckpt-dir", str(ckpt), "--d-model", "64", "--steps", "4",
                      "--resume")) == 2
@@ -202,6 +214,51 @@ def test_checkpoint_refusals_lose_nothing(corpus, tmp_path, capsys):
                 fh.write(b"garbage")
     assert main(base + ["--steps", "4", "--resume"]) == 2
     assert "cannot be read" in _one_error_line(capsys)
+
+
+def test_a_fresh_run_replaces_saved_state_only_with_overwrite(corpus, tmp_path, capsys):
+    """--commit-dir follows --ckpt-dir's rule: a fresh run into a folder holding another
+    run's commits is refused in one line and removes nothing; --overwrite replaces them (a
+    later --resume continues the new run, not the old one's newer step); --resume continues."""
+    from dpjax.checkpoint import Checkpointer
+    from dpjax.commit import inventory
+
+    root, ckpt = tmp_path / "commits", tmp_path / "ckpt"
+    base = tiny(corpus, "--mesh", "1x1", "--commit-every", "1")
+    assert main(base + ["--steps", "4", "--commit-dir", str(root), "--ckpt-dir", str(ckpt)]) == 0
+    capsys.readouterr()
+    before = _snapshot(root)
+    assert max(step for _, step, *_ in inventory(str(root))) == 4
+    assert main(base + ["--steps", "2", "--commit-dir", str(root)]) == 2
+    assert _one_error_line(capsys) == (f"error: --commit-dir {root} already holds commits (latest step 4); pass "
+                                       "--resume to continue that run, --overwrite to replace them, or another "
+                                       "--commit-dir (nothing was overwritten)")
+    assert _snapshot(root) == before
+    assert main(base + ["--steps", "2", "--commit-dir", str(root), "--ckpt-dir", str(ckpt), "--overwrite"]) == 0
+    assert max(step for _, step, *_ in inventory(str(root))) == 2  # the old run's step 4 is gone
+    assert Checkpointer(str(ckpt)).latest_step() == 2
+    capsys.readouterr()
+    assert main(base + ["--steps", "3", "--commit-dir", str(root), "--resume"]) == 0
+    assert "restored step 2 from commits" in capsys.readouterr().out
+
+
+def test_a_resumed_metrics_file_keeps_one_row_a_step(tmp_path):
+    """Resumed at step 2 (steps done): the rows of later steps, written by the run that
+    died, go (they are run again), the half-written last line too; a loss row for a step
+    the file holds (a restart's rows from its commit) is not written twice."""
+    from dpjax.train.metrics import JsonLines
+
+    path = tmp_path / "m.jsonl"
+    old = [{"record": {}}, {"step": 1, "loss": 3.0}, {"step": 2, "loss": 2.0}, {"step": 2, "eval_loss": 2.5},
+           {"step": 3, "loss": 1.0}, {"event": "restart"}, {"step": 3, "commit_s": 0.1}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in old) + '{"step": 4, "lo')
+    w = JsonLines(str(path), append=True, resumed_at=2)
+    for row in ({"step": 2, "loss": 2.0, "from_commit": True}, {"step": 3, "loss": 1.5}, {"step": 3, "loss": 9.0}):
+        w.write(row)
+    w.close()
+    assert [json.loads(line) for line in open(path)] == [*old[:4], old[5], {"step": 3, "loss": 1.5}]
+    JsonLines(str(path), append=True).close()  # a plain append (no resume) keeps every row
+    assert len(open(path).readlines()) == 6
 
 
 def test_golden_losses_of_the_default_model():

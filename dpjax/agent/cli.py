@@ -51,6 +51,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="after a failure, a round starts once every live host has rejoined and none for S seconds")
     p.add_argument("--rdzv-wait", type=float, default=300.0, metavar="S",
                    help="the first round waits this long for MAX hosts, then starts with MIN or more")
+    p.add_argument("--verbose", action="store_true",
+                   help="show every line the processes print: gloo's connection lines, glog's, whole tracebacks "
+                        "(by default a traceback shows as its last line and the log file that holds it)")
 
 
 def run(args, command: list[str]) -> int:
@@ -60,10 +63,31 @@ def run(args, command: list[str]) -> int:
         print("dpjax.agent: --nproc-per-node must be >= 1, --max-restarts >= 0, --hang-timeout > 0",
               file=sys.stderr)
         return 2
-    if args.commit_dir is None:
-        shm = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
-        args.commit_dir = os.path.join(shm, f"dpjax-{args.rdzv.rsplit(':', 1)[1]}")
-    return Agent(args, command).run()
+    if args.commit_dir is not None:
+        return Agent(args, command).run()
+    shm = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
+    args.commit_dir = os.path.join(shm, f"dpjax-{args.rdzv.rsplit(':', 1)[1]}")
+    try:
+        return Agent(args, command).run()
+    finally:
+        remove_own(args.commit_dir, args.host_id)
+
+
+def remove_own(root: str, host: str) -> None:
+    """At the agent's exit, what it kept in the folder it chose itself (/dev/shm: memory):
+    its host's commits and programs, its heartbeats; the folder with them once no other
+    host's (an agent of the same job on this machine) is left in it."""
+    import shutil
+
+    for path in (os.path.join(root, host), os.path.join(root, "heartbeat", host)):
+        shutil.rmtree(path, ignore_errors=True)
+    shared, heartbeats = {"heartbeat", "jit-cache"}, os.path.join(root, "heartbeat")  # the job's, not a host's
+    try:
+        others = set(os.listdir(root)) - shared
+        if not others and not (os.path.isdir(heartbeats) and os.listdir(heartbeats)):
+            shutil.rmtree(root, ignore_errors=True)
+    except FileNotFoundError:
+        pass
 
 
 class _Parser(argparse.ArgumentParser):

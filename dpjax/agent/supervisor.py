@@ -16,6 +16,7 @@ from dpjax.agent import rendezvous as rdzv
 from dpjax.agent import sizes
 from dpjax.agent.env import ENV
 from dpjax.agent.workers import Workers
+from dpjax.distributed.output import log_dir
 
 POLL_S = 0.1  # how often the processes are looked at
 ASK_S = 0.25  # how often the rendezvous is asked how the round goes
@@ -167,7 +168,8 @@ class Agent:
     def _run_round(self, view: dict):
         a = self.a
         w = Workers(self.command, self.env(view), view["first_rank"], view["nproc"],
-                    os.path.join(a.commit_dir, "heartbeat", self.host), self.host)
+                    os.path.join(a.commit_dir, "heartbeat", self.host), self.host,
+                    log_dir=os.path.join(log_dir("agent", self.rport), self.host), verbose=a.verbose)
         self.workers = w
         asked, reported = 0.0, False
         try:

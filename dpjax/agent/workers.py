@@ -22,6 +22,7 @@ import time
 
 from dpjax import distributed
 from dpjax.agent.env import ENV
+from dpjax.distributed.output import RankOutput
 
 PR_SET_PDEATHSIG = 1
 # what a process prints when a peer went away under it (gloo, gRPC, the coordination service)
@@ -56,7 +57,8 @@ def process_state(pid: int) -> str | None:
 class Workers:
     """K processes of `command` on this host, ranks first_rank .. first_rank+K-1."""
 
-    def __init__(self, command, env: dict, first_rank: int, k: int, heartbeat_dir: str, tag: str):
+    def __init__(self, command, env: dict, first_rank: int, k: int, heartbeat_dir: str, tag: str,
+                 log_dir: str | None = None, verbose: bool = False):
         os.makedirs(heartbeat_dir, exist_ok=True)
         self.first, self.k, self.tag = first_rank, k, tag
         self.heartbeats = [os.path.join(heartbeat_dir, f"heartbeat-{first_rank + i}") for i in range(k)]
@@ -77,21 +79,21 @@ class Workers:
             pgid = pgid or p.pid  # one group for the host's processes: stopped together, lost together
             self.procs.append(p)
             for stream, out in ((p.stdout, sys.stdout), (p.stderr, sys.stderr)):
-                t = threading.Thread(target=self._pump, args=(rank, stream, out), daemon=True)
+                shown = RankOutput(rank, out, self.lock, log_dir or heartbeat_dir, verbose)
+                t = threading.Thread(target=self._pump, args=(rank, stream, shown), daemon=True)
                 t.start()
                 self.pumps.append(t)
         self.pgid = pgid
 
-    def _pump(self, rank, stream, out):
+    def _pump(self, rank, stream, shown: RankOutput):
         for line in iter(stream.readline, ""):
             if line.strip():
                 self.last_line[rank] = line.rstrip()
                 if TRANSPORT.search(line):
                     self.echo.add(rank)
-            with self.lock:
-                out.write(f"[{rank}] {line}")
-                out.flush()
+            shown.line(line)  # shown as dpjax.distributed.output says; every line in the rank's log
         stream.close()
+        shown.close()
 
     def heartbeat(self, i: int):
         """(age in seconds, what the heartbeat says) of local process i; (None, {}) before its first."""

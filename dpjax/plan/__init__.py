@@ -27,7 +27,7 @@ from dpjax.policy import Policy
 from dpjax.settings import Settings
 from dpjax.plan.axes import check_context, check_expert
 from dpjax.plan.checks import (UsageError, check, devices_per_process, fit_devices, fit_mesh, flag,  # noqa: F401
-                               model_choice)
+                               model_choice, warnings)
 from dpjax.plan.compute import (DEFAULT_ALGORITHM, DEFAULT_FUSION_MB, check_memory, compute_policy,  # noqa: F401
                                 default_allreduce, memory_refusal, target_platform)
 

@@ -152,6 +152,16 @@ def model_choice(s: Settings) -> tuple[str, dict]:
     return name, {**fields, **{k: v for k, v in given.items() if v is not None}}
 
 
+def warnings(s: Settings) -> list[str]:
+    """Settings that are allowed but almost surely not meant: one line each, printed
+    before the run starts (it runs anyway). --lr 0 trained 200 flat steps in silence."""
+    out = []
+    if s.lr == 0:
+        out.append("warning: --lr 0: every update is zero, so the parameters and the loss stay where they start "
+                   "(--lr takes the learning rate, e.g. 3e-3)")
+    return out
+
+
 def _check_finite(s: Settings) -> None:
     """nan and inf parse as floats (Python's float() takes them, and so do TOML and
     JSON), but no setting means anything with them: --lr nan trained to NaN and exited 0."""

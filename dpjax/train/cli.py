@@ -169,6 +169,9 @@ def summary_line(s: dict) -> str:
 
 
 def main(argv=None) -> int:
+    """The command line's exit status: 0 done, 2 a user error (one line), 130 interrupted
+    by Ctrl-C in the loop. A Ctrl-C before the loop (starting, compiling) raises
+    KeyboardInterrupt: `python -m dpjax.train` (`__main__`) makes it one line and 130."""
     from dpjax.train.loop import dry_run, run
     from dpjax.train.resume import interrupted
 
@@ -183,9 +186,6 @@ def main(argv=None) -> int:
             raise
         print(f"error: {e}", file=sys.stderr)
         return distributed.leave_now(2)  # one process of several: not via the shutdown barrier
-    except KeyboardInterrupt:  # Ctrl-C before the loop (starting, compiling) or after it: nothing to save
-        print("interrupted before training began: nothing was saved", file=sys.stderr)
-        return distributed.leave_now(130)
     import jax
 
     if jax.process_index() == 0:  # one job, one summary (every process has the same)

@@ -137,8 +137,9 @@ class Elastic:
         if self.restored is not None and not self.reported and done == self.restored["step"] + 1:
             r, per_step = self.restored, self.cfg.batch_size * self.cfg.backward_passes
             for step, loss in sorted(r.get("losses", {}).items(), key=lambda kv: int(kv[0])):
-                # rows the lost job never wrote; step s read from cursor(commit) - (commit - s) steps' batches
-                cursor = r["cursor"] - (r["step"] - int(step)) * per_step
+                # rows the lost job may not have written (the metrics writer skips a step it holds);
+                # step s (1-based) read from cursor(commit) - (commit - s + 1) steps' batches
+                cursor = r["cursor"] - (r["step"] - int(step) + 1) * per_step
                 write({"step": int(step), "loss": loss, "cursor": cursor, "from_commit": True})
         self.finished = max(self.finished, done - len(in_flight))  # the loop has these steps' results
         if done in self.faults:
@@ -155,7 +156,7 @@ class Elastic:
             finished = self._finished()
             # the losses of the steps up to this one that the loop has not written yet: a
             # restart from this commit writes them, so that the metrics miss no step
-            losses = {step: loss for step, loss, *_ in in_flight}
+            losses = {step_i + 1: loss for step_i, loss, *_ in in_flight}  # numbered as the metrics rows
             gap = self._gap(done)
             self.next_commit, self.gaps[done], began = done + gap, gap, True
             meta = {"cursor": trainer.cursor, "record": trainer.record, "commit_every": gap}
@@ -207,7 +208,7 @@ class Elastic:
             if back < len(free):
                 free[back].update(row)
             else:
-                write({"step": done - 1, **row})
+                write({"step": done, **row})
         if self.auto is not None and self.last_t is not None:
             self.auto.tick(now - self.last_t, busy=self.committer.busy or bool(finished), began=began)
         self.last_t = now
@@ -216,7 +217,7 @@ class Elastic:
 
             self.announced = True
             d = self.auto.describe()
-            write({"step": done - 1, "commit_every": d})
+            write({"step": done, "commit_every": d})
             if jax.process_index() == 0:
                 print(f"dpjax.commit: committing every {d['every']} steps (--commit-every auto: a commit costs "
                       f"{d['cost_s']:.3g} s of the loop and takes {d['commit_s']:.3g} s, a step {d['step_s']:.3g} s; "

@@ -19,7 +19,7 @@ import sys
 from dpjax import distributed
 from dpjax.checkpoint import compression_split
 from dpjax.train.comm_bytes import CommBytes
-from dpjax.plan import check, devices_per_process, resolve
+from dpjax.plan import check, devices_per_process, resolve, warnings
 from dpjax.settings import Settings
 from dpjax.train import elastic, hardware, nonfinite, observe, record, resume, tuning
 
@@ -51,6 +51,7 @@ class Trainer:
     def __init__(self, cfg: Settings):
         check(cfg)  # before JAX starts: a bad flag costs nothing
         resume.check_metrics_file(cfg)  # ... nor does a metrics file that would be lost
+        resume.check_commit_dir(cfg)  # ... nor commits a fresh run would remove
         user = cfg  # what must match on resume is what the user asked, whatever the size now
         self.cfg = cfg = elastic.fit(cfg)  # under dpjax.agent: mesh and micro-batches for the hosts there are now
         self.programs = elastic.programs(cfg)  # where commits are: compiled programs a restart loads (before any compile)
@@ -66,9 +67,9 @@ class Trainer:
         self.say(hardware.devices_line(list(self.mesh.devices.flat), jax.process_count()))
         for note in plan.notes:  # e.g. why the attention is not cuDNN's flash kernel
             self.say(note)
-        warning = hardware.cpu_but_gpu_warning(jax.devices())
-        if warning and jax.process_index() == 0:
-            print(warning, file=sys.stderr, flush=True)
+        for warning in [hardware.cpu_but_gpu_warning(jax.devices()), *warnings(cfg)]:
+            if warning and jax.process_index() == 0:
+                print(warning, file=sys.stderr, flush=True)
         from dpjax.tokenizer import Bytes, for_corpus, for_model
 
         given = None
@@ -113,6 +114,9 @@ class Trainer:
         if self.layout.pipeline is not None and self.layout.pipeline.virtual_stages > 1:
             # the layer stack is stored V x L/V: it resumes on any stage count, with the same V
             self.record["model"]["virtual_stages"] = self.layout.pipeline.virtual_stages
+        from dpjax.train.plan_table import compiling_line
+
+        self.say(compiling_line(plan))  # a large model compiles for minutes: say what, and how to stop it
         key = jax.random.key(cfg.seed)
         if cfg.init_from:  # the weights given, read onto this layout; the optimizer state fresh
             from dpjax.hf import params_of
@@ -185,16 +189,15 @@ class Trainer:
         import jax
 
         from dpjax.checkpoint import Checkpointer
-        from dpjax.plan import UsageError
 
         if not os.path.isdir(self.cfg.ckpt_dir):  # nothing to restore; made when the run is sure to start
             return
         self.ckpt = Checkpointer(self.cfg.ckpt_dir)
         latest = self.ckpt.latest_step()
-        if latest is not None and not resume.resuming(self.cfg):  # an agent's restart resumes too
-            raise UsageError(f"{self.cfg.ckpt_dir} already holds checkpoints (latest step {latest}); pass --resume "
-                             "to continue, or another --ckpt-dir (nothing was overwritten)")
         if latest is None:
+            return
+        if resume.refuse_fresh_into(self.cfg, "--ckpt-dir", self.cfg.ckpt_dir, "checkpoints", latest):
+            self.ckpt.clear()  # --overwrite: a fresh run, its checkpoints the only ones there
             return
         abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), self._state())
         state, saved = self.ckpt.restore(abstract, expect=self.record)
@@ -206,7 +209,7 @@ class Trainer:
         """A checkpoint of the state after `step_done` steps; never of a state that holds
         a NaN or Inf (the run stops instead, naming the last good one)."""
         if not nonfinite.finite((self.params, self.opt_state)):
-            raise nonfinite.stop(f"the update of step {step_done - 1} turned the parameters or optimizer state NaN "
+            raise nonfinite.stop(f"the update of step {step_done} turned the parameters or optimizer state NaN "
                                  "or Inf (not saved)", step_done, self.cfg, self.saved)
         self.ckpt.save(step_done, self._state(), {**self.record, "step": step_done, "cursor": self.cursor})
         self.saved.append(step_done)

@@ -10,6 +10,7 @@ TensorBoard writer logs its numbers as scalars at that step, named by group
 from __future__ import annotations
 
 import json
+import os
 
 from dpjax.errors import UserError
 
@@ -27,12 +28,49 @@ GROUPS = {"eval_loss": "eval", "tflops_per_device": "efficiency", "mfu": "effici
 
 class JsonLines:
     """One JSON object per line, line-buffered: each row is on disk as soon as it is
-    known (`tail -f` works); appended to on a resumed run."""
+    known (`tail -f` works); appended to on a resumed run.
 
-    def __init__(self, path: str, append: bool):
+    `resumed_at`: a resumed run's steps done at its restore. The rows of later steps,
+    which the run before wrote after its last save or commit and died, are removed (this
+    run writes them again), and a loss row for a step the file still holds is not written
+    twice (a restart writes the rows of the steps its commit held in flight, which the
+    lost run may have written): every step has one row, however often the run resumed."""
+
+    def __init__(self, path: str, append: bool, resumed_at: int | None = None):
+        self.loss_steps: set = set()
+        if append and resumed_at is not None and os.path.isfile(path):
+            self._keep_until(path, resumed_at)
         self.fh = open(path, "a" if append else "w", buffering=1)
 
+    def _keep_until(self, path: str, step: int) -> None:
+        with open(path) as fh:
+            lines = fh.readlines()
+        if lines and not lines[-1].endswith("\n"):
+            lines.pop()  # the row a killed run was writing: cut short, not JSON
+        kept = []
+        for line in lines:
+            try:
+                row = json.loads(line)
+            except ValueError:
+                kept.append(line)  # not ours to judge: kept as it was
+                continue
+            if not isinstance(row, dict) or not isinstance(row.get("step"), int):
+                kept.append(line)  # the run record, events without a step
+            elif row["step"] <= step:
+                kept.append(line)
+                if "loss" in row:
+                    self.loss_steps.add(row["step"])
+        if len(kept) != len(lines):
+            tmp = f"{path}.tmp{os.getpid()}"
+            with open(tmp, "w") as fh:
+                fh.writelines(kept)
+            os.replace(tmp, path)  # all of the old rows or the kept ones, never half
+
     def write(self, row: dict) -> None:
+        if "loss" in row and "step" in row:
+            if row["step"] in self.loss_steps:
+                return
+            self.loss_steps.add(row["step"])
         self.fh.write(json.dumps(row) + "\n")
 
     def close(self) -> None:
@@ -81,11 +119,13 @@ class Writers:
         return bool(self.writers)
 
 
-def open_writers(metrics: str | None, tensorboard: str | None, append: bool = False) -> Writers:
-    """The writers of `--metrics FILE` and `--tensorboard DIR` (either may be None)."""
+def open_writers(metrics: str | None, tensorboard: str | None, append: bool = False,
+                 resumed_at: int | None = None) -> Writers:
+    """The writers of `--metrics FILE` and `--tensorboard DIR` (either may be None);
+    `resumed_at`: see `JsonLines`."""
     out = []
     if tensorboard:
         out.append(TensorBoard(tensorboard))
     if metrics:
-        out.append(JsonLines(metrics, append))
+        out.append(JsonLines(metrics, append, resumed_at))
     return Writers(out)

@@ -46,7 +46,7 @@ def write_timeline(recorder, path: str, step, args, write, steps, say) -> None:
     for row in summary.steps:
         write({"step": row["step"], "comm_fraction": round(row["comm_fraction"], 4)})
     share = sum(r["comm_fraction"] for r in summary.steps) / len(summary.steps)
-    say(f"timeline: steps {steps.start}-{steps[-1]} in {path}, communication {100 * share:.0f}% of a step "
+    say(f"timeline: steps {steps.start + 1}-{steps[-1] + 1} in {path}, communication {100 * share:.0f}% of a step "
         f"(python -m dpjax.timeline {path})")
     for note in summary.notes:  # e.g. a GPU's command buffers, whose ops the profile cannot name
         say(f"timeline: {note}")

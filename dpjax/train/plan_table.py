@@ -72,3 +72,13 @@ def _experts(plan) -> str | None:
     n = plan.mesh.shape[EXPERT]
     return (f"expert-parallel ({c.experts} experts, {c.experts // n} a device, top {c.top_k}, capacity factor "
             f"{c.capacity_factor:g}, {plan.policy.expert_alltoall} all-to-all)")
+
+
+def compiling_line(plan) -> str:
+    """The line said before XLA compiles the run's programs, which takes minutes on a large
+    model with nothing printed: what is compiled, and that Ctrl-C stops it."""
+    d = plan.model.describe()
+    size = ", ".join(f"{k} {d[k]}" for k in ("n_layers", "d_model") if k in d)
+    mesh = ", ".join(f"{k}={v}" for k, v in plan.mesh.shape.items())
+    return (f"compiling the initialisation and the training step ({d.get('model', 'model')}"
+            + (f": {size}" if size else "") + f"; mesh {mesh}; update {plan.update}); Ctrl-C stops it")

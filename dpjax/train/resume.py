@@ -3,6 +3,9 @@
     resuming(cfg)            --resume, or a restart by dpjax.agent (which resumes from its commits)
     check_metrics_file(cfg)  an existing --metrics file is appended to when resuming, refused
                              otherwise (--overwrite replaces it): before JAX starts
+    refuse_fresh_into(...)   a fresh run into a --ckpt-dir or --commit-dir that holds another
+                             run's saved state: refused (--overwrite replaces it)
+    check_commit_dir(cfg)    that rule for --commit-dir, before JAX starts
     fresh_or_refuse(trainer) --resume that restored nothing is an error; a fresh run with a
                              --ckpt-dir says it starts fresh
     resume_command(argv)     the exact command that continues an interrupted run
@@ -13,6 +16,7 @@ truncated the metrics file of the run it meant to continue.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shlex
 import shutil
@@ -28,6 +32,10 @@ class NothingToResume(UserError):
 
 class MetricsFileExists(UserError):
     """--metrics names a file that holds another run's rows."""
+
+
+class SavedStateExists(UserError):
+    """A fresh run's --ckpt-dir or --commit-dir holds another run's checkpoints or commits."""
 
 
 def resuming(cfg) -> bool:
@@ -46,6 +54,36 @@ def check_metrics_file(cfg) -> None:
         rows = sum(1 for _ in fh)
     raise MetricsFileExists(f"--metrics {path} already exists ({rows} rows); pass --resume to continue that run "
                             "(its rows are appended to), --overwrite to replace it, or another --metrics file")
+
+
+def refuse_fresh_into(cfg, what: str, folder: str, held: str, latest: int) -> bool:
+    """The rule of every folder a run saves its state in: a fresh run (no --resume, not an
+    agent's restart) into one that already holds `held` (up to step `latest`) is refused,
+    naming the flags that allow it; --overwrite says to replace them. True when the
+    run starts fresh there (the caller removes what is held), False when it resumes."""
+    if resuming(cfg):
+        return False
+    if not cfg.overwrite:
+        raise SavedStateExists(f"{what} {folder} already holds {held} (latest step {latest}); pass --resume to "
+                               f"continue that run, --overwrite to replace them, or another {what} (nothing was "
+                               "overwritten)")
+    return True
+
+
+def check_commit_dir(cfg) -> None:
+    """--commit-dir follows --ckpt-dir's rule (`refuse_fresh_into`), checked before JAX
+    starts: a fresh run's Committer would remove the commits found there. With --overwrite
+    every commit file there goes now (not only this process's: a restore takes the newest
+    step every old rank committed, and an old run's could be newer than this run's)."""
+    from dpjax.commit import inventory
+
+    if not cfg.commit_dir or not os.path.isdir(cfg.commit_dir):
+        return
+    found = inventory(cfg.commit_dir)
+    if found and refuse_fresh_into(cfg, "--commit-dir", cfg.commit_dir, "commits", max(f[1] for f in found)):
+        for *_, rel in found:
+            with contextlib.suppress(FileNotFoundError):  # another process of this host removed it first
+                os.remove(os.path.join(cfg.commit_dir, rel))
 
 
 def metrics_append(cfg) -> bool:

@@ -33,16 +33,23 @@ def run_loop(self) -> dict:
     cfg, is_main = self.cfg, jax.process_index() == 0
     tokens_per_step = cfg.batch_size * cfg.seq_len * cfg.backward_passes
     # JSON lines (and TensorBoard): process 0's rows; the run record first
-    metrics = open_writers(cfg.metrics, cfg.tensorboard, append=resume.metrics_append(cfg)) if is_main else None
+    # ... each step once: a resumed run's file loses the rows after the restored step (run again now)
+    metrics = open_writers(cfg.metrics, cfg.tensorboard, append=resume.metrics_append(cfg),
+                           resumed_at=self.start if resume.resuming(cfg) else None) if is_main else None
     # the peak of the dtype the matmuls run in (bf16's is twice TF32's: the H200 summary said MFU 91.6% for 46%)
     efficiency = Efficiency(self.model, self.mesh, tokens_per_step, cfg.peak_tflops, self.plan.policy.dtype)
-    stop = {"now": False}
+    stop = {"now": False, "stepping": False}  # stepping: the first step is compiled and dispatched
     set_aside = []  # a checkpoint saved at the step whose loss turned out not finite
 
     def on_sigint(signum, frame):
         """The first Ctrl-C finishes the step and saves; a second one leaves at once,
         in one line and without a traceback (the save under way is not finished: orbax
-        finalises a checkpoint only once it is whole, so --resume takes the one before)."""
+        finalises a checkpoint only once it is whole, so --resume takes the one before).
+        Until the first step is compiled there is no step to finish: Ctrl-C stops the
+        compile (a KeyboardInterrupt, as Python's own handler raises; the compile that
+        took minutes on a large model used to run to its end first)."""
+        if not stop["stepping"]:
+            raise KeyboardInterrupt
         if stop["now"]:
             print("interrupted again: stopped at once, without waiting for the save", file=sys.stderr, flush=True)
             os._exit(130)
@@ -87,17 +94,17 @@ def run_loop(self) -> dict:
         with phase("host_wait"):
             loss = float(loss)  # waits for the step
         if not math.isfinite(loss):  # the state of step_i steps done gives it: no step after is worth running
-            write({"event": "non_finite_loss", "step": step_i, "value": str(loss)})
+            write({"event": "non_finite_loss", "step": step_i + 1, "value": str(loss)})
             if step_i in self.saved and is_main:
                 set_aside.append(step_i)
-            raise nonfinite.stop(f"the loss is {loss} at step {step_i}", step_i, cfg, self.saved)
+            raise nonfinite.stop(f"the loss is {loss} at step {step_i + 1}", step_i, cfg, self.saved)
         now = finished.pop(step_i, None) or time.perf_counter()
         dt, last_done = now - last_done, now
         tps_window.append(tokens_per_step / dt)
         last.update(loss=loss, tokens_per_s=float(np.median(tps_window)))
         if metrics:
             extra.update(efficiency.row(dt, step, shapes[id(step)]))
-        write({"step": step_i, "loss": loss, "step_time": dt, "tokens_per_s": tokens_per_step / dt,
+        write({"step": step_i + 1, "loss": loss, "step_time": dt, "tokens_per_s": tokens_per_step / dt,
                "lr": float(lr_at(step_i)), **extra})
         progress.update(step_i, loss, last["tokens_per_s"])
 
@@ -105,16 +112,17 @@ def run_loop(self) -> dict:
         while in_flight:
             retire()
 
-    def record_eval(step_i):
+    def record_eval(done):
         last["eval_loss"] = self.evaluate()
-        write({"step": step_i, "eval_loss": last["eval_loss"], **self.model_stats()})  # a MoE's drops too
+        # of the state after step `done`; a MoE's drops too
+        write({"step": done, "eval_loss": last["eval_loss"], **self.model_stats()})
 
     step_i, shapes = self.start, {}
     try:
         for step_i in range(self.start, cfg.steps):
             trial = self.tuner.ask() if self.tuner is not None else None  # (setting, timed) while tuning
             if self.tuner is not None and trial is None:  # nothing left to compare (one candidate)
-                tuning.finish(self, write, step_i)
+                tuning.finish(self, write, step_i + 1)
             step = self.step if trial is None else self.step_for(trial[0])
             if rec is not None and window is None and trial is None:
                 window = range(step_i + 1, min(cfg.steps, step_i + 1 + cfg.timeline_steps))
@@ -125,7 +133,7 @@ def run_loop(self) -> dict:
                 rec.start()
             host = contextlib.ExitStack()
             if profiled:
-                host.enter_context(rec.step(step_i))
+                host.enter_context(rec.step(step_i + 1))  # the timeline numbers steps as the metrics do
             with phase("data"):
                 cursor = self.cursor  # the step's first sample: the step log shows none read twice or skipped
                 batch = self.batch()
@@ -133,6 +141,7 @@ def run_loop(self) -> dict:
             args, began = (self.params, self.opt_state, batch), time.perf_counter()
             with phase("dispatch"):
                 self.params, self.opt_state, loss = step.train(*args)
+            stop["stepping"] = True
             extra = {"cursor": cursor, **({"trial": str(trial[0])} if trial is not None else {})}
             in_flight.append((step_i, loss, extra, step))
             seen_finished()  # before the row's figures below: the first step's take a compile
@@ -153,12 +162,12 @@ def run_loop(self) -> dict:
             if trial is not None:
                 self.tuner.tell(trial[0], time.perf_counter() - began, trial[1])
                 if self.tuner.done:
-                    tuning.finish(self, write, step_i)
+                    tuning.finish(self, write, step_i + 1)
             done = step_i + 1
             if cfg.eval_every and done % cfg.eval_every == 0 and done < cfg.steps:
                 drain()
                 with phase("eval"):
-                    record_eval(step_i)
+                    record_eval(done)
                 last_done = time.perf_counter()  # evaluating is not the next step's time
             if self.ckpt and (done % cfg.ckpt_every == 0 or done == cfg.steps or stop["now"]):
                 drain()
@@ -173,7 +182,7 @@ def run_loop(self) -> dict:
                 break
         drain()
         if not stop["now"]:
-            record_eval(cfg.steps - 1)
+            record_eval(cfg.steps)
             line = sample.sample_line(self)
             if line:
                 self.say(line)
