@@ -61,7 +61,7 @@ def _text_files(path: str) -> list[str]:
 @lru_cache(maxsize=4)
 def load_corpus(source: str = "stdlib", max_bytes: int | None = None) -> np.ndarray:
     """The corpus as uint8 bytes: 'stdlib' (default), a file or a folder of text files."""
-    files = stdlib_files() if source == "stdlib" else _text_files(source)
+    files = corpus_files(source)
     chunks, total = [], 0
     for f in files:
         with open(f, "rb") as fh:
@@ -76,26 +76,42 @@ def load_corpus(source: str = "stdlib", max_bytes: int | None = None) -> np.ndar
     return data
 
 
+def corpus_files(source: str) -> list[str]:
+    """The text files of `source` ('stdlib', a file or a folder), in the order read."""
+    return stdlib_files() if source == "stdlib" else _text_files(source)
+
+
+def file_pieces(path: str, chunk_bytes: int | None = 1 << 20):
+    """One file's text in pieces of about `chunk_bytes`, cut after a newline (None: whole)."""
+    with open(path, encoding="utf-8", errors="replace") as fh:
+        text = fh.read()
+    while text:
+        cut = len(text) if chunk_bytes is None else text.find("\n", chunk_bytes) + 1 or len(text)
+        yield text[:cut]
+        text = text[cut:]
+
+
 def text_chunks(source: str, chunk_bytes: int = 1 << 20):
     """The corpus's text in pieces of about `chunk_bytes`, cut after a newline (each file
     its own pieces): what a tokenizer encodes as a batch, in parallel."""
-    files = stdlib_files() if source == "stdlib" else _text_files(source)
-    for f in files:
-        with open(f, encoding="utf-8", errors="replace") as fh:
-            text = fh.read()
-        while text:
-            cut = text.find("\n", chunk_bytes) + 1 or len(text)
-            yield text[:cut]
-            text = text[cut:]
+    for f in corpus_files(source):
+        yield from file_pieces(f, chunk_bytes)
+
+
+def tokenize_file(path: str, tok) -> np.ndarray:
+    """One text file's ids by `tok` (a `dpjax.tokenizer` tokenizer), uint32. The file is
+    cut into pieces of `tok.piece_bytes` (None: encoded whole, for a tokenizer whose ids
+    depend on where a text starts) and encoded as a batch where `tok` can."""
+    chunks = list(file_pieces(path, getattr(tok, "piece_bytes", 1 << 20)))
+    batch = getattr(tok, "encode_batch", None)
+    ids = batch(chunks) if batch else [tok.encode(c) for c in chunks]
+    return np.concatenate([np.asarray(piece, np.uint32) for piece in ids]) if ids else np.zeros(0, np.uint32)
 
 
 def tokenize_corpus(source: str, tok) -> np.ndarray:
     """`source`'s text (as load_corpus finds it) as token ids of `tok` (a
     `dpjax.tokenizer` tokenizer), uint32, the files' ids joined in order."""
-    chunks = list(text_chunks(source))
-    batch = getattr(tok, "encode_batch", None)
-    ids = batch(chunks) if batch else [tok.encode(c) for c in chunks]
-    data = np.concatenate([np.asarray(piece, np.uint32) for piece in ids]) if ids else np.zeros(0, np.uint32)
+    data = np.concatenate([tokenize_file(f, tok) for f in corpus_files(source)])
     if data.size == 0:
         raise DataError(f"data source {source!r} is empty; pass a file or folder with some text in it")
     return data

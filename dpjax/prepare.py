@@ -2,13 +2,16 @@
 
     python -m dpjax.prepare corpus.txt tokens.bin                          # bytes: --vocab-size 256
     python -m dpjax.prepare docs/ notes.txt --out tokens.bin --tokenizer tokenizer.json
+    python -m dpjax.prepare docs/ --out tokens.bin --tokenizer tokenizer.model  # SentencePiece
     python -m dpjax.prepare stdlib --out tokens.bin --tokenizer bpe:8192  # trains a BPE here
 
 The default tokenizer is the byte one dpjax trains on (each byte of the UTF-8 text one
 id, 256 ids). --tokenizer takes a HuggingFace tokenizer.json (the `tokenizers` package:
-the text is cut into pieces at line ends and encoded as a batch, on all of its threads)
-or bpe:N, a byte-level BPE of N ids trained on these texts and saved beside the tokens
-(tokens.tokenizer.json). The ids are written flat, native-endian, as numpy's `tofile`
+a file is cut into pieces at line ends and encoded as a batch, on its threads), a
+SentencePiece *.model (each file encoded whole), or bpe:N, a byte-level BPE of N ids
+trained on these texts and saved beside the tokens (tokens.tokenizer.json). Several
+files are tokenized by a pool of --workers processes (default: one a core), their ids
+written in the files' order. The ids are written flat, native-endian, as numpy's `tofile`
 writes them: uint16 when the vocabulary fits, else uint32 (name the file *.u32.bin, or
 train with --token-dtype uint32). A file written by nanoGPT's or llm.c's prepare scripts
 (GPT-2's BPE, uint16) is read the same way.
@@ -17,12 +20,13 @@ train with --token-dtype uint32). A file written by nanoGPT's or llm.c's prepare
 from __future__ import annotations
 
 import argparse
+import multiprocessing
 import os
 import sys
 
 import numpy as np
 
-from dpjax.data import TOKEN_SUFFIX, DataError, load_corpus, tokenize_corpus
+from dpjax.data import TOKEN_SUFFIX, DataError, corpus_files, load_corpus, tokenize_file
 from dpjax.errors import UserError
 
 BYTE_VOCAB = 256
@@ -38,9 +42,44 @@ def prepare(source: str, out: str, dtype: str = "uint16") -> int:
     return int(ids.size)
 
 
-def prepare_tokens(sources: list[str], out: str, tokenizer: str, dtype: str = "auto") -> tuple[int, int, str, str]:
+_worker_tok = None
+
+
+def _start_worker(tok, threads: int) -> None:
+    """A pool process: its tokenizer, and `tokenizers`' thread pool sized to its share of
+    the cores (before its first batch starts the pool), so P processes do not each run
+    a thread a core."""
+    global _worker_tok
+    os.environ["RAYON_NUM_THREADS"] = str(threads)
+    _worker_tok = tok
+
+
+def _tokenize(path: str) -> np.ndarray:
+    return tokenize_file(path, _worker_tok)
+
+
+def token_pieces(files: list[str], tok, workers: int):
+    """Each of `files`' ids (uint32) by `tok`, in the files' order: in this process when
+    `workers` is 1 (or there is one file), else by a pool of `workers` processes. The
+    pool is spawned, not forked: this process may hold JAX's and `tokenizers`' threads."""
+    workers = max(1, min(workers, len(files)))
+    if workers == 1:
+        yield from (tokenize_file(f, tok) for f in files)
+        return
+    threads = max(1, len(os.sched_getaffinity(0)) // workers)
+    with multiprocessing.get_context("spawn").Pool(workers, _start_worker, (tok, threads)) as pool:
+        yield from pool.imap(_tokenize, files)
+
+
+def default_workers() -> int:
+    return len(os.sched_getaffinity(0))
+
+
+def prepare_tokens(sources: list[str], out: str, tokenizer: str, dtype: str = "auto",
+                   workers: int | None = None) -> tuple[int, int, str, str]:
     """Writes the tokens of `sources` (texts, folders, 'stdlib'; in order) by `tokenizer`
-    (a tokenizer.json or bpe:N, trained on them and saved beside `out`) to `out`.
+    (a tokenizer.json, a SentencePiece .model, or bpe:N, trained on them and saved beside
+    `out`) to `out`, `workers` processes (default: one a core) tokenizing the files.
     Returns (tokens, vocabulary, dtype, the tokenizer's file)."""
     from dpjax.data import text_chunks
     from dpjax.tokenizer import for_corpus
@@ -56,9 +95,16 @@ def prepare_tokens(sources: list[str], out: str, tokenizer: str, dtype: str = "a
         dtype = "uint16" if tok.vocab_size <= 2**16 else "uint32"
     elif dtype == "uint16" and tok.vocab_size > 2**16:
         raise UserError(f"--dtype uint16 cannot hold {tok.vocab_size} ids; use uint32")
-    ids = np.concatenate([tokenize_corpus(s, tok) for s in sources]).astype(dtype)
-    ids.tofile(out)
-    return int(ids.size), tok.vocab_size, dtype, saved
+    files = [f for s in sources for f in corpus_files(s)]
+    n = 0
+    with open(out, "wb") as fh:
+        for ids in token_pieces(files, tok, workers or default_workers()):
+            ids.astype(dtype).tofile(fh)
+            n += ids.size
+    if n == 0:
+        os.remove(out)
+        raise DataError(f"{' '.join(sources)}: no text to tokenize; pass files or folders with some text in them")
+    return n, tok.vocab_size, dtype, saved
 
 
 def main(argv=None) -> int:
@@ -66,7 +112,10 @@ def main(argv=None) -> int:
     p.add_argument("sources", nargs="+", help="text files, folders of text files, or 'stdlib' (without --out, the "
                                               "last one is the token file to write)")
     p.add_argument("--out", help=f"the token file to write (ends in {TOKEN_SUFFIX})")
-    p.add_argument("--tokenizer", default="bytes", help="bytes (default), a tokenizer.json, or bpe:N")
+    p.add_argument("--tokenizer", default="bytes", help="bytes (default), a tokenizer.json, a SentencePiece .model, "
+                                                        "or bpe:N")
+    p.add_argument("--workers", type=int, default=None, help="processes tokenizing the files (default: one a core; "
+                                                             "1: in this process)")
     p.add_argument("--dtype", choices=("auto", "uint16", "uint32"), default="auto",
                    help="the ids' type (auto: uint16 when the vocabulary fits)")
     args = p.parse_args(argv)
@@ -80,7 +129,9 @@ def main(argv=None) -> int:
                 raise DataError("the byte tokenizer prepares one source (a file or a folder); give a folder")
             n, vocab, saved = prepare(sources[0], out, dtype), BYTE_VOCAB, None
         else:
-            n, vocab, dtype, saved = prepare_tokens(sources, out, args.tokenizer, args.dtype)
+            if args.workers is not None and args.workers < 1:
+                raise UserError("--workers must be at least 1")
+            n, vocab, dtype, saved = prepare_tokens(sources, out, args.tokenizer, args.dtype, args.workers)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -108,9 +108,9 @@ class Settings:
     data: str = MODEL("stdlib", "'stdlib' (the Python standard library's source), a text file, a folder of text "
                                "files, 'synthetic' (random tokens), or a file of token ids ending in .bin (uint16 "
                                "or uint32, as nanoGPT and llm.c write them; needs --vocab-size)")
-    tokenizer: str | None = MODEL(None, "tokenize the text --data with this: a HuggingFace tokenizer.json (needs the "
-                                        "hf extra), or bpe:N (a byte-level BPE of N ids trained on the corpus first). "
-                                        "Default: bytes (256 ids)")
+    tokenizer: str | None = MODEL(None, "tokenize the text --data with this: a HuggingFace tokenizer.json or a "
+                                        "SentencePiece .model (both need the hf extra), or bpe:N (a byte-level BPE "
+                                        "of N ids trained on the corpus first). Default: bytes (256 ids)")
     vocab_size: int | None = MODEL(None, "the vocabulary of a token file (--data FILE.bin); default 256 (bytes)")
     token_dtype: str = MODEL("auto", "the ids' type in a token file; auto: uint32 if the file name says u32 or "
                                     "uint32, else uint16", choices=("auto", "uint16", "uint32"))

@@ -3,11 +3,13 @@
     bytes             the byte-level default dpjax trains on: each UTF-8 byte one id (256)
     PATH              a HuggingFace tokenizer.json (the `tokenizers` package, the hf extra):
                       what a Hub model ships, Llama 3's 128k BPE among them
+    PATH.model        a SentencePiece model (the `sentencepiece` package, the hf extra):
+                      what Llama 2, Mistral, Gemma and T5 ship as tokenizer.model
     bpe:N             a byte-level BPE of N ids trained here on the corpus (`train_bpe`), for
                       a corpus that comes without a tokenizer
 
-`tokenizers` is imported only when a tokenizer.json or a BPE is asked for; without it the
-error says how to install it.
+`tokenizers` and `sentencepiece` are imported only when a file of theirs (or a BPE) is
+asked for; without them the error says how to install them.
 """
 
 from __future__ import annotations
@@ -59,6 +61,42 @@ class HF:
         self.tok.save(path)
 
 
+class SentencePiece:
+    """A `sentencepiece.SentencePieceProcessor` (a *.model file), no BOS/EOS added.
+
+    SentencePiece puts a dummy prefix (a '▁' space) before every text it encodes, so
+    a text cut in pieces would gain a space at each cut: a file is encoded whole
+    (`piece_bytes` None), as the package encodes one document."""
+
+    piece_bytes = None
+
+    def __init__(self, sp, name: str):
+        self.sp, self.name = sp, name
+        self.vocab_size = sp.get_piece_size()
+        self.eos_id = sp.eos_id() if sp.eos_id() >= 0 else None
+
+    def encode(self, text: str) -> list[int]:
+        return self.sp.encode(text)
+
+    def decode(self, ids) -> str:
+        return self.sp.decode([int(i) for i in ids])
+
+
+def _sentencepiece(spec: str, path: str) -> SentencePiece:
+    try:
+        import sentencepiece
+    except ImportError:
+        raise TokenizerError("a SentencePiece model needs the sentencepiece package: pip install 'dpjax[hf]' "
+                             "(or pip install sentencepiece)") from None
+    sp = sentencepiece.SentencePieceProcessor()
+    try:
+        sp.load(path)
+    except (OSError, RuntimeError) as e:
+        raise TokenizerError(f"--tokenizer {spec}: not a SentencePiece model ({str(e).splitlines()[0][:200]})") \
+            from None
+    return SentencePiece(sp, path)
+
+
 def _package():
     try:
         import tokenizers
@@ -68,17 +106,26 @@ def _package():
     return tokenizers
 
 
+def _in_folder(folder: str) -> str | None:
+    """A Hub folder's tokenizer: tokenizer.json, else a SentencePiece tokenizer.model."""
+    return next((os.path.join(folder, f) for f in ("tokenizer.json", "tokenizer.model")
+                 if os.path.isfile(os.path.join(folder, f))), None)
+
+
 def load(spec: str | None):
-    """The tokenizer `spec` names: None or 'bytes', or a tokenizer.json path (a folder
-    holding one will do). bpe:N is trained by `train_bpe`, on a corpus."""
+    """The tokenizer `spec` names: None or 'bytes', a tokenizer.json path, a SentencePiece
+    *.model (a folder holding either will do). bpe:N is trained by `train_bpe`, on a corpus."""
     if spec in (None, BYTES):
         return Bytes()
     if spec.startswith("bpe:"):
         raise TokenizerError(f"--tokenizer {spec} trains on a corpus: python -m dpjax.prepare --tokenizer {spec} "
                              "TEXT... --out tokens.bin trains it and saves its tokenizer.json beside the tokens")
-    path = os.path.join(spec, "tokenizer.json") if os.path.isdir(spec) else spec
+    path = (_in_folder(spec) or os.path.join(spec, "tokenizer.json")) if os.path.isdir(spec) else spec
     if not os.path.isfile(path):
-        raise TokenizerError(f"--tokenizer {spec}: no such file (a tokenizer.json, bytes, or bpe:N)")
+        raise TokenizerError(f"--tokenizer {spec}: no such file (a tokenizer.json, a SentencePiece .model, bytes, "
+                             "or bpe:N)")
+    if path.endswith(".model"):
+        return _sentencepiece(spec, path)
     try:
         return HF(_package().Tokenizer.from_file(path), path)
     except Exception as e:  # tokenizers raises its own Exception type for a bad file
@@ -111,14 +158,14 @@ def train_bpe(texts, vocab_size: int) -> HF:
 
 
 def for_model(source: str | None, given: str | None, vocab_size: int, text: bool = True):
-    """The tokenizer of a model's ids: `given` (--tokenizer), else the tokenizer.json of
-    an hf:DIR source, else bytes for a 256-id model fed text (`text`); None when none
+    """The tokenizer of a model's ids: `given` (--tokenizer), else the tokenizer.json (or
+    tokenizer.model) of an hf:DIR source, else bytes for a 256-id model fed text (`text`); None when none
     is known (the ids are then shown as they are)."""
     if given:
         return load(given)
-    folder = source[3:] if source and source.startswith("hf:") else None
-    if folder and os.path.isfile(os.path.join(folder, "tokenizer.json")):
-        return load(os.path.join(folder, "tokenizer.json"))
+    found = _in_folder(source[3:]) if source and source.startswith("hf:") else None
+    if found:
+        return load(found)
     return Bytes() if vocab_size == 256 and text else None
 
 

@@ -45,7 +45,7 @@ def test_text_data_tokenized_for_training(corpus):
     """make_streams with a tokenizer: every row is a window of the corpus's ids."""
     tok = load(FIXTURE)
     ids = np.asarray(tok.encode(TEXT))
-    train, val = make_streams(corpus, 16, 0, vocab_size=tok.vocab_size, tokenizer=tok)
+    train, _val = make_streams(corpus, 16, 0, vocab_size=tok.vocab_size, tokenizer=tok)
     rows = train.batch(3, 4)
     assert rows.shape == (4, 17)
     for row in rows:
@@ -73,3 +73,24 @@ def test_train_with_a_tokenizer(corpus, capsys):
                   "--eval-every", "0", "--progress", "log", "--sample-tokens", "4"]) == 0
     out = capsys.readouterr().out
     assert "sample: " in out and "done: 2 steps" in out.strip().splitlines()[-1]
+
+
+def test_prepare_in_parallel_equals_serial(tmp_path):
+    """Several files over a pool of 2 processes: the same bytes as in this process, each
+    file's ids in the files' order (a folder's sorted files, then the next source)."""
+    from tokenizers import Tokenizer
+
+    folder = tmp_path / "docs"
+    folder.mkdir()
+    texts = [TEXT[i * 1000:(i + 1) * 1000 + 7 * i] for i in range(5)]
+    for i, text in enumerate(texts[:4]):
+        (folder / f"{i}.txt").write_text(text)
+    (tmp_path / "last.txt").write_text(texts[4])
+    serial, parallel = str(tmp_path / "s.bin"), str(tmp_path / "p.bin")
+    sources = [str(folder), str(tmp_path / "last.txt"), "--tokenizer", FIXTURE]
+    assert prepare([*sources, "--out", serial, "--workers", "1"]) == 0
+    assert prepare([*sources, "--out", parallel, "--workers", "2"]) == 0
+    tok = Tokenizer.from_file(FIXTURE)
+    want = np.concatenate([tok.encode(t, add_special_tokens=False).ids for t in texts])
+    np.testing.assert_array_equal(np.fromfile(serial, np.uint16), want)
+    assert (tmp_path / "p.bin").read_bytes() == (tmp_path / "s.bin").read_bytes()

@@ -46,7 +46,8 @@ def run(args) -> dict:
     tok = for_model(args.init_from, args.tokenizer, model.config.vocab_size)
     if args.prompt is not None:
         if tok is None:
-            raise UserError(f"{args.init_from} has no tokenizer.json and {model.config.vocab_size} ids: give "
+            raise UserError(f"{args.init_from} has no tokenizer.json (nor tokenizer.model) and "
+                            f"{model.config.vocab_size} ids: give "
                             "--tokenizer PATH, or --prompt-ids")
         prompt = tok.encode(args.prompt)
         bos = (hub or {}).get("bos_token_id")
@@ -72,9 +73,10 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m dpjax.generate", description=__doc__.split("\n\n")[1])
     p.add_argument("--init-from", required=True, help="hf:DIR (a HuggingFace Llama folder) or a dpjax checkpoint")
     which = p.add_mutually_exclusive_group(required=True)
-    which.add_argument("--prompt", help="text, tokenized by --tokenizer (default: the folder's tokenizer.json)")
+    which.add_argument("--prompt", help="text, tokenized by --tokenizer (default: the folder's tokenizer.json or "
+                                         "tokenizer.model)")
     which.add_argument("--prompt-ids", help="token ids, e.g. 1,2,3")
-    p.add_argument("--tokenizer", help="a tokenizer.json, or bytes")
+    p.add_argument("--tokenizer", help="a tokenizer.json, a SentencePiece .model, or bytes")
     p.add_argument("--no-bos", dest="bos", action="store_false", help="do not start a --prompt with the BOS id")
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default)")
