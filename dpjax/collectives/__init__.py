@@ -28,7 +28,7 @@ sizes), so ranks that disagree get one clear error instead of garbage or a hang.
 
 from __future__ import annotations
 
-from dpjax.collectives import registry
+from dpjax.collectives import registry  # noqa: F401  (first: the algorithms below register into it)
 
 # Each algorithm registers itself when imported; this order is the order of the views.
 from dpjax.collectives import xla, ring, butterfly, tree, ps, hierarchical, alltoall, adasum  # noqa: E401
