@@ -198,7 +198,7 @@ class Committer:
 
         def fill(fh):
             fh.write(header(meta))
-            for a in arrays:
+            for a in arrays:  # noqa: F821  (fill runs inside write_file, before the del below)
                 fh.write(raw(np.asarray(a)))  # waits for this piece's copy only
 
         name = _name(step, self.world)

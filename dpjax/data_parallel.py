@@ -62,7 +62,8 @@ def allreduce_gradients(grads, axis_name="data", *, algorithm: str = "ring", fus
     if op != "mean" and f != 1.0:
         raise ValueError(f"gradient_predivide_factor applies to op='mean' only, not to op={op!r}")
     with scopes.phase("exchange"):  # every rule's exchange passes here (dpjax.scopes, dpjax.timeline)
-        return collectives.grouped_allreduce(grads, axis_name, op=op, fusion_mb=fusion_mb, compression=summable(compression),
+        return collectives.grouped_allreduce(grads, axis_name, op=op, fusion_mb=fusion_mb,
+                                             compression=summable(compression),
                                              algorithm=algorithm, prescale_factor=1 / f, postscale_factor=f,
                                              **options)
 

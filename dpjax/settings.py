@@ -125,9 +125,9 @@ class Settings:
     weight_decay: float = OPTIM(0.0, "AdamW's decoupled weight decay")
     clip_norm: float = OPTIM(1.0, "clip each worker's gradient to this global norm (0: off)")
     # The compute policy (dpjax.policy) and what the planner may choose
-    dtype: str = COMPUTE("auto", "compute dtype of the layers (matmuls, activations, a pipeline's sends); auto: bfloat16 "
-                              "on GPU and TPU, float32 on CPU. Layer-norm statistics, softmax, logits, the loss, "
-                              "gradient accumulation and the optimizer stay float32 whatever this says",
+    dtype: str = COMPUTE("auto", "compute dtype of the layers (matmuls, activations, a pipeline's sends); auto: "
+                              "bfloat16 on GPU and TPU, float32 on CPU. Layer-norm statistics, softmax, logits, the "
+                              "loss, gradient accumulation and the optimizer stay float32 whatever this says",
                       choices=("auto", "float32", "bfloat16", "float16"))
     param_dtype: str = COMPUTE("float32", "dtype of the master weights and so of the optimizer state",
                             choices=("float32", "bfloat16", "float16"))
@@ -154,11 +154,11 @@ class Settings:
                                      "Default: every data axis for delayed/sparse/async (each rank a worker), "
                                      "none for sync. With --fsdp the parameters are split over the other data "
                                      "axes: '--workers node --fsdp' with sync is hybrid sharding (HSDP)")
-    link: list | None = EXCHANGE(None, "emulate a slow link on a mesh axis, e.g. 'node=183ms,23mbit' (repeatable): every "
-                                   "collective crossing that axis waits for its alpha-beta time; values are "
+    link: list | None = EXCHANGE(None, "emulate a slow link on a mesh axis, e.g. 'node=183ms,23mbit' (repeatable): "
+                                   "every collective crossing that axis waits for its alpha-beta time; values are "
                                    "unchanged, only time", action="append")
-    allreduce: str | None = EXCHANGE(None, lambda: f"gradient allreduce algorithm: {', '.join(_algorithms())}; or auto: "
-                                               "each is timed on the first steps of the run and the fastest kept "
+    allreduce: str | None = EXCHANGE(None, lambda: f"gradient allreduce algorithm: {', '.join(_algorithms())}; or "
+                                               "auto: each is timed on the first steps of the run and the fastest kept "
                                                "(recorded in the metrics and the checkpoint; a resumed run keeps "
                                                "it). Default: psum (XLA's own: NCCL) on GPU and TPU, ring on CPU")
     tp_allreduce: str = EXCHANGE("ring", lambda: "allreduce over the model axis inside tensor-parallel layers: "

@@ -48,7 +48,7 @@ def train(steps=100, seed=0):
     params = dpjax.shard_step(dpjax.broadcast_params, mesh)(params)  # distributed: broadcast
     losses = []
     for x, y in batches(steps, seed=seed):
-        params, opt_state, loss = step(params, opt_state, *dpjax.shard_batch(mesh, x, y))  # distributed: shard the batch
+        params, opt_state, loss = step(params, opt_state, *dpjax.shard_batch(mesh, x, y))  # dpjax: shard the batch
         losses.append(float(loss))
     return losses
 

@@ -73,7 +73,7 @@ def eval_step(model: CNN, metrics: nnx.MultiMetric, batch):
 
 def train(train_steps=6, eval_every=3, learning_rate=0.005, momentum=0.9):
   model = dpjax.nn.nnx.sync_batchnorm(CNN(rngs=nnx.Rngs(0)))  # dpjax: BatchNorm statistics of the global batch
-  optimizer = nnx.Optimizer(model, dpjax.DistributedOptimizer(optax.adamw(learning_rate, momentum)), wrt=nnx.Param)  # dpjax
+  optimizer = nnx.Optimizer(model, dpjax.DistributedOptimizer(optax.adamw(learning_rate, momentum)), wrt=nnx.Param)
   metrics = nnx.MultiMetric(accuracy=nnx.metrics.Accuracy(), loss=nnx.metrics.Average('loss'))
   rngs = nnx.Rngs(0)
   metrics_history = {'step_loss': [], 'train_loss': [], 'train_accuracy': [], 'test_loss': [], 'test_accuracy': []}

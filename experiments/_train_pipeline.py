@@ -34,7 +34,8 @@ def build_pipeline(args):
     if n is None:
         raise SystemExit(f"error: give the mesh sizes explicitly, not {args.pipeline!r}")
     devs = pick_devices(n)
-    model = get_model("gpt", seq_len=args.seq_len, **{**args.model_options, "n_layers": args.n_layers, "d_model": args.d_model})
+    model = get_model("gpt", seq_len=args.seq_len,
+                      **{**args.model_options, "n_layers": args.n_layers, "d_model": args.d_model})
     stream, _ = make_streams("synthetic", args.seq_len, args.seed)
     host = jax.tree.map(np.asarray, jax.jit(model.init)(jax.random.key(args.seed)))  # one init for all
     variants, batches = {}, {}
@@ -115,7 +116,8 @@ def memory_sweep(args, console) -> list:
     from dpjax.pipeline import SCHEDULES, Pipeline, cost
 
     mesh = make_mesh(args.pipeline, pick_devices(mesh_size(args.pipeline)))
-    model = get_model("gpt", seq_len=args.seq_len, **{**args.model_options, "n_layers": args.n_layers, "d_model": args.d_model})
+    model = get_model("gpt", seq_len=args.seq_len,
+                      **{**args.model_options, "n_layers": args.n_layers, "d_model": args.d_model})
     dp = mesh.size // mesh.shape["stage"] // mesh.shape.get("model", 1)
     rows = []
     for schedule in args.schedules:
@@ -177,7 +179,8 @@ def main_pipeline(args, argv, console, time_all) -> int:
                       f"{row['args_bytes'] / 2**20:.2f}", f"{row['temp_bytes'] / 2**20:.2f}"))
     console_table(f"train step (AdamW), median of {args.reps} interleaved reps ({args.warmup} warm-up)", head, cells,
                   right=range(1, len(head)), console=console)
-    console.print(f"1-minute load average before / after timing: {load[0]:.1f} / {load[1]:.1f} on {os.cpu_count()} cores")
+    console.print(f"1-minute load average before / after timing: {load[0]:.1f} / {load[1]:.1f} "
+                  f"on {os.cpu_count()} cores")
     if args.markdown:
         with open(args.markdown, "w") as f:
             f.write(f"`python experiments/bench_train.py {' '.join(argv)}`\n\n"

@@ -51,8 +51,8 @@ def main(argv=None):
         args.batch, args.k, args.steps, args.lr = 8, 2, 2, args.lr[:1]
         _bench.smoke_outputs(args, "plot")
     samples = args.k * args.batch * args.steps
-    print(f"{MACHINE}; {datetime.date.today()}; mlp, 8 workers, plain SGD, {samples:,} sequences of 32 bytes seen by every "
-          f"variant; validation loss (lower is better)\n")
+    print(f"{MACHINE}; {datetime.date.today()}; mlp, 8 workers, plain SGD, {samples:,} sequences of 32 bytes "
+          f"seen by every variant; validation loss (lower is better)\n")
     print("| eta | variant | loss at half the samples | final loss |\n|---|---|---|---|")
     for eta in args.lr:
         compare(args, eta, plot_path(args.plot, eta))

@@ -117,7 +117,8 @@ def main(argv=None):
     print(f"\n{table}\n\nautotuned {chosen}: {med[chosen]:.1f} ms; best of the grid {best}: {med[best]:.1f} ms; "
           f"ratio {ratio:.3f}; held out {[round(h['ratio'], 3) for h in held_out]} (best picked on the other half: "
           f"{[h['best_on_other_half'] for h in held_out]}); psum at every cap (one program) spreads "
-          f"{'-' if floor is None else f'{floor:.3f}'}x; search gain over ring@64 {auto['gain']}; load {load}", flush=True)
+          f"{'-' if floor is None else f'{floor:.3f}'}x; search gain over ring@64 {auto['gain']}; "
+          f"load {load}", flush=True)
     if args.json:
         with open(args.json, "w") as fh:
             json.dump({"argv": sys.argv, "date": time.strftime("%Y-%m-%d %H:%M"), "mesh": args.mesh,

@@ -127,7 +127,8 @@ def main(argv=None):
         rows = table(results, args, parameter_count(get_model("gpt", seq_len=args.seq_len)))
         plot_points(args.plot, rows, args.steps)
         return 0
-    results = {}  # variant -> [(seed, final eval, final train, bytes compressed step, bytes exact step, formula, total)]
+    # variant -> [(seed, final eval, final train, bytes compressed step, bytes exact step, formula, total)]
+    results = {}
     benches = {seed: Bench(model="gpt", mesh="8x1", batch_size=args.batch_size, seq_len=args.seq_len,
                            steps=args.steps, optimizer="adamw", lr=3e-3, clip_norm=1.0,
                            eval_every=max(1, args.steps // 10), d_model=d_model, seed=seed)

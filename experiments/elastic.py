@@ -95,7 +95,8 @@ def restart(args, out_dir):
     for t in range(args.tries):
         tmp = os.path.join(out_dir, f"restart-{t}")
         os.makedirs(tmp)
-        env = {**{k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}, "DPJAX_FAULT": f"rank=2,step={args.at},kind=kill"}
+        env = {**{k: v for k, v in os.environ.items() if k != "XLA_FLAGS"},
+               "DPJAX_FAULT": f"rank=2,step={args.at},kind=kill"}
         metrics = os.path.join(tmp, "m.jsonl")
         r = subprocess.run([sys.executable, "-m", "dpjax.agent", "--nproc-per-node", "4", "--devices-per-process", "2",
                             "--rdzv", f"127.0.0.1:{free_port()}", "--commit-dir", os.path.join(tmp, "commits"), "--",
@@ -386,7 +387,8 @@ def main():
                    help="the commit path beside a plain write and orbax, saving and restoring one state")
     p.add_argument("--gb", type=float, default=1.2, help="--paths: the state's size")
     p.add_argument("--restart", action="store_true",
-                   help="the issue's restart as a user meets it (one agent, 4 processes, a kill at --at), --tries times")
+                   help="the issue's restart as a user meets it (one agent, 4 processes, a kill at --at), "
+                        "--tries times")
     p.add_argument("--tries", type=int, default=3, help="--restart: how many times")
     p.add_argument("--data", default=None, help="a text file; None: 300 kB of the stdlib corpus")
     _bench.add_smoke(p, "the same-size scenario, 8 steps; or 2 rounds of 8-step blocks for the commit cost")

@@ -150,9 +150,10 @@ def main(argv=None):
     if not args.skip_overhead:
         _bench.simulate(8)
         result["overhead"] = ov = overhead(args)
-        print(f"== overhead on unprofiled steps ({args.overhead_mesh}, {ov['rounds']} interleaved rounds): same HLO ops: "
-              f"{ov['same_ops']} ({ov['ops']} ops); median step with names {ov['named_median_ms']:.1f} ms, "
-              f"without {ov['bare_median_ms']:.1f} ms, paired ratio {ov['paired_ratio']:.3f}; a profiled step "
+        print(f"== overhead on unprofiled steps ({args.overhead_mesh}, {ov['rounds']} interleaved rounds): "
+              f"same HLO ops: {ov['same_ops']} ({ov['ops']} ops); "
+              f"median step with names {ov['named_median_ms']:.1f} ms, without {ov['bare_median_ms']:.1f} ms, "
+              f"paired ratio {ov['paired_ratio']:.3f}; a profiled step "
               f"{ov['profiled_median_ms']:.1f} ms; load {ov['load_1min']}")
     result["load_after"] = os.getloadavg()
     with open(os.path.join(args.out, "timelines.json"), "w") as fh:

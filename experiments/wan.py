@@ -23,7 +23,8 @@ The time to the target loss (the hierarchical sync's final validation loss + 1%)
 the wall-clock of the training steps up to the evaluation that reaches it
 (evaluations are done on the side, outside the emulation). A run that would take
 longer than --budget seconds is timed over its first --cap steps and extrapolated
-(marked ~), after one cycle of the rule untimed, over whole cycles. The prediction beside it: the measured compute of a step without links
+(marked ~), after one cycle of the rule untimed, over whole cycles. The prediction beside
+it: the measured compute of a step without links
 plus the alpha-beta time of what crosses the link (`cost.schedule`), per step
     sync         compute + comm
     delayed:T    max(compute, comm / T, bytes / bandwidth)
@@ -111,9 +112,11 @@ VARIANTS = {
     "sync onebit_adam, sites": ("sync", "node", "ring", "onebit,start=10"),
     "sync onebit_adam:30, sites": ("sync", "node", "ring", "onebit,start=30"),
 }
-OPTIMIZER_OF = {"sync onebit_adam, sites": "onebit_adam", "sync onebit_adam:30, sites": "onebit_adam"}  # else --gpt's adamw
+# else --gpt's adamw
+OPTIMIZER_OF = {"sync onebit_adam, sites": "onebit_adam", "sync onebit_adam:30, sites": "onebit_adam"}
 GPT_VARIANTS = ["sync, hierarchical", "sync int4, sites", "sync powersgd:4, sites", "delayed:4, sites",
-                "delayed:2 int4, sites", "delayed:4 int4, sites", "delayed:4 int4, sites, whole", "delayed:4 int8, sites",
+                "delayed:2 int4, sites", "delayed:4 int4, sites", "delayed:4 int4, sites, whole",
+                "delayed:4 int8, sites",
                 "delayed:4 randk:0.1, sites", "delayed:4 powersgd:4, sites", "delayed:8 powersgd:4, sites",
                 "sparse:4 int4, sites", "sparse:8 int4, sites", "sparse:16 int4, sites", "sparse:8 powersgd:4, sites",
                 "sparse:8 powersgd:4, sites, whole", "DiLoCo sparse:8,outer=0.7 int4, sites",
@@ -253,7 +256,8 @@ def main(argv=None):
     if args.gpt and args.links == list(LINKS):
         args.links = ["datacenter 0.01 ms / 10 Gbps", "183 ms / 23 Mbps"]
     if args.smoke:
-        args.steps, args.cap, args.budget, args.rounds = 8, 4, 0.3, 1  # the datacenter link runs whole, the 35 ms one is cut
+        # the datacenter link runs whole, the 35 ms one is cut
+        args.steps, args.cap, args.budget, args.rounds = 8, 4, 0.3, 1
         args.links, args.plot_link = ["datacenter 0.01 ms / 10 Gbps", "35 ms / 63 Mbps"], "35 ms / 63 Mbps"
         args.variants = ["sync, hierarchical", "sync powersgd:4, sites" if args.gpt else "delayed:4, sites"]
         if args.gpt:
@@ -274,7 +278,8 @@ def main(argv=None):
         comp = compression_of(label)
         bench = Bench(mesh="2x4x1", steps=args.steps, eval_every=10, algorithm=algorithm, workers=workers,
                       compression=comp or "none", compress_axes="node" if comp else None,
-                      compress_whole=whole(label), **{**model, "optimizer": OPTIMIZER_OF.get(label, model["optimizer"])})
+                      compress_whole=whole(label),
+                      **{**model, "optimizer": OPTIMIZER_OF.get(label, model["optimizer"])})
         benches[label] = bench
         curves[label] = bench.run(rule, verbose=False)
         print(f"  {label:36s} final eval {curves[label].final_eval:.4f}", flush=True)

@@ -175,3 +175,31 @@ def flat_algorithms(names) -> list[str]:
     from dpjax.collectives import registry
 
     return [a for a in names if not registry.get(a).nested_axes]
+
+
+# Per-test cost, for finding what makes the suite slow: with DPJAX_TEST_COSTS=FILE, each test's
+# wall seconds and CPU seconds (this process's threads plus the processes it waited for) are
+# appended to FILE as JSON lines. CPU seconds are what ranks tests on a shared machine: other
+# work inflates the wall time but not the CPU a test itself burns.
+_COSTS = os.environ.get("DPJAX_TEST_COSTS")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    if not _COSTS:
+        yield
+        return
+    import json
+    import resource
+    import time
+
+    def cpu() -> float:
+        kids = resource.getrusage(resource.RUSAGE_CHILDREN)
+        return time.process_time() + kids.ru_utime + kids.ru_stime
+
+    wall0, cpu0 = time.perf_counter(), cpu()
+    yield
+    rec = {"test": item.nodeid, "wall": time.perf_counter() - wall0, "cpu": cpu() - cpu0,
+           "worker": os.environ.get("PYTEST_XDIST_WORKER")}
+    with open(_COSTS, "a") as fh:
+        fh.write(json.dumps(rec) + "\n")

@@ -108,7 +108,8 @@ def schedule_cases():
         f"-{k}{v}" for k, v in c[4].items())) for c in out]
 
 
-
 def adasum_comm(mesh_of, n, nelems, segments):
-    body = (lambda x: C.allreduce(x, "data", algorithm="butterfly", op="adasum", segments=segments))
+    def body(x):
+        return C.allreduce(x, "data", algorithm="butterfly", op="adasum", segments=segments)
+
     return cost.hlo_comm(compiled_text(mesh_of, f"data={n}", n, "data", body, (nelems,)))

@@ -2,7 +2,8 @@
 Open MPI's, MPICH's or SLURM's variables set by a test, or with `fake-cluster` a
 cluster only JAX's own detection knows): joins through
 dpjax.distributed.initialize, then sums each process's index + 1 across the processes.
-With `fail`, rank 1 then raises. With `forever`, the others stay, as a process stuck in a collective whose peer died does
+With `fail`, rank 1 then raises. With `forever`, the others stay, as a process stuck in a
+collective whose peer died does
 (deaf to SIGINT, which in dpjax.train finishes the step): a job to kill a rank of."""
 
 import signal

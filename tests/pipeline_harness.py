@@ -73,7 +73,8 @@ def check_timetable(tt):
             if (m2, r2) != (m, r) and tt.stash_slot(m2, r2, s) == slot:
                 assert not f < ev["F", m2, r2, s] <= b, (tt.name, m, r, s, m2, r2)
         # inputs held when this one is stored (a backward in this tick still needs its own)
-        live = sum(1 for m2, r2 in itertools.product(range(M), range(V)) if ev["F", m2, r2, s] <= f <= ev["B", m2, r2, s])
+        live = sum(1 for m2, r2 in itertools.product(range(M), range(V))
+                   if ev["F", m2, r2, s] <= f <= ev["B", m2, r2, s])
         live_max = max(live_max, live)
     assert live_max <= tt.stash_slots
     assert tt.bubble() == pytest.approx(bubble_formula(tt.name, S, M, V), abs=1e-12)

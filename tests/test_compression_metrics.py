@@ -64,6 +64,9 @@ def test_each_row_has_its_steps_ratio_and_bytes(corpus, tmp_path, update, spec):
     assert got == {r["step"]: np.float32(r["compression_ratio"]) for r in rows}
 
 
+@pytest.mark.slow  # 25-30 s (FSDP with random-k's both branches compiled). Fast: the rows charging the branch each
+# step runs (test_each_row_has_its_steps_ratio_and_bytes) and FSDP's compressed and exact reduce-scatters
+# against their formulas in the compiled program (test_compression_fsdp.py::test_compiled_bytes_are_the_formula)
 def test_fsdp_rows_charge_the_reduce_scatter_they_run(corpus, tmp_path):
     """FSDP through random-k with start=2: the rows before the start step send FSDP's
     exact reduce-scatters, after it the compressed ones: the difference is the formulas'

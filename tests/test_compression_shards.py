@@ -201,7 +201,8 @@ def test_the_plan_picks_the_form():
     from dpjax.compression.accounting import compressed_bytes
 
     shapes = [shard_shape(x.shape, 4) for x in jax.tree.leaves(jax.eval_shape(plan.model.init, jax.random.key(0)))]
-    assert plan.describe()["compression_ratio"] == compressed_bytes(None, shapes, 2) / compressed_bytes("int8", shapes, 2)
+    ratio = compressed_bytes(None, shapes, 2) / compressed_bytes("int8", shapes, 2)
+    assert plan.describe()["compression_ratio"] == ratio
     assert _plan(mesh="2x4x1", compression="int8", compress_axes="node", compress_whole=True).exchange.shards is None
     assert _plan(mesh="2x2x2", fsdp=True, compression="int8", compress_axes="node").exchange.shards is None
     assert _plan(mesh="2x4x1", compression="int8", workers="node").exchange.shards is None  # no --compress-axes

@@ -34,7 +34,8 @@ MODES = {
 }
 # The slowest smoke runs (20-60 s each on 2 shared cores: each compiles a dozen or more
 # training steps); the fast set keeps one run of each script.
-SLOW = {("bench_train.py", 1), ("bench_train.py", 2), ("staleness.py", 1), ("wan.py", 0), ("wan.py", 1), ("autotune_vs_grid.py", 0),
+SLOW = {("bench_train.py", 1), ("bench_train.py", 2), ("staleness.py", 1), ("wan.py", 0), ("wan.py", 1),
+        ("autotune_vs_grid.py", 0),
         ("adasum_large_batch.py", 0), ("elastic.py", 0), ("elastic.py", 1), ("elastic.py", 2),
         ("jax_recoverability.py", 0),
         # 35-45 s each; the fast set keeps a smoke of 11 of the 18 scripts. What they drive is

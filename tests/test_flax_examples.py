@@ -68,7 +68,8 @@ def assert_same_run(plain, dist, params):
 
 def test_nnx_distributed_equals_plain(nnx_runs):
     """Train and test loss and accuracy (nnx.MultiMetric), parameters and BatchNorm statistics."""
-    assert_same_run(nnx_runs["nnx_plain"], nnx_runs["nnx_distributed"], lambda m: nnx.state(m, nnx.Param, nnx.BatchStat))
+    assert_same_run(nnx_runs["nnx_plain"], nnx_runs["nnx_distributed"],
+                    lambda m: nnx.state(m, nnx.Param, nnx.BatchStat))
     assert nnx_runs["nnx_plain"][1]["train_loss"][-1] < nnx_runs["nnx_plain"][1]["train_loss"][0]
 
 

@@ -82,7 +82,8 @@ def test_gather_broadcast_alltoall_reducescatter(results):
     sizes = [2, 1, 0, 2, 1, 1, 2, 1]
     for r in range(N):
         np.testing.assert_array_equal(out["allgather"][r], x[:, :2].reshape(-1))
-        np.testing.assert_array_equal(out["allgather-sizes"][r], np.concatenate([x[q, :s] for q, s in enumerate(sizes)]))
+        np.testing.assert_array_equal(out["allgather-sizes"][r],
+                                      np.concatenate([x[q, :s] for q, s in enumerate(sizes)]))
         np.testing.assert_array_equal(out["broadcast"][r], x[5])
         np.testing.assert_array_equal(out["broadcast-set"][r], x[4] if r % 2 == 0 else x[r])
         np.testing.assert_array_equal(out["alltoall"][r], x[:, 2 * r:2 * r + 2].reshape(-1))

@@ -180,7 +180,8 @@ def _deferred_pair(mesh, chained: bool, after: bool = False):
             return links.wait_deferred(links.wait_deferred(v, jnp.int32(1)), jnp.int32(2))
 
     spec = P(("node", "data"))
-    f, g = (jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=spec, out_specs=spec, check_vma=False)) for fn in (issue, wait))
+    f, g = (jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=spec, out_specs=spec, check_vma=False))
+            for fn in (issue, wait))
     jax.block_until_ready(g(jax.block_until_ready(f(jnp.arange(8 * 64, dtype=jnp.float32)))))
     return now.now(), [(lat, wire) for _, lat, wire in em.traced]
 
@@ -305,7 +306,8 @@ def test_without_links_no_callback_is_compiled_in(mesh_of, put, batches):
         params, state = jax.eval_shape(step.init, jax.tree.map(
             lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
             jax.eval_shape(MODEL.init, jax.random.key(0)), layout.shardings()))
-        batch = jax.ShapeDtypeStruct((1, B, 9), np.int32, sharding=jax.sharding.NamedSharding(mesh, P(None, ("node", "data"))))
+        batch = jax.ShapeDtypeStruct((1, B, 9), np.int32,
+                                     sharding=jax.sharding.NamedSharding(mesh, P(None, ("node", "data"))))
         texts[with_link] = step.train.lower(params, state, batch).as_text()
     assert "callback" not in texts[False] and "callback" in texts[True]
 

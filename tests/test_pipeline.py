@@ -123,7 +123,8 @@ def test_update_rule_between_pipelined_workers(mesh_of):
 
 
 ALLREDUCES = [pytest.param("hierarchical", "node=2,stage=2,data=2", id="hierarchical", marks=pytest.mark.slow)] + [
-    pytest.param(a, "stage=2,data=4", id=a, marks=pytest.mark.slow) for a in ("psum", "ring", "butterfly", "tree", "ps")]
+    pytest.param(a, "stage=2,data=4", id=a, marks=pytest.mark.slow)
+    for a in ("psum", "ring", "butterfly", "tree", "ps")]
 
 
 @pytest.mark.parametrize("algorithm,spec", ALLREDUCES)

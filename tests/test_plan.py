@@ -93,7 +93,10 @@ def test_with_exchange_changes_only_the_exchange():
 # parameters by exactly minus the gradient of the mean loss over the global batch.
 
 
-@pytest.mark.parametrize("mesh,passes", [("2x4", 2), ("8x1", 1)])
+# 8x1 is slow: 2x4 with 2 micro-batches keeps the property fast (a sum for a mean over its
+# data ranks, its model shards or its micro-batches is off by a factor; its pinned norm
+# moves with the loss's scale)
+@pytest.mark.parametrize("mesh,passes", [("2x4", 2), pytest.param("8x1", 1, marks=pytest.mark.slow)])
 def test_one_sgd_step_moves_by_the_unsharded_gradient(mesh_of, put, mesh, passes):
     """Tensor parallelism over model, data parallelism over data, micro-batches: the
     update equals -grad of the plain single-device model's loss on the whole batch (a

@@ -161,7 +161,8 @@ def test_without_the_psum_the_check_names_model_and_the_cause():
     with pytest.raises(ReplicationError) as e:
         step(model, xs[0], ys[0])
     msg = str(e.value)
-    assert "\n" not in msg and msg.startswith("<lambda>: output () is declared replicated over data, model but its copies differ: 4 of 8")
+    assert "\n" not in msg
+    assert msg.startswith("<lambda>: output () is declared replicated over data, model but its copies differ: 4 of 8")
     assert msg.endswith("the copies differ along 'model': a value computed from a weight split over 'model' was used "
                         "as if whole (usually a plain matmul, x @ w, against a split w); sum the partial results with "
                         "dpjax.tensor_parallel.reduce_from_model(x) (a psum whose gradient is right here) and pass the "

@@ -150,7 +150,8 @@ def read_events(folder) -> list:
 
 
 def test_tensorboard_scalars_read_back(corpus, tmp_path):
-    pytest.importorskip("tensorboardX", reason="the dev extra installs tensorboardX; without it --tensorboard cannot write")
+    pytest.importorskip("tensorboardX",
+                        reason="the dev extra installs tensorboardX; without it --tensorboard cannot write")
     tb, path = tmp_path / "tb", tmp_path / "m.jsonl"
     assert main(tiny(corpus, "--mesh", "2x1", "--steps", "3", "--metrics", str(path), "--tensorboard", str(tb))) == 0
     scalars = {}

@@ -17,7 +17,8 @@ import dpjax
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 AXIS_INITIALS = set("dmns")  # data, model, node, stage
 # a snake_case name whose last part holds a capital: the shape, dimensions joined by x
-SHAPE = re.compile(r"^[a-z][a-z0-9]*(?:_[a-z0-9]+)*_((?=[A-Za-z0-9]*[A-Z])[A-Za-z][A-Za-z0-9]*(?:x[A-Za-z][A-Za-z0-9]*)*)$")
+SHAPE = re.compile(r"^[a-z][a-z0-9]*(?:_[a-z0-9]+)*_"
+                   r"((?=[A-Za-z0-9]*[A-Z])[A-Za-z][A-Za-z0-9]*(?:x[A-Za-z][A-Za-z0-9]*)*)$")
 DIM = re.compile(r"^([A-Z])([0-9]*)([a-z]*)$")
 
 # Where each letter's concept lives: path prefixes (relative to the repository). "*": anywhere.

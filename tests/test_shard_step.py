@@ -53,7 +53,8 @@ def test_check_names_the_leaf_and_the_distance(mesh_of, where):
 def test_check_passes_replicas_and_sees_one_bit(mesh_of, where):
     mesh = mesh_of("2x4", 8)
     rng = np.random.default_rng(1)
-    leaves = {"f32": rng.standard_normal((3, 8)).astype(np.float32), "bf16": rng.standard_normal(8).astype(jnp.bfloat16),
+    leaves = {"f32": rng.standard_normal((3, 8)).astype(np.float32),
+              "bf16": rng.standard_normal(8).astype(jnp.bfloat16),
               "i32": rng.integers(-5, 5, (2, 4)).astype(np.int32), "bool": rng.random(8) > 0.5}
     same = {k: per_device(mesh, P(None, "model") if v.ndim == 2 else P(), [v] * 8) for k, v in leaves.items()}
     same["key"] = jax.device_put(jax.random.key(0), NamedSharding(mesh, P()))

@@ -135,8 +135,8 @@ def test_logical_names_map_to_mesh_axes(mesh_of):
     layout = R.layout(boxed, mesh_of("1x4", 4), logical=rules)  # the layout of the unboxed parameters
     assert layout.specs == {"params": {"Dense_0": {"kernel": P(None, "model"), "bias": P(None)}}}  # padded to ndim
     with nnx.use_eager_sharding(False):
-        linear = nnx.Linear(4, 8, kernel_init=nnx.with_partitioning(nnx.initializers.lecun_normal(), ("embed", "vocab")),
-                            rngs=nnx.Rngs(0))
+        init = nnx.with_partitioning(nnx.initializers.lecun_normal(), ("embed", "vocab"))
+        linear = nnx.Linear(4, 8, kernel_init=init, rngs=nnx.Rngs(0))
     with pytest.raises(dpjax.UserError, match=r"^parameter kernel has logical axis 'vocab', which no logical rule"):
         R.specs_from_logical(nnx.state(linear), rules)
     linear.kernel.set_metadata(out_sharding=("embed", "mlp"))

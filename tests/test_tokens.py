@@ -92,7 +92,8 @@ def test_process_local_shard_batch_in_one_process():
 
 def test_token_file_errors_are_one_line(tokens, tmp_path, capsys):
     assert main(tiny(tokens, "--steps", "2")) == 2
-    assert capsys.readouterr().err.strip() == f"error: --data {tokens} is a token file: give its tokenizer's --vocab-size"
+    want = f"error: --data {tokens} is a token file: give its tokenizer's --vocab-size"
+    assert capsys.readouterr().err.strip() == want
     big = tmp_path / "big.bin"
     np.array([1, 2, 300, 4] * 400, np.uint16).tofile(big)
     assert main(tiny(str(big), "--vocab-size", "256", "--steps", "2")) == 2

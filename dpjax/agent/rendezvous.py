@@ -41,8 +41,9 @@ class State:
         self.round, self.state, self.members, self.coordinator = 0, "forming", [], None
         self.failures: list = []  # of the current round
         self.restarts, self.done, self.started = 0, set(), clock()
+        # the furthest step the last job had completed; its failures
         self.reached, self.last, self.failed_at = -1, None, 0.0
-        self.why = None  # why the job was given up, when not for --max-restarts  # the furthest step the last job had completed; its failures
+        self.why = None  # why the job was given up, when not for --max-restarts
         self.lock = threading.Lock()
 
     def handle(self, req: dict) -> dict:
@@ -125,8 +126,8 @@ class State:
 
     def _view(self, host) -> dict:
         out = {"round": self.round, "state": self.state, "members": self.members, "restarts": self.restarts,
-               "max_restarts": self.max_restarts, "failures": self.failures, "coordinator": self.coordinator, "last": self.last,
-               "why": self.why}
+               "max_restarts": self.max_restarts, "failures": self.failures, "coordinator": self.coordinator,
+               "last": self.last, "why": self.why}
         if host in self.members:
             i = self.members.index(host)
             out.update(node_rank=i, first_rank=sum(self.nproc[h] for h in self.members[:i]),

@@ -28,7 +28,7 @@ sizes), so ranks that disagree get one clear error instead of garbage or a hang.
 
 from __future__ import annotations
 
-from dpjax.collectives import cpu_runtime, registry
+from dpjax.collectives import cpu_runtime, registry  # noqa: F401  (registry first: the algorithms below register into it)
 
 # Before anything lowers a collective or JAX starts its CPU client (cpu_runtime.py: XLA:CPU's
 # in-process collectives abort the process without these two)

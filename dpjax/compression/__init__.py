@@ -18,5 +18,5 @@ from dpjax.compression.registry import (NONE, Compressions, Method, names, regis
 REGISTERED_BY = (casts, sign, quantise, powersgd, topk, randk, onebit)  # importing a method's module registers it
 COMPRESSIONS = Compressions()
 
-__all__ = ["COMPRESSIONS", "Method", "NONE", "Spec", "check", "parse", "stateful", "names", "register", "registered", "summable",
-           "unregister"]
+__all__ = ["COMPRESSIONS", "Method", "NONE", "Spec", "check", "parse", "stateful", "names", "register", "registered",
+           "summable", "unregister"]

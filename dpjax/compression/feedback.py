@@ -96,7 +96,8 @@ def per_bucket(reduce_flat):
             if floating(buf.dtype):
                 m, r = reduce_flat(buf, axis_name, spec, jax.random.fold_in(key, i), bucket.sizes, allreduce)
             else:
-                m, r = calls.allreduce(buf, axis_name, op="mean", algorithm=allreduce.get("algorithm", "ring")), jnp.zeros_like(buf)
+                m = calls.allreduce(buf, axis_name, op="mean", algorithm=allreduce.get("algorithm", "ring"))
+                r = jnp.zeros_like(buf)
             means.append(m)
             resids.append(r)
         return unpack(plan, means), unpack(plan, resids), own

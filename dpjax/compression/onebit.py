@@ -145,5 +145,6 @@ def _bytes(d, n, spec, segments, allreduce):
 register(Method("onebit", sign.encode, sign.decode, lambda dt: jnp.issubdtype(dt, jnp.floating),
                 jnp.dtype(jnp.uint8), linear=False, exchange=exchange, init=init, state_specs=state_specs,
                 wire_bytes=per_bucket_bytes(_bytes), gather=True,
-                under_adam="a biased compressor: Adam divides each coordinate by its own running scale and amplifies what the error buffer releases (RESULTS.md: sign 3.69 with feedback, 2.59 uncompressed)",
+                under_adam="a biased compressor: Adam divides each coordinate by its own running scale and amplifies "
+                           "what the error buffer releases (RESULTS.md: sign 3.69 with feedback, 2.59 uncompressed)",
                 nonlinear="the servers re-compress the sum of scaled signs (1-bit Adam's compressed allreduce)"))

@@ -119,7 +119,8 @@ def wire_bytes(shapes, n, spec, allreduce):
              [(matrix_view(s)[1], R) for s in low])
     total = 0
     for part in parts:
-        plan = plan_buckets([jax.ShapeDtypeStruct(s, jnp.float32) for s in part], allreduce.get("fusion_mb", 64) * 2**20)
+        plan = plan_buckets([jax.ShapeDtypeStruct(s, jnp.float32) for s in part],
+                            allreduce.get("fusion_mb", 64) * 2**20)
         total += sum(allreduce_bytes(sum(b.sizes), n, allreduce) for b in plan.buckets)
     return total
 

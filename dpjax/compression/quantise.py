@@ -5,7 +5,8 @@ Each rank's flat bucket is cut into the ring's n chunks (`_common.as_chunks`). A
 is one chunk of c values quantised in blocks of BLOCK values: q = round(x / 2^k) in
 [-L, L] with 2^k the smallest power of two such that L 2^k >= max|x| in the block
 (L = 127 for int8, 7 for int4: symmetric, so zero is exact), sent as c int8 values
-(int4: two a byte, ceil(c/2) bytes) followed by one int8 exponent k per block. The reduce-scatter half of the ring sends each partial sum
+(int4: two a byte, ceil(c/2) bytes) followed by one int8 exponent k per block. The
+reduce-scatter half of the ring sends each partial sum
 requantised (1-bit / 8-bit schemes such as DeepSpeed's and INTELLECT-1's int8 allreduce
 quantise what they forward); the owner of a finished chunk quantises it once more and
 the all-gather half forwards that message unchanged, so every rank decodes the same mean.

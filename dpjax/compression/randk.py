@@ -76,4 +76,6 @@ register(Method("randk", None, None, lambda dt: jnp.issubdtype(dt, jnp.floating)
                 reduce_scatter=_reduce_scatter, reduce_scatter_bytes=_reduce_scatter_bytes,
                 number="the fraction F", number_type=float, number_ok=lambda v: 0 < v <= 1,
                 number_must="in (0, 1]",
-                under_adam="a biased compressor: Adam divides each coordinate by its own running scale and amplifies what the error buffer releases (RESULTS.md: random-k 1% 3.25 with feedback, 2.59 uncompressed)"))
+                under_adam="a biased compressor: Adam divides each coordinate by its own running scale and amplifies "
+                           "what the error buffer releases (RESULTS.md: random-k 1% 3.25 with feedback, "
+                           "2.59 uncompressed)"))

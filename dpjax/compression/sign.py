@@ -69,6 +69,8 @@ def _bytes(d, n, spec, segments, allreduce):
 
 register(Method("sign", encode, decode, lambda dt: jnp.issubdtype(dt, jnp.floating), jnp.dtype(jnp.uint8),
                 linear=False, exchange=per_bucket(_reduce), wire_bytes=per_bucket_bytes(_bytes), gather=True,
-                under_adam="a biased compressor: Adam divides each coordinate by its own running scale and amplifies what the error buffer releases (RESULTS.md: sign 3.69 with feedback, 2.59 uncompressed, AdamW at 150 steps)",
+                under_adam="a biased compressor: Adam divides each coordinate by its own running scale and amplifies "
+                           "what the error buffer releases (RESULTS.md: sign 3.69 with feedback, 2.59 uncompressed, "
+                           "AdamW at 150 steps)",
                 nonlinear="a sum of scaled signs is not the scaled sign of the sum (it all-gathers every rank's "
                 "signs)"))

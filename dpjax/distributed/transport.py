@@ -42,7 +42,8 @@ ENV = "DPJAX_COLLECTIVES"  # how dpjax.launch passes --collectives to its proces
 MPI_LIB = "MPITRAMPOLINE_LIB"
 MPIWRAPPER_HOW = ("build MPItrampoline's MPIwrapper against this machine's MPI (git clone "
                   "https://github.com/eschnett/MPIwrapper; cmake -S MPIwrapper -B build "
-                  "-DCMAKE_INSTALL_PREFIX=$HOME/mpiwrapper; cmake --build build --target install; it needs the MPI compiler "
+                  "-DCMAKE_INSTALL_PREFIX=$HOME/mpiwrapper; cmake --build build --target install; "
+                  "it needs the MPI compiler "
                   "wrappers and gfortran) and "
                   "export MPITRAMPOLINE_LIB=$HOME/mpiwrapper/lib/libmpiwrapper.so (lib64 on some systems)")
 

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import math
 
-import jax
 import jax.numpy as jnp
 from flax import nnx
 
@@ -148,7 +147,8 @@ class ParallelSelfAttention(nnx.Module):
                  algorithm: str = "ring", attention=causal_attention, dtype=None, param_dtype=jnp.float32,
                  rngs: nnx.Rngs):
         K = head_dim or features // num_heads
-        self.features, self.num_heads, self.head_dim, self.axis, self.algorithm = features, num_heads, K, axis, algorithm
+        self.features, self.num_heads, self.head_dim = features, num_heads, K
+        self.axis, self.algorithm = axis, algorithm
         self.attention, self.dtype, self.param_dtype = attention, dtype, param_dtype
         init = nnx.initializers.normal(1 / math.sqrt(features))
         self.qkv = _param(init(rngs.params(), (features, 3, num_heads, K), param_dtype), (None, None, axis, None))

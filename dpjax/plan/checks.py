@@ -55,7 +55,8 @@ def check(s: Settings) -> None:
     wrong = [o for o in s.model_options if o not in model_options()[name]]
     if wrong:
         has = ", ".join(flag(o) for o in model_options()[name])
-        raise UsageError(f"{', '.join(flag(o) for o in wrong)} does not apply to --model {name} (its options: {has})")
+        raise UsageError(f"{', '.join(flag(o) for o in wrong)} does not apply to --model {name} "
+                         f"(its options: {has})")
     one_of("--optimizer", s.optimizer, OPTIMIZERS)
     one_of("--lr-scaling", s.lr_scaling, LR_SCALINGS)
     if s.allreduce is not None:  # None: the platform's default (dpjax.plan.default_allreduce)
@@ -304,7 +305,8 @@ def fit_devices(s: Settings, devices: int) -> Settings:
         rows = batch // ranks
         if total % passes == 0 and batch % ranks == 0 and rows <= share and not (cut and rows % cut):
             return dataclasses.replace(fitted, batch_size=batch, backward_passes=passes)
-    need = f"at most {share:g} sequences per device and pass" + (f", a multiple of {cut} (micro-batches)" if cut else "")
+    need = f"at most {share:g} sequences per device and pass"
+    need += f", a multiple of {cut} (micro-batches)" if cut else ""
     raise UsageError(f"the global batch of {total} sequences (--batch-size {s.batch_size} x --backward-passes "
                      f"{s.backward_passes}) cannot be cut into equal micro-batches over the {ranks} data-parallel "
                      f"ranks of mesh {fitted.mesh} ({need})")

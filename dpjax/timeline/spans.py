@@ -9,7 +9,8 @@ between two times"; it is the set of ops that carry its name:
     phase          consecutive ops of one phase (the innermost `dpjax:phase`; "other"
                    when none), each span ending where the next begins
     call           ops named by one collective call (the path down to its innermost
-                   `dpjax:<collective>`, a point-to-point `dpjax:send` included, whose `call=k` numbers the calls of a step built
+                   `dpjax:<collective>`, a point-to-point `dpjax:send` included, whose
+                   `call=k` numbers the calls of a step built
                    by `dpjax.step`; its autodiff transpose, run in the backward pass, is
                    a call of its own; an XLA collective outside any is its own call).
                    Executions of one name (a call inside a scan, or unnumbered calls of
@@ -190,7 +191,8 @@ def collective_spans(ops, pid: int, step, t0: float, span) -> list[dict]:
             if step_index(op) is not None and is_collective(op.opcode):
                 steps[step_index(op)].append(op)
         out.append(span(title, pid, tid, s, e, t0, type="collective", step=step, collective=kind,
-                        algorithm=args.get("algorithm", "xla" if kind == "xla" else kind), axis=str(args.get("axis", "")),
+                        algorithm=args.get("algorithm", "xla" if kind == "xla" else kind),
+                        axis=str(args.get("axis", "")),
                         n=args.get("n"), bytes=args.get("bytes"), bucket=bucket.get("index"),
                         buckets=bucket.get("of"), phase=phase[-1] if phase else "other", p2p_steps=len(steps),
                         own_us=round(length((o.start, o.end) for o in cops), 3)))

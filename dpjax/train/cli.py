@@ -13,8 +13,6 @@ import dataclasses
 import difflib
 import os
 import re
-import shlex
-import shutil
 import sys
 
 from dpjax import distributed

@@ -32,7 +32,8 @@ def gpu_visible() -> str | None:
 def cpu_but_gpu_warning(devices) -> str | None:
     """One line when the machine has a GPU and JAX is running on its CPU."""
     seen = gpu_visible()
-    if seen is None or os.environ.get("JAX_PLATFORMS", "").strip() == "cpu" or any(d.platform != "cpu" for d in devices):
+    cpu_only = os.environ.get("JAX_PLATFORMS", "").strip() == "cpu"
+    if seen is None or cpu_only or any(d.platform != "cpu" for d in devices):
         return None
     return (f"warning: this machine has a GPU ({seen}) but JAX runs on the CPU: its JAX has no CUDA; install it "
             f"with {CUDA_INSTALL} (JAX with CUDA 12), or set JAX_PLATFORMS=cpu to silence this")

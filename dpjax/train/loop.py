@@ -54,7 +54,8 @@ class Trainer:
         resume.check_commit_dir(cfg)  # ... nor commits a fresh run would remove
         user = cfg  # what must match on resume is what the user asked, whatever the size now
         self.cfg = cfg = elastic.fit(cfg)  # under dpjax.agent: mesh and micro-batches for the hosts there are now
-        self.programs = elastic.programs(cfg)  # where commits are: compiled programs a restart loads (before any compile)
+        # where commits are: compiled programs a restart loads (before any compile)
+        self.programs = elastic.programs(cfg)
         self.plan = plan = resolve(cfg, setup_devices(cfg))
         distributed.ready(plan.mesh)  # the transport's communicators for this mesh (MPI: see transport.py)
         import jax

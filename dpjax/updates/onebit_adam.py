@@ -10,7 +10,8 @@ is as safe as it is for SGD. Per worker (`--compression METHOD,start=S`):
 
     steps < S   (warm-up)   g = the exact mean of the workers' gradients (the uncompressed
                             allreduce; in the per-shard form of `--compress-axes`, each
-                            device's shard across and the site's all-gather), then the AdamW of `--optimizer adamw` (its clipping,
+                            device's shard across and the site's all-gather), then the AdamW of
+                            `--optimizer adamw` (its clipping,
                             schedule, betas, eps and weight decay): bit for bit that run
     steps >= S  (frozen)    g = this worker's own gradient, clipped to the global norm
                             m_i = b1 m + (1 - b1) g

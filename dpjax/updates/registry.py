@@ -12,7 +12,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
-from dpjax.errors import UserError
 from dpjax.registry import Registry
 
 
