@@ -76,14 +76,14 @@ def run(row: dict, steps: int, timeout: float) -> dict:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep))
     began = time.perf_counter()
     try:
-        p = subprocess.run([sys.executable, "-m", "dpjax.train", *flags], check=False, env=env, capture_output=True, text=True,
-                           timeout=timeout)
+        p = subprocess.run([sys.executable, "-m", "dpjax.train", *flags], check=False, env=env, capture_output=True,
+                           text=True, timeout=timeout)
         rc, err = p.returncode, p.stderr.strip().splitlines()
     except subprocess.TimeoutExpired:
         rc, err = "timeout", []
     ok = ends_well(rc, err)
-    return {"flags": " ".join(flags[:len(flags) - len(TINY.split()) - 2]), "exit": rc, "seconds": time.perf_counter() - began,
-            "ok": ok, "said": (err[-1][:100] if err and rc != 0 else "")}
+    return {"flags": " ".join(flags[:len(flags) - len(TINY.split()) - 2]), "exit": rc,
+            "seconds": time.perf_counter() - began, "ok": ok, "said": (err[-1][:100] if err and rc != 0 else "")}
 
 
 def main(argv=None) -> int:

@@ -147,8 +147,8 @@ def test_a_mesh_without_a_model_axis_leaves_the_layers_whole_said_once():
         step(model, data()[0])
     said = [str(w.message) for w in seen if issubclass(w.category, LayoutWarning)]
     assert len(said) == 2 and said[0].startswith("dpjax: <lambda>: the model was made on the mesh {'data': 8, "), said
-    assert said[1:] == ["dpjax: <lambda>: the mesh {'batch': 8} has no 'model' axis, so the 8 parameters annotated over "
-                    "it (model/mha/key/bias first) stay whole on every device; add the axis to the mesh to split "
+    assert said[1:] == ["dpjax: <lambda>: the mesh {'batch': 8} has no 'model' axis, so the 8 parameters annotated "
+                    "over it (model/mha/key/bias first) stay whole on every device; add the axis to the mesh to split "
                     "them"], said
     np.testing.assert_allclose(rows, dense(data()[0]), **TOL)
 

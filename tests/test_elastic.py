@@ -192,5 +192,6 @@ def test_a_size_that_cannot_hold_the_run_is_skipped_for_the_next_smaller(corpus,
     assert (ev["global_batch"], ev["backward_passes"], ev["batch_per_pass"], ev["per_device"]) == (6, 3, 2, 2)
     applied = {r["step"]: r for r in map(json.loads, open(metrics)) if "loss" in r}
     assert sorted(applied) == list(range(1, steps + 1))
-    assert [applied[s]["cursor"] for s in range(1, steps + 1)] == [6 * s for s in range(steps)]  # none twice, none skipped
+    # none twice, none skipped
+    assert [applied[s]["cursor"] for s in range(1, steps + 1)] == [6 * s for s in range(steps)]
     assert pids_running(str(tmp_path)) == []

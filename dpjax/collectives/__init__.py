@@ -28,12 +28,7 @@ sizes), so ranks that disagree get one clear error instead of garbage or a hang.
 
 from __future__ import annotations
 
-from dpjax.collectives import cpu_runtime, registry  # noqa: F401  (registry first: the algorithms below register into it)
-
-# Before anything lowers a collective or JAX starts its CPU client (cpu_runtime.py: XLA:CPU's
-# in-process collectives abort the process without these two)
-cpu_runtime.enough_threads()
-cpu_runtime.unique_channel_ids()
+from dpjax.collectives import cpu_runtime, registry  # noqa: F401  (registry first: the algorithms register into it)
 
 # Each algorithm registers itself when imported; this order is the order of the views.
 from dpjax.collectives import xla, ring, butterfly, tree, ps, hierarchical, alltoall, adasum  # noqa: E401
@@ -44,6 +39,11 @@ from dpjax.collectives.grouped import all_gather as grouped_all_gather
 from dpjax.collectives.grouped import allreduce as grouped_allreduce
 from dpjax.collectives.grouped import reduce_scatter as grouped_reduce_scatter
 from dpjax.collectives.ops import REDUCE_OPS
+
+# Before anything lowers a collective or JAX starts its CPU client (cpu_runtime.py: XLA:CPU's
+# in-process collectives abort the process without these two)
+cpu_runtime.enough_threads()
+cpu_runtime.unique_channel_ids()
 
 REGISTERED_BY = (xla, ring, butterfly, tree, ps, hierarchical, alltoall, adasum)
 

@@ -23,7 +23,8 @@ from dpjax.train.efficiency import describe
 
 DESCRIPTION = ("Train a byte-level GPT, a Llama-family model or an MLP on a device mesh, with data parallelism "
                "over the data axes (gradients averaged by dpjax's explicit collectives in fused buckets), "
-               "Megatron-style tensor parallelism over the model axis (each device holds 1/n of every large layer), pipeline stages over a stage axis, "
+               "Megatron-style tensor parallelism over the model axis (each device holds 1/n of every large layer), "
+               "pipeline stages over a stage axis, "
                "and an update rule between workers (sync, delayed, sparse/local SGD/DiLoCo, async). On a CPU-only "
                "machine the devices the mesh needs are simulated.")
 
