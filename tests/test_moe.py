@@ -131,7 +131,7 @@ def test_a_moe_gpt_step_over_an_expert_axis_moves_by_the_one_device_gradient(mes
     assert p0["blocks"]["mlp"]["w1_LsxEexDxF"].addressable_shards[0].data.shape[1] == 2  # 8 experts / 4
     tokens = np.random.default_rng(0).integers(0, 256, (1, B, SEQ + 1)).astype(np.int32)
     params, state = step.init(p0)
-    p1, _, loss = step.train(params, state, put(plan.mesh, tokens, P(None, data_axes(plan.mesh))))
+    p1, _, loss, step_stats = step.train(params, state, put(plan.mesh, tokens, P(None, data_axes(plan.mesh))))
 
     whole = jax.tree.map(np.asarray, model.init(jax.random.key(0)))
     groups = np.split(tokens[0], dp_size(plan.mesh))  # each data rank's rows: its routing group
@@ -145,10 +145,12 @@ def test_a_moe_gpt_step_over_an_expert_axis_moves_by_the_one_device_gradient(mes
         np.testing.assert_allclose(g, w, rtol=1e-5, atol=2e-7, err_msg=jax.tree_util.keystr(path[0]))
     # the metrics' router figures (the step's stats program: each device's, averaged) against the groups'
     stats = jax.device_get(step.stats(p0, put(plan.mesh, tokens[0], P(data_axes(plan.mesh)))))
-    want_stats = [jax.jit(model.router_stats)(whole, g) for g in groups]
-    for key in ("router_balance", "router_z", "dropped"):
-        assert float(stats[key]) == pytest.approx(np.mean([float(w[key]) for w in want_stats]), rel=1e-5, abs=1e-7)
-    assert float(stats["dropped"]) == 0.0
+    want_stats = [jax.jit(model.loss_and_stats)(whole, g)[1] for g in groups]
+    for got_stats in (stats, step_stats):  # the stats program's, and the train step's of its own forward
+        for key in ("router_balance", "router_z", "dropped"):
+            want_key = np.mean([float(w[key]) for w in want_stats])
+            assert float(got_stats[key]) == pytest.approx(want_key, rel=1e-5, abs=1e-7)
+        assert float(got_stats["dropped"]) == 0.0
 
 
 @pytest.mark.parametrize("flags,says", [
@@ -177,3 +179,37 @@ def test_dry_run_tells_of_the_experts(capsys):
     assert main(["--mesh", "data=2,expert=4", "--experts", "8", "--data", "synthetic", "--dry-run"]) == 0
     assert ("expert-parallel (8 experts, 2 a device, top 2, capacity factor 1.25, pairwise all-to-all)"
             in capsys.readouterr().out)
+
+
+@pytest.mark.slow  # 20-30 s under load (a MoE step with two micro-batches compiled)
+def test_a_moe_step_returns_its_own_forwards_router_figures(mesh_of, put):
+    """The train step's dropped share and router losses (what each metrics row carries)
+    are those of the step's own forward: on data=2 with 2 micro-batches a step and a
+    capacity that drops (factor 0.5), each the mean over the 4 routing groups (2 ranks'
+    rows x 2 micro-batches) of one device's `loss_and_stats` on that group, and the loss
+    with them."""
+    import optax
+
+    from dpjax import step as S
+    from dpjax.mesh import data_axes
+    from dpjax.models import get_model
+    from dpjax.plan import resolve
+    from dpjax.settings import Settings
+
+    model = get_model("gpt", **{**GPT_MOE, "capacity_factor": 0.5, "n_layers": 1})
+    A, B = 2, 8
+    s = Settings(mesh="2x1", data="synthetic", batch_size=B, seq_len=SEQ, backward_passes=A)
+    plan = resolve(s, mesh=mesh_of("2x1", 2), model=model, optimizer=optax.sgd(0.0))
+    step = S.for_plan(plan, donate=False)
+    p0 = S.init_params(model, plan.layout, jax.random.key(0))
+    tokens = np.random.default_rng(1).integers(0, 256, (A, B, SEQ + 1)).astype(np.int32)
+    params, state = step.init(p0)
+    _, _, loss, got = jax.device_get(step.train(params, state, put(plan.mesh, tokens, P(None, data_axes(plan.mesh)))))
+
+    whole = jax.tree.map(np.asarray, model.init(jax.random.key(0)))
+    one = jax.jit(model.loss_and_stats)
+    want = [one(whole, g) for a in range(A) for g in np.split(tokens[a], 2)]
+    assert float(loss) == pytest.approx(np.mean([float(w[0]) for w in want]), rel=1e-6)
+    for key in ("router_balance", "router_z", "dropped"):
+        assert float(got[key]) == pytest.approx(np.mean([float(w[1][key]) for w in want]), rel=1e-5, abs=1e-7), key
+    assert 0.1 < float(got["dropped"]) < 0.9  # a capacity of half the choices drops some

@@ -8,6 +8,7 @@ leaves are sharded over `expert`, so the checkpoint's global array is cut anew; 
 rows are split over all 8 devices on both meshes, so the routing groups (and with them the
 router losses) are the same rows and the losses agree to float32 round-off."""
 
+import json
 import shutil
 
 import numpy as np
@@ -42,6 +43,7 @@ def _resumed_equal_uninterrupted(corpus, tmp_path, extra, first, seconds):
         assert resumed[:FIRST] == reference[:FIRST]  # the first run's rows, kept
         # float32 round-off: another split sums the gradient's partial sums in another order
         np.testing.assert_allclose(resumed[FIRST:], reference[FIRST:], rtol=2e-6, atol=0, err_msg=second)
+    return straight
 
 
 CONTEXT = ("--seq-len", "16", "--context-attention", "ring")
@@ -60,4 +62,7 @@ EXPERTS = ("--experts", "8", "--top-k", "2", "--capacity-factor", "4")
 
 @pytest.mark.slow
 def test_an_expert_checkpoint_resumes_on_another_expert_size(corpus, tmp_path):
-    _resumed_equal_uninterrupted(corpus, tmp_path, EXPERTS, "data=2,expert=4", ["data=4,expert=2"])
+    straight = _resumed_equal_uninterrupted(corpus, tmp_path, EXPERTS, "data=2,expert=4", ["data=4,expert=2"])
+    rows = [r for r in map(json.loads, open(straight)) if "loss" in r]
+    # each step's row carries its own forward's router figures (dpjax.step's loss_and_stats): no drops here
+    assert [r["dropped"] for r in rows] == [0.0] * STEPS and all(r["router_balance"] > 0 for r in rows)
