@@ -193,8 +193,10 @@ def build(loss_fn, plan: Plan, *, abstract_params, donate: bool = True, value_an
     # broadcast from rank 0 over those makes every replica start alike.
     replicated_over = layout.workers if layout.fsdp else axes
 
-    experts = layout.expert_leaves()  # a mixture's experts differ along `expert`: broadcast over the others only
-    expert_over = tuple(a for a in replicated_over if a != EXPERT)
+    # A mixture's experts differ along `expert` and FSDP never splits them: broadcast over
+    # every other data axis (FSDP's or not), never over `expert`
+    experts = layout.expert_leaves()
+    expert_over = tuple(a for a in axes if a != EXPERT)
 
     def broadcast(leaves, over):
         return broadcast_params(leaves, axis_arg(over), root=0) if over and leaves else leaves
@@ -203,7 +205,7 @@ def build(loss_fn, plan: Plan, *, abstract_params, donate: bool = True, value_an
         assert jax.tree.map(lambda x: tuple(x.shape), params) == jax.tree.map(
             lambda a, sp: local_shape(a.shape, sp, mesh), abstract_params, pspecs,
             is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct)), "init: local parameter shapes"
-        if replicated_over:
+        if replicated_over or expert_over:
             params = _by_leaf(params, experts, lambda ls: broadcast(ls, expert_over),
                               lambda ls: broadcast(ls, replicated_over))
         return wrap(params), wrap(rule.init(params))
@@ -268,8 +270,11 @@ def _inner_mean(layout: Layout, exchange: Exchange):
         return mean_over(axes)
     # A device's experts got, through the all-to-all's transpose, the gradient of every
     # token routed to them from the whole expert axis: of the loss summed over its n
-    # devices. The mean over the other axes and a division by n make it the mean's.
-    n, mean, experts_mean = layout.mesh.shape[EXPERT], mean_over(axes), mean_over(tuple(a for a in axes if a != EXPERT))
+    # devices. The mean over the other axes and a division by n make it the mean's. FSDP
+    # never gathers the experts, so no reduce-scatter averaged them: their axes are the
+    # inner data axes even under FSDP.
+    inner = tuple(a for a in layout.inner_axes if a != EXPERT) + layout.context_axes
+    n, mean, experts_mean = layout.mesh.shape[EXPERT], mean_over(axes), mean_over(inner)
     return lambda g: _by_leaf(g, layout.expert_leaves(), lambda ls: [x / n for x in experts_mean(ls)], mean)
 
 

@@ -10,6 +10,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from dpjax.models import moe
+from dpjax.tensor_parallel import NOT_FSDP
 
 N, D, F, E, K = 16, 8, 12, 8, 2  # tokens per device, width, expert width, experts, top-k
 
@@ -104,15 +105,19 @@ GPT_MOE = dict(seq_len=SEQ, d_model=16, n_heads=2, d_ff=16, experts=8, top_k=2, 
 # slow: 60-85 s under load (three programs compiled); the fast set keeps the layer's equality over the
 # axis (test_experts_over_the_axis_equal_every_expert_on_one_device) and the plan's refusals
 @pytest.mark.slow
-@pytest.mark.parametrize("mesh,tp", [("data=2,expert=4", False), ("expert=4,model=2", True)])
-def test_a_moe_gpt_step_over_an_expert_axis_moves_by_the_one_device_gradient(mesh_of, put, mesh, tp):
+@pytest.mark.parametrize("mesh,tp,fsdp", [("data=2,expert=4", False, False), ("expert=4,model=2", True, False),
+                                          ("data=2,expert=4", False, True)])
+def test_a_moe_gpt_step_over_an_expert_axis_moves_by_the_one_device_gradient(mesh_of, put, mesh, tp, fsdp):
     """A GPT whose blocks' MLPs are 8 experts (top 2), trained one SGD step on a mesh with
     an expert axis of 4 (2 experts a device) beside data or tensor-parallel axes, against
     plain JAX on one device holding every expert: the loss (cross-entropy, the balance and
     z router losses, each device's tokens a routing group as in GShard, so the reference
     averages the same 8 or 4 row groups) and the update equal to float32 round-off, with
     no token dropped (capacity factor 4 = E/k). An expert's gradient averaged over the
-    expert axis, a broadcast overwriting the experts, or a missing 1/n is far off."""
+    expert axis, a broadcast overwriting the experts, or a missing 1/n is far off. With
+    --fsdp the other leaves are split over all 8 devices and gathered per layer, the
+    experts stay whole on their expert rank (split over `expert` only, never gathered):
+    the same step."""
     import optax
 
     from dpjax import step as S
@@ -123,12 +128,19 @@ def test_a_moe_gpt_step_over_an_expert_axis_moves_by_the_one_device_gradient(mes
 
     model = get_model("gpt", **GPT_MOE)
     B = 8
-    s = Settings(mesh=mesh, data="synthetic", batch_size=B, seq_len=SEQ)
+    s = Settings(mesh=mesh, data="synthetic", batch_size=B, seq_len=SEQ, fsdp=fsdp)
     plan = resolve(s, mesh=mesh_of(mesh, 8), model=model, optimizer=optax.sgd(1.0))
     assert plan.layout.parallel().expert_axis == "expert"
     step = S.for_plan(plan, donate=False)
     p0 = S.init_params(model, plan.layout, jax.random.key(0))
-    assert p0["blocks"]["mlp"]["w1_LsxEexDxF"].addressable_shards[0].data.shape[1] == 2  # 8 experts / 4
+    w1 = p0["blocks"]["mlp"]["w1_LsxEexDxF"]
+    assert w1.addressable_shards[0].data.shape == (w1.shape[0], 2, *w1.shape[2:])  # 8 experts / 4, each whole
+    if fsdp:  # the other leaves: an eighth on each device, gathered one layer at a time; the experts never
+        wqkv = p0["blocks"]["attn"]["wqkv_LsxDx3xHmxK"]
+        assert wqkv.addressable_shards[0].data.size * 8 == wqkv.size
+        mlp = plan.layout.gather_dims["blocks"]["mlp"]
+        assert [mlp[k] for k in ("w1_LsxEexDxF", "b1_LsxEexF", "w2_LsxEexFxD", "b2_LsxEexD")] == [NOT_FSDP] * 4
+        assert plan.layout.gather_dims["blocks"]["attn"]["wqkv_LsxDx3xHmxK"] >= 0
     tokens = np.random.default_rng(0).integers(0, 256, (1, B, SEQ + 1)).astype(np.int32)
     params, state = step.init(p0)
     p1, _, loss, step_stats = step.train(params, state, put(plan.mesh, tokens, P(None, data_axes(plan.mesh))))
@@ -156,7 +168,7 @@ def test_a_moe_gpt_step_over_an_expert_axis_moves_by_the_one_device_gradient(mes
 @pytest.mark.parametrize("flags,says", [
     ({"mesh": "data=2,expert=4"}, "splits a mixture of experts: give the model experts"),
     ({"mesh": "data=2,expert=4", "experts": 6}, "--experts 6 do not split over the 4 devices"),
-    ({"mesh": "data=2,expert=4", "experts": 8, "fsdp": True}, "with --fsdp: each device's experts are its own"),
+    ({"mesh": "data=2,expert=4", "experts": 8, "workers": "expert"}, "with --workers/--compress-axes naming it"),
     ({"mesh": "data=2,expert=4", "experts": 8, "update": "delayed:2"}, "with --update delayed:2"),
     ({"mesh": "data=2,expert=4", "experts": 8, "expert_alltoall": "ring"}, "unknown --expert-alltoall 'ring'"),
     ({"mesh": "stage=2,data=4", "experts": 8}, "--experts 8 with a stage axis"),

@@ -98,7 +98,8 @@ def run_loop(self) -> dict:
         if metrics:
             extra.update(efficiency.row(dt, step, shapes[id(step)]))
         write({"step": step_i, "loss": loss, "step_time": dt, "tokens_per_s": tokens_per_step / dt,
-               "lr": float(lr_at(step_i)), **{k: float(v) if isinstance(v, jax.Array) else v for k, v in extra.items()}})
+               "lr": float(lr_at(step_i)),
+               **{k: float(v) if isinstance(v, jax.Array) else v for k, v in extra.items()}})  # a MoE's drops: floats
         progress.update(step_i, loss, last["tokens_per_s"])
 
     def drain():
