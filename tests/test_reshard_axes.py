@@ -61,8 +61,9 @@ EXPERTS = ("--experts", "8", "--top-k", "2", "--capacity-factor", "4")
 
 
 @pytest.mark.slow
-def test_an_expert_checkpoint_resumes_on_another_expert_size(corpus, tmp_path):
-    straight = _resumed_equal_uninterrupted(corpus, tmp_path, EXPERTS, "data=2,expert=4", ["data=4,expert=2"])
+@pytest.mark.parametrize("fsdp", [(), ("--fsdp",)], ids=["replicated", "fsdp"])
+def test_an_expert_checkpoint_resumes_on_another_expert_size(corpus, tmp_path, fsdp):
+    straight = _resumed_equal_uninterrupted(corpus, tmp_path, EXPERTS + fsdp, "data=2,expert=4", ["data=4,expert=2"])
     rows = [r for r in map(json.loads, open(straight)) if "loss" in r]
     # each step's row carries its own forward's router figures (dpjax.step's loss_and_stats): no drops here
     assert [r["dropped"] for r in rows] == [0.0] * STEPS and all(r["router_balance"] > 0 for r in rows)
