@@ -35,7 +35,7 @@ from jax.sharding import PartitionSpec as P
 from dpjax.errors import UserError
 from dpjax import pipeline as pp
 from dpjax.mesh import CONTEXT, EXPERT, MODEL, STAGE, as_axes, data_axes, is_spec, spec_axes
-from dpjax.tensor_parallel import Parallel
+from dpjax.tensor_parallel import NOT_FSDP, Parallel
 
 
 def leaf_name(path) -> str:
@@ -109,7 +109,11 @@ class Layout:
 
     def expert_leaves(self):
         """A tree of bools like the parameters: which leaves are split over the expert axis
-        (each device holds its own experts: never broadcast nor averaged over that axis)."""
+        (each device holds its own experts: never broadcast nor averaged over that axis).
+        Under FSDP every other leaf is split over the data axes, `expert` among them: the
+        experts are then the leaves FSDP leaves alone."""
+        if self.gather_dims is not None:
+            return jax.tree.map(lambda d: self.expert_split and d == NOT_FSDP, self.gather_dims)
         return jax.tree.map(lambda s: self.expert_split and EXPERT in spec_axes(s), self.specs, is_leaf=is_spec)
 
     @property
@@ -202,8 +206,8 @@ def layout_from_specs(abstract, specs, mesh, *, what: str = "parameter", algorit
         return spec
 
     def split_over_data(path, x, spec, skip):
-        if EXPERT in spec_axes(spec):  # a mixture's experts: split over `expert`, never gathered (dpjax.plan
-            return spec, -1            # refuses FSDP beside an expert axis)
+        if EXPERT in spec_axes(spec):  # a mixture's experts: split over `expert`, never FSDP-split, gathered
+            return spec, NOT_FSDP      # nor averaged (dpjax.step averages their gradient over the other axes)
         named = [d for d, e in enumerate(spec) if set(as_axes(e)) & set(data_axes(mesh))]
         if named:  # the spec chose: FSDP on that dimension, over exactly the inner data axes, last
             e = as_axes(spec[named[0]])

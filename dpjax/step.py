@@ -68,7 +68,10 @@ class TrainStep:
 
     init(params) -> (params, state): from parameters laid out by the layout (broadcast
         from rank 0 over the data axes that replicate them, Horovod's broadcast);
-    train(params, state, batch_AxBxT1) -> (params, state, mean loss over the global batch);
+    train(params, state, batch_AxBxT1) -> (params, state, mean loss over the global batch)
+        and, for a model with figures of its own (`stats` not None; but FSDP through
+        random-k), those of the same forward, averaged like the loss: (params, state, loss,
+        stats);
     evaluate(params, batch_BxT1) -> mean loss of the consensus parameters;
     flush(params, state) -> (params, state): what is in flight lands;
     consensus(params) -> the parameters the workers agree on, without the worker axis.
@@ -96,7 +99,7 @@ class TrainStep:
 
 
 def build(loss_fn, plan: Plan, *, abstract_params, donate: bool = True, value_and_grad=None,
-          clock=None, stats_fn=None) -> TrainStep:
+          clock=None, loss_and_stats=None) -> TrainStep:
     """The steps of `plan` (`dpjax.plan`: its layout, rule between the workers, exchange,
     passes and links) for `loss_fn(params, batch_BdxT1, par) -> scalar` (`par`: the
     `dpjax.tensor_parallel.Parallel` the layout gives; a model's `loss`).
@@ -108,9 +111,11 @@ def build(loss_fn, plan: Plan, *, abstract_params, donate: bool = True, value_an
     this device's gradient is computed (default: `jax.value_and_grad(loss_fn)`; a
     pipeline's schedule, `dpjax.pipeline.staged`, on a layout with a stage axis). clock:
     the emulated links' `dpjax.links.Clock` (default: one on real time; a test passes one
-    on `VirtualTime`). stats_fn(params, batch_BdxT1, par) -> a dict of scalars: figures
-    of the model's own (a mixture's dropped tokens), averaged over the devices like the
-    loss (the `stats` program; none without it).
+    on `VirtualTime`). loss_and_stats(params, batch_BdxT1, par) -> (loss, a dict of
+    scalars): `loss_fn` with figures of the model's own forward (a mixture's dropped
+    choices), averaged over the devices like the loss: the train step returns its own
+    forward's (no second forward a step) and the `stats` program computes them on a batch
+    (none without it).
     """
     layout, rule, exchange, passes, links = plan.layout, plan.rule, plan.exchange, plan.passes, plan.links
     mesh, axes = layout.mesh, data_axes(layout.mesh)
@@ -118,6 +123,12 @@ def build(loss_fn, plan: Plan, *, abstract_params, donate: bool = True, value_an
     par = dataclasses.replace(layout.parallel(fsdp_wire=exchange.wire), policy=plan.policy)  # dpjax.policy
     inner_mean = _inner_mean(layout, exchange)
     loss_axes = axes + layout.context_axes  # a context axis's devices each hold a share of every sequence's tokens
+    # the "loss" the rule passes through is then (loss, stats); FSDP through random-k takes
+    # its own local gradient (below): its steps leave the figures to the `stats` program
+    step_stats = loss_and_stats is not None and not sharded.applies(layout, exchange.compression)
+    if step_stats:
+        assert value_and_grad is None, "dpjax.plan refuses experts beside a stage axis"
+        value_and_grad = jax.value_and_grad(loss_and_stats, has_aux=True)
     loss_and_grad = functools.partial(value_and_grad or jax.value_and_grad(loss_fn), par=par)
     zeros_grad = lambda p: jax.tree.map(jnp.zeros_like, p)  # noqa: E731
     if sharded.applies(layout, exchange.compression):  # FSDP through random-k: the rule (wrapped) reduces
@@ -138,11 +149,12 @@ def build(loss_fn, plan: Plan, *, abstract_params, donate: bool = True, value_an
         else:
             def micro(carry, batch_BdxT1):
                 loss, g = value_and_grad(params, batch_BdxT1)
-                return (carry[0] + loss, jax.tree.map(jnp.add, carry[1], g)), None
+                return (jax.tree.map(jnp.add, carry[0], loss), jax.tree.map(jnp.add, carry[1], g)), None
 
-            zero = (jnp.zeros((), jnp.float32), zeros_grad(params))
+            shapes = jax.eval_shape(value_and_grad, params, batch_AxBdxT1[0])[0]  # the loss, or (loss, stats)
+            zero = (jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes), zeros_grad(params))
             (loss, g), _ = lax.scan(micro, zero, batch_AxBdxT1)
-            loss, g = loss / passes, jax.tree.map(lambda x: x / passes, g)
+            loss, g = jax.tree.map(lambda x: x / passes, (loss, g))
         return loss, inner_mean(g)
 
     pspecs = layout.specs
@@ -181,8 +193,10 @@ def build(loss_fn, plan: Plan, *, abstract_params, donate: bool = True, value_an
     # broadcast from rank 0 over those makes every replica start alike.
     replicated_over = layout.workers if layout.fsdp else axes
 
-    experts = layout.expert_leaves()  # a mixture's experts differ along `expert`: broadcast over the others only
-    expert_over = tuple(a for a in replicated_over if a != EXPERT)
+    # A mixture's experts differ along `expert` and FSDP never splits them: broadcast over
+    # every other data axis (FSDP's or not), never over `expert`
+    experts = layout.expert_leaves()
+    expert_over = tuple(a for a in axes if a != EXPERT)
 
     def broadcast(leaves, over):
         return broadcast_params(leaves, axis_arg(over), root=0) if over and leaves else leaves
@@ -191,7 +205,7 @@ def build(loss_fn, plan: Plan, *, abstract_params, donate: bool = True, value_an
         assert jax.tree.map(lambda x: tuple(x.shape), params) == jax.tree.map(
             lambda a, sp: local_shape(a.shape, sp, mesh), abstract_params, pspecs,
             is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct)), "init: local parameter shapes"
-        if replicated_over:
+        if replicated_over or expert_over:
             params = _by_leaf(params, experts, lambda ls: broadcast(ls, expert_over),
                               lambda ls: broadcast(ls, replicated_over))
         return wrap(params), wrap(rule.init(params))
@@ -205,8 +219,8 @@ def build(loss_fn, plan: Plan, *, abstract_params, donate: bool = True, value_an
         with scopes.phase("optimizer"):  # the rule's own work; grad_fn's phases name themselves inside
             params, state, loss = rule.step(grad_fn, unwrap(params), unwrap(state), batch_AxBdxT1)
         with scopes.phase("loss"):
-            loss = lax.pmean(loss, loss_axes)
-        return wrap(params), wrap(state), loss
+            loss = lax.pmean(loss, loss_axes)  # with stats, (loss, stats): the step returns both
+        return wrap(params), wrap(state), *(loss if step_stats else (loss,))
 
     def eval_body(params, batch_BdxT1):
         assert_local(params)
@@ -217,7 +231,7 @@ def build(loss_fn, plan: Plan, *, abstract_params, donate: bool = True, value_an
     def stats_body(params, batch_BdxT1):
         assert_local(params)
         return jax.tree.map(lambda v: lax.pmean(v, loss_axes),
-                            stats_fn(rule.consensus(unwrap(params)), batch_BdxT1, par))
+                            loss_and_stats(rule.consensus(unwrap(params)), batch_BdxT1, par)[1])
 
     def flush_body(params, state):
         assert_local(params)
@@ -230,12 +244,13 @@ def build(loss_fn, plan: Plan, *, abstract_params, donate: bool = True, value_an
     return TrainStep(
         layout, rule, passes, pspecs_w, sspecs_w,
         init=jax.jit(smap(init_body, (pspecs,), (pspecs_w, sspecs_w))),
-        train=jax.jit(smap(train_body, (pspecs_w, sspecs_w, P(None, rows)), (pspecs_w, sspecs_w, P())),
+        train=jax.jit(smap(train_body, (pspecs_w, sspecs_w, P(None, rows)),
+                           (pspecs_w, sspecs_w, P()) + ((P(),) if step_stats else ())),
                       donate_argnums=(0, 1) if donate else ()),
         evaluate=jax.jit(smap(eval_body, (pspecs_w, P(rows)), P())),
         flush=jax.jit(smap(flush_body, (pspecs_w, sspecs_w), (pspecs_w, sspecs_w))),
         consensus=jax.jit(smap(consensus_body, (pspecs_w,), pspecs)),
-        stats=None if stats_fn is None else jax.jit(smap(stats_body, (pspecs_w, P(rows)), P())))
+        stats=None if loss_and_stats is None else jax.jit(smap(stats_body, (pspecs_w, P(rows)), P())))
 
 
 def _inner_mean(layout: Layout, exchange: Exchange):
@@ -255,8 +270,11 @@ def _inner_mean(layout: Layout, exchange: Exchange):
         return mean_over(axes)
     # A device's experts got, through the all-to-all's transpose, the gradient of every
     # token routed to them from the whole expert axis: of the loss summed over its n
-    # devices. The mean over the other axes and a division by n make it the mean's.
-    n, mean, experts_mean = layout.mesh.shape[EXPERT], mean_over(axes), mean_over(tuple(a for a in axes if a != EXPERT))
+    # devices. The mean over the other axes and a division by n make it the mean's. FSDP
+    # never gathers the experts, so no reduce-scatter averaged them: their axes are the
+    # inner data axes even under FSDP.
+    inner = tuple(a for a in layout.inner_axes if a != EXPERT) + layout.context_axes
+    n, mean, experts_mean = layout.mesh.shape[EXPERT], mean_over(axes), mean_over(inner)
     return lambda g: _by_leaf(g, layout.expert_leaves(), lambda ls: [x / n for x in experts_mean(ls)], mean)
 
 
@@ -295,8 +313,8 @@ def for_plan(plan: Plan, donate: bool = True, clock=None) -> TrainStep:
     model, layout = plan.model, plan.layout
     abstract = jax.eval_shape(lambda k: plan.policy.store(layout.store(model.init(k))), jax.random.key(0))
     if layout.pipeline is None:
-        stats = model.router_stats if getattr(getattr(model, "config", None), "experts", 0) else None
-        return build(model.loss, plan, abstract_params=abstract, donate=donate, clock=clock, stats_fn=stats)
+        stats = model.loss_and_stats if getattr(getattr(model, "config", None), "experts", 0) else None
+        return build(model.loss, plan, abstract_params=abstract, donate=donate, clock=clock, loss_and_stats=stats)
     staged = pipeline_staged.for_model(model, layout, plan.exchange.algorithm)
     return build(staged.loss, plan, abstract_params=abstract, donate=donate, value_and_grad=staged.value_and_grad,
                  clock=clock)

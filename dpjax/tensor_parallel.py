@@ -143,14 +143,19 @@ def _gather_bwd(dim, axis, algorithm, wire, _, g):
 _gather.defvjp(_gather_fwd, _gather_bwd)
 
 
+# A leaf's FSDP gather dimension when FSDP leaves it alone: neither gathered nor averaged
+# over the data axes (a mixture's experts, each device's own: dpjax.step averages them)
+NOT_FSDP = -2
+
+
 def gather_param(x, dim: int, axis, algorithm: str = "ring", wire=None):
     """ZeRO-3 (Rajbhandari et al., "ZeRO", SC 2020): the full parameter from its shards
     along `dim` (an explicit all-gather over the data axes); backward, the gradient is
     reduce-scattered back to the shards and averaged over the data ranks (encoded by
     `wire`, a `dpjax.compression` method, if given: gradient compression). dim=-1: the
     parameter is replicated over the data axes (too small to split); its gradient is
-    allreduce-averaged instead."""
-    if not _active(axis):
+    allreduce-averaged instead. dim=NOT_FSDP: x as it is, its gradient too."""
+    if not _active(axis) or dim == NOT_FSDP:
         return x
     if dim < 0:
         return _copy(x, axis, algorithm, "mean", wire)  # f over the data axes, averaging

@@ -10,6 +10,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from dpjax.models import moe
+from dpjax.tensor_parallel import NOT_FSDP
 
 N, D, F, E, K = 16, 8, 12, 8, 2  # tokens per device, width, expert width, experts, top-k
 
@@ -104,15 +105,19 @@ GPT_MOE = dict(seq_len=SEQ, d_model=16, n_heads=2, d_ff=16, experts=8, top_k=2, 
 # slow: 60-85 s under load (three programs compiled); the fast set keeps the layer's equality over the
 # axis (test_experts_over_the_axis_equal_every_expert_on_one_device) and the plan's refusals
 @pytest.mark.slow
-@pytest.mark.parametrize("mesh,tp", [("data=2,expert=4", False), ("expert=4,model=2", True)])
-def test_a_moe_gpt_step_over_an_expert_axis_moves_by_the_one_device_gradient(mesh_of, put, mesh, tp):
+@pytest.mark.parametrize("mesh,tp,fsdp", [("data=2,expert=4", False, False), ("expert=4,model=2", True, False),
+                                          ("data=2,expert=4", False, True)])
+def test_a_moe_gpt_step_over_an_expert_axis_moves_by_the_one_device_gradient(mesh_of, put, mesh, tp, fsdp):
     """A GPT whose blocks' MLPs are 8 experts (top 2), trained one SGD step on a mesh with
     an expert axis of 4 (2 experts a device) beside data or tensor-parallel axes, against
     plain JAX on one device holding every expert: the loss (cross-entropy, the balance and
     z router losses, each device's tokens a routing group as in GShard, so the reference
     averages the same 8 or 4 row groups) and the update equal to float32 round-off, with
     no token dropped (capacity factor 4 = E/k). An expert's gradient averaged over the
-    expert axis, a broadcast overwriting the experts, or a missing 1/n is far off."""
+    expert axis, a broadcast overwriting the experts, or a missing 1/n is far off. With
+    --fsdp the other leaves are split over all 8 devices and gathered per layer, the
+    experts stay whole on their expert rank (split over `expert` only, never gathered):
+    the same step."""
     import optax
 
     from dpjax import step as S
@@ -123,15 +128,22 @@ def test_a_moe_gpt_step_over_an_expert_axis_moves_by_the_one_device_gradient(mes
 
     model = get_model("gpt", **GPT_MOE)
     B = 8
-    s = Settings(mesh=mesh, data="synthetic", batch_size=B, seq_len=SEQ)
+    s = Settings(mesh=mesh, data="synthetic", batch_size=B, seq_len=SEQ, fsdp=fsdp)
     plan = resolve(s, mesh=mesh_of(mesh, 8), model=model, optimizer=optax.sgd(1.0))
     assert plan.layout.parallel().expert_axis == "expert"
     step = S.for_plan(plan, donate=False)
     p0 = S.init_params(model, plan.layout, jax.random.key(0))
-    assert p0["blocks"]["mlp"]["w1_LsxEexDxF"].addressable_shards[0].data.shape[1] == 2  # 8 experts / 4
+    w1 = p0["blocks"]["mlp"]["w1_LsxEexDxF"]
+    assert w1.addressable_shards[0].data.shape == (w1.shape[0], 2, *w1.shape[2:])  # 8 experts / 4, each whole
+    if fsdp:  # the other leaves: an eighth on each device, gathered one layer at a time; the experts never
+        wqkv = p0["blocks"]["attn"]["wqkv_LsxDx3xHmxK"]
+        assert wqkv.addressable_shards[0].data.size * 8 == wqkv.size
+        mlp = plan.layout.gather_dims["blocks"]["mlp"]
+        assert [mlp[k] for k in ("w1_LsxEexDxF", "b1_LsxEexF", "w2_LsxEexFxD", "b2_LsxEexD")] == [NOT_FSDP] * 4
+        assert plan.layout.gather_dims["blocks"]["attn"]["wqkv_LsxDx3xHmxK"] >= 0
     tokens = np.random.default_rng(0).integers(0, 256, (1, B, SEQ + 1)).astype(np.int32)
     params, state = step.init(p0)
-    p1, _, loss = step.train(params, state, put(plan.mesh, tokens, P(None, data_axes(plan.mesh))))
+    p1, _, loss, step_stats = step.train(params, state, put(plan.mesh, tokens, P(None, data_axes(plan.mesh))))
 
     whole = jax.tree.map(np.asarray, model.init(jax.random.key(0)))
     groups = np.split(tokens[0], dp_size(plan.mesh))  # each data rank's rows: its routing group
@@ -145,16 +157,18 @@ def test_a_moe_gpt_step_over_an_expert_axis_moves_by_the_one_device_gradient(mes
         np.testing.assert_allclose(g, w, rtol=1e-5, atol=2e-7, err_msg=jax.tree_util.keystr(path[0]))
     # the metrics' router figures (the step's stats program: each device's, averaged) against the groups'
     stats = jax.device_get(step.stats(p0, put(plan.mesh, tokens[0], P(data_axes(plan.mesh)))))
-    want_stats = [jax.jit(model.router_stats)(whole, g) for g in groups]
-    for key in ("router_balance", "router_z", "dropped"):
-        assert float(stats[key]) == pytest.approx(np.mean([float(w[key]) for w in want_stats]), rel=1e-5, abs=1e-7)
-    assert float(stats["dropped"]) == 0.0
+    want_stats = [jax.jit(model.loss_and_stats)(whole, g)[1] for g in groups]
+    for got_stats in (stats, step_stats):  # the stats program's, and the train step's of its own forward
+        for key in ("router_balance", "router_z", "dropped"):
+            want_key = np.mean([float(w[key]) for w in want_stats])
+            assert float(got_stats[key]) == pytest.approx(want_key, rel=1e-5, abs=1e-7)
+        assert float(got_stats["dropped"]) == 0.0
 
 
 @pytest.mark.parametrize("flags,says", [
     ({"mesh": "data=2,expert=4"}, "splits a mixture of experts: give the model experts"),
     ({"mesh": "data=2,expert=4", "experts": 6}, "--experts 6 do not split over the 4 devices"),
-    ({"mesh": "data=2,expert=4", "experts": 8, "fsdp": True}, "with --fsdp: each device's experts are its own"),
+    ({"mesh": "data=2,expert=4", "experts": 8, "workers": "expert"}, "with --workers/--compress-axes naming it"),
     ({"mesh": "data=2,expert=4", "experts": 8, "update": "delayed:2"}, "with --update delayed:2"),
     ({"mesh": "data=2,expert=4", "experts": 8, "expert_alltoall": "ring"}, "unknown --expert-alltoall 'ring'"),
     ({"mesh": "stage=2,data=4", "experts": 8}, "--experts 8 with a stage axis"),
@@ -177,3 +191,37 @@ def test_dry_run_tells_of_the_experts(capsys):
     assert main(["--mesh", "data=2,expert=4", "--experts", "8", "--data", "synthetic", "--dry-run"]) == 0
     assert ("expert-parallel (8 experts, 2 a device, top 2, capacity factor 1.25, pairwise all-to-all)"
             in capsys.readouterr().out)
+
+
+@pytest.mark.slow  # 20-30 s under load (a MoE step with two micro-batches compiled)
+def test_a_moe_step_returns_its_own_forwards_router_figures(mesh_of, put):
+    """The train step's dropped share and router losses (what each metrics row carries)
+    are those of the step's own forward: on data=2 with 2 micro-batches a step and a
+    capacity that drops (factor 0.5), each the mean over the 4 routing groups (2 ranks'
+    rows x 2 micro-batches) of one device's `loss_and_stats` on that group, and the loss
+    with them."""
+    import optax
+
+    from dpjax import step as S
+    from dpjax.mesh import data_axes
+    from dpjax.models import get_model
+    from dpjax.plan import resolve
+    from dpjax.settings import Settings
+
+    model = get_model("gpt", **{**GPT_MOE, "capacity_factor": 0.5, "n_layers": 1})
+    A, B = 2, 8
+    s = Settings(mesh="2x1", data="synthetic", batch_size=B, seq_len=SEQ, backward_passes=A)
+    plan = resolve(s, mesh=mesh_of("2x1", 2), model=model, optimizer=optax.sgd(0.0))
+    step = S.for_plan(plan, donate=False)
+    p0 = S.init_params(model, plan.layout, jax.random.key(0))
+    tokens = np.random.default_rng(1).integers(0, 256, (A, B, SEQ + 1)).astype(np.int32)
+    params, state = step.init(p0)
+    _, _, loss, got = jax.device_get(step.train(params, state, put(plan.mesh, tokens, P(None, data_axes(plan.mesh)))))
+
+    whole = jax.tree.map(np.asarray, model.init(jax.random.key(0)))
+    one = jax.jit(model.loss_and_stats)
+    want = [one(whole, g) for a in range(A) for g in np.split(tokens[a], 2)]
+    assert float(loss) == pytest.approx(np.mean([float(w[0]) for w in want]), rel=1e-6)
+    for key in ("router_balance", "router_z", "dropped"):
+        assert float(got[key]) == pytest.approx(np.mean([float(w[1][key]) for w in want]), rel=1e-5, abs=1e-7), key
+    assert 0.1 < float(got["dropped"]) < 0.9  # a capacity of half the choices drops some

@@ -251,20 +251,19 @@ class GPT(ByteModel):
         """Vocabulary-parallel cross-entropy: the full logits are never gathered. With a
         context axis, the mean over this device's share of the tokens (`dpjax.context`:
         the step averages it over the axis)."""
+        return self.loss_and_stats(params, batch_BdxT1, par)[0]
+
+    def loss_and_stats(self, params, batch_BdxT1, par: Parallel = DENSE):
+        """(`loss`, the router statistics of the same forward: {'router_balance', 'router_z',
+        'dropped'} of this device's tokens; None without experts): the train step's figures
+        come from its own forward, no second one (`dpjax.step`'s `loss_and_stats`)."""
         tokens_BdxTc, targets_BdxTc = context.split(batch_BdxT1[:, :-1], par), context.split(batch_BdxT1[:, 1:], par)
         logits_BdxTcxVm, aux_3 = self.forward(params, tokens_BdxTc, par)
         loss = tp.vocab_parallel_cross_entropy(logits_BdxTcxVm, targets_BdxTc, par)
         if aux_3 is None:
-            return loss
-        return loss + self.config.router_aux_weight * aux_3[0] + self.config.router_z_weight * aux_3[1]
-
-    def router_stats(self, params, batch_BdxT1, par: Parallel = DENSE):
-        """With experts: {'router_balance', 'router_z', 'dropped'} of this device's tokens
-        (the metrics' figures, `dpjax.step`'s `stats` program); None without experts."""
-        if not self.config.experts:
-            return None
-        aux_3 = self.forward(params, context.split(batch_BdxT1[:, :-1], par), par)[1]
-        return {"router_balance": aux_3[0], "router_z": aux_3[1], "dropped": aux_3[2]}
+            return loss, None
+        loss = loss + self.config.router_aux_weight * aux_3[0] + self.config.router_z_weight * aux_3[1]
+        return loss, _named(aux_3)
 
     def activation_bytes(self, rows: int, *, remat: str = "none", attention: str = "naive", width: int = 4,
                          split: int = 1, context: int = 1) -> int:
@@ -305,4 +304,10 @@ class GPT(ByteModel):
         return 6 * matmul + 3 * attention
 
 
+def _named(aux_3) -> dict:
+    """The router statistics carried through the layers (a vector of 3) by name."""
+    return {"router_balance": aux_3[0], "router_z": aux_3[1], "dropped": aux_3[2]}
+
+
 register(Entry("gpt", GPT, GPTConfig))
+

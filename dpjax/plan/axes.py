@@ -39,7 +39,8 @@ def check_expert(s: Settings, model, mesh, update) -> None:
     """An expert axis of n devices is a data axis (the batch's rows split over it) that
     also splits a mixture's E experts, E/n on each (`dpjax.models.moe`): the model must
     have E experts, n must divide E, and the experts, which differ along the axis, must
-    not be averaged or gathered over it: no FSDP, no update rule whose workers diverge, no
+    not be averaged or gathered over it (FSDP splits and gathers only the other leaves,
+    `dpjax.sharding`): no update rule whose workers diverge, no
     --workers or --compress-axes naming it, no compression with error feedback, no stage
     or context axis beside it (none of these is built for experts yet)."""
     from dpjax.compression import stateful
@@ -59,7 +60,7 @@ def check_expert(s: Settings, model, mesh, update) -> None:
                          f"of {n}) or name the axis data")
     if E % n:
         raise UsageError(f"--experts {E} do not split over the {n} devices of {where}; use a multiple of {n}")
-    beside = [why for cond, why in ((s.fsdp, "--fsdp"), (not update.is_sync, f"--update {s.update}"),
+    beside = [why for cond, why in ((not update.is_sync, f"--update {s.update}"),
                                     (EXPERT in str(s.workers or "") or EXPERT in str(s.compress_axes or ""),
                                      "--workers/--compress-axes naming it"),
                                     (stateful(s.compression), f"--compression {s.compression}"),

@@ -23,7 +23,8 @@ class MissingPackage(UserError):
 GROUPS = {"eval_loss": "eval", "tflops_per_device": "efficiency", "mfu": "efficiency",
           "hw_tflops_per_device": "efficiency", "hfu": "efficiency", "peak_memory_bytes": "efficiency",
           "comm_bytes": "comm", "comm_fraction": "comm", "compression_ratio": "comm",
-          "dropped": "eval", "router_balance": "eval", "router_z": "eval"}  # a mixture of experts' (dpjax.models.moe)
+          # a mixture of experts' (dpjax.models.moe): each step's own (under train) and the validation batches'
+          "eval_dropped": "eval", "eval_router_balance": "eval", "eval_router_z": "eval"}
 
 
 class JsonLines:

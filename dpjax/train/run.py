@@ -105,7 +105,8 @@ def run_loop(self) -> dict:
         if metrics:
             extra.update(efficiency.row(dt, step, shapes[id(step)]))
         write({"step": step_i + 1, "loss": loss, "step_time": dt, "tokens_per_s": tokens_per_step / dt,
-               "lr": float(lr_at(step_i)), **extra})
+               "lr": float(lr_at(step_i)),
+               **{k: float(v) if isinstance(v, jax.Array) else v for k, v in extra.items()}})  # a MoE's drops: floats
         progress.update(step_i, loss, last["tokens_per_s"])
 
     def drain():
@@ -114,8 +115,8 @@ def run_loop(self) -> dict:
 
     def record_eval(done):
         last["eval_loss"] = self.evaluate()
-        # of the state after step `done`; a MoE's drops too
-        write({"step": done, "eval_loss": last["eval_loss"], **self.model_stats()})
+        write({"step": done, "eval_loss": last["eval_loss"],  # of the state after step `done`; a MoE's drops too
+               **{f"eval_{k}": v for k, v in self.model_stats().items()}})
 
     step_i, shapes = self.start, {}
     try:
@@ -140,9 +141,9 @@ def run_loop(self) -> dict:
             seen_finished()
             args, began = (self.params, self.opt_state, batch), time.perf_counter()
             with phase("dispatch"):
-                self.params, self.opt_state, loss = step.train(*args)
+                self.params, self.opt_state, loss, *stats = step.train(*args)  # a MoE's drops: of its own forward
             stop["stepping"] = True
-            extra = {"cursor": cursor, **({"trial": str(trial[0])} if trial is not None else {})}
+            extra = {"cursor": cursor, **({"trial": str(trial[0])} if trial is not None else {}), **dict(*stats)}
             in_flight.append((step_i, loss, extra, step))
             seen_finished()  # before the row's figures below: the first step's take a compile
             if metrics:
