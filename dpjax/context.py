@@ -27,7 +27,11 @@ second ring carrying dK / dV home (the same bytes as the forward); the backward 
 all-gather is a reduce-scatter. Blocks are computed with the scores written out in
 float32 (`dpjax.attention.naive`'s math), whatever the policy's kernel.
 
-Per layer and device, per forward pass, with KV = 2 B (T/C) H K values the local K and V:
+Grouped-query attention (`dpjax.models.llama`: Y K/V heads serving H query heads) passes
+the Y heads; each block repeats them to the H where it computes (`shared`).
+
+Per layer and device, per forward pass, with KV = 2 B (T/C) H K values the local K and V
+(H: the K/V heads, Y under grouped-query attention):
 both send (C-1) KV values in C-1 steps, which is the bound: a device must receive the
 K and V of the other C-1 devices (`schedule`).
 """
@@ -104,13 +108,26 @@ def kernel(par) -> Callable:
 # Blockwise softmax: (o, m, l) the unnormalised output, running max and sum of a set of query rows
 
 
-def _scores(q_BxQxHxK, k_BxTxHxK):
+def shared(kv_BxTxYxK, H: int):
+    """K or V heads repeated to the H query heads they serve (grouped-query attention: K/V
+    head y serves query heads y*H/Y .. (y+1)*H/Y-1, as `dpjax.models.llama`). The ring and
+    the all-gather carry only the Y heads and each block repeats them where it computes, so
+    a device sends Y/H of the repeated bytes, and the backward (the repeat's transpose)
+    sums each group's cotangents before they travel home."""
+    Y = kv_BxTxYxK.shape[2]
+    assert H % Y == 0, (H, Y)
+    return kv_BxTxYxK if Y == H else jnp.repeat(kv_BxTxYxK, H // Y, axis=2)
+
+
+def _scores(q_BxQxHxK, k_BxTxYxK):
     K = q_BxQxHxK.shape[-1]
+    k_BxTxHxK = shared(k_BxTxYxK, q_BxQxHxK.shape[2])
     return jnp.einsum("bqhk,bthk->bhqt", q_BxQxHxK, k_BxTxHxK).astype(jnp.float32) / math.sqrt(K)
 
 
-def _first(s_BxHxQxT, v_BxTxHxK):
+def _first(s_BxHxQxT, v_BxTxYxK):
     """(o, m, l) of the first block a row sees (it always has an unmasked key: itself)."""
+    v_BxTxHxK = shared(v_BxTxYxK, s_BxHxQxT.shape[1])
     m_BxHxQ = s_BxHxQxT.max(-1)
     p_BxHxQxT = jnp.exp(s_BxHxQxT - m_BxHxQ[..., None])
     o_BxQxHxK = jnp.einsum("bhqt,bthk->bqhk", p_BxHxQxT.astype(v_BxTxHxK.dtype), v_BxTxHxK,
@@ -118,8 +135,9 @@ def _first(s_BxHxQxT, v_BxTxHxK):
     return o_BxQxHxK, m_BxHxQ, p_BxHxQxT.sum(-1)
 
 
-def _fold(stats, s_BxHxQxT, v_BxTxHxK):
+def _fold(stats, s_BxHxQxT, v_BxTxYxK):
     """(o, m, l) with one more block of scores (no masked entry) folded in."""
+    v_BxTxHxK = shared(v_BxTxYxK, s_BxHxQxT.shape[1])
     o_BxQxHxK, m_BxHxQ, l_BxHxQ = stats
     new_BxHxQ = jnp.maximum(m_BxHxQ, s_BxHxQxT.max(-1))
     p_BxHxQxT = jnp.exp(s_BxHxQxT - new_BxHxQ[..., None])
@@ -138,53 +156,58 @@ def _set_rows(stats, part, lo: int):
     return tuple(lax.dynamic_update_slice_in_dim(x, p, lo, axis=1 if x.ndim == 4 else 2) for x, p in zip(stats, part))
 
 
-def _masked(q_BxQxHxK, k_BxTxHxK, pos_q, pos_k):
-    s_BxHxQxT = _scores(q_BxQxHxK, k_BxTxHxK)
+def _masked(q_BxQxHxK, k_BxTxYxK, pos_q, pos_k):
+    s_BxHxQxT = _scores(q_BxQxHxK, k_BxTxYxK)
     return jnp.where(pos_q[:, None] >= pos_k[None, :], s_BxHxQxT, jnp.finfo(jnp.float32).min)
 
 
-def ring(q_BxTcxHxK, k_BxTcxHxK, v_BxTcxHxK, axis):
+def ring(q_BxTcxHxK, k_BxTcxYxK, v_BxTcxYxK, axis):
     """Causal attention of this device's queries (chunks i and 2C-1-i) to the whole
-    sequence, the K/V blocks passed round the ring (see the module docstring)."""
+    sequence, the K/V blocks passed round the ring (see the module docstring). Y K/V heads
+    may serve the H query heads (Y divides H): the ring carries the Y (`shared`)."""
     B, Tc, H, K = q_BxTcxHxK.shape
-    assert k_BxTcxHxK.shape == v_BxTcxHxK.shape == (B, Tc, H, K) and Tc % 2 == 0, (q_BxTcxHxK.shape,
-                                                                                   k_BxTcxHxK.shape)
+    Y = k_BxTcxYxK.shape[2]
+    assert k_BxTcxYxK.shape == v_BxTcxYxK.shape == (B, Tc, Y, K) and H % Y == 0 and Tc % 2 == 0, (
+        q_BxTcxHxK.shape, k_BxTcxYxK.shape)
     C, i, c = axis_size(axis, "ring attention"), index(axis), Tc // 2
     pos = chunk_positions(Tc * C, C, i)
-    stats = _first(_masked(q_BxTcxHxK, k_BxTcxHxK, pos, pos), v_BxTcxHxK)  # my own block, causal
-    kv_2xBxTcxHxK = jnp.stack([k_BxTcxHxK, v_BxTcxHxK])
-    ahead = send(kv_2xBxTcxHxK, axis, shift_perm(C), name="kv") if C > 1 else None
+    stats = _first(_masked(q_BxTcxHxK, k_BxTcxYxK, pos, pos), v_BxTcxYxK)  # my own block, causal
+    kv_2xBxTcxYxK = jnp.stack([k_BxTcxYxK, v_BxTcxYxK])
+    ahead = send(kv_2xBxTcxYxK, axis, shift_perm(C), name="kv") if C > 1 else None
 
     def earlier(stats, kv):  # from device j < i: all my queries see its first chunk (chunk j) whole
-        k_BxcxHxK, v_BxcxHxK = kv[0][:, :c], kv[1][:, :c]
-        return _fold(stats, _scores(q_BxTcxHxK, k_BxcxHxK), v_BxcxHxK)
+        k_BxcxYxK, v_BxcxYxK = kv[0][:, :c], kv[1][:, :c]
+        return _fold(stats, _scores(q_BxTcxHxK, k_BxcxYxK), v_BxcxYxK)
 
     def later(stats, kv):  # from device j > i: my second chunk (2C-1-i) sees both of its chunks
         part = _fold(_rows(stats, c, Tc), _scores(q_BxTcxHxK[:, c:], kv[0]), kv[1])
         return _set_rows(stats, part, c)
 
     for s in range(1, C):
-        kv_2xBxTcxHxK = ahead  # the block of device (i - s) mod C
+        kv_2xBxTcxYxK = ahead  # the block of device (i - s) mod C
         if s < C - 1:
-            ahead = send(kv_2xBxTcxHxK, axis, shift_perm(C), name="kv")  # in flight while this block computes
-        stats = lax.cond((i - s) % C < i, earlier, later, stats, kv_2xBxTcxHxK)
+            ahead = send(kv_2xBxTcxYxK, axis, shift_perm(C), name="kv")  # in flight while this block computes
+        stats = lax.cond((i - s) % C < i, earlier, later, stats, kv_2xBxTcxYxK)
     o_BxTcxHxK, _, l_BxHxTc = stats
     return (o_BxTcxHxK / jnp.swapaxes(l_BxHxTc, 1, 2)[..., None]).astype(q_BxTcxHxK.dtype)
 
 
-def allgather(q_BxTcxHxK, k_BxTcxHxK, v_BxTcxHxK, axis):
+def allgather(q_BxTcxHxK, k_BxTcxYxK, v_BxTcxYxK, axis):
     """Causal attention of this device's queries to all T keys, gathered over the axis
-    (dpjax's all-gather), masked by global positions."""
+    (dpjax's all-gather), masked by global positions. The Y K/V heads are gathered and
+    then repeated to the H query heads (`shared`)."""
     B, Tc, H, K = q_BxTcxHxK.shape
-    assert k_BxTcxHxK.shape == v_BxTcxHxK.shape == (B, Tc, H, K), (q_BxTcxHxK.shape, k_BxTcxHxK.shape)
+    Y = k_BxTcxYxK.shape[2]
+    assert k_BxTcxYxK.shape == v_BxTcxYxK.shape == (B, Tc, Y, K) and H % Y == 0, (q_BxTcxHxK.shape,
+                                                                                  k_BxTcxYxK.shape)
     C = axis_size(axis, "all-gather attention")
-    kv_Tcx2xBxHxK = jnp.moveaxis(jnp.stack([k_BxTcxHxK, v_BxTcxHxK]), 2, 0)
-    kv_Tx2xBxHxK = collectives.all_gather(kv_Tcx2xBxHxK, axis)  # in device order: layout_order's positions
-    k_BxTxHxK, v_BxTxHxK = jnp.moveaxis(kv_Tx2xBxHxK, 0, 2)
-    s_BxHxTcxT = _masked(q_BxTcxHxK, k_BxTxHxK, chunk_positions(Tc * C, C, index(axis)),
+    kv_Tcx2xBxYxK = jnp.moveaxis(jnp.stack([k_BxTcxYxK, v_BxTcxYxK]), 2, 0)
+    kv_Tx2xBxYxK = collectives.all_gather(kv_Tcx2xBxYxK, axis)  # in device order: layout_order's positions
+    k_BxTxYxK, v_BxTxYxK = jnp.moveaxis(kv_Tx2xBxYxK, 0, 2)
+    s_BxHxTcxT = _masked(q_BxTcxHxK, k_BxTxYxK, chunk_positions(Tc * C, C, index(axis)),
                          jnp.asarray(layout_order(Tc * C, C)))
-    p_BxHxTcxT = jax.nn.softmax(s_BxHxTcxT, axis=-1).astype(v_BxTxHxK.dtype)
-    return jnp.einsum("bhqt,bthk->bqhk", p_BxHxTcxT, v_BxTxHxK)
+    p_BxHxTcxT = jax.nn.softmax(s_BxHxTcxT, axis=-1).astype(v_BxTxYxK.dtype)
+    return jnp.einsum("bhqt,bthk->bqhk", p_BxHxTcxT, shared(v_BxTxYxK, H))
 
 
 # ---------------------------------------------------------------------------------------
@@ -220,7 +243,8 @@ def bound_bytes(C: int, kv_bytes: int) -> int:
 
 def schedule(name: str, C: int, B: int, T: int, H: int, K: int, itemsize: int = 4) -> Schedule:
     """(steps, bytes a device sends) of context attention `name` for one layer's forward
-    pass over B sequences of T tokens, H heads of width K (this device's heads)."""
+    pass over B sequences of T tokens, H K/V heads of width K (this device's K/V heads:
+    with grouped-query attention the Y that travel, not the query heads)."""
     return CONTEXT_ATTENTIONS[name].cost(C, 2 * B * (T // C) * H * K * itemsize)
 
 

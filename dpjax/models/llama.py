@@ -11,7 +11,9 @@ The parameter tree is stacked like the GPT's (`blocks`, a leading layer axis L t
 is a tensor-parallel one. Shape letters as in `dpjax/__init__.py`; Y is the K/V heads.
 Under tensor parallelism the query heads are split over `model`; the K/V heads too when
 there are at least as many as model ranks (Y % n == 0), else they are replicated and each
-rank computes all Y and uses the one its query heads share (n % Y == 0)."""
+rank computes all Y and uses the one its query heads share (n % Y == 0). Over a `context`
+axis (`dpjax.context`) each device's tokens are rotated by their global positions and the
+ring / all-gather carries this rank's K/V heads, which each block repeats to its queries."""
 
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from dpjax import attention, stack
+from dpjax import attention, context, stack
 from dpjax import tensor_parallel as tp
 from dpjax.errors import UserError
 from dpjax.models.gpt import GPT, ByteModel, GPTConfig
@@ -105,6 +107,7 @@ class Llama(ByteModel):
     `layer` and `head_loss`, as the GPT's."""
 
     name = "llama"
+    CONTEXT = True  # its loss (GPT.loss) splits each sequence over a context axis (dpjax.context)
     LAYERS = "blocks"
     SPECS = {
         "embed_VmxD": P("model", None), "unembed_VmxD": P("model", None),  # vocabulary-parallel
@@ -184,16 +187,20 @@ class Llama(ByteModel):
 
     def layer(self, blk, x_BdxTxD, par: Parallel = DENSE, positions_BdxT=None):
         """One block; `blk` is one layer of the stack (its leaves without the leading L).
-        positions_BdxT: each token's position (default 0 .. T-1)."""
+        positions_BdxT: each token's position (default 0 .. T-1; with a context axis, the
+        global positions of this device's chunks, `context.positions`)."""
         a, c = blk["attn"], self.config
         B, T = x_BdxTxD.shape[:2]
         if positions_BdxT is None:
-            positions_BdxT = jnp.broadcast_to(jnp.arange(T), (B, T))
+            positions_BdxT = jnp.broadcast_to(context.positions(T, par), (B, T))
         h_BdxTxD = rms_norm(x_BdxTxD, blk["attn_norm"]["scale_LsxD"], c.norm_eps)
         q_BdxTxHmxK, k_BdxTxYmxK, v_BdxTxYmxK = self.project(a, h_BdxTxD, positions_BdxT, par)
-        group = q_BdxTxHmxK.shape[2] // k_BdxTxYmxK.shape[2]  # query heads per K/V head on this rank
-        o_BdxTxHmxK = attention.causal(q_BdxTxHmxK, jnp.repeat(k_BdxTxYmxK, group, axis=2),
-                                       jnp.repeat(v_BdxTxYmxK, group, axis=2), par.policy.attention)
+        if context.active(par):  # the Y heads travel round the ring / are gathered; each block repeats them
+            o_BdxTxHmxK = context.kernel(par)(q_BdxTxHmxK, k_BdxTxYmxK, v_BdxTxYmxK)
+        else:  # each K/V head repeated to the query heads it serves on this rank
+            Hm = q_BdxTxHmxK.shape[2]
+            o_BdxTxHmxK = attention.causal(q_BdxTxHmxK, context.shared(k_BdxTxYmxK, Hm),
+                                           context.shared(v_BdxTxYmxK, Hm), par.policy.attention)
         x_BdxTxD = x_BdxTxD + par.g(jnp.einsum("bthk,hkd->btd", o_BdxTxHmxK, a["wo_LsxHmxKxD"]))
         return x_BdxTxD + self.mlp(blk, x_BdxTxD, par)
 
@@ -211,23 +218,26 @@ class Llama(ByteModel):
         unembed_VmxD = params["embed_VmxD" if self.config.tie_embeddings else "unembed_VmxD"]
         return tp.column_parallel(x_BdxTxD, unembed_VmxD.T.astype(jnp.float32), None, par)
 
-    head_loss, apply, loss = GPT.head_loss, GPT.apply, GPT.loss
+    head_loss, apply, loss, logits = GPT.head_loss, GPT.apply, GPT.loss, GPT.logits
 
-    def logits(self, params, tokens_BdxT, par: Parallel = DENSE):
-        """This shard's slice of the logits, Bd x T x Vm (all of them when dense)."""
+    def forward(self, params, tokens_BdxT, par: Parallel = DENSE):
+        """(this shard's slice of the logits, Bd x T x Vm (all of them when dense; with a
+        context axis, of this device's chunks), None): the GPT's `forward` without router
+        statistics, which `GPT.loss` and `GPT.logits` call."""
         outer = {k: par.use(v, k) for k, v in params.items() if k != self.LAYERS}
         x_BdxTxD = self.embed(outer, tokens_BdxT, par)
         x_BdxTxD = stack.run(self.layer, params[self.LAYERS], x_BdxTxD, par, path=(self.LAYERS,))
-        return self.head(outer, x_BdxTxD, par)
+        return self.head(outer, x_BdxTxD, par), None
 
     def activation_bytes(self, rows: int, *, remat: str = "none", attention: str = "naive", width: int = 4,
-                         split: int = 1) -> int:
+                         split: int = 1, context: int = 1) -> int:
         """The GPT's estimate (`GPT.activation_bytes`, fitted to XLA's buffers on CPU) with
         this model's extra SwiGLU half counted as MLP width (F -> 1.5 F): an estimate the
         planner sizes remat by, not a fit of its own."""
         c = self.config
         as_gpt = GPT(dataclasses.replace(_gpt_shape(c), d_ff=c.d_ff * 3 // 2))
-        return as_gpt.activation_bytes(rows, remat=remat, attention=attention, width=width, split=split)
+        return as_gpt.activation_bytes(rows, remat=remat, attention=attention, width=width, split=split,
+                                       context=context)
 
     def flops_per_token(self) -> float:
         """Training FLOPs per token: 6 x matmul parameters + attention (Kaplan et al. 2020)."""

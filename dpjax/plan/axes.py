@@ -16,14 +16,16 @@ def check_context(s: Settings, model, mesh) -> None:
     allreduce that reads two axes as levels (the gradient's mean spans the context axis too)."""
     from dpjax.collectives.registry import nested
     from dpjax.mesh import CONTEXT, STAGE
+    from dpjax.models.registry import MODELS
 
     C = mesh.shape.get(CONTEXT, 1)
     if C == 1:
         return
     where = f"the context axis of mesh {dict(mesh.shape)}"
     if not getattr(model, "CONTEXT", False):
+        able = " or ".join(f"--model {e.name}" for e in MODELS.values() if getattr(e.build, "CONTEXT", False))
         raise UsageError(f"--model {getattr(model, 'name', model)} has no sequence to split over {where}; "
-                         f"use --model gpt or drop the context axis")
+                         f"use {able} or drop the context axis")
     T = getattr(model.config, "seq_len", s.seq_len)
     if T % (2 * C):
         raise UsageError(f"--seq-len {T} does not split into 2C = {2 * C} equal chunks over {where} (device i "

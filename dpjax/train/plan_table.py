@@ -52,7 +52,9 @@ def _context_lines(plan) -> list[str]:
     if C == 1 or config is None or plan.global_batch is None:
         return []
     T, name = config.seq_len, plan.policy.context_attention
-    H, K = max(1, config.n_heads // plan.mesh.shape.get(MODEL, 1)), config.d_model // config.n_heads
+    # the K/V heads that travel: this rank's share of them (grouped-query attention: Y of them; one when replicated)
+    Y, K = getattr(config, "n_kv_heads", config.n_heads), config.d_model // config.n_heads
+    H = max(1, Y // plan.mesh.shape.get(MODEL, 1))
     rows, width = plan.global_batch // dp_size(plan.mesh), plan.policy.compute.itemsize
     sched = context.schedule(name, C, rows, T, H, K, width)
     bound = context.bound_bytes(C, 2 * rows * (T // C) * H * K * width)
