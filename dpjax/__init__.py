@@ -25,14 +25,16 @@ inside it this device's block, and every shard_map body asserts its local shapes
     W  workers of an update rule
     R  slots of a rule's history (delayed:T keeps T, async:TAU keeps TAU + 1)
     P  a parameter's own shape (any rank)
-    N  elements of a flat buffer (a fusion bucket, a rank's row, a quantised block)
+    N  elements of a flat buffer (a fusion bucket, a rank's row, a quantised block; a
+       mixture's tokens, an expert's slots)
     I  ranks along an axis (a row each)
     J  shards of a tensor (compression's per-shard form)
     Q  values a sparse compression picks (top-k's and random-k's k)
     Z  blocks of a quantised buffer (one scale each)
     U  uint32 words of a block's bits (the replica check's fingerprint)
+    X  experts of a mixture (E in the papers; dpjax.models.moe)
 
-Axis initials, lower case after a letter: d data, m model, n node, s stage.
+Axis initials, lower case after a letter: d data, m model, n node, s stage, c context, e expert.
 tests/test_shape_letters.py reads this table and the package's names.
 
 Scalars are words, not letters: `delay` (delayed:T), `tau` (async:TAU), `period`

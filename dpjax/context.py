@@ -119,32 +119,32 @@ def shared(kv_BxTxYxK, H: int):
     return kv_BxTxYxK if Y == H else jnp.repeat(kv_BxTxYxK, H // Y, axis=2)
 
 
-def _scores(q_BxQxHxK, k_BxTxYxK):
-    K = q_BxQxHxK.shape[-1]
-    k_BxTxHxK = shared(k_BxTxYxK, q_BxQxHxK.shape[2])
-    return jnp.einsum("bqhk,bthk->bhqt", q_BxQxHxK, k_BxTxHxK).astype(jnp.float32) / math.sqrt(K)
+def _scores(q_BxTxHxK, k_BxTxYxK):
+    K = q_BxTxHxK.shape[-1]
+    k_BxTxHxK = shared(k_BxTxYxK, q_BxTxHxK.shape[2])
+    return jnp.einsum("bqhk,bthk->bhqt", q_BxTxHxK, k_BxTxHxK).astype(jnp.float32) / math.sqrt(K)
 
 
-def _first(s_BxHxQxT, v_BxTxYxK):
+def _first(s_BxHxTxT, v_BxTxYxK):
     """(o, m, l) of the first block a row sees (it always has an unmasked key: itself)."""
-    v_BxTxHxK = shared(v_BxTxYxK, s_BxHxQxT.shape[1])
-    m_BxHxQ = s_BxHxQxT.max(-1)
-    p_BxHxQxT = jnp.exp(s_BxHxQxT - m_BxHxQ[..., None])
-    o_BxQxHxK = jnp.einsum("bhqt,bthk->bqhk", p_BxHxQxT.astype(v_BxTxHxK.dtype), v_BxTxHxK,
+    v_BxTxHxK = shared(v_BxTxYxK, s_BxHxTxT.shape[1])
+    m_BxHxT = s_BxHxTxT.max(-1)
+    p_BxHxTxT = jnp.exp(s_BxHxTxT - m_BxHxT[..., None])
+    o_BxTxHxK = jnp.einsum("bhqt,bthk->bqhk", p_BxHxTxT.astype(v_BxTxHxK.dtype), v_BxTxHxK,
                            preferred_element_type=jnp.float32)
-    return o_BxQxHxK, m_BxHxQ, p_BxHxQxT.sum(-1)
+    return o_BxTxHxK, m_BxHxT, p_BxHxTxT.sum(-1)
 
 
-def _fold(stats, s_BxHxQxT, v_BxTxYxK):
+def _fold(stats, s_BxHxTxT, v_BxTxYxK):
     """(o, m, l) with one more block of scores (no masked entry) folded in."""
-    v_BxTxHxK = shared(v_BxTxYxK, s_BxHxQxT.shape[1])
-    o_BxQxHxK, m_BxHxQ, l_BxHxQ = stats
-    new_BxHxQ = jnp.maximum(m_BxHxQ, s_BxHxQxT.max(-1))
-    p_BxHxQxT = jnp.exp(s_BxHxQxT - new_BxHxQ[..., None])
-    keep_BxHxQ = jnp.exp(m_BxHxQ - new_BxHxQ)
-    o_BxQxHxK = o_BxQxHxK * jnp.swapaxes(keep_BxHxQ, 1, 2)[..., None] + jnp.einsum(
-        "bhqt,bthk->bqhk", p_BxHxQxT.astype(v_BxTxHxK.dtype), v_BxTxHxK, preferred_element_type=jnp.float32)
-    return o_BxQxHxK, new_BxHxQ, l_BxHxQ * keep_BxHxQ + p_BxHxQxT.sum(-1)
+    v_BxTxHxK = shared(v_BxTxYxK, s_BxHxTxT.shape[1])
+    o_BxTxHxK, m_BxHxT, l_BxHxT = stats
+    new_BxHxT = jnp.maximum(m_BxHxT, s_BxHxTxT.max(-1))
+    p_BxHxTxT = jnp.exp(s_BxHxTxT - new_BxHxT[..., None])
+    keep_BxHxT = jnp.exp(m_BxHxT - new_BxHxT)
+    o_BxTxHxK = o_BxTxHxK * jnp.swapaxes(keep_BxHxT, 1, 2)[..., None] + jnp.einsum(
+        "bhqt,bthk->bqhk", p_BxHxTxT.astype(v_BxTxHxK.dtype), v_BxTxHxK, preferred_element_type=jnp.float32)
+    return o_BxTxHxK, new_BxHxT, l_BxHxT * keep_BxHxT + p_BxHxTxT.sum(-1)
 
 
 def _rows(stats, lo: int, hi: int):
@@ -156,9 +156,9 @@ def _set_rows(stats, part, lo: int):
     return tuple(lax.dynamic_update_slice_in_dim(x, p, lo, axis=1 if x.ndim == 4 else 2) for x, p in zip(stats, part))
 
 
-def _masked(q_BxQxHxK, k_BxTxYxK, pos_q, pos_k):
-    s_BxHxQxT = _scores(q_BxQxHxK, k_BxTxYxK)
-    return jnp.where(pos_q[:, None] >= pos_k[None, :], s_BxHxQxT, jnp.finfo(jnp.float32).min)
+def _masked(q_BxTxHxK, k_BxTxYxK, pos_q, pos_k):
+    s_BxHxTxT = _scores(q_BxTxHxK, k_BxTxYxK)
+    return jnp.where(pos_q[:, None] >= pos_k[None, :], s_BxHxTxT, jnp.finfo(jnp.float32).min)
 
 
 def ring(q_BxTcxHxK, k_BxTcxYxK, v_BxTcxYxK, axis):
@@ -176,8 +176,8 @@ def ring(q_BxTcxHxK, k_BxTcxYxK, v_BxTcxYxK, axis):
     ahead = send(kv_2xBxTcxYxK, axis, shift_perm(C), name="kv") if C > 1 else None
 
     def earlier(stats, kv):  # from device j < i: all my queries see its first chunk (chunk j) whole
-        k_BxcxYxK, v_BxcxYxK = kv[0][:, :c], kv[1][:, :c]
-        return _fold(stats, _scores(q_BxTcxHxK, k_BxcxYxK), v_BxcxYxK)
+        k_BxTxYxK, v_BxTxYxK = kv[0][:, :c], kv[1][:, :c]
+        return _fold(stats, _scores(q_BxTcxHxK, k_BxTxYxK), v_BxTxYxK)
 
     def later(stats, kv):  # from device j > i: my second chunk (2C-1-i) sees both of its chunks
         part = _fold(_rows(stats, c, Tc), _scores(q_BxTcxHxK[:, c:], kv[0]), kv[1])

@@ -40,8 +40,8 @@ from dpjax.mesh import make_mesh  # noqa: E402
 from dpjax.models import moe  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SPECS = {"router_DxE": P(), "w1_EexDxF": P("expert"), "b1_EexF": P("expert"), "w2_EexFxD": P("expert"),
-         "b2_EexD": P("expert")}
+SPECS = {"router_DxX": P(), "w1_XexDxF": P("expert"), "b1_XexF": P("expert"), "w2_XexFxD": P("expert"),
+         "b2_XexD": P("expert")}
 
 
 def parse_args(argv=None):
@@ -66,8 +66,8 @@ def alltoall_rows(args) -> list[dict]:
     n, E, k, D, F, N = 4, args.experts, args.top_k, args.d_model, args.d_ff, args.tokens
     mesh = make_mesh(f"expert={n}", jax.devices()[:n])
     rng = np.random.default_rng(0)
-    p = {"router_DxE": rng.standard_normal((D, E)), "w1_EexDxF": rng.standard_normal((E, D, F)) / 8,
-         "b1_EexF": np.zeros((E, F)), "w2_EexFxD": rng.standard_normal((E, F, D)) / 8, "b2_EexD": np.zeros((E, D))}
+    p = {"router_DxX": rng.standard_normal((D, E)), "w1_XexDxF": rng.standard_normal((E, D, F)) / 8,
+         "b1_XexF": np.zeros((E, F)), "w2_XexFxD": rng.standard_normal((E, F, D)) / 8, "b2_XexD": np.zeros((E, D))}
     p = {name: jax.device_put(v.astype(np.float32), NamedSharding(mesh, SPECS[name])) for name, v in p.items()}
     x = jax.device_put(rng.standard_normal((n * N, D)).astype(np.float32), NamedSharding(mesh, P("expert")))
     C = moe.capacity(N, E, k, 1.25)

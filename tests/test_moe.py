@@ -18,12 +18,12 @@ N, D, F, E, K = 16, 8, 12, 8, 2  # tokens per device, width, expert width, exper
 def params(seed=0):
     rng = np.random.default_rng(seed)
     r = lambda *s: (0.5 * rng.standard_normal(s)).astype(np.float32)  # noqa: E731
-    return {"router_DxE": r(D, E), "w1_EexDxF": r(E, D, F), "b1_EexF": r(E, F), "w2_EexFxD": r(E, F, D),
-            "b2_EexD": r(E, D)}
+    return {"router_DxX": r(D, E), "w1_XexDxF": r(E, D, F), "b1_XexF": r(E, F), "w2_XexFxD": r(E, F, D),
+            "b2_XexD": r(E, D)}
 
 
-EXPERT_SPECS = {"router_DxE": P(), "w1_EexDxF": P("expert"), "b1_EexF": P("expert"), "w2_EexFxD": P("expert"),
-                "b2_EexD": P("expert")}
+EXPERT_SPECS = {"router_DxX": P(), "w1_XexDxF": P("expert"), "b1_XexF": P("expert"), "w2_XexFxD": P("expert"),
+                "b2_XexD": P("expert")}
 
 
 @pytest.mark.parametrize("algorithm", ["pairwise", "xla", pytest.param("bruck", marks=pytest.mark.slow)])
@@ -44,7 +44,7 @@ def test_experts_over_the_axis_equal_every_expert_on_one_device(mesh_of, put, al
             return moe.moe_mlp(x, p, k=K, capacity_factor=cf, axis="expert", algorithm=algorithm)[0]
         y, vjp = jax.vjp(f, p, x)
         gp, gx = vjp(cot)
-        gp = {**gp, "router_DxE": jax.lax.psum(gp["router_DxE"], "expert")}
+        gp = {**gp, "router_DxX": jax.lax.psum(gp["router_DxX"], "expert")}
         dropped = jax.lax.psum(moe.moe_mlp(x, p, k=K, capacity_factor=cf, axis="expert",
                                            algorithm=algorithm)[1]["dropped"], "expert")
         return y, gp, gx, dropped
@@ -73,7 +73,7 @@ def test_router_losses_and_drops_against_numpy():
     p, x = params(3), np.random.default_rng(4).standard_normal((N, D)).astype(np.float32)
     cf = 0.5
     y, stats = moe.moe_mlp(jnp.asarray(x), jax.tree.map(jnp.asarray, p), k=K, capacity_factor=cf)
-    logits = x.astype(np.float64) @ p["router_DxE"]
+    logits = x.astype(np.float64) @ p["router_DxX"]
     prob = np.exp(logits - logits.max(-1, keepdims=True))
     prob /= prob.sum(-1, keepdims=True)
     top = np.argsort(-prob, axis=-1)[:, :K]
@@ -89,9 +89,9 @@ def test_router_losses_and_drops_against_numpy():
             if taken[e] < C:
                 taken[e] += 1
                 gate = prob[t, e] / prob[t, top[t]].sum()
-                h = x[t] @ p["w1_EexDxF"][e] + p["b1_EexF"][e]
+                h = x[t] @ p["w1_XexDxF"][e] + p["b1_XexF"][e]
                 h = 0.5 * h * (1 + np.tanh(np.sqrt(2 / np.pi) * (h + 0.044715 * h ** 3)))  # jax.nn.gelu's tanh form
-                want[t] += gate * (h @ p["w2_EexFxD"][e] + p["b2_EexD"][e])
+                want[t] += gate * (h @ p["w2_XexFxD"][e] + p["b2_XexD"][e])
             else:
                 dropped += 1
     assert int(stats["dropped"]) == dropped > 0 and stats["choices"] == N * K
@@ -133,13 +133,13 @@ def test_a_moe_gpt_step_over_an_expert_axis_moves_by_the_one_device_gradient(mes
     assert plan.layout.parallel().expert_axis == "expert"
     step = S.for_plan(plan, donate=False)
     p0 = S.init_params(model, plan.layout, jax.random.key(0))
-    w1 = p0["blocks"]["mlp"]["w1_LsxEexDxF"]
+    w1 = p0["blocks"]["mlp"]["w1_LsxXexDxF"]
     assert w1.addressable_shards[0].data.shape == (w1.shape[0], 2, *w1.shape[2:])  # 8 experts / 4, each whole
     if fsdp:  # the other leaves: an eighth on each device, gathered one layer at a time; the experts never
         wqkv = p0["blocks"]["attn"]["wqkv_LsxDx3xHmxK"]
         assert wqkv.addressable_shards[0].data.size * 8 == wqkv.size
         mlp = plan.layout.gather_dims["blocks"]["mlp"]
-        assert [mlp[k] for k in ("w1_LsxEexDxF", "b1_LsxEexF", "w2_LsxEexFxD", "b2_LsxEexD")] == [NOT_FSDP] * 4
+        assert [mlp[k] for k in ("w1_LsxXexDxF", "b1_LsxXexF", "w2_LsxXexFxD", "b2_LsxXexD")] == [NOT_FSDP] * 4
         assert plan.layout.gather_dims["blocks"]["attn"]["wqkv_LsxDx3xHmxK"] >= 0
     tokens = np.random.default_rng(0).integers(0, 256, (1, B, SEQ + 1)).astype(np.int32)
     params, state = step.init(p0)

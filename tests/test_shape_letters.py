@@ -15,7 +15,7 @@ import re
 import dpjax
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-AXIS_INITIALS = set("dmns")  # data, model, node, stage
+AXIS_INITIALS = set("dmnsce")  # data, model, node, stage, context, expert
 # a snake_case name whose last part holds a capital: the shape, dimensions joined by x
 SHAPE = re.compile(r"^[a-z][a-z0-9]*(?:_[a-z0-9]+)*_"
                    r"((?=[A-Za-z0-9]*[A-Z])[A-Za-z][A-Za-z0-9]*(?:x[A-Za-z][A-Za-z0-9]*)*)$")
@@ -24,12 +24,14 @@ DIM = re.compile(r"^([A-Z])([0-9]*)([a-z]*)$")
 # Where each letter's concept lives: path prefixes (relative to the repository). "*": anywhere.
 MODEL_MATH = ("dpjax/models/", "dpjax/tensor_parallel.py", "dpjax/nn/", "dpjax/attention.py", "dpjax/stack.py",
               "dpjax/pipeline/", "dpjax/step.py", "dpjax/sharding.py", "dpjax/hf/", "dpjax/generate/")
-ATTENTION = ("dpjax/models/gpt.py", "dpjax/models/llama.py", "dpjax/tensor_parallel.py", "dpjax/nn/",
-             "dpjax/attention.py", "dpjax/hf/", "dpjax/generate/")  # hf: the Hub's names of the model's leaves
+# hf: the Hub's names of the model's leaves
+ATTENTION = ("dpjax/context.py", "dpjax/models/gpt.py", "dpjax/models/llama.py", "dpjax/tensor_parallel.py",
+             "dpjax/nn/", "dpjax/attention.py", "dpjax/hf/", "dpjax/generate/")
 HOMES = {
     "B": "*", "T": "*", "P": "*", "N": "*",
     "D": MODEL_MATH, "F": MODEL_MATH, "L": MODEL_MATH,
-    "H": ATTENTION, "K": ATTENTION, "Y": ("dpjax/models/llama.py", "dpjax/hf/", "dpjax/generate/"), "O": ("dpjax/generate/",),
+    "H": ATTENTION, "K": ATTENTION, "Y": ("dpjax/context.py", "dpjax/models/llama.py", "dpjax/hf/", "dpjax/generate/"),
+    "O": ("dpjax/generate/",),
     "V": ("dpjax/models/", "dpjax/tensor_parallel.py", "dpjax/nn/", "dpjax/hf/", "dpjax/generate/"),
     "E": ("dpjax/models/mlp.py",), "C": ("dpjax/models/mlp.py",),
     "A": ("dpjax/step.py",), "M": ("dpjax/pipeline/", "dpjax/step.py"),
@@ -38,7 +40,7 @@ HOMES = {
     "W": ("dpjax/updates/", "dpjax/step.py"), "R": ("dpjax/updates/",),
     "I": ("dpjax/compression/", "dpjax/collectives/"), "J": ("dpjax/compression/",),
     "Q": ("dpjax/compression/",), "Z": ("dpjax/compression/",),
-    "U": ("dpjax/replicas.py",),
+    "U": ("dpjax/replicas.py",), "X": ("dpjax/models/moe.py", "dpjax/models/gpt.py"),
 }
 
 
@@ -96,8 +98,8 @@ def test_every_shape_letter_is_in_the_table_and_at_home():
 def test_a_borrowed_letter_fails():
     """The check itself: V for virtual stages in the pipeline, an unlisted b, a K for
     picked values in compression and an undeclared axis initial are all found."""
-    found = problems([("dpjax/pipeline/probe.py", "def f(chunks_VxLc, batch_MxbxT1, x_BqxT):\n    return 0\n"),
+    found = problems([("dpjax/pipeline/probe.py", "def f(chunks_VxLz, batch_MxbxT1, x_BqxT):\n    return 0\n"),
                       ("dpjax/compression/probe.py", "idx_NxK = 0\n")])
-    assert any("chunks_VxLc: V" in p and "outside its home" in p for p in found), found
-    assert any("'Lc'" in p for p in found) and any("'b'" in p for p in found), found
+    assert any("chunks_VxLz: V" in p and "outside its home" in p for p in found), found
+    assert any("'Lz'" in p for p in found) and any("'b'" in p for p in found), found
     assert any("idx_NxK: K" in p for p in found) and any("'Bq'" in p for p in found), found

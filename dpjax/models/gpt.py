@@ -124,9 +124,9 @@ class GPT(ByteModel):
         "w1_LsxDxFm": P("stage", None, "model"), "b1_LsxFm": P("stage", "model"),  # column-parallel
         "w2_LsxFmxD": P("stage", "model", None), "b2_LsxD": P("stage", None),  # row-parallel; b2 added after g
         # with experts (dpjax.models.moe): E split over `expert`, each expert whole (replicated over `model`)
-        "router_LsxDxE": P("stage", None, None), "w1_LsxEexDxF": P("stage", "expert", None, None),
-        "b1_LsxEexF": P("stage", "expert", None), "w2_LsxEexFxD": P("stage", "expert", None, None),
-        "b2_LsxEexD": P("stage", "expert", None),
+        "router_LsxDxX": P("stage", None, None), "w1_LsxXexDxF": P("stage", "expert", None, None),
+        "b1_LsxXexF": P("stage", "expert", None), "w2_LsxXexFxD": P("stage", "expert", None, None),
+        "b2_LsxXexD": P("stage", "expert", None),
     }
 
     def init(self, key):
@@ -143,9 +143,9 @@ class GPT(ByteModel):
         if E:  # each expert's matrices drawn as the dense MLP's are, one key per layer and matrix
             router = jnp.stack([std * jax.random.normal(jax.random.fold_in(keys[4 + 4 * i], E), (D, E))
                                 for i in range(L)])  # its own key, folded from w1's
-            mlp = {"router_LsxDxE": router,
-                   "w1_LsxEexDxF": stacked(2, (E, D, F), std), "b1_LsxEexF": jnp.zeros((L, E, F)),
-                   "w2_LsxEexFxD": stacked(3, (E, F, D), out_std), "b2_LsxEexD": jnp.zeros((L, E, D))}
+            mlp = {"router_LsxDxX": router,
+                   "w1_LsxXexDxF": stacked(2, (E, D, F), std), "b1_LsxXexF": jnp.zeros((L, E, F)),
+                   "w2_LsxXexFxD": stacked(3, (E, F, D), out_std), "b2_LsxXexD": jnp.zeros((L, E, D))}
         else:
             mlp = {"w1_LsxDxFm": stacked(2, (D, F), std), "b1_LsxFm": jnp.zeros((L, F)),
                    "w2_LsxFmxD": stacked(3, (F, D), out_std), "b2_LsxD": jnp.zeros((L, D))}
@@ -204,8 +204,8 @@ class GPT(ByteModel):
         computes it whole. (output, the layer's router statistics)."""
         c, (B, T, D) = self.config, h_BdxTxD.shape
         axis = par.expert_axis if tp._active(par.expert_axis) else None
-        names = {"router_DxE": "router_LsxDxE", "w1_EexDxF": "w1_LsxEexDxF", "b1_EexF": "b1_LsxEexF",
-                 "w2_EexFxD": "w2_LsxEexFxD", "b2_EexD": "b2_LsxEexD"}
+        names = {"router_DxX": "router_LsxDxX", "w1_XexDxF": "w1_LsxXexDxF", "b1_XexF": "b1_LsxXexF",
+                 "w2_XexFxD": "w2_LsxXexFxD", "b2_XexD": "b2_LsxXexD"}
         y_NxD, stats = moe.moe_mlp(h_BdxTxD.reshape(B * T, D), {k: m[v] for k, v in names.items()}, k=c.top_k,
                                    capacity_factor=c.capacity_factor, axis=axis,
                                    algorithm=par.policy.expert_alltoall)

@@ -218,12 +218,12 @@ class Llama(ByteModel):
         unembed_VmxD = params["embed_VmxD" if self.config.tie_embeddings else "unembed_VmxD"]
         return tp.column_parallel(x_BdxTxD, unembed_VmxD.T.astype(jnp.float32), None, par)
 
-    head_loss, apply, loss, logits = GPT.head_loss, GPT.apply, GPT.loss, GPT.logits
+    head_loss, apply, loss, loss_and_stats, logits = GPT.head_loss, GPT.apply, GPT.loss, GPT.loss_and_stats, GPT.logits
 
     def forward(self, params, tokens_BdxT, par: Parallel = DENSE):
         """(this shard's slice of the logits, Bd x T x Vm (all of them when dense; with a
         context axis, of this device's chunks), None): the GPT's `forward` without router
-        statistics, which `GPT.loss` and `GPT.logits` call."""
+        statistics, which `GPT.loss` (through `GPT.loss_and_stats`) and `GPT.logits` call."""
         outer = {k: par.use(v, k) for k, v in params.items() if k != self.LAYERS}
         x_BdxTxD = self.embed(outer, tokens_BdxT, par)
         x_BdxTxD = stack.run(self.layer, params[self.LAYERS], x_BdxTxD, par, path=(self.LAYERS,))

@@ -14,7 +14,7 @@ Transformers" (JMLR 2022). Per device, for its N tokens (any batch and time flat
                all-to-all over `expert` (`dpjax.collectives.all_to_all`: dpjax's pairwise or
                bruck schedules, or "xla", `lax.all_to_all`, as the baseline) sends expert e's
                slots to the device holding e, which gets n x C tokens for each of its E/n
-    experts    each its own GELU MLP (w1_EexDxF: E split over `expert`)
+    experts    each its own GELU MLP (w1_XexDxF: E split over `expert`)
     combine    the all-to-all back, then each token's output is the gate-weighted sum of its
                kept choices' slots
 
@@ -46,59 +46,59 @@ def capacity(N: int, E: int, k: int, factor: float) -> int:
     return max(1, math.ceil(factor * N * k / E))
 
 
-def route(x_NxD, router_DxE, k: int):
+def route(x_NxD, router_DxX, k: int):
     """(gates N x k, experts N x k, balance loss, z loss) of the softmax top-k router."""
-    logits_NxE = x_NxD.astype(jnp.float32) @ router_DxE.astype(jnp.float32)
-    p_NxE = jax.nn.softmax(logits_NxE, axis=-1)
-    gates_Nxk, experts_Nxk = jax.lax.top_k(p_NxE, k)
+    logits_NxX = x_NxD.astype(jnp.float32) @ router_DxX.astype(jnp.float32)
+    p_NxX = jax.nn.softmax(logits_NxX, axis=-1)
+    gates, chosen = jax.lax.top_k(p_NxX, k)
     if k > 1:
-        gates_Nxk = gates_Nxk / gates_Nxk.sum(-1, keepdims=True)
-    E = router_DxE.shape[1]
-    f_E = jax.nn.one_hot(experts_Nxk, E, dtype=jnp.float32).sum((0, 1)) / experts_Nxk.size
-    balance = E * jnp.sum(f_E * p_NxE.mean(0))
-    z = jnp.mean(jax.nn.logsumexp(logits_NxE, axis=-1) ** 2)
-    return gates_Nxk, experts_Nxk, balance, z
+        gates = gates / gates.sum(-1, keepdims=True)
+    E = router_DxX.shape[1]
+    f_X = jax.nn.one_hot(chosen, E, dtype=jnp.float32).sum((0, 1)) / chosen.size
+    balance = E * jnp.sum(f_X * p_NxX.mean(0))
+    z = jnp.mean(jax.nn.logsumexp(logits_NxX, axis=-1) ** 2)
+    return gates, chosen, balance, z
 
 
-def slots(experts_Nxk, E: int, C: int):
+def slots(chosen, E: int, C: int):
     """(slot N x k, kept N x k): each choice's place in its expert's buffer, first choices
     of all tokens before second ones, and whether it is within the capacity C."""
-    N, k = experts_Nxk.shape
-    onehot_kNxE = jax.nn.one_hot(experts_Nxk.T.reshape(-1), E, dtype=jnp.int32)  # choice-major order
-    before_kNxE = jnp.cumsum(onehot_kNxE, axis=0) - onehot_kNxE
-    slot_Nxk = jnp.sum(before_kNxE * onehot_kNxE, axis=-1).reshape(k, N).T
-    return slot_Nxk, slot_Nxk < C
+    N, k = chosen.shape
+    onehot = jax.nn.one_hot(chosen.T.reshape(-1), E, dtype=jnp.int32)  # choice-major order
+    before = jnp.cumsum(onehot, axis=0) - onehot
+    slot = jnp.sum(before * onehot, axis=-1).reshape(k, N).T
+    return slot, slot < C
 
 
-def experts_mlp(x_EexTxD, w1_EexDxF, b1_EexF, w2_EexFxD, b2_EexD):
+def experts_mlp(x_XexTxD, w1_XexDxF, b1_XexF, w2_XexFxD, b2_XexD):
     """Each local expert's GELU MLP on its T slots."""
-    h_EexTxF = jax.nn.gelu(jnp.einsum("etd,edf->etf", x_EexTxD, w1_EexDxF) + b1_EexF[:, None])
-    return jnp.einsum("etf,efd->etd", h_EexTxF, w2_EexFxD) + b2_EexD[:, None]
+    h_XexTxF = jax.nn.gelu(jnp.einsum("etd,edf->etf", x_XexTxD, w1_XexDxF) + b1_XexF[:, None])
+    return jnp.einsum("etf,efd->etd", h_XexTxF, w2_XexFxD) + b2_XexD[:, None]
 
 
 def moe_mlp(x_NxD, p: dict, *, k: int, capacity_factor: float, axis=None, algorithm: str = "pairwise"):
     """(y N x D, {'balance', 'z', 'dropped', 'choices'}) of the MoE MLP on this device's
-    tokens; `p` holds router_DxE (whole) and w1_EexDxF, b1_EexF, w2_EexFxD, b2_EexD (this
+    tokens; `p` holds router_DxX (whole) and w1_XexDxF, b1_XexF, w2_XexFxD, b2_XexD (this
     device's E/n experts). axis: the expert axis inside a shard_map (None: every expert
     here); algorithm: the all-to-all's (`dpjax.collectives.ALL_TO_ALL_ALGORITHMS`)."""
     N, D = x_NxD.shape
-    E, El = p["router_DxE"].shape[1], p["w1_EexDxF"].shape[0]
+    E, El = p["router_DxX"].shape[1], p["w1_XexDxF"].shape[0]
     n = axis_size(axis, "the experts' all-to-all") if axis is not None else 1
-    assert E == El * n and p["router_DxE"].shape == (D, E), (p["router_DxE"].shape, p["w1_EexDxF"].shape, n)
+    assert E == El * n and p["router_DxX"].shape == (D, E), (p["router_DxX"].shape, p["w1_XexDxF"].shape, n)
     C = capacity(N, E, k, capacity_factor)
-    gates_Nxk, experts_Nxk, balance, z = route(x_NxD, p["router_DxE"], k)
-    slot_Nxk, kept_Nxk = slots(experts_Nxk, E, C)
-    slot_Nxk = jnp.where(kept_Nxk, slot_Nxk, 0)  # a dropped choice writes nothing and reads nothing
-    sent_NxkxD = jnp.where(kept_Nxk[..., None], x_NxD[:, None, :], 0).astype(x_NxD.dtype)
-    buf_ExCxD = jnp.zeros((E, C, D), x_NxD.dtype).at[experts_Nxk, slot_Nxk].add(sent_NxkxD)
+    gates, chosen, balance, z = route(x_NxD, p["router_DxX"], k)
+    slot, kept = slots(chosen, E, C)
+    slot = jnp.where(kept, slot, 0)  # a dropped choice writes nothing and reads nothing
+    sent = jnp.where(kept[..., None], x_NxD[:, None, :], 0).astype(x_NxD.dtype)
+    buf_XxNxD = jnp.zeros((E, C, D), x_NxD.dtype).at[chosen, slot].add(sent)
     if n > 1:  # expert e's slots to the device holding it: n sources x E/n experts x C slots
-        buf_ExCxD = collectives.all_to_all(buf_ExCxD, axis, algorithm=algorithm)
-    x_EexnCxD = buf_ExCxD.reshape(n, El, C, D).transpose(1, 0, 2, 3).reshape(El, n * C, D)
-    y_EexnCxD = experts_mlp(x_EexnCxD, p["w1_EexDxF"], p["b1_EexF"], p["w2_EexFxD"], p["b2_EexD"])
-    y_ExCxD = y_EexnCxD.reshape(El, n, C, D).transpose(1, 0, 2, 3).reshape(E, C, D)
+        buf_XxNxD = collectives.all_to_all(buf_XxNxD, axis, algorithm=algorithm)
+    x_XexNxD = buf_XxNxD.reshape(n, El, C, D).transpose(1, 0, 2, 3).reshape(El, n * C, D)
+    y_XexNxD = experts_mlp(x_XexNxD, p["w1_XexDxF"], p["b1_XexF"], p["w2_XexFxD"], p["b2_XexD"])
+    y_XxNxD = y_XexNxD.reshape(El, n, C, D).transpose(1, 0, 2, 3).reshape(E, C, D)
     if n > 1:  # and back: each source gets its tokens' outputs, in expert order
-        y_ExCxD = collectives.all_to_all(y_ExCxD, axis, algorithm=algorithm)
-    w_Nxk = jnp.where(kept_Nxk, gates_Nxk, 0.0).astype(y_ExCxD.dtype)
-    y_NxD = jnp.einsum("nk,nkd->nd", w_Nxk, y_ExCxD[experts_Nxk, slot_Nxk])
-    stats = {"balance": balance, "z": z, "dropped": jnp.sum(~kept_Nxk), "choices": kept_Nxk.size}
+        y_XxNxD = collectives.all_to_all(y_XxNxD, axis, algorithm=algorithm)
+    weight = jnp.where(kept, gates, 0.0).astype(y_XxNxD.dtype)
+    y_NxD = jnp.einsum("nk,nkd->nd", weight, y_XxNxD[chosen, slot])
+    stats = {"balance": balance, "z": z, "dropped": jnp.sum(~kept), "choices": kept.size}
     return y_NxD, stats
