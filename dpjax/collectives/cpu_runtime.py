@@ -35,8 +35,9 @@ import re
 
 # Threads per simulated device that may wait at once: two collectives in flight in one
 # program (the scanned stack's gather beside an exchange), or two steps in flight. NPROC
-# also sizes the pool the matmuls run on, so more threads than needed slow the step (8 a
-# device looked 13-26% slower than one thread a core on the loaded 2-core machine).
+# also sizes the pool the matmuls run on; 2 a device cost nothing measurable on the quiet
+# 2-core machine (the main job at 0.96x, 3 pairs, experiments/RESULTS.md), 8 a device
+# looked slower under load, so no more than needed.
 WAITS_PER_DEVICE = 2
 GUARDS = ("all", "channels", "threads", "none")
 
