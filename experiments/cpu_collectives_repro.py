@@ -62,7 +62,8 @@ def run(cmd, env, timeout: float) -> tuple[int, float, str]:
         rc, text = p.returncode, p.stderr
     except subprocess.TimeoutExpired:
         rc, text = "timeout", ""
-    said = next((line.strip()[:90] for line in text.splitlines() if "Check failed" in line or "Fatal" in line), "")
+    said = next((line.strip()[:90] for line in text.splitlines()
+                 if any(w in line for w in ("Check failed", "Termination timeout", "Fatal"))), "")
     return rc, time.perf_counter() - began, said
 
 
