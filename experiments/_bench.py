@@ -24,6 +24,15 @@ import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+
+
+def checkout_env(environ=None) -> dict:
+    """The environment for a child process that imports this checkout's dpjax first (the way
+    the RESULTS.md commands run it), whatever else PYTHONPATH holds."""
+    env = dict(os.environ if environ is None else environ)
+    env["PYTHONPATH"] = os.pathsep.join([ROOT, env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    return env
 median = statistics.median
 
 

@@ -24,7 +24,8 @@ import subprocess
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+import _bench
+
 
 PLAIN_JAX = """
 import os, sys
@@ -47,8 +48,7 @@ TRAIN = ["-m", "dpjax.train", "--batch-size", "16", "--seq-len", "64", "--seed",
 
 
 def case(fault: str, guarded: bool, smoke: bool) -> tuple[list[str], dict]:
-    env = {k: v for k, v in os.environ.items() if k != "NPROC"}
-    env["PYTHONPATH"] = os.pathsep.join([ROOT, env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    env = _bench.checkout_env({k: v for k, v in os.environ.items() if k != "NPROC"})
     if fault == "threads":
         return [sys.executable, "-c", PLAIN_JAX, "guarded" if guarded else "plain", "20" if smoke else "200"], env
     env["DPJAX_CPU_GUARDS"] = "all" if guarded else "threads"

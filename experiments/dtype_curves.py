@@ -34,7 +34,7 @@ import time
 
 import _bench
 
-ROOT = os.path.dirname(_bench.HERE)
+ROOT = _bench.ROOT
 
 
 def parse_args(argv=None):
@@ -108,7 +108,7 @@ def read(metrics: str) -> dict:
 
 def run_all(args, folder: str) -> dict:
     """{dtype: metrics} of one run per dtype, side by side or one after the other."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
+    env = _bench.checkout_env()
     names = list(variants(args))
     files = {d: os.path.join(folder, file_name(d) + ".jsonl") for d in names}
     logs = {d: os.path.join(folder, file_name(d) + ".log") for d in names}

@@ -19,7 +19,6 @@ bound, and a MoE GPT against a dense GPT of the same active FLOPs.
 from __future__ import annotations
 
 import argparse
-import os
 import re
 import statistics
 import subprocess
@@ -39,7 +38,7 @@ from dpjax.collectives.cost import hlo_comm  # noqa: E402
 from dpjax.mesh import make_mesh  # noqa: E402
 from dpjax.models import moe  # noqa: E402
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = _bench.ROOT
 SPECS = {"router_DxX": P(), "w1_XexDxF": P("expert"), "b1_XexF": P("expert"), "w2_XexFxD": P("expert"),
          "b2_XexD": P("expert")}
 
@@ -109,7 +108,7 @@ def train(args, mesh: str, *extra) -> dict:
     cmd = [sys.executable, "-m", "dpjax.train", "--mesh", mesh, "--steps", str(args.steps), "--batch-size", "16",
            "--seq-len", "64", "--d-model", str(args.d_model), "--n-heads", "4", "--eval-batches", "4",
            "--eval-every", "0", "--progress", "none", "--lr", "3e-3", *extra]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
+    env = _bench.checkout_env()
     r = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=3600)
     if r.returncode:
         raise RuntimeError(f"{' '.join(cmd)} exited {r.returncode}: {r.stderr[-2000:]}")

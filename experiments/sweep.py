@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import os
 import subprocess
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+import _bench
+
 
 # factor -> values, each value the flags it adds ("" adds none)
 FACTORS = {
@@ -73,7 +73,7 @@ def ends_well(rc, stderr_lines: list[str]) -> bool:
 
 def run(row: dict, steps: int, timeout: float) -> dict:
     flags = " ".join(v for v in row.values() if v).split() + TINY.split() + ["--steps", str(steps)]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep))
+    env = _bench.checkout_env()
     began = time.perf_counter()
     try:
         p = subprocess.run([sys.executable, "-m", "dpjax.train", *flags], check=False, env=env, capture_output=True,
