@@ -53,14 +53,15 @@ from dpjax.data_parallel import (
     process_rows,
     shard_batch,
 )
-from dpjax.wrapper import shard_step
+from dpjax.wrap.wrapper import shard_step
 from dpjax.distributed import local_rank, process_count, process_index
 from dpjax.errors import UserError
-from dpjax.replicas import ReplicationError
-from dpjax.rng import device_key
+from dpjax.wrap.replicas import ReplicationError
+from dpjax.wrap.rng import device_key
 from dpjax.mesh import data_axes, dp_size, make_mesh, parse_mesh_spec, simulate_cpu_devices
-from dpjax import attention, sharding_rules, stack, updates
-from dpjax.policy import Policy
+from dpjax import sharding_rules, updates
+from dpjax.compute import attention, stack
+from dpjax.compute.policy import Policy
 from dpjax.updates import delayed_gradients
 from dpjax.step import Exchange, make_update_step
 from dpjax import horovod

@@ -33,9 +33,9 @@ from dpjax.compression import check as check_compression
 from dpjax.compression import summable
 from dpjax.fusion import pack, plan_buckets, unpack
 from dpjax.mesh import DATA, data_axes
-from dpjax.rng import bound_data_axes
-from dpjax.wrapper_checks import splits_nothing
-from dpjax.per_rank import DistributedState  # noqa: F401  (its home: the per-rank state it carries)
+from dpjax.wrap.rng import bound_data_axes
+from dpjax.wrap.checks import splits_nothing
+from dpjax.wrap.per_rank import DistributedState  # noqa: F401  (its home: the per-rank state it carries)
 
 OPS = ("mean", "sum", "adasum")
 
@@ -99,7 +99,7 @@ def DistributedOptimizer(inner: optax.GradientTransformation, axis_name="data", 
     buffer (and PowerSGD's Q) in `DistributedState.compression`: that part of the state
     differs between ranks, so it needs a per-rank layout outside the shard_map: a leading
     axis split over `axis_name`. `dpjax.shard_step` gives it one for an `nnx.Optimizer`
-    (`dpjax.per_rank`); in your own shard_map, return it that way.
+    (`dpjax.wrap.per_rank`); in your own shard_map, return it that way.
     """
     collectives.check_algorithm(algorithm)
     check_compression(compression)

@@ -28,7 +28,7 @@ DATA = "data"
 MODEL = "model"
 NODE = "node"
 STAGE = "stage"
-CONTEXT = "context"  # splits each sequence (dpjax.context): parameters replicated, the batch's rows not split
+CONTEXT = "context"  # splits each sequence (dpjax.compute.context): parameters replicated, the batch's rows not split
 EXPERT = "expert"  # a data axis that also splits a mixture of experts' experts (dpjax.models.moe)
 # axes that do not split the batch's rows (the model's, the sequence's); every other axis splits the batch
 NOT_DATA = (MODEL, STAGE, CONTEXT)

@@ -59,7 +59,7 @@ def _collectives():
 
 
 def _context_attentions():
-    from dpjax.context import CONTEXT_ATTENTIONS
+    from dpjax.compute.context import CONTEXT_ATTENTIONS
 
     return tuple(CONTEXT_ATTENTIONS)
 
@@ -124,7 +124,7 @@ class Settings:
     warmup_steps: int = OPTIM(0, "steps of linear learning-rate warmup")
     weight_decay: float = OPTIM(0.0, "AdamW's decoupled weight decay")
     clip_norm: float = OPTIM(1.0, "clip each worker's gradient to this global norm (0: off)")
-    # The compute policy (dpjax.policy) and what the planner may choose
+    # The compute policy (dpjax.compute.policy) and what the planner may choose
     dtype: str = COMPUTE("auto", "compute dtype of the layers (matmuls, activations, a pipeline's sends); auto: "
                               "bfloat16 on GPU and TPU, float32 on CPU. Layer-norm statistics, softmax, logits, the "
                               "loss, gradient accumulation and the optimizer stay float32 whatever this says",
@@ -222,17 +222,18 @@ class Settings:
     ckpt_every: int = SAVE(100, "steps between checkpoints")
     resume: bool = SAVE(False, "continue from the latest checkpoint in --ckpt-dir (or the newest commit in "
                                "--commit-dir), appending to --metrics; nothing there to resume is an error")
-    commit_dir: str | None = SAVE(None, "folder for per-step commits of the training state (dpjax.commit: each "
+    commit_dir: str | None = SAVE(None, "folder for per-step commits of the training state (dpjax.recovery.commit: "
+                                        "each "
                                         "process's shards on local storage plus a copy on the next host's process); "
                                         "under python -m dpjax.agent one is given by default (/dev/shm). A restarted "
                                         "job, or --resume, restores the newest step every shard committed")
     commit_every: int | str = SAVE("auto", "steps between commits (with --commit-dir or under dpjax.agent), or "
                                            "auto: the smallest interval whose measured cost stays within 5 percent "
-                                           "of the step time (dpjax.commit_every); a failure loses at most the "
+                                           "of the step time (dpjax.recovery.interval); a failure loses at most the "
                                            "interval plus the step in flight")
     progress: str = OUTPUT("auto", "progress display: a bar on a terminal, log lines otherwise",
                          choices=("auto", "bar", "log", "none"))
-    # Timeline and autotune (dpjax.timeline, dpjax.autotune)
+    # Timeline and autotune (dpjax.timeline, dpjax.train.autotune)
     timeline: str | None = TIMELINE(None, "write a Chrome trace / Perfetto timeline (a track per device: phases, every "
                                       "collective and ring step, every op) of --timeline-steps profiled steps to "
                                       "this file (.json or .json.gz); summarise it with python -m dpjax.timeline "

@@ -35,7 +35,7 @@ from jax.sharding import PartitionSpec as P
 from dpjax.errors import UserError
 from dpjax import pipeline as pp
 from dpjax.mesh import CONTEXT, EXPERT, MODEL, STAGE, as_axes, data_axes, is_spec, spec_axes
-from dpjax.tensor_parallel import NOT_FSDP, Parallel
+from dpjax.compute.tensor_parallel import NOT_FSDP, Parallel
 
 
 def leaf_name(path) -> str:

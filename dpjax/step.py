@@ -102,7 +102,7 @@ def build(loss_fn, plan: Plan, *, abstract_params, donate: bool = True, value_an
           clock=None, loss_and_stats=None) -> TrainStep:
     """The steps of `plan` (`dpjax.plan`: its layout, rule between the workers, exchange,
     passes and links) for `loss_fn(params, batch_BdxT1, par) -> scalar` (`par`: the
-    `dpjax.tensor_parallel.Parallel` the layout gives; a model's `loss`).
+    `dpjax.compute.tensor_parallel.Parallel` the layout gives; a model's `loss`).
 
     abstract_params: the parameters' shapes (ShapeDtypeStructs). The train batch is A x B
     (A = plan.passes micro-batches: A backward passes, one exchange). Collectives that
@@ -120,7 +120,7 @@ def build(loss_fn, plan: Plan, *, abstract_params, donate: bool = True, value_an
     layout, rule, exchange, passes, links = plan.layout, plan.rule, plan.exchange, plan.passes, plan.links
     mesh, axes = layout.mesh, data_axes(layout.mesh)
     assert as_axes(rule.axes) == tuple(layout.workers), (rule.axes, layout.workers)  # one plan made both
-    par = dataclasses.replace(layout.parallel(fsdp_wire=exchange.wire), policy=plan.policy)  # dpjax.policy
+    par = dataclasses.replace(layout.parallel(fsdp_wire=exchange.wire), policy=plan.policy)  # dpjax.compute.policy
     inner_mean = _inner_mean(layout, exchange)
     loss_axes = axes + layout.context_axes  # a context axis's devices each hold a share of every sequence's tokens
     # the "loss" the rule passes through is then (loss, stats); FSDP through random-k takes
@@ -347,16 +347,16 @@ def make_update_step(loss_fn, rule: UpdateRule, mesh, params, *, param_specs=Non
 def init_params(model, layout: Layout, key, policy=None, keep=None):
     """The model's parameters, created by a jitted init directly in their sharding: no
     device ever holds a whole sharded weight, and the values do not depend on the mesh
-    (jax's partitionable threefry). policy: a `dpjax.policy.Policy` whose param_dtype the
+    (jax's partitionable threefry). policy: a `dpjax.compute.policy.Policy` whose param_dtype the
     master weights take (default: as the model makes them, float32); keep: a
-    `dpjax.programs.Programs.keep` (the compiled init kept across restarts)."""
+    `dpjax.recovery.programs.Programs.keep` (the compiled init kept across restarts)."""
     store = (lambda p: p) if policy is None else policy.store
     init = jax.jit(lambda k: store(layout.store(model.init(k))), out_shardings=layout.shardings())
     return (init if keep is None else keep("init_params", init))(key)
 
 
 def kept(step: TrainStep, keep, tag: str = "") -> TrainStep:
-    """`step` with each program kept by `keep` (`dpjax.programs.Programs.keep`): a
+    """`step` with each program kept by `keep` (`dpjax.recovery.programs.Programs.keep`): a
     restarted process loads their executables instead of tracing and compiling them.
     tag: what tells this step's programs from another step's of the same run (an
     autotune's settings)."""

@@ -99,7 +99,7 @@ def check_pipeline(args, variants):
 
 def pipeline_flops(args, variants, info):
     """Each schedule's bubble from compiled FLOPs (one replica on a stage-only mesh)."""
-    from dpjax.pipeline import cost
+    from dpjax.plan import pipeline_cost as cost
 
     for v in variants.values():
         if "pipe" in v:
@@ -113,7 +113,8 @@ def memory_sweep(args, console) -> list:
     from dpjax.mesh import make_mesh, mesh_size
     from dpjax.models import get_model
     from dpjax.optim import OptimizerConfig
-    from dpjax.pipeline import SCHEDULES, Pipeline, cost
+    from dpjax.pipeline import SCHEDULES, Pipeline
+    from dpjax.plan import pipeline_cost as cost
 
     mesh = make_mesh(args.pipeline, pick_devices(mesh_size(args.pipeline)))
     model = get_model("gpt", seq_len=args.seq_len,

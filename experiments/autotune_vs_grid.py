@@ -52,7 +52,7 @@ def main(argv=None):
     _bench.simulate(mesh_size(args.mesh))
     import jax
 
-    from dpjax.autotune import Setting
+    from dpjax.train.autotune import Setting
     from dpjax.train import TrainConfig, Trainer
 
     load = [os.getloadavg()]

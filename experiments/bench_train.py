@@ -45,7 +45,7 @@ clipping) from the same initial parameters, whose losses must match the baseline
 then the AdamW steps are timed, interleaved as above. Per variant the compiled step's
 memory analysis (arguments: parameters, optimizer state and the batch; temporaries)
 and the papers' bubble; with `--flops` also the bubble measured from the compiled
-programs' FLOPs (`dpjax.pipeline.cost.measure_bubble`, ticks unrolled: slow to
+programs' FLOPs (`dpjax.plan.pipeline_cost.measure_bubble`, ticks unrolled: slow to
 compile). `--memory-sweep` instead tabulates each schedule's memory against M =
 `--microbatches` at a fixed micro-batch of `--microbatch-rows` sequences (no timing).
 

@@ -13,7 +13,7 @@ compile (XLA: optimising and code generation); their sum is what a run waits for
 its first step.
 
 "before" is `--layer-loop` (the stacked layers unrolled by a Python loop: the program
-holds L copies of the layer); "after" is the default (`dpjax.stack`: one `lax.scan`
+holds L copies of the layer); "after" is the default (`dpjax.compute.stack`: one `lax.scan`
 over the layer axis, the layer traced and compiled once). The model is the main job's
 GPT width (d_model 128, 8 heads, d_ff 512, seq 128, batch 32) at each depth, mesh 8x1
 on 8 simulated CPU devices; `--extra` adds other layouts at a few depths.

@@ -1,5 +1,5 @@
 """Long sequences over a context axis: per-device memory and tokens/s against the sequence
-length, with the sequence split over C = 1, 2, 4, 8 devices (`dpjax.context`).
+length, with the sequence split over C = 1, 2, 4, 8 devices (`dpjax.compute.context`).
 
 Each (T, C) is planned and built the way `python -m dpjax.train --mesh context=C` builds it
 (`dpjax.plan.resolve` -> `dpjax.step.for_plan`): the batch's sequences split into 2C chunks,

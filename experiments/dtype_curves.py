@@ -9,7 +9,7 @@ defaults (the GPT of d_model 128, 2 layers, seq 128, batch 32, AdamW 3e-3, 200 s
 mesh 8x1 on 8 simulated CPU devices), `--dtype float32` or `--dtype bfloat16`, the same
 seed and the same batches, its per-step metrics in a `--metrics` file. The master
 weights, the optimizer state, layer-norm statistics, softmax, logits and loss stay
-float32 whatever `--dtype` says (`dpjax.policy`): only the layers' matmuls and the
+float32 whatever `--dtype` says (`dpjax.compute.policy`): only the layers' matmuls and the
 residual stream change. Reported: the train and validation losses side by side, the
 final-loss difference in percent ((bf16 - f32) / f32), and the step times.
 

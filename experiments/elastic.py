@@ -214,7 +214,7 @@ def commit_cost(args, out_dir):
     their commit_s in the run (beside the steps), and, with nothing else running, a
     commit of the trained state against a plain numpy write of the same bytes into a
     new file in the same folder, alternated --writes times."""
-    from dpjax.commit import Committer
+    from dpjax.recovery.commit import Committer
     from dpjax.train.cli import parse_args
     from dpjax.train.elastic import Elastic
     from dpjax.train.loop import Trainer
@@ -298,7 +298,7 @@ def _fsdp_state(gb: float):
 
 def paths(args, out_dir):
     """The commit path beside its alternatives, on one state of --gb GB, the variants
-    alternated --writes times in one process: to save it, a commit (dpjax.commit: device
+    alternated --writes times in one process: to save it, a commit (dpjax.recovery.commit: device
     copy, then written by its thread), a plain numpy write of the same bytes to a new
     file, orbax's async save (what the step waits for, and until it is written); to get
     it back, dpjax's restore from the local file, the same bytes fetched from a live
@@ -308,9 +308,9 @@ def paths(args, out_dir):
     import numpy as np
     import orbax.checkpoint as ocp
 
-    from dpjax.commit import Committer
-    from dpjax.commit_file import read
-    from dpjax.commit_peer import LocalKV, Peers
+    from dpjax.recovery.commit import Committer
+    from dpjax.recovery.file_format import read
+    from dpjax.recovery.peer import LocalKV, Peers
 
     shm = "/dev/shm" if os.access("/dev/shm", os.W_OK) else out_dir
     root = tempfile.mkdtemp(prefix="dpjax-commit-paths-", dir=shm)

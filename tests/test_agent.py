@@ -3,7 +3,7 @@ DPJAX_FAULT's grammar, the mesh resized for the hosts that are left, the cause n
 
 import pytest
 
-from dpjax import fault
+from dpjax.recovery import fault
 from dpjax.agent.rendezvous import State
 from dpjax.agent.supervisor import cause
 from dpjax.errors import UserError

@@ -1,4 +1,4 @@
-"""dpjax.annotations: shard_step with a flax model's own annotations. A Linen model with
+"""dpjax.wrap.annotations: shard_step with a flax model's own annotations. A Linen model with
 logical axis rules (its attention split by heads over 'model') trains as on one device;
 flax's attention laid out explicitly is one line naming the parameter; a mesh without a
 model axis leaves the annotated layers whole, said once; a step naming an automatic axis
@@ -19,7 +19,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 import dpjax
-from dpjax.annotations import LayoutWarning
+from dpjax.wrap.annotations import LayoutWarning
 
 TOL = {"rtol": 2e-5, "atol": 2e-6}  # float32: sums over 4 data and 2 model ranks in another order
 RULES = [("batch", None), ("embed", None), ("heads", "model"), ("kv", None), ("mlp", "model")]

@@ -1,4 +1,4 @@
-"""Autotune (`dpjax.autotune`): the search on known step times, then `--fusion-mb auto` in a
+"""Autotune (`dpjax.train.autotune`): the search on known step times, then `--fusion-mb auto` in a
 real run: the choice is used from then on, written to the metrics and the checkpoint,
 and a resumed run keeps it. Plus `comm_bytes` and `--timeline` in the same run."""
 
@@ -11,7 +11,7 @@ import random
 import jax
 import pytest
 
-from dpjax.autotune import CAPS, Halving, Setting, Tuner, fusion_caps, halving_steps
+from dpjax.train.autotune import CAPS, Halving, Setting, Tuner, fusion_caps, halving_steps
 from dpjax.collectives.cost import schedule
 from dpjax.fusion import plan_buckets
 from dpjax.train import main
@@ -98,7 +98,7 @@ def _rows(path):
 
 
 def test_fusion_auto_is_used_recorded_and_kept_on_resume(tmp_path, capsys):
-    from dpjax.checkpoint import Checkpointer
+    from dpjax.recovery.checkpoint import Checkpointer
     from dpjax.models import get_model
 
     model = get_model("mlp", seq_len=8, d_embed=8, d_hidden=32, context=2)

@@ -125,7 +125,7 @@ def _diverging(corpus, ckpt, metrics, *extra):
 
 
 def _latest(ckpt):
-    from dpjax.checkpoint import Checkpointer
+    from dpjax.recovery.checkpoint import Checkpointer
 
     c = Checkpointer(str(ckpt))
     try:
@@ -202,7 +202,7 @@ def test_an_agent_restart_resumes_and_appends_its_first_start_is_fresh(corpus, t
     """Under dpjax.agent the command is the same at every attempt: its first start with
     --resume and nothing saved is a fresh start, and a restart (DPJAX_RESTART > 0) resumes
     from the checkpoints and appends to the metrics without --resume."""
-    from dpjax.agent.env import ENV
+    from dpjax.recovery.env import ENV
 
     ckpt, path = tmp_path / "ckpt", tmp_path / "m.jsonl"
     base = tiny_gpt(corpus, "--mesh", "1x1", "--ckpt-dir", str(ckpt), "--ckpt-every", "2", "--metrics", str(path))

@@ -1,4 +1,4 @@
-"""dpjax.commit: a commit restored on the same and on a smaller mesh is the committed
+"""dpjax.recovery.commit: a commit restored on the same and on a smaller mesh is the committed
 state bit for bit (against the numpy arrays it was made from); the newest step every
 rank committed is the one restored; commits are atomic and the last two are kept; a
 process whose own commit is lost restores from its neighbour's copy (two processes)."""
@@ -15,8 +15,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import dpjax
-from dpjax.commit import Committer
-from dpjax.commit_file import CommitError, decode
+from dpjax.recovery.commit import Committer
+from dpjax.recovery.file_format import CommitError, decode
 
 from conftest import read_losses
 
@@ -143,7 +143,7 @@ def test_a_commit_file_reuses_the_oldest_kept_files_pages(tmp_path):
     """Against the bytes each commit was made of: the third commit is written into the
     first's file (same inode: its tmpfs pages overwritten, not allocated again), the
     last two kept, no temporary file left; a shorter commit is cut to its size."""
-    from dpjax.commit import write_file
+    from dpjax.recovery.commit import write_file
 
     blobs = [bytes([i]) * (1000 - 100 * i) for i in range(4)]
     inodes = []
@@ -159,15 +159,15 @@ def test_the_commits_channel_moves_files_bit_for_bit(tmp_path):
     """Two processes' servers in one: a put lands as the sender's file in the receiver's
     peer folder, a get returns a file under the root, both the bytes sent; a path out
     of the root and a process that never published an address are refused."""
-    from dpjax.commit_peer import PeerError, Peers, TIMEOUT_S
+    from dpjax.recovery.peer import PeerError, Peers, TIMEOUT_S
 
-    from dpjax.commit_peer import LocalKV
+    from dpjax.recovery.peer import LocalKV
 
     client, got = LocalKV(), {}
 
     def store(rank):
         def _store(sender, name, size, sock):
-            from dpjax.commit_peer import recv_into_file
+            from dpjax.recovery.peer import recv_into_file
 
             with open(tmp_path / f"at{rank}-from{sender}-{name}", "wb") as fh:
                 recv_into_file(sock, fh, size, bytearray(4096))  # a buffer smaller than the file
@@ -183,7 +183,7 @@ def test_the_commits_channel_moves_files_bit_for_bit(tmp_path):
     assert bytes(b.get(0, "c.bin")) == blob
     with pytest.raises(PeerError, match="not under the commit root"):
         b.get(0, "../etc/passwd")
-    import dpjax.commit_peer as cp
+    import dpjax.recovery.peer as cp
 
     old, cp.TIMEOUT_S = TIMEOUT_S, 0.2
     try:
@@ -232,7 +232,7 @@ def test_dpjax_train_commits_at_the_interval_auto_chose_and_says_so(corpus, tmp_
     args = tiny_gpt(corpus, "--mesh", "4x2", "--commit-dir", str(root), "--metrics", str(path))
     assert main([*args, "--steps", "40"]) == 0
     out = capsys.readouterr().out
-    assert out.count("dpjax.commit: committing every") == 1
+    assert out.count("dpjax.recovery.commit: committing every") == 1
     rows = _rows(path)
     assert rows[0]["record"]["commit"]["every"] == "auto"
     (chosen,) = [r["commit_every"] for r in rows if isinstance(r.get("commit_every"), dict)]
@@ -283,8 +283,8 @@ def test_pieces_from_several_files_are_placed_on_any_layout(tmp_path):
     """Three old ranks' files whose pieces cut the arrays unlike the target's blocks (and
     the third fetched from a "remote" holder) are placed bit for bit, every device's block
     cut from the pieces that overlap it."""
-    from dpjax.commit_file import header
-    from dpjax.commit_place import LocalFile, RemoteFile, place
+    from dpjax.recovery.file_format import header
+    from dpjax.recovery.place import LocalFile, RemoteFile, place
 
     arrays = _arrays(3)
     boxes = {  # old rank -> {leaf: global index of its piece}

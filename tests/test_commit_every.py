@@ -1,4 +1,4 @@
-"""dpjax.commit_every (--commit-every auto) on a simulated loop whose step and commit costs
+"""dpjax.recovery.interval (--commit-every auto) on a simulated loop whose step and commit costs
 are known: the interval chosen is the one worked out by hand from those costs (the
 smallest whose cost is within 5% of the step; never before the previous commit is
 written; a commit's own seconds bound its cost), it follows the step when the step
@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from dpjax.commit_every import AutoInterval
+from dpjax.recovery.interval import AutoInterval
 
 
 def simulate(auto, steps, step_s, cost_s, commit_s, lasts=3):

@@ -133,7 +133,7 @@ def test_training_equals_an_unsharded_reference(mesh_of):
     from dpjax import step as S
     from dpjax.plan import Exchange, for_layout
     from dpjax.sharding import layout_from_specs
-    from dpjax.tensor_parallel import DENSE
+    from dpjax.compute.tensor_parallel import DENSE
 
     mesh = mesh_of(f"data={N}", N)
     B, D, K, lr, spec = 8, 8, 12, 0.3, "randk:0.25"
@@ -217,7 +217,7 @@ def test_the_methods_that_are_not_linear_are_refused_with_their_reason(name):
 def test_the_error_buffer_is_counted_where_it_lives():
     """Under FSDP through random-k each device keeps its full local gradient: n times
     its parameter shards (all split here), in the memory estimate and in describe()."""
-    from dpjax import memory
+    from dpjax.plan import memory
 
     plan = _plan(mesh="8x1", fsdp=True, compression="randk:0.1")
     need = memory.estimate(plan.model, plan.layout, plan.global_batch, plan.exchange.compression)

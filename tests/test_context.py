@@ -1,4 +1,4 @@
-"""The context axis (`dpjax.context`): ring and all-gather attention against the plain
+"""The context axis (`dpjax.compute.context`): ring and all-gather attention against the plain
 causal attention (outputs and gradients, every block layout, grouped-query K/V heads), a
 GPT and a Llama step on meshes with a context axis against plain JAX on one device (with
 data, tensor-parallel and FSDP axes),
@@ -12,9 +12,9 @@ import optax
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from dpjax import context
+from dpjax.compute import context
 from dpjax import step as S
-from dpjax.attention import naive
+from dpjax.compute.attention import naive
 from dpjax.collectives.cost import hlo_comm
 from dpjax.mesh import data_axes
 from dpjax.models import get_model

@@ -28,8 +28,8 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 import dpjax
-from dpjax.tensor_parallel import copy_to_model, reduce_from_model
-from dpjax.wrapper_checks import SingleDeviceWarning
+from dpjax.compute.tensor_parallel import copy_to_model, reduce_from_model
+from dpjax.wrap.checks import SingleDeviceWarning
 
 TOL = dict(rtol=2e-5, atol=2e-6)  # float32: the sharded sums add partial products in another order
 init = nnx.initializers.lecun_normal()

@@ -1,7 +1,12 @@
-"""The package's import graph against DESIGN.md's layer order (shared/DESIGN.md,
-"Dependencies point one way"): every `import` of a dpjax module, function-local ones
-included, read from the source (no module is imported), must point to a lower layer or
-stay inside its own unit, and no chain of imports may come back to where it started.
+"""The package's import graph against DESIGN.md's layer order ("Dependencies point one way,
+package by package"): every `import` of a dpjax module, function-local ones included, read
+from the source (no module is imported), must point to a lower layer or stay inside its own
+unit, and no chain of imports may come back to where it started.
+
+The units are the rooms DESIGN.md's layout draws: dpjax's packages (`dpjax.compute`,
+`dpjax.wrap`, `dpjax.recovery`, ...) and the modules at its root, never a single file inside
+a package. Drawn by unit the graph has no circle and no import back up, and the root holds at
+most MAX_ROOT_MODULES modules; `python tests/test_imports.py` prints these figures.
 
 A function-local import hides a circle from Python, not from this test: the import runs
 later, but the modules still depend on each other both ways.
@@ -14,32 +19,27 @@ import pathlib
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
-# Lowest first. A module belongs to the longest entry its name starts with (a package's
-# modules to the package, unless one of them has an entry of its own); a module may import
+# Lowest first: dpjax's packages and root modules, no file inside a package. A module belongs
+# to the unit its name starts with (a package's modules to the package); a module may import
 # its own unit or a lower layer's, never a higher one, nor one of its own layer.
 LAYERS = [
-    ["dpjax.errors", "dpjax.interrupt", "dpjax.registry", "dpjax.fusion", "dpjax.hlo", "dpjax.scopes", "dpjax.policy",
-     "dpjax.commit_every", "dpjax.commit_peer", "dpjax.agent.env", "dpjax.programs"],
-    ["dpjax.mesh", "dpjax.links", "dpjax.distributed", "dpjax.data", "dpjax.tokenizer", "dpjax.replicas",
-     "dpjax.attention",
-     "dpjax.wrapper_checks", "dpjax.commit_file"],
-    ["dpjax.rng", "dpjax.per_rank", "dpjax.collectives", "dpjax.annotations"],
-    ["dpjax.wrapper", "dpjax.compression", "dpjax.tensor_parallel", "dpjax.timeline", "dpjax.autotune",
-     "dpjax.prepare", "dpjax.fault"],
-    ["dpjax.data_parallel", "dpjax.stack", "dpjax.context", "dpjax.memory", "dpjax.checkpoint", "dpjax.nn"],
-    ["dpjax.pipeline", "dpjax.models", "dpjax.horovod", "dpjax.commit_place"],  # commit_place: checkpoint's check
-    ["dpjax.sharding", "dpjax.commit"],  # sharding beside the pipeline in DESIGN.md: it lays the stages out
-    ["dpjax.sharding_rules", "dpjax.optim", "dpjax.updates", "dpjax.pipeline.cost",  # cost compiles a layout
+    ["dpjax.errors", "dpjax.interrupt", "dpjax.registry", "dpjax.fusion", "dpjax.hlo", "dpjax.scopes"],
+    ["dpjax.mesh", "dpjax.links", "dpjax.distributed", "dpjax.data"],
+    ["dpjax.collectives", "dpjax.wrap"],  # wrap: shard_step's room, on mesh and errors alone
+    ["dpjax.compression", "dpjax.compute", "dpjax.timeline"],
+    ["dpjax.data_parallel", "dpjax.models", "dpjax.nn", "dpjax.pipeline", "dpjax.recovery"],
+    ["dpjax.sharding", "dpjax.horovod"],  # sharding beside the pipeline in DESIGN.md: it lays the stages out
+    ["dpjax.sharding_rules", "dpjax.optim", "dpjax.updates",
      "dpjax.hf"],  # HuggingFace import / export: a model, its layout, a checkpoint
-    ["dpjax.generate"],  # sampling from a model: weights from dpjax.hf, the train job's end-of-run sample
-    ["dpjax.settings"],  # every setting's choices come from the registries below
-    ["dpjax.plan"],
+    ["dpjax.generate", "dpjax.settings"],  # generate: weights from dpjax.hf; settings: the registries' choices
+    ["dpjax.plan"],  # and the pipeline's cost model (plan.pipeline_cost compiles a layout)
     ["dpjax.step"],
     ["dpjax.train"],
     ["dpjax.agent"],  # the agent reads a train command's flags (dpjax.train.cli)
     ["dpjax.launch"],  # a plain launch, or the agent's
     ["dpjax"],  # the public face
 ]
+MAX_ROOT_MODULES = 15  # issue #39: a newcomer finds the rooms; the root keeps what every room uses
 LAYER = {unit: i for i, units in enumerate(LAYERS) for unit in units}
 
 
@@ -128,6 +128,45 @@ def upward(edges: dict[str, set[str]]) -> list[str]:
                   if unit(a) != unit(b) and LAYER[unit(b)] >= LAYER[unit(a)])
 
 
+def unit_graph(edges: dict[str, set[str]]) -> dict[str, set[str]]:
+    """The graph drawn by unit: an edge from one package (or root module) to another for
+    every import between their modules."""
+    out = {unit(m): set() for m in edges}
+    for a, bs in edges.items():
+        for b in bs:
+            if unit(a) != unit(b):
+                out[unit(a)].add(unit(b))
+    return out
+
+
+def root_modules(files=None) -> list[str]:
+    files = module_files() if files is None else files
+    return sorted(m for m, p in files.items() if m.count(".") == 1 and p.name != "__init__.py")
+
+
+def figures() -> dict[str, int]:
+    """The figures issue #39 asks for: modules at the root (besides __init__.py), packages,
+    and, drawn by unit, the circles and the imports back up (unit edges against LAYERS)."""
+    files = module_files()
+    edges = unit_graph(graph(files))
+    return {"root modules": len(root_modules(files)),
+            "packages": sum(1 for m, p in files.items() if m.count(".") == 1 and p.name == "__init__.py"),
+            "circles by package": len(cycles(edges)),
+            "imports back up by package": sum(1 for a, bs in edges.items() for b in bs if LAYER[b] >= LAYER[a])}
+
+
+def test_the_root_keeps_few_modules_and_the_rooms_draw_a_clean_graph():
+    found = figures()
+    assert found["root modules"] <= MAX_ROOT_MODULES, (root_modules(), "move some into their rooms")
+    assert found["circles by package"] == 0 and found["imports back up by package"] == 0, found
+
+
+def test_layers_list_packages_and_root_modules_only():
+    files = module_files()
+    units = {m for m in files if m.count(".") <= 1}
+    assert set(LAYER) <= units, sorted(set(LAYER) - units)
+
+
 def test_every_module_has_a_layer():
     missing = []
     for m in module_files():
@@ -167,14 +206,19 @@ def test_the_walk_sees_function_local_imports_and_circles(tmp_path):
 
 def test_the_layers_keep_design_md_chains():
     """DESIGN.md's chains, in its order: mesh <- collectives <- compression <- data_parallel
-    <- updates <- step <- train; mesh <- tensor_parallel <- stack <- models;
-    tensor_parallel <- sharding <- step; plan above sharding / updates / links, below step."""
+    <- updates <- step <- train; mesh <- compute <- models; compute <- sharding <- step;
+    plan above sharding / updates / links, below step; recovery below train."""
     chains = [["dpjax.mesh", "dpjax.collectives", "dpjax.compression", "dpjax.data_parallel", "dpjax.updates",
                "dpjax.step", "dpjax.train"],
-              ["dpjax.mesh", "dpjax.tensor_parallel", "dpjax.stack", "dpjax.models"],
-              ["dpjax.tensor_parallel", "dpjax.sharding", "dpjax.step"],
+              ["dpjax.mesh", "dpjax.compute", "dpjax.models"],
+              ["dpjax.compute", "dpjax.sharding", "dpjax.step"],
               ["dpjax.sharding", "dpjax.plan", "dpjax.step"], ["dpjax.updates", "dpjax.plan"],
-              ["dpjax.links", "dpjax.collectives"], ["dpjax.links", "dpjax.plan"]]
+              ["dpjax.links", "dpjax.collectives"], ["dpjax.links", "dpjax.plan"], ["dpjax.recovery", "dpjax.train"]]
     for chain in chains:
         layers = [LAYER[u] for u in chain]
         assert layers == sorted(layers) and len(set(layers)) == len(layers), chain
+
+
+if __name__ == "__main__":
+    for name, value in figures().items():
+        print(f"{name}: {value}")

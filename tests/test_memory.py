@@ -1,4 +1,4 @@
-"""The planner's memory estimate (dpjax.memory.estimate) against what XLA's buffer
+"""The planner's memory estimate (dpjax.plan.memory.estimate) against what XLA's buffer
 assignment gives the compiled train step (`memory_analysis()`: arguments + outputs +
 temporaries - donated aliases, per device), for each remat policy and layout; and
 `--dry-run` / `--device-memory`, which print the plan and its estimate without
@@ -8,7 +8,8 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from dpjax import memory, step as S
+from dpjax import step as S
+from dpjax.plan import memory
 from dpjax.mesh import data_axes
 from dpjax.plan import UsageError, resolve
 from dpjax.settings import Settings

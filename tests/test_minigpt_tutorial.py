@@ -17,7 +17,7 @@ from jax.sharding import PartitionSpec as P
 from test_flax_examples import changed_lines, load
 
 import dpjax
-from dpjax.annotations import LayoutWarning
+from dpjax.wrap.annotations import LayoutWarning
 
 TOL = dict(rtol=2e-5, atol=2e-6)  # float32: the global batch's sums are added in another order
 STEPS = 2

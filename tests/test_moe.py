@@ -10,7 +10,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from dpjax.models import moe
-from dpjax.tensor_parallel import NOT_FSDP
+from dpjax.compute.tensor_parallel import NOT_FSDP
 
 N, D, F, E, K = 16, 8, 12, 8, 2  # tokens per device, width, expert width, experts, top-k
 

@@ -1,5 +1,5 @@
 """DistributedOptimizer with error feedback in a flax NNX loop under dpjax.shard_step
-(dpjax.per_rank): each rank's error buffer gets a slot of its own, and two steps equal a
+(dpjax.wrap.per_rank): each rank's error buffer gets a slot of its own, and two steps equal a
 numpy simulation of the int8 ring hop by hop."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from jax.sharding import PartitionSpec as P
 
 import dpjax
 from dpjax.compression import quantise
-from dpjax.replicas import ReplicationError
+from dpjax.wrap.replicas import ReplicationError
 
 from test_compression_feedback import _np_ring
 

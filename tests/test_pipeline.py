@@ -26,7 +26,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from dpjax.models import get_model
-from dpjax.pipeline import SCHEDULES, Pipeline, bubble_formula, cost, timetable
+from dpjax.pipeline import SCHEDULES, Pipeline, bubble_formula, timetable
+from dpjax.plan import pipeline_cost as cost
 from dpjax.sharding import make_layout
 from dpjax.train import main
 
@@ -140,7 +141,7 @@ def test_checkpoint_resumes_on_another_stage_count(mesh_of, tmp_path):
     onto stage=2,data=2,model=2 (1F1B) for 5 more: the losses of 10 uninterrupted steps on
     one device (the two programs are the equality test's); the restored parameters'
     evaluation (the forward-only pipeline) is the loss of step 5."""
-    from dpjax.checkpoint import Checkpointer
+    from dpjax.recovery.checkpoint import Checkpointer
 
     batches, ckpt = train_batches(), str(tmp_path / "ckpt")
     mesh = mesh_of("stage=4,data=2", 8)

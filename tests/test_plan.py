@@ -9,7 +9,7 @@ import optax
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from dpjax import memory
+from dpjax.plan import memory
 from dpjax import step as S
 from dpjax.mesh import data_axes
 from dpjax.models import get_model

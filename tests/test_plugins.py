@@ -24,7 +24,7 @@ from dpjax.compression.accounting import compressed_bytes
 from dpjax.models import MLP, MLPConfig, registry as models
 from dpjax.pipeline import gpipe
 from dpjax.plan import resolve
-from dpjax.tensor_parallel import DENSE
+from dpjax.compute.tensor_parallel import DENSE
 from dpjax.train.cli import ArgumentError, build_parser, parse_args
 from dpjax.updates import registry as rules
 

@@ -1,11 +1,11 @@
-"""The compute policy (dpjax.policy) on every layout: scan equals the Python loop and
+"""The compute policy (dpjax.compute.policy) on every layout: scan equals the Python loop and
 remat equals no remat bit for bit in float32; XLA's attention kernel equals the naive
 one; bfloat16 compute trains within a few percent of float32; parameters and the
 optimizer state stay float32 whatever the compute dtype.
 
 The reference for scan and remat is the same run with the layers as a Python loop and
 nothing recomputed (what dpjax did before the stack runner); for the kernels, the naive
-T x T attention written out in `dpjax.attention.naive`; for bfloat16, the float32 run."""
+T x T attention written out in `dpjax.compute.attention.naive`; for bfloat16, the float32 run."""
 
 import functools
 import math
@@ -15,13 +15,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dpjax import attention, step as S
+from dpjax import step as S
+from dpjax.compute import attention
 from dpjax.mesh import data_axes
 from dpjax.models import get_model
 from dpjax.plan import resolve
-from dpjax.policy import Policy
+from dpjax.compute.policy import Policy
 from dpjax.settings import Settings
-from dpjax.tensor_parallel import Parallel
+from dpjax.compute.tensor_parallel import Parallel
 
 GPT = dict(d_model=32, n_layers=4, n_heads=4, d_ff=64)
 # The fast set runs the two cheapest layouts; the FSDP, pipeline and workers layouts are

@@ -1,4 +1,4 @@
-"""dpjax.programs: a kept program is loaded, not compiled, by the next Programs of the
+"""dpjax.recovery.programs: a kept program is loaded, not compiled, by the next Programs of the
 same run (what a restarted process does), and computes what jit computes (checked
 against numpy); another run's key, another signature or a device subset each get their
 own executable; a program JAX served from its persistent cache is never kept (its
@@ -10,7 +10,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from dpjax.programs import Programs
+from dpjax.recovery.programs import Programs
 
 
 def _inputs(mesh):

@@ -17,7 +17,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import dpjax
-from dpjax.replicas import ReplicationError
+from dpjax.wrap.replicas import ReplicationError
 
 
 def test_dpjax_nn_after_import_dpjax_without_flax():
@@ -34,7 +34,7 @@ class MLP(nnx.Module):
     w2's partial products over `model` (its bias added after it, once). `psum`: how that
     sum is written; None leaves it out."""
 
-    def __init__(self, rngs, psum=dpjax.tensor_parallel.reduce_from_model):
+    def __init__(self, rngs, psum=dpjax.compute.tensor_parallel.reduce_from_model):
         init = nnx.initializers.lecun_normal()
         self.w1 = nnx.Linear(6, 16, kernel_init=nnx.with_partitioning(init, (None, "model")),
                              bias_init=nnx.with_partitioning(nnx.initializers.zeros_init(), ("model",)), rngs=rngs)
@@ -44,7 +44,7 @@ class MLP(nnx.Module):
         self.psum = psum
 
     def __call__(self, x):
-        y = self.w2(nnx.relu(self.w1(dpjax.tensor_parallel.copy_to_model(x))))
+        y = self.w2(nnx.relu(self.w1(dpjax.compute.tensor_parallel.copy_to_model(x))))
         if self.psum is not None:
             y = self.psum(y, "model")  # dpjax: the row-parallel sum
         return y + self.b2
@@ -62,12 +62,12 @@ def loss_fn(model, x, y):
 
 @pytest.mark.parametrize("psum", ["reduce_from_model", "lax.psum"])
 def test_flax_layers_with_annotations_and_one_sum_equal_one_device(psum):
-    """dpjax.tensor_parallel.reduce_from_model (Megatron's g: a sum forward, the identity
+    """dpjax.compute.tensor_parallel.reduce_from_model (Megatron's g: a sum forward, the identity
     backward) trains exactly like the dense model with SGD; a bare jax.lax.psum does not:
     under shard_step (an unchecked shard_map) its backward sums the gradient over
     `model` too, so every gradient before it is n times too large."""
     mesh = dpjax.make_mesh("4x2")
-    reduce = dpjax.tensor_parallel.reduce_from_model if psum == "reduce_from_model" else jax.lax.psum
+    reduce = dpjax.compute.tensor_parallel.reduce_from_model if psum == "reduce_from_model" else jax.lax.psum
 
     @dpjax.shard_step(mesh, batch_argnums=(2, 3), model_axes="explicit")  # the decorator form, with a mesh
     def step(model, optimizer, x, y):
@@ -165,9 +165,9 @@ def test_without_the_psum_the_check_names_model_and_the_cause():
     assert msg.startswith("<lambda>: output () is declared replicated over data, model but its copies differ: 4 of 8")
     assert msg.endswith("the copies differ along 'model': a value computed from a weight split over 'model' was used "
                         "as if whole (usually a plain matmul, x @ w, against a split w); sum the partial results with "
-                        "dpjax.tensor_parallel.reduce_from_model(x) (a psum whose gradient is right here) and pass the "
-                        "layer's input through dpjax.tensor_parallel.copy_to_model, or use dpjax.nn's parallel "
-                        "layers, which do both")
+                        "dpjax.compute.tensor_parallel.reduce_from_model(x) (a psum whose gradient is right here) and "
+                        "pass the layer's input through dpjax.compute.tensor_parallel.copy_to_model, or use dpjax.nn's "
+                        "parallel layers, which do both")
 
 
 def test_copies_that_differ_along_node_are_told_node():

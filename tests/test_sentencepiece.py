@@ -1,4 +1,4 @@
-"""SentencePiece models (*.model) wherever dpjax takes a tokenizer: python -m dpjax.prepare
+"""SentencePiece models (*.model) wherever dpjax takes a tokenizer: python -m dpjax.data.prepare
 against the `sentencepiece` package's own encode (and its decode giving the text back),
 a folder's tokenizer.model, generation's prompt, a training run on the token file, and
 the one-line error. The model is trained here, in well under a second, on a few KB."""
@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import sentencepiece as spm
 
-from dpjax.prepare import main as prepare
-from dpjax.tokenizer import for_model, load
+from dpjax.data.prepare import main as prepare
+from dpjax.data.tokenizer import for_model, load
 
 LLAMA = os.path.join(os.path.dirname(__file__), "fixtures", "llama_tiny")
 TEXTS = ["".join(f"line {i}: the quick brown fox jumps over the lazy dog, {i * i} times\n" for i in range(150)),

@@ -1,5 +1,5 @@
 """dpjax.shard_step's promises. Loud instead of silent: values declared replicated are
-checked (dpjax.replicas), by shard_step on its first calls and on every call under
+checked (dpjax.wrap.replicas), by shard_step on its first calls and on every call under
 DPJAX_CHECK=1, and by `python -m dpjax.train` under DPJAX_CHECK=1.
 
 The check is first given arrays whose per-device buffers are built by hand (what a
@@ -20,7 +20,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import dpjax
-from dpjax.replicas import ReplicaCheck, ReplicationError
+from dpjax.wrap.replicas import ReplicaCheck, ReplicationError
 
 HOST, DEVICE = 1 << 30, 0  # ReplicaCheck(host_bytes): compare on the host, or hash on the devices
 

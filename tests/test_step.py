@@ -32,9 +32,9 @@ from dpjax import step as S
 from dpjax.mesh import data_axes
 from dpjax.models import get_model
 from dpjax.plan import resolve
-from dpjax.policy import Policy
+from dpjax.compute.policy import Policy
 from dpjax.settings import Settings
-from dpjax.tensor_parallel import Parallel
+from dpjax.compute.tensor_parallel import Parallel
 
 MODEL = get_model("mlp", seq_len=8, context=2, d_embed=8, d_hidden=16)
 B, STEPS, LR, MOMENTUM, SEED = 16, 4, 0.1, 0.9, 5

@@ -18,11 +18,11 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from dpjax import step as S
-from dpjax import tensor_parallel as tp
+from dpjax.compute import tensor_parallel as tp
 from dpjax.models import get_model
 from dpjax.models.gpt import causal_attention
 from dpjax.sharding import make_layout, sq_norm, state_specs
-from dpjax.tensor_parallel import Parallel
+from dpjax.compute.tensor_parallel import Parallel
 
 SIZES = [1, 2, 4, 8]
 B, T, D, F, H, K, V = 2, 4, 8, 16, 8, 3, 32

@@ -1,4 +1,4 @@
-"""Real tokenizers: python -m dpjax.prepare --tokenizer against HuggingFace `tokenizers`'
+"""Real tokenizers: python -m dpjax.data.prepare --tokenizer against HuggingFace `tokenizers`'
 own encoding, a BPE trained here (lossless: its ids decode to the text), the training
 data tokenized on the fly, and the one-line errors."""
 
@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from dpjax.data import make_streams
-from dpjax.prepare import main as prepare
-from dpjax.tokenizer import load
+from dpjax.data.prepare import main as prepare
+from dpjax.data.tokenizer import load
 
 FIXTURE = os.path.join(os.path.dirname(__file__), "fixtures", "llama_tiny", "tokenizer.json")
 TEXT = "".join(f"line {i}: the quick brown fox jumps over the lazy dog, {i * i} times\n" for i in range(300))

@@ -1,5 +1,5 @@
 """Token files (`--data X.bin --vocab-size N`, uint16 / uint32, memory-mapped; written by
-`python -m dpjax.prepare` with the byte tokenizer) and per-process batches: the same
+`python -m dpjax.data.prepare` with the byte tokenizer) and per-process batches: the same
 batches as the text they came from, each process reading only its rows (counted), the
 library's `shard_batch(..., process_local=True)`, and 2 processes against 1."""
 
@@ -29,7 +29,7 @@ def tiny(data, *extra):
 def tokens(corpus, tmp_path_factory):
     """The corpus as a uint16 token file, written by the prepare script's command line."""
     out = tmp_path_factory.mktemp("tok") / "corpus.bin"
-    r = subprocess.run([sys.executable, "-m", "dpjax.prepare", corpus, str(out)], capture_output=True, text=True)
+    r = subprocess.run([sys.executable, "-m", "dpjax.data.prepare", corpus, str(out)], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith(f"{out}: 300,000 tokens (uint16)")
     return str(out)

@@ -220,8 +220,8 @@ def test_a_fresh_run_replaces_saved_state_only_with_overwrite(corpus, tmp_path, 
     """--commit-dir follows --ckpt-dir's rule: a fresh run into a folder holding another
     run's commits is refused in one line and removes nothing; --overwrite replaces them (a
     later --resume continues the new run, not the old one's newer step); --resume continues."""
-    from dpjax.checkpoint import Checkpointer
-    from dpjax.commit import inventory
+    from dpjax.recovery.checkpoint import Checkpointer
+    from dpjax.recovery.commit import inventory
 
     root, ckpt = tmp_path / "commits", tmp_path / "ckpt"
     base = tiny(corpus, "--mesh", "1x1", "--commit-every", "1")

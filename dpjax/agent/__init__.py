@@ -11,7 +11,7 @@ MAX), and each starts its host's K processes with the job's `jax.distributed` se
 older than --hang-timeout, a host whose agent falls silent) every agent stops its
 processes and the job starts again at the size that is left, or at the same size when
 the failed host can start again; the training loop restores the newest step every
-process committed (`dpjax.commit`), so at most about one step of work is lost. More
+process committed (`dpjax.recovery.commit`), so at most about one step of work is lost. More
 failures than --max-restarts end the job with one line and a non-zero exit.
 
 Files: `rendezvous.py` (membership, rounds), `workers.py` (this host's processes:

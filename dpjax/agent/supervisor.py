@@ -14,7 +14,7 @@ import time
 from dpjax import distributed
 from dpjax.agent import rendezvous as rdzv
 from dpjax.agent import sizes
-from dpjax.agent.env import ENV
+from dpjax.recovery.env import ENV
 from dpjax.agent.workers import Workers
 from dpjax.distributed.output import log_dir
 
@@ -81,7 +81,7 @@ class Agent:
                     "PYTHONUNBUFFERED": "1", ENV["restart"]: str(view["round"] - 1), ENV["host"]: self.host,
                     ENV["per_host"]: str(view["nproc"]), ENV["commit_dir"]: a.commit_dir,
                     ENV["agent_pid"]: str(os.getpid())})
-        # a restarted command skips compiling (dpjax.train keeps its own programs: dpjax.programs)
+        # a restarted command skips compiling (dpjax.train keeps its own programs: dpjax.recovery.programs)
         env.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(a.commit_dir, "jit-cache"))
         # The agent stops every process on any failure, so jax.distributed's own heartbeat
         # need not: it must outlast --hang-timeout, or the coordination service aborts the

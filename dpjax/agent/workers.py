@@ -21,7 +21,7 @@ import threading
 import time
 
 from dpjax import distributed
-from dpjax.agent.env import ENV
+from dpjax.recovery.env import ENV
 from dpjax.distributed.output import RankOutput
 
 PR_SET_PDEATHSIG = 1

@@ -1,12 +1,12 @@
 """FSDP's reduce-scatter through a linear compression with error feedback (random-k).
 
-Under FSDP (ZeRO-3, `dpjax.tensor_parallel.gather_param`) a device all-gathers each
+Under FSDP (ZeRO-3, `dpjax.compute.tensor_parallel.gather_param`) a device all-gathers each
 parameter just before use and reduce-scatters its gradient, exact, in the backward pass.
 Error feedback (Seide et al. 2014; Karimireddy et al., ICML 2019) adds an error buffer to
 what is compressed, and what is compressed here is each device's *local, full-size*
 gradient before the reduction: so the buffer is full-size too, per device -- n times a
 parameter shard over n data ranks, the memory FSDP saves on the parameters spent again
-(`dpjax.memory.estimate` counts it). The step therefore reduces nothing in the backward
+(`dpjax.plan.memory.estimate` counts it). The step therefore reduces nothing in the backward
 pass: it differentiates with respect to zero "probes" shaped like the gathered
 parameters (`local_value_and_grad`; the gather's backward hands each probe the full
 cotangent), accumulates its micro-batches, and then, once per step:

@@ -35,7 +35,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from dpjax import per_rank
+from dpjax.wrap import per_rank
 from dpjax.compression import powersgd
 from dpjax.mesh import axis_arg
 

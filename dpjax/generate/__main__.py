@@ -38,7 +38,7 @@ def run(args) -> dict:
     from dpjax.hf import model_of, params_of
     from dpjax.hf.source import default_mesh
     from dpjax.sharding import make_layout
-    from dpjax.tokenizer import for_model
+    from dpjax.data.tokenizer import for_model
 
     if args.max_new_tokens < 1 or args.temperature < 0 or not 0 < args.top_p <= 1:
         raise UserError("--max-new-tokens must be at least 1, --temperature at least 0, --top-p in (0, 1]")

@@ -90,7 +90,7 @@ def _hub_shape(key, shape, c) -> tuple:
 def save_checkpoint(folder: str, params, model, hub_config: dict | None, dtype: str) -> None:
     """A dpjax checkpoint of imported parameters (step 0, parameters only), its record
     naming the model (what --init-from and export rebuild it from) and the Hub config."""
-    from dpjax.checkpoint import Checkpointer
+    from dpjax.recovery.checkpoint import Checkpointer
 
     ckpt = Checkpointer(folder)
     ckpt.save(0, {"params": params}, {"model": model.describe(), "step": 0,

@@ -45,7 +45,7 @@ def default_mesh(model, spec: str | None = None):
 
 
 def read_record(folder: str) -> dict:
-    from dpjax.checkpoint import Checkpointer
+    from dpjax.recovery.checkpoint import Checkpointer
 
     if not os.path.isdir(folder):
         raise HFError(f"{folder}: no such checkpoint folder (a HuggingFace folder is given as hf:{folder})")
@@ -58,7 +58,7 @@ def params_of(source: str, model, layout, record: dict | None = None):
         return load_params(source[len(HF_PREFIX):], model, layout)
     import orbax.checkpoint as ocp
 
-    from dpjax.checkpoint import CheckpointError, Checkpointer
+    from dpjax.recovery.checkpoint import CheckpointError, Checkpointer
 
     ckpt = Checkpointer(source)
     step = ckpt.latest_step()

@@ -10,7 +10,7 @@ from dpjax.collectives._common import axis_size
 from dpjax.horovod.collectives import Adasum, Average
 from dpjax.horovod.compression import Compression
 from dpjax.horovod.ranks import global_process_set, set_groups, world_axis
-from dpjax.wrapper_checks import splits_nothing
+from dpjax.wrap.checks import splits_nothing
 
 
 def DistributedOptimizer(optimizer, named_parameters=None, compression=Compression.none,

@@ -2,7 +2,7 @@
 
 A model is a small object with `config`, `init(key) -> params`, `loss(params, batch,
 par=DENSE)` (`batch`: int32 tokens of shape (B, T+1); the loss predicts tokens[:, 1:]
-from tokens[:, :-1]; `par`, a `dpjax.tensor_parallel.Parallel`, names the model axis
+from tokens[:, :-1]; `par`, a `dpjax.compute.tensor_parallel.Parallel`, names the model axis
 inside a sharded step), `SPECS` (its one sharding table: leaf name -> PartitionSpec over
 `model`) and `flops_per_token()` (`registry.Model`). Each model registers itself at the
 end of its file (`registry.py`).

@@ -20,12 +20,13 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from dpjax import attention, collectives, context, stack
-from dpjax import tensor_parallel as tp
+from dpjax import collectives
+from dpjax.compute import attention, context, stack
+from dpjax.compute import tensor_parallel as tp
 from dpjax.errors import UserError
 from dpjax.models import moe
 from dpjax.models.registry import Entry, register
-from dpjax.tensor_parallel import DENSE, Parallel
+from dpjax.compute.tensor_parallel import DENSE, Parallel
 
 
 @dataclass(frozen=True)
@@ -90,7 +91,7 @@ def layer_norm(x, scale, bias, eps: float = 1e-5):
     return ((x32 - mean) * jax.lax.rsqrt(var + eps) * scale + bias).astype(x.dtype)
 
 
-causal_attention = attention.naive  # the readable kernel (dpjax.attention has the switch)
+causal_attention = attention.naive  # the readable kernel (dpjax.compute.attention has the switch)
 
 
 def cross_entropy(logits_BdxTxV, targets_BdxT):
@@ -100,7 +101,7 @@ def cross_entropy(logits_BdxTxV, targets_BdxT):
 
 
 class GPT(ByteModel):
-    """Every matmul is a dpjax.tensor_parallel layer: with the model axis of size n, each
+    """Every matmul is a dpjax.compute.tensor_parallel layer: with the model axis of size n, each
     device holds 1/n of the heads, of the MLP width and of the vocabulary.
 
     The blocks are stacked: every leaf under `blocks` carries a leading layer axis L
@@ -110,7 +111,7 @@ class GPT(ByteModel):
     into `embed` (first stage), `layer` (L times) and `head_loss` (last stage)."""
 
     name = "gpt"
-    CONTEXT = True  # its loss splits each sequence over a context axis (dpjax.context)
+    CONTEXT = True  # its loss splits each sequence over a context axis (dpjax.compute.context)
     LAYERS = "blocks"  # the key of the stacked layers, which a pipeline divides over `stage`
     # The one sharding table (Megatron-LM layout), by leaf name; dimensions not named are
     # replicated. FSDP adds the data axes on top (dpjax.sharding.make_layout).
@@ -214,7 +215,7 @@ class GPT(ByteModel):
     def head(self, params, x_BdxTxD, par: Parallel = DENSE):
         """Final layer norm and the tied output head (the last stage's work): Bd x T x Vm,
         float32 whatever the compute dtype (the logits are a numerically sensitive part:
-        `dpjax.policy`)."""
+        `dpjax.compute.policy`)."""
         assert x_BdxTxD.shape[-1] == self.config.d_model, x_BdxTxD.shape
         x_BdxTxD = layer_norm(x_BdxTxD, params["ln_f"]["scale_D"], params["ln_f"]["bias_D"]).astype(jnp.float32)
         return tp.column_parallel(x_BdxTxD, params["embed_VmxD"].T.astype(jnp.float32), None, par)  # tied head
@@ -234,7 +235,7 @@ class GPT(ByteModel):
         outer = {k: par.use(v, k) for k, v in params.items() if k != self.LAYERS}
         x_BdxTxD = self.embed(outer, tokens_BdxT, par)
         carry = (x_BdxTxD, jnp.zeros(3, jnp.float32)) if self.config.experts else x_BdxTxD
-        # dpjax.stack: scanned, rematerialised by the policy, FSDP gathering one layer at a time
+        # dpjax.compute.stack: scanned, rematerialised by the policy, FSDP gathering one layer at a time
         carry = stack.run(self.layer, params[self.LAYERS], carry, par, path=(self.LAYERS,))
         x_BdxTxD, aux_3 = carry if self.config.experts else (carry, None)
         return self.head(outer, x_BdxTxD, par), None if aux_3 is None else aux_3 / self.config.n_layers
@@ -249,7 +250,7 @@ class GPT(ByteModel):
 
     def loss(self, params, batch_BdxT1, par: Parallel = DENSE):
         """Vocabulary-parallel cross-entropy: the full logits are never gathered. With a
-        context axis, the mean over this device's share of the tokens (`dpjax.context`:
+        context axis, the mean over this device's share of the tokens (`dpjax.compute.context`:
         the step averages it over the axis)."""
         return self.loss_and_stats(params, batch_BdxT1, par)[0]
 

@@ -12,7 +12,7 @@ is a tensor-parallel one. Shape letters as in `dpjax/__init__.py`; Y is the K/V 
 Under tensor parallelism the query heads are split over `model`; the K/V heads too when
 there are at least as many as model ranks (Y % n == 0), else they are replicated and each
 rank computes all Y and uses the one its query heads share (n % Y == 0). Over a `context`
-axis (`dpjax.context`) each device's tokens are rotated by their global positions and the
+axis (`dpjax.compute.context`) each device's tokens are rotated by their global positions and the
 ring / all-gather carries this rank's K/V heads, which each block repeats to its queries."""
 
 from __future__ import annotations
@@ -26,12 +26,12 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from dpjax import attention, context, stack
-from dpjax import tensor_parallel as tp
+from dpjax.compute import attention, context, stack
+from dpjax.compute import tensor_parallel as tp
 from dpjax.errors import UserError
 from dpjax.models.gpt import GPT, ByteModel, GPTConfig
 from dpjax.models.registry import Entry, register
-from dpjax.tensor_parallel import DENSE, Parallel
+from dpjax.compute.tensor_parallel import DENSE, Parallel
 
 
 @dataclass(frozen=True)
@@ -107,7 +107,7 @@ class Llama(ByteModel):
     `layer` and `head_loss`, as the GPT's."""
 
     name = "llama"
-    CONTEXT = True  # its loss (GPT.loss) splits each sequence over a context axis (dpjax.context)
+    CONTEXT = True  # its loss (GPT.loss) splits each sequence over a context axis (dpjax.compute.context)
     LAYERS = "blocks"
     SPECS = {
         "embed_VmxD": P("model", None), "unembed_VmxD": P("model", None),  # vocabulary-parallel

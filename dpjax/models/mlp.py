@@ -14,10 +14,10 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from dpjax import tensor_parallel as tp
+from dpjax.compute import tensor_parallel as tp
 from dpjax.models.gpt import ByteModel, check_positive
 from dpjax.models.registry import Entry, register
-from dpjax.tensor_parallel import DENSE, Parallel
+from dpjax.compute.tensor_parallel import DENSE, Parallel
 
 
 @dataclass(frozen=True)
@@ -52,7 +52,7 @@ class MLP(ByteModel):
 
     def apply(self, params, tokens_BdxT, par: Parallel = DENSE):
         c = self.config
-        p = par.policy.cast(par.use(params))  # the compute dtype (dpjax.policy); the loss upcasts the logits
+        p = par.policy.cast(par.use(params))  # the compute dtype (dpjax.compute.policy); the loss upcasts the logits
         e_BdxTxE = p["embed_VxE"][tokens_BdxT]
         # window t holds bytes t-context+1 .. t (zeros before the start)
         padded = jnp.pad(e_BdxTxE, ((0, 0), (c.context - 1, 0), (0, 0)))

@@ -1,11 +1,11 @@
 """What the NNX and Linen parallel layers share: whether their mesh axis is bound here,
-and the `Parallel` they hand to `dpjax.tensor_parallel`."""
+and the `Parallel` they hand to `dpjax.compute.tensor_parallel`."""
 
 from __future__ import annotations
 
 import jax
 
-from dpjax.tensor_parallel import DENSE, Parallel
+from dpjax.compute.tensor_parallel import DENSE, Parallel
 
 
 def bound(axis) -> bool:

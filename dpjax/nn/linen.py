@@ -1,4 +1,4 @@
-"""Megatron tensor-parallel layers as flax Linen modules, built on `dpjax.tensor_parallel`.
+"""Megatron tensor-parallel layers as flax Linen modules, built on `dpjax.compute.tensor_parallel`.
 
 The Linen twins of `dpjax.nn.nnx` (see there for the layers and Megatron-LM's
 references). Linen creates a parameter from a shape the module computes, and refuses a
@@ -20,7 +20,7 @@ from typing import Any, Callable
 import jax.numpy as jnp
 from flax import linen as nn
 
-from dpjax import tensor_parallel as tp
+from dpjax.compute import tensor_parallel as tp
 from dpjax.mesh import MODEL
 from dpjax.nn._common import local, parallel
 from dpjax.nn.nnx import _cast, causal_attention

@@ -1,4 +1,4 @@
-"""Megatron tensor-parallel layers as flax NNX modules, built on `dpjax.tensor_parallel`
+"""Megatron tensor-parallel layers as flax NNX modules, built on `dpjax.compute.tensor_parallel`
 (and `sync_batchnorm`, the synchronised BatchNorm of a whole model, for data parallelism).
 
 Shoeybi et al., "Megatron-LM" (2019), section 3: column- and row-parallel dense layers,
@@ -19,7 +19,7 @@ it (`out_sharding=(None, "model")`, what `nnx.with_partitioning` writes), so tha
 
 Precision follows flax's convention: `param_dtype` (float32 by default) is the dtype the
 weights are created and kept in, `dtype` (None: as the inputs and weights promote) the
-dtype a layer computes in, its weights and inputs cast to it on use (`dpjax.policy` is the
+dtype a layer computes in, its weights and inputs cast to it on use (`dpjax.compute.policy` is the
 same rule for dpjax's own models).
 
 Names carry shapes; a dimension split over `model` carries an `m` (`kernel_DxFm`).
@@ -32,8 +32,8 @@ import math
 import jax.numpy as jnp
 from flax import nnx
 
-from dpjax import attention as kernels
-from dpjax import tensor_parallel as tp
+from dpjax.compute import attention as kernels
+from dpjax.compute import tensor_parallel as tp
 from dpjax.errors import UserError
 from dpjax.nn._common import local, mesh_is_set, parallel
 from dpjax.mesh import MODEL
@@ -133,15 +133,15 @@ class VocabParallelEmbed(nnx.Module):
         return tp.column_parallel(x_BxTxD, self._table().T, None, parallel(self.axis, self.algorithm))
 
 
-causal_attention = kernels.naive  # the default kernel; dpjax.attention.kernel("xla" | "cudnn") for the others
+causal_attention = kernels.naive  # the default kernel; dpjax.compute.attention.kernel("xla" | "cudnn") for the others
 
 
 class ParallelSelfAttention(nnx.Module):
     """Multi-head self-attention with the heads split over `axis`: Q, K and V are
     column-parallel (each device computes its heads), the output projection is
     row-parallel (Megatron-LM, figure 3b). `attention(q, k, v)` works per head on
-    B x T x heads x head_dim (default: causal softmax attention, `dpjax.attention.naive`;
-    `dpjax.attention.kernel("cudnn")` for cuDNN's flash attention)."""
+    B x T x heads x head_dim (default: causal softmax attention, `dpjax.compute.attention.naive`;
+    `dpjax.compute.attention.kernel("cudnn")` for cuDNN's flash attention)."""
 
     def __init__(self, features: int, num_heads: int, *, head_dim: int | None = None, axis: str = MODEL,
                  algorithm: str = "ring", attention=causal_attention, dtype=None, param_dtype=jnp.float32,

@@ -23,7 +23,8 @@ from typing import Callable, NamedTuple
 
 import jax
 
-from dpjax import collectives, fusion, stack
+from dpjax import collectives, fusion
+from dpjax.compute import stack
 from dpjax.mesh import STAGE
 from dpjax.pipeline import engine, timetable
 

@@ -8,7 +8,7 @@ stage s, which micro-batch m and which of the stage's V chunks r the forward (an
 backward) works on, and whether that slot holds real work at all: in the pipeline's fill
 and drain it does not, and the stage computes on whatever it holds and throws the result
 away. Those slots are the bubble; in lockstep they cost what real work costs, so the
-FLOPs XLA counts in the compiled program measure them (`dpjax.pipeline.cost`).
+FLOPs XLA counts in the compiled program measure them (`dpjax.plan.pipeline_cost`).
 
 The index maps are plain integer arithmetic (`//`, `%`, comparisons, `&`), so they run on
 Python ints (the tests walk every schedule tick by tick) and on traced scalars (the

@@ -23,7 +23,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from dpjax.policy import Policy
+from dpjax.compute.policy import Policy
 from dpjax.settings import Settings
 from dpjax.plan.axes import check_context, check_expert
 from dpjax.plan.checks import (UsageError, check, devices_per_process, fit_devices, fit_mesh, flag,  # noqa: F401
@@ -100,9 +100,9 @@ class Plan:
     settings: Settings | None = None
     optimizer: Any = None  # an optax transformation given instead of `opt`
     tensor_parallel: bool = True
-    policy: Policy = Policy()  # the compute policy: dtype, remat, attention kernel, scan (dpjax.policy)
+    policy: Policy = Policy()  # the compute policy: dtype, remat, attention kernel, scan (dpjax.compute.policy)
     notes: tuple = ()  # one-line remarks the run prints once (e.g. why not cuDNN attention)
-    memory: dict | None = None  # the planner's estimate per device (dpjax.memory.estimate) and what a device has
+    memory: dict | None = None  # the planner's estimate per device (dpjax.plan.memory.estimate) and what a device has
 
     @property
     def workers(self) -> tuple:

@@ -9,7 +9,7 @@ from dpjax.settings import Settings
 
 
 def check_context(s: Settings, model, mesh) -> None:
-    """A context axis of C devices splits each sequence into 2C chunks (`dpjax.context`):
+    """A context axis of C devices splits each sequence into 2C chunks (`dpjax.compute.context`):
     the sequence must divide, the model must be one whose loss splits its tokens (it says
     so with `CONTEXT = True`), and the axis composes with data, FSDP, tensor and worker
     axes, not with a pipeline's stages (a stage sends whole sequences) nor with an

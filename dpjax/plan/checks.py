@@ -31,12 +31,12 @@ def check(s: Settings) -> None:
     from dpjax.collectives import ALGORITHMS, ALL_TO_ALL_ALGORITHMS, REDUCE_SCATTER_ALGORITHMS
     from dpjax.collectives.registry import nested
     from dpjax import compression
-    from dpjax.context import CONTEXT_ATTENTIONS
+    from dpjax.compute.context import CONTEXT_ATTENTIONS
     from dpjax.distributed import COLLECTIVES, transport
     from dpjax.models import MODELS, model_options
     from dpjax.optim import LR_SCALINGS, OPTIMIZERS
     from dpjax.pipeline import SCHEDULES
-    from dpjax.policy import ATTENTIONS, DTYPES, REMATS
+    from dpjax.compute.policy import ATTENTIONS, DTYPES, REMATS
     from dpjax.updates import parse_update
 
     def one_of(what, value, known):
@@ -133,7 +133,7 @@ def model_choice(s: Settings) -> tuple[str, dict]:
 
     vocab = s.vocab_size
     if vocab is None and s.tokenizer is not None and s.init_from is None:
-        from dpjax.tokenizer import vocab_of
+        from dpjax.data.tokenizer import vocab_of
 
         vocab = vocab_of(s.tokenizer)
     given = {"seq_len": s.seq_len, "vocab_size": vocab, **s.model_options}
@@ -198,11 +198,11 @@ def _check_data(s: Settings) -> None:
     tokenizer tokenizes text (not a token file, nor synthetic ids)."""
     tokens = s.data.endswith(".bin")  # dpjax.data.TOKEN_SUFFIX
     if s.tokenizer is not None:
-        from dpjax.tokenizer import vocab_of
+        from dpjax.data.tokenizer import vocab_of
 
         if tokens or s.data == "synthetic":
             raise UsageError(f"--tokenizer tokenizes text; --data {s.data} is {'ids' if tokens else 'synthetic'} "
-                             "already (python -m dpjax.prepare --tokenizer makes a token file from text)")
+                             "already (python -m dpjax.data.prepare --tokenizer makes a token file from text)")
         n = vocab_of(s.tokenizer)
         if s.vocab_size is not None and s.vocab_size < n:
             raise UsageError(f"--vocab-size {s.vocab_size} is smaller than --tokenizer {s.tokenizer}'s {n} ids")

@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 
 from dpjax.plan.checks import UsageError
-from dpjax.policy import Policy, accelerated
+from dpjax.compute.policy import Policy, accelerated
 from dpjax.settings import Settings
 
 # The exchange's defaults (`dpjax.plan.Exchange`), and the autotune's starting point for a knob set to
@@ -32,7 +32,7 @@ def default_allreduce(platform: str) -> str:
 def compute_policy(s: Settings, model, platform: str) -> tuple[Policy, list]:
     """(the compute policy of `s` on `platform`, notes to print once). remat auto stays
     `none` here; `check_memory` chooses it."""
-    from dpjax import policy as P
+    from dpjax.compute import policy as P
 
     head_dim = None
     config = getattr(model, "config", None)
@@ -59,7 +59,7 @@ def check_memory(plan):
     model, s = plan.model, plan.settings
     if model is None or s is None or not hasattr(model, "activation_bytes"):
         return plan
-    from dpjax.memory import device_memory, estimate, parse_size
+    from dpjax.plan.memory import device_memory, estimate, parse_size
 
     platform = target_platform(s, plan.mesh)
     if s.device_memory:
@@ -86,7 +86,7 @@ def memory_refusal(plan) -> str | None:
     """The one line of a run that does not fit (what it needs by part, what a device has,
     what to change), or None when it fits or nothing is known of the device. On a GPU
     without --device-memory it says what JAX's preallocation leaves."""
-    from dpjax.memory import preallocation_note
+    from dpjax.plan.memory import preallocation_note
 
     if plan.memory is None or plan.memory["device"] is None or plan.memory["total"] <= plan.memory["device"]:
         return None

@@ -3,13 +3,13 @@ and the restart's account of itself.
 
     fit(settings)           the mesh and micro-batches for the devices this job has now (an
                             elastic restart on fewer hosts): dpjax.plan.fit_devices
-    attach(trainer)         the Committer (dpjax.commit); on a restart (DPJAX_RESTART > 0,
+    attach(trainer)         the Committer (dpjax.recovery.commit); on a restart (DPJAX_RESTART > 0,
                             set by dpjax.agent) or --resume, the newest step every shard
                             committed, laid out for this plan
-    Elastic.after_step      once per step: injected fault (dpjax.fault), commit every
+    Elastic.after_step      once per step: injected fault (dpjax.recovery.fault), commit every
                             --commit-every steps, heartbeat file (dpjax.agent's hang check)
 
-Everything the agent tells a process comes in environment variables (dpjax.agent.env); a run
+Everything the agent tells a process comes in environment variables (dpjax.recovery.env); a run
 without the agent commits only when --commit-dir is given, and restores with --resume.
 """
 
@@ -23,8 +23,8 @@ import traceback
 
 IMPORTED = time.time()  # about when this process started (the restart's breakdown)
 
-from dpjax import fault as faults  # noqa: E402
-from dpjax.agent.env import ENV, restart_number  # noqa: E402
+from dpjax.recovery import fault as faults  # noqa: E402
+from dpjax.recovery.env import ENV, restart_number  # noqa: E402
 
 
 def _env(name: str, default=None):
@@ -57,14 +57,14 @@ NOT_IN_PROGRAMS = ("steps", "resume", "metrics", "tensorboard", "progress", "ckp
 
 
 def programs(cfg):
-    """The run's compiled programs kept beside its commits (`dpjax.programs`), so that a
+    """The run's compiled programs kept beside its commits (`dpjax.recovery.programs`), so that a
     restart loads them instead of tracing and compiling; None without a commit folder."""
     root = cfg.commit_dir or _env("commit_dir")
     if root is None:
         return None
     import dataclasses
 
-    from dpjax.programs import Programs
+    from dpjax.recovery.programs import Programs
 
     # every setting but those no program depends on (a --resume of a plain run loads them too)
     run = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in NOT_IN_PROGRAMS}
@@ -83,7 +83,7 @@ class Elastic:
     def __init__(self, trainer, committer, heartbeat: str | None):
         import jax
 
-        from dpjax.commit_every import AutoInterval
+        from dpjax.recovery.interval import AutoInterval
         from dpjax.train.run import MAX_IN_FLIGHT
 
         self.cfg, self.committer, self.heartbeat_path = trainer.cfg, committer, heartbeat
@@ -125,7 +125,7 @@ class Elastic:
             if client is not None and jax.process_count() > 1:
                 client.key_value_set(key, str(gap))
         else:
-            from dpjax.commit import WAIT_MS
+            from dpjax.recovery.commit import WAIT_MS
 
             gap = int(client.blocking_key_value_get(key, WAIT_MS))
         return gap
@@ -219,7 +219,8 @@ class Elastic:
             d = self.auto.describe()
             write({"step": done, "commit_every": d})
             if jax.process_index() == 0:
-                print(f"dpjax.commit: committing every {d['every']} steps (--commit-every auto: a commit costs "
+                print(f"dpjax.recovery.commit: committing every {d['every']} steps "
+                      f"(--commit-every auto: a commit costs "
                       f"{d['cost_s']:.3g} s of the loop and takes {d['commit_s']:.3g} s, a step {d['step_s']:.3g} s; "
                       f"within {100 * d['target']:g}% of the step); a failure loses at most {d['every'] + 1} steps. "
                       f"Fewer: --commit-every N", flush=True)
@@ -284,7 +285,7 @@ def attach(trainer) -> Elastic | None:
     import jax
     from jax._src import distributed as jax_distributed
 
-    from dpjax.commit import Committer
+    from dpjax.recovery.commit import Committer
 
     cfg, restart = trainer.cfg, restart_number()
     root = cfg.commit_dir or _env("commit_dir")

@@ -17,7 +17,7 @@ import os
 import sys
 
 from dpjax import distributed
-from dpjax.checkpoint import compression_split
+from dpjax.recovery.checkpoint import compression_split
 from dpjax.train.comm_bytes import CommBytes
 from dpjax.plan import check, devices_per_process, resolve, warnings
 from dpjax.settings import Settings
@@ -61,7 +61,7 @@ class Trainer:
         import jax
 
         from dpjax import step as S
-        from dpjax.autotune import Setting
+        from dpjax.train.autotune import Setting
         from dpjax.data import make_streams
 
         self.mesh, self.model, self.layout, self.opt = plan.mesh, plan.model, plan.layout, plan.opt
@@ -71,7 +71,7 @@ class Trainer:
         for warning in [hardware.cpu_but_gpu_warning(jax.devices()), *warnings(cfg)]:
             if warning and jax.process_index() == 0:
                 print(warning, file=sys.stderr, flush=True)
-        from dpjax.tokenizer import Bytes, for_corpus, for_model
+        from dpjax.data.tokenizer import Bytes, for_corpus, for_model
 
         given = None
         if cfg.tokenizer:  # bpe:N is trained on the corpus here
@@ -138,7 +138,7 @@ class Trainer:
         self.elastic = elastic.attach(self)  # commits, heartbeat, faults; a restart restores its commit
         resume.fresh_or_refuse(self)  # before anything is written: --resume that found nothing is an error
         if cfg.ckpt_dir:
-            from dpjax.checkpoint import Checkpointer
+            from dpjax.recovery.checkpoint import Checkpointer
 
             self.ckpt = self.ckpt or Checkpointer(cfg.ckpt_dir)  # the folder is made now, not for a refusal
             if jax.process_index() == 0:
@@ -164,7 +164,7 @@ class Trainer:
         """The steps with this allreduce algorithm and fusion cap, built once each."""
         if setting not in self._steps:
             from dpjax import step as S
-            from dpjax.replicas import check_always, checked
+            from dpjax.wrap.replicas import check_always, checked
 
             plan = self.plan
             if (setting.algorithm, setting.fusion_mb) != (plan.exchange.algorithm, plan.exchange.fusion_mb):
@@ -172,7 +172,7 @@ class Trainer:
             step = S.for_plan(plan)
             if self.programs is not None:
                 step = S.kept(step, self.programs.keep, f"-{setting.algorithm}-{setting.fusion_mb}")
-            if check_always():  # DPJAX_CHECK=1: every step's replicated values are checked (dpjax.replicas)
+            if check_always():  # DPJAX_CHECK=1: every step's replicated values are checked (dpjax.wrap.replicas)
                 step = dataclasses.replace(step, train=checked(step.train, ("params", "opt_state", "loss"),
                                                                "dpjax.train step"))
             self._steps[setting] = step
@@ -189,7 +189,7 @@ class Trainer:
     def _restore(self) -> None:
         import jax
 
-        from dpjax.checkpoint import Checkpointer
+        from dpjax.recovery.checkpoint import Checkpointer
 
         if not os.path.isdir(self.cfg.ckpt_dir):  # nothing to restore; made when the run is sure to start
             return

@@ -1,5 +1,5 @@
 """`--dry-run`'s picture of a plan: what runs where, in what precision, and what a device
-must hold, part by part (`dpjax.memory.estimate`), before anything is compiled."""
+must hold, part by part (`dpjax.plan.memory.estimate`), before anything is compiled."""
 
 from __future__ import annotations
 
@@ -44,8 +44,8 @@ def plan_lines(plan) -> list[str]:
 
 def _context_lines(plan) -> list[str]:
     """With a context axis: how a sequence is split, and what its attention sends per
-    layer and forward pass against the bound (`dpjax.context.schedule`)."""
-    from dpjax import context
+    layer and forward pass against the bound (`dpjax.compute.context.schedule`)."""
+    from dpjax.compute import context
     from dpjax.mesh import CONTEXT, MODEL, dp_size
 
     C, config = plan.mesh.shape.get(CONTEXT, 1), getattr(plan.model, "config", None)

@@ -23,7 +23,7 @@ import shutil
 import sys
 
 from dpjax.errors import UserError
-from dpjax.agent.env import restart_number, under_agent
+from dpjax.recovery.env import restart_number, under_agent
 
 
 class NothingToResume(UserError):
@@ -75,7 +75,7 @@ def check_commit_dir(cfg) -> None:
     starts: a fresh run's Committer would remove the commits found there. With --overwrite
     every commit file there goes now (not only this process's: a restore takes the newest
     step every old rank committed, and an old run's could be newer than this run's)."""
-    from dpjax.commit import inventory
+    from dpjax.recovery.commit import inventory
 
     if not cfg.commit_dir or not os.path.isdir(cfg.commit_dir):
         return

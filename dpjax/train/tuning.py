@@ -1,4 +1,4 @@
-"""`--allreduce auto` / `--fusion-mb auto` inside a run (the search is `dpjax.autotune`):
+"""`--allreduce auto` / `--fusion-mb auto` inside a run (the search is `dpjax.train.autotune`):
 what to search, and what to do with its choice."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ def plan_search(trainer):
     resumed recorded a choice for them: that choice is kept)."""
     import jax
 
-    from dpjax import autotune
+    from dpjax.train import autotune
     from dpjax.collectives import ALGORITHMS, REDUCE_SCATTER_ALGORITHMS
     from dpjax.mesh import data_axes
     from dpjax.plan import UsageError

@@ -11,19 +11,19 @@ backward pass, and which attention kernel they call.
                     dots  the matmul outputs and the attention output (named: a fused
                           attention call is not a dot); the rest is recomputed
                     full  only the layer's input; the whole layer is recomputed
-    attention     the causal attention kernel (`dpjax.attention`): naive (T x T scores
+    attention     the causal attention kernel (`dpjax.compute.attention`): naive (T x T scores
                   written out), xla (`jax.nn.dot_product_attention`'s XLA kernel), cudnn
                   (its cuDNN flash kernel, GPU only)
     scan          the stacked layers run as one `lax.scan` (compile time flat in depth)
-                  rather than a Python loop (`dpjax.stack`)
-    context_attention  how attention crosses a `context` axis (`dpjax.context`: ring or
+                  rather than a Python loop (`dpjax.compute.stack`)
+    context_attention  how attention crosses a `context` axis (`dpjax.compute.context`: ring or
                   allgather; the plan checks the name)
     expert_alltoall  the all-to-all a mixture of experts dispatches and combines by
                   (`dpjax.models.moe`: pairwise, bruck, or xla's)
 
 Whatever the policy, the numerically sensitive parts compute in float32: the layer
 norms' statistics, the softmax, the logits and the loss (the models and
-`dpjax.attention` upcast them); gradients are taken with respect to the float32 master
+`dpjax.compute.attention` upcast them); gradients are taken with respect to the float32 master
 weights, so accumulation across micro-batches and the update rules' state stay float32.
 
 `Policy()` is float32, no remat, naive attention, scanned: the dense reference the
@@ -51,7 +51,7 @@ class Policy:
     remat: str = "none"
     attention: str = "naive"
     scan: bool = True
-    context_attention: str = "ring"  # across a context axis: a name of dpjax.context.CONTEXT_ATTENTIONS
+    context_attention: str = "ring"  # across a context axis: a name of dpjax.compute.context.CONTEXT_ATTENTIONS
     expert_alltoall: str = "pairwise"  # a mixture's dispatch and combine: a dpjax all-to-all algorithm
 
     def __post_init__(self):

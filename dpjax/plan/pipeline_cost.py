@@ -34,7 +34,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from dpjax import stack as stack_runner
+from dpjax.compute import stack as stack_runner
 from dpjax.hlo import Module
 from dpjax.mesh import data_axes, make_mesh
 from dpjax.pipeline import Pipeline, bubble_formula

@@ -14,7 +14,7 @@ Each call is one `jax.jit(jax.shard_map(...))` (compiled once per structure):
    in `batch_argnums` (rows split over the data axes) or `in_specs` says otherwise.
    Host arrays are placed by the wrapper; a batch whose rows do not split is one error line.
 2. Inside, each device merges its blocks back into modules and calls `fn`. Every
-   `nnx.Rngs` stream draws per device (`dpjax.rng`: dropout differs across devices).
+   `nnx.Rngs` stream draws per device (`dpjax.wrap.rng`: dropout differs across devices).
    Gradients stay local (check_vma=False, see `dpjax.data_parallel`): the averaging is
    explicit, by `DistributedOptimizer` as the optimizer's tx, or
    `dpjax.allreduce_gradients` / `lax.pmean` where the user wants it.
@@ -23,16 +23,16 @@ Each call is one `jax.jit(jax.shard_map(...))` (compiled once per structure):
    (`Accuracy` is one: a total and a count) is summed over the data axes, so a metric
    counts the global batch; another metric must synchronise itself.
    DistributedOptimizer's error-feedback buffers differ per rank by design: outside the
-   step they hold a slot a rank (`dpjax.per_rank`), in an nnx.Optimizer or in an
+   step they hold a slot a rank (`dpjax.wrap.per_rank`), in an nnx.Optimizer or in an
    optimizer state passed in and returned under the default out_specs.
 4. Whatever comes back declared replicated (the outputs under `out_specs`, default P();
    the new state) is checked to be equal on the devices that share it
-   (`dpjax.replicas`) on the first calls and on every call under DPJAX_CHECK=1; a
+   (`dpjax.wrap.replicas`) on the first calls and on every call under DPJAX_CHECK=1; a
    divergence is one error line naming the value, how far apart the copies are, and
    the usual cause. An output under out_specs "mean" is averaged over the data axes
    first; one under "rows" comes back split over them (one value per batch row).
 
-Before the first call runs, `dpjax.wrapper_checks` refuses what would look right and be
+Before the first call runs, `dpjax.wrap.checks` refuses what would look right and be
 wrong (an nnx.Linear whose bias does not fit its kernel's split) and warns once about
 what would not be parallel (nothing split over the data axes; one CPU device).
 """
@@ -51,12 +51,12 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from dpjax import annotations, per_rank
-from dpjax import wrapper_checks as checks
+from dpjax.wrap import annotations, per_rank
+from dpjax.wrap import checks
 from dpjax.errors import UserError
 from dpjax.mesh import NOT_DATA, data_axes, make_mesh
-from dpjax.replicas import FIRST_CALLS, ReplicaCheck, check_always
-from dpjax.rng import bound_data_axes, fold_rng_keys
+from dpjax.wrap.replicas import FIRST_CALLS, ReplicaCheck, check_always
+from dpjax.wrap.rng import bound_data_axes, fold_rng_keys
 
 HINTS = {
     "Param": "were its gradients averaged over {axes}? give the optimizer dpjax.DistributedOptimizer(...) "
@@ -78,8 +78,9 @@ HINTS = {
 # its own shard of a split weight, and the partial results were never summed.
 MODEL_HINT = ("the copies differ along 'model': a value computed from a weight split over 'model' was used as if "
               "whole (usually a plain matmul, x @ w, against a split w); sum the partial results with "
-              "dpjax.tensor_parallel.reduce_from_model(x) (a psum whose gradient is right here) and pass the layer's "
-              "input through dpjax.tensor_parallel.copy_to_model, or use dpjax.nn's parallel layers, which do both")
+              "dpjax.compute.tensor_parallel.reduce_from_model(x) (a psum whose gradient is right here) and pass the "
+              "layer's input through dpjax.compute.tensor_parallel.copy_to_model, or use dpjax.nn's parallel layers, "
+              "which do both")
 
 
 def _is_spec(x) -> bool:
@@ -119,10 +120,10 @@ def shard_step(fn=None, mesh=None, batch_argnums=None, *, donate_argnums=(), in_
     replicated, checked; "mean" averaged over the data axes (a loss or metric of this
     device's rows; then replicated, checked); "rows" one row per batch row (a prediction:
     each device's rows joined in batch order, P(data axes)).
-    check: None checks the first calls (dpjax.replicas.FIRST_CALLS), True every call,
+    check: None checks the first calls (dpjax.wrap.replicas.FIRST_CALLS), True every call,
     False none; DPJAX_CHECK=1 checks every call whatever this says.
     model_axes: how what the model annotates over its model axes is laid out (see
-    `dpjax.annotations`): "auto" (GSPMD inside the step, for flax code written for jax.jit)
+    `dpjax.wrap.annotations`): "auto" (GSPMD inside the step, for flax code written for jax.jit)
     or "explicit" (each device its block, for dpjax.nn layers and code written for
     shard_map); None chooses: "explicit" where the model holds dpjax.nn layers or in_specs
     names a model axis, else "auto" where annotations name one.
@@ -154,7 +155,7 @@ class _Leaf:
     spec: P
     owner: int  # the argument it belongs to
     summed: bool = False  # an nnx.metrics.Average's total or count: its update is summed over the data axes
-    per_rank: bool = False  # a slot a rank (`dpjax.per_rank`: DistributedOptimizer's error buffers)
+    per_rank: bool = False  # a slot a rank (`dpjax.wrap.per_rank`: DistributedOptimizer's error buffers)
 
 
 class ShardedStep:

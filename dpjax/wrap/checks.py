@@ -1,5 +1,5 @@
 """What `dpjax.shard_step` checks before a step first runs, beside the replica check
-(`dpjax.replicas`, which compares what comes back): the mistakes whose result looks
+(`dpjax.wrap.replicas`, which compares what comes back): the mistakes whose result looks
 right.
 
 - flax's own `nnx.Linear` / `nnx.Conv` with a kernel split over a mesh axis. Split by
@@ -64,7 +64,7 @@ def check_flax_biases(step: str, graph, mesh, name, pspec) -> None:
                             f"(row-parallel): each {rows[0]!r} rank's output is a partial sum, and adding its bias "
                             f"there counts the bias once per rank; use dpjax.nn.nnx.RowParallelLinear("
                             f"{_features(node)}, rngs=rngs) (it adds the bias once, after the sum), or create it "
-                            "with use_bias=False and add a bias after dpjax.tensor_parallel.reduce_from_model")
+                            "with use_bias=False and add a bias after dpjax.compute.tensor_parallel.reduce_from_model")
         cols = [a for a in _split(kernel, [ndim - 1], mesh) if a not in spec_axes(bias)]
         if cols:
             raise UserError(f"{step}: {what} is an nnx.{kind} whose kernel is split by columns over {cols[0]!r} "

@@ -5,7 +5,7 @@ The default corpus is the Python standard library's own source (every Python ins
 has it; `sysconfig` locates it; `site-packages` and test folders are skipped). A
 corpus is one uint8 array; the last `val_fraction` of it is the validation split. A
 token file (`.bin`: uint16 or uint32 ids, as nanoGPT's and llm.c's prepare scripts write
-them; `python -m dpjax.prepare` writes one from text) is memory-mapped and split alike.
+them; `python -m dpjax.data.prepare` writes one from text) is memory-mapped and split alike.
 
 Training reads windows of seq_len+1 bytes at stride seq_len, in an order shuffled
 once per epoch from the seed. The position in that stream (`cursor`, in windows) is
@@ -99,7 +99,7 @@ def text_chunks(source: str, chunk_bytes: int = 1 << 20):
 
 
 def tokenize_file(path: str, tok) -> np.ndarray:
-    """One text file's ids by `tok` (a `dpjax.tokenizer` tokenizer), uint32. The file is
+    """One text file's ids by `tok` (a `dpjax.data.tokenizer` tokenizer), uint32. The file is
     cut into pieces of `tok.piece_bytes` (None: encoded whole, for a tokenizer whose ids
     depend on where a text starts) and encoded as a batch where `tok` can."""
     chunks = list(file_pieces(path, getattr(tok, "piece_bytes", 1 << 20)))
@@ -110,7 +110,7 @@ def tokenize_file(path: str, tok) -> np.ndarray:
 
 def tokenize_corpus(source: str, tok) -> np.ndarray:
     """`source`'s text (as load_corpus finds it) as token ids of `tok` (a
-    `dpjax.tokenizer` tokenizer), uint32, the files' ids joined in order."""
+    `dpjax.data.tokenizer` tokenizer), uint32, the files' ids joined in order."""
     data = np.concatenate([tokenize_file(f, tok) for f in corpus_files(source)])
     if data.size == 0:
         raise DataError(f"data source {source!r} is empty; pass a file or folder with some text in it")
@@ -219,7 +219,7 @@ def make_streams(source: str, seq_len: int, seed: int, val_fraction: float = 0.0
                  tokenizer=None):
     """(train stream, validation stream) for 'stdlib', 'synthetic', a text file or
     folder, or a token file (a path ending in .bin: ids below `vocab_size`). tokenizer:
-    text is tokenized by it (a `dpjax.tokenizer` tokenizer) instead of read as bytes."""
+    text is tokenized by it (a `dpjax.data.tokenizer` tokenizer) instead of read as bytes."""
     if seq_len < 1:
         raise DataError(f"sequence length must be positive, got {seq_len}")
     if source == "synthetic":

@@ -26,9 +26,9 @@ with the algorithm the caller chooses.
 `Parallel` carries what a model needs inside the step: the model axis (None: the plain
 dense computation, used for the unsharded reference), under fully sharded data
 parallelism which dimension of each parameter to all-gather just before use, and the
-compute policy (`dpjax.policy.Policy`: dtype, remat, attention kernel, scan) that
-`dpjax.stack` runs the layers by; with a context axis, the axis each sequence is split
-over (`dpjax.context`).
+compute policy (`dpjax.compute.policy.Policy`: dtype, remat, attention kernel, scan) that
+`dpjax.compute.stack` runs the layers by; with a context axis, the axis each sequence is split
+over (`dpjax.compute.context`).
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ from jax import lax
 
 from dpjax import collectives
 from dpjax.collectives._common import Subgroups, axis_size
-from dpjax.policy import Policy
+from dpjax.compute.policy import Policy
 
 
 def _active(axis) -> bool:
@@ -202,8 +202,8 @@ class Parallel:
     # FSDP through a compression with error feedback (dpjax.compression.sharded): zero arrays
     # shaped like the gathered parameters, which receive each device's unreduced gradient
     probes: Any = None
-    policy: Policy = Policy()  # the compute dtype, remat, attention kernel and scan (dpjax.stack runs by it)
-    context_axis: Any = None  # the axis each sequence is split over (dpjax.context), None: whole sequences
+    policy: Policy = Policy()  # the compute dtype, remat, attention kernel and scan (dpjax.compute.stack runs by it)
+    context_axis: Any = None  # the axis each sequence is split over (dpjax.compute.context), None: whole sequences
     expert_axis: Any = None  # the axis a mixture of experts' experts are split over (dpjax.models.moe), None: all here
 
     def _gather(self, x, d, probe):

@@ -1,9 +1,9 @@
 """Text -> a token file for `python -m dpjax.train --data FILE.bin --vocab-size N`:
 
-    python -m dpjax.prepare corpus.txt tokens.bin                          # bytes: --vocab-size 256
-    python -m dpjax.prepare docs/ notes.txt --out tokens.bin --tokenizer tokenizer.json
-    python -m dpjax.prepare docs/ --out tokens.bin --tokenizer tokenizer.model  # SentencePiece
-    python -m dpjax.prepare stdlib --out tokens.bin --tokenizer bpe:8192  # trains a BPE here
+    python -m dpjax.data.prepare corpus.txt tokens.bin                          # bytes: --vocab-size 256
+    python -m dpjax.data.prepare docs/ notes.txt --out tokens.bin --tokenizer tokenizer.json
+    python -m dpjax.data.prepare docs/ --out tokens.bin --tokenizer tokenizer.model  # SentencePiece
+    python -m dpjax.data.prepare stdlib --out tokens.bin --tokenizer bpe:8192  # trains a BPE here
 
 The default tokenizer is the byte one dpjax trains on (each byte of the UTF-8 text one
 id, 256 ids). --tokenizer takes a HuggingFace tokenizer.json (the `tokenizers` package:
@@ -82,7 +82,7 @@ def prepare_tokens(sources: list[str], out: str, tokenizer: str, dtype: str = "a
     `out`) to `out`, `workers` processes (default: one a core) tokenizing the files.
     Returns (tokens, vocabulary, dtype, the tokenizer's file)."""
     from dpjax.data import text_chunks
-    from dpjax.tokenizer import for_corpus
+    from dpjax.data.tokenizer import for_corpus
 
     if not out.endswith(TOKEN_SUFFIX):
         raise DataError(f"{out}: a token file's name ends in {TOKEN_SUFFIX} (that is how --data tells it from text)")
@@ -108,7 +108,7 @@ def prepare_tokens(sources: list[str], out: str, tokenizer: str, dtype: str = "a
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m dpjax.prepare", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m dpjax.data.prepare", description=__doc__.split("\n\n")[0])
     p.add_argument("sources", nargs="+", help="text files, folders of text files, or 'stdlib' (without --out, the "
                                               "last one is the token file to write)")
     p.add_argument("--out", help=f"the token file to write (ends in {TOKEN_SUFFIX})")

@@ -25,7 +25,7 @@ The backward pass of both is JAX's autodiff of the forward: the transpose of eac
 ppermute is a ppermute of the cotangent the other way, so the backward of the ring is a
 second ring carrying dK / dV home (the same bytes as the forward); the backward of the
 all-gather is a reduce-scatter. Blocks are computed with the scores written out in
-float32 (`dpjax.attention.naive`'s math), whatever the policy's kernel.
+float32 (`dpjax.compute.attention.naive`'s math), whatever the policy's kernel.
 
 Grouped-query attention (`dpjax.models.llama`: Y K/V heads serving H query heads) passes
 the Y heads; each block repeats them to the H where it computes (`shared`).
@@ -48,7 +48,7 @@ import numpy as np
 from jax import lax
 
 from dpjax import collectives
-from dpjax.attention import kernel as local_kernel
+from dpjax.compute.attention import kernel as local_kernel
 from dpjax.collectives._common import axis_size, index, shift_perm
 from dpjax.collectives.cost import Schedule
 from dpjax.collectives.p2p import send
@@ -69,8 +69,8 @@ def layout_order(T: int, C: int) -> np.ndarray:
 
 
 def active(par) -> bool:
-    """Whether `par` (a `dpjax.tensor_parallel.Parallel`) splits sequences over a context axis here."""
-    from dpjax.tensor_parallel import _active
+    """Whether `par` (a `dpjax.compute.tensor_parallel.Parallel`) splits sequences over a context axis here."""
+    from dpjax.compute.tensor_parallel import _active
 
     return _active(getattr(par, "context_axis", None))
 

@@ -1,7 +1,7 @@
 """The environment variables dpjax.agent sets for each process it starts, besides
 dpjax.distributed's (coordinator, process count and id, local rank). One table, read by
 the agent that writes them and by the training loop that reads them
-(`dpjax.train.elastic`, `dpjax.train.resume`); `dpjax.fault` reads DPJAX_RESTART and
+(`dpjax.train.elastic`, `dpjax.train.resume`); `dpjax.recovery.fault` reads DPJAX_RESTART and
 DPJAX_AGENT_PID."""
 
 import os

@@ -23,7 +23,7 @@ import shutil
 import signal
 from dataclasses import dataclass
 
-from dpjax.agent.env import ENV
+from dpjax.recovery.env import ENV
 from dpjax.errors import UserError
 
 VAR = "DPJAX_FAULT"
@@ -83,7 +83,7 @@ def for_process(rank: int, env=None) -> dict[int, Fault]:
 
 def fire(fault: Fault) -> None:
     """Does what `fault` says, to this process (and its host for `forever`)."""
-    print(f"dpjax.fault: injecting {fault}", flush=True)
+    print(f"dpjax.recovery.fault: injecting {fault}", flush=True)
     if fault.kind == "raise":
         raise FaultInjected(f"injected by {VAR}: {fault}")
     if fault.kind == "hang":

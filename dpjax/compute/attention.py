@@ -8,7 +8,7 @@ between kernels that every dpjax model and layer calls.
     cudnn  `jax.nn.dot_product_attention(implementation="cudnn")`: cuDNN's fused flash
            attention (Dao et al., "FlashAttention", NeurIPS 2022), which never holds the
            T x T scores (GPU, bfloat16 / float16, head width a multiple of 8 up to 256;
-           `dpjax.policy.cudnn_refusal` says why not)
+           `dpjax.compute.policy.cudnn_refusal` says why not)
 
 Tensors are B x T x H x K (batch, time, heads, head width) in and out, the layout JAX's
 kernel takes; under tensor parallelism H is this device's heads (`Hm`). The output is
@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from dpjax.policy import ATTENTION_NAME, ATTENTIONS
+from dpjax.compute.policy import ATTENTION_NAME, ATTENTIONS
 
 
 def naive(q_BxTxHxK, k_BxTxHxK, v_BxTxHxK):

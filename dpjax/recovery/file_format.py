@@ -1,4 +1,4 @@
-"""A commit's file: what `dpjax.commit` writes and reads.
+"""A commit's file: what `dpjax.recovery.commit` writes and reads.
 
     MAGIC (5 bytes) | the header's length (uint64, little-endian) | the header (JSON) | the pieces' bytes
 

@@ -2,7 +2,7 @@
 
 Horovod elastic's `state.commit()` keeps the state in host memory and TorchFT heals a
 rejoining replica from a live peer; here each process writes, every `--commit-every`
-steps (`dpjax.commit_every`: by default the smallest interval that costs at most 5% of
+steps (`dpjax.recovery.interval`: by default the smallest interval that costs at most 5% of
 the step), its own shards of the state (parameters, optimizer and update-rule state, RNG
 key data) with their global index, and the step and data cursor, to a file on local
 storage (`<commit dir>/<host>/own/r<rank>/`), written to a temporary name and renamed
@@ -20,7 +20,7 @@ about twice a fresh write, which must first allocate and zero every page).
 The neighbour copy: the same file goes to the process with the same local rank on the
 next host (rank + processes per host), which writes it into ITS host's folder
 (`<its host>/peer/r<rank>/`): losing a whole host loses nothing committed. The bytes go
-over a TCP connection between the two processes (`dpjax.commit_peer`: the file sent
+over a TCP connection between the two processes (`dpjax.recovery.peer`: the file sent
 with sendfile, received into a reused buffer), not through `jax.distributed`'s key-value
 store (1 MiB entries through the coordinator), between hosts as on 127.0.0.1. A commit
 is complete once its neighbour holds it.
@@ -38,8 +38,8 @@ are (any mesh: the plan was made for the devices that are left), bit for bit wha
 committed. No global array is put together on the host, and a file none of whose pieces
 this process needs is never read or fetched.
 
-The file's format is `dpjax.commit_file`'s; laying a commit's pieces out on the devices,
-`dpjax.commit_place`'s.
+The file's format is `dpjax.recovery.file_format`'s; laying a commit's pieces out on the devices,
+`dpjax.recovery.place`'s.
 """
 
 from __future__ import annotations
@@ -54,8 +54,8 @@ import time
 
 import numpy as np
 
-from dpjax.commit_file import CommitError, header, raw
-from dpjax.commit_place import LocalFile, RemoteFile, place
+from dpjax.recovery.file_format import CommitError, header, raw
+from dpjax.recovery.place import LocalFile, RemoteFile, place
 
 WAIT_MS = 60_000  # a process that does not publish what it holds within this is gone or stuck
 
@@ -109,7 +109,7 @@ class Committer:
 
     def __init__(self, root: str, host: str, rank: int, world: int, per_host: int = 1, client=None,
                  keep: int = 2, fresh: bool = True, coordinator: str | None = None):
-        from dpjax.commit_peer import Peers
+        from dpjax.recovery.peer import Peers
 
         self.root, self.host, self.rank, self.world, self.keep, self.client = root, host, rank, world, keep, client
         self.own = os.path.join(root, host, "own", f"r{rank}")
@@ -210,7 +210,7 @@ class Committer:
 
     def _store(self, sender: int, name: str, size: int, sock) -> None:
         """A neighbour's commit arriving (the peer server's thread): into this host's folder."""
-        from dpjax.commit_peer import recv_into_file
+        from dpjax.recovery.peer import recv_into_file
 
         if _parse_name(name) is None:
             raise CommitError(f"{name!r} is not a commit's name")

@@ -11,7 +11,7 @@ layer axis (`w1_LsxDxFm` is L x D x F). `run(layer, stack_L, x, par)` is, per de
         x = layer(w, x, par)           under jax.checkpoint by the remat policy
 
 so compile time stays flat in depth (the layer is traced and compiled once), the
-backward pass keeps what the remat policy says (`dpjax.policy`), and FSDP never holds
+backward pass keeps what the remat policy says (`dpjax.compute.policy`), and FSDP never holds
 more than one layer whole. A pipeline stage runs its share of the stack (a chunk of
 L/S layers, already gathered) through the same function.
 
@@ -24,7 +24,7 @@ from __future__ import annotations
 import jax
 from jax import lax
 
-from dpjax.tensor_parallel import DENSE, Parallel
+from dpjax.compute.tensor_parallel import DENSE, Parallel
 
 
 def depth(stack_L) -> int:

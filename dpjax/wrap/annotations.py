@@ -36,7 +36,7 @@ from jax.sharding import PartitionSpec as P
 
 from dpjax.errors import UserError
 from dpjax.mesh import data_axes
-from dpjax.wrapper_checks import SingleDeviceWarning, spec_axes
+from dpjax.wrap.checks import SingleDeviceWarning, spec_axes
 
 LAYOUTS = ("auto", "explicit")
 

@@ -7,7 +7,7 @@ match for a resume to be meaningful (the model and the optimizer); a checkpoint 
 with another configuration is refused with the differences named. It also keeps what a
 run chose for itself and a resumed run should keep rather than choose again: the
 autotuned exchange (`"autotune"`: the allreduce algorithm, the fusion cap, the measured
-gain; `dpjax.autotune`), which need not match and is not checked.
+gain; `dpjax.train.autotune`), which need not match and is not checked.
 """
 
 from __future__ import annotations

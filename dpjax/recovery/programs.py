@@ -123,7 +123,7 @@ class Programs:
         except FileNotFoundError:
             return None
         except Exception as e:  # another jaxlib's bytes, a torn file: compile instead, and say so
-            print(f"dpjax.programs: {os.path.basename(path)} could not be loaded ({type(e).__name__}: {e}); "
+            print(f"dpjax.recovery.programs: {os.path.basename(path)} could not be loaded ({type(e).__name__}: {e}); "
                   "compiling it again", file=sys.stderr, flush=True)
             return None
         self.loaded += 1

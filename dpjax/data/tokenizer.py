@@ -1,4 +1,4 @@
-"""Tokenizers: text <-> ids for --tokenizer, python -m dpjax.prepare and dpjax.generate.
+"""Tokenizers: text <-> ids for --tokenizer, python -m dpjax.data.prepare and dpjax.generate.
 
     bytes             the byte-level default dpjax trains on: each UTF-8 byte one id (256)
     PATH              a HuggingFace tokenizer.json (the `tokenizers` package, the hf extra):
@@ -118,7 +118,7 @@ def load(spec: str | None):
     if spec in (None, BYTES):
         return Bytes()
     if spec.startswith("bpe:"):
-        raise TokenizerError(f"--tokenizer {spec} trains on a corpus: python -m dpjax.prepare --tokenizer {spec} "
+        raise TokenizerError(f"--tokenizer {spec} trains on a corpus: python -m dpjax.data.prepare --tokenizer {spec} "
                              "TEXT... --out tokens.bin trains it and saves its tokenizer.json beside the tokens")
     path = (_in_folder(spec) or os.path.join(spec, "tokenizer.json")) if os.path.isdir(spec) else spec
     if not os.path.isfile(path):

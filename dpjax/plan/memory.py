@@ -22,10 +22,10 @@ def estimate(model, layout, global_batch: int, compression=None, policy=None, pl
     feedback, exact: as the parameters (it mirrors the worker's gradient), or under FSDP
     through random-k (`dpjax.compression.sharded`) each device's full local gradient,
     n times its shards; the activations are the model's own estimate for its rows under
-    the compute `policy` (`dpjax.policy.Policy`: dtype, remat, attention; default the
+    the compute `policy` (`dpjax.compute.policy.Policy`: dtype, remat, attention; default the
     float32 reference), split by the model axis and the context axis. `platform`: where it runs (default
     JAX's backend): XLA:CPU computes bfloat16 in float32, so on CPU a value is 4 bytes."""
-    from dpjax.policy import Policy, accelerated
+    from dpjax.compute.policy import Policy, accelerated
 
     policy = policy or Policy()
     platform = platform or jax.default_backend()

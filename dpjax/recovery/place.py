@@ -3,7 +3,7 @@ pieces of the old ranks' files that overlap it (`place`), the files read lazily.
 
 A local file is mapped, not read (`LocalFile`); another host's comes over the commit
 channel, its header first and its body only if one of its pieces is needed here
-(`RemoteFile`). No global array is put together on the host. `dpjax.commit`'s restore
+(`RemoteFile`). No global array is put together on the host. `dpjax.recovery.commit`'s restore
 chooses the step and the files; this module only lays them out.
 """
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from dpjax.commit_file import MAGIC, CommitError, decode, dtype_of, header_size, mapped, read_header
+from dpjax.recovery.file_format import MAGIC, CommitError, decode, dtype_of, header_size, mapped, read_header
 
 
 class LocalFile:
@@ -51,7 +51,7 @@ def place(template, files, expect=None):
     process's devices hold is not read. files: each old rank's `LocalFile` / `RemoteFile`."""
     import jax
 
-    from dpjax.checkpoint import check_compatible
+    from dpjax.recovery.checkpoint import check_compatible
 
     leaves, treedef = jax.tree.flatten(template)
     meta0 = files[0].meta
