@@ -45,6 +45,38 @@ from dpjax import interrupt
 
 interrupt.while_starting()  # `python -m dpjax.<tool>`: a Ctrl-C while this package imports is one line, status 130
 
+
+def _models_beside_the_package():
+    """`dpjax.models` is the repository's top-level `models/` folder (DESIGN.md's layout). A
+    regular install holds it inside the package (pyproject's package-dir copies it into the
+    wheel's dpjax/models/). A clone run without an install (`python -m dpjax.train` in its
+    root) has no dpjax/models/, and neither has an editable install whose root is on sys.path:
+    a `dpjax/` folder found on sys.path hides setuptools' package-dir mapping. Then the one
+    name `dpjax.models` is mapped to the `models/` beside this package, nothing else (the
+    clone's tests/ and experiments/ stay outside it)."""
+    import importlib.abc
+    import importlib.util
+    import os
+    import sys
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    top = os.path.join(os.path.dirname(here), "models")
+    if os.path.isdir(os.path.join(here, "models")) or not os.path.isfile(os.path.join(top, "__init__.py")):
+        return
+
+    class ModelsFinder(importlib.abc.MetaPathFinder):
+        def find_spec(self, fullname, path=None, target=None):
+            if fullname != "dpjax.models":
+                return None
+            return importlib.util.spec_from_file_location(fullname, os.path.join(top, "__init__.py"),
+                                                          submodule_search_locations=[top])
+
+    if not any(type(f).__name__ == "ModelsFinder" for f in sys.meta_path):
+        sys.meta_path.insert(0, ModelsFinder())
+
+
+_models_beside_the_package()
+
 from dpjax import collectives
 from dpjax.data_parallel import (
     DistributedOptimizer,

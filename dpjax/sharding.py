@@ -1,7 +1,7 @@
 """Where every parameter lives on the mesh: the layout of a model's state.
 
 A model declares one table, `leaf name -> PartitionSpec` over the `model` axis
-(`dpjax/models/gpt.py`'s SPECS); everything else is derived here:
+(`models/gpt.py`'s SPECS); everything else is derived here:
 
 - `Layout` resolves the table against a mesh, checks that each split dimension
   divides, and under `fsdp` (ZeRO-3) also splits each parameter over the data axes

@@ -53,7 +53,7 @@ def _run(cmd, env, timeout: float) -> subprocess.CompletedProcess:
 
 
 def flops_per_token(size: dict) -> float:
-    """dpjax/models/gpt.py's formula (ref_gpt.py's too), byte vocabulary."""
+    """models/gpt.py's formula (ref_gpt.py's too), byte vocabulary."""
     L, D, F, T, V = size["n_layers"], size["d_model"], size["d_ff"], size["seq_len"], 256
     return 6 * (L * (4 * D * D + 2 * D * F) + V * D) + 3 * (L * 4 * T * D)
 

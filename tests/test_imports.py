@@ -45,7 +45,7 @@ LAYER = {unit: i for i, units in enumerate(LAYERS) for unit in units}
 
 def module_files() -> dict[str, pathlib.Path]:
     out = {}
-    for base, name in ((ROOT / "dpjax", "dpjax"),):
+    for base, name in ((ROOT / "dpjax", "dpjax"), (ROOT / "models", "dpjax.models")):
         for path in base.rglob("*.py"):
             parts = list(path.relative_to(base).with_suffix("").parts)
             if parts[-1] == "__init__":

@@ -22,28 +22,28 @@ SHAPE = re.compile(r"^[a-z][a-z0-9]*(?:_[a-z0-9]+)*_"
 DIM = re.compile(r"^([A-Z])([0-9]*)([a-z]*)$")
 
 # Where each letter's concept lives: path prefixes (relative to the repository). "*": anywhere.
-MODEL_MATH = ("dpjax/models/", "dpjax/compute/tensor_parallel.py", "dpjax/nn/", "dpjax/compute/attention.py",
+MODEL_MATH = ("models/", "dpjax/compute/tensor_parallel.py", "dpjax/nn/", "dpjax/compute/attention.py",
               "dpjax/compute/stack.py", "dpjax/pipeline/", "dpjax/plan/pipeline_cost.py", "dpjax/step.py",
               "dpjax/sharding.py", "dpjax/hf/", "dpjax/generate/")
 # hf: the Hub's names of the model's leaves
-ATTENTION = ("dpjax/compute/context.py", "dpjax/models/gpt.py", "dpjax/models/llama.py",
+ATTENTION = ("dpjax/compute/context.py", "models/gpt.py", "models/llama.py",
              "dpjax/compute/tensor_parallel.py", "dpjax/nn/", "dpjax/compute/attention.py", "dpjax/hf/",
              "dpjax/generate/")
 HOMES = {
     "B": "*", "T": "*", "P": "*", "N": "*",
     "D": MODEL_MATH, "F": MODEL_MATH, "L": MODEL_MATH,
-    "H": ATTENTION, "K": ATTENTION, "Y": ("dpjax/compute/context.py", "dpjax/models/llama.py", "dpjax/hf/",
+    "H": ATTENTION, "K": ATTENTION, "Y": ("dpjax/compute/context.py", "models/llama.py", "dpjax/hf/",
                                                  "dpjax/generate/"),
     "O": ("dpjax/generate/",),
-    "V": ("dpjax/models/", "dpjax/compute/tensor_parallel.py", "dpjax/nn/", "dpjax/hf/", "dpjax/generate/"),
-    "E": ("dpjax/models/mlp.py",), "C": ("dpjax/models/mlp.py",),
+    "V": ("models/", "dpjax/compute/tensor_parallel.py", "dpjax/nn/", "dpjax/hf/", "dpjax/generate/"),
+    "E": ("models/mlp.py",), "C": ("models/mlp.py",),
     "A": ("dpjax/step.py",), "M": ("dpjax/pipeline/", "dpjax/step.py"),
     "S": ("dpjax/pipeline/", "dpjax/compute/stack.py", "dpjax/sharding.py", "dpjax/step.py"),
     "G": ("dpjax/pipeline/",),
     "W": ("dpjax/updates/", "dpjax/step.py"), "R": ("dpjax/updates/",),
     "I": ("dpjax/compression/", "dpjax/collectives/"), "J": ("dpjax/compression/",),
     "Q": ("dpjax/compression/",), "Z": ("dpjax/compression/",),
-    "U": ("dpjax/wrap/replicas.py",), "X": ("dpjax/models/moe.py", "dpjax/models/gpt.py"),
+    "U": ("dpjax/wrap/replicas.py",), "X": ("models/moe.py", "models/gpt.py"),
 }
 
 
@@ -86,7 +86,7 @@ def problems(sources) -> list[str]:
 
 
 def package_sources():
-    files = sorted((ROOT / "dpjax").rglob("*.py"))
+    files = sorted([*(ROOT / "dpjax").rglob("*.py"), *(ROOT / "models").rglob("*.py")])
     return [(f.relative_to(ROOT).as_posix(), f.read_text()) for f in files]
 
 
