@@ -38,6 +38,19 @@ def test_no_link_leaves_the_clone():
     assert not [p.name for p in PAGES if "../shared" in p.read_text()]
 
 
+def test_the_readme_is_a_front_page():
+    """What it is, the two commands, a tour and links (issue 39: at most ~250 lines); the rest is in docs/."""
+    assert len((ROOT / "README.md").read_text().split("\n")) <= 250
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_paths_named_exist(page):
+    """Every file or folder of the clone a page names in backticks (`dpjax/step.py`) is there: a module that
+    moves takes its mentions along."""
+    named = re.findall(r"`((?:dpjax|models|experiments|examples|tests|docs|\.ci)/[\w/.\-]*)`", page.read_text())
+    assert not [path for path in named if not (ROOT / path).exists()]
+
+
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
 def test_local_links_resolve(page):
     """Every link to a file of the clone names one that exists, and its #anchor a heading there."""
