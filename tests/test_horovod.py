@@ -175,17 +175,17 @@ def test_outside_a_step(mesh):
 
 
 def readme_port() -> str:
-    """The ported Horovod script of README.md's "Coming from Horovod" section."""
-    text = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    """The ported Horovod script of docs/horovod.md's "Coming from Horovod" section."""
+    text = (Path(__file__).resolve().parent.parent / "docs" / "horovod.md").read_text()
     section = text.split("## Coming from Horovod", 1)[1]
     return re.search(r"```python\n(.*?)```", section, re.S).group(1)
 
 
 def test_the_readme_port_trains_like_one_device():
-    """The README's script (Horovod's lines changed to dpjax.horovod) against the same
+    """The docs' script (Horovod's lines changed to dpjax.horovod) against the same
     SGD on one device over the whole batch: the same losses up to the order of sums."""
     scope: dict = {}
-    exec(compile(readme_port(), "README.md", "exec"), scope)  # defines train(steps) -> losses
+    exec(compile(readme_port(), "docs/horovod.md", "exec"), scope)  # defines train(steps) -> losses
     got = scope["train"](steps=20)
     x, y = scope["make_data"]()
     params, tx = {"w": jnp.zeros(3), "b": jnp.zeros(())}, optax.sgd(scope["LR"])
