@@ -18,6 +18,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 # modules to the package, unless one of them has an entry of its own); a module may import
 # its own unit or a lower layer's, never a higher one, nor one of its own layer.
 LAYERS = [
+    ["dpjax.fp8"],  # the scaled fp8 matmul (jax alone), which the compute policy calls
     ["dpjax.errors", "dpjax.interrupt", "dpjax.registry", "dpjax.fusion", "dpjax.hlo", "dpjax.scopes", "dpjax.policy",
      "dpjax.commit_every", "dpjax.commit_peer", "dpjax.agent.env", "dpjax.programs"],
     ["dpjax.mesh", "dpjax.links", "dpjax.distributed", "dpjax.data", "dpjax.tokenizer", "dpjax.replicas",
