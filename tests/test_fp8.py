@@ -198,7 +198,7 @@ def test_the_compiled_cpu_step_keeps_the_fp8_rounding(mesh_of):
 
 def test_fp8_is_refused_where_it_cannot_run_and_said_in_the_plan(mesh_of):
     """One-line refusals: fp8 master weights, TPU, ROCm and an NVIDIA GPU older than 8.9;
-    a plan in fp8 says what fp8 does; CPU notes that it emulates."""
+    a plan in fp8 says what fp8 does; CPU notes that it emulates; MFU against bf16's peak."""
     with pytest.raises(UsageError, match="unknown --param-dtype 'fp8'"):
         resolve(Settings(mesh="8x1", data="synthetic", dtype="fp8", param_dtype="fp8"))
     with pytest.raises(ValueError, match="Policy param_dtype='fp8'"):
@@ -215,3 +215,6 @@ def test_fp8_is_refused_where_it_cannot_run_and_said_in_the_plan(mesh_of):
     assert plan.policy.dtype == "fp8" and plan.policy.compute == jnp.bfloat16
     assert any("XLA:CPU emulates" in n for n in plan.notes)
     assert any("dtype fp8 (the layers' projection matmuls in float8" in line for line in plan_lines(plan))
+    from dpjax.train.efficiency import peak_tflops
+
+    assert peak_tflops("NVIDIA H100 80GB HBM3", "fp8") == peak_tflops("NVIDIA H100 80GB HBM3", "bfloat16") == 989.4
