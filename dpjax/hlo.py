@@ -306,3 +306,16 @@ def instruction_flops(comp: Computation, ins: Instruction) -> float | str:
         head = math.prod(q) // math.prod(scores[:3])
         return (10.0 if "Backward" in target else 4.0) * math.prod(scores) * head
     return f"custom-call {target}"
+
+
+def matmul_operand_types(text: str) -> list[tuple[str, ...]]:
+    """The element types of each dot's and convolution's operands in a compiled program's
+    text, e.g. ("f8e5m2", "f8e4m3fn") for an fp8 gradient matmul (`--dtype fp8`); one
+    entry per instruction, wherever it sits (a fusion, a loop body)."""
+    out = []
+    for comp in Module(text).computations.values():
+        for ins in comp.instructions:
+            if ins.op in ("dot", "convolution"):
+                shapes = [comp.operand_shape(ins, i) or "?" for i in range(len(ins.operands))]
+                out.append(tuple(s.split("[")[0] for s in shapes))
+    return out

@@ -127,8 +127,12 @@ class Settings:
     # The compute policy (dpjax.compute.policy) and what the planner may choose
     dtype: str = COMPUTE("auto", "compute dtype of the layers (matmuls, activations, a pipeline's sends); auto: "
                               "bfloat16 on GPU and TPU, float32 on CPU. Layer-norm statistics, softmax, logits, the "
-                              "loss, gradient accumulation and the optimizer stay float32 whatever this says",
-                      choices=("auto", "float32", "bfloat16", "float16"))
+                              "loss, gradient accumulation and the optimizer stay float32 whatever this says. fp8: "
+                              "the layers' projection matmuls (attention's QKV and output, the MLP's, the experts') "
+                              "in float8 with per-tensor current scaling (e4m3 operands forward, e5m2 gradients "
+                              "backward, float32 accumulation), bfloat16 for the rest; NVIDIA GPUs of compute "
+                              "capability 8.9+ (CPU emulates it)",
+                      choices=("auto", "float32", "bfloat16", "float16", "fp8"))
     param_dtype: str = COMPUTE("float32", "dtype of the master weights and so of the optimizer state",
                             choices=("float32", "bfloat16", "float16"))
     remat: str = COMPUTE("auto", "what each layer keeps for the backward pass: none (everything: fastest), dots (the "

@@ -1,8 +1,12 @@
-"""bfloat16 against float32: the main job's loss curves with each compute dtype (issue 27).
+"""Compute dtypes against each other: the main job's loss curves with each (bfloat16 against
+float32, issue 27; fp8 against bfloat16, issue 38).
 
     python experiments/dtype_curves.py --plot experiments/plots/dtype_curves.png \\
         --json experiments/plots/dtype_curves.json
+    python experiments/dtype_curves.py --dtypes bfloat16 fp8 --control-seeds 1 --steps 100 \\
+        --plot experiments/plots/fp8_vs_bf16.png --json experiments/plots/fp8_vs_bf16.json
     python experiments/dtype_curves.py --smoke        # a tiny GPT, 2 steps (seconds)
+    python experiments/dtype_curves.py --smoke --dtypes bfloat16 fp8
 
 Each dtype is one run of the command a user types, `python -m dpjax.train` with its
 defaults (the GPT of d_model 128, 2 layers, seq 128, batch 32, AdamW 3e-3, 200 steps,
@@ -10,7 +14,8 @@ mesh 8x1 on 8 simulated CPU devices), `--dtype float32` or `--dtype bfloat16`, t
 seed and the same batches, its per-step metrics in a `--metrics` file. The master
 weights, the optimizer state, layer-norm statistics, softmax, logits and loss stay
 float32 whatever `--dtype` says (`dpjax.compute.policy`): only the layers' matmuls and the
-residual stream change. Reported: the train and validation losses side by side, the
+residual stream change (fp8: the projections' matmuls in float8 with per-tensor scaling,
+`dpjax.compute.fp8`, the rest in bfloat16). Reported: the train and validation losses side by side, the
 final-loss difference in percent ((bf16 - f32) / f32), and the step times.
 
 The runs start together and run side by side (`--sequential`: one after the other), so

@@ -13,6 +13,12 @@ the ratio dpjax / yardstick) plus whether `--timeline` built a timeline on the d
 
     python experiments/gpu_yardstick.py --ref ../shared/gpu/ref_gpt.py --out yardstick.md
     python experiments/gpu_yardstick.py --smoke      # CPU, seconds, tiny sizes: what the tests run
+    python experiments/gpu_yardstick.py --ref ../shared/gpu/ref_gpt.py --fp8 --sizes 1.2B --steps 100
+
+`--fp8` (issue 38) runs dpjax once more at each size with `--dtype fp8` and both dpjax runs
+on the stdlib corpus (a loss that moves; the step time does not depend on the bytes): fp8's
+step against dpjax's bf16 step and the final-loss difference after the same steps (the
+goal: >= 1.2x at 1.2B, loss within 2%).
 
 Each run is a process of its own (this one never imports JAX: on a GPU it would take the
 memory the runs need). dpjax's step time is the median of its metrics rows after the
@@ -58,11 +64,11 @@ def flops_per_token(size: dict) -> float:
     return 6 * (L * (4 * D * D + 2 * D * F) + V * D) + 3 * (L * 4 * T * D)
 
 
-def dpjax_run(size: dict, steps: int, skip: int, env, tmp: str, extra=()) -> dict:
+def dpjax_run(size: dict, steps: int, skip: int, env, tmp: str, extra=(), data: str = "synthetic") -> dict:
     metrics = os.path.join(tmp, "m.jsonl")
     if os.path.exists(metrics):
         os.remove(metrics)
-    cmd = [sys.executable, "-m", "dpjax.train", "--mesh", "1x1", "--data", "synthetic", "--steps", str(steps),
+    cmd = [sys.executable, "-m", "dpjax.train", "--mesh", "1x1", "--data", data, "--steps", str(steps),
            "--eval-every", "0", "--eval-batches", "1", "--progress", "none", "--metrics", metrics,
            "--d-model", str(size["d_model"]), "--n-layers", str(size["n_layers"]), "--n-heads", str(size["n_heads"]),
            "--d-ff", str(size["d_ff"]), "--seq-len", str(size["seq_len"]), "--batch-size", str(size["batch"]),
@@ -76,7 +82,8 @@ def dpjax_run(size: dict, steps: int, skip: int, env, tmp: str, extra=()) -> dic
     dt = statistics.median(times)
     tokens = size["batch"] * size["seq_len"]
     return {"step_s": dt, "model_tflops": flops_per_token(size) * tokens / dt / 1e12,
-            "policy": record.get("plan", {}).get("policy"), "summary": r.stdout.strip().splitlines()[-1]}
+            "policy": record.get("plan", {}).get("policy"), "summary": r.stdout.strip().splitlines()[-1],
+            "loss": [row["loss"] for row in rows if "loss" in row][-1]}
 
 
 def ref_run(ref: str, size: dict, steps: int, env) -> dict:
@@ -105,7 +112,7 @@ def table(rows: list, device: str, peak: float | None, timeline: str) -> str:
     out = [f"dpjax against `ref_gpt.py` (bf16, cuDNN flash attention, remat) on one {device}; MFU against the "
            f"bf16 peak {peak or 'n/a'} TFLOP/s.", "",
            "| size | run | step (s) | model TFLOP/s | MFU | dpjax / yardstick |", "|---|---|---|---|---|---|"]
-    for name, mine, ref in rows:
+    for name, mine, ref, fp8 in rows:
         for who, r in (("dpjax", mine), ("ref_gpt.py", ref)):
             if "error" in r:
                 out.append(f"| {name} | {who} | error: {r['error']} | | | |")
@@ -114,8 +121,20 @@ def table(rows: list, device: str, peak: float | None, timeline: str) -> str:
             # the same FLOPs a step on both sides: the TFLOP/s ratio is the inverse ratio of step times
             ratio = f"{ref['step_s'] / mine['step_s']:.2f}x" if who == "dpjax" and "error" not in ref else ""
             out.append(f"| {name} | {who} | {r['step_s']:.4f} | {r['model_tflops']:.1f} | {mfu} | {ratio} |")
+        if fp8 is not None:
+            out.append(_fp8_row(name, mine, fp8))
     out += ["", f"`--timeline` on the device: {timeline}"]
     return "\n".join(out)
+
+
+def _fp8_row(name: str, bf16: dict, fp8: dict) -> str:
+    """The fp8 run's row: its step against dpjax's bf16 step (speed-up) and the final losses."""
+    if "error" in fp8 or "error" in bf16:
+        return f"| {name} | dpjax --dtype fp8 | error: {fp8.get('error') or bf16['error']} | | | |"
+    diff = 100 * (fp8["loss"] - bf16["loss"]) / bf16["loss"]
+    return (f"| {name} | dpjax --dtype fp8 | {fp8['step_s']:.4f} | {fp8['model_tflops']:.1f} | | "
+            f"{bf16['step_s'] / fp8['step_s']:.2f}x dpjax bf16; final loss {fp8['loss']:.4f} against "
+            f"{bf16['loss']:.4f} ({diff:+.2f}%) |")
 
 
 def main(argv=None) -> int:
@@ -128,6 +147,8 @@ def main(argv=None) -> int:
     p.add_argument("--skip", type=int, default=5, help="dpjax steps left out of the median (compilation)")
     p.add_argument("--out", help="write the markdown table here (default: print it)")
     p.add_argument("--smoke", action="store_true", help="tiny sizes on CPU, a few steps: checks the script runs")
+    p.add_argument("--fp8", action="store_true", help="also dpjax with --dtype fp8 at each size, both dpjax runs on "
+                                                      "the stdlib corpus: fp8's step and loss against bf16's")
     a = p.parse_args(argv)
     missing = not os.path.exists(a.ref)
     if missing and not a.smoke:
@@ -142,10 +163,12 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for name, size in sizes.items():
             ref = {"error": "no yardstick script"} if missing else ref_run(a.ref, size, steps, env)
-            mine = dpjax_run(size, steps, skip, env, tmp)
+            data = "stdlib" if a.fp8 else "synthetic"
+            mine = dpjax_run(size, steps, skip, env, tmp, data=data)
+            fp8 = dpjax_run(size, steps, skip, env, tmp, ("--dtype", "fp8"), data=data) if a.fp8 else None
             device = ref.get("device", device)
-            rows.append((name, mine, ref))
-            print(json.dumps({"size": name, "dpjax": mine, "ref": ref}), flush=True)
+            rows.append((name, mine, ref, fp8))
+            print(json.dumps({"size": name, "dpjax": mine, "ref": ref, "fp8": fp8}), flush=True)
         timeline = timeline_works(env, tmp, a.smoke)
     peak = next((v for k, v in BF16_PEAK_TFLOPS.items() if k in device), None)
     text = table(rows, device, peak, timeline)
@@ -153,7 +176,8 @@ def main(argv=None) -> int:
         with open(a.out, "w") as fh:
             fh.write(text + "\n")
     print(text)
-    failed = [name for name, mine, ref in rows if "error" in mine or ("error" in ref and not missing)]
+    failed = [name for name, mine, ref, fp8 in rows
+              if "error" in mine or ("error" in ref and not missing) or (fp8 is not None and "error" in fp8)]
     return 1 if failed or not timeline.startswith("yes") else 0
 
 

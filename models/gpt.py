@@ -209,7 +209,7 @@ class GPT(ByteModel):
                  "w2_XexFxD": "w2_LsxXexFxD", "b2_XexD": "b2_LsxXexD"}
         y_NxD, stats = moe.moe_mlp(h_BdxTxD.reshape(B * T, D), {k: m[v] for k, v in names.items()}, k=c.top_k,
                                    capacity_factor=c.capacity_factor, axis=axis,
-                                   algorithm=par.policy.expert_alltoall)
+                                   algorithm=par.policy.expert_alltoall, einsum=par.policy.einsum)
         return y_NxD.reshape(B, T, D), stats
 
     def head(self, params, x_BdxTxD, par: Parallel = DENSE):

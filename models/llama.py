@@ -173,12 +173,12 @@ class Llama(ByteModel):
         assert a["wq_LsxDxHmxK"].shape == (c.d_model, H // n, K) and a["wkv_LsxDx2xYmxK"].shape[:2] == (
             c.d_model, 2), (a["wq_LsxDxHmxK"].shape, a["wkv_LsxDx2xYmxK"].shape, n)  # this device's heads
         hf_BdxTxD = par.f(h_BdxTxD)
-        q_BdxTxHmxK = jnp.einsum("btd,dhk->bthk", hf_BdxTxD, a["wq_LsxDxHmxK"])
+        q_BdxTxHmxK = par.policy.einsum("btd,dhk->bthk", hf_BdxTxD, a["wq_LsxDxHmxK"])
         if replicated:  # every rank computes the Y heads; f sums the ranks' partial cotangents of them
-            kv_Bdx2xTxYxK = par.f(jnp.einsum("btd,diyk->bityk", h_BdxTxD, a["wkv_LsxDx2xYmxK"]))
+            kv_Bdx2xTxYxK = par.f(par.policy.einsum("btd,diyk->bityk", h_BdxTxD, a["wkv_LsxDx2xYmxK"]))
             kv_Bdx2xTxYmxK = lax.dynamic_slice_in_dim(kv_Bdx2xTxYxK, par.rank() * Y // n, 1, axis=3)
         else:
-            kv_Bdx2xTxYmxK = jnp.einsum("btd,diyk->bityk", hf_BdxTxD, a["wkv_LsxDx2xYmxK"])
+            kv_Bdx2xTxYmxK = par.policy.einsum("btd,diyk->bityk", hf_BdxTxD, a["wkv_LsxDx2xYmxK"])
         sin_TxK, cos_TxK = rope_table(c.seq_len, K, c.rope_theta)
         sin_BdxTxK, cos_BdxTxK = jnp.asarray(sin_TxK)[positions_BdxT], jnp.asarray(cos_TxK)[positions_BdxT]
         q_BdxTxHmxK = rotate(q_BdxTxHmxK, sin_BdxTxK, cos_BdxTxK)
@@ -201,7 +201,7 @@ class Llama(ByteModel):
             Hm = q_BdxTxHmxK.shape[2]
             o_BdxTxHmxK = attention.causal(q_BdxTxHmxK, context.shared(k_BdxTxYmxK, Hm),
                                            context.shared(v_BdxTxYmxK, Hm), par.policy.attention)
-        x_BdxTxD = x_BdxTxD + par.g(jnp.einsum("bthk,hkd->btd", o_BdxTxHmxK, a["wo_LsxHmxKxD"]))
+        x_BdxTxD = x_BdxTxD + par.g(par.policy.einsum("bthk,hkd->btd", o_BdxTxHmxK, a["wo_LsxHmxKxD"]))
         return x_BdxTxD + self.mlp(blk, x_BdxTxD, par)
 
     def mlp(self, blk, x_BdxTxD, par: Parallel = DENSE):
@@ -209,7 +209,8 @@ class Llama(ByteModel):
         the normed input: down(silu(gate(h)) * up(h)); one f for both column-parallel halves."""
         m = blk["mlp"]
         hf_BdxTxD = par.f(rms_norm(x_BdxTxD, blk["mlp_norm"]["scale_LsxD"], self.config.norm_eps))
-        h_BdxTxFm = jax.nn.silu(hf_BdxTxD @ m["wgate_LsxDxFm"]) * (hf_BdxTxD @ m["wup_LsxDxFm"])
+        mm = par.policy.matmul  # fp8 under --dtype fp8
+        h_BdxTxFm = jax.nn.silu(mm(hf_BdxTxD, m["wgate_LsxDxFm"])) * mm(hf_BdxTxD, m["wup_LsxDxFm"])
         return tp.row_parallel(h_BdxTxFm, m["wdown_LsxFmxD"], None, par)
 
     def head(self, params, x_BdxTxD, par: Parallel = DENSE):

@@ -70,17 +70,19 @@ def slots(chosen, E: int, C: int):
     return slot, slot < C
 
 
-def experts_mlp(x_XexTxD, w1_XexDxF, b1_XexF, w2_XexFxD, b2_XexD):
-    """Each local expert's GELU MLP on its T slots."""
-    h_XexTxF = jax.nn.gelu(jnp.einsum("etd,edf->etf", x_XexTxD, w1_XexDxF) + b1_XexF[:, None])
-    return jnp.einsum("etf,efd->etd", h_XexTxF, w2_XexFxD) + b2_XexD[:, None]
+def experts_mlp(x_XexTxD, w1_XexDxF, b1_XexF, w2_XexFxD, b2_XexD, einsum=jnp.einsum):
+    """Each local expert's GELU MLP on its T slots; `einsum`: the compute policy's (fp8 under --dtype fp8)."""
+    h_XexTxF = jax.nn.gelu(einsum("etd,edf->etf", x_XexTxD, w1_XexDxF) + b1_XexF[:, None])
+    return einsum("etf,efd->etd", h_XexTxF, w2_XexFxD) + b2_XexD[:, None]
 
 
-def moe_mlp(x_NxD, p: dict, *, k: int, capacity_factor: float, axis=None, algorithm: str = "pairwise"):
+def moe_mlp(x_NxD, p: dict, *, k: int, capacity_factor: float, axis=None, algorithm: str = "pairwise",
+            einsum=jnp.einsum):
     """(y N x D, {'balance', 'z', 'dropped', 'choices'}) of the MoE MLP on this device's
     tokens; `p` holds router_DxX (whole) and w1_XexDxF, b1_XexF, w2_XexFxD, b2_XexD (this
     device's E/n experts). axis: the expert axis inside a shard_map (None: every expert
-    here); algorithm: the all-to-all's (`dpjax.collectives.ALL_TO_ALL_ALGORITHMS`)."""
+    here); algorithm: the all-to-all's (`dpjax.collectives.ALL_TO_ALL_ALGORITHMS`); einsum: the
+    experts' matmuls' (`Policy.einsum`: fp8 under --dtype fp8)."""
     N, D = x_NxD.shape
     E, El = p["router_DxX"].shape[1], p["w1_XexDxF"].shape[0]
     n = axis_size(axis, "the experts' all-to-all") if axis is not None else 1
@@ -94,7 +96,7 @@ def moe_mlp(x_NxD, p: dict, *, k: int, capacity_factor: float, axis=None, algori
     if n > 1:  # expert e's slots to the device holding it: n sources x E/n experts x C slots
         buf_XxNxD = collectives.all_to_all(buf_XxNxD, axis, algorithm=algorithm)
     x_XexNxD = buf_XxNxD.reshape(n, El, C, D).transpose(1, 0, 2, 3).reshape(El, n * C, D)
-    y_XexNxD = experts_mlp(x_XexNxD, p["w1_XexDxF"], p["b1_XexF"], p["w2_XexFxD"], p["b2_XexD"])
+    y_XexNxD = experts_mlp(x_XexNxD, p["w1_XexDxF"], p["b1_XexF"], p["w2_XexFxD"], p["b2_XexD"], einsum)
     y_XxNxD = y_XexNxD.reshape(El, n, C, D).transpose(1, 0, 2, 3).reshape(E, C, D)
     if n > 1:  # and back: each source gets its tokens' outputs, in expert order
         y_XxNxD = collectives.all_to_all(y_XxNxD, axis, algorithm=algorithm)

@@ -31,6 +31,8 @@ MODES = {
     "staleness.py": [[], ["--hybrid"]],
     "wan.py": [[], ["--gpt"]],
     "elastic.py": [[], ["--commit-cost"], ["--restart"]],
+    "dtype_curves.py": [[], ["--dtypes", "bfloat16", "fp8"]],
+    "gpu_yardstick.py": [[], ["--fp8"]],
 }
 # The slowest smoke runs (20-60 s each on 2 shared cores: each compiles a dozen or more
 # training steps); the fast set keeps one run of each script.
@@ -48,7 +50,9 @@ SLOW = {("bench_train.py", 1), ("bench_train.py", 2), ("staleness.py", 1), ("wan
         # two training runs in subprocesses (about 60 s); tests/test_moe.py keeps a MoE step fast
         ("moe_vs_dense.py", 0),
         # 60 s under load: three layouts compiled; the layouts themselves are tests/test_annotations.py's
-        ("model_axes.py", 0)}
+        ("model_axes.py", 0),
+        # three more training runs (30-60 s); tests/test_fp8.py keeps fp8's train step fast
+        ("dtype_curves.py", 1), ("gpu_yardstick.py", 1)}
 
 
 def cases():

@@ -3,7 +3,11 @@ backward pass, and which attention kernel they call.
 
     dtype         the compute dtype of the layers' matmuls, the residual stream and the
                   activations a pipeline stage sends (bfloat16 on GPU / TPU by default,
-                  float32 on CPU: `resolve`)
+                  float32 on CPU: `resolve`); fp8: the layers' projection matmuls (the
+                  ones a model computes through `einsum` / `matmul` below: attention's
+                  Q K V and output, the MLP's, the experts') in float8 with per-tensor
+                  scaling (`dpjax.compute.fp8`: e4m3 forward, e5m2 gradients), bfloat16 for
+                  everything else the dtype covers
     param_dtype   the master weights and, following them, the optimizer state (float32,
                   as MaxText, Levanter and flax's `param_dtype` keep them)
     remat         what a layer keeps for the backward pass (`jax.checkpoint`):
@@ -38,7 +42,10 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
-DTYPES = ("float32", "bfloat16", "float16")
+from dpjax.compute import fp8
+
+DTYPES = ("float32", "bfloat16", "float16", "fp8")
+PARAM_DTYPES = ("float32", "bfloat16", "float16")  # fp8 is a way to multiply, not a dtype to keep weights in
 REMATS = ("none", "dots", "full")
 ATTENTIONS = ("naive", "xla", "cudnn")
 ATTENTION_NAME = "attention"  # the checkpoint name of the attention output (saved by remat=dots)
@@ -55,14 +62,28 @@ class Policy:
     expert_alltoall: str = "pairwise"  # a mixture's dispatch and combine: a dpjax all-to-all algorithm
 
     def __post_init__(self):
-        for name, value, allowed in (("dtype", self.dtype, DTYPES), ("param_dtype", self.param_dtype, DTYPES),
+        for name, value, allowed in (("dtype", self.dtype, DTYPES), ("param_dtype", self.param_dtype, PARAM_DTYPES),
                                      ("remat", self.remat, REMATS), ("attention", self.attention, ATTENTIONS)):
             if value not in allowed:
                 raise ValueError(f"Policy {name}={value!r}: expected one of {', '.join(allowed)}")
 
     @property
     def compute(self):
-        return jnp.dtype(self.dtype)
+        """The dtype the layers compute in (bfloat16 under fp8: what is not an fp8 matmul)."""
+        return jnp.dtype("bfloat16" if self.dtype == "fp8" else self.dtype)
+
+    def _fp8(self, x, w) -> bool:
+        # only operands in the compute dtype: a float32 operand is one of the numerically
+        # sensitive parts the model upcast on purpose (the tied head's logits, the router)
+        return self.dtype == "fp8" and x.dtype == w.dtype == self.compute
+
+    def einsum(self, spec: str, x, w):
+        """A layer's projection `jnp.einsum(spec, x, w)` (two operands), in fp8 under dtype=fp8."""
+        return fp8.einsum(spec, x, w) if self._fp8(x, w) else jnp.einsum(spec, x, w)
+
+    def matmul(self, x, w_DxF):
+        """A layer's projection `x @ w_DxF`, in fp8 under dtype=fp8."""
+        return fp8.matmul(x, w_DxF) if self._fp8(x, w_DxF) else x @ w_DxF
 
     def cast(self, tree):
         """`tree`'s floating leaves in the compute dtype (integers, e.g. token ids, as they are)."""
@@ -102,10 +123,25 @@ def cudnn_refusal(dtype: str, head_dim: int | None, platform: str) -> str | None
     compute, a head width that is a multiple of 8 and at most 256."""
     if platform not in ("gpu", "cuda"):
         return f"cuDNN attention needs an NVIDIA GPU (this run is on {platform})"
-    if dtype not in ("bfloat16", "float16"):
+    if dtype not in ("bfloat16", "float16", "fp8"):  # fp8 leaves attention in bfloat16
         return f"cuDNN flash attention computes in bfloat16 or float16 (--dtype is {dtype})"
     if head_dim is not None and (head_dim % 8 or head_dim > 256):
         return f"cuDNN flash attention needs a head width that is a multiple of 8 and at most 256 (it is {head_dim})"
+    return None
+
+
+def fp8_refusal(platform: str, devices=None) -> str | None:
+    """Why fp8 matmuls cannot run here (None: they can): an NVIDIA GPU needs fp8 tensor
+    cores (compute capability 8.9: Ada, Hopper and later); CPU emulates them (for tests)."""
+    if platform == "tpu":
+        return "XLA has no fp8 matmuls on TPU that dpjax has checked"
+    if platform in ("gpu", "cuda"):
+        device = (devices or jax.devices())[0]
+        cc = getattr(device, "compute_capability", None)
+        if cc is not None and tuple(int(v) for v in str(cc).split(".")[:2]) < (8, 9):
+            return f"{device.device_kind} (compute capability {cc}) has no fp8 tensor cores (8.9 and later have)"
+    elif platform == "rocm":
+        return "dpjax's fp8 is written for NVIDIA's float8_e4m3fn / e5m2, not AMD's fnuz formats"
     return None
 
 
@@ -121,6 +157,12 @@ def resolve(dtype: str = "auto", param_dtype: str = "float32", remat: str = "non
     if dtype == "auto":
         dtype = "bfloat16" if accelerated(platform) else "float32"
     notes = []
+    if dtype == "fp8":
+        why = fp8_refusal(platform)
+        if why is not None:
+            raise ValueError(f"--dtype fp8: {why}; use --dtype bfloat16")
+        if not accelerated(platform):
+            notes.append("dtype fp8: XLA:CPU emulates the float8 dots (a GPU's arithmetic, not its speed)")
     if attention == "auto":
         why = cudnn_refusal(dtype, head_dim, platform)
         attention = "cudnn" if why is None else "xla"

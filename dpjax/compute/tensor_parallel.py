@@ -280,7 +280,7 @@ def column_parallel(x_BdxTxD, w_DxFm, b_Fm=None, par: Parallel = DENSE):
     """x @ W[:, cols] (+ b[cols]): W split by columns; the output is this shard's columns."""
     assert x_BdxTxD.shape[-1] == w_DxFm.shape[0] and (b_Fm is None or b_Fm.shape == w_DxFm.shape[1:]), (
         x_BdxTxD.shape, w_DxFm.shape, None if b_Fm is None else b_Fm.shape)  # this device's blocks
-    y_BdxTxFm = par.f(x_BdxTxD) @ w_DxFm
+    y_BdxTxFm = par.policy.matmul(par.f(x_BdxTxD), w_DxFm)  # fp8 under --dtype fp8
     return y_BdxTxFm if b_Fm is None else y_BdxTxFm + b_Fm
 
 
@@ -288,7 +288,7 @@ def row_parallel(h_BdxTxFm, w_FmxD, b_D=None, par: Parallel = DENSE):
     """sum over shards of h[:, rows] @ W[rows, :] (+ b): input split, output whole."""
     assert h_BdxTxFm.shape[-1] == w_FmxD.shape[0] and (b_D is None or b_D.shape == w_FmxD.shape[1:]), (
         h_BdxTxFm.shape, w_FmxD.shape, None if b_D is None else b_D.shape)  # this device's blocks
-    y_BdxTxD = par.g(h_BdxTxFm @ w_FmxD)
+    y_BdxTxD = par.g(par.policy.matmul(h_BdxTxFm, w_FmxD))
     return y_BdxTxD if b_D is None else y_BdxTxD + b_D
 
 
@@ -299,9 +299,9 @@ def head_parallel_attention(x_BdxTxD, wqkv_Dx3xHmxK, wo_HmxKxD, core, par: Paral
     D = x_BdxTxD.shape[-1]
     assert wqkv_Dx3xHmxK.shape[:2] == (D, 3) and wo_HmxKxD.shape == (*wqkv_Dx3xHmxK.shape[2:], D), (
         x_BdxTxD.shape, wqkv_Dx3xHmxK.shape, wo_HmxKxD.shape)  # this device's heads
-    qkv = jnp.einsum("btd,dihk->ibthk", par.f(x_BdxTxD), wqkv_Dx3xHmxK)
+    qkv = par.policy.einsum("btd,dihk->ibthk", par.f(x_BdxTxD), wqkv_Dx3xHmxK)
     a_BdxTxHmxK = core(qkv[0], qkv[1], qkv[2])
-    return par.g(jnp.einsum("bthk,hkd->btd", a_BdxTxHmxK, wo_HmxKxD))
+    return par.g(par.policy.einsum("bthk,hkd->btd", a_BdxTxHmxK, wo_HmxKxD))
 
 
 def _local_ids(ids, n_local: int, par: Parallel):

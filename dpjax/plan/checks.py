@@ -36,7 +36,7 @@ def check(s: Settings) -> None:
     from dpjax.models import MODELS, model_options
     from dpjax.optim import LR_SCALINGS, OPTIMIZERS
     from dpjax.pipeline import SCHEDULES
-    from dpjax.compute.policy import ATTENTIONS, DTYPES, REMATS
+    from dpjax.compute.policy import ATTENTIONS, DTYPES, PARAM_DTYPES, REMATS
     from dpjax.updates import parse_update
 
     def one_of(what, value, known):
@@ -62,7 +62,7 @@ def check(s: Settings) -> None:
     if s.allreduce is not None:  # None: the platform's default (dpjax.plan.default_allreduce)
         one_of("--allreduce algorithm", s.allreduce, (*ALGORITHMS, "auto"))
     one_of("--dtype", s.dtype, ("auto", *DTYPES))
-    one_of("--param-dtype", s.param_dtype, DTYPES)
+    one_of("--param-dtype", s.param_dtype, PARAM_DTYPES)
     one_of("--remat", s.remat, ("auto", *REMATS))
     one_of("--attention", s.attention, ("auto", *ATTENTIONS))
     one_of("--tp-allreduce algorithm", s.tp_allreduce, ALGORITHMS)

@@ -53,8 +53,12 @@ def device_peaks(device_kind: str) -> dict:
 def peak_tflops(device_kind: str, dtype: str = "float32") -> float | None:
     """The table's dense peak for a device of this kind computing in `dtype` (None if
     the kind is not in the table, e.g. CPUs). Under `jax_default_matmul_precision`
-    'highest' a float32 matmul is not TF32: no peak is claimed for it then."""
+    'highest' a float32 matmul is not TF32: no peak is claimed for it then. `--dtype fp8`
+    is measured against the bf16 peak: an fp8 run's MFU then reads as its speed-up over
+    bf16 (only its projections are fp8; against fp8's own peak, twice bf16's on Hopper)."""
     import jax
+
+    dtype = "bfloat16" if dtype == "fp8" else dtype
 
     if dtype == "float32" and jax.config.jax_default_matmul_precision in ("highest", "float32", "fp32"):
         return None

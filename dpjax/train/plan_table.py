@@ -3,6 +3,9 @@ must hold, part by part (`dpjax.plan.memory.estimate`), before anything is compi
 
 from __future__ import annotations
 
+FP8 = (" (the layers' projection matmuls in float8 with per-tensor current scaling: e4m3 operands forward, e5m2 "
+       "gradients backward, float32 accumulation; bfloat16 elsewhere)")
+
 
 def _gib(b) -> str:
     return "unknown" if b is None else f"{b / 2**30:,.2f} GiB"
@@ -27,8 +30,8 @@ def plan_lines(plan) -> list[str]:
              f"{', '.join(lay.workers) or 'one synchronous group'}; update: {plan.update}",
              f"exchange: {ex.algorithm}, fusion {ex.fusion_mb:g} MiB, compression {ex.compression or 'none'}; "
              f"batch {plan.global_batch} x {plan.passes} pass(es)",
-             f"compute: dtype {pol.dtype}, parameters {pol.param_dtype}, remat {pol.remat}, attention "
-             f"{pol.attention}, layers {'scanned' if pol.scan else 'a Python loop'}"]
+             f"compute: dtype {pol.dtype}{FP8 if pol.dtype == 'fp8' else ''}, parameters {pol.param_dtype}, "
+             f"remat {pol.remat}, attention {pol.attention}, layers {'scanned' if pol.scan else 'a Python loop'}"]
     lines += list(plan.notes) + _context_lines(plan)
     mem = plan.memory
     if mem is not None:
