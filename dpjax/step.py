@@ -133,13 +133,13 @@ def build(loss_fn, plan: Plan, *, abstract_params, donate: bool = True, value_an
     pw, sw, rows = held.pspecs_w, held.sspecs_w, data_axes(layout.mesh) or None
     return TrainStep(
         layout, plan.rule, plan.passes, pw, sw,
-        init=jax.jit(smap(bodies.init, (held.pspecs,), (pw, sw))),
-        train=jax.jit(smap(bodies.train, (pw, sw, P(None, rows)), (pw, sw, P()) + ((P(),) if step_stats else ())),
+        init=jax.jit(smap(bodies.init_body, (held.pspecs,), (pw, sw))),
+        train=jax.jit(smap(bodies.train_body, (pw, sw, P(None, rows)), (pw, sw, P()) + ((P(),) if step_stats else ())),
                       donate_argnums=(0, 1) if donate else ()),
-        evaluate=jax.jit(smap(bodies.evaluate, (pw, P(rows)), P())),
-        flush=jax.jit(smap(bodies.flush, (pw, sw), (pw, sw))),
-        consensus=jax.jit(smap(bodies.consensus, (pw,), held.pspecs)),
-        stats=None if loss_and_stats is None else jax.jit(smap(bodies.stats, (pw, P(rows)), P())))
+        evaluate=jax.jit(smap(bodies.eval_body, (pw, P(rows)), P())),
+        flush=jax.jit(smap(bodies.flush_body, (pw, sw), (pw, sw))),
+        consensus=jax.jit(smap(bodies.consensus_body, (pw,), held.pspecs)),
+        stats=None if loss_and_stats is None else jax.jit(smap(bodies.stats_body, (pw, P(rows)), P())))
 
 
 def _local_grad(loss_fn, plan: Plan, par, value_and_grad):
@@ -230,7 +230,8 @@ class _Held:
 
 
 class _Bodies:
-    """The per-device bodies of the step's programs (each inside its own shard_map)."""
+    """The per-device bodies of the step's programs (each inside its own shard_map; their
+    names are the programs' module names, `jit_train_body`, which profiles and timelines show)."""
 
     def __init__(self, plan: Plan, held: _Held, par, grad_fn, loss_fn, loss_and_stats, step_stats: bool):
         self.plan, self.held, self.par, self.grad_fn = plan, held, par, grad_fn
@@ -246,7 +247,7 @@ class _Bodies:
         self.replicated_over = layout.workers if layout.fsdp else axes
         self.expert_over = tuple(a for a in axes if a != EXPERT)
 
-    def init(self, params):
+    def init_body(self, params):
         held, layout = self.held, self.plan.layout
         got = jax.tree.map(lambda x: tuple(x.shape), params)
         assert got == held.local, f"init: local parameter shapes {got} != {held.local}"
@@ -259,7 +260,7 @@ class _Bodies:
                               lambda ls: broadcast(ls, self.replicated_over))
         return held.wrap(params), held.wrap(self.plan.rule.init(params))
 
-    def train(self, params, state, batch_AxBdxT1):
+    def train_body(self, params, state, batch_AxBdxT1):
         held, passes, rows = self.held, self.plan.passes, self.local_rows
         held.check(params)
         assert batch_AxBdxT1.ndim == 3 and batch_AxBdxT1.shape[:2] == (passes, rows or batch_AxBdxT1.shape[1]), (
@@ -271,22 +272,22 @@ class _Bodies:
             loss = lax.pmean(loss, self.loss_axes)  # with stats, (loss, stats): the step returns both
         return held.wrap(params), held.wrap(state), *(loss if self.step_stats else (loss,))
 
-    def evaluate(self, params, batch_BdxT1):
+    def eval_body(self, params, batch_BdxT1):
         rows = self.local_rows
         assert batch_BdxT1.ndim == 2 and batch_BdxT1.shape[0] == (rows or batch_BdxT1.shape[0]), (
             batch_BdxT1.shape, rows)
-        return lax.pmean(self.loss_fn(self.consensus(params), batch_BdxT1, self.par), self.loss_axes)
+        return lax.pmean(self.loss_fn(self.consensus_body(params), batch_BdxT1, self.par), self.loss_axes)
 
-    def stats(self, params, batch_BdxT1):
-        figures = self.loss_and_stats(self.consensus(params), batch_BdxT1, self.par)[1]
+    def stats_body(self, params, batch_BdxT1):
+        figures = self.loss_and_stats(self.consensus_body(params), batch_BdxT1, self.par)[1]
         return jax.tree.map(lambda v: lax.pmean(v, self.loss_axes), figures)
 
-    def flush(self, params, state):
+    def flush_body(self, params, state):
         held = self.held
         held.check(params)
         return tuple(held.wrap(x) for x in self.plan.rule.flush(held.unwrap(params), held.unwrap(state)))
 
-    def consensus(self, params):
+    def consensus_body(self, params):
         self.held.check(params)
         return self.plan.rule.consensus(self.held.unwrap(params))
 

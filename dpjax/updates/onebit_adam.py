@@ -103,8 +103,8 @@ def onebit_adam(adamw, clip, schedule, axis_name=(), *, b1: float, b2: float, ep
     assert ex.keeps_state(axes) or not axes, spec
 
     def init(params):
-        held = jax.tree.map(jnp.zeros_like, params) if bound else ()
-        return OneBitState(adamw.init(params), ex.init(params, axes), held)
+        inner, exchange = adamw.init(params), ex.init(params, axes)
+        return OneBitState(inner, exchange, jax.tree.map(jnp.zeros_like, params) if bound else ())
 
     def v_updates(count):
         """How many times v was updated in the `count` steps done: each warm-up step, each refresh."""
