@@ -4,7 +4,8 @@
 `jax.shard_map`, where each data-parallel rank holds the gradient of its own slice of
 the batch. Its update packs the gradients into tensor-fusion buckets
 (`dpjax.fusion`), allreduces each bucket once with the chosen explicit algorithm
-(`dpjax.collectives`), unpacks the average and hands it to `inner`. This is
+(`dpjax.collectives`), unpacks the average and hands it to `inner`: the exchange
+every rule runs (`dpjax.compression.exchange.Exchange`), with its error feedback. This is
 Horovod's design (Sergeev & Del Balso, "Horovod: fast and easy distributed deep
 learning in TensorFlow", 2018): wrap the optimizer, broadcast the initial parameters,
 shard the data.
@@ -26,11 +27,11 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from dpjax import collectives, scopes
+from dpjax import collectives
 from dpjax.collectives._common import axis_size
 from dpjax.compression import COMPRESSIONS  # noqa: F401  (the names --compression takes; step.Exchange reads it)
 from dpjax.compression import check as check_compression
-from dpjax.compression import summable
+from dpjax.compression.exchange import Exchange
 from dpjax.fusion import pack, plan_buckets, unpack
 from dpjax.mesh import DATA, data_axes
 from dpjax.wrap.rng import bound_data_axes
@@ -61,11 +62,8 @@ def allreduce_gradients(grads, axis_name="data", *, algorithm: str = "ring", fus
     f = gradient_predivide_factor
     if op != "mean" and f != 1.0:
         raise ValueError(f"gradient_predivide_factor applies to op='mean' only, not to op={op!r}")
-    with scopes.phase("exchange"):  # every rule's exchange passes here (dpjax.scopes, dpjax.timeline)
-        return collectives.grouped_allreduce(grads, axis_name, op=op, fusion_mb=fusion_mb,
-                                             compression=summable(compression),
-                                             algorithm=algorithm, prescale_factor=1 / f, postscale_factor=f,
-                                             **options)
+    return Exchange(algorithm, fusion_mb, compression, options).allreduce(grads, axis_name, op=op,
+                                                                          prescale_factor=1 / f, postscale_factor=f)
 
 
 def _named(axis_name):
@@ -103,9 +101,8 @@ def DistributedOptimizer(inner: optax.GradientTransformation, axis_name="data", 
     """
     collectives.check_algorithm(algorithm)
     check_compression(compression)
-    from dpjax.compression import feedback, stateful
-
-    keeps_state = axis_name is not None and stateful(compression)
+    ex = Exchange(algorithm, fusion_mb, compression, options)
+    keeps_state = axis_name is not None and ex.keeps_state(axis_name)
     if keeps_state and op != "mean":
         raise ValueError(f"compression {compression!r} averages with error feedback: op must be 'mean', not {op!r}")
     if keeps_state and options.get("groups") is not None:
@@ -128,8 +125,7 @@ def DistributedOptimizer(inner: optax.GradientTransformation, axis_name="data", 
             return tree, comp
         axis = _named(axis_name)
         if keeps_state:
-            return feedback.mean(tree, comp, axis, algorithm=algorithm, fusion_mb=fusion_mb,
-                                 compression=compression, **options)
+            return ex.mean(tree, axis, comp)
         return allreduce_gradients(tree, axis, algorithm=algorithm, fusion_mb=fusion_mb,
                                    compression=compression, op=op,
                                    gradient_predivide_factor=gradient_predivide_factor, **options), comp
@@ -144,7 +140,7 @@ def DistributedOptimizer(inner: optax.GradientTransformation, axis_name="data", 
 
     def init_fn(params):
         acc = jax.tree.map(jnp.zeros_like, params) if k > 1 else ()
-        comp = feedback.init(compression, params) if keeps_state else ()
+        comp = ex.init(params, axis_name) if keeps_state else ()
         return DistributedState(inner.init(params), jnp.zeros((), jnp.int32), acc, comp)
 
     def update_fn(grads, state, params=None):

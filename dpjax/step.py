@@ -51,7 +51,7 @@ from jax.sharding import PartitionSpec as P
 from dpjax import links as emulation
 from dpjax import scopes
 from dpjax.compression import sharded
-from dpjax.data_parallel import allreduce_gradients, broadcast_params
+from dpjax.data_parallel import broadcast_params
 from dpjax.fusion import leaf_classes
 from dpjax.mesh import EXPERT, NOT_DATA, as_axes, axis_arg, data_axes, dp_size, is_spec, local_shape, spec_axes
 from dpjax.pipeline import staged as pipeline_staged
@@ -117,32 +117,57 @@ def build(loss_fn, plan: Plan, *, abstract_params, donate: bool = True, value_an
     forward's (no second forward a step) and the `stats` program computes them on a batch
     (none without it).
     """
-    layout, rule, exchange, passes, links = plan.layout, plan.rule, plan.exchange, plan.passes, plan.links
-    mesh, axes = layout.mesh, data_axes(layout.mesh)
-    assert as_axes(rule.axes) == tuple(layout.workers), (rule.axes, layout.workers)  # one plan made both
+    layout, exchange = plan.layout, plan.exchange
+    assert as_axes(plan.rule.axes) == tuple(layout.workers), (plan.rule.axes, layout.workers)  # one plan made both
     par = dataclasses.replace(layout.parallel(fsdp_wire=exchange.wire), policy=plan.policy)  # dpjax.compute.policy
-    inner_mean = _inner_mean(layout, exchange)
-    loss_axes = axes + layout.context_axes  # a context axis's devices each hold a share of every sequence's tokens
     # the "loss" the rule passes through is then (loss, stats); FSDP through random-k takes
-    # its own local gradient (below): its steps leave the figures to the `stats` program
+    # its own local gradient (`_local_grad`): its steps leave the figures to the `stats` program
     step_stats = loss_and_stats is not None and not sharded.applies(layout, exchange.compression)
     if step_stats:
         assert value_and_grad is None, "dpjax.plan refuses experts beside a stage axis"
         value_and_grad = jax.value_and_grad(loss_and_stats, has_aux=True)
+    grad_fn = _grad_fn(plan, *_local_grad(loss_fn, plan, par, value_and_grad))
+    held = _Held.of(plan, abstract_params)
+    bodies = _Bodies(plan, held, par, grad_fn, loss_fn, loss_and_stats, step_stats)
+    smap = _smapper(plan, held, clock)
+    pw, sw, rows = held.pspecs_w, held.sspecs_w, data_axes(layout.mesh) or None
+    return TrainStep(
+        layout, plan.rule, plan.passes, pw, sw,
+        init=jax.jit(smap(bodies.init_body, (held.pspecs,), (pw, sw))),
+        train=jax.jit(smap(bodies.train_body, (pw, sw, P(None, rows)), (pw, sw, P()) + ((P(),) if step_stats else ())),
+                      donate_argnums=(0, 1) if donate else ()),
+        evaluate=jax.jit(smap(bodies.eval_body, (pw, P(rows)), P())),
+        flush=jax.jit(smap(bodies.flush_body, (pw, sw), (pw, sw))),
+        consensus=jax.jit(smap(bodies.consensus_body, (pw,), held.pspecs)),
+        stats=None if loss_and_stats is None else jax.jit(smap(bodies.stats_body, (pw, P(rows)), P())))
+
+
+def _local_grad(loss_fn, plan: Plan, par, value_and_grad):
+    """(value_and_grad(params, batch_BdxT1) -> this device's loss and gradient, zeros(params)
+    -> a zero gradient to accumulate into). FSDP through random-k differentiates with
+    respect to the gathered parameters, unreduced: its rule (wrapped, `sharded.wrap`)
+    reduces."""
+    layout = plan.layout
     loss_and_grad = functools.partial(value_and_grad or jax.value_and_grad(loss_fn), par=par)
     zeros_grad = lambda p: jax.tree.map(jnp.zeros_like, p)  # noqa: E731
-    if sharded.applies(layout, exchange.compression):  # FSDP through random-k: the rule (wrapped) reduces
+    if sharded.applies(layout, plan.exchange.compression):
         assert value_and_grad is None, "dpjax.plan refuses a stage axis here"
         loss_and_grad = sharded.local_value_and_grad(loss_fn, par, sharded.dp(layout))
         zeros_grad = lambda p: sharded.full_zeros(p, layout.gather_dims, sharded.dp(layout))  # noqa: E731
 
-    def value_and_grad(p, b):
+    def named(p, b):
         with scopes.phase("forward_backward"):  # names only (dpjax.scopes): the program is the same
             return loss_and_grad(p, b)
 
+    return named, zeros_grad
+
+
+def _grad_fn(plan: Plan, value_and_grad, zeros_grad):
+    """grad_fn(params, batch_AxBdxT1) -> the worker's loss and gradient: A micro-batches
+    accumulated, then averaged over the worker's own devices (`_inner_mean`)."""
+    passes, inner_mean = plan.passes, _inner_mean(plan.layout, plan.exchange)
+
     def grad_fn(params, batch_AxBdxT1):
-        """The worker's loss and gradient: A micro-batches accumulated, then averaged
-        over the worker's own devices."""
         assert batch_AxBdxT1.shape[0] == passes, (batch_AxBdxT1.shape, passes)
         if passes == 1:
             loss, g = value_and_grad(params, batch_AxBdxT1[0])
@@ -157,30 +182,124 @@ def build(loss_fn, plan: Plan, *, abstract_params, donate: bool = True, value_an
             loss, g = jax.tree.map(lambda x: x / passes, (loss, g))
         return loss, inner_mean(g)
 
-    pspecs = layout.specs
-    classes = jax.tree.map(lambda s: ",".join(a for a in spec_axes(s) if a in NOT_DATA and mesh.shape[a] > 1), pspecs,
-                           is_leaf=is_spec)
-    sspecs = rule.specs(pspecs, jax.eval_shape(rule.init, abstract_params))
-    if rule.per_worker:
-        lead = layout.workers or None
-        stack = lambda tree: jax.tree.map(lambda s: P(lead, *s), tree, is_leaf=is_spec)  # noqa: E731
-        pspecs_w, sspecs_w = stack(pspecs), stack(sspecs)
-        unwrap = lambda tree: jax.tree.map(_one_worker, tree)  # noqa: E731
-        wrap = lambda tree: jax.tree.map(lambda x: x[None], tree)  # noqa: E731
-    else:
-        pspecs_w, sspecs_w = pspecs, sspecs
-        unwrap = wrap = lambda tree: tree  # noqa: E731
-    rows = axes or None
-    # what each device holds inside the shard_maps below, asserted in every body
-    lead = (layout.num_workers,) if rule.per_worker else ()
-    local_p = jax.tree.map(lambda a, sp: local_shape(lead + tuple(a.shape), sp, mesh), abstract_params, pspecs_w,
-                           is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct))
+    return grad_fn
 
-    def assert_local(params_w):
+
+@dataclass(frozen=True)
+class _Held:
+    """What each device holds inside the step's shard_maps: the parameters' and the rule's
+    state's specs (`_w`: with the leading worker axis of a per-worker rule), and the local
+    parameter shapes every body asserts (`local_w`: with that axis; `local`: without)."""
+
+    pspecs: Any
+    sspecs: Any
+    pspecs_w: Any
+    sspecs_w: Any
+    local: Any
+    local_w: Any
+    per_worker: bool
+
+    @classmethod
+    def of(cls, plan: Plan, abstract_params) -> "_Held":
+        layout, rule, mesh = plan.layout, plan.rule, plan.layout.mesh
+        pspecs = layout.specs
+        sspecs = rule.specs(pspecs, jax.eval_shape(rule.init, abstract_params))
+        lead, stack = (), lambda tree: tree  # noqa: E731
+        if rule.per_worker:
+            lead = (layout.num_workers,)
+            stack = lambda tree: jax.tree.map(lambda s: P(layout.workers or None, *s), tree,  # noqa: E731
+                                              is_leaf=is_spec)
+        pspecs_w = stack(pspecs)
+
+        def local(specs, lead):
+            return jax.tree.map(lambda a, sp: local_shape(lead + tuple(a.shape), sp, mesh), abstract_params, specs,
+                                is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct))
+
+        return cls(pspecs, sspecs, pspecs_w, stack(sspecs), local(pspecs, ()), local(pspecs_w, lead), rule.per_worker)
+
+    def wrap(self, tree):
+        """The worker axis put on (a per-worker rule's values), or the tree as it is."""
+        return jax.tree.map(lambda x: x[None], tree) if self.per_worker else tree
+
+    def unwrap(self, tree):
+        return jax.tree.map(_one_worker, tree) if self.per_worker else tree
+
+    def check(self, params_w):
         got = jax.tree.map(lambda x: tuple(x.shape), params_w)
-        assert got == local_p, f"local parameter shapes {got} != {local_p}"
+        assert got == self.local_w, f"local parameter shapes {got} != {self.local_w}"
 
-    emulator = emulation.Emulator(mesh, tuple(links), clock) if links else None
+
+class _Bodies:
+    """The per-device bodies of the step's programs (each inside its own shard_map; their
+    names are the programs' module names, `jit_train_body`, which profiles and timelines show)."""
+
+    def __init__(self, plan: Plan, held: _Held, par, grad_fn, loss_fn, loss_and_stats, step_stats: bool):
+        self.plan, self.held, self.par, self.grad_fn = plan, held, par, grad_fn
+        self.loss_fn, self.loss_and_stats, self.step_stats = loss_fn, loss_and_stats, step_stats
+        layout = plan.layout
+        axes = data_axes(layout.mesh)
+        self.loss_axes = axes + layout.context_axes  # a context axis's devices each hold a share of every sequence
+        self.local_rows = plan.global_batch // dp_size(layout.mesh) if plan.global_batch else None  # B / dp
+        # Parameters are replicated over the data axes FSDP does not split: Horovod's
+        # broadcast from rank 0 over those makes every replica start alike. A mixture's
+        # experts differ along `expert` and FSDP never splits them: broadcast over every
+        # other data axis (FSDP's or not), never over `expert`
+        self.replicated_over = layout.workers if layout.fsdp else axes
+        self.expert_over = tuple(a for a in axes if a != EXPERT)
+
+    def init_body(self, params):
+        held, layout = self.held, self.plan.layout
+        got = jax.tree.map(lambda x: tuple(x.shape), params)
+        assert got == held.local, f"init: local parameter shapes {got} != {held.local}"
+
+        def broadcast(leaves, over):
+            return broadcast_params(leaves, axis_arg(over), root=0) if over and leaves else leaves
+
+        if self.replicated_over or self.expert_over:
+            params = _by_leaf(params, layout.expert_leaves(), lambda ls: broadcast(ls, self.expert_over),
+                              lambda ls: broadcast(ls, self.replicated_over))
+        return held.wrap(params), held.wrap(self.plan.rule.init(params))
+
+    def train_body(self, params, state, batch_AxBdxT1):
+        held, passes, rows = self.held, self.plan.passes, self.local_rows
+        held.check(params)
+        assert batch_AxBdxT1.ndim == 3 and batch_AxBdxT1.shape[:2] == (passes, rows or batch_AxBdxT1.shape[1]), (
+            batch_AxBdxT1.shape, passes, rows)
+        with scopes.phase("optimizer"):  # the rule's own work; grad_fn's phases name themselves inside
+            params, state, loss = self.plan.rule.step(self.grad_fn, held.unwrap(params), held.unwrap(state),
+                                                      batch_AxBdxT1)
+        with scopes.phase("loss"):
+            loss = lax.pmean(loss, self.loss_axes)  # with stats, (loss, stats): the step returns both
+        return held.wrap(params), held.wrap(state), *(loss if self.step_stats else (loss,))
+
+    def eval_body(self, params, batch_BdxT1):
+        rows = self.local_rows
+        assert batch_BdxT1.ndim == 2 and batch_BdxT1.shape[0] == (rows or batch_BdxT1.shape[0]), (
+            batch_BdxT1.shape, rows)
+        return lax.pmean(self.loss_fn(self.consensus_body(params), batch_BdxT1, self.par), self.loss_axes)
+
+    def stats_body(self, params, batch_BdxT1):
+        figures = self.loss_and_stats(self.consensus_body(params), batch_BdxT1, self.par)[1]
+        return jax.tree.map(lambda v: lax.pmean(v, self.loss_axes), figures)
+
+    def flush_body(self, params, state):
+        held = self.held
+        held.check(params)
+        return tuple(held.wrap(x) for x in self.plan.rule.flush(held.unwrap(params), held.unwrap(state)))
+
+    def consensus_body(self, params):
+        self.held.check(params)
+        return self.plan.rule.consensus(self.held.unwrap(params))
+
+
+def _smapper(plan: Plan, held: _Held, clock):
+    """smap(fn, in_specs, out_specs): fn in a shard_map over the plan's mesh, traced with
+    its collective calls numbered, timed on the emulated links (if any), and with the
+    compression's fusion buckets never mixing parameters split differently."""
+    mesh = plan.layout.mesh
+    classes = jax.tree.map(lambda s: ",".join(a for a in spec_axes(s) if a in NOT_DATA and mesh.shape[a] > 1),
+                           held.pspecs, is_leaf=is_spec)
+    emulator = emulation.Emulator(mesh, tuple(plan.links), clock) if plan.links else None
 
     def smap(fn, in_specs, out_specs):
         if emulator is not None:  # collectives traced inside time themselves on the links
@@ -189,68 +308,7 @@ def build(loss_fn, plan: Plan, *, abstract_params, donate: bool = True, value_an
         fn = _traced_within(lambda: leaf_classes(classes), fn)  # compression buckets never mix shards
         return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
 
-    # Parameters are replicated over the data axes FSDP does not split: Horovod's
-    # broadcast from rank 0 over those makes every replica start alike.
-    replicated_over = layout.workers if layout.fsdp else axes
-
-    # A mixture's experts differ along `expert` and FSDP never splits them: broadcast over
-    # every other data axis (FSDP's or not), never over `expert`
-    experts = layout.expert_leaves()
-    expert_over = tuple(a for a in axes if a != EXPERT)
-
-    def broadcast(leaves, over):
-        return broadcast_params(leaves, axis_arg(over), root=0) if over and leaves else leaves
-
-    def init_body(params):
-        assert jax.tree.map(lambda x: tuple(x.shape), params) == jax.tree.map(
-            lambda a, sp: local_shape(a.shape, sp, mesh), abstract_params, pspecs,
-            is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct)), "init: local parameter shapes"
-        if replicated_over or expert_over:
-            params = _by_leaf(params, experts, lambda ls: broadcast(ls, expert_over),
-                              lambda ls: broadcast(ls, replicated_over))
-        return wrap(params), wrap(rule.init(params))
-
-    local_rows = plan.global_batch // dp_size(mesh) if plan.global_batch else None  # B / dp
-
-    def train_body(params, state, batch_AxBdxT1):
-        assert_local(params)
-        assert batch_AxBdxT1.ndim == 3 and batch_AxBdxT1.shape[:2] == (passes, local_rows or batch_AxBdxT1.shape[1]), (
-            batch_AxBdxT1.shape, passes, local_rows)
-        with scopes.phase("optimizer"):  # the rule's own work; grad_fn's phases name themselves inside
-            params, state, loss = rule.step(grad_fn, unwrap(params), unwrap(state), batch_AxBdxT1)
-        with scopes.phase("loss"):
-            loss = lax.pmean(loss, loss_axes)  # with stats, (loss, stats): the step returns both
-        return wrap(params), wrap(state), *(loss if step_stats else (loss,))
-
-    def eval_body(params, batch_BdxT1):
-        assert_local(params)
-        assert batch_BdxT1.ndim == 2 and batch_BdxT1.shape[0] == (local_rows or batch_BdxT1.shape[0]), (
-            batch_BdxT1.shape, local_rows)
-        return lax.pmean(loss_fn(rule.consensus(unwrap(params)), batch_BdxT1, par), loss_axes)
-
-    def stats_body(params, batch_BdxT1):
-        assert_local(params)
-        return jax.tree.map(lambda v: lax.pmean(v, loss_axes),
-                            loss_and_stats(rule.consensus(unwrap(params)), batch_BdxT1, par)[1])
-
-    def flush_body(params, state):
-        assert_local(params)
-        return tuple(wrap(x) for x in rule.flush(unwrap(params), unwrap(state)))
-
-    def consensus_body(params):
-        assert_local(params)
-        return rule.consensus(unwrap(params))
-
-    return TrainStep(
-        layout, rule, passes, pspecs_w, sspecs_w,
-        init=jax.jit(smap(init_body, (pspecs,), (pspecs_w, sspecs_w))),
-        train=jax.jit(smap(train_body, (pspecs_w, sspecs_w, P(None, rows)),
-                           (pspecs_w, sspecs_w, P()) + ((P(),) if step_stats else ())),
-                      donate_argnums=(0, 1) if donate else ()),
-        evaluate=jax.jit(smap(eval_body, (pspecs_w, P(rows)), P())),
-        flush=jax.jit(smap(flush_body, (pspecs_w, sspecs_w), (pspecs_w, sspecs_w))),
-        consensus=jax.jit(smap(consensus_body, (pspecs_w,), pspecs)),
-        stats=None if loss_and_stats is None else jax.jit(smap(stats_body, (pspecs_w, P(rows)), P())))
+    return smap
 
 
 def _inner_mean(layout: Layout, exchange: Exchange):
@@ -260,11 +318,10 @@ def _inner_mean(layout: Layout, exchange: Exchange):
     its own tokens' loss; the mean over them is the gradient of the sequences' mean)."""
     axes = (layout.inner_axes if not layout.fsdp else ()) + layout.context_axes  # (dpjax.plan refuses a
     # nested algorithm, which reads two axes as levels, with a context axis)
+    inside = exchange.inside()  # exact where only the exchange between workers is compressed
 
     def mean_over(over):
-        if not over:
-            return lambda g: g
-        return functools.partial(allreduce_gradients, axis_name=axis_arg(over), **exchange.inner_kwargs())
+        return lambda g: inside.mean(g, over)[0]
 
     if not layout.expert_split:
         return mean_over(axes)

@@ -22,7 +22,8 @@ from jax.sharding import PartitionSpec as P
 import dpjax.horovod as hvd
 from dpjax import compression
 from dpjax.collectives.cost import hlo_comm
-from dpjax.compression import feedback, powersgd, quantise
+from dpjax.compression import powersgd, quantise
+from dpjax.compression.exchange import Exchange
 from dpjax.data_parallel import DistributedOptimizer, allreduce_gradients
 
 from conftest import assert_resumes_bit_for_bit, tiny_gpt
@@ -44,18 +45,19 @@ def _exchange(mesh, spec, shapes=SHAPES):
     """A jitted exchange of per-rank trees (leading axis N) through `spec`, its state
     per rank; returns (f(grads, state) -> (means, state), the initial state)."""
     params = {k: jnp.zeros(s) for k, s in shapes.items()}
-    lead = jax.tree.map(lambda s: P("data", *s), feedback.specs(spec, {k: P() for k in shapes}),
+    ex = Exchange("ring", 64, spec)
+    lead = jax.tree.map(lambda s: P("data", *s), ex.specs({k: P() for k in shapes}, "data"),
                         is_leaf=lambda x: isinstance(x, P))
 
     def body(g, st):
         g, st = jax.tree.map(lambda x: x[0], (g, st))
         assert g["w"].shape == shapes["w"], g["w"].shape
-        m, st = feedback.mean(g, st, "data", compression=spec, algorithm="ring", fusion_mb=64)
+        m, st = ex.mean(g, "data", st)
         return jax.tree.map(lambda x: x[None], (m, st))
 
     f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("data"), lead), out_specs=(P("data"), lead),
                               check_vma=False))
-    st = jax.tree.map(lambda x: jnp.broadcast_to(x, (N, *x.shape)), feedback.init(spec, params))
+    st = jax.tree.map(lambda x: jnp.broadcast_to(x, (N, *x.shape)), ex.init(params, "data"))
     return f, st
 
 
@@ -284,7 +286,7 @@ def test_compress_axes_node_compresses_only_what_crosses_sites():
     from dpjax.timeline import compiled_text
 
     plan = _plan(mesh="2x4x1", compression="int8", compress_axes="node", model_options=TINY)
-    assert plan.workers == ("node",) and plan.exchange.inner_kwargs()["compression"] is None
+    assert plan.workers == ("node",) and plan.exchange.inside().compression is None
     st = S.for_plan(plan)
     params, state = st.init(S.init_params(plan.model, plan.layout, jax.random.key(0)))
     batch = jax.ShapeDtypeStruct((1, 16, 17), jnp.int32, sharding=NamedSharding(plan.mesh, P(None, ("node", "data"))))

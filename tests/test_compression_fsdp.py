@@ -18,6 +18,7 @@ from jax.sharding import PartitionSpec as P
 from dpjax import compression
 from dpjax.collectives.cost import hlo_comm
 from dpjax.compression import randk, sharded
+from dpjax.compression.exchange import Exchange
 from dpjax.compression.feedback import State
 from dpjax.compression.topk import count
 
@@ -33,14 +34,15 @@ def _out_spec(d):
 
 
 def _exchange(mesh, spec):
-    """A jitted `sharded.mean` of per-rank full gradients (leading axis N); the means come
-    back assembled (each rank's shard in its place), the state per rank."""
+    """A jitted FSDP exchange (`Exchange.reduce_scatter_mean`) of per-rank full gradients
+    (leading axis N); the means come back assembled (each rank's shard in its place), the
+    state per rank."""
     st_specs = State(P(), {k: P("data") for k in SHAPES}, ())
 
     def body(g, st):
         g = {k: x[0] for k, x in g.items()}
         assert g["w"].shape == SHAPES["w"], g["w"].shape
-        m, st = sharded.mean(g, st, DIMS, "data", compression=spec, algorithm="ring", fusion_mb=64)
+        m, st = Exchange("ring", 64, spec).reduce_scatter_mean(g, DIMS, "data", st)
         assert m["w"].shape == (12, 40 // N), m["w"].shape
         return m, st
 

@@ -20,10 +20,10 @@ from jax.sharding import PartitionSpec as P
 from dpjax import compression
 from dpjax.collectives.cost import hlo_comm
 from dpjax.compression import randk, topk
+from dpjax.compression.exchange import Exchange
 from dpjax.compression.shards import Shards, shard_shape
 from dpjax.fusion import plan_buckets
 from dpjax.plan import UsageError
-from dpjax.updates.base import exchange_over
 
 from conftest import assert_resumes_bit_for_bit, tiny_gpt
 
@@ -41,18 +41,18 @@ def _exchange(mesh, spec, shapes=SHAPES, per_shard=True):
     """A jitted exchange over `node` of per-site gradients (leading axis SITES, the same on
     every device of a site), in the per-shard form or the whole one; returns (f(grads,
     state) -> (each device's mean, leading axis SITES * K; state), the initial state)."""
-    ex = exchange_over(("node",), {**ALLREDUCE, "compression": spec, **({"shard_over": SH} if per_shard else {})})
-    specs = jax.tree.map(lambda s: P("node", *s), ex.specs({k: P() for k in shapes}),
+    ex = Exchange(**ALLREDUCE, compression=spec, shards=SH if per_shard else None)
+    specs = jax.tree.map(lambda s: P("node", *s), ex.specs({k: P() for k in shapes}, "node"),
                          is_leaf=lambda x: isinstance(x, P))
     dtype = jnp.float64 if jax.config.jax_enable_x64 else jnp.float32
 
     def init(_):
-        return jax.tree.map(lambda x: x[None], ex.init({k: jnp.zeros(s, dtype) for k, s in shapes.items()}))
+        return jax.tree.map(lambda x: x[None], ex.init({k: jnp.zeros(s, dtype) for k, s in shapes.items()}, "node"))
 
     def body(g, st):
         g, st = jax.tree.map(lambda x: x[0], (g, st))
         assert g["w"].shape == shapes["w"], g["w"].shape
-        m, st = ex.mean(g, st)
+        m, st = ex.mean(g, "node", st)
         return jax.tree.map(lambda x: x[None], m), jax.tree.map(lambda x: x[None], st)
 
     smap = lambda fn, i, o: jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=i, out_specs=o, check_vma=False))  # noqa

@@ -275,6 +275,28 @@ def test_a_registered_rule_is_in_the_grammar_help_and_make_rule():
         U.parse_update("every:3")
 
 
+def test_onebit_adam_is_found_through_the_registry_by_its_optimizer():
+    """1-bit Adam registers as every rule does, as the rule its optimizer brings: the plan
+    gets it from make_rule by the optimizer's name, whatever the spec; --update does not
+    name it (its help lists only --update's rules)."""
+    from dpjax.optim import ADAM_B1, ADAM_B2, ADAM_EPS, OptimizerConfig
+    from dpjax.updates import onebit_adam
+
+    kind = registry.for_optimizer("onebit_adam")
+    assert kind is not None and kind.build is onebit_adam._build and registry.for_optimizer("adamw") is None
+    assert "onebit_adam" not in [k.name for k in registry.kinds()] and "onebit_adam" not in U.HELP
+    with pytest.raises(UserError, match="bad --update 'onebit_adam': choose sync, "):
+        U.parse_update("onebit_adam")
+    opt = OptimizerConfig(name="onebit_adam", lr=0.1)
+    own = registry.Optimizer(opt, 8, {"w": P()}, ADAM_B1, ADAM_B2, ADAM_EPS)
+    inner = opt.make(8, {"w": P()})
+    rule = U.make_rule("sync", inner, "data", optimizer=own, compression="onebit,start=2")
+    assert rule.name == "onebit_adam" and rule.per_worker
+    plain = U.make_rule("sync", inner, "data", optimizer=registry.Optimizer(
+        OptimizerConfig(name="adamw"), 8, {"w": P()}, ADAM_B1, ADAM_B2, ADAM_EPS))
+    assert plain.name == "sync"
+
+
 def _tiny(corpus, *extra):
     return ["--model", "mlp", "--d-hidden", "64", "--seq-len", "16", "--batch-size", "16", "--data", corpus,
             "--eval-every", "0", "--eval-batches", "1", "--progress", "none", "--mesh", "8x1", *extra]

@@ -30,7 +30,7 @@ import numpy as np
 from dpjax import scopes
 from dpjax.collectives import calls
 from dpjax.collectives._common import axis_size
-from dpjax.collectives.ops import finish
+from dpjax.collectives.ops import finish, on_wire
 from dpjax.fusion import pack, plan_buckets, unpack
 
 
@@ -49,10 +49,10 @@ def allreduce(tensors, axis_name, *, op: str = "sum", fusion_mb: float = 64, com
         compress = method is not None and method.compresses(buf.dtype)
         split = compress and options.get("groups") is None  # finish in buf's dtype, after the wire
         with _bucket(plan, i):
-            y = one(method.encode(buf) if compress else buf, axis_name, op="sum" if split and op == "mean" else op,
-                    prescale_factor=prescale_factor, postscale_factor=1.0 if split else postscale_factor,
-                    **extra, **options)
-            y = method.decode(y, buf) if compress else y
+            y = on_wire(method, buf, lambda v: one(v, axis_name, op="sum" if split and op == "mean" else op,
+                                                   prescale_factor=prescale_factor,
+                                                   postscale_factor=1.0 if split else postscale_factor,
+                                                   **extra, **options))
             out.append(finish(y, op, n, postscale_factor) if split else y)
     return unpack(plan, out)
 

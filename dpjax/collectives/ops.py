@@ -86,3 +86,14 @@ def finish(x, op: str, n: int, postscale_factor: float = 1.0):
     if kind(x.dtype) == "int":
         return lax.div(x, jnp.asarray(n, x.dtype))  # rounds toward zero, like C
     return x / jnp.asarray(n, x.dtype)
+
+
+def on_wire(method, x, reduce):
+    """reduce(x) with x encoded by the wire `method` on the way and decoded after (a
+    `dpjax.compression` cast, resolved by the caller: collectives never import
+    compression); reduce(x) as it is for no method, or a dtype the method leaves alone
+    (integers and bools travel as they are). The one recipe the grouped allreduce,
+    tensor parallelism's backward and Horovod's reduce-scatter share."""
+    if method is None or not method.compresses(x.dtype):
+        return reduce(x)
+    return method.decode(reduce(method.encode(x)), x)

@@ -10,7 +10,8 @@ last compressed exchange dropped to its next input,
 so nothing is lost, only delayed: after any number of exchanges,
 sum(applied means) + mean_i(err_i) == sum(true means of g). With `ef=0` err stays empty.
 Before `start` exchanges the uncompressed allreduce runs instead, bit for bit (a
-`lax.cond`, so only one of the two is sent).
+`lax.cond`, so only one of the two is sent): `dpjax.compression.exchange.Exchange`
+chooses, this module holds the state and the compressed step.
 
 `State` is per rank (error buffers differ): `dpjax.updates` keeps it in the rule's state,
 which carries the worker axis, and `DistributedOptimizer` in its own state; `specs` lays
@@ -23,10 +24,8 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 
-from dpjax import scopes
-from dpjax.collectives import calls, cost, grouped
+from dpjax.collectives import calls, cost
 from dpjax.compression.grammar import parse
 from dpjax.fusion import classes_of, pack, plan_buckets, unpack
 
@@ -55,28 +54,15 @@ def specs(compression, param_specs) -> State:
     return State(P(), param_specs if spec.ef else (), own)
 
 
-def mean(tree, state: State, axis_name, *, compression, **allreduce):
-    """(the mean of `tree` over `axis_name` through the compression, the new state).
-    allreduce: the exchange's `algorithm`, `fusion_mb` and options (for the exact start
-    steps, and the methods that run an allreduce: PowerSGD's factors, random-k's values)."""
-    spec = parse(compression)
-    allreduce = {k: v for k, v in allreduce.items() if k != "compression"}
-
-    def compressed():
-        e = jax.tree.map(jnp.add, tree, state.error) if spec.ef else tree
-        out, resid, own = spec.method.exchange(e, state.method, axis_name, spec, state.t, allreduce)
-        return out, (resid if spec.ef else ()), own
-
-    def exact():
-        return grouped.mean(tree, axis_name, **allreduce), state.error, state.method
-
-    with scopes.phase("exchange"):
-        if spec.start > 0:
-            with scopes.scope("compression", start=spec.start):  # names only: comm_bytes tells the branches apart
-                out, error, own = lax.cond(state.t < spec.start, exact, compressed)
-        else:
-            out, error, own = compressed()
-    return out, State(state.t + 1, error, own)
+def compressed(tree, state: State, axis_name, spec, allreduce: dict):
+    """(the mean of `tree` over `axis_name` through the method of `spec`, the new error
+    buffer, the method's new state): one compressed exchange, error fed back. allreduce:
+    the exchange's `algorithm`, `fusion_mb` and options, for the methods that run an
+    allreduce (PowerSGD's factors, random-k's values). `exchange.Exchange.mean` runs it,
+    counting the exchanges and choosing the exact start steps."""
+    e = jax.tree.map(jnp.add, tree, state.error) if spec.ef else tree
+    out, resid, own = spec.method.exchange(e, state.method, axis_name, spec, state.t, allreduce)
+    return out, (resid if spec.ef else ()), own
 
 
 def floating(dtype) -> bool:

@@ -140,7 +140,7 @@ def summable(name) -> registry.Method | None:
     method = check(name)
     if method is not None and method.stateful:
         raise ValueError(f"compression {name!r} keeps error-feedback state across steps: a one-off reduction "
-                         "cannot carry it (use DistributedOptimizer, an update rule or dpjax.compression.feedback)")
+                         "cannot carry it (use DistributedOptimizer, an update rule or dpjax.compression.exchange)")
     if method is not None and not method.linear:
         raise ValueError(f"compression {name!r} is not linear: a reduction cannot sum it on the wire")
     return method

@@ -17,8 +17,8 @@ cotangent), accumulates its micro-batches, and then, once per step:
     a tensor too small to split (replicated): the method's own allreduce exchange
     err <- e - what this device sent
 
-so nothing is lost, only delayed: sum(applied) + mean(err) == sum(true means), as in
-`feedback.mean`. `start=S`: the first S exchanges are FSDP's exact reduce-scatter (a
+so nothing is lost, only delayed: sum(applied) + mean(err) == sum(true means), as with
+`feedback`'s exchange. `start=S`: the first S exchanges are FSDP's exact reduce-scatter (a
 `lax.cond`). Only a method with `Method.reduce_scatter` can (a linear one: random-k,
 whose shared seed lines the values up); `dpjax.plan` refuses the others with their
 `Method.nonlinear`. The rule between workers (sync, no worker axes) is wrapped
@@ -33,10 +33,8 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from dpjax import scopes
 from dpjax.compression.feedback import State
 from dpjax.compression.grammar import parse
 from dpjax.mesh import as_axes, axis_arg, is_spec
@@ -106,12 +104,13 @@ def exact(g, dims, axis, algorithm: str):
     return jax.tree.map(one, g, dims)
 
 
-def mean(g, state: State, dims, axis, *, compression, algorithm: str, fusion_mb: float):
+def compressed(g, state: State, dims, axis, spec, algorithm: str, fusion_mb: float):
     """(the mean of the devices' full local gradients `g`, on this device's shards, through
-    the compression; the new state). The first `start` exchanges are `exact`."""
+    the method of `spec`; the new error buffer): one compressed reduce-scatter, error fed
+    back. `exchange.Exchange.reduce_scatter_mean` runs it, counting the exchanges and
+    choosing the exact start steps (`exact`)."""
     from dpjax.collectives._common import axis_size
 
-    spec = parse(compression)
     n = axis_size(axis, "FSDP's compressed reduce-scatter")
     leaves, tree = jax.tree.flatten(g)
     ds = tree.flatten_up_to(dims)
@@ -119,38 +118,25 @@ def mean(g, state: State, dims, axis, *, compression, algorithm: str, fusion_mb:
         got = [tuple(err.shape) for err in jax.tree.leaves(state.error)]
         assert got == [(1, *x.shape) for x in leaves], (got, [x.shape for x in leaves])
     assert all(d < 0 or x.shape[d] % n == 0 for x, d in zip(leaves, ds)), ([x.shape for x in leaves], ds, n)
-
-    def compressed():
-        es = leaves if not spec.ef else [x + err[0] for x, err in zip(leaves, jax.tree.leaves(state.error))]
-        key = jax.random.fold_in(jax.random.key(1), state.t)  # shared by every rank; not the allreduce's key(0)
-        out, resid = [None] * len(es), [None] * len(es)
-        small = [i for i, d in enumerate(ds) if d < 0]
-        for i, (e, d) in enumerate(zip(es, ds)):
-            if d < 0:
-                continue
-            e0 = jnp.moveaxis(e, d, 0)
-            rows = e0.reshape(n, -1)
-            m, r = spec.method.reduce_scatter(rows, axis, spec, jax.random.fold_in(key, i), algorithm)
-            out[i] = jnp.moveaxis(m.reshape((e0.shape[0] // n, *e0.shape[1:])), 0, d)
-            resid[i] = jnp.moveaxis(r.reshape(e0.shape), 0, d)
-        if small:  # the replicated tensors: the method's own allreduce exchange, fused
-            m, r, _ = spec.method.exchange([es[i] for i in small], (), axis, spec, state.t,
-                                           {"algorithm": algorithm, "fusion_mb": fusion_mb})
-            for i, mi, ri in zip(small, m, r):
-                out[i], resid[i] = mi, ri
-        error = tree.unflatten([x[None] for x in resid]) if spec.ef else ()
-        return tree.unflatten(out), error
-
-    def exact_branch():
-        return exact(g, dims, axis, algorithm), state.error
-
-    with scopes.phase("exchange"):
-        if spec.start > 0:
-            with scopes.scope("compression", start=spec.start):  # comm_bytes picks one branch a step by this
-                out, error = lax.cond(state.t < spec.start, exact_branch, compressed)
-        else:
-            out, error = compressed()
-    return out, State(state.t + 1, error, ())
+    es = leaves if not spec.ef else [x + err[0] for x, err in zip(leaves, jax.tree.leaves(state.error))]
+    key = jax.random.fold_in(jax.random.key(1), state.t)  # shared by every rank; not the allreduce's key(0)
+    out, resid = [None] * len(es), [None] * len(es)
+    small = [i for i, d in enumerate(ds) if d < 0]
+    for i, (e, d) in enumerate(zip(es, ds)):
+        if d < 0:
+            continue
+        e0 = jnp.moveaxis(e, d, 0)
+        rows = e0.reshape(n, -1)
+        m, r = spec.method.reduce_scatter(rows, axis, spec, jax.random.fold_in(key, i), algorithm)
+        out[i] = jnp.moveaxis(m.reshape((e0.shape[0] // n, *e0.shape[1:])), 0, d)
+        resid[i] = jnp.moveaxis(r.reshape(e0.shape), 0, d)
+    if small:  # the replicated tensors: the method's own allreduce exchange, fused
+        m, r, _ = spec.method.exchange([es[i] for i in small], (), axis, spec, state.t,
+                                       {"algorithm": algorithm, "fusion_mb": fusion_mb})
+        for i, mi, ri in zip(small, m, r):
+            out[i], resid[i] = mi, ri
+    error = tree.unflatten([x[None] for x in resid]) if spec.ef else ()
+    return tree.unflatten(out), error
 
 
 def wire_bytes(shapes, dims, n: int, compression, *, algorithm: str = "ring", fusion_mb: float = 64) -> int:
@@ -198,11 +184,9 @@ class SharedState(NamedTuple):
 
 def wrap(rule, layout, exchange):
     """`rule` (sync, no worker axes) with its gradient reduced here: its grad_fn gives the
-    full local gradient (`local_value_and_grad`), which `mean` reduce-scatters through
-    the compression before the rule sees it."""
+    full local gradient (`local_value_and_grad`), which the exchange's
+    `reduce_scatter_mean` reduce-scatters through the compression before the rule sees it."""
     dims, axes, n = layout.gather_dims, layout.inner_axes, dp(layout)
-    axis = axis_arg(axes)
-    kw = {"compression": exchange.compression, "algorithm": exchange.algorithm, "fusion_mb": exchange.fusion_mb}
 
     def init_both(params):
         return SharedState(rule.init(params), init(exchange.compression, params, dims, n))
@@ -212,7 +196,7 @@ def wrap(rule, layout, exchange):
 
         def reduced(p, b):
             loss, g = grad_fn(p, b)
-            g, ex = mean(g, state.exchange, dims, axis, **kw)
+            g, ex = exchange.reduce_scatter_mean(g, dims, axes, state.exchange)
             out.append(ex)
             return loss, g
 

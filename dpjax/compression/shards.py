@@ -9,7 +9,7 @@ shape, with the compression on its outer phase only):
 
     inside the site   device i of the k keeps the i-th shard of every tensor (a slice:
                       the site's exact mean is already there)
-    across sites      the compressed exchange (`feedback.mean`, or the allreduce of a
+    across sites      the compressed exchange (error feedback, or the allreduce of a
                       cast) of that shard only, between the devices with the same i:
                       k times fewer bytes per device across the link
     inside the site   an exact all-gather of the k shards (one fused buffer per dtype)
@@ -22,7 +22,8 @@ The error buffers and PowerSGD's Q mirror the shards: per device, with a leading
 on every mesh axis but the workers' (`Shards.slot`), so checkpoints hold each device's.
 
 FSDP is per shard already (each device exchanges its own shard of the gradient), so the
-plan gives no `Shards` there.
+plan gives no `Shards` there. `dpjax.compression.exchange.Exchange.mean` runs the form
+(split, the exchange across, join); this module cuts, joins and lays out the state.
 """
 
 from __future__ import annotations
@@ -118,12 +119,6 @@ def split_tree(tree, sh: Shards):
     return out
 
 
-def plain_mean(mean, sh: Shards):
-    """A stateless exchange (a cast summed on the wire) in the per-shard form: `mean` of
-    each device's shard across the workers, then the site's all-gather."""
-    return lambda tree: join(mean(split_tree(tree, sh)), tree, sh)
-
-
 def _slotted(tree):
     return jax.tree.map(per_rank.slot, tree)
 
@@ -152,14 +147,17 @@ def specs(compression, param_specs, sh: Shards):
     return st._replace(error=on_slot(st.error), method=on_slot(st.method))
 
 
-def mean(tree, state, axis_name, sh: Shards, **allreduce):
-    """`feedback.mean` of each device's shard of `tree` across `axis_name` (the workers),
-    gathered inside the site: (the mean of `tree`, the new state)."""
-    from dpjax.compression import feedback
-
-    shards = split_tree(tree, sh)
+def unslot(state, pieces):
+    """A device's state of the per-shard exchange as `feedback` takes it (its slot
+    dropped), checked against this device's shards `pieces`; () stays ()."""
+    if not state:  # a stateless exchange (a cast)
+        return state
     st = state._replace(error=_unslotted(state.error), method=_unslotted(state.method))
-    for e, s in zip(jax.tree.leaves(st.error), jax.tree.leaves(shards)):
+    for e, s in zip(jax.tree.leaves(st.error), jax.tree.leaves(pieces)):
         assert e.shape == s.shape, (e.shape, s.shape)  # the error buffer mirrors this device's shard
-    out, st = feedback.mean(shards, st, axis_name, **allreduce)
-    return join(out, tree, sh), st._replace(error=_slotted(st.error), method=_slotted(st.method))
+    return st
+
+
+def slot(state):
+    """`unslot`'s inverse: the state back on its slot (`Shards.slot`)."""
+    return state if not state else state._replace(error=_slotted(state.error), method=_slotted(state.method))

@@ -43,6 +43,7 @@ from jax import lax
 
 from dpjax import collectives
 from dpjax.collectives._common import Subgroups, axis_size
+from dpjax.collectives.ops import finish, on_wire
 from dpjax.compute.policy import Policy
 
 
@@ -66,13 +67,12 @@ def _bound(axis) -> bool:
 
 def _on_wire(reduce, g, wire, n: int, op: str):
     """reduce(g) (a sum over n ranks) with g encoded by `wire` (a `dpjax.compression`
-    method, or None) on the way, then decoded and, for op="mean", divided by n in the
-    gradient's own precision: the recipe of `data_parallel.allreduce_gradients`'
-    compression."""
-    if wire is None or not wire.compresses(g.dtype):
-        return reduce(g, op)
-    out = wire.decode(reduce(wire.encode(g), "sum"), g)
-    return out / jnp.asarray(n, g.dtype) if op == "mean" else out
+    method, or None) on the way (`collectives.ops.on_wire`), then decoded and, for
+    op="mean", divided by n in the gradient's own precision: the recipe of the grouped
+    allreduce's compression (`collectives.grouped`)."""
+    compress = wire is not None and wire.compresses(g.dtype)
+    out = on_wire(wire, g, lambda v: reduce(v, "sum" if compress else op))
+    return finish(out, op, n) if compress else out
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4))

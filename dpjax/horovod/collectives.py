@@ -13,6 +13,7 @@ from jax import lax
 from dpjax import collectives as C
 from dpjax.collectives import uneven
 from dpjax.collectives._common import axis_size
+from dpjax.collectives.ops import on_wire
 from dpjax.compression import summable
 from dpjax.horovod.compression import Compression
 from dpjax.horovod.ranks import global_process_set, set_groups, set_position, world_axis
@@ -144,7 +145,7 @@ def grouped_reducescatter(tensors, name=None, compression=Compression.none, op=A
                   postscale_factor=postscale_factor)
         if any(s is not None for s in split) or compression is not None:
             method = summable(compression)
-            return [_on_wire(method, t, lambda v, s=s: C.reduce_scatter(v, axis, sizes=s, **kw))
+            return [on_wire(method, t, lambda v, s=s: C.reduce_scatter(v, axis, sizes=s, **kw))
                     for t, s in zip(ts, split)]
         return C.grouped_reduce_scatter(ts, axis, fusion_mb=fusion_mb, **kw)
 
@@ -153,11 +154,3 @@ def grouped_reducescatter(tensors, name=None, compression=Compression.none, op=A
                               sizes=s) for t, s in zip(g, split)],)
 
     return _with_gradient(scatter, backward, tensors)
-
-
-def _on_wire(method, t, reduce):
-    """reduce(t), t encoded by the compression `method` on the wire and decoded after
-    (as it is when there is no method or the method leaves its dtype alone)."""
-    if method is None or not method.compresses(t.dtype):
-        return reduce(t)
-    return method.decode(reduce(method.encode(t)), t)

@@ -20,9 +20,10 @@ The plan knows nothing of how a step is traced; `dpjax.step.build(loss, plan)` d
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
+from dpjax.compression.exchange import Exchange  # the plan builds it (resolve, per_shard); dpjax.step reads it
 from dpjax.compute.policy import Policy
 from dpjax.settings import Settings
 from dpjax.plan.axes import check_context, check_expert
@@ -30,49 +31,6 @@ from dpjax.plan.checks import (UsageError, check, devices_per_process, fit_devic
                                model_choice, warnings)
 from dpjax.plan.compute import (DEFAULT_ALGORITHM, DEFAULT_FUSION_MB, check_memory, compute_policy,  # noqa: F401
                                 default_allreduce, memory_refusal, target_platform)
-
-
-@dataclass(frozen=True)
-class Exchange:
-    """How gradients and parameters cross the data axes: dpjax's allreduce `algorithm`,
-    the tensor-fusion bucket cap, and the compression on the wire (a `dpjax.compression`
-    method's name, or None).
-    options: extra allreduce arguments (`num_servers` for ps, `outer_algorithm` for
-    hierarchical)."""
-
-    algorithm: str = DEFAULT_ALGORITHM
-    fusion_mb: float = DEFAULT_FUSION_MB
-    compression: str | None = None
-    options: dict = field(default_factory=dict)
-    compress_axes: tuple | None = None  # None: compress every exchange (a cast) / the workers' (error feedback)
-    shards: object = None  # the per-shard form across the workers (`dpjax.compression.shards.Shards`), or None
-
-    def kwargs(self) -> dict:
-        return {"algorithm": self.algorithm, "fusion_mb": self.fusion_mb, "compression": self.compression,
-                **self.options}
-
-    def rule_kwargs(self) -> dict:
-        """The rule's exchange between workers: `kwargs`, and the per-shard form if any."""
-        return self.kwargs() if self.shards is None else {**self.kwargs(), "shard_over": self.shards}
-
-    @property
-    def between_workers_only(self) -> bool:
-        """Whether only the exchange between workers is compressed (a method with error
-        feedback, or --compress-axes): the mean inside a worker is then exact."""
-        from dpjax.compression import stateful
-
-        return self.compress_axes is not None or stateful(self.compression)
-
-    def inner_kwargs(self) -> dict:
-        """The allreduce inside each worker (over the data axes that are not the workers')."""
-        return {**self.kwargs(), "compression": None} if self.between_workers_only else self.kwargs()
-
-    @property
-    def wire(self):
-        """The cast FSDP's reduce-scatter sends gradients in, None for none."""
-        from dpjax.compression import check
-
-        return None if self.between_workers_only else check(self.compression)
 
 
 @dataclass(frozen=True)
@@ -259,15 +217,15 @@ def for_layout(model, layout, *, global_batch: int, update="sync", opt=None, opt
                          f"mesh {dict(layout.mesh.shape)}; use a multiple of {dp}")
     if layout.pipeline is not None:
         check_batch(layout.pipeline, global_batch // dp, f"--batch-size {global_batch} over {dp} data-parallel ranks")
-    # 1-bit Adam owns the exchange between workers (an opt made by hand need not have a name)
-    if opt is not None and optimizer is None and getattr(opt, "name", None) == "onebit_adam":
+    # an optimizer may bring its own rule (1-bit Adam owns the exchange between workers; the
+    # registry finds it by the optimizer's name; an opt made by hand need not have one)
+    own = None
+    if opt is not None and optimizer is None and getattr(opt, "name", None):
         from dpjax.optim import ADAM_B1, ADAM_B2, ADAM_EPS
-        from dpjax.updates.onebit_adam import for_config
+        from dpjax.updates.registry import Optimizer
 
-        rule = for_config(opt, inner, global_batch * passes, layout.specs, layout.workers, b1=ADAM_B1, b2=ADAM_B2,
-                          eps=ADAM_EPS, **exchange.rule_kwargs())
-    else:
-        rule = make_rule(update, inner, layout.workers, seed=seed, **exchange.rule_kwargs())
+        own = Optimizer(opt, global_batch * passes, layout.specs, ADAM_B1, ADAM_B2, ADAM_EPS)
+    rule = make_rule(update, inner, layout.workers, seed=seed, optimizer=own, exchange=exchange)
     if sharded.applies(layout, exchange.compression):  # FSDP's reduce-scatter carries the error feedback
         rule = sharded.wrap(rule, layout, exchange)
     return Plan(layout.mesh, layout, rule, exchange, passes, tuple(links), global_batch, model,

@@ -6,13 +6,10 @@ from __future__ import annotations
 
 import dataclasses
 
+from dpjax.compression.exchange import DEFAULT_ALGORITHM, DEFAULT_FUSION_MB  # noqa: F401  (the autotune's baseline)
 from dpjax.plan.checks import UsageError
 from dpjax.compute.policy import Policy, accelerated
 from dpjax.settings import Settings
-
-# The exchange's defaults (`dpjax.plan.Exchange`), and the autotune's starting point for a knob set to
-# `auto` (its baseline): here, which the plan imports, so that this module never imports the plan
-DEFAULT_ALGORITHM, DEFAULT_FUSION_MB = "ring", 64.0
 
 
 def target_platform(s: Settings, mesh) -> str:

@@ -6,6 +6,7 @@ registry. The rules' shared parts are in `base.py`.
     delayed.py       delayed:T, delayed-nocomp:T (DTAW)
     sparse.py        sparse:P[,outer=LR] (local SGD, DiLoCo)
     stale_async.py   async:TAU[,fetch=F][,push=Q] (a parameter server, stale workers)
+    onebit_adam.py   1-bit Adam, the rule `--optimizer onebit_adam` brings (`registry.for_optimizer`)
 
 How a rule becomes a jitted step over a mesh and a layout is `dpjax.step`'s business;
 this package knows nothing of models, layouts or meshes beyond the worker axes.
@@ -17,12 +18,13 @@ from dpjax.updates.grammar import make_rule
 
 # Each rule registers itself when imported; this order is the order of HELP and the errors.
 from dpjax.updates import sync as _sync, delayed as _delayed, sparse as _sparse, stale_async as _async  # noqa: E401
+from dpjax.updates import onebit_adam as _onebit_adam
 from dpjax.updates.delayed import DelayedState, delayed, delayed_gradients
 from dpjax.updates.sparse import LocalState, sparse
 from dpjax.updates.stale_async import AsyncState, stale_async, staleness, staleness_schedule
 from dpjax.updates.sync import sync
 
-REGISTERED_BY = (_sync, _delayed, _sparse, _async)
+REGISTERED_BY = (_sync, _delayed, _sparse, _async, _onebit_adam)
 
 __all__ = [
     "AsyncState", "DelayedState", "HELP", "LocalState", "UpdateRule", "UpdateSpec", "as_axes", "axis_arg",

@@ -20,7 +20,7 @@ from jax.sharding import PartitionSpec as P
 from dpjax import links
 from dpjax.data_parallel import DistributedOptimizer
 from dpjax.sharding import state_specs
-from dpjax.updates.base import UpdateRule, as_axes, exact, exchange_over, local_like, mean_over, stacked
+from dpjax.updates.base import Exchange, UpdateRule, as_axes, local_like, stacked
 from dpjax.updates.registry import Kind, register
 from dpjax.updates.sync import sync
 
@@ -34,7 +34,7 @@ class DelayedState(NamedTuple):
 
 
 def delayed_gradients(inner, delay: int, axis_name="data", *, compensate: bool = True,
-                      **allreduce) -> optax.GradientTransformation:
+                      exchange: Exchange | None = None, **allreduce) -> optax.GradientTransformation:
     """DTAW's delayed averaging (Zhu et al.) as an optax wrapper, inside `shard_map`.
 
     At step i the local gradient g_i is allreduced (issued now, read T steps later) and
@@ -55,20 +55,20 @@ def delayed_gradients(inner, delay: int, axis_name="data", *, compensate: bool =
     (`dpjax.links`) its transfer is filed under step i and waited for at step i+T only,
     so T steps of compute hide it, as communication on its own stream would.
     """
+    ex = Exchange.of(exchange, **allreduce)
     if delay == 0:
-        return DistributedOptimizer(inner, axis_name, **allreduce)
-    T = int(delay)
-    ex = exchange_over(as_axes(axis_name), allreduce)
+        return DistributedOptimizer(inner, axis_name, **ex.kwargs())
+    T, axes = int(delay), as_axes(axis_name)
 
     def init_fn(params):
         buf = jax.tree.map(lambda x: jnp.zeros((T, *x.shape), x.dtype), params)
-        return DelayedState(inner.init(params), jnp.zeros((), jnp.int32), buf, buf, ex.init(params))
+        return DelayedState(inner.init(params), jnp.zeros((), jnp.int32), buf, buf, ex.init(params, axes))
 
     def update_fn(grads, state, params=None):
         # the error buffer (and PowerSGD's Q) carries across the delay: it is fed back next
         # step, so that exchange starts once this one has arrived (links: `after`)
-        with links.deferred(state.t, after=state.t - 1 if ex.stateful else None):
-            gbar, exchange = ex.mean(grads, state.exchange)
+        with links.deferred(state.t, after=state.t - 1 if ex.keeps_state(axes) else None):
+            gbar, exchange = ex.mean(grads, axes, state.exchange)
         slot = state.t % T
         old_gbar, old_g = (jax.tree.map(lambda b: lax.dynamic_index_in_dim(b, slot, 0, keepdims=False), buf)
                            for buf in (state.gbar_RxP, state.g_RxP))
@@ -90,13 +90,14 @@ def delayed_gradients(inner, delay: int, axis_name="data", *, compensate: bool =
     return optax.GradientTransformation(init_fn, update_fn)
 
 
-def delayed(inner, delay: int, axis_name="data", *, compensate: bool = True, **allreduce) -> UpdateRule:
+def delayed(inner, delay: int, axis_name="data", *, compensate: bool = True, exchange: Exchange | None = None,
+            **allreduce) -> UpdateRule:
     """`delayed_gradients` as a rule; `flush` lands the T averages still in flight."""
+    ex = Exchange.of(exchange, **allreduce)
     if delay == 0:
-        return sync(inner, axis_name, **allreduce)
+        return sync(inner, axis_name, exchange=ex)
     axes = as_axes(axis_name)
-    tx = delayed_gradients(inner, delay, axes, compensate=compensate, **allreduce)
-    ex = exchange_over(axes, allreduce)
+    tx = delayed_gradients(inner, delay, axes, compensate=compensate, exchange=ex)
 
     def step(grad_fn, params, state, batch):
         loss, grads = grad_fn(params, batch)
@@ -110,10 +111,11 @@ def delayed(inner, delay: int, axis_name="data", *, compensate: bool = True, **a
         return params, state
 
     def specs(ps, shapes):
-        return DelayedState(state_specs(inner, shapes.inner, ps), P(), stacked(ps), stacked(ps), ex.specs(ps))
+        return DelayedState(state_specs(inner, shapes.inner, ps), P(), stacked(ps), stacked(ps), ex.specs(ps, axes))
 
     name = f"delayed{'' if compensate else '-nocomp'}:{delay}"
-    return UpdateRule(name, tx.init, step, flush, specs, mean_over(axes, exact(allreduce)), axes, True)
+    exact = ex.exact()  # the consensus: the workers' parameters, averaged exactly
+    return UpdateRule(name, tx.init, step, flush, specs, lambda params: exact.mean(params, axes)[0], axes, True)
 
 
 def _build(compensate: bool):

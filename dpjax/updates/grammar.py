@@ -102,12 +102,18 @@ def parse_update(text: str) -> UpdateSpec:
     return UpdateSpec(kind.name, n, **fields)
 
 
-def make_rule(spec, inner, axis_name="data", *, seed: int = 0, **allreduce):
+def make_rule(spec, inner, axis_name="data", *, seed: int = 0, optimizer=None, **exchange):
     """The rule a spec (an `UpdateSpec` or its text) names, wrapping the inner optimizer
     `inner`, between the workers that `axis_name` (one data axis or a tuple of them; ()
-    for one worker) numbers. A rule that is not registered is a UserError."""
+    for one worker) numbers, exchanging through `exchange=` (the run's `Exchange`) or the
+    allreduce's keywords. optimizer: a `registry.Optimizer`; an optimizer that brings its
+    own rule (`registry.for_optimizer`: 1-bit Adam) gets that rule whatever the spec (the
+    plan lets only sync through). A rule that is not registered is a UserError."""
     s = parse_update(spec) if isinstance(spec, str) else spec
+    own = registry.for_optimizer(optimizer.name) if optimizer is not None else None
+    if own is not None:
+        return own.build(s, inner, axis_name, seed=seed, optimizer=optimizer, **exchange)
     names = [k.name for k in registry.kinds()]
     if s.kind not in names:
         raise UserError(f"unknown update rule {s.kind!r}; choose one of {', '.join(names)}")
-    return registry.get(s.kind).build(s, inner, axis_name, seed=seed, **allreduce)
+    return registry.get(s.kind).build(s, inner, axis_name, seed=seed, **exchange)

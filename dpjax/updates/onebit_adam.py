@@ -44,9 +44,9 @@ small sqrt(v), a quiet coordinate would move many times what AdamW moves it. On 
 job C = 0.1 with start=3,refresh=2 ends 1.2% above AdamW over 3 seeds at 16.5x fewer
 bytes (RESULTS.md, "1-bit Adam with a refreshed variance and a bound").
 
-Where it lives: an update rule (the workers' side of the exchange), chosen by the plan
-for `--optimizer onebit_adam` with `--update sync`. The gradient is averaged inside a
-worker as for any rule (exact; `--workers node` keeps FSDP or the per-site mean on the
+Where it lives: an update rule (the workers' side of the exchange), registered as the
+rule `--optimizer onebit_adam` chooses (with `--update sync`; `registry.for_optimizer`).
+The gradient is averaged inside a worker as for any rule (exact; `--workers node` keeps FSDP or the per-site mean on the
 fast link), and between workers the rule owns the exchange: in the warm-up it is the
 gradient's exact allreduce, after it the momentum's compressed one, so no gradient
 allreduce runs between workers after the freeze. The two are a `lax.cond` under
@@ -71,9 +71,9 @@ import optax
 from jax import lax
 
 from dpjax import scopes
-from dpjax.compression import parse, shards
 from dpjax.sharding import state_specs
-from dpjax.updates.base import UpdateRule, as_axes, exact, exchange_over, identity, mean_over
+from dpjax.updates.base import Exchange, UpdateRule, as_axes, identity
+from dpjax.updates.registry import Kind, register
 
 
 class OneBitState(NamedTuple):
@@ -83,29 +83,28 @@ class OneBitState(NamedTuple):
 
 
 def onebit_adam(adamw, clip, schedule, axis_name=(), *, b1: float, b2: float, eps: float, weight_decay: float,
-                **allreduce) -> UpdateRule:
+                exchange: Exchange | None = None, **allreduce) -> UpdateRule:
     """The rule over the worker axes `axis_name`. adamw: the optax AdamW chain of
     `--optimizer adamw` (the warm-up runs it as it is, and its state's ScaleByAdamState and
     ScaleByScheduleState carry on after); clip(g) -> g clipped to the global norm (or g);
     schedule(count) -> lr; b1, b2, eps, weight_decay: AdamW's, the same as `adamw`'s.
-    allreduce: the exchange's arguments; its `compression` (METHOD,start=S[,refresh=R]
-    [,bound=C]) names the momentum's method, S, the warm-up steps (at least 1: v is
+    exchange (or allreduce, its keywords): the run's `Exchange`; its `compression`
+    (METHOD,start=S[,refresh=R][,bound=C]) names the momentum's method, S, the warm-up steps (at least 1: v is
     frozen from them), R, the refreshes' ratio (0: none), and C, the bound on each
     coordinate of the exchanged momentum in units of sqrt(v_hat) (0: none)."""
     axes = as_axes(axis_name)
-    spec = parse(allreduce.get("compression"))
+    ex = Exchange.of(exchange, **allreduce)
+    spec = ex.spec
     assert spec is not None and spec.method.stateful and spec.start >= 1, spec  # dpjax.plan refuses the rest
     freeze, bound = spec.start, spec.bound
     refreshes = jnp.asarray(spec.refreshes(), jnp.int32)  # the steps after the freeze that update v (maybe none)
-    grad_mean = mean_over(axes, exact(allreduce))
-    sh = allreduce.get("shard_over")
-    if sh is not None and axes:  # the per-shard form: each device sends its shard across, the site gathers
-        grad_mean = shards.plain_mean(grad_mean, sh)
-    ex = exchange_over(axes, {**allreduce, "compression": dataclasses.replace(spec, start=0, refresh=0, bound=0.0)})
-    assert ex.stateful or not axes, spec
+    exact = ex.exact(per_shard=True)  # the gradient's exact mean, per shard where the momentum's is
+    ex = dataclasses.replace(ex, compression=dataclasses.replace(spec, start=0, refresh=0, bound=0.0))
+    assert ex.keeps_state(axes) or not axes, spec
 
     def init(params):
-        return OneBitState(adamw.init(params), ex.init(params), jax.tree.map(jnp.zeros_like, params) if bound else ())
+        inner, exchange = adamw.init(params), ex.init(params, axes)
+        return OneBitState(inner, exchange, jax.tree.map(jnp.zeros_like, params) if bound else ())
 
     def v_updates(count):
         """How many times v was updated in the `count` steps done: each warm-up step, each refresh."""
@@ -141,7 +140,7 @@ def onebit_adam(adamw, clip, schedule, axis_name=(), *, b1: float, b2: float, ep
                                               count=optax.safe_increment(s.count))})
 
         def exact_step():
-            gm = grad_mean(g)  # the one exchange of this branch (the update below has none)
+            gm, _ = exact.mean(g, axes)  # the one exchange of this branch (the update below has none)
 
             def warm():
                 updates, inner = adamw.update(gm, state.inner, params)
@@ -161,7 +160,7 @@ def onebit_adam(adamw, clip, schedule, axis_name=(), *, b1: float, b2: float, ep
             if bound:  # what the bound held back last step goes out now, once (the same on every worker)
                 local = jax.tree.map(jnp.add, local, state.held)
             with scopes.scope("momentum"):
-                m, exchange = ex.mean(local, state.exchange)
+                m, exchange = ex.mean(local, axes, state.exchange)
             v_hat = debiased(adam.nu, v_updates(adam.count))
             held = ()
             if bound:  # no coordinate's momentum beyond bound x sqrt(v_hat): the excess is held, not lost
@@ -176,9 +175,10 @@ def onebit_adam(adamw, clip, schedule, axis_name=(), *, b1: float, b2: float, ep
         return params, state, loss
 
     def specs(ps, shapes):
-        return OneBitState(state_specs(adamw, shapes.inner, ps), ex.specs(ps), ps if bound else ())
+        return OneBitState(state_specs(adamw, shapes.inner, ps), ex.specs(ps, axes), ps if bound else ())
 
-    return UpdateRule("onebit_adam", init, step, identity, specs, lambda params: params, axes, ex.stateful)
+    return UpdateRule("onebit_adam", init, step, identity, specs, lambda params: params, axes,
+                      ex.keeps_state(axes))
 
 
 def _find(state, kind):
@@ -212,3 +212,13 @@ def for_config(opt, adamw, global_batch: int, specs, axis_name=(), *, b1: float,
     clip = (lambda g: g) if clipper is None else (lambda g: clipper.update(g, optax.EmptyState())[0])
     return onebit_adam(adamw, clip, opt.schedule(global_batch), axis_name, b1=b1, b2=b2, eps=eps,
                        weight_decay=opt.weight_decay, **allreduce)
+
+
+def _build(spec, inner, axis_name, *, seed, optimizer, **exchange):
+    """The registry's build: `for_config` of the run's optimizer (`registry.Optimizer`)."""
+    o = optimizer
+    return for_config(o.config, inner, o.global_batch, o.specs, axis_name, b1=o.b1, b2=o.b2, eps=o.eps, **exchange)
+
+
+register(Kind("onebit_adam", "1-bit Adam: AdamW, its variance frozen after start=S, then the momentum compressed",
+              build=_build, is_sync=lambda spec: False, chosen_by_optimizer=True))

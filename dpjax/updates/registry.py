@@ -2,15 +2,18 @@
 
 A rule's module ends with `register(Kind(...))`: its name, what its number means and
 its lower bound, its options, its help text, when a spec of it is the sync program,
-and `build(spec, inner, axis_name, seed=, **allreduce) -> UpdateRule`. The grammar
+and `build(spec, inner, axis_name, seed=, exchange=) -> UpdateRule`. The grammar
 (`grammar.parse_update`, `HELP`, `UpdateSpec.is_sync`, `make_rule`) reads them
-from here, so no list of rule names is kept anywhere else.
+from here, so no list of rule names is kept anywhere else. A rule that an optimizer
+brings with it (1-bit Adam: `--optimizer onebit_adam` owns the exchange between
+workers) registers the same way, marked `chosen_by_optimizer`: `make_rule` finds it by
+the optimizer's name (`for_optimizer`), and `--update` does not name it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
 from dpjax.registry import Registry
 
@@ -35,7 +38,9 @@ class Kind:
     for a rule that takes no number (sync); low: N's lower bound; help: what the rule
     does, in a few words; is_sync(spec): whether the spec runs the sync program, bit for
     bit (the factories return `sync(...)` then); build(spec, inner, axis_name, *, seed,
-    **allreduce) -> UpdateRule; period(spec): the steps between the workers' exchanges
+    exchange) -> UpdateRule (exchange: the run's `dpjax.compression.exchange.Exchange`);
+    chosen_by_optimizer: the rule of the `--optimizer` of its name, not an `--update`
+    name (its build takes `optimizer=`, an `Optimizer`, too); period(spec): the steps between the workers' exchanges
     (1: every step; what a compression's start=S counts in, for the metrics' comm_bytes).
     """
 
@@ -47,6 +52,7 @@ class Kind:
     low: int = 0
     options: tuple[Option, ...] = field(default_factory=tuple)
     period: Callable = lambda spec: 1
+    chosen_by_optimizer: bool = False
 
     @property
     def usage(self) -> str:
@@ -57,8 +63,39 @@ class Kind:
         return next((o for o in self.options if o.key == key), None)
 
 
+@dataclass(frozen=True)
+class Optimizer:
+    """What a rule chosen by its optimizer builds from: the optimizer's settings (a
+    `dpjax.optim.OptimizerConfig`: its name, clipping, schedule, weight decay), the batch
+    its schedule is for (micro-batches included), the parameters' specs its clipping
+    reads, and Adam's b1, b2, eps (`dpjax.optim.ADAM_*`: optim is this package's
+    neighbour, so the plan passes them)."""
+
+    config: Any
+    global_batch: int
+    specs: Any
+    b1: float
+    b2: float
+    eps: float
+
+    @property
+    def name(self) -> str:
+        return self.config.name
+
+
 _KINDS: Registry[Kind] = Registry("update rule")
-register, unregister, registered = _KINDS.register, _KINDS.unregister, _KINDS.registered
+_BY_OPTIMIZER: Registry[Kind] = Registry("optimizer's own rule")
+unregister, registered = _KINDS.unregister, _KINDS.registered
+
+
+def register(kind: Kind) -> Kind:
+    """Adds a rule: an `--update` name, or the rule of the optimizer of its name."""
+    return (_BY_OPTIMIZER if kind.chosen_by_optimizer else _KINDS).register(kind)
+
+
+def for_optimizer(name) -> Kind | None:
+    """The rule the optimizer `name` brings with it (1-bit Adam's), None for one that brings none."""
+    return _BY_OPTIMIZER.get(name)
 
 
 def get(name: str) -> Kind:

@@ -18,7 +18,7 @@ from jax.sharding import PartitionSpec as P
 
 from dpjax import scopes
 from dpjax.sharding import state_specs
-from dpjax.updates.base import UpdateRule, as_axes, exact, exchange_over, identity, local_like, mean_over
+from dpjax.updates.base import Exchange, UpdateRule, as_axes, identity, local_like
 from dpjax.updates.registry import Kind, Option, register
 from dpjax.updates.sync import sync
 
@@ -32,7 +32,7 @@ class LocalState(NamedTuple):
 
 
 def sparse(inner, period: int, axis_name="data", *, outer: optax.GradientTransformation | None = None,
-           **allreduce) -> UpdateRule:
+           exchange: Exchange | None = None, **allreduce) -> UpdateRule:
     """Temporally sparse updates / local SGD: `inner` steps on the worker's gradient; every
     `period` steps the workers average. Without `outer` the parameters are averaged;
     with it (DiLoCo, Douillard et al. 2023) the accumulated updates anchor - w_k are,
@@ -45,22 +45,21 @@ def sparse(inner, period: int, axis_name="data", *, outer: optax.GradientTransfo
     anchor - mean(anchor - w_k), not the parameters themselves: rounding whole weights
     to bf16 at every average would erase updates smaller than 1/256 of a weight.
     """
+    ex = Exchange.of(exchange, **allreduce)
     if period == 1 and outer is None:
-        return sync(inner, axis_name, **allreduce)
+        return sync(inner, axis_name, exchange=ex)
     axes = as_axes(axis_name)
-    mean = mean_over(axes, allreduce)
-    ex = exchange_over(axes, allreduce)
-    keep_anchor = outer is not None or allreduce.get("compression") not in (None, "none")
+    keep_anchor = outer is not None or ex.spec is not None
 
     def init(params):
         return LocalState(inner.init(params), jnp.zeros((), jnp.int32), params if keep_anchor else (),
-                          outer.init(params) if outer is not None else (), ex.init(params))
+                          outer.init(params) if outer is not None else (), ex.init(params, axes))
 
     def average(params, state):
         if not keep_anchor:
-            return mean(params), state
+            return ex.mean(params, axes)[0], state
         # DiLoCo's outer gradient: what is compressed (Streaming DiLoCo, INTELLECT-1)
-        delta, exchange = ex.mean(jax.tree.map(jnp.subtract, state.anchor, params), state.exchange)
+        delta, exchange = ex.mean(jax.tree.map(jnp.subtract, state.anchor, params), axes, state.exchange)
         state = state._replace(exchange=exchange)
         if outer is None:
             new = jax.tree.map(jnp.subtract, state.anchor, delta)
@@ -82,15 +81,16 @@ def sparse(inner, period: int, axis_name="data", *, outer: optax.GradientTransfo
 
     def specs(ps, shapes):
         return LocalState(state_specs(inner, shapes.inner, ps), P(), ps if keep_anchor else (),
-                          state_specs(outer, shapes.outer, ps) if outer is not None else (), ex.specs(ps))
+                          state_specs(outer, shapes.outer, ps) if outer is not None else (), ex.specs(ps, axes))
 
     name = f"sparse:{period}" + (",outer" if outer is not None else "")
-    return UpdateRule(name, init, step, average, specs, mean_over(axes, exact(allreduce)), axes, True)
+    exact = ex.exact()  # the consensus: the workers' parameters, averaged exactly
+    return UpdateRule(name, init, step, average, specs, lambda params: exact.mean(params, axes)[0], axes, True)
 
 
-def _build(spec, inner, axis_name, *, seed, **allreduce):
+def _build(spec, inner, axis_name, *, seed, **exchange):
     outer = optax.sgd(spec.outer_lr, momentum=0.9, nesterov=True) if spec.outer_lr else None
-    return sparse(inner, spec.n, axis_name, outer=outer, **allreduce)
+    return sparse(inner, spec.n, axis_name, outer=outer, **exchange)
 
 
 register(Kind("sparse", "local SGD, parameters averaged every P steps; outer=LR: DiLoCo outer Nesterov with that lr",

@@ -18,7 +18,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from dpjax.sharding import state_specs
-from dpjax.updates.base import UpdateRule, as_axes, axis_arg, exchange_over, identity, local_like, stacked
+from dpjax.updates.base import Exchange, UpdateRule, as_axes, axis_arg, identity, local_like, stacked
 from dpjax.updates.registry import Kind, Option, register
 from dpjax.updates.sync import sync
 
@@ -48,7 +48,7 @@ class AsyncState(NamedTuple):
 
 
 def stale_async(inner, tau: int, axis_name="data", *, seed: int = 0, fetch_every: int = 1, push_every: int = 1,
-                **allreduce) -> UpdateRule:
+                exchange: Exchange | None = None, **allreduce) -> UpdateRule:
     """Bounded-staleness asynchronous SGD as a parameter server sees it, in rounds.
 
     The per-worker `params` are the server's copy (the same on every worker). At round t
@@ -61,17 +61,17 @@ def stale_async(inner, tau: int, axis_name="data", *, seed: int = 0, fetch_every
     gradient weighs alike, as in stale-synchronous parallel; Hogwild would apply them one
     by one. tau=0, fetch=push=1 returns `sync`.
     """
+    ex = Exchange.of(exchange, **allreduce)
     if tau == 0 and fetch_every == 1 and push_every == 1:
-        return sync(inner, axis_name, **allreduce)
+        return sync(inner, axis_name, exchange=ex)
     axes = as_axes(axis_name)
     K, F, Q = tau + 1, int(fetch_every), int(push_every)
-    ex = exchange_over(axes, allreduce)
 
     def init(params):
         hist = jax.tree.map(lambda x: jnp.broadcast_to(x, (K, *x.shape)), params)
         acc = jax.tree.map(jnp.zeros_like, params) if Q > 1 else ()
         return AsyncState(inner.init(params), jnp.zeros((), jnp.int32), hist, params, jnp.zeros((), jnp.int32), acc,
-                          ex.init(params))
+                          ex.init(params, axes))
 
     def step(grad_fn, params, state, batch):
         t = state.t
@@ -89,7 +89,7 @@ def stale_async(inner, tau: int, axis_name="data", *, seed: int = 0, fetch_every
             push = (t + k) % Q == Q - 1
             grads = jax.tree.map(lambda a: jnp.where(push, a, jnp.zeros_like(a)), acc)
             acc = jax.tree.map(lambda a: jnp.where(push, jnp.zeros_like(a), a), acc)
-        grads, exchange = ex.mean(grads, state.exchange)
+        grads, exchange = ex.mean(grads, axes, state.exchange)
         updates, inner_state = inner.update(grads, state.inner, params)
         params = optax.apply_updates(params, updates)
         hist = jax.tree.map(lambda h, p: lax.dynamic_update_index_in_dim(h, p, (t + 1) % K, 0),
@@ -98,15 +98,15 @@ def stale_async(inner, tau: int, axis_name="data", *, seed: int = 0, fetch_every
 
     def specs(ps, shapes):
         return AsyncState(state_specs(inner, shapes.inner, ps), P(), stacked(ps), ps, P(), ps if Q > 1 else (),
-                          ex.specs(ps))
+                          ex.specs(ps, axes))
 
     # the server's copy is the same on every worker: the consensus is that copy
     return UpdateRule(f"async:{tau}", init, step, identity, specs, lambda params: params, axes, True)
 
 
-def _build(spec, inner, axis_name, *, seed, **allreduce):
+def _build(spec, inner, axis_name, *, seed, **exchange):
     return stale_async(inner, spec.n, axis_name, seed=seed, fetch_every=spec.fetch, push_every=spec.push,
-                       **allreduce)
+                       **exchange)
 
 
 def _at_least_one(v):

@@ -1,0 +1,208 @@
+"""THE gradient exchange between devices: one typed object, built by the plan, that every rule calls.
+
+An `Exchange` owns how a tree crosses the data axes: dpjax's allreduce `algorithm`, the
+tensor-fusion cap, the compression on the wire and its error-feedback state, and the
+per-shard forms. Everything that averages gradients or parameters over devices asks it:
+the step's mean inside a worker (`dpjax.step`), each update rule's exchange between the
+workers (`dpjax.updates`, 1-bit Adam's too), FSDP's compressed reduce-scatter
+(`sharded.wrap`) and `DistributedOptimizer` / `allreduce_gradients`
+(`dpjax.data_parallel`). Its forms, chosen here and nowhere else:
+
+    plain       the fused allreduce of the mean, floating-point buckets through a cast on the
+                wire (`casts.py`: summed on the wire, decoded, then divided; Horovod's recipe)
+    feedback    a method with error feedback (`feedback.py`): e = g + err, the method's own
+                exchange of e, err <- what was dropped; the first `start` exchanges are the
+                plain exact allreduce, bit for bit (a `lax.cond`: one of the two is sent)
+    per shard   `shards` given (`shards.py`, --compress-axes with several devices a worker):
+                each device's 1/k shard crosses (plain or feedback), the site all-gathers
+    FSDP        `reduce_scatter_mean` (`sharded.py`): each device's full local gradient,
+                reduce-scattered onto its shards through a linear method with error feedback
+
+The state (`feedback.State`: the exchange count, each rank's error buffer, the method's
+own such as PowerSGD's Q) differs between ranks; the rules keep it in theirs (`init`,
+`specs`), per worker, so checkpoints hold it. An exchange keeps state only over some
+axes and with a method that has it (`keeps_state`); otherwise its state is ().
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from jax import lax
+
+from dpjax import scopes
+from dpjax.collectives import grouped
+from dpjax.collectives._common import axis_size
+from dpjax.compression import feedback, sharded, shards
+from dpjax.compression.grammar import Spec, check, parse, summable
+from dpjax.mesh import as_axes, axis_arg
+
+# The defaults of a run's exchange (and the autotune's baseline for a knob set to `auto`)
+DEFAULT_ALGORITHM, DEFAULT_FUSION_MB = "ring", 64.0
+_OWN = ("algorithm", "fusion_mb", "compression")
+
+
+@dataclass(frozen=True)
+class Exchange:
+    """How gradients and parameters cross the data axes.
+
+    algorithm: dpjax's allreduce (`dpjax.collectives`); fusion_mb: the bucket cap;
+    compression: a `dpjax.compression` spec ("powersgd:4,start=10", a parsed `Spec`) or
+    None; options: the allreduce's extra arguments (`num_servers` for ps,
+    `outer_algorithm` for hierarchical, `groups`); compress_axes: the axes whose exchange
+    alone is compressed (--compress-axes), None: every exchange for a cast, the workers'
+    for a method with error feedback; shards: the per-shard form across the workers
+    (`shards.Shards`), or None."""
+
+    algorithm: str = DEFAULT_ALGORITHM
+    fusion_mb: float = DEFAULT_FUSION_MB
+    compression: Any = None
+    options: dict = field(default_factory=dict)
+    compress_axes: tuple | None = None
+    shards: Any = None
+
+    @classmethod
+    def of(cls, exchange: "Exchange | None" = None, **allreduce) -> "Exchange":
+        """`exchange`, or research code's keywords (`algorithm=`, `fusion_mb=`,
+        `compression=` and the allreduce's options, as `allreduce_gradients` takes them)
+        made into one: how the rules take either."""
+        if exchange is not None:
+            assert not allreduce, f"an Exchange and allreduce keywords {sorted(allreduce)}: give one"
+            return exchange
+        return cls(**{k: allreduce[k] for k in _OWN if k in allreduce},
+                   options={k: v for k, v in allreduce.items() if k not in _OWN})
+
+    # --- what it is ----------------------------------------------------------------------
+
+    @property
+    def spec(self) -> Spec | None:
+        """The parsed compression (`grammar.parse`), None for none."""
+        return parse(self.compression)
+
+    def kwargs(self) -> dict:
+        """algorithm, fusion_mb, compression and the options as plain values (the run record)."""
+        return {"algorithm": self.algorithm, "fusion_mb": self.fusion_mb, "compression": self.compression,
+                **self.options}
+
+    def _allreduce(self) -> dict:
+        """What a method's own exchange and the exact steps run the allreduce with."""
+        return {"algorithm": self.algorithm, "fusion_mb": self.fusion_mb, **self.options}
+
+    @property
+    def between_workers_only(self) -> bool:
+        """Whether only the exchange between workers is compressed (a method with error
+        feedback, or --compress-axes): the mean inside a worker is then exact."""
+        spec = self.spec
+        return self.compress_axes is not None or (spec is not None and spec.method.stateful)
+
+    @property
+    def wire(self):
+        """The cast FSDP's reduce-scatter sends gradients in (`tensor_parallel.Parallel`), None for none."""
+        return None if self.between_workers_only else check(self.compression)
+
+    def keeps_state(self, axes) -> bool:
+        """Whether the mean over `axes` carries state (error feedback: some axes and a method with it)."""
+        spec = self.spec
+        return bool(as_axes(axes)) and spec is not None and spec.method.stateful
+
+    # --- related exchanges ---------------------------------------------------------------
+
+    def inside(self) -> "Exchange":
+        """The exchange inside a worker (over the data axes that are not the workers'):
+        this one, exact where only the exchange between workers is compressed."""
+        return dataclasses.replace(self, compression=None if self.between_workers_only else self.compression,
+                                   shards=None)
+
+    def exact(self, per_shard: bool = False) -> "Exchange":
+        """The same exchange without compression: for what must stay exact (the workers'
+        consensus; 1-bit Adam's exact steps, `per_shard=True`: in the per-shard form
+        where there is one, as its compressed steps are)."""
+        return dataclasses.replace(self, compression=None, shards=self.shards if per_shard else None)
+
+    # --- the state -----------------------------------------------------------------------
+
+    def init(self, params, axes):
+        """The state of a fresh mean over `axes` of trees shaped like `params` (zero error), () if none."""
+        if not self.keeps_state(axes):
+            return ()
+        if self.shards is not None:  # per device, on its slot
+            return shards.init(self.compression, params, self.shards)
+        return feedback.init(self.compression, params)
+
+    def specs(self, param_specs, axes):
+        """PartitionSpecs of the state for parameters laid out by `param_specs` (no worker axis)."""
+        if not self.keeps_state(axes):
+            return ()
+        if self.shards is not None:
+            return shards.specs(self.compression, param_specs, self.shards)
+        return feedback.specs(self.compression, param_specs)
+
+    # --- the means -----------------------------------------------------------------------
+
+    def mean(self, tree, axes, state=()):
+        """(the mean of `tree` over `axes` through this exchange, the new state), inside
+        `shard_map`. axes: a data axis or a tuple of them; over none, `tree` as it is."""
+        axes = as_axes(axes)
+        if not axes:
+            return tree, state
+        axis = axis_arg(axes)
+        if self.shards is None:
+            return self._whole(tree, axis, state)
+        sh = self.shards
+        pieces = shards.split_tree(tree, sh)
+        out, state = self._whole(pieces, axis, shards.unslot(state, pieces))
+        return shards.join(out, tree, sh), shards.slot(state)
+
+    def _whole(self, tree, axis, state):
+        if not self.keeps_state(axis):
+            return self.allreduce(tree, axis), state
+        spec, allreduce = self.spec, self._allreduce()
+
+        def compressed():
+            return feedback.compressed(tree, state, axis, spec, allreduce)
+
+        def exact():
+            return grouped.mean(tree, axis, **allreduce), state.error, state.method
+
+        with scopes.phase("exchange"):
+            out, error, own = _from_start(spec, state.t, exact, compressed)
+        return out, feedback.State(state.t + 1, error, own)
+
+    def allreduce(self, tree, axis, *, op: str = "mean", prescale_factor: float = 1.0,
+                  postscale_factor: float = 1.0):
+        """The plain form: `tree` reduced with `op` over `axis`, one allreduce per fusion
+        bucket, floating-point buckets through the cast (a linear, stateless method)."""
+        axis_size(axis, "the gradient exchange")
+        with scopes.phase("exchange"):  # every exchange passes here (dpjax.scopes, dpjax.timeline)
+            return grouped.allreduce(tree, axis, op=op, fusion_mb=self.fusion_mb,
+                                     compression=summable(self.compression), algorithm=self.algorithm,
+                                     prescale_factor=prescale_factor, postscale_factor=postscale_factor,
+                                     **self.options)
+
+    def reduce_scatter_mean(self, g, dims, axes, state):
+        """FSDP's form: (the mean of the devices' full local gradients `g`, on this
+        device's shards (dims: the dimension the data axes split, -1: replicated), through
+        the compression; the new state). The first `start` exchanges are FSDP's exact
+        reduce-scatter."""
+        spec, axis = self.spec, axis_arg(as_axes(axes))
+
+        def compressed():
+            return sharded.compressed(g, state, dims, axis, spec, self.algorithm, self.fusion_mb)
+
+        def exact():
+            return sharded.exact(g, dims, axis, self.algorithm), state.error
+
+        with scopes.phase("exchange"):
+            out, error = _from_start(spec, state.t, exact, compressed)
+        return out, feedback.State(state.t + 1, error, ())
+
+
+def _from_start(spec: Spec, t, exact, compressed):
+    """compressed(), or for the first `spec.start` exchanges exact() (a `lax.cond` named
+    `compression(start=S)`, so comm_bytes charges each step the branch it runs)."""
+    if spec.start > 0:
+        with scopes.scope("compression", start=spec.start):
+            return lax.cond(t < spec.start, exact, compressed)
+    return compressed()
