@@ -202,6 +202,20 @@ def _replace(state, fns):
     return state
 
 
+# `--optimizer onebit_adam` without a --compression (issue 36): the warm-up a share of the run, as the
+# paper's 15-25%, then the refreshes and the bound; measured over run lengths, batches, seeds and one or
+# two sites by experiments/onebit_grid.py (experiments/RESULTS.md, "1-bit Adam's default").
+WARMUP_FRACTION, REFRESH, BOUND = 0.2, 2, 0.0
+
+
+def default_compression(steps: int) -> str:
+    """The --compression `--optimizer onebit_adam` runs with when none is given, for a run
+    of `steps` steps: onebit,start=S (S = WARMUP_FRACTION x steps, at least 1) with
+    refresh=REFRESH and bound=BOUND (0 leaves either out)."""
+    out = f"onebit,start={max(1, round(WARMUP_FRACTION * steps))}"
+    return out + (f",refresh={REFRESH}" if REFRESH else "") + (f",bound={BOUND:g}" if BOUND else "")
+
+
 def for_config(opt, adamw, global_batch: int, specs, axis_name=(), *, b1: float, b2: float, eps: float,
                **allreduce) -> UpdateRule:
     """The rule of a `dpjax.optim.OptimizerConfig` named onebit_adam, whose `make` gave
