@@ -177,7 +177,8 @@ class Settings:
                                             "powersgd:4,start=100 (N: PowerSGD's rank, top-k's / random-k's "
                                             "fraction; ef=0: no error feedback; start: exact exchanges first). "
                                             "A method with error feedback compresses the exchange between workers "
-                                            "(default: every data rank a worker)")
+                                            "(default: every data rank a worker). --optimizer onebit_adam without "
+                                            "one runs onebit,start=S,refresh=2, S a fifth of --steps (at most 100)")
     compress_axes: str | None = EXCHANGE(None, "compress only the exchange crossing these data axes, e.g. 'node' (the "
                                            "slow link between sites); the workers are then these axes and the "
                                            "exchange inside a worker is exact")

@@ -52,7 +52,9 @@ SLOW = {("bench_train.py", 1), ("bench_train.py", 2), ("staleness.py", 1), ("wan
         # 60 s under load: three layouts compiled; the layouts themselves are tests/test_annotations.py's
         ("model_axes.py", 0),
         # three more training runs (30-60 s); tests/test_fp8.py keeps fp8's train step fast
-        ("dtype_curves.py", 1), ("gpu_yardstick.py", 1)}
+        ("dtype_curves.py", 1), ("gpu_yardstick.py", 1),
+        # two training processes (20-40 s); test_onebit_adam.py keeps the default's plan fast
+        ("onebit_grid.py", 0)}
 
 
 def cases():

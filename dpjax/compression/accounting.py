@@ -114,8 +114,8 @@ def optimizer_warning(plan) -> str | None:
     if spec is None or not spec.ef or not spec.method.under_adam or getattr(opt, "name", None) != "adamw":
         return None
     return (f"warning: --compression {spec} with error feedback under --optimizer adamw: {spec.method.under_adam}; "
-            f"use --optimizer onebit_adam --compression onebit,start=3,refresh=2,bound=0.1 (Adam's variance frozen "
-            f"after 3 exact steps and refreshed at steps 6, 12, 24, ..., the momentum compressed), a quantiser "
+            f"use --optimizer onebit_adam without --compression (1-bit Adam's default: Adam's variance frozen after "
+            f"exact steps, a fifth of the run and at most 100, refreshed after, the momentum compressed), a quantiser "
             f"(int8, int4), or {spec.name}"
             f"{'' if spec.number is None else f':{spec.number}'},ef=0")
 

@@ -28,7 +28,7 @@ from dpjax.compute.policy import Policy
 from dpjax.settings import Settings
 from dpjax.plan.axes import check_context, check_expert
 from dpjax.plan.checks import (UsageError, check, devices_per_process, fit_devices, fit_mesh, flag,  # noqa: F401
-                               model_choice, warnings)
+                               model_choice, settled, warnings)
 from dpjax.plan.compute import (DEFAULT_ALGORITHM, DEFAULT_FUSION_MB, check_memory, compute_policy,  # noqa: F401
                                 default_allreduce, memory_refusal, target_platform)
 
@@ -143,6 +143,7 @@ def resolve(s: Settings, devices=None, *, mesh=None, model=None, optimizer=None,
     from dpjax.sharding import make_layout
     from dpjax.updates import parse_update
 
+    s = settled(s)  # e.g. 1-bit Adam's default compression: the plan (and its settings) carry it
     check(s)
     if mesh is None:
         import jax

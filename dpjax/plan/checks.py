@@ -25,6 +25,17 @@ _AT_LEAST_1 = ("steps", "batch_size", "seq_len", "backward_passes", "ckpt_every"
 _NOT_NEGATIVE = ("eval_every", "warmup_steps", "weight_decay", "clip_norm", "lr")
 
 
+def settled(s: Settings) -> Settings:
+    """`s` with what it leaves to dpjax filled in: `--optimizer onebit_adam` without a
+    --compression runs 1-bit Adam's default for its --steps
+    (`dpjax.updates.onebit_adam.default_compression`). `check` and `resolve` see these."""
+    if s.optimizer == "onebit_adam" and s.compression in (None, "none"):
+        from dpjax.updates.onebit_adam import default_compression
+
+        return dataclasses.replace(s, compression=default_compression(s.steps))
+    return s
+
+
 def check(s: Settings) -> None:
     """Every check that needs no devices; run before JAX starts, so a bad flag costs
     nothing. Raises UsageError (one line)."""
@@ -44,6 +55,7 @@ def check(s: Settings) -> None:
             raise UsageError(f"unknown {what} {value!r}; choose one of {', '.join(map(str, known))}")
 
     _check_finite(s)
+    s = settled(s)
     one_of("model", s.model, MODELS)
     if s.init_from is not None:
         mine = [flag(k) for k in ("preset", "vocab_size") if getattr(s, k) is not None]
@@ -177,10 +189,13 @@ def _check_onebit_adam(s: Settings, spec) -> None:
     workers: it needs a method with error feedback and S >= 1 exact warm-up steps."""
     from dpjax.updates import parse_update
 
-    example = "e.g. --compression onebit,start=100"
+    from dpjax.updates.onebit_adam import default_compression
+
+    example = f"e.g. --compression {default_compression(s.steps)}, the default for {s.steps} steps"
     if spec is None or not spec.method.stateful:
         raise UsageError(f"--optimizer onebit_adam sends the momentum through a compression with error feedback after "
-                         f"S exact AdamW steps, got --compression {s.compression}: {example}")
+                         f"S exact AdamW steps, got --compression {s.compression}: leave it out for the default, or "
+                         f"give one ({example})")
     if spec.start < 1:
         raise UsageError(f"--optimizer onebit_adam freezes Adam's variance after start=S exact steps, S >= 1: "
                          f"--compression {s.compression},start=S ({example})")

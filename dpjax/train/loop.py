@@ -19,7 +19,7 @@ import sys
 from dpjax import distributed
 from dpjax.recovery.checkpoint import compression_split
 from dpjax.train.comm_bytes import CommBytes
-from dpjax.plan import check, devices_per_process, resolve, warnings
+from dpjax.plan import check, devices_per_process, resolve, settled, warnings
 from dpjax.settings import Settings
 from dpjax.train import elastic, hardware, nonfinite, observe, record, resume, tuning
 
@@ -53,7 +53,9 @@ class Trainer:
         resume.check_metrics_file(cfg)  # ... nor does a metrics file that would be lost
         resume.check_commit_dir(cfg)  # ... nor commits a fresh run would remove
         user = cfg  # what must match on resume is what the user asked, whatever the size now
-        self.cfg = cfg = elastic.fit(cfg)  # under dpjax.agent: mesh and micro-batches for the hosts there are now
+        # under dpjax.agent: mesh and micro-batches for the hosts there are now; what the plan fills in (1-bit Adam's
+        # default compression) in the settings the record and the checkpoint see
+        self.cfg = cfg = settled(elastic.fit(cfg))
         # where commits are: compiled programs a restart loads (before any compile)
         self.programs = elastic.programs(cfg)
         self.plan = plan = resolve(cfg, setup_devices(cfg))

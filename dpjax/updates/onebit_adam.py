@@ -202,6 +202,23 @@ def _replace(state, fns):
     return state
 
 
+# `--optimizer onebit_adam` without a --compression (issue 36): the warm-up a share of the run, as the
+# paper's 15-25%, at most WARMUP_MAX steps, then 0/1 Adam's refreshes of the variance; no bound. Measured
+# by experiments/onebit_grid.py (experiments/RESULTS.md, "1-bit Adam's default"): a bound cost loss at
+# every C tried, and at 1000 steps a warm-up of 100 ended nearer AdamW than one of 200 or 250 (the
+# refreshes, S R, S R^2, ..., keep v fresh; a later freeze leaves fewer of them), at 200 steps 40 nearer
+# than 20.
+WARMUP_FRACTION, WARMUP_MAX, REFRESH, BOUND = 0.2, 100, 2, 0.0
+
+
+def default_compression(steps: int) -> str:
+    """The --compression `--optimizer onebit_adam` runs with when none is given, for a run
+    of `steps` steps: onebit,start=S (S = WARMUP_FRACTION x steps, at least 1, at most
+    WARMUP_MAX) with refresh=REFRESH and bound=BOUND (0 leaves either out)."""
+    out = f"onebit,start={max(1, min(round(WARMUP_FRACTION * steps), WARMUP_MAX))}"
+    return out + (f",refresh={REFRESH}" if REFRESH else "") + (f",bound={BOUND:g}" if BOUND else "")
+
+
 def for_config(opt, adamw, global_batch: int, specs, axis_name=(), *, b1: float, b2: float, eps: float,
                **allreduce) -> UpdateRule:
     """The rule of a `dpjax.optim.OptimizerConfig` named onebit_adam, whose `make` gave
