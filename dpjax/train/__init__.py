@@ -12,6 +12,4 @@ from dpjax.settings import Settings
 from dpjax.train.cli import build_parser, main, parse_args, summary_line
 from dpjax.train.loop import Trainer, run
 
-TrainConfig = Settings  # the name this class had before dpjax.settings
-
-__all__ = ["Settings", "TrainConfig", "Trainer", "build_parser", "main", "parse_args", "run", "summary_line"]
+__all__ = ["Settings", "Trainer", "build_parser", "main", "parse_args", "run", "summary_line"]
