@@ -20,7 +20,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 LAYERS = [
     ["dpjax.errors", "dpjax.interrupt", "dpjax.registry", "dpjax.fusion", "dpjax.hlo", "dpjax.scopes", "dpjax.policy",
      "dpjax.commit_every", "dpjax.commit_peer", "dpjax.agent.env", "dpjax.programs"],
-    ["dpjax.mesh", "dpjax.links", "dpjax.distributed", "dpjax.data", "dpjax.tokenizer", "dpjax.replicas",
+    ["dpjax.mesh"],  # axis names and the axis helpers (spec_axes, bound) every layer above reads
+    ["dpjax.links", "dpjax.distributed", "dpjax.data", "dpjax.tokenizer", "dpjax.replicas",
      "dpjax.attention",
      "dpjax.wrapper_checks", "dpjax.commit_file"],
     ["dpjax.rng", "dpjax.per_rank", "dpjax.collectives", "dpjax.annotations"],

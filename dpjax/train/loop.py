@@ -23,6 +23,7 @@ from dpjax.train.comm_bytes import CommBytes
 from dpjax.plan import check, devices_per_process, resolve, warnings
 from dpjax.settings import Settings
 from dpjax.train import elastic, hardware, nonfinite, observe, record, resume, tuning
+from dpjax.train.streams import streams
 
 
 def setup_devices(cfg: Settings):
@@ -272,28 +273,6 @@ class Trainer:
         from dpjax.train.run import run_loop
 
         return run_loop(self, hooks)
-
-
-def streams(cfg: Settings, model):
-    """The training and validation streams of --data, and what the ids are: the
-    --tokenizer given (bpe:N is trained on the corpus here), bytes of text, or for a
-    token file perhaps an --init-from folder's tokenizer."""
-    from dpjax.data import make_streams
-    from dpjax.tokenizer import Bytes, for_corpus, for_model
-
-    given, vocab = None, model.config.vocab_size
-    if cfg.tokenizer:
-        from dpjax.data import text_chunks
-
-        given = for_corpus(cfg.tokenizer, text_chunks(cfg.data))
-        if given.vocab_size > vocab:
-            from dpjax.plan import UsageError
-
-            raise UsageError(f"--tokenizer {cfg.tokenizer} has {given.vocab_size} ids, the model {vocab}")
-    train, val = make_streams(cfg.data, cfg.seq_len, cfg.seed, vocab_size=vocab, token_dtype=cfg.token_dtype,
-                              tokenizer=given)
-    text = not cfg.data.endswith(".bin") and cfg.data != "synthetic"
-    return train, val, given or (Bytes() if text else for_model(cfg.init_from, None, vocab, text=False))
 
 
 def run(cfg: Settings, hooks=()) -> dict:
