@@ -15,7 +15,7 @@ from typing import Callable, NamedTuple
 import jax
 from jax.sharding import PartitionSpec as P
 
-from dpjax.mesh import as_axes, axis_arg  # noqa: F401  (the generic axis helpers; re-exported)
+from dpjax.mesh import axis_arg
 from dpjax.data_parallel import allreduce_gradients
 
 

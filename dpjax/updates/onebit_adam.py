@@ -73,7 +73,8 @@ from jax import lax
 from dpjax import scopes
 from dpjax.compression import parse, shards
 from dpjax.sharding import state_specs
-from dpjax.updates.base import UpdateRule, as_axes, exact, exchange_over, identity, mean_over
+from dpjax.mesh import as_axes
+from dpjax.updates.base import UpdateRule, exact, exchange_over, identity, mean_over
 
 
 class OneBitState(NamedTuple):

@@ -18,7 +18,8 @@ from jax.sharding import PartitionSpec as P
 
 from dpjax import scopes
 from dpjax.sharding import state_specs
-from dpjax.updates.base import UpdateRule, as_axes, exact, exchange_over, identity, local_like, mean_over
+from dpjax.mesh import as_axes
+from dpjax.updates.base import UpdateRule, exact, exchange_over, identity, local_like, mean_over
 from dpjax.updates.registry import Kind, Option, register
 from dpjax.updates.sync import sync
 

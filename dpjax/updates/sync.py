@@ -11,7 +11,8 @@ from typing import NamedTuple
 import optax
 
 from dpjax.sharding import state_specs
-from dpjax.updates.base import UpdateRule, as_axes, exchange_over, identity, local_like, mean_over
+from dpjax.mesh import as_axes
+from dpjax.updates.base import UpdateRule, exchange_over, identity, local_like, mean_over
 from dpjax.updates.registry import Kind, register
 
 
