@@ -29,7 +29,6 @@ from jax.sharding import PartitionSpec as P
 
 from dpjax import collectives
 from dpjax.collectives._common import axis_size
-from dpjax.compression import COMPRESSIONS  # noqa: F401  (the names --compression takes; step.Exchange reads it)
 from dpjax.compression import check as check_compression
 from dpjax.compression.exchange import Exchange
 from dpjax.fusion import pack, plan_buckets, unpack

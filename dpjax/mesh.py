@@ -174,6 +174,22 @@ def spec_axes(spec) -> tuple:
     return tuple(a for e in spec for a in as_axes(e))
 
 
+def bound(axis) -> bool:
+    """Whether every name of `axis` (one name or a tuple; None: no axis) is bound where the
+    code runs: inside a shard_map over it (or a vmap naming it). Elsewhere (one device,
+    `jax.jit` under `jax.set_mesh`) arrays are whole, and a collective over the axis would
+    fail deep inside JAX with `NameError: unbound axis name`."""
+    from jax import lax  # importing dpjax.mesh does not import JAX
+
+    names = as_axes(axis)
+    try:
+        for name in names:
+            lax.axis_size(name)
+    except NameError:
+        return False
+    return bool(names)
+
+
 def axis_arg(axes: tuple):
     """The axis argument collectives take: one name, or a tuple for several."""
     return axes[0] if len(axes) == 1 else tuple(axes)

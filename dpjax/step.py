@@ -55,7 +55,6 @@ from dpjax.data_parallel import broadcast_params
 from dpjax.fusion import leaf_classes
 from dpjax.mesh import EXPERT, NOT_DATA, as_axes, axis_arg, data_axes, dp_size, is_spec, local_shape, spec_axes
 from dpjax.pipeline import staged as pipeline_staged
-from dpjax.optim import OptimizerConfig  # noqa: F401  (dpjax.step.OptimizerConfig, as before)
 from dpjax.plan import Exchange, Plan, for_layout, for_rule
 from dpjax.sharding import Layout
 from dpjax.updates import UpdateRule

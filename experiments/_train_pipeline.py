@@ -27,6 +27,7 @@ def build_pipeline(args):
     from dpjax.collectives.cost import hlo_comm
     from dpjax.data import make_streams
     from dpjax.mesh import STAGE, make_mesh, mesh_size
+    from dpjax.optim import OptimizerConfig
     from dpjax.models import get_model
     from dpjax.pipeline import SCHEDULES, Pipeline, bubble_formula
 
@@ -46,14 +47,14 @@ def build_pipeline(args):
     def add(name, label, mesh, pipe, extra):
         batches[name] = [S.put_batch(stream, i * args.batch_size, args.batch_size, mesh, passes=1)
                          for i in range(4)]
-        layout, step = make(mesh, pipe, S.OptimizerConfig())
+        layout, step = make(mesh, pipe, OptimizerConfig())
         params, state = step.init(jax.device_put(layout.store(host), layout.shardings()))
         t0 = time.perf_counter()
         compiled = step.train.lower(params, state, batches[name][0]).compile()
         mem = compiled.memory_analysis()
 
         def sgd_losses(mesh=mesh, pipe=pipe, name=name):
-            lay, st = make(mesh, pipe, S.OptimizerConfig(name="sgd", lr=0.1, clip_norm=0.0))
+            lay, st = make(mesh, pipe, OptimizerConfig(name="sgd", lr=0.1, clip_norm=0.0))
             p, o = st.init(jax.device_put(lay.store(host), lay.shardings()))
             out = []
             for i in range(args.check_steps):

@@ -53,10 +53,10 @@ def main(argv=None):
     import jax
 
     from dpjax.train.autotune import Setting
-    from dpjax.train import TrainConfig, Trainer
+    from dpjax.train import Settings, Trainer
 
     load = [os.getloadavg()]
-    cfg = TrainConfig(mesh=args.mesh, allreduce="auto", fusion_mb="auto", steps=10**6, eval_every=0,
+    cfg = Settings(mesh=args.mesh, allreduce="auto", fusion_mb="auto", steps=10**6, eval_every=0,
                       eval_batches=1, progress="log", data=args.data, autotune_samples=args.samples,
                       **(SMOKE_RUN if args.smoke else {}))
     trainer = Trainer(cfg)

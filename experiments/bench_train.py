@@ -3,7 +3,7 @@
     python experiments/bench_train.py --reps 30 --warmup 3 --markdown table.md --json bench_train.json
 
 Every variant trains the same model (the default `dpjax.models.get_model("gpt")`)
-with the same optax AdamW (`dpjax.step.OptimizerConfig().make(batch)`) on the same
+with the same optax AdamW (`dpjax.optim.OptimizerConfig().make(batch)`) on the same
 batches over the same mesh (8x1 by default: 8 data-parallel ranks):
 
     xla-auto          plain `jax.jit` with NamedShardings: params and optimizer state

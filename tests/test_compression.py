@@ -17,7 +17,8 @@ from jax.sharding import PartitionSpec as P
 import dpjax.horovod as hvd
 from dpjax import collectives as C
 from dpjax import compression
-from dpjax.data_parallel import COMPRESSIONS, allreduce_gradients
+from dpjax.compression import COMPRESSIONS
+from dpjax.data_parallel import allreduce_gradients
 
 # What each method must do to a float32 array, independently of dpjax: numpy's cast.
 # A method registered without a reference here fails test_every_method_has_a_reference.

@@ -24,7 +24,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 # its own unit or a lower layer's, never a higher one, nor one of its own layer.
 LAYERS = [
     ["dpjax.errors", "dpjax.interrupt", "dpjax.registry", "dpjax.fusion", "dpjax.hlo", "dpjax.scopes"],
-    ["dpjax.mesh", "dpjax.links", "dpjax.distributed", "dpjax.data"],
+    ["dpjax.mesh"],  # axis names and the axis helpers (spec_axes, bound) every layer above reads
+    ["dpjax.links", "dpjax.distributed", "dpjax.data"],
     ["dpjax.collectives", "dpjax.wrap"],  # wrap: shard_step's room, on mesh and errors alone
     ["dpjax.compression", "dpjax.compute", "dpjax.timeline"],
     ["dpjax.data_parallel", "dpjax.models", "dpjax.nn", "dpjax.pipeline", "dpjax.recovery"],

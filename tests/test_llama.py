@@ -16,10 +16,11 @@ from dpjax import step as S
 from dpjax.errors import UserError
 from dpjax.models import get_model
 from dpjax.models.llama import rope_table, rotate
+from dpjax.optim import OptimizerConfig
 from dpjax.sharding import make_layout
 
 TOL = dict(rtol=2e-5, atol=2e-6)  # float32: the sharded sums add partial products in another order
-SGD = S.OptimizerConfig(name="sgd", lr=1.0, clip_norm=0.0)
+SGD = OptimizerConfig(name="sgd", lr=1.0, clip_norm=0.0)
 
 
 def llama(**kw):

@@ -234,3 +234,33 @@ def test_parse_axes(devices):
     assert parse_axes("", mesh) == ()
     with pytest.raises(MeshError, match="'model' is not a data axis"):
         parse_axes("model", mesh)
+
+
+def test_bound_names_the_axes_a_shard_map_binds_here():
+    """`mesh.bound`, the one "is this axis bound here" test (tensor_parallel, nn, rng,
+    horovod and the collectives ask it): true inside a shard_map for the axes it is manual
+    over (all of a tuple), false for the others, outside, under jit with a mesh set, and for None."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import PartitionSpec as P
+
+    from dpjax.mesh import bound
+
+    mesh = dpjax.make_mesh("2x4", jax.devices()[:8])
+    names = ("data", "model", ("data", "model"), None)
+    seen = {}
+
+    def probe(tag):
+        seen[tag] = [bound(a) for a in names]
+
+    def body(x):
+        probe("data only")
+        return x
+
+    jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(), out_specs=P(), axis_names={"data"}))(jnp.ones(2))
+    jax.shard_map(lambda x: (probe("both"), x)[1], mesh=mesh, in_specs=P(), out_specs=P())(jnp.ones(2))
+    with jax.set_mesh(mesh):
+        jax.jit(lambda x: (probe("jit under set_mesh"), x)[1])(jnp.ones(2))
+    probe("outside")
+    assert seen == {"data only": [True, False, False, False], "both": [True, True, True, False],
+                    "jit under set_mesh": [False] * 4, "outside": [False] * 4}

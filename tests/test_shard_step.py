@@ -142,10 +142,10 @@ def test_dpjax_train_checks_its_step_under_dpjax_check(monkeypatch):
     average taken out of dpjax's step builder, an AssertionError (our bug: a traceback)
     naming a parameter."""
     from dpjax.compression.exchange import Exchange
-    from dpjax.train import TrainConfig, Trainer
+    from dpjax.train import Settings, Trainer
 
     monkeypatch.setenv("DPJAX_CHECK", "1")
-    cfg = TrainConfig(model="mlp", mesh="2x2", data="synthetic", steps=1, batch_size=8, seq_len=8,
+    cfg = Settings(model="mlp", mesh="2x2", data="synthetic", steps=1, batch_size=8, seq_len=8,
                       progress="none", model_options={"d_hidden": 16, "d_embed": 8})
 
     def one_step():

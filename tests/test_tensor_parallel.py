@@ -21,6 +21,7 @@ from dpjax import step as S
 from dpjax.compute import tensor_parallel as tp
 from dpjax.models import get_model
 from dpjax.models.gpt import causal_attention
+from dpjax.optim import OptimizerConfig
 from dpjax.sharding import make_layout, sq_norm, state_specs
 from dpjax.compute.tensor_parallel import Parallel
 
@@ -187,7 +188,7 @@ def test_init_is_the_same_on_every_mesh(mesh_of, gpt):
     assert {s.data.shape for s in w1.addressable_shards} == {(2, 32, 64)}
 
 
-def sync_step(model, layout, opt=S.OptimizerConfig(), batch=8):
+def sync_step(model, layout, opt=OptimizerConfig(), batch=8):
     step = S.for_model(model, layout, global_batch=batch, opt=opt, donate=False)
     params, state = step.init(S.init_params(model, layout, jax.random.key(0)))
     return step, params, state
@@ -198,7 +199,7 @@ def test_without_tensor_parallelism_parameters_are_replicated(mesh_of, gpt, put)
     """tensor_parallel=False: parameters replicated over `model`, the dense model, a local
     clipping norm. AdamW with clipping on 2x4 then trains like one device (a split
     layout with a local norm would not)."""
-    opt = S.OptimizerConfig(clip_norm=0.05)
+    opt = OptimizerConfig(clip_norm=0.05)
     batches = [np.random.default_rng(i).integers(0, 256, (1, 8, 17)).astype(np.int32) for i in range(3)]
 
     def losses(mesh):

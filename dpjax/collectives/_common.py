@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from dpjax import links, scopes
+from dpjax.mesh import bound
 
 
 @dataclass(frozen=True)
@@ -42,10 +43,9 @@ def axis_size(axis_name, what: str = "a collective") -> int:
     inside the first collective; this names the axis and what to wrap the call in."""
     if isinstance(axis_name, Subgroups):
         return len(axis_name.members[0])
-    try:
-        return int(lax.axis_size(axis_name))
-    except NameError:
-        raise _unbound(axis_name, what) from None
+    if not bound(axis_name):
+        raise _unbound(axis_name, what)
+    return int(lax.axis_size(axis_name))
 
 
 def index(axis_name):

@@ -45,6 +45,7 @@ from dpjax import collectives
 from dpjax.collectives._common import Subgroups, axis_size
 from dpjax.collectives.ops import finish, on_wire
 from dpjax.compute.policy import Policy
+from dpjax.mesh import bound
 
 
 def _active(axis) -> bool:
@@ -52,17 +53,7 @@ def _active(axis) -> bool:
     shard_map over it). Where it is not bound (one device, `nnx.jit`, `jax.jit` under
     `jax.set_mesh`) every array is whole, so f, g and the parallel layers are the dense
     computation: a model written with them evaluates anywhere without a change."""
-    return axis is not None and _bound(axis) and axis_size(axis) > 1
-
-
-def _bound(axis) -> bool:
-    names = axis.axis if isinstance(axis, Subgroups) else axis
-    try:
-        for name in names if isinstance(names, tuple) else (names,):
-            lax.axis_size(name)
-    except NameError:
-        return False
-    return True
+    return axis is not None and bound(axis.axis if isinstance(axis, Subgroups) else axis) and axis_size(axis) > 1
 
 
 def _on_wire(reduce, g, wire, n: int, op: str):

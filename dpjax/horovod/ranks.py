@@ -16,7 +16,7 @@ from jax import lax
 
 from dpjax import distributed
 from dpjax.collectives._common import Subgroups, axis_size, index
-from dpjax.mesh import data_axes
+from dpjax.mesh import bound, data_axes
 
 
 @dataclass(frozen=True)
@@ -49,10 +49,10 @@ def world_axis(axis_name, what: str):
 
 
 def _inside(axis_name) -> bool:
+    """Whether the call is inside a step (its data axes bound); False outside any mesh."""
     try:
-        axis_size(world_axis(axis_name, "rank"))
-        return True
-    except ValueError:
+        return bound(world_axis(axis_name, "rank"))
+    except ValueError:  # no mesh with data axes
         return False
 
 

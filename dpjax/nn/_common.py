@@ -4,19 +4,20 @@ and the `Parallel` they hand to `dpjax.compute.tensor_parallel`."""
 from __future__ import annotations
 
 import jax
+from jax import lax
 
+from dpjax import mesh
 from dpjax.compute.tensor_parallel import DENSE, Parallel
 
 
 def bound(axis) -> bool:
     """Whether the code runs inside a shard_map over `axis` (each device holds its block
     of the layer's weights); elsewhere the weights are whole and the layer is dense."""
-    mesh = jax.sharding.get_abstract_mesh()
-    return axis in getattr(mesh, "manual_axes", ()) and mesh.shape[axis] > 1
+    return mesh.bound(axis) and lax.axis_size(axis) > 1
 
 
 def axis_size(axis) -> int:
-    return jax.sharding.get_abstract_mesh().shape[axis] if bound(axis) else 1
+    return lax.axis_size(axis) if bound(axis) else 1
 
 
 def parallel(axis, algorithm: str) -> Parallel:

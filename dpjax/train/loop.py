@@ -1,13 +1,14 @@
 """The training loop: a `Trainer` built from one plan, then `run()`.
 
     settings -> dpjax.plan.resolve -> Trainer (steps from dpjax.step, parameters,
-    data streams, checkpoint restore) -> run(): data -> step -> metrics / eval /
-    checkpoint
+    data streams, checkpoint restore) -> run(): data -> step -> hooks
 
-The loop itself is `run.py`; beside it, not in it: the progress display
-(`progress.py`), the autotune's glue (`tuning.py`), what a run measures about itself
-(`observe.py`), starting fresh or resuming and the metrics file (`resume.py`), the stop
-on a NaN or Inf (`nonfinite.py`).
+The loop itself is `run.py`; everything beside the step is a hook (`hooks.py`, the
+protocol a run's own hooks follow too; the built-in ones in `builtin.py`: metrics,
+progress, evaluation, checkpoints, commits, the NaN stop, Ctrl-C, the autotune, the
+timeline). Beside them: the autotune's glue (`tuning.py`), what a run measures about
+itself (`observe.py`), starting fresh or resuming and the metrics file (`resume.py`),
+the stop on a NaN or Inf (`nonfinite.py`).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from dpjax.train.comm_bytes import CommBytes
 from dpjax.plan import check, devices_per_process, resolve, settled, warnings
 from dpjax.settings import Settings
 from dpjax.train import elastic, hardware, nonfinite, observe, record, resume, tuning
+from dpjax.train.streams import streams
 
 
 def setup_devices(cfg: Settings):
@@ -60,68 +62,87 @@ class Trainer:
         self.programs = elastic.programs(cfg)
         self.plan = plan = resolve(cfg, setup_devices(cfg))
         distributed.ready(plan.mesh)  # the transport's communicators for this mesh (MPI: see transport.py)
-        import jax
-
-        from dpjax import step as S
         from dpjax.train.autotune import Setting
-        from dpjax.data import make_streams
 
         self.mesh, self.model, self.layout, self.opt = plan.mesh, plan.model, plan.layout, plan.opt
-        self.say(hardware.devices_line(list(self.mesh.devices.flat), jax.process_count()))
-        for note in plan.notes:  # e.g. why the attention is not cuDNN's flash kernel
-            self.say(note)
-        for warning in [hardware.cpu_but_gpu_warning(jax.devices()), *warnings(cfg)]:
-            if warning and jax.process_index() == 0:
-                print(warning, file=sys.stderr, flush=True)
-        from dpjax.data.tokenizer import Bytes, for_corpus, for_model
-
-        given = None
-        if cfg.tokenizer:  # bpe:N is trained on the corpus here
-            from dpjax.data import text_chunks
-
-            given = for_corpus(cfg.tokenizer, text_chunks(cfg.data))
-            if given.vocab_size > self.model.config.vocab_size:
-                from dpjax.plan import UsageError
-
-                raise UsageError(f"--tokenizer {cfg.tokenizer} has {given.vocab_size} ids, the model "
-                                 f"{self.model.config.vocab_size}")
-        self.train_stream, self.val_stream = make_streams(
-            cfg.data, cfg.seq_len, cfg.seed, vocab_size=self.model.config.vocab_size,
-            token_dtype=cfg.token_dtype, tokenizer=given)
-        text = not cfg.data.endswith(".bin") and cfg.data != "synthetic"
-        # what the ids are: the tokenizer given; bytes of text; for a token file, perhaps an --init-from folder's
-        self.tokenizer = given or (Bytes() if text else for_model(cfg.init_from, None, self.model.config.vocab_size,
-                                                                  text=False))
+        self._say_plan()
+        self.train_stream, self.val_stream, self.tokenizer = streams(cfg, self.model)
         self._steps, self.comm_bytes = {}, CommBytes(plan)
         self.compression_ratio = observe.CompressionRatio(plan) if plan.exchange.compression else None
         self.use(Setting(plan.exchange.algorithm, plan.exchange.fusion_mb))
-        # What must match for a checkpoint to resume: per-worker state needs the same
-        # rule and the same number of workers (the mesh may change).
-        self.record = {"model": self.model.describe(), "data": cfg.data, "seed": cfg.seed,
-                       "batch_size": user.batch_size,
-                       "optimizer": {**dataclasses.asdict(self.opt), "backward_passes": user.backward_passes,
-                                     "update": str(plan.update)}}
+        self.record = self._resume_record(user)
+        self._say_exchange()
+        self._init_state()
+        self.start, self.cursor, self.ckpt, self.resumed, self.saved = 0, 0, None, {}, []
+        if cfg.ckpt_dir:
+            self._restore()
+        self.run_record = record.build(cfg, plan)  # the first metrics row, and run.json beside the checkpoints
+        self.elastic = elastic.attach(self)  # commits, heartbeat, faults; a restart restores its commit
+        resume.fresh_or_refuse(self)  # before anything is written: --resume that found nothing is an error
+        self._open_checkpoints()
+        self.tuner = tuning.plan_search(self)
+        self.recorder = observe.recorder(cfg)
+        if self.start >= cfg.steps:
+            from dpjax.plan import UsageError
+
+            raise UsageError(f"the checkpoint is at step {self.start}, not before --steps {cfg.steps}; "
+                             "ask for more steps")
+
+    # --- what __init__ does, in its order ---
+
+    def _say_plan(self) -> None:
+        """The devices, the plan's notes (e.g. why the attention is not cuDNN's flash
+        kernel), its warnings (process 0, to stderr)."""
+        import jax
+
+        self.say(hardware.devices_line(list(self.mesh.devices.flat), jax.process_count()))
+        for note in self.plan.notes:
+            self.say(note)
+        for warning in [hardware.cpu_but_gpu_warning(jax.devices()), *warnings(self.cfg)]:
+            if warning and jax.process_index() == 0:
+                print(warning, file=sys.stderr, flush=True)
+
+    def _resume_record(self, user: Settings) -> dict:
+        """What must match for a checkpoint to resume: per-worker state needs the same
+        rule and the same number of workers (the mesh may change)."""
+        cfg, plan = self.cfg, self.plan
+        out = {"model": self.model.describe(), "data": cfg.data, "seed": cfg.seed, "batch_size": user.batch_size,
+               "optimizer": {**dataclasses.asdict(self.opt), "backward_passes": user.backward_passes,
+                             "update": str(plan.update)}}
         if self.step.rule.per_worker:
-            self.record["optimizer"]["workers"] = self.layout.num_workers
+            out["optimizer"]["workers"] = self.layout.num_workers
         if plan.exchange.between_workers_only:  # error buffers / PowerSGD's Q in the state (issue 20)
-            self.record["optimizer"]["compression"] = cfg.compression
+            out["optimizer"]["compression"] = cfg.compression
             split = compression_split(cfg.compression, self.mesh, fsdp=cfg.fsdp, shards=plan.exchange.shards)
             if split:  # the state's shapes follow these axes: they must match to resume
-                self.record["optimizer"]["compression_model_split"] = split
-        from dpjax.compression import accounting
-
-        for warning in (accounting.warning(plan),  # one line when the cost model says it cannot pay
-                        accounting.optimizer_warning(plan)):  # ... when the method misbehaves under the optimizer
-            if warning:
-                self.say(warning)
+                out["optimizer"]["compression_model_split"] = split
         if self.layout.pipeline is not None and self.layout.pipeline.virtual_stages > 1:
             # the layer stack is stored V x L/V: it resumes on any stage count, with the same V
-            self.record["model"]["virtual_stages"] = self.layout.pipeline.virtual_stages
+            out["model"]["virtual_stages"] = self.layout.pipeline.virtual_stages
+        return out
+
+    def _say_exchange(self) -> None:
+        """One line when the cost model says the compression cannot pay, or the method
+        misbehaves under the optimizer; then what compiles, and how to stop it."""
+        from dpjax.compression import accounting
         from dpjax.train.plan_table import compiling_line
 
-        self.say(compiling_line(plan))  # a large model compiles for minutes: say what, and how to stop it
-        key = jax.random.key(cfg.seed)
-        if cfg.init_from:  # the weights given, read onto this layout; the optimizer state fresh
+        for warning in (accounting.warning(self.plan), accounting.optimizer_warning(self.plan)):
+            if warning:
+                self.say(warning)
+        self.say(compiling_line(self.plan))  # a large model compiles for minutes: say what, and how to stop it
+
+    def _init_state(self) -> None:
+        """Parameters (--init-from's weights read onto this layout, or fresh), the
+        optimizer state, and the run's RNG state: nothing in the step draws from it yet (no
+        dropout), but it is saved and restored with the rest so that stochastic steps
+        resume exactly too."""
+        import jax
+
+        from dpjax import step as S
+
+        cfg, plan, key = self.cfg, self.plan, jax.random.key(self.cfg.seed)
+        if cfg.init_from:  # the optimizer state fresh
             from dpjax.hf import params_of
 
             initial = plan.policy.store(params_of(cfg.init_from, self.model, self.layout))
@@ -130,35 +151,19 @@ class Trainer:
             initial = S.init_params(self.model, self.layout, key, plan.policy,
                                     keep=self.programs and self.programs.keep)
         self.params, self.opt_state = self.step.init(initial)
-        # The run's RNG state: nothing in the step draws from it yet (no dropout), but it is
-        # saved and restored with the rest so that stochastic steps resume exactly too.
         self.rng = jax.device_put(jax.random.key_data(jax.random.fold_in(key, 1)), S.replicated(self.mesh))
-        self.start, self.cursor, self.ckpt, self.resumed, self.saved = 0, 0, None, {}, []
-        if cfg.ckpt_dir:
-            self._restore()
-        self.run_record = record.build(cfg, plan)  # the first metrics row, and run.json beside the checkpoints
-        self.elastic = elastic.attach(self)  # commits, heartbeat, faults; a restart restores its commit
-        resume.fresh_or_refuse(self)  # before anything is written: --resume that found nothing is an error
-        if cfg.ckpt_dir:
-            from dpjax.recovery.checkpoint import Checkpointer
 
-            self.ckpt = self.ckpt or Checkpointer(cfg.ckpt_dir)  # the folder is made now, not for a refusal
-            if jax.process_index() == 0:
-                record.write_run_file(cfg.ckpt_dir, self.run_record)
-        self.tuner = tuning.plan_search(self)
-        self.recorder = None
-        if cfg.timeline:
-            from dpjax.timeline import Recorder
+    def _open_checkpoints(self) -> None:
+        """--ckpt-dir's Checkpointer (the folder made now, not for a refusal) and its run.json."""
+        import jax
 
-            keep = cfg.profile_dir
-            if keep and jax.process_count() > 1:  # each process profiles its own devices
-                keep = os.path.join(keep, f"rank{jax.process_index()}")
-            self.recorder = Recorder(keep=keep)
-        if self.start >= cfg.steps:
-            from dpjax.plan import UsageError
+        if not self.cfg.ckpt_dir:
+            return
+        from dpjax.recovery.checkpoint import Checkpointer
 
-            raise UsageError(f"the checkpoint is at step {self.start}, not before --steps {cfg.steps}; "
-                             "ask for more steps")
+        self.ckpt = self.ckpt or Checkpointer(self.cfg.ckpt_dir)
+        if jax.process_index() == 0:
+            record.write_run_file(self.cfg.ckpt_dir, self.run_record)
 
     # --- the steps, one per exchange setting (an autotune tries several) ---
 
@@ -264,15 +269,18 @@ class Trainer:
                for i in range(cfg.eval_batches)]
         return {k: float(np.mean([float(g[k]) for g in got])) for k in got[0]}
 
-    def run(self) -> dict:
+    def run(self, hooks=()) -> dict:
+        """Trains to --steps (or a stop) with the built-in hooks and `hooks` (each a
+        `dpjax.train.Hook`: `dpjax.train.hooks`); returns the summary."""
         from dpjax.train.run import run_loop
 
-        return run_loop(self)
+        return run_loop(self, hooks)
 
 
-def run(cfg: Settings) -> dict:
-    """Trains per `cfg`; returns the summary."""
-    return Trainer(cfg).run()
+def run(cfg: Settings, hooks=()) -> dict:
+    """Trains per `cfg`, calling `hooks` (`dpjax.train.Hook`s) at each step beside the
+    built-in ones; returns the summary."""
+    return Trainer(cfg).run(hooks)
 
 
 def dry_run(cfg: Settings) -> int:

@@ -1,21 +1,18 @@
-"""The loop of a run: data -> step -> metrics / evaluation / checkpoint, with a few
-steps in flight, Ctrl-C finishing the step and saving, and the autotune's and the
-timeline's steps run alone to their end."""
+"""The loop of a run: data -> step -> hooks, with a step in flight behind the one
+running. Everything beside the step (metrics, progress, evaluation, checkpoints,
+commits, the NaN stop, Ctrl-C, the autotune, the timeline) is a hook
+(`dpjax.train.hooks`, the built-in ones in `builtin.py`)."""
 
 from __future__ import annotations
 
 import collections
 import contextlib
-import math
-import os
-import signal
-import sys
 import time
+from typing import NamedTuple
 
-from dpjax.train import nonfinite, observe, resume, sample, tuning
-from dpjax.train.efficiency import Efficiency
-from dpjax.train.metrics import open_writers
-from dpjax.train.progress import Progress
+from dpjax.train import builtin
+from dpjax.train.hooks import Hooks
+from dpjax.train.observe import Figures
 
 # Dispatched-but-unfinished steps allowed in flight: one, queued behind the one running,
 # hides the host's work for the next step (its batch, its dispatch) behind the device's.
@@ -25,185 +22,144 @@ from dpjax.train.progress import Progress
 MAX_IN_FLIGHT = 1
 
 
-def run_loop(self) -> dict:
-    """Runs `self` (a `dpjax.train.loop.Trainer`) to --steps; returns the summary."""
-    import jax
-    import numpy as np
+class Flight(NamedTuple):
+    """A step dispatched whose row is not written yet: its index (from 0), its loss (a
+    device array), the fields its row carries beside the loss, the program that ran it."""
 
-    cfg, is_main = self.cfg, jax.process_index() == 0
-    tokens_per_step = cfg.batch_size * cfg.seq_len * cfg.backward_passes
-    # JSON lines (and TensorBoard): process 0's rows; the run record first
-    # ... each step once: a resumed run's file loses the rows after the restored step (run again now)
-    metrics = open_writers(cfg.metrics, cfg.tensorboard, append=resume.metrics_append(cfg),
-                           resumed_at=self.start if resume.resuming(cfg) else None) if is_main else None
-    # the peak of the dtype the matmuls run in (bf16's is twice TF32's: the H200 summary said MFU 91.6% for 46%)
-    efficiency = Efficiency(self.model, self.mesh, tokens_per_step, cfg.peak_tflops, self.plan.policy.dtype)
-    stop = {"now": False, "stepping": False}  # stepping: the first step is compiled and dispatched
-    set_aside = []  # a checkpoint saved at the step whose loss turned out not finite
+    step_i: int
+    loss: object
+    extra: dict
+    program: object
 
-    def on_sigint(signum, frame):
-        """The first Ctrl-C finishes the step and saves; a second one leaves at once,
-        in one line and without a traceback (the save under way is not finished: orbax
-        finalises a checkpoint only once it is whole, so --resume takes the one before).
-        Until the first step is compiled there is no step to finish: Ctrl-C stops the
-        compile (a KeyboardInterrupt, as Python's own handler raises; the compile that
-        took minutes on a large model used to run to its end first)."""
-        if not stop["stepping"]:
-            raise KeyboardInterrupt
-        if stop["now"]:
-            print("interrupted again: stopped at once, without waiting for the save", file=sys.stderr, flush=True)
-            os._exit(130)
-        stop["now"] = True
-        if is_main:
-            print("Ctrl-C: finishing the step" + (" and saving" if self.ckpt else "") + "; Ctrl-C again stops at "
-                  "once", file=sys.stderr, flush=True)
 
-    old_handler = signal.signal(signal.SIGINT, on_sigint)
-    progress = Progress(cfg.progress if is_main else "none", cfg.steps, self.start)
-    in_flight: collections.deque = collections.deque()
-    finished: dict = {}  # step -> when it was first seen finished (`seen_finished`)
-    last_done = t0 = time.perf_counter()
-    last = {"loss": float("nan"), "eval_loss": None, "tokens_per_s": 0.0}
-    tps_window: collections.deque = collections.deque(maxlen=20)
-    lr_at = self.opt.schedule(cfg.batch_size * cfg.backward_passes)
-    # --timeline: the steps profiled, fixed at the first step of the final setting;
-    # host phases are annotations that cost nothing outside the profile
-    rec, window = self.recorder, None
-    phase = rec.phase if rec is not None else (lambda _: contextlib.nullcontext())
+class Loop:
+    """One run of a `dpjax.train.loop.Trainer` to --steps (or a stop), and what its hooks
+    may use (`dpjax.train.hooks`)."""
 
-    def write(row):
-        if metrics:
-            metrics.write(row)
+    def __init__(self, trainer, hooks=()):
+        cfg, self.trainer = trainer.cfg, trainer
+        self.tokens_per_step = cfg.batch_size * cfg.seq_len * cfg.backward_passes
+        self.figures = Figures(trainer, self.tokens_per_step)
+        self.hooks = Hooks(builtin.parts(trainer, self.figures, hooks))
+        self.writers = None  # the metrics writers (builtin.Metrics); None: this process writes no rows
+        self.in_flight: collections.deque = collections.deque()
+        self.finished: dict = {}  # step index -> when it was first seen finished (`_seen_finished`)
+        self.tps_window: collections.deque = collections.deque(maxlen=20)
+        self.lr_at = trainer.opt.schedule(cfg.batch_size * cfg.backward_passes)
+        self.loss, self.eval_loss, self.tokens_per_s = float("nan"), None, 0.0
+        self.stopping = self.interrupted = False
+        self.set_aside: list = []  # a checkpoint saved at the step whose loss turned out not finite
+        self.done, self.args, self.began = trainer.start, None, 0.0
+        rec = trainer.recorder  # host phases are annotations that cost nothing outside the profile
+        self.phase = rec.phase if rec is not None else (lambda _: contextlib.nullcontext())
 
-    write({"record": self.run_record})
+    # --- what hooks use ---
 
-    def seen_finished():
+    def write(self, row: dict) -> None:
+        """A row to the metrics file (process 0; nothing without --metrics)."""
+        if self.writers:
+            self.writers.write(row)
+
+    def stop(self, interrupted: bool = False) -> None:
+        """Ends the run after the step under way: it finishes and is saved (--ckpt-dir).
+        `interrupted` (Ctrl-C): the summary says so, the run exits 130, nothing is
+        evaluated at the end; otherwise the run ends as if this step were the last."""
+        self.stopping = True
+        self.interrupted = self.interrupted or interrupted
+
+    def reset_clock(self) -> None:
+        """What the host did since the last step's end is not the next step's step_time."""
+        self.last_done = time.perf_counter()
+
+    def drain(self) -> None:
+        """Waits for every step in flight, writing their rows."""
+        while self.in_flight:
+            self._retire()
+
+    # --- the loop ---
+
+    def run(self) -> dict:
+        """The steps from the trainer's start to --steps; returns the summary."""
+        t0 = self.last_done = time.perf_counter()
+        with contextlib.ExitStack() as stack:
+            for hook in self.hooks:  # each hook's close once it has started: reversed, every one called
+                hook.start(self)
+                stack.callback(hook.close, self)
+            for step in range(self.trainer.start + 1, self.trainer.cfg.steps + 1):
+                self._iterate(step)
+                if self.stopping:
+                    break
+            self.drain()
+            if not self.interrupted:
+                self.hooks.end(self)
+        return self.summary(time.perf_counter() - t0)
+
+    def _iterate(self, step: int) -> None:
+        """Step `step` (from 1): data -> step -> hooks. A step runs alone to its end when a
+        hook asks (`alone`: autotune trials, profiled steps); else one stays in flight."""
+        import jax
+
+        trainer = self.trainer
+        self.program, self.alone, self.tags = None, False, {}  # before-hooks may choose, isolate, tag
+        self.hooks.before(self, step)
+        program = self.program or trainer.step
+        with self.phase("data"):
+            cursor = trainer.cursor  # the step's first sample: the step log shows none read twice or skipped
+            batch = trainer.batch()
+        self._seen_finished()
+        self.args, self.began = (trainer.params, trainer.opt_state, batch), time.perf_counter()
+        with self.phase("dispatch"):
+            trainer.params, trainer.opt_state, loss, *stats = program.train(*self.args)  # a MoE's drops: its own
+        self.done = step
+        flight = Flight(step - 1, loss, {"cursor": cursor, **self.tags, **dict(*stats)}, program)
+        self.in_flight.append(flight)
+        self._seen_finished()  # before the row's figures: the first step's take a compile
+        self.hooks.dispatched(self, flight)
+        if self.alone:
+            self._retire()
+            with self.phase("host_wait"):
+                jax.block_until_ready((trainer.params, trainer.opt_state))
+        elif len(self.in_flight) > MAX_IN_FLIGHT:
+            self._retire()
+        self.hooks.after(self, step)
+
+    def _seen_finished(self) -> None:
         """Stamps the steps in flight that have finished, oldest first, without waiting:
         a row's step_time runs from the previous step's end to its own, each seen as soon
         as the loop looks (a backend that runs a program inside its dispatch, as XLA's CPU
         one does on one device, has finished it when the dispatch returns)."""
-        for step_i, loss, *_ in in_flight:
-            if step_i not in finished:
-                if not loss.is_ready():
+        for flight in self.in_flight:
+            if flight.step_i not in self.finished:
+                if not flight.loss.is_ready():
                     break
-                finished[step_i] = time.perf_counter()
+                self.finished[flight.step_i] = time.perf_counter()
 
-    def retire():
-        nonlocal last_done
-        step_i, loss, extra, step = in_flight.popleft()
-        with phase("host_wait"):
+    def _retire(self) -> None:
+        """The oldest step in flight: waits for its loss, then its row to the hooks."""
+        import jax
+        import numpy as np
+
+        step_i, loss, extra, _ = self.in_flight.popleft()
+        with self.phase("host_wait"):
             loss = float(loss)  # waits for the step
-        if not math.isfinite(loss):  # the state of step_i steps done gives it: no step after is worth running
-            write({"event": "non_finite_loss", "step": step_i + 1, "value": str(loss)})
-            if step_i in self.saved and is_main:
-                set_aside.append(step_i)
-            raise nonfinite.stop(f"the loss is {loss} at step {step_i + 1}", step_i, cfg, self.saved)
-        now = finished.pop(step_i, None) or time.perf_counter()
-        dt, last_done = now - last_done, now
-        tps_window.append(tokens_per_step / dt)
-        last.update(loss=loss, tokens_per_s=float(np.median(tps_window)))
-        if metrics:
-            extra.update(efficiency.row(dt, step, shapes[id(step)]))
-        write({"step": step_i + 1, "loss": loss, "step_time": dt, "tokens_per_s": tokens_per_step / dt,
-               "lr": float(lr_at(step_i)),
-               **{k: float(v) if isinstance(v, jax.Array) else v for k, v in extra.items()}})  # a MoE's drops: floats
-        progress.update(step_i, loss, last["tokens_per_s"])
+        now = self.finished.pop(step_i, None) or time.perf_counter()
+        dt, self.last_done = now - self.last_done, now
+        self.tps_window.append(self.tokens_per_step / dt)
+        self.loss, self.tokens_per_s = loss, float(np.median(self.tps_window))
+        row = {"step": step_i + 1, "loss": loss, "step_time": dt, "tokens_per_s": self.tokens_per_step / dt,
+               "lr": float(self.lr_at(step_i)),
+               **{k: float(v) if isinstance(v, jax.Array) else v for k, v in extra.items()}}  # a MoE's drops
+        self.hooks.step(self, row)
 
-    def drain():
-        while in_flight:
-            retire()
+    def summary(self, seconds: float) -> dict:
+        saved = self.trainer.saved
+        return {"steps": self.done, "interrupted": self.interrupted, "saved": saved[-1] if saved else None,
+                "loss": self.loss, "eval_loss": self.eval_loss, "tokens_per_s": self.tokens_per_s,
+                "seconds": seconds, "mesh": dict(self.trainer.mesh.shape),
+                "efficiency": self.figures.summary(self.tokens_per_s)}
 
-    def record_eval(done):
-        last["eval_loss"] = self.evaluate()
-        write({"step": done, "eval_loss": last["eval_loss"],  # of the state after step `done`; a MoE's drops too
-               **{f"eval_{k}": v for k, v in self.model_stats().items()}})
 
-    step_i, shapes = self.start, {}
-    try:
-        for step_i in range(self.start, cfg.steps):
-            trial = self.tuner.ask() if self.tuner is not None else None  # (setting, timed) while tuning
-            if self.tuner is not None and trial is None:  # nothing left to compare (one candidate)
-                tuning.finish(self, write, step_i + 1)
-            step = self.step if trial is None else self.step_for(trial[0])
-            if rec is not None and window is None and trial is None:
-                window = range(step_i + 1, min(cfg.steps, step_i + 1 + cfg.timeline_steps))
-            profiled = window is not None and step_i in window
-            if profiled and step_i == window.start:
-                drain()
-                jax.block_until_ready((self.params, self.opt_state))  # no earlier step's tail in the trace
-                rec.start()
-            host = contextlib.ExitStack()
-            if profiled:
-                host.enter_context(rec.step(step_i + 1))  # the timeline numbers steps as the metrics do
-            with phase("data"):
-                cursor = self.cursor  # the step's first sample: the step log shows none read twice or skipped
-                batch = self.batch()
-            seen_finished()
-            args, began = (self.params, self.opt_state, batch), time.perf_counter()
-            with phase("dispatch"):
-                self.params, self.opt_state, loss, *stats = step.train(*args)  # a MoE's drops: of its own forward
-            stop["stepping"] = True
-            extra = {"cursor": cursor, **({"trial": str(trial[0])} if trial is not None else {}), **dict(*stats)}
-            in_flight.append((step_i, loss, extra, step))
-            seen_finished()  # before the row's figures below: the first step's take a compile
-            if metrics:
-                extra["comm_bytes"] = self.comm_bytes(step, args, step_i)
-                if self.compression_ratio is not None:
-                    extra["compression_ratio"] = self.compression_ratio(step_i)
-            if id(step) not in shapes:  # the step's argument shapes: its compiled figures are looked up by them
-                shapes[id(step)] = observe.shapes(args)
-            if self.elastic is not None:  # commit, heartbeat, injected fault (dpjax.train.elastic)
-                self.elastic.after_step(self, step_i + 1, write, in_flight)
-            if trial is not None or profiled:  # autotuned and profiled steps run alone, to their end
-                retire()
-                with phase("host_wait"):
-                    jax.block_until_ready((self.params, self.opt_state))
-            elif len(in_flight) > MAX_IN_FLIGHT:
-                retire()
-            if trial is not None:
-                self.tuner.tell(trial[0], time.perf_counter() - began, trial[1])
-                if self.tuner.done:
-                    tuning.finish(self, write, step_i + 1)
-            done = step_i + 1
-            if cfg.eval_every and done % cfg.eval_every == 0 and done < cfg.steps:
-                drain()
-                with phase("eval"):
-                    record_eval(done)
-                last_done = time.perf_counter()  # evaluating is not the next step's time
-            if self.ckpt and (done % cfg.ckpt_every == 0 or done == cfg.steps or stop["now"]):
-                drain()
-                with phase("checkpoint"):
-                    self.save(done)
-                last_done = time.perf_counter()  # nor is saving
-            host.close()
-            if profiled and step_i == window[-1]:
-                observe.write_timeline(rec, cfg.timeline, self.step, args, write, window, self.say)
-                last_done = time.perf_counter()  # reading the trace is not the next step's time
-            if stop["now"]:
-                break
-        drain()
-        if not stop["now"]:
-            record_eval(cfg.steps)
-            line = sample.sample_line(self)
-            if line:
-                self.say(line)
-    finally:
-        if rec is not None and rec.active:
-            rec.stop()  # interrupted inside the profiled steps
-        progress.close()
-        if metrics:
-            metrics.close()
-        if self.ckpt:
-            self.ckpt.close()
-            for step in set_aside:  # its save finished (close waits)
-                nonfinite.set_aside(self.ckpt.directory, step)
-        if self.elastic is not None:
-            self.elastic.close()
-        if not stop["now"]:  # interrupted, the handler stays until the process ends: a second Ctrl-C leaves
-            signal.signal(signal.SIGINT, old_handler)  # at once wherever it lands (saving, the summary)
-    fig = (efficiency.row(tokens_per_step / last["tokens_per_s"], self.step, shapes[id(self.step)])
-           if last["tokens_per_s"] and id(self.step) in shapes else {})
-    return {"steps": step_i + 1, "interrupted": stop["now"], "saved": self.saved[-1] if self.saved else None,
-            "loss": last["loss"],
-            "eval_loss": last["eval_loss"], "tokens_per_s": last["tokens_per_s"],
-            "seconds": time.perf_counter() - t0, "mesh": dict(self.mesh.shape), "efficiency": fig}
+def run_loop(trainer, hooks=()) -> dict:
+    """Runs `trainer` (a `dpjax.train.loop.Trainer`) to --steps with the built-in hooks
+    and `hooks` (`dpjax.train.hooks.Hook`s); returns the summary."""
+    return Loop(trainer, hooks).run()

@@ -12,7 +12,7 @@ How a rule becomes a jitted step over a mesh and a layout is `dpjax.step`'s busi
 this package knows nothing of models, layouts or meshes beyond the worker axes.
 """
 
-from dpjax.updates.base import UpdateRule, as_axes, axis_arg
+from dpjax.updates.base import UpdateRule
 from dpjax.updates.grammar import UpdateSpec, help_text, parse_update
 from dpjax.updates.grammar import make_rule
 
@@ -27,7 +27,7 @@ from dpjax.updates.sync import sync
 REGISTERED_BY = (_sync, _delayed, _sparse, _async, _onebit_adam)
 
 __all__ = [
-    "AsyncState", "DelayedState", "HELP", "LocalState", "UpdateRule", "UpdateSpec", "as_axes", "axis_arg",
+    "AsyncState", "DelayedState", "HELP", "LocalState", "UpdateRule", "UpdateSpec",
     "delayed", "delayed_gradients", "help_text", "make_rule", "parse_update", "sparse", "stale_async", "staleness",
     "staleness_schedule", "sync",
 ]

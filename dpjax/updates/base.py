@@ -17,7 +17,6 @@ import jax
 from jax.sharding import PartitionSpec as P
 
 from dpjax.compression.exchange import Exchange  # noqa: F401  (what every rule exchanges through)
-from dpjax.mesh import as_axes, axis_arg  # noqa: F401  (the generic axis helpers; re-exported)
 
 
 class UpdateRule(NamedTuple):

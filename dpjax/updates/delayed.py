@@ -20,7 +20,8 @@ from jax.sharding import PartitionSpec as P
 from dpjax import links
 from dpjax.data_parallel import DistributedOptimizer
 from dpjax.sharding import state_specs
-from dpjax.updates.base import Exchange, UpdateRule, as_axes, local_like, stacked
+from dpjax.mesh import as_axes
+from dpjax.updates.base import Exchange, UpdateRule, local_like, stacked
 from dpjax.updates.registry import Kind, register
 from dpjax.updates.sync import sync
 

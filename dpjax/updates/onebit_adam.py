@@ -72,7 +72,8 @@ from jax import lax
 
 from dpjax import scopes
 from dpjax.sharding import state_specs
-from dpjax.updates.base import Exchange, UpdateRule, as_axes, identity
+from dpjax.mesh import as_axes
+from dpjax.updates.base import Exchange, UpdateRule, identity
 from dpjax.updates.registry import Kind, register
 
 

@@ -18,7 +18,8 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from dpjax.sharding import state_specs
-from dpjax.updates.base import Exchange, UpdateRule, as_axes, axis_arg, identity, local_like, stacked
+from dpjax.mesh import as_axes, axis_arg
+from dpjax.updates.base import Exchange, UpdateRule, identity, local_like, stacked
 from dpjax.updates.registry import Kind, Option, register
 from dpjax.updates.sync import sync
 

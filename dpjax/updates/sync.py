@@ -11,7 +11,8 @@ from typing import NamedTuple
 import optax
 
 from dpjax.sharding import state_specs
-from dpjax.updates.base import Exchange, UpdateRule, as_axes, identity, local_like
+from dpjax.mesh import as_axes
+from dpjax.updates.base import Exchange, UpdateRule, identity, local_like
 from dpjax.updates.registry import Kind, register
 
 

@@ -35,8 +35,8 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from dpjax.errors import UserError
-from dpjax.mesh import data_axes
-from dpjax.wrap.checks import SingleDeviceWarning, spec_axes
+from dpjax.mesh import data_axes, spec_axes
+from dpjax.wrap.checks import SingleDeviceWarning
 
 LAYOUTS = ("auto", "explicit")
 

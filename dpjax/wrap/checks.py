@@ -28,14 +28,11 @@ import warnings
 from jax.sharding import PartitionSpec as P
 
 from dpjax.errors import UserError
+from dpjax.mesh import spec_axes
 
 
 class SingleDeviceWarning(UserWarning):
     """A step that runs, but not in parallel: every device (or the only one) sees the whole batch."""
-
-
-def spec_axes(spec) -> list:
-    return [a for e in spec if e is not None for a in (e if isinstance(e, tuple) else (e,))]
 
 
 def _split(spec, dims, mesh) -> list:

@@ -35,6 +35,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from dpjax.errors import UserError
+from dpjax.mesh import spec_axes
 
 FIRST_CALLS = 2  # calls of a wrapped step checked by default
 ENV = "DPJAX_CHECK"  # "1": check every call
@@ -69,10 +70,6 @@ def _fingerprint(x):
     numeric = not _is_key(x) and x.size
     scale = jnp.max(jnp.abs(x.astype(jnp.float32))) if numeric else jnp.zeros((), jnp.float32)
     return hashes, scale
-
-
-def _spec_axes(spec) -> set:
-    return {a for e in spec if e is not None for a in (e if isinstance(e, tuple) else (e,))}
 
 
 class ReplicaCheck:
@@ -176,7 +173,7 @@ def _along(mesh, devs, prints) -> tuple:
 
 def _message(bad, where: str, hint) -> str:
     name, x, mesh, devs, differ, scales, along = bad[0]
-    over = [a for a in mesh.axis_names if a not in _spec_axes(x.sharding.spec) and mesh.shape[a] > 1]
+    over = [a for a in mesh.axis_names if a not in spec_axes(x.sharding.spec) and mesh.shape[a] > 1]
     flat = list(mesh.devices.flat)
     held = {s.device: s.data for s in x.addressable_shards}
     ref = held.get(flat[devs[0]])

@@ -23,14 +23,13 @@ from __future__ import annotations
 import jax
 from jax import lax
 
-from dpjax.mesh import NOT_DATA
+from dpjax.mesh import NOT_DATA, bound
 
 
 def bound_data_axes() -> tuple:
     """The data axes of the mesh the code is running under (inside `shard_map`), size > 1."""
-    mesh = jax.sharding.get_abstract_mesh()
-    manual = getattr(mesh, "manual_axes", ())
-    return tuple(a for a in mesh.axis_names if a in manual and a not in NOT_DATA and mesh.shape[a] > 1)
+    names = jax.sharding.get_abstract_mesh().axis_names
+    return tuple(a for a in names if a not in NOT_DATA and bound(a) and lax.axis_size(a) > 1)
 
 
 def device_index():

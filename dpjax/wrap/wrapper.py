@@ -54,7 +54,7 @@ from jax.sharding import PartitionSpec as P
 from dpjax.wrap import annotations, per_rank
 from dpjax.wrap import checks
 from dpjax.errors import UserError
-from dpjax.mesh import NOT_DATA, data_axes, make_mesh
+from dpjax.mesh import NOT_DATA, data_axes, make_mesh, spec_axes
 from dpjax.wrap.replicas import FIRST_CALLS, ReplicaCheck, check_always
 from dpjax.wrap.rng import bound_data_axes, fold_rng_keys
 
@@ -299,7 +299,7 @@ class ShardedStep:
             raise UserError(f"{self.__name__}: in_specs for argument {self._argname(i)} does not match its "
                             f"structure ({e})") from None
         if boxed is None:  # in_specs naming a model axis: code written for shard_map
-            self._explicit_hint |= any(a in annotations.model_axes(mesh) for s in specs for a in _spec_axes(s))
+            self._explicit_hint |= any(a in annotations.model_axes(mesh) for s in specs for a in spec_axes(s))
         paths = [p for p, _ in jax.tree_util.tree_flatten_with_path(arg)[0]]
         slots = per_rank.tree_prefixes(arg) if self.in_specs is None or i >= len(self.in_specs) else []
         mine = [per_rank.under(per_rank.keys_of(p), slots) and i not in self.batch_argnums for p in paths]
@@ -309,11 +309,11 @@ class ShardedStep:
 
     def _resolve(self, spec, mesh, name) -> P:
         spec = annotations.renamed(spec, self.axes)
-        absent = [a for a in _spec_axes(spec) if a in NOT_DATA and a not in mesh.axis_names]
+        absent = [a for a in spec_axes(spec) if a in NOT_DATA and a not in mesh.axis_names]
         if absent:  # a model axis the mesh lacks: the layer stays whole, said once
             self._whole.append((name, absent[0]))
             spec = annotations.only(spec, mesh.axis_names)
-        unknown = [a for a in _spec_axes(spec) if a not in mesh.axis_names]
+        unknown = [a for a in spec_axes(spec) if a not in mesh.axis_names]
         if unknown:
             raise UserError(f"{self.__name__}: {name} is annotated with sharding {tuple(spec)}, naming "
                             f"{', '.join(map(repr, unknown))}, not an axis of the mesh {dict(mesh.shape)}; map "
@@ -327,7 +327,7 @@ class ShardedStep:
             if len(m.spec) > len(shape):
                 raise UserError(f"{self.__name__}: {m.name} {shape} has fewer dimensions than its spec {m.spec}")
             for d, e in enumerate(m.spec):
-                n = math.prod(mesh.shape[a] for a in _spec_axes(P(e)))
+                n = math.prod(mesh.shape[a] for a in spec_axes(P(e)))
                 if shape[d] % n and m.owner in self.batch_argnums:
                     raise UserError(f"{self.__name__}: {m.name} {shape} is split over {e!r}, but its "
                                     f"rows do not divide into {n} parts; use a multiple of {n}")
@@ -406,7 +406,6 @@ def _path_name(prefix: str, path) -> str:
     return "/".join([prefix] + [str(k) for k in keys])
 
 
-_spec_axes = checks.spec_axes
 OUT_WORDS = ("mean", "rows")  # out_specs' words beside PartitionSpecs
 
 
