@@ -48,7 +48,9 @@ SLOW = {("bench_train.py", 1), ("bench_train.py", 2), ("staleness.py", 1), ("wan
         # two training runs in subprocesses (about 60 s); tests/test_moe.py keeps a MoE step fast
         ("moe_vs_dense.py", 0),
         # 60 s under load: three layouts compiled; the layouts themselves are tests/test_annotations.py's
-        ("model_axes.py", 0)}
+        ("model_axes.py", 0),
+        # two training runs in subprocesses (2 min under load); tests/test_commit.py runs auto in the loop
+        ("commit_stall.py", 0)}
 
 
 def cases():
