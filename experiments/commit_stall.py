@@ -11,6 +11,7 @@ from what (its printed line), and the commits' GB/s beside the steps.
 
     python experiments/commit_stall.py                       # the issue's GPT, 3 pairs of 20 steps
     python experiments/commit_stall.py --size small          # a 4-layer, d_model 512 GPT (a loaded machine)
+    python experiments/commit_stall.py --size gpt405m --pairs 1 --steps 40   # one GPU (4.87 GB of state)
     python experiments/commit_stall.py --smoke               # tiny, one pair, seconds
 """
 
@@ -32,6 +33,9 @@ SIZES = {"gpt1g": ["--mesh", "8x1", "--fsdp", "--d-model", "1024", "--n-layers",
                    "--d-ff", "4096", "--seq-len", "128", "--batch-size", "8"],
          "small": ["--mesh", "8x1", "--fsdp", "--d-model", "512", "--n-layers", "4", "--n-heads", "8",
                    "--d-ff", "2048", "--seq-len", "128", "--batch-size", "8"],
+         # the GPU run (issue 38): the yardstick's 405M on one GPU, 4.87 GB of state a commit
+         "gpt405m": ["--mesh", "1x1", "--data", "synthetic", "--d-model", "2048", "--n-layers", "8", "--n-heads", "16",
+                     "--d-ff", "8192", "--seq-len", "1024", "--batch-size", "16"],
          "tiny": ["--mesh", "4x2", "--d-model", "32", "--n-layers", "1", "--n-heads", "2", "--seq-len", "16",
                   "--batch-size", "16"]}
 
@@ -68,8 +72,11 @@ def run(args, commits: str | None, folder: str) -> dict:
     steps = {r["step"]: r["step_time"] for r in rows if "step_time" in r}
     times = [t for s, t in sorted(steps.items()) if s > args.skip]
     done = [r for r in rows if "commit_s" in r]
+    # the steps beside a commit: the two after its step (they run while it is staged and written)
+    beside = [steps[c + k] for c in {r["commit_step"] for r in done} for k in (1, 2) if c + k in steps]
     said = re.search(r"dpjax\.commit: committing every .*", r.stdout)
     return {"median_s": _bench.median(times), "times": times, "load": load,
+            "beside_s": _bench.median(beside) if beside else None,
             "commit_steps": [r["commit_step"] for r in done],
             "commit_gbs": [r["commit_bytes"] / r["commit_s"] / 1e9 for r in done],
             "commit_bytes": done[0]["commit_bytes"] if done else None,
@@ -102,13 +109,13 @@ def main(argv=None) -> int:
     finally:
         shutil.rmtree(folder, ignore_errors=True)
     print("| pair (order) | median step s, no commits | median step s, commits (auto) | ratio | commits at steps | "
-          "commit GB/s (median) | load at start (plain, commit) |")
-    print("|---|---:|---:|---:|---|---:|---|")
+          "steps beside a commit, median s | commit GB/s (median) | load at start (plain, commit) |")
+    print("|---|---:|---:|---:|---|---:|---:|---|")
     for i, p in enumerate(pairs, 1):
-        gbs = p["commit"]["commit_gbs"]
+        gbs, beside = p["commit"]["commit_gbs"], p["commit"]["beside_s"]
         print(f"| {i} ({', '.join(p['order'])}) | {p['plain']['median_s']:.3f} | {p['commit']['median_s']:.3f} | "
-              f"{p['ratio']:.3f} | {p['commit']['commit_steps']} | {_bench.median(gbs) if gbs else 0:.2f} | "
-              f"{p['plain']['load']:.1f}, {p['commit']['load']:.1f} |")
+              f"{p['ratio']:.3f} | {p['commit']['commit_steps']} | {'-' if beside is None else f'{beside:.3f}'} | "
+              f"{_bench.median(gbs) if gbs else 0:.2f} | {p['plain']['load']:.1f}, {p['commit']['load']:.1f} |")
     print(f"median ratio {_bench.median([p['ratio'] for p in pairs]):.3f} over {len(pairs)} pairs; uptime: "
           f"{subprocess.run(['uptime'], capture_output=True, text=True).stdout.strip()}")
     with open(args.out, "w") as fh:
