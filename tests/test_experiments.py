@@ -54,7 +54,9 @@ SLOW = {("bench_train.py", 1), ("bench_train.py", 2), ("staleness.py", 1), ("wan
         # three more training runs (30-60 s); tests/test_fp8.py keeps fp8's train step fast
         ("dtype_curves.py", 1), ("gpu_yardstick.py", 1),
         # two training processes (20-40 s); test_onebit_adam.py keeps the default's plan fast
-        ("onebit_grid.py", 0)}
+        ("onebit_grid.py", 0),
+        # two training runs in subprocesses (2 min under load); tests/test_commit.py runs auto in the loop
+        ("commit_stall.py", 0)}
 
 
 def cases():

@@ -56,23 +56,27 @@ def check_memory(plan):
     model, s = plan.model, plan.settings
     if model is None or s is None or not hasattr(model, "activation_bytes"):
         return plan
-    from dpjax.plan.memory import device_memory, estimate, parse_size
+    from dpjax.plan.memory import estimate, parse_size
+    from dpjax.plan.usable import usable_memory
 
     platform = target_platform(s, plan.mesh)
+    given = None
     if s.device_memory:
         try:
-            have = parse_size(s.device_memory)
+            given = parse_size(s.device_memory)
         except ValueError as e:
             raise UsageError(f"--device-memory: {e}") from None
-    else:
-        have = device_memory(plan.mesh)
+    device = usable_memory(platform, plan.mesh, given)  # what JAX really gets: on a GPU its fraction
+    have = device["usable"]
     candidates = ("none", "dots", "full") if s.remat == "auto" else (plan.policy.remat,)
     for remat in candidates:
         policy = dataclasses.replace(plan.policy, remat=remat)
         need = estimate(plan.model, plan.layout, plan.global_batch, plan.exchange.compression, policy, platform)
         if have is None or need["total"] <= have:
             break
-    plan = dataclasses.replace(plan, policy=policy, memory={**need, "device": have})
+    plan = dataclasses.replace(plan, policy=policy, memory={**need, "device": have, "device_total": device["total"],
+                                                            "fraction": device["fraction"],
+                                                            "usable_from": device["source"]})
     refusal = memory_refusal(plan)
     if refusal and not s.dry_run:  # --dry-run prints the plan first, then refuses (dpjax.train.loop.dry_run)
         raise UsageError(refusal)
@@ -96,6 +100,7 @@ def memory_refusal(plan) -> str | None:
             f"optimizer state {gib(need['state'])}, gradients {gib(need['grads'])}, "
             + (f"compression error buffers {gib(need['error'])}, " if need["error"] else "")
             + f"activations {gib(need['activations'])} with --remat {remat}) and a device has {gib(have)}"
+            + (f" ({need['usable_from']})" if need.get("usable_from") else "")
             + (preallocation_note(platform) if platform else "")
             + ": lower --batch-size, --seq-len or the model size, add --backward-passes"
             + (", --remat full" if remat != "full" else "") + ", or use more devices")

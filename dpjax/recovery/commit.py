@@ -9,10 +9,11 @@ storage (`<commit dir>/<host>/own/r<rank>/`), written to a temporary name and re
 (a reader never sees half a commit), the last `keep` kept. Only the shards of replica 0
 are written, so the processes' files together hold each array once.
 
-The path, near the hardware (orbax's async checkpointing does the same): the step blocks
-only for a copy of the state on its devices (the next step donates its buffers; on a
-GPU a copy at device-memory speed); the writer thread then starts every device-to-host
-copy at once (`copy_to_host_async`: the DMAs overlap the next step) and writes each
+The path, near the hardware (orbax's async checkpointing does the same): right after
+the step the state is staged into host memory (`dpjax.recovery.stage`: one jitted copy
+into the backend's pinned host memory, dispatched, not waited for; it aliases nothing
+the next step donates, and reuses the last commit's staging buffers where the backend
+allows); the writer thread, which holds nothing the loop waits on, writes each staged
 array's bytes straight into the file (no serialised copy of the state: the header says
 where each piece goes), reusing the oldest kept file's pages (on tmpfs an overwrite is
 about twice a fresh write, which must first allocate and zero every page).
@@ -56,6 +57,7 @@ import numpy as np
 
 from dpjax.recovery.file_format import CommitError, header, raw
 from dpjax.recovery.place import LocalFile, RemoteFile, place
+from dpjax.recovery.stage import Stager
 
 WAIT_MS = 60_000  # a process that does not publish what it holds within this is gone or stuck
 
@@ -129,7 +131,7 @@ class Committer:
         self._finished: collections.deque = collections.deque()  # measured commits not yet polled
         self._thread = threading.Thread(target=self._work, daemon=True, name="dpjax-commit")
         self._thread.start()
-        self._copy = None
+        self.stager = Stager()
         self.completed, self.completed_at = -1, None  # the newest step whose state left the step's buffers
 
     # --- writing ---
@@ -141,16 +143,11 @@ class Committer:
         while the next steps run. losses: {step: scalar array} kept in the meta as
         numbers (what the metrics of a restarted run must not miss); ready: an output
         of the step (its loss), whose arrival marks the step's end (commit_s's start)."""
-        import jax
-        import jax.numpy as jnp
-
         # The previous commit must be written first: then no process's commits run more
         # than one commit ahead of another's (the steps' collectives pace them), and the
         # last two kept always include a step that every process has.
         self.flush()
-        if self._copy is None:
-            self._copy = jax.jit(lambda t: jax.tree.map(jnp.copy, t))
-        self._queue.put((step, self._copy(state), meta, losses or {}, ready))
+        self._queue.put((step, self.stager(state), meta, losses or {}, ready))
 
     @property
     def busy(self) -> bool:
@@ -191,9 +188,10 @@ class Committer:
             meta["leaves"].append({"shape": list(leaf.shape), "dtype": str(leaf.dtype),
                                    "pieces": [index for index, _ in pieces]})
             arrays += [a for _, a in pieces]
-        for a in arrays:  # every device-to-host copy at once: they overlap each other and the writing
-            a.copy_to_host_async()
-        jax.block_until_ready(leaves)  # the device copy is made: the step's buffers may go
+        if self.stager.kind is None:  # staged on the device: every device-to-host copy at once
+            for a in arrays:
+                a.copy_to_host_async()
+        jax.block_until_ready(leaves)  # the staged copy is made: the step's buffers are no longer read
         self.completed, self.completed_at = step, time.time()
 
         def fill(fh):
@@ -203,7 +201,9 @@ class Committer:
 
         name = _name(step, self.world)
         path, size = write_file(self.own, name, self.keep, fill)
-        del arrays, snapshot, leaves  # the host and device copies go before the neighbour's
+        del arrays, leaves  # no view of the staged buffers is left: the next commit may write into them
+        self.stager.give_back(snapshot)
+        del snapshot
         if self.neighbour is not None:
             self.peers.put(self.neighbour, name, path)
         self._finished.append({"step": step, "commit_s": time.perf_counter() - t0, "commit_bytes": size})

@@ -9,11 +9,15 @@ seconds:
     step_s   the median iteration with no commit's effect in it: no commit in flight and
              none finished within `lag` iterations (a commit's device copy delays steps
              the loop waits for up to MAX_IN_FLIGHT iterations later)
-    cost_s   what one commit adds to the loop: over the last `window` iterations,
-             (their sum - their count x step_s) / the commits begun in them; until that
-             can be measured, and never above it, the commit's own end-to-end seconds
-             (a commit cannot take more from the loop than it lasts: its device copy
-             and its writing thread's time)
+    cost_s   what one commit adds to the loop: over the last `window` iterations, the
+             seconds of the iterations beside a commit (one began in them, one was in
+             flight, or one finished within `lag`) beyond the mean iteration free of
+             commits (in the window), per commit begun in them. Not bounded by the commit's own seconds:
+             a commit also slows the steps it shares the machine with (on CPU its copy
+             and writing take cores the step's threads use; on a GPU its copy shares the
+             link and memory bandwidth): on a 2-core VM the 1.2 GB GPT at the interval
+             chosen from the commits' own seconds (every 4 steps) ran at 1.20x the step
+             without commits. Until a commit's effect is measured: its own end-to-end seconds.
     every    max(ceil(cost_s / (target x step_s)), ceil(commit_s / step_s)): the cost
              within `target` of the step, and no commit asked for before the previous
              one is written (the loop would wait for it); at most `max_every`
@@ -47,7 +51,7 @@ class AutoInterval:
         self.target, self.lag, self.max_every, self.stale, self.skip, self.warm = \
             target, lag, max_every, stale, skip, warm
         self.clean: collections.deque = collections.deque(maxlen=16)  # iteration seconds free of commits
-        self.recent: collections.deque = collections.deque(maxlen=window)  # (seconds, commits begun)
+        self.recent: collections.deque = collections.deque(maxlen=window)  # (seconds, began, beside one)
         self.commit_s: collections.deque = collections.deque(maxlen=5)  # end-to-end seconds of the last commits
         self.seen, self.since_clean, self.quiet_after = 0, 0, 0
         self.began_at, self.span = None, 2 * lag  # iterations one commit's effect lasts (until measured: a guess)
@@ -66,8 +70,8 @@ class AutoInterval:
             self.began_at = self.seen
         if self.seen <= self.skip:
             return
-        self.recent.append((seconds, int(began)))
         self.quiet_after = self.lag if busy else max(0, self.quiet_after - 1)
+        self.recent.append((seconds, int(began), bool(began or busy or self.quiet_after)))
         if busy or self.quiet_after:
             self.since_clean += 1
         else:
@@ -88,15 +92,21 @@ class AutoInterval:
 
     @property
     def cost_s(self) -> float | None:
-        """One commit's cost to the loop, in seconds (None: nothing measured yet)."""
-        upper = _median(self.commit_s)
-        if upper is None or self.step_s is None:
+        """One commit's cost to the loop, in seconds (None: nothing measured yet): the
+        iterations beside the commits begun in the window against those free of them
+        in the same window (means on both sides, the same load: a loaded machine's
+        noise is in both alike)."""
+        own = _median(self.commit_s)
+        if own is None or self.step_s is None:
             return None
-        commits = sum(b for _, b in self.recent)
+        commits = sum(b for _, b, _ in self.recent)
         if not commits:
-            return upper
-        slowdown = (sum(s for s, _ in self.recent) - len(self.recent) * self.step_s) / commits
-        return min(upper, max(0.0, slowdown))
+            return own
+        free = [s for s, _, beside in self.recent if not beside]  # the same window's: the same load
+        free = free if len(free) >= self.warm else self.clean
+        plain = sum(free) / len(free)
+        slowdown = sum(s - plain for s, _, beside in self.recent if beside) / commits
+        return max(0.0, slowdown)
 
     def choose(self) -> int | None:
         """The interval for the next gap (None: not measured yet, no commit but the first)."""

@@ -11,6 +11,16 @@ def _gib(b) -> str:
     return "unknown" if b is None else f"{b / 2**30:,.2f} GiB"
 
 
+def _usable(mem: dict) -> str:
+    """What a device gives a run and why (`dpjax.plan.usable`): '60.00 GiB usable of 80.00
+    GiB (0.75 of --device-memory: JAX's default ...)'."""
+    if mem["device"] is None or "usable_from" not in mem:
+        return _gib(mem["device"])
+    total = mem.get("device_total")
+    of = f" of {_gib(total)}" if total and mem.get("fraction") != 1.0 else ""
+    return f"{_gib(mem['device'])} usable{of} ({mem['usable_from']})"
+
+
 def plan_lines(plan) -> list[str]:
     """Lines describing `plan` (a `dpjax.plan.Plan`) for a person."""
     lay, pol, ex = plan.layout, plan.policy, plan.exchange
@@ -41,7 +51,7 @@ def plan_lines(plan) -> list[str]:
             parts.append(f"error buffers {_gib(mem['error'])}")
         parts.append(f"activations {_gib(mem['activations'])}")
         lines.append(f"memory per device: about {_gib(mem['total'])} ({', '.join(parts)}); a device has "
-                     f"{_gib(mem['device'])}")
+                     + _usable(mem))
     return lines
 
 
