@@ -37,14 +37,20 @@ def check_context(s: Settings, model, mesh) -> None:
                          f"mean spans the context axis too: choose another algorithm")
 
 
-def check_expert(s: Settings, model, mesh, update) -> None:
+def check_expert(s: Settings, model, mesh, update, workers: tuple = ()) -> None:
     """An expert axis of n devices is a data axis (the batch's rows split over it) that
     also splits a mixture's E experts, E/n on each (`dpjax.models.moe`): the model must
     have E experts, n must divide E, and the experts, which differ along the axis, must
     not be averaged or gathered over it (FSDP splits and gathers only the other leaves,
-    `dpjax.sharding`): no update rule whose workers diverge, no
-    --workers or --compress-axes naming it, no compression with error feedback, no stage
-    or context axis beside it (none of these is built for experts yet)."""
+    `dpjax.sharding`; the mean inside a worker skips `expert` for them, `dpjax.step`).
+    An update rule whose workers diverge and a compression with error feedback average
+    every leaf over the worker axes `workers` (their state is a worker's, per leaf): they
+    compose when the workers leave `expert` out (e.g. --workers node), where each worker
+    holds all E experts across its expert axis and the experts are replicas between
+    workers. Refused: workers or --compress-axes spanning `expert` (the default workers of
+    such a rule are every data axis), --compress-axes' per-shard form (it splits a worker's
+    gradient over its other data axes as if it were the same on each), and a stage or
+    context axis beside it (none of these is built for experts yet)."""
     from dpjax.compression import stateful
     from dpjax.mesh import CONTEXT, EXPERT, STAGE
 
@@ -62,11 +68,15 @@ def check_expert(s: Settings, model, mesh, update) -> None:
                          f"of {n}) or name the axis data")
     if E % n:
         raise UsageError(f"--experts {E} do not split over the {n} devices of {where}; use a multiple of {n}")
-    beside = [why for cond, why in ((not update.is_sync, f"--update {s.update}"),
-                                    (EXPERT in str(s.workers or "") or EXPERT in str(s.compress_axes or ""),
-                                     "--workers/--compress-axes naming it"),
-                                    (stateful(s.compression), f"--compression {s.compression}"),
-                                    (CONTEXT in mesh.axis_names, "a context axis")) if cond]
-    if beside:
-        raise UsageError(f"{where} with {beside[0]}: each device's experts are its own, and this would average, "
-                         f"gather or send them as replicas; drop one of them")
+    if EXPERT in str(s.workers or "") or EXPERT in str(s.compress_axes or ""):
+        raise UsageError(f"{where} with --workers/--compress-axes naming it: each device's experts are its own, and "
+                         f"workers over it would average them as replicas; name the other data axes")
+    if EXPERT in tuple(workers) and (not update.is_sync or stateful(s.compression)):
+        what = f"--update {s.update}" if not update.is_sync else f"--compression {s.compression}"
+        raise UsageError(f"{where} with {what}: its workers are every data axis, and averaging between them would "
+                         f"average each device's own experts as replicas; give --workers without expert "
+                         f"(e.g. the other data axes)")
+    if s.compress_axes is not None and not (s.compress_whole or s.fsdp):  # plan.per_shard's form
+        raise UsageError(f"{where} with --compress-axes {s.compress_axes}: the per-shard exchange splits a worker's "
+                         f"gradient over the expert axis as if its devices held the same experts; add "
+                         f"--compress-whole")
