@@ -1,10 +1,12 @@
-"""Experts beside the update rules whose workers diverge and error-feedback compression
-(issue #40): with the workers over the data axes other than `expert` (--workers node),
-each worker holds all E experts across its expert axis, the experts are replicas between
-workers, and the rule's and the exchange's averages over the workers are those of a
-mesh without the expert axis. A run on node=2,expert=4 must then equal the same run on
-node=2 (two devices, every expert on each) when the capacity drops nothing, step for step,
-to float32 round-off; workers spanning `expert` are refused in one line."""
+"""Experts beside the update rules whose workers diverge (issue #40): with the workers over
+the data axes other than `expert` (--workers node), each worker holds all E experts across
+its expert axis, the experts are replicas between workers, and the rule's averages over
+the workers are those of a mesh without the expert axis. A run on node=2,expert=4 must
+then equal the same run on node=2 (two devices, every expert on each) when the capacity
+drops nothing, step for step, to float32 round-off; workers spanning `expert` and
+compression with error feedback (its fused buckets mix each device's own experts with the
+replicated leaves, so a top-k selection differs: seen as a 6e-5 loss difference) are
+refused in one line."""
 
 import jax
 import numpy as np
@@ -43,15 +45,14 @@ def run(mesh_of, put, mesh, count, update, compression):
 
 @pytest.mark.parametrize("update,compression", [
     ("sparse:2", "none"),  # local SGD: the two workers diverge, then average every 2nd step
-    pytest.param("sync", "topk:0.25", marks=pytest.mark.slow),  # top-k with error feedback between the workers
     pytest.param("delayed:1", "none", marks=pytest.mark.slow),
+    pytest.param("async:1", "none", marks=pytest.mark.slow),
 ])
-def test_experts_beside_a_diverging_rule_or_error_feedback_equal_every_expert_on_each_device(mesh_of, put, update,
-                                                                                              compression):
+def test_experts_beside_a_diverging_rule_equal_every_expert_on_each_device(mesh_of, put, update, compression):
     """The rule's parameters (each worker's) and losses on node=2,expert=4 equal those on
     node=2: an average over `expert` of the expert leaves (treating each device's experts
-    as replicas), a missing 1/n on their gradient or error feedback mixing the experts
-    would move them far more than round-off."""
+    as replicas) or a missing 1/n on their gradient would move them far more than
+    round-off."""
     plan, losses, params = run(mesh_of, put, "node=2,expert=4", 8, update, compression)
     assert plan.layout.workers == ("node",) and plan.layout.expert_split
     _, want_losses, want = run(mesh_of, put, "node=2", 2, update, compression)
@@ -66,8 +67,8 @@ def test_experts_beside_a_diverging_rule_or_error_feedback_equal_every_expert_on
 
 @pytest.mark.parametrize("flags,says", [
     (dict(update="sparse:2"), "with --update sparse:2: its workers are every data axis"),
-    (dict(compression="topk:0.25"), "with --compression topk:0.25: its workers are every data axis"),
-    (dict(compression="int8", compress_axes="node"), "the per-shard exchange splits a worker's gradient"),
+    (dict(compression="topk:0.25", workers="node"), "with --compression topk:0.25: error feedback selects and scales"),
+    (dict(compression="bf16", compress_axes="node"), "the per-shard exchange splits a worker's gradient"),
 ])
 def test_workers_over_the_expert_axis_are_refused_in_one_line(flags, says):
     s = Settings(mesh="node=2,expert=4", data="synthetic", model_options={"experts": 8}, **flags)

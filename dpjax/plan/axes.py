@@ -43,14 +43,16 @@ def check_expert(s: Settings, model, mesh, update, workers: tuple = ()) -> None:
     have E experts, n must divide E, and the experts, which differ along the axis, must
     not be averaged or gathered over it (FSDP splits and gathers only the other leaves,
     `dpjax.sharding`; the mean inside a worker skips `expert` for them, `dpjax.step`).
-    An update rule whose workers diverge and a compression with error feedback average
-    every leaf over the worker axes `workers` (their state is a worker's, per leaf): they
-    compose when the workers leave `expert` out (e.g. --workers node), where each worker
-    holds all E experts across its expert axis and the experts are replicas between
-    workers. Refused: workers or --compress-axes spanning `expert` (the default workers of
-    such a rule are every data axis), --compress-axes' per-shard form (it splits a worker's
-    gradient over its other data axes as if it were the same on each), and a stage or
-    context axis beside it (none of these is built for experts yet)."""
+    An update rule whose workers diverge averages every leaf over the worker axes
+    `workers` (its state is a worker's, per leaf): it composes when the workers leave
+    `expert` out (e.g. --workers node), where each worker holds all E experts across its
+    expert axis and the experts are replicas between workers. Refused: such a rule with
+    workers spanning `expert` (its default workers are every data axis), --workers or
+    --compress-axes naming it, compression with error feedback (its fused buckets would
+    mix each device's own experts with the replicated leaves: a selection or scale per
+    bucket then differs between replicas), --compress-axes' per-shard form (it splits a
+    worker's gradient over its other data axes as if it were the same on each), and a
+    stage or context axis beside it (none of these is built for experts yet)."""
     from dpjax.compression import stateful
     from dpjax.mesh import CONTEXT, EXPERT, STAGE
 
@@ -71,10 +73,13 @@ def check_expert(s: Settings, model, mesh, update, workers: tuple = ()) -> None:
     if EXPERT in str(s.workers or "") or EXPERT in str(s.compress_axes or ""):
         raise UsageError(f"{where} with --workers/--compress-axes naming it: each device's experts are its own, and "
                          f"workers over it would average them as replicas; name the other data axes")
-    if EXPERT in tuple(workers) and (not update.is_sync or stateful(s.compression)):
-        what = f"--update {s.update}" if not update.is_sync else f"--compression {s.compression}"
-        raise UsageError(f"{where} with {what}: its workers are every data axis, and averaging between them would "
-                         f"average each device's own experts as replicas; give --workers without expert "
+    if stateful(s.compression):
+        raise UsageError(f"{where} with --compression {s.compression}: error feedback selects and scales over fused "
+                         f"buckets holding each device's own experts beside the replicated leaves, so the replicas "
+                         f"would diverge; drop one of them")
+    if EXPERT in tuple(workers) and not update.is_sync:
+        raise UsageError(f"{where} with --update {s.update}: its workers are every data axis, and averaging between "
+                         f"them would average each device's own experts as replicas; give --workers without expert "
                          f"(e.g. the other data axes)")
     if s.compress_axes is not None and not (s.compress_whole or s.fsdp):  # plan.per_shard's form
         raise UsageError(f"{where} with --compress-axes {s.compress_axes}: the per-shard exchange splits a worker's "
