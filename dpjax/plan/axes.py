@@ -11,11 +11,12 @@ from dpjax.settings import Settings
 def check_context(s: Settings, model, mesh) -> None:
     """A context axis of C devices splits each sequence into 2C chunks (`dpjax.compute.context`):
     the sequence must divide, the model must be one whose loss splits its tokens (it says
-    so with `CONTEXT = True`), and the axis composes with data, FSDP, tensor and worker
-    axes, not with a pipeline's stages (a stage sends whole sequences) nor with an
-    allreduce that reads two axes as levels (the gradient's mean spans the context axis too)."""
+    so with `CONTEXT = True`), and the axis composes with data, FSDP, tensor, worker and
+    stage axes (a pipeline's stages send each device's chunks, `dpjax.pipeline.staged`),
+    not with an allreduce that reads two axes as levels (the gradient's mean spans the
+    context axis too)."""
     from dpjax.collectives.registry import nested
-    from dpjax.mesh import CONTEXT, STAGE
+    from dpjax.mesh import CONTEXT
     from dpjax.models.registry import MODELS
 
     C = mesh.shape.get(CONTEXT, 1)
@@ -30,8 +31,6 @@ def check_context(s: Settings, model, mesh) -> None:
     if T % (2 * C):
         raise UsageError(f"--seq-len {T} does not split into 2C = {2 * C} equal chunks over {where} (device i "
                          f"holds chunks i and {2 * C - 1}-i); use a multiple of {2 * C}")
-    if STAGE in mesh.axis_names:
-        raise UsageError(f"{where} and a stage axis: a pipeline stage sends whole sequences; drop one of them")
     if nested(s.allreduce):
         raise UsageError(f"--allreduce {s.allreduce} reads two data axes as levels; with {where} the gradient's "
                          f"mean spans the context axis too: choose another algorithm")
