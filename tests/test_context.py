@@ -142,6 +142,14 @@ def test_a_llama_step_with_a_context_axis_moves_by_the_unsplit_gradient(mesh_of,
     check_step(mesh_of, put, LLAMAS[Y], plain_llama(Y), mesh, attention, fsdp)
 
 
+@pytest.mark.slow  # (the GPT's pipeline case is fast)
+def test_a_llama_pipeline_with_a_context_axis_moves_by_the_unsplit_gradient(mesh_of, put):
+    """A two-layer Llama in a pipeline of 2 stages beside a context axis of 2: each stage
+    embeds and scores its device's chunks, rotary positions from the chunks' global ones."""
+    model = get_model("llama", seq_len=SEQ, d_model=16, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=32)
+    check_step(mesh_of, put, model, unsplit(model), "stage=2,data=2,context=2", "ring", False)
+
+
 @pytest.mark.parametrize("settings,says", [
     (dict(mesh="data=2,context=4", seq_len=20), "--seq-len 20 does not split into 2C = 8 equal chunks"),
     (dict(mesh="data=2,context=4", model="mlp"), "--model mlp has no sequence to split over the context axis"),
