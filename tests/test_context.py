@@ -115,6 +115,7 @@ def check_step(mesh_of, put, model, plain, mesh, attention, fsdp):
     pytest.param("data=2,context=4", "ring", True, marks=pytest.mark.slow),
     ("stage=2,data=2,context=2", "ring", False),  # a pipeline (1f1b, 2 micro-batches): stages send the chunks
     pytest.param("stage=2,context=4", "allgather", False, marks=pytest.mark.slow),
+    pytest.param("stage=2,data=2,context=2", "ring", True, marks=pytest.mark.slow),  # FSDP inside each stage
 ])
 def test_one_sgd_step_with_a_context_axis_moves_by_the_unsplit_gradient(mesh_of, put, plain, mesh, attention, fsdp):
     """A GPT step with sequences split over `context` (and data, tensor-parallel or FSDP
