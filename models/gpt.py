@@ -285,12 +285,17 @@ class GPT(ByteModel):
         attention output, the two projections' D each, the first MLP matmul's F), full the
         layer's input D. The coefficients were fitted to XLA's buffer assignment on CPU
         (`memory_analysis()`, layers 2 and 4 apart); tests/test_memory.py holds the
-        estimate to the compiled program."""
+        estimate to the compiled program. With experts the MLP's terms are its slots'
+        (`moe.activation_values`: k x capacity factor a token, and the dispatch buffers)."""
         c = self.config
         D, F, H, T, V = c.d_model, c.d_ff // split, max(1, c.n_heads // split), c.seq_len, c.vocab_size // split
         scores = 2 * H * T * 4 if attention in ("naive", "xla") else H * 4
-        full_layer = (12 * D + 6 * F) * width + scores
-        saved = {"none": full_layer, "dots": (6 * D + F) * width, "full": D * width}[remat]
+        mlp = {"none": 6 * F, "dots": F}  # a mixture's: its slots' (experts are whole on a model rank)
+        if c.experts:
+            mlp = {r: moe.activation_values(rows * (T // context), D, c.d_ff, c.experts, c.top_k, c.capacity_factor,
+                                            r) for r in mlp}
+        full_layer = (12 * D + mlp["none"]) * width + scores
+        saved = {"none": full_layer, "dots": (6 * D + mlp["dots"]) * width, "full": D * width}[remat]
         working = {"none": 0.5, "dots": 0.6, "full": 1.0}[remat] * full_layer  # the layer being recomputed
         ends = (2 * V + 2 * D) * 4
         return int(rows * (T // context) * (c.n_layers * saved + working + ends))

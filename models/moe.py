@@ -46,6 +46,18 @@ def capacity(N: int, E: int, k: int, factor: float) -> int:
     return max(1, math.ceil(factor * N * k / E))
 
 
+def activation_values(N: int, D: int, F: int, E: int, k: int, factor: float, remat: str) -> float:
+    """Compute-dtype values per token that one MoE MLP keeps for the backward pass on a
+    device with N tokens (the planner's memory estimate; the dense MLP's are 6F, F, 0).
+    The device computes E C slots (E/n experts x n sources x C, whatever n), about
+    k x factor a token: each slot keeps its expert's 6F as a dense token does (F under
+    remat dots, the first matmul's output, and the second's D); the dispatch keeps its
+    buffers before and after each of the two all-to-alls (4 D a slot) and the k chosen
+    rows sent and gathered (2 k D a token)."""
+    slots = E * capacity(N, E, k, factor) / N
+    return {"none": slots * (6 * F + 4 * D) + 2 * k * D, "dots": slots * (F + D), "full": 0.0}[remat]
+
+
 def route(x_NxD, router_DxX, k: int):
     """(gates N x k, experts N x k, balance loss, z loss) of the softmax top-k router."""
     logits_NxX = x_NxD.astype(jnp.float32) @ router_DxX.astype(jnp.float32)

@@ -1,7 +1,7 @@
 """The context axis (`dpjax.compute.context`): ring and all-gather attention against the plain
 causal attention (outputs and gradients, every block layout, grouped-query K/V heads), a
 GPT and a Llama step on meshes with a context axis against plain JAX on one device (with
-data, tensor-parallel and FSDP axes),
+data, tensor-parallel, FSDP and pipeline stage axes),
 the plan's one-line refusals, and the bytes the compiled ring sends against the cost model
 and its bound."""
 
@@ -113,13 +113,17 @@ def check_step(mesh_of, put, model, plain, mesh, attention, fsdp):
     pytest.param("data=2,context=4", "allgather", False, marks=pytest.mark.slow),  # (the fast two cover these)
     pytest.param("data=2,context=2,model=2", "ring", False, marks=pytest.mark.slow),
     pytest.param("data=2,context=4", "ring", True, marks=pytest.mark.slow),
+    ("stage=2,data=2,context=2", "ring", False),  # a pipeline (1f1b, 2 micro-batches): stages send the chunks
+    pytest.param("stage=2,context=4", "allgather", False, marks=pytest.mark.slow),
+    pytest.param("stage=2,data=2,context=2", "ring", True, marks=pytest.mark.slow),  # FSDP inside each stage
 ])
 def test_one_sgd_step_with_a_context_axis_moves_by_the_unsplit_gradient(mesh_of, put, plain, mesh, attention, fsdp):
     """A GPT step with sequences split over `context` (and data, tensor-parallel or FSDP
     axes beside it): the loss is the plain model's on the whole batch and the update is
     minus its gradient, to float32 round-off. Wrong positions, a wrong chunk, a missing
     mean over the context axis (a factor C) or a gradient not sent home through the ring
-    each move it by far more."""
+    each move it by far more. In a pipeline each stage embeds, runs and scores only its
+    device's chunks, and sends those to the next stage."""
     check_step(mesh_of, put, MODEL, plain, mesh, attention, fsdp)
 
 
@@ -139,10 +143,17 @@ def test_a_llama_step_with_a_context_axis_moves_by_the_unsplit_gradient(mesh_of,
     check_step(mesh_of, put, LLAMAS[Y], plain_llama(Y), mesh, attention, fsdp)
 
 
+@pytest.mark.slow  # (the GPT's pipeline case is fast)
+def test_a_llama_pipeline_with_a_context_axis_moves_by_the_unsplit_gradient(mesh_of, put):
+    """A two-layer Llama in a pipeline of 2 stages beside a context axis of 2: each stage
+    embeds and scores its device's chunks, rotary positions from the chunks' global ones."""
+    model = get_model("llama", seq_len=SEQ, d_model=16, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=32)
+    check_step(mesh_of, put, model, unsplit(model), "stage=2,data=2,context=2", "ring", False)
+
+
 @pytest.mark.parametrize("settings,says", [
     (dict(mesh="data=2,context=4", seq_len=20), "--seq-len 20 does not split into 2C = 8 equal chunks"),
     (dict(mesh="data=2,context=4", model="mlp"), "--model mlp has no sequence to split over the context axis"),
-    (dict(mesh="stage=2,context=4"), "and a stage axis: a pipeline stage sends whole sequences"),
     (dict(mesh="node=2,data=2,context=2", allreduce="hierarchical"), "--allreduce hierarchical reads two data axes"),
     (dict(mesh="data=2,context=4", context_attention="spiral"), "unknown --context-attention 'spiral'"),
 ])

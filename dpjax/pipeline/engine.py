@@ -87,7 +87,8 @@ def run(tt: Timetable, pieces: Pieces, shared, chunks_GxL, batch_MxBxT1, *, axis
     # idle slot's work or its masks, so every program executes what its timetable says.
     s = lax.optimization_barrier(lax.axis_index(axis))
     x_spec = jax.eval_shape(pieces.embed, shared, batch_MxBxT1[0, :, :-1])
-    assert x_spec.shape[:2] == (b, T1 - 1), (x_spec.shape, b, T1)  # b x T x D: what every send carries
+    # b x T x D, what every send carries (b x T/C x D: a context axis's device embeds its own chunks)
+    assert x_spec.shape[0] == b and (T1 - 1) % x_spec.shape[1] == 0, (x_spec.shape, b, T1)
     zeros_x = jnp.zeros(x_spec.shape, x_spec.dtype)
 
     def micro(m):  # tokens and targets of micro-batch m (clamped: an idle slot's are masked away)

@@ -24,7 +24,7 @@ from typing import Callable, NamedTuple
 import jax
 
 from dpjax import collectives, fusion
-from dpjax.compute import stack
+from dpjax.compute import context, stack
 from dpjax.mesh import STAGE
 from dpjax.pipeline import engine, timetable
 
@@ -71,8 +71,11 @@ def for_model(model, layout, algorithm: str = "ring") -> Staged:
         assert all(w.shape[:2] == (V, n) for w in jax.tree.leaves(chunks_GxL)), jax.tree.map(jax.numpy.shape,
                                                                                              chunks_GxL)
         shared = {k: v for k, v in params.items() if k != key}
-        pieces = engine.Pieces(embed=lambda sh, tok: model.embed(sh, tok, dense), chunk=chunk_fn(dense),
-                               loss=lambda sh, y, tgt: model.head_loss(sh, y, tgt, dense))
+        # with a context axis each device embeds, runs and scores its own chunks of every sequence
+        # (`dpjax.compute.context.split`: the identity without one); the stages send those
+        pieces = engine.Pieces(embed=lambda sh, tok: model.embed(sh, context.split(tok, dense), dense),
+                               chunk=chunk_fn(dense),
+                               loss=lambda sh, y, tgt: model.head_loss(sh, y, context.split(tgt, dense), dense))
         return pieces, shared, chunks_GxL, batch_BdxT1.reshape(M, B // M, T1), unshard
 
     def loss(params, batch_BdxT1, par):

@@ -158,7 +158,7 @@ def resolve(s: Settings, devices=None, *, mesh=None, model=None, optimizer=None,
         name, options = model_choice(s)
         model = get_model(name, **options)
     check_context(s, model, mesh)
-    check_expert(s, model, mesh, update)
+    check_expert(s, model, mesh, update, workers)
     platform = target_platform(s, mesh)
     policy, notes = compute_policy(s, model, platform)
     default_algorithm = default_allreduce(platform)

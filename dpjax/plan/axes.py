@@ -11,11 +11,12 @@ from dpjax.settings import Settings
 def check_context(s: Settings, model, mesh) -> None:
     """A context axis of C devices splits each sequence into 2C chunks (`dpjax.compute.context`):
     the sequence must divide, the model must be one whose loss splits its tokens (it says
-    so with `CONTEXT = True`), and the axis composes with data, FSDP, tensor and worker
-    axes, not with a pipeline's stages (a stage sends whole sequences) nor with an
-    allreduce that reads two axes as levels (the gradient's mean spans the context axis too)."""
+    so with `CONTEXT = True`), and the axis composes with data, FSDP, tensor, worker and
+    stage axes (a pipeline's stages send each device's chunks, `dpjax.pipeline.staged`),
+    not with an allreduce that reads two axes as levels (the gradient's mean spans the
+    context axis too)."""
     from dpjax.collectives.registry import nested
-    from dpjax.mesh import CONTEXT, STAGE
+    from dpjax.mesh import CONTEXT
     from dpjax.models.registry import MODELS
 
     C = mesh.shape.get(CONTEXT, 1)
@@ -30,21 +31,27 @@ def check_context(s: Settings, model, mesh) -> None:
     if T % (2 * C):
         raise UsageError(f"--seq-len {T} does not split into 2C = {2 * C} equal chunks over {where} (device i "
                          f"holds chunks i and {2 * C - 1}-i); use a multiple of {2 * C}")
-    if STAGE in mesh.axis_names:
-        raise UsageError(f"{where} and a stage axis: a pipeline stage sends whole sequences; drop one of them")
     if nested(s.allreduce):
         raise UsageError(f"--allreduce {s.allreduce} reads two data axes as levels; with {where} the gradient's "
                          f"mean spans the context axis too: choose another algorithm")
 
 
-def check_expert(s: Settings, model, mesh, update) -> None:
+def check_expert(s: Settings, model, mesh, update, workers: tuple = ()) -> None:
     """An expert axis of n devices is a data axis (the batch's rows split over it) that
     also splits a mixture's E experts, E/n on each (`dpjax.models.moe`): the model must
     have E experts, n must divide E, and the experts, which differ along the axis, must
     not be averaged or gathered over it (FSDP splits and gathers only the other leaves,
-    `dpjax.sharding`): no update rule whose workers diverge, no
-    --workers or --compress-axes naming it, no compression with error feedback, no stage
-    or context axis beside it (none of these is built for experts yet)."""
+    `dpjax.sharding`; the mean inside a worker skips `expert` for them, `dpjax.step`).
+    An update rule whose workers diverge averages every leaf over the worker axes
+    `workers` (its state is a worker's, per leaf): it composes when the workers leave
+    `expert` out (e.g. --workers node), where each worker holds all E experts across its
+    expert axis and the experts are replicas between workers. Refused: such a rule with
+    workers spanning `expert` (its default workers are every data axis), --workers or
+    --compress-axes naming it, compression with error feedback (its fused buckets would
+    mix each device's own experts with the replicated leaves: a selection or scale per
+    bucket then differs between replicas), --compress-axes' per-shard form (it splits a
+    worker's gradient over its other data axes as if it were the same on each), and a
+    stage or context axis beside it (none of these is built for experts yet)."""
     from dpjax.compression import stateful
     from dpjax.mesh import CONTEXT, EXPERT, STAGE
 
@@ -62,11 +69,18 @@ def check_expert(s: Settings, model, mesh, update) -> None:
                          f"of {n}) or name the axis data")
     if E % n:
         raise UsageError(f"--experts {E} do not split over the {n} devices of {where}; use a multiple of {n}")
-    beside = [why for cond, why in ((not update.is_sync, f"--update {s.update}"),
-                                    (EXPERT in str(s.workers or "") or EXPERT in str(s.compress_axes or ""),
-                                     "--workers/--compress-axes naming it"),
-                                    (stateful(s.compression), f"--compression {s.compression}"),
-                                    (CONTEXT in mesh.axis_names, "a context axis")) if cond]
-    if beside:
-        raise UsageError(f"{where} with {beside[0]}: each device's experts are its own, and this would average, "
-                         f"gather or send them as replicas; drop one of them")
+    if EXPERT in str(s.workers or "") or EXPERT in str(s.compress_axes or ""):
+        raise UsageError(f"{where} with --workers/--compress-axes naming it: each device's experts are its own, and "
+                         f"workers over it would average them as replicas; name the other data axes")
+    if stateful(s.compression):
+        raise UsageError(f"{where} with --compression {s.compression}: error feedback selects and scales over fused "
+                         f"buckets holding each device's own experts beside the replicated leaves, so the replicas "
+                         f"would diverge; drop one of them")
+    if EXPERT in tuple(workers) and not update.is_sync:
+        raise UsageError(f"{where} with --update {s.update}: its workers are every data axis, and averaging between "
+                         f"them would average each device's own experts as replicas; give --workers without expert "
+                         f"(e.g. the other data axes)")
+    if s.compress_axes is not None and not (s.compress_whole or s.fsdp):  # plan.per_shard's form
+        raise UsageError(f"{where} with --compress-axes {s.compress_axes}: the per-shard exchange splits a worker's "
+                         f"gradient over the expert axis as if its devices held the same experts; add "
+                         f"--compress-whole")
