@@ -29,6 +29,43 @@ STATUS = 130  # 128 + SIGINT, what a shell reports for a Ctrl-C
 BEFORE = {"dpjax.train": "interrupted before training began: nothing was saved"}
 
 
+# The SIGINTs a raising handler took and no caller has seen yet. Python prints and drops an
+# exception raised inside a gc callback or a __del__ ("Exception ignored in: ..."), and a
+# signal handler runs wherever the main thread is: a Ctrl-C during a compile landed in jax's
+# `_xla_gc_callback` and the run trained on. `check()` raises it again from ordinary code.
+# Process-wide, as signals are.
+_ASKED: list = []
+
+
+def raise_on_sigint(signum=None, frame=None):
+    """Python's own SIGINT behaviour (a KeyboardInterrupt), remembered for `check()`."""
+    _ASKED.append(signum)
+    raise KeyboardInterrupt
+
+
+def quiet_dropped() -> None:
+    """Python's "Exception ignored in: ..." lines are left out for a KeyboardInterrupt that
+    `check()` will raise again (the one line of a Ctrl-C stays one line). Once a process."""
+    previous = sys.unraisablehook
+    if getattr(previous, "dpjax_quiet", False):
+        return
+
+    def hook(unraisable):
+        if not (isinstance(unraisable.exc_value, KeyboardInterrupt) and _ASKED):
+            previous(unraisable)
+
+    hook.dpjax_quiet = True
+    sys.unraisablehook = hook
+
+
+def check() -> None:
+    """Raises the KeyboardInterrupt of a SIGINT that `raise_on_sigint` took, if nothing has
+    handled it yet (Python dropped it in a gc callback): call where a tool can stop."""
+    if _ASKED:
+        _ASKED.clear()
+        raise KeyboardInterrupt
+
+
 def leave(line: str | None = None, code: int = STATUS):
     """Prints `line` (to stderr), flushes both streams and ends the process now, without
     the interpreter's teardown (see the module docstring)."""
@@ -85,4 +122,5 @@ def started() -> None:
     import signal
 
     if signal.getsignal(signal.SIGINT) is _on_sigint_while_starting:
-        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.signal(signal.SIGINT, raise_on_sigint)
+        quiet_dropped()

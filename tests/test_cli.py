@@ -70,7 +70,7 @@ def test_a_non_finite_value_in_a_config_file_is_one_line(corpus, tmp_path, capsy
     (["--stpes", "5"], "error: unknown flag --stpes; did you mean --steps?"),
     (["--steps", "abc"], "error: --steps: invalid int value: 'abc'"),
     (["--dtype", "bfloat61"], "error: --dtype: unknown value 'bfloat61'; choose one of auto, float32, bfloat16, "
-                              "float16; did you mean bfloat16?"),
+                              "float16, fp8; did you mean bfloat16?"),
     (["--d-modle=64"], "error: unknown flag --d-modle; did you mean --d-model?"),
     (["--steps", "5", "6"], "error: unexpected argument '6' (every setting is a --flag; see --help)"),
 ])
@@ -247,8 +247,12 @@ def test_ctrl_c_at_any_moment_before_the_first_step_exits_130_in_one_line(corpus
     while the first step compiles (the first Ctrl-C waited for the compile and the step):
     status 130, one line, no step run."""
     path = tmp_path / "m.jsonl"
-    proc = _start(tiny_gpt(corpus, "--mesh", "8x1", "--steps", "100", "--n-layers", "2", "--metrics", str(path),
-                           "--progress", "log"))
+    # 12 layers as a Python loop: seconds of compiling (stopped at once, so they cost nothing), so
+    # that the Ctrl-C lands in the compile even when this test's process runs late on a loaded
+    # machine (it also lands in jax's gc callback there, which drops a KeyboardInterrupt:
+    # dpjax.interrupt.check raises it again)
+    proc = _start(tiny_gpt(corpus, "--mesh", "8x1", "--steps", "100", "--n-layers", "12", "--layer-loop",
+                           "--metrics", str(path), "--progress", "log"))
     seen = []
     if moment == "importing":
         while not _jax_loading(proc.pid):

@@ -24,7 +24,8 @@ DIM = re.compile(r"^([A-Z])([0-9]*)([a-z]*)$")
 # Where each letter's concept lives: path prefixes (relative to the repository). "*": anywhere.
 MODEL_MATH = ("models/", "dpjax/compute/tensor_parallel.py", "dpjax/nn/", "dpjax/compute/attention.py",
               "dpjax/compute/stack.py", "dpjax/pipeline/", "dpjax/plan/pipeline_cost.py", "dpjax/step.py",
-              "dpjax/sharding.py", "dpjax/hf/", "dpjax/generate/")
+              "dpjax/sharding.py", "dpjax/hf/", "dpjax/generate/", "dpjax/compute/fp8.py",
+              "dpjax/compute/policy.py")  # fp8 and the policy: the projections
 # hf: the Hub's names of the model's leaves
 ATTENTION = ("dpjax/compute/context.py", "models/gpt.py", "models/llama.py",
              "dpjax/compute/tensor_parallel.py", "dpjax/nn/", "dpjax/compute/attention.py", "dpjax/hf/",

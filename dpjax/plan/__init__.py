@@ -123,6 +123,41 @@ class Plan:
 # Resolving for a set of devices
 
 
+def _pipeline(s: Settings, model, mesh, workers, exchange: Exchange):
+    """The pipeline a stage axis runs (its schedule, micro-batches and chunks), or None;
+    the pipeline's flags without a stage axis are refused."""
+    from dpjax.compression import stateful
+    from dpjax.mesh import STAGE
+    from dpjax.pipeline import SCHEDULES, Pipeline
+    from dpjax.pipeline import check as check_pipeline
+
+    given = [flag(n) for n in ("schedule", "microbatches", "virtual_stages") if getattr(s, n) is not None]
+    if STAGE not in mesh.axis_names:
+        if given:
+            raise UsageError(f"{', '.join(given)} needs a stage axis: name one in --mesh, e.g. "
+                             f"--mesh stage=2,data={max(1, mesh.size // 2)}")
+        return None
+    schedule = s.schedule or "1f1b"  # a chunked schedule (interleaved) defaults to 2 chunks a stage
+    chunks = s.virtual_stages or (2 if SCHEDULES[schedule].virtual_stages else 1)
+    pipeline = check_pipeline(model, mesh, Pipeline(schedule, s.microbatches, chunks))
+    if s.fsdp and not workers and stateful(exchange.compression):
+        raise UsageError(f"--fsdp with --compression {s.compression} and a stage axis: the pipeline gathers the "
+                         "stage's parameters itself; compress only between sites (--workers node "
+                         "--compress-axes node)")
+    return pipeline
+
+
+def _links(s: Settings, mesh) -> tuple:
+    """The emulated slow links, each on an axis the mesh has."""
+    from dpjax.links import parse_link
+
+    links = tuple(parse_link(text) for text in s.link or ())
+    for link in links:
+        if link.axis not in mesh.axis_names:
+            raise UsageError(f"--link {link}: mesh {dict(mesh.shape)} has no axis {link.axis!r}")
+    return links
+
+
 def resolve(s: Settings, devices=None, *, mesh=None, model=None, optimizer=None, exchange: Exchange | None = None,
             tensor_parallel: bool = True) -> Plan:
     """The plan of settings `s` on `devices` (default: every device; or an already built
@@ -133,13 +168,9 @@ def resolve(s: Settings, devices=None, *, mesh=None, model=None, optimizer=None,
     experiments' dense baselines). Raises UsageError (one line) for anything that does
     not fit."""
     from dpjax.collectives.registry import nested
-    from dpjax.compression import stateful
-    from dpjax.links import parse_link
-    from dpjax.mesh import STAGE, data_axes, make_mesh
+    from dpjax.mesh import data_axes, make_mesh
     from dpjax.models import get_model
     from dpjax.optim import OptimizerConfig
-    from dpjax.pipeline import SCHEDULES, Pipeline
-    from dpjax.pipeline import check as check_pipeline
     from dpjax.sharding import make_layout
     from dpjax.updates import parse_update
 
@@ -161,31 +192,15 @@ def resolve(s: Settings, devices=None, *, mesh=None, model=None, optimizer=None,
     check_expert(s, model, mesh, update, workers)
     platform = target_platform(s, mesh)
     policy, notes = compute_policy(s, model, platform)
-    default_algorithm = default_allreduce(platform)
     if exchange is None:
-        exchange = Exchange(default_algorithm if s.allreduce in ("auto", None) else s.allreduce,
+        exchange = Exchange(default_allreduce(platform) if s.allreduce in ("auto", None) else s.allreduce,
                             DEFAULT_FUSION_MB if s.fusion_mb == "auto" else float(s.fusion_mb),
                             None if s.compression == "none" else s.compression, compress_axes=compress_axes,
                             shards=None if s.compress_whole or s.fsdp else per_shard(mesh, compress_axes))
-    given = [flag(n) for n in ("schedule", "microbatches", "virtual_stages") if getattr(s, n) is not None]
-    pipeline = None
-    if STAGE in mesh.axis_names:
-        schedule = s.schedule or "1f1b"  # a chunked schedule (interleaved) defaults to 2 chunks a stage
-        chunks = s.virtual_stages or (2 if SCHEDULES[schedule].virtual_stages else 1)
-        pipeline = check_pipeline(model, mesh, Pipeline(schedule, s.microbatches, chunks))
-        if s.fsdp and not workers and stateful(exchange.compression):
-            raise UsageError(f"--fsdp with --compression {s.compression} and a stage axis: the pipeline gathers the "
-                             "stage's parameters itself; compress only between sites (--workers node "
-                             "--compress-axes node)")
-    elif given:
-        raise UsageError(f"{', '.join(given)} needs a stage axis: name one in --mesh, e.g. "
-                         f"--mesh stage=2,data={max(1, mesh.size // 2)}")
+    pipeline = _pipeline(s, model, mesh, workers, exchange)
     layout = make_layout(model, mesh, algorithm=s.tp_allreduce, fsdp=s.fsdp, fsdp_algorithm=exchange.algorithm,
                          workers=workers, pipeline=pipeline, tensor_parallel=tensor_parallel)
-    links = tuple(parse_link(text) for text in s.link or ())
-    for link in links:
-        if link.axis not in mesh.axis_names:
-            raise UsageError(f"--link {link}: mesh {dict(mesh.shape)} has no axis {link.axis!r}")
+    links = _links(s, mesh)
     opt = OptimizerConfig(name=s.optimizer, lr=s.lr, lr_scaling=s.lr_scaling, warmup_steps=s.warmup_steps,
                           weight_decay=s.weight_decay, clip_norm=s.clip_norm)
     knobs = tuple(k for k, v in (("allreduce", s.allreduce), ("fusion_mb", s.fusion_mb)) if v == "auto")

@@ -38,25 +38,33 @@ def settled(s: Settings) -> Settings:
 
 def check(s: Settings) -> None:
     """Every check that needs no devices; run before JAX starts, so a bad flag costs
-    nothing. Raises UsageError (one line)."""
-    from dpjax.collectives import ALGORITHMS, ALL_TO_ALL_ALGORITHMS, REDUCE_SCATTER_ALGORITHMS
-    from dpjax.collectives.registry import nested
-    from dpjax import compression
-    from dpjax.compute.context import CONTEXT_ATTENTIONS
-    from dpjax.distributed import COLLECTIVES, transport
-    from dpjax.models import MODELS, model_options
-    from dpjax.optim import LR_SCALINGS, OPTIMIZERS
-    from dpjax.pipeline import SCHEDULES
-    from dpjax.compute.policy import ATTENTIONS, DTYPES, PARAM_DTYPES, REMATS
-    from dpjax.updates import parse_update
-
-    def one_of(what, value, known):
-        if value not in known:
-            raise UsageError(f"unknown {what} {value!r}; choose one of {', '.join(map(str, known))}")
-
+    nothing. Raises UsageError (one line). The parts run in this order, so that a
+    command with several mistakes is told the first of them."""
     _check_finite(s)
     s = settled(s)
-    one_of("model", s.model, MODELS)
+    _check_model(s)
+    _check_choices(s)
+    _check_compression(s)
+    _check_exchange(s)
+    _check_numbers(s)
+    _check_run(s)
+    for name, check_path in (("metrics", _check_output_file), ("timeline", _check_output_file),
+                             ("ckpt_dir", _check_output_dir), ("commit_dir", _check_output_dir),
+                             ("profile_dir", _check_output_dir), ("tensorboard", _check_output_dir)):
+        if getattr(s, name):
+            check_path(flag(name), getattr(s, name))
+
+
+def _one_of(what, value, known) -> None:
+    if value not in known:
+        raise UsageError(f"unknown {what} {value!r}; choose one of {', '.join(map(str, known))}")
+
+
+def _check_model(s: Settings) -> None:
+    """The model, and that its options are its own (--init-from brings its own model)."""
+    from dpjax.models import MODELS, model_options
+
+    _one_of("model", s.model, MODELS)
     if s.init_from is not None:
         mine = [flag(k) for k in ("preset", "vocab_size") if getattr(s, k) is not None]
         mine += [flag(k) for k in s.model_options]
@@ -69,17 +77,33 @@ def check(s: Settings) -> None:
         has = ", ".join(flag(o) for o in model_options()[name])
         raise UsageError(f"{', '.join(flag(o) for o in wrong)} does not apply to --model {name} "
                          f"(its options: {has})")
-    one_of("--optimizer", s.optimizer, OPTIMIZERS)
-    one_of("--lr-scaling", s.lr_scaling, LR_SCALINGS)
+
+
+def _check_choices(s: Settings) -> None:
+    """Each flag that names a registry's entry names one it has."""
+    from dpjax.collectives import ALGORITHMS, ALL_TO_ALL_ALGORITHMS
+    from dpjax.compute.context import CONTEXT_ATTENTIONS
+    from dpjax.compute.policy import ATTENTIONS, DTYPES, PARAM_DTYPES, REMATS
+    from dpjax.optim import LR_SCALINGS, OPTIMIZERS
+
+    _one_of("--optimizer", s.optimizer, OPTIMIZERS)
+    _one_of("--lr-scaling", s.lr_scaling, LR_SCALINGS)
     if s.allreduce is not None:  # None: the platform's default (dpjax.plan.default_allreduce)
-        one_of("--allreduce algorithm", s.allreduce, (*ALGORITHMS, "auto"))
-    one_of("--dtype", s.dtype, ("auto", *DTYPES))
-    one_of("--param-dtype", s.param_dtype, PARAM_DTYPES)
-    one_of("--remat", s.remat, ("auto", *REMATS))
-    one_of("--attention", s.attention, ("auto", *ATTENTIONS))
-    one_of("--tp-allreduce algorithm", s.tp_allreduce, ALGORITHMS)
-    one_of("--context-attention", s.context_attention, CONTEXT_ATTENTIONS)
-    one_of("--expert-alltoall", s.expert_alltoall, ALL_TO_ALL_ALGORITHMS)
+        _one_of("--allreduce algorithm", s.allreduce, (*ALGORITHMS, "auto"))
+    _one_of("--dtype", s.dtype, ("auto", *DTYPES))
+    _one_of("--param-dtype", s.param_dtype, PARAM_DTYPES)
+    _one_of("--remat", s.remat, ("auto", *REMATS))
+    _one_of("--attention", s.attention, ("auto", *ATTENTIONS))
+    _one_of("--tp-allreduce algorithm", s.tp_allreduce, ALGORITHMS)
+    _one_of("--context-attention", s.context_attention, CONTEXT_ATTENTIONS)
+    _one_of("--expert-alltoall", s.expert_alltoall, ALL_TO_ALL_ALGORITHMS)
+
+
+def _check_compression(s: Settings) -> None:
+    """--compression parses, fits FSDP's reduce-scatter where it runs there, and 1-bit
+    Adam's options go with 1-bit Adam."""
+    from dpjax import compression
+
     try:
         spec = compression.parse(s.compression)
     except ValueError as e:
@@ -98,10 +122,19 @@ def check(s: Settings) -> None:
     if s.compress_whole and s.compress_axes is None:
         raise UsageError("--compress-whole chooses the form of the exchange --compress-axes compresses: give "
                          "--compress-axes too (e.g. node)")
+
+
+def _check_exchange(s: Settings) -> None:
+    """The schedule, the transport between processes and the algorithms each layout needs."""
+    from dpjax.collectives import REDUCE_SCATTER_ALGORITHMS
+    from dpjax.collectives.registry import nested
+    from dpjax.distributed import COLLECTIVES, transport
+    from dpjax.pipeline import SCHEDULES
+
     if s.schedule is not None:
-        one_of("--schedule", s.schedule, SCHEDULES)
+        _one_of("--schedule", s.schedule, SCHEDULES)
     collectives = transport.chosen(s.collectives)
-    one_of("--collectives", collectives, COLLECTIVES)
+    _one_of("--collectives", collectives, COLLECTIVES)
     if transport.problem(collectives):  # e.g. mpi without MPItrampoline's library
         raise UsageError(transport.problem(collectives))
     if nested(s.tp_allreduce):
@@ -109,6 +142,10 @@ def check(s: Settings) -> None:
     if s.fsdp and s.allreduce not in (*REDUCE_SCATTER_ALGORITHMS, "auto", None):
         raise UsageError(f"--fsdp all-gathers and reduce-scatters with the --allreduce algorithm; "
                          f"{s.allreduce!r} has none: choose one of {', '.join(REDUCE_SCATTER_ALGORITHMS)}")
+
+
+def _check_numbers(s: Settings) -> None:
+    """Counts at least 1, sizes not negative, the interval and fusion's two forms."""
     for name in _AT_LEAST_1 + ("microbatches", "virtual_stages"):
         value = getattr(s, name)
         if value is not None and value < 1:
@@ -120,6 +157,14 @@ def check(s: Settings) -> None:
     for name in _NOT_NEGATIVE + (() if s.fusion_mb == "auto" else ("fusion_mb",)):
         if getattr(s, name) < 0:
             raise UsageError(f"{flag(name)} cannot be negative, got {getattr(s, name)}")
+
+
+def _check_run(s: Settings) -> None:
+    """What the run resumes from, its schedule's chunks, its rule, its data and what it
+    records."""
+    from dpjax.pipeline import SCHEDULES
+    from dpjax.updates import parse_update
+
     if s.resume and not (s.ckpt_dir or s.commit_dir):
         raise UsageError("--resume needs --ckpt-dir (or --commit-dir)")
     chunked = [name for name, sched in SCHEDULES.items() if sched.virtual_stages]
@@ -131,11 +176,6 @@ def check(s: Settings) -> None:
         raise UsageError(f"--peak-tflops must be positive, got {s.peak_tflops}")
     if s.profile_dir and not s.timeline:
         raise UsageError("--profile-dir keeps the capture behind --timeline: add --timeline FILE")
-    for name, check_path in (("metrics", _check_output_file), ("timeline", _check_output_file),
-                             ("ckpt_dir", _check_output_dir), ("commit_dir", _check_output_dir),
-                             ("profile_dir", _check_output_dir), ("tensorboard", _check_output_dir)):
-        if getattr(s, name):
-            check_path(flag(name), getattr(s, name))
 
 
 def model_choice(s: Settings) -> tuple[str, dict]:

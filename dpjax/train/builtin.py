@@ -27,6 +27,7 @@ import signal
 import sys
 import time
 
+from dpjax import interrupt
 from dpjax.train import nonfinite, observe, resume, sample, tuning
 from dpjax.train.hooks import Hook
 from dpjax.train.metrics import open_writers
@@ -50,10 +51,12 @@ class Interrupt(Hook):
     def start(self, loop) -> None:
         self.stepping, self.loop = False, loop
         self.old = signal.signal(signal.SIGINT, self.on_sigint)
+        interrupt.quiet_dropped()
+        interrupt.check()  # a Ctrl-C while the initialisation compiled that Python dropped
 
     def on_sigint(self, signum, frame) -> None:
         if not self.stepping:
-            raise KeyboardInterrupt
+            interrupt.raise_on_sigint(signum, frame)
         if self.loop.interrupted:
             print("interrupted again: stopped at once, without waiting for the save", file=sys.stderr, flush=True)
             os._exit(130)
@@ -62,7 +65,11 @@ class Interrupt(Hook):
             print("Ctrl-C: finishing the step" + (" and saving" if self.loop.trainer.ckpt else "") + "; Ctrl-C "
                   "again stops at once", file=sys.stderr, flush=True)
 
+    def before(self, loop, step: int) -> None:
+        interrupt.check()
+
     def dispatched(self, loop, flight) -> None:
+        interrupt.check()  # a Ctrl-C while the first step compiled that Python dropped: no step to finish yet
         self.stepping = True
 
     def close(self, loop) -> None:
