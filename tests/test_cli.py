@@ -217,9 +217,16 @@ def test_an_agent_restart_resumes_and_appends_its_first_start_is_fresh(corpus, t
 # --- Ctrl-C ------------------------------------------------------------------------------
 
 
+# `python -m dpjax.train` as a terminal starts it, SIGINT at its default: a test run as a shell's
+# background job hands its children SIGINT ignored, and dpjax leaves an ignored SIGINT ignored
+# while it imports (a background job's Ctrl-C is not its own). exec keeps SIG_DFL.
+_AS_A_TERMINAL = ("import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); "
+                  "os.execv(sys.executable, [sys.executable, '-m', 'dpjax.train', *sys.argv[1:]])")
+
+
 def _start(args):
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    return subprocess.Popen([sys.executable, "-m", "dpjax.train", *args], stdout=subprocess.PIPE,
+    return subprocess.Popen([sys.executable, "-c", _AS_A_TERMINAL, *args], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=env)
 
 
