@@ -33,15 +33,16 @@ class PeerError(ConnectionError):
     pass
 
 
-def _recv_exact(sock, n: int) -> bytes:
+def _recv_exact(sock, n: int, who: str = "the peer", what: str = "") -> bytearray:
+    """Exactly n bytes from sock; PeerError naming `who` (and `what` was being read) if it closes first."""
     out = bytearray(n)
     view, got = memoryview(out), 0
     while got < n:
         k = sock.recv_into(view[got:], n - got)
         if not k:
-            raise PeerError(f"the peer closed the connection after {got} of {n} bytes")
+            raise PeerError(f"{who} closed the connection after {got} of {n} bytes{what}")
         got += k
-    return bytes(out)
+    return out
 
 
 def _head(sock) -> dict:
@@ -163,14 +164,7 @@ class Peers:
         with self._connect(rank) as sock:
             _send_head(sock, {"op": "get", "path": path, "length": length})
             size = self._answer(sock, f"process {rank} sending {path}")["size"]
-            out = bytearray(size)
-            view, got = memoryview(out), 0
-            while got < size:
-                k = sock.recv_into(view[got:], size - got)
-                if not k:
-                    raise PeerError(f"process {rank} closed the connection after {got} of {size} bytes of {path}")
-                got += k
-        return out
+            return _recv_exact(sock, size, f"process {rank}", f" of {path}")
 
     def close(self) -> None:
         self._closed = True

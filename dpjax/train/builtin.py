@@ -65,9 +65,6 @@ class Interrupt(Hook):
             print("Ctrl-C: finishing the step" + (" and saving" if self.loop.trainer.ckpt else "") + "; Ctrl-C "
                   "again stops at once", file=sys.stderr, flush=True)
 
-    def before(self, loop, step: int) -> None:
-        interrupt.check()
-
     def dispatched(self, loop, flight) -> None:
         interrupt.check()  # a Ctrl-C while the first step compiled that Python dropped: no step to finish yet
         self.stepping = True
