@@ -1,7 +1,7 @@
 """examples/gspmd_plain.py (flax's guide "Scale up on multiple devices", small) with dpjax:
 the data axis dpjax's (each device its rows, the gradients averaged by
-DistributedOptimizer), the model axis GSPMD's as the guide annotates it; four changed
-lines, one of them the guide's sharding constraint, which may name the model axis only.
+DistributedOptimizer), the model axis GSPMD's as the guide annotates it and constrains it
+(the guide's P('data', 'model') read inside the step as P(None, 'model')); three changed lines.
 
     python examples/gspmd_distributed.py
 """
@@ -31,7 +31,7 @@ class DotReluDot(nnx.Module):
   def __call__(self, x: jax.Array):
     y = self.dot1(x)
     y = jax.nn.relu(y)
-    y = jax.lax.with_sharding_constraint(y, P(None, 'model'))  # dpjax: the data axis is dpjax's, rows per device
+    y = jax.lax.with_sharding_constraint(y, P('data', 'model'))
     z = jnp.dot(y, self.w2[...])
     return z
 

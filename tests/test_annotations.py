@@ -5,6 +5,7 @@ model axis leaves the annotated layers whole, said once; a step naming an automa
 in a collective, and an unknown layout, are one line each.
 """
 
+import re
 import warnings
 
 import jax
@@ -15,7 +16,8 @@ import pytest
 from flax import linen as nn
 from flax import nnx
 from flax.training.train_state import TrainState
-from jax.sharding import Mesh
+from jax.lax import with_sharding_constraint
+from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import dpjax
@@ -24,6 +26,7 @@ from dpjax.wrap.annotations import LayoutWarning
 TOL = {"rtol": 2e-5, "atol": 2e-6}  # float32: sums over 4 data and 2 model ranks in another order
 RULES = [("batch", None), ("embed", None), ("heads", "model"), ("kv", None), ("mlp", "model")]
 init = nn.initializers.lecun_normal()
+JAX_CONSTRAINT = jax.lax.with_sharding_constraint
 
 
 class LinenBlock(nn.Module):
@@ -53,7 +56,7 @@ def linen_step(state, x, y):
     return state.apply_gradients(grads=grads), loss
 
 
-def train_both(variables, apply_fn, specs=None, model_axes=None):
+def train_both(variables, apply_fn, specs=None, model_axes=None, rules=RULES):
     """Two SGD steps on 4x2 under shard_step (the variables as given: boxes, or raw with the
     specs as in_specs) and on one device under jax.jit; the losses and parameters, each pair."""
     tx = optax.sgd(0.1)
@@ -63,7 +66,7 @@ def train_both(variables, apply_fn, specs=None, model_axes=None):
     step = dpjax.shard_step(linen_step, "4x2", batch_argnums=(1, 2), out_specs=(P(), "mean"), in_specs=in_specs,
                             model_axes=model_axes)
     one = jax.jit(linen_step)
-    with nn.logical_axis_rules(RULES):
+    with nn.logical_axis_rules(rules):
         for seed in range(2):
             ours, loss = step(ours, *data(seed))
             plain, want = one(plain, *data(seed))
@@ -185,13 +188,62 @@ def test_a_mesh_of_your_own_axis_names_maps_to_dpjax_s():
         dpjax.shard_step(lambda x: x, mesh, batch_argnums=0, axes={"mp": "model", "dp": "data"})(x)
 
 
-def test_a_constraint_naming_a_data_axis_under_automatic_model_axes_is_one_line():
+def constraints_in(step) -> list:
+    """The sharding constraints on values the step computes (Shardy's, in its lowered
+    program; not those on its arguments), as text."""
+    program, args = step._last
+    return re.findall(r"sdy\.sharding_constraint %(?!arg)\w+ <@mesh, (\[.*?\])>", program.lower(*args).as_text())
+
+
+@pytest.mark.parametrize("spec, over_model", [(P("data", "model"), True), (P(("data",), None), False),
+                                              (P("dp", "tp"), True), ("named", True), (P("data", P.UNCONSTRAINED),
+                                                                                       False)])
+def test_a_constraint_naming_a_data_axis_keeps_what_it_says_of_the_model_axes(spec, over_model):
+    """flax's GSPMD guide's `with_sharding_constraint(y, P('data', 'model'))` inside shard_step:
+    the data axis is dropped (each device already holds its rows), the model axis kept
+    (Shardy's constraint on the local rows), the user's axis names mapped; the rows are
+    the dense layer's, and JAX's own function is back after the trace."""
+    own = spec == P("dp", "tp")  # the user's own axis names
+    mesh = Mesh(np.array(jax.devices()).reshape(4, 2), ("dp", "tp")) if own else dpjax.make_mesh("4x2")
+    axes = {"dp": "data", "tp": "model"} if own else None
+    ann = nnx.with_partitioning(nnx.initializers.lecun_normal(), (None, "tp" if axes else "model"))
+    with jax.set_mesh(mesh):
+        model = nnx.Linear(16, 8, kernel_init=ann, use_bias=False, rngs=nnx.Rngs(0))
+    dense = nnx.Linear(16, 8, use_bias=False, rngs=nnx.Rngs(0))
+    spec = NamedSharding(mesh, P("data", "model")) if spec == "named" else spec
+    step = dpjax.shard_step(lambda model, x: jax.lax.with_sharding_constraint(model(x), spec), mesh,
+                            batch_argnums=1, out_specs="rows", axes=axes)
+    x = data()[0][:, 0]
+    np.testing.assert_allclose(step(model, x), dense(x), **TOL)
+    assert ('[{}, {"model"}]' in constraints_in(step)) == over_model
+    assert jax.lax.with_sharding_constraint is JAX_CONSTRAINT
+
+
+def test_a_linen_logical_constraint_naming_the_data_axis_trains_as_on_one_device():
+    """`nn.with_logical_constraint(h, ("batch", None, "mlp"))` with 'batch' mapped to the data
+    axis (MaxText's way): the constraint keeps its model axis, and two steps equal one device's."""
+    class Constrained(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            h = nn.Dense(32, kernel_init=nn.with_logical_partitioning(init, ("embed", "mlp")))(x)
+            h = nn.with_logical_constraint(nn.relu(h), ("batch", None, "mlp"))
+            return nn.Dense(16, kernel_init=nn.with_logical_partitioning(init, ("mlp", "embed")))(h).mean(axis=(1, 2))
+
+    model = Constrained()
+    train_both(model.init(jax.random.key(0), data()[0][:1]), model.apply, rules=[("batch", "data")] + RULES[1:])
+
+
+def test_a_constraint_bound_before_the_trace_naming_a_data_axis_is_one_line():
+    """A constraint imported under a name of its own is JAX's, which refuses a manual axis:
+    one line saying how to write it, and JAX's own function back after the failed trace."""
     def step(model, x):
-        return jax.lax.with_sharding_constraint(model(x), P("data"))  # flax's guide writes P('data', 'model')
-    with pytest.raises(dpjax.UserError, match=r"^step: jax\.lax\.with_sharding_constraint inside shard_step names a "
-                                              r"data axis \(data\), which is manual here .* write None for the data "
-                                              r"axes \(P\(None, 'model'\) for P\('data', 'model'\)\)$"):
+        return with_sharding_constraint(model(x), P("data"))  # flax's guide writes P('data', 'model')
+    with pytest.raises(dpjax.UserError, match=r"^step: with_sharding_constraint inside shard_step names a data axis "
+                                              r"\(data\), which is manual here .*imported under a name of its own "
+                                              r".*: call it as jax\.lax\.with_sharding_constraint, or write None for "
+                                              r"the data axes \(P\(None, 'model'\) for P\('data', 'model'\)\)$"):
         dpjax.shard_step(step, "4x2", batch_argnums=1, out_specs="rows")(attention(), data()[0])
+    assert jax.lax.with_sharding_constraint is JAX_CONSTRAINT
 
 
 def test_a_model_made_on_another_mesh_is_said_once():

@@ -1,7 +1,7 @@
 """The README's recipes for your own flax code, as a reader tries them: `dpjax.nn` after
 a plain `import dpjax`, the decorator with an explicit mesh, flax's own layers with
 their sharding annotations plus one psum over `model` (against the dense model on one
-device), what a `with_sharding_constraint` inside `shard_step` is told, and the replica
+device), what a `with_sharding_constraint` inside `shard_step` does, and the replica
 check naming the axis the copies differ along."""
 
 import subprocess
@@ -13,6 +13,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from jax.lax import with_sharding_constraint as early
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -177,15 +178,21 @@ def test_copies_that_differ_along_node_are_told_node():
         step(np.arange(8.0).reshape(8, 1))
 
 
-def test_with_sharding_constraint_inside_shard_step_is_told_what_to_do():
+def test_a_sharding_constraint_where_every_axis_is_manual_is_passed_over_or_told_what_to_do():
+    """No annotations: every axis manual ("explicit"), a GSPMD hint has nothing to constrain.
+    Called as jax.lax.with_sharding_constraint it is passed over (the numpy sum); bound to a
+    name of its own before the trace, it is JAX's, and one line says what to do."""
     mesh = dpjax.make_mesh("4x2")
+    x, w = np.arange(32.0, dtype=np.float32).reshape(8, 4), np.ones((4, 4), np.float32)
 
-    def step(w, x):
-        h = jax.lax.with_sharding_constraint(x @ w, NamedSharding(mesh, P("data", None)))  # a GSPMD hint
-        return jax.lax.pmean(h.sum(), "data")
+    def step(w, x, constrain=None):  # None: jax.lax's, looked up while the step is traced
+        h = (constrain or jax.lax.with_sharding_constraint)(x @ w, NamedSharding(mesh, P("data", None)))  # GSPMD hint
+        return jax.lax.psum(h.sum(), "data")
 
+    assert float(dpjax.shard_step(step, mesh, batch_argnums=1)(w, x)) == (x @ w).sum()
     with pytest.raises(dpjax.UserError) as e:
-        dpjax.shard_step(step, mesh, batch_argnums=1)(jnp.ones((4, 4)), jnp.ones((8, 4)))
+        dpjax.shard_step(lambda w, x: step(w, x, early), mesh, batch_argnums=1)(w, x)
     msg = str(e.value)
-    assert "\n" not in msg and msg.startswith("step: jax.lax.with_sharding_constraint inside shard_step")
-    assert "remove the constraint" in msg
+    assert "\n" not in msg and msg.startswith("<lambda>: with_sharding_constraint inside shard_step: every mesh axis")
+    assert msg.endswith("call it as jax.lax.with_sharding_constraint (it is passed over here: a GSPMD hint has "
+                        "nothing to constrain), or remove it")

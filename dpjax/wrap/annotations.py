@@ -115,8 +115,11 @@ def choose(layout, mesh, specs, explicit_hint: bool) -> str:
 
 
 def only(spec: P, axes) -> P:
-    """`spec` with every mesh axis not in `axes` dropped (a dimension left with none: None)."""
+    """`spec` with every mesh axis not in `axes` dropped (a dimension left with none: None;
+    P.UNCONSTRAINED stays)."""
     def keep(e):
+        if e is P.UNCONSTRAINED:
+            return e
         kept = tuple(a for a in (e if isinstance(e, tuple) else (e,)) if a is not None and a in axes)
         return None if not kept else kept[0] if len(kept) == 1 else kept
     return P(*[keep(e) for e in spec])
@@ -174,15 +177,18 @@ def explain(step: str, error: Exception, leaves, meta, mesh, layout: str, traced
     sharding constraint that cannot apply here, or, while the step is first traced, the
     parameter the error most likely came from (`traced_error`)."""
     if "with_sharding_constraint" in str(error):  # JAX's own message suggests `reshard`, which does not apply
+        # reached only by a constraint bound to a name of its own before the trace (`constraints`)
+        early = ("shard_step reads a constraint called as jax.lax.with_sharding_constraint, but this one was "
+                 "imported under a name of its own (from jax.lax import ...) before the step was traced")
         if layout == "auto":
-            return (f"{step}: jax.lax.with_sharding_constraint inside shard_step names a data axis "
-                    f"({', '.join(data_axes(mesh))}), which is manual here (each device holds its own rows); a "
-                    "constraint may name the model axes only: write None for the data axes (P(None, 'model') for "
-                    "P('data', 'model'))")
-        return (f"{step}: jax.lax.with_sharding_constraint inside shard_step: every mesh axis is manual here (each "
-                "device holds its own block, as in_specs and the parameters' sharding say); remove the constraint "
-                "(a GSPMD hint has nothing to constrain), or keep it and run the model under jax.jit with "
-                "jax.set_mesh instead of shard_step")
+            return (f"{step}: with_sharding_constraint inside shard_step names a data axis "
+                    f"({', '.join(data_axes(mesh))}), which is manual here (each device holds its own rows); {early}: "
+                    "call it as jax.lax.with_sharding_constraint, or write None for the data axes (P(None, 'model') "
+                    "for P('data', 'model'))")
+        return (f"{step}: with_sharding_constraint inside shard_step: every mesh axis is manual here (each device "
+                f"holds its own block, as in_specs and the parameters' sharding say); {early}: call it as "
+                "jax.lax.with_sharding_constraint (it is passed over here: a GSPMD hint has nothing to constrain), "
+                "or remove it")
     return traced_error(step, error, leaves, meta, mesh, layout) if traced else None
 
 

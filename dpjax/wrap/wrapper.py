@@ -51,7 +51,7 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from dpjax.wrap import annotations, per_rank
+from dpjax.wrap import annotations, constraints, per_rank
 from dpjax.wrap import checks
 from dpjax.errors import UserError
 from dpjax.mesh import NOT_DATA, data_axes, make_mesh, spec_axes
@@ -359,7 +359,8 @@ class ShardedStep:
             for i, (treedef, n) in zip(tree_idx, tree_defs):
                 args[i] = treedef.unflatten(mine[start:start + n])
                 start += n
-            out = _averaged(fn(*args), self.out_specs, data_axes(mesh))
+            with constraints.reading(self.axes, set(mesh.axis_names) - manual):  # the model's own constraints
+                out = _averaged(fn(*args), self.out_specs, data_axes(mesh))
             if out_slots is not None:  # a returned optimizer state: its buffers in their slots
                 flat, out_def = jax.tree.flatten(out)
                 out = out_def.unflatten([per_rank.slot(x) if s else x for x, s in zip(flat, out_slots)])
