@@ -219,6 +219,24 @@ def test_a_constraint_naming_a_data_axis_keeps_what_it_says_of_the_model_axes(sp
     assert jax.lax.with_sharding_constraint is JAX_CONSTRAINT
 
 
+def test_a_mesh_of_explicit_axes_from_jax_make_mesh_works_as_under_jax_jit():
+    """`jax.make_mesh`'s default axis type is Explicit (the sharding in the arrays' types, where
+    a constraint is an assertion): an annotated layer on such a mesh gives the dense layer's
+    rows, its kernel stays split, and a constraint over the model axis is passed over."""
+    mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(jax.sharding.AxisType.Explicit,) * 2)
+    ann = nnx.with_partitioning(nnx.initializers.lecun_normal(), (None, "model"))
+    with jax.set_mesh(mesh):
+        model = nnx.Linear(16, 8, kernel_init=ann, use_bias=False, rngs=nnx.Rngs(0))
+    dense = nnx.Linear(16, 8, use_bias=False, rngs=nnx.Rngs(0))
+    x = data()[0][:, 0]
+    for constrain in (False, True):
+        step = dpjax.shard_step(
+            lambda m, x: jax.lax.with_sharding_constraint(m(x), P("data", "model")) if constrain else m(x),
+            mesh, batch_argnums=1, out_specs="rows")
+        np.testing.assert_allclose(step(model, x), dense(x), **TOL)
+    assert model.kernel[...].sharding.spec == P(None, "model")
+
+
 def test_a_linen_logical_constraint_naming_the_data_axis_trains_as_on_one_device():
     """`nn.with_logical_constraint(h, ("batch", None, "mlp"))` with 'batch' mapped to the data
     axis (MaxText's way): the constraint keeps its model axis, and two steps equal one device's."""

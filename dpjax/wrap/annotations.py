@@ -114,6 +114,12 @@ def choose(layout, mesh, specs, explicit_hint: bool) -> str:
     return "auto" if annotated and not explicit_hint and data_axes(mesh) else "explicit"
 
 
+def automatic(mesh) -> set:
+    """The mesh's axes of type Auto (GSPMD's; `jax.make_mesh`'s default type is Explicit:
+    sharding in the arrays' types, which a sharding constraint may not name)."""
+    return {a for a, t in zip(mesh.axis_names, mesh.axis_types) if t == jax.sharding.AxisType.Auto}
+
+
 def only(spec: P, axes) -> P:
     """`spec` with every mesh axis not in `axes` dropped (a dimension left with none: None;
     P.UNCONSTRAINED stays)."""

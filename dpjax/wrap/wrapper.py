@@ -346,7 +346,8 @@ class ShardedStep:
         # auto: shard_map's in/out specs name the data axes only; the model axes' layout is
         # the arrays' own (placed as annotated), kept on the new state by a constraint
         specs = tuple(annotations.only(s, manual) for s in full_specs)
-        kept = [annotations.only(s, set(mesh.axis_names) - manual) for s in full_specs[:k]]
+        auto = annotations.automatic(mesh) - manual  # an Explicit axis's layout is in the arrays' types
+        kept = [annotations.only(s, auto) for s in full_specs[:k]]
 
         def body(*local):
             args = [None] * nargs
@@ -359,7 +360,7 @@ class ShardedStep:
             for i, (treedef, n) in zip(tree_idx, tree_defs):
                 args[i] = treedef.unflatten(mine[start:start + n])
                 start += n
-            with constraints.reading(self.axes, set(mesh.axis_names) - manual):  # the model's own constraints
+            with constraints.reading(self.axes, auto):  # the model's own constraints
                 out = _averaged(fn(*args), self.out_specs, data_axes(mesh))
             if out_slots is not None:  # a returned optimizer state: its buffers in their slots
                 flat, out_def = jax.tree.flatten(out)
