@@ -28,7 +28,7 @@ FIELDS = ("compression", "error")  # where a DistributedState keeps the per-rank
 
 class DistributedState(NamedTuple):
     """`DistributedOptimizer`'s state (`dpjax.data_parallel`), here beside the code that
-    finds its per-rank part, which `shard_step` (`dpjax.wrap.wrapper`) imports."""
+    finds its per-rank part, which `shard_step` (`dpjax.wrap.arguments`, `dpjax.wrap.program`) imports."""
 
     inner: Any  # the inner optax state
     passes: jax.Array  # backward passes accumulated so far (mod backward_passes_per_step)
