@@ -56,7 +56,9 @@ SLOW = {("bench_train.py", 1), ("bench_train.py", 2), ("staleness.py", 1), ("wan
         # two training processes (20-40 s); test_onebit_adam.py keeps the default's plan fast
         ("onebit_grid.py", 0),
         # two training runs in subprocesses (2 min under load); tests/test_commit.py runs auto in the loop
-        ("commit_stall.py", 0)}
+        ("commit_stall.py", 0),
+        # two GPT steps compiled (45 s under load); tests/test_lean_step.py keeps what it found fast
+        ("hlo_side_by_side.py", 0)}
 
 
 def cases():
