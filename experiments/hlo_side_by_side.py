@@ -136,7 +136,7 @@ def dpjax_step(size: dict, attention: str, remat: str, dtype: str = "bfloat16"):
                  model_options={k: size[k] for k in ("n_layers", "d_model", "n_heads", "d_ff")})
     plan = resolve(s, jax.devices()[:1])
     step = S.for_plan(plan)
-    return step.train, abstract_args(step, plan)
+    return step.train, abstract_args(step, plan), plan.policy.remat
 
 
 # ---------------------------------------------------------------------------------------
@@ -315,7 +315,7 @@ def main(argv=None) -> int:
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--attention", default="xla", choices=("xla", "cudnn"),
                    help="both programs' kernel (cudnn: on a GPU only)")
-    p.add_argument("--dpjax-remat", default="none", choices=("none", "dots", "full"),
+    p.add_argument("--dpjax-remat", default="none", choices=("auto", "none", "dots", "full"),
                    help="dpjax's remat (the H200 run's auto chose none; the yardstick keeps dots)")
     p.add_argument("--no-compile", action="store_true",
                    help="the traced figures alone (seconds even at 405M: XLA:CPU's compile is what takes time)")
@@ -328,13 +328,13 @@ def main(argv=None) -> int:
     if a.smoke:
         size = SMOKE
         _bench.smoke_outputs(a, "json")
-    mine_fn, mine_args = dpjax_step(size, a.attention, a.dpjax_remat)
+    mine_fn, mine_args, remat = dpjax_step(size, a.attention, a.dpjax_remat)
     ref_fn, ref_args = yardstick_step(size, a.attention)
     T, compile = size["seq_len"], not a.no_compile
     mine = profile(mine_fn, mine_args, mine_args[0], T, compile)
     ref = profile(ref_fn, ref_args, ref_args[0], T, compile)
-    print(f"# {json.dumps(size)}, attention {a.attention}, dpjax remat {a.dpjax_remat}, yardstick remat dots; "
-          f"{_bench.machine()}")
+    print(f"# {json.dumps(size)}, attention {a.attention}, dpjax remat {remat} (--dpjax-remat {a.dpjax_remat}), "
+          f"yardstick remat dots; {_bench.machine()}")
     print(tables(mine, ref, only_diff=a.only_diff))
     if a.json:
         with open(a.json, "w") as fh:
