@@ -230,12 +230,64 @@ def profile(fn, args, params, T: int, compile: bool = True) -> dict:
             if len(shape) and (shape in whole_shapes or (in_scan and shape in stacked_shapes)):
                 if int(np.prod(shape)) >= 64:  # not a scalar-like leaf of the norms
                     passes[(v.aval.dtype.name, name)] += times * _nbytes(v.aval)
-    figures = {"flops": math.nan, "bytes": math.nan, "aliased": 0, "hlo_ops": 0, "all_reduces": 0}
+    figures = {"flops": math.nan, "bytes": math.nan, "aliased": 0, "hlo_ops": 0, "all_reduces": 0,
+               "compiled": (collections.Counter(), collections.Counter())}
     if compile:
         figures = compiled_figures(traced.lower().compile())
     return {**figures, "outputs": len(jax.tree.leaves(traced.out_info)), "kinds": kinds, "kind_bytes": kind_bytes,
             "dots": dots, "dot_flops": dot_fl, "converts": converts, "convert_bytes": conv_bytes,
             "passes": passes, "residuals": residuals, "param_bytes": param_bytes}
+
+
+_SHAPE = re.compile(r"\b(pred|[suf]\d+|bf16|f8e\w+)\[([\d,]*)\]")
+_OP = re.compile(r"(?<=[\]\})]) ([a-z][a-z0-9-]*)\(")
+_BITS = {"pred": 8, "bf16": 16}
+_BOOKKEEPING = {"tuple", "parameter", "get-tuple-element", "bitcast", "constant", "while"}  # no kernel, no bytes
+
+
+def _shape_bytes(shape: str) -> int:
+    total = 0
+    for dtype, dims in _SHAPE.findall(shape):
+        bits = _BITS.get(dtype) or int(re.sub(r"\D", "", dtype)[:2] or 8)  # f32 -> 32, f8e4m3fn -> 8
+        total += int(np.prod([int(d) for d in dims.split(",") if d], dtype=np.int64)) * bits // 8
+    return total
+
+
+def compiled_kinds(hlo: str) -> tuple[collections.Counter, collections.Counter]:
+    """(count, bytes written) by kind of the compiled module's instructions that run: the
+    entry's and, times their known trip count, the while loops' (a fusion is one kernel,
+    named by its kind; a custom call by its target: cuBLAS, cuDNN)."""
+    bodies, current = {}, None
+    for line in hlo.splitlines():
+        head = re.match(r"^(?:ENTRY )?%(\S+) .*\{$", line)
+        if head:
+            current = bodies.setdefault(("ENTRY " if line.startswith("ENTRY") else "") + head.group(1), [])
+        elif current is not None and " = " in line:
+            current.append(line)
+    count, written = collections.Counter(), collections.Counter()
+
+    def visit(name: str, times: int):
+        for line in bodies.get(name, []):
+            rhs = line.split(" = ", 1)[1]
+            op = _OP.search(rhs)
+            if op is None:
+                continue
+            kind = op.group(1)
+            detail = {"fusion": r"kind=(\w+)", "custom-call": r'custom_call_target="([^"]+)"'}.get(kind)
+            if detail and re.search(detail, rhs):
+                kind += " " + re.search(detail, rhs).group(1)
+            if kind not in _BOOKKEEPING:
+                count[kind] += times
+                written[kind] += times * _shape_bytes(rhs[:op.start()])
+            if op.group(1) == "while":
+                trips = re.search(r'known_trip_count":\{"n":"(\d+)"', rhs)
+                visit(re.search(r"body=%([\w.-]+)", rhs).group(1), times * (int(trips.group(1)) if trips else 1))
+            elif op.group(1) in ("call", "conditional"):
+                for callee in re.findall(r"(?:to_apply|branch_computations=\{|calls)=?%([\w.-]+)", rhs):
+                    visit(callee, times)
+
+    visit(next(n for n in bodies if n.startswith("ENTRY ")), 1)
+    return count, written
 
 
 def compiled_figures(compiled) -> dict:
@@ -247,7 +299,8 @@ def compiled_figures(compiled) -> dict:
     return {"flops": float(cost.get("flops", 0.0)), "bytes": float(cost.get("bytes accessed", 0.0)),
             "aliased": len(re.findall(r"may-alias|must-alias", header)),
             "hlo_ops": len(re.findall(r"^\s+(?:ROOT )?%\S+ = ", hlo, re.M)),
-            "all_reduces": len(re.findall(r"^\s*(?:ROOT )?%\S+ = [^%]*? all-reduce(?:-start)?\(", hlo, re.M))}
+            "all_reduces": len(re.findall(r"^\s*(?:ROOT )?%\S+ = [^%]*? all-reduce(?:-start)?\(", hlo, re.M)),
+            "compiled": compiled_kinds(hlo)}
 
 
 # ---------------------------------------------------------------------------------------
@@ -287,6 +340,14 @@ def tables(a: dict, b: dict, names=("dpjax", "yardstick"), only_diff: bool = Fal
     out += ["", f"| kept for the backward (layer scans' stacked outputs) | {na} MB | {nb} MB |", "|---|---:|---:|"]
     for dt in sorted(set(a["residuals"]) | set(b["residuals"])):
         out.append(f"| {dt} | {_mb(a['residuals'][dt])} | {_mb(b['residuals'][dt])} |")
+    (ca, wa), (cb, wb) = a["compiled"], b["compiled"]
+    if ca or cb:
+        out += ["", f"| compiled instruction (x trip count) | {na} count | {nb} count | {na} MB written | "
+                    f"{nb} MB written |", "|---|---:|---:|---:|---:|"]
+        for k in sorted(set(ca) | set(cb), key=lambda k: -(wa[k] + wb[k])):
+            if only_diff and ca[k] == cb[k] and wa[k] == wb[k]:
+                continue
+            out.append(f"| {k} | {ca[k]} | {cb[k]} | {_mb(wa[k])} | {_mb(wb[k])} |")
     out += ["", f"| compiled (XLA cost_analysis) | {na} | {nb} | {na} - {nb} |", "|---|---:|---:|---:|"]
     for label, key, fmt in (("GFLOP", "flops", 1e9), ("bytes accessed (MB)", "bytes", 1e6)):
         out.append(f"| {label} | {a[key] / fmt:,.2f} | {b[key] / fmt:,.2f} | {(a[key] - b[key]) / fmt:+,.2f} |")
