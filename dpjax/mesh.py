@@ -190,6 +190,15 @@ def bound(axis) -> bool:
     return bool(names)
 
 
+def spanning(axes) -> tuple[str, ...]:
+    """The names among `axes` whose size is more than 1 where the code runs (inside a
+    shard_map over them): a collective over the others moves nothing, yet XLA keeps an
+    all-reduce of one participant in the program (a kernel and a sync on a GPU)."""
+    from jax import lax  # importing dpjax.mesh does not import JAX
+
+    return tuple(a for a in as_axes(axes) if lax.axis_size(a) > 1)
+
+
 def axis_arg(axes: tuple):
     """The axis argument collectives take: one name, or a tuple for several."""
     return axes[0] if len(axes) == 1 else tuple(axes)

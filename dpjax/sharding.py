@@ -34,7 +34,7 @@ from jax.sharding import PartitionSpec as P
 
 from dpjax.errors import UserError
 from dpjax import pipeline as pp
-from dpjax.mesh import CONTEXT, EXPERT, MODEL, STAGE, as_axes, data_axes, is_spec, spec_axes
+from dpjax.mesh import CONTEXT, EXPERT, MODEL, STAGE, as_axes, data_axes, is_spec, spanning, spec_axes
 from dpjax.compute.tensor_parallel import NOT_FSDP, Parallel
 
 
@@ -251,6 +251,6 @@ def sq_norm(tree, specs):
     sum is summed over the axes that split it (replicas are counted once)."""
     groups: dict[tuple, Any] = {}
     for x, spec in zip(jax.tree.leaves(tree), jax.tree.leaves(specs, is_leaf=is_spec)):
-        axes = spec_axes(spec)
+        axes = spanning(spec_axes(spec))  # an axis of one device sums nothing
         groups[axes] = groups.get(axes, 0.0) + jnp.sum(jnp.square(x.astype(jnp.float32)))
     return sum(lax.psum(s, axes) if axes else s for axes, s in groups.items())

@@ -237,7 +237,8 @@ class _Bodies:
         self.loss_fn, self.loss_and_stats, self.step_stats = loss_fn, loss_and_stats, step_stats
         layout = plan.layout
         axes = data_axes(layout.mesh)
-        self.loss_axes = axes + layout.context_axes  # a context axis's devices each hold a share of every sequence
+        # a context axis's devices each hold a share of every sequence; an axis of one device averages nothing
+        self.loss_axes = tuple(a for a in axes + layout.context_axes if layout.mesh.shape[a] > 1)
         self.local_rows = plan.global_batch // dp_size(layout.mesh) if plan.global_batch else None  # B / dp
         # Parameters are replicated over the data axes FSDP does not split: Horovod's
         # broadcast from rank 0 over those makes every replica start alike. A mixture's

@@ -15,6 +15,13 @@ the ratio dpjax / yardstick) plus whether `--timeline` built a timeline on the d
     python experiments/gpu_yardstick.py --smoke      # CPU, seconds, tiny sizes: what the tests run
     python experiments/gpu_yardstick.py --ref ../shared/gpu/ref_gpt.py --fp8 --sizes 1.2B --steps 100
 
+`--remats auto,none` (issue 38's last 5%) runs dpjax once per remat at each size (auto: the
+plan's choice, dots on a GPU since issue 38; none: what auto chose on the H200 before), so
+one call shows the remat's share of the gap. `--hlo` runs `hlo_side_by_side.py` at each
+size on the device (dpjax's step with auto's remat against the yardstick's, cuDNN attention
+on a GPU: ops, matmul dtypes, what the layer scans keep, XLA's cost analysis there) and adds
+its tables to the output: the compiled programs of the same call, side by side.
+
 `--fp8` (issue 38) runs dpjax once more at each size with `--dtype fp8` and both dpjax runs
 on the stdlib corpus (a loss that moves; the step time does not depend on the bytes): fp8's
 step against dpjax's bf16 step and the final-loss difference after the same steps (the
@@ -97,6 +104,18 @@ def ref_run(ref: str, size: dict, steps: int, env) -> dict:
     return {"step_s": lines[-1]["step_s"], "model_tflops": lines[-1]["model_tflops"], "device": lines[-1]["device"]}
 
 
+def hlo_tables(size: dict, env, smoke: bool) -> str:
+    """hlo_side_by_side.py's tables for `size` on this call's device (a process of its own)."""
+    cmd = [sys.executable, os.path.join(HERE, "hlo_side_by_side.py"), "--dpjax-remat", "auto",
+           "--attention", "xla" if smoke else "cudnn", "--d-model", str(size["d_model"]),
+           "--n-layers", str(size["n_layers"]), "--n-heads", str(size["n_heads"]), "--d-ff", str(size["d_ff"]),
+           "--seq-len", str(size["seq_len"]), "--batch", str(size["batch"])]
+    r = _run(cmd, env, timeout=1800)
+    if r.returncode != 0:
+        return f"hlo_side_by_side.py failed: {(r.stderr.strip().splitlines() or ['no output'])[-1][:300]}"
+    return r.stdout.strip()
+
+
 def timeline_works(env, tmp: str, smoke: bool) -> str:
     out = os.path.join(tmp, "tl.json.gz")
     cmd = [sys.executable, "-m", "dpjax.train", "--mesh", "1x1", "--data", "synthetic", "--steps", "4",
@@ -112,14 +131,19 @@ def table(rows: list, device: str, peak: float | None, timeline: str) -> str:
     out = [f"dpjax against `ref_gpt.py` (bf16, cuDNN flash attention, remat) on one {device}; MFU against the "
            f"bf16 peak {peak or 'n/a'} TFLOP/s.", "",
            "| size | run | step (s) | model TFLOP/s | MFU | dpjax / yardstick |", "|---|---|---|---|---|---|"]
+    shown = set()  # the yardstick's row once a size, however many dpjax runs face it
     for name, mine, ref, fp8 in rows:
-        for who, r in (("dpjax", mine), ("ref_gpt.py", ref)):
+        remat = (mine.get("policy") or {}).get("remat") if isinstance(mine.get("policy"), dict) else None
+        pair = [(f"dpjax (remat {remat})" if remat else "dpjax", mine)] + ([] if id(ref) in shown else
+                                                                           [("ref_gpt.py", ref)])
+        shown.add(id(ref))
+        for who, r in pair:
             if "error" in r:
                 out.append(f"| {name} | {who} | error: {r['error']} | | | |")
                 continue
             mfu = f"{r['model_tflops'] / peak:.1%}" if peak else "n/a"
             # the same FLOPs a step on both sides: the TFLOP/s ratio is the inverse ratio of step times
-            ratio = f"{ref['step_s'] / mine['step_s']:.2f}x" if who == "dpjax" and "error" not in ref else ""
+            ratio = f"{ref['step_s'] / mine['step_s']:.2f}x" if who.startswith("dpjax") and "error" not in ref else ""
             out.append(f"| {name} | {who} | {r['step_s']:.4f} | {r['model_tflops']:.1f} | {mfu} | {ratio} |")
         if fp8 is not None:
             out.append(_fp8_row(name, mine, fp8))
@@ -147,6 +171,10 @@ def main(argv=None) -> int:
     p.add_argument("--skip", type=int, default=5, help="dpjax steps left out of the median (compilation)")
     p.add_argument("--out", help="write the markdown table here (default: print it)")
     p.add_argument("--smoke", action="store_true", help="tiny sizes on CPU, a few steps: checks the script runs")
+    p.add_argument("--remats", default="auto",
+                   help="dpjax's --remat at each size, comma-separated (auto,none: auto's choice and no remat)")
+    p.add_argument("--hlo", action="store_true",
+                   help="also hlo_side_by_side.py at each size on the device: the two compiled steps side by side")
     p.add_argument("--fp8", action="store_true", help="also dpjax with --dtype fp8 at each size, both dpjax runs on "
                                                       "the stdlib corpus: fp8's step and loss against bf16's")
     a = p.parse_args(argv)
@@ -159,19 +187,24 @@ def main(argv=None) -> int:
     sizes = SMOKE if a.smoke else {k: SIZES[k] for k in a.sizes.split(",")}
     steps, skip = (4, 1) if a.smoke else (a.steps, a.skip)
     env = _env(a.smoke)
-    rows, device = [], "cpu"
+    rows, device, hlo = [], "cpu", []
     with tempfile.TemporaryDirectory() as tmp:
         for name, size in sizes.items():
             ref = {"error": "no yardstick script"} if missing else ref_run(a.ref, size, steps, env)
             data = "stdlib" if a.fp8 else "synthetic"
-            mine = dpjax_run(size, steps, skip, env, tmp, data=data)
-            fp8 = dpjax_run(size, steps, skip, env, tmp, ("--dtype", "fp8"), data=data) if a.fp8 else None
-            device = ref.get("device", device)
-            rows.append((name, mine, ref, fp8))
-            print(json.dumps({"size": name, "dpjax": mine, "ref": ref, "fp8": fp8}), flush=True)
+            for remat in a.remats.split(","):
+                mine = dpjax_run(size, steps, skip, env, tmp, ("--remat", remat), data=data)
+                fp8 = None
+                if a.fp8 and remat == "auto":
+                    fp8 = dpjax_run(size, steps, skip, env, tmp, ("--dtype", "fp8"), data=data)
+                device = ref.get("device", device)
+                rows.append((f"{name} remat {remat}" if remat != "auto" else name, mine, ref, fp8))
+                print(json.dumps({"size": name, "remat": remat, "dpjax": mine, "ref": ref, "fp8": fp8}), flush=True)
+            if a.hlo:
+                hlo.append(f"### {name}\n\n" + hlo_tables(size, env, a.smoke))
         timeline = timeline_works(env, tmp, a.smoke)
     peak = next((v for k, v in BF16_PEAK_TFLOPS.items() if k in device), None)
-    text = table(rows, device, peak, timeline)
+    text = "\n\n".join([table(rows, device, peak, timeline), *hlo])
     if a.out:
         with open(a.out, "w") as fh:
             fh.write(text + "\n")

@@ -32,7 +32,7 @@ MODES = {
     "wan.py": [[], ["--gpt"]],
     "elastic.py": [[], ["--commit-cost"], ["--restart"]],
     "dtype_curves.py": [[], ["--dtypes", "bfloat16", "fp8"]],
-    "gpu_yardstick.py": [[], ["--fp8"]],
+    "gpu_yardstick.py": [[], ["--fp8"], ["--remats", "auto,none", "--hlo"]],
 }
 # The slowest smoke runs (20-60 s each on 2 shared cores: each compiles a dozen or more
 # training steps); the fast set keeps one run of each script.
@@ -52,11 +52,13 @@ SLOW = {("bench_train.py", 1), ("bench_train.py", 2), ("staleness.py", 1), ("wan
         # 60 s under load: three layouts compiled; the layouts themselves are tests/test_annotations.py's
         ("model_axes.py", 0),
         # three more training runs (30-60 s); tests/test_fp8.py keeps fp8's train step fast
-        ("dtype_curves.py", 1), ("gpu_yardstick.py", 1),
+        ("dtype_curves.py", 1), ("gpu_yardstick.py", 1), ("gpu_yardstick.py", 2),
         # two training processes (20-40 s); test_onebit_adam.py keeps the default's plan fast
         ("onebit_grid.py", 0),
         # two training runs in subprocesses (2 min under load); tests/test_commit.py runs auto in the loop
-        ("commit_stall.py", 0)}
+        ("commit_stall.py", 0),
+        # two GPT steps compiled (45 s under load); tests/test_lean_step.py keeps what it found fast
+        ("hlo_side_by_side.py", 0)}
 
 
 def cases():

@@ -1,12 +1,14 @@
 """XLA's own collectives, the baselines: "psum" (`lax.psum`, `psum_scatter`, `all_gather`,
 and a broadcast as a masked psum) and "xla" (`lax.all_to_all`).
 
-One op each in the compiled program; how the bytes move is the backend's choice
-(NCCL on GPUs, a rendezvous on CPU). The cost model and the emulated links
+One op each in the compiled program, none over an axis of one device (a rank's value is
+the result; XLA would keep the op, on a GPU a copy of the whole buffer: the gradient
+exchange of a one-device run, psum by default there); how the bytes move is the backend's
+choice (NCCL on GPUs, a rendezvous on CPU). The cost model and the emulated links
 (`links.account_xla`) charge them as the bandwidth-optimal ring would send them,
 padded in bytes as `cost.hlo_comm` counts them:
 
-    allreduce, broadcast   one op, 2(n-1) * ceil(N/n) bytes   (XLA keeps the op on one rank)
+    allreduce, broadcast   one op, 2(n-1) * ceil(N/n) bytes   (0 on one rank: no op)
     reduce_scatter         one op, (n-1) * floor(N/n) bytes
     all_gather             one op, (n-1) * floor(N/n) bytes   (N: the gathered result)
     all_to_all ("xla")     one op, (n-1) blocks
@@ -40,6 +42,8 @@ def allreduce(x, axis_name, *, op: str = "sum"):
     fn = {"min": lax.pmin, "max": lax.pmax}.get(op, lax.psum)
     n = axis_size(axis_name)
     links.account_xla(axis_name, 2 * (n - 1) * -(-wide.size * wide.dtype.itemsize // n))
+    if n == 1:  # one rank: x itself (XLA would keep an all-reduce of the whole buffer: a copy on a GPU)
+        return x
     return fn(wide, axis_name).astype(x.dtype)
 
 
@@ -50,12 +54,16 @@ def reduce_scatter(x, axis_name, *, op: str = "sum"):
                          f"choose one of {explicit}")
     n = axis_size(axis_name)
     links.account_xla(axis_name, (n - 1) * (x.size * x.dtype.itemsize // n))
+    if n == 1:  # one rank holds the whole sum: x
+        return x
     return lax.psum_scatter(x, axis_name, scatter_dimension=0, tiled=True)
 
 
 def all_gather(x, axis_name):
     n = axis_size(axis_name)
     links.account_xla(axis_name, (n - 1) * x.size * x.dtype.itemsize)
+    if n == 1:  # one rank: its block is the whole
+        return x
     return lax.all_gather(x, axis_name, axis=0, tiled=True)
 
 
@@ -64,6 +72,8 @@ def broadcast(x, axis_name, *, root: int = 0):
     mine = lax.axis_index(axis_name) == root
     wide = _widened(x)
     links.account_xla(axis_name, 2 * (n - 1) * -(-wide.size * wide.dtype.itemsize // n))
+    if n == 1:  # the root is the only rank
+        return x
     return lax.psum(jnp.where(mine, wide, jnp.zeros_like(wide)), axis_name).astype(x.dtype)
 
 
@@ -74,11 +84,11 @@ def all_to_all(x, axis_name):
 
 
 def psum_cost(primitive: str, n: int, nelems: int, itemsize: int) -> Schedule:
-    N = nelems * itemsize
+    N, ops = nelems * itemsize, int(n > 1)  # one rank: no op (see the functions above)
     if primitive in ("allreduce", "broadcast"):
-        return Schedule(1, 2 * (n - 1) * math.ceil(N / n))
+        return Schedule(ops, 2 * (n - 1) * math.ceil(N / n))
     if primitive in ("reduce_scatter", "all_gather"):
-        return Schedule(1, (n - 1) * (N // n))
+        return Schedule(ops, (n - 1) * (N // n))
     raise no_model(primitive, "psum")
 
 

@@ -118,6 +118,20 @@ def accelerated(platform: str) -> bool:
     return platform in ("gpu", "cuda", "rocm", "tpu")
 
 
+def remat_candidates(platform: str) -> tuple[str, ...]:
+    """--remat auto's candidates in the order tried (the first whose estimate fits a device is
+    chosen). Off a GPU: the least recomputation first, none, dots, full (on CPU the step is
+    bound by its FLOPs, and every CPU figure was measured so). On a GPU dots comes first and
+    none never: without remat a layer keeps every elementwise result for the backward pass
+    (at 405M, 23 GB besides the T x T scores of XLA's attention, against 5 GB with dots:
+    experiments/hlo_side_by_side.py), which the GPU writes and reads back at its memory's
+    speed, where dots recomputes them inside the backward's fused kernels; and dots needs less
+    memory than none. One H200 measured it (../shared/gpu/README.md, experiments/RESULTS.md):
+    the plain-JAX yardstick's bf16 + flash step at 405M took 0.0889 s with dots against
+    0.0954 s without remat, and dpjax's without remat (what auto chose then) 0.0943 s."""
+    return ("dots", "full") if platform in ("gpu", "cuda") else REMATS
+
+
 def cudnn_refusal(dtype: str, head_dim: int | None, platform: str) -> str | None:
     """Why cuDNN's flash attention cannot run here (None: it can): a GPU, bf16 / fp16
     compute, a head width that is a multiple of 8 and at most 256."""

@@ -8,7 +8,7 @@ import dataclasses
 
 from dpjax.compression.exchange import DEFAULT_ALGORITHM, DEFAULT_FUSION_MB  # noqa: F401  (the autotune's baseline)
 from dpjax.plan.checks import UsageError
-from dpjax.compute.policy import Policy, accelerated
+from dpjax.compute.policy import Policy, accelerated, remat_candidates
 from dpjax.settings import Settings
 
 
@@ -51,7 +51,8 @@ def check_memory(plan):
     optimizer / rule state, the activations one micro-batch keeps for the backward
     pass under the compute policy) and refuses, in one line, a run that cannot fit in
     what a device has (--device-memory, else the device's own). With --remat auto it
-    chooses the least recomputation that fits (none, then dots, then full). Returns the
+    chooses the first that fits of `remat_candidates` (none, dots, full; on a GPU dots,
+    full: `dpjax.compute.policy` says why). Returns the
     plan with its policy's remat and its estimate (`plan.memory`)."""
     model, s = plan.model, plan.settings
     if model is None or s is None or not hasattr(model, "activation_bytes"):
@@ -68,7 +69,7 @@ def check_memory(plan):
             raise UsageError(f"--device-memory: {e}") from None
     device = usable_memory(platform, plan.mesh, given)  # what JAX really gets: on a GPU its fraction
     have = device["usable"]
-    candidates = ("none", "dots", "full") if s.remat == "auto" else (plan.policy.remat,)
+    candidates = remat_candidates(platform) if s.remat == "auto" else (plan.policy.remat,)
     for remat in candidates:
         policy = dataclasses.replace(plan.policy, remat=remat)
         need = estimate(plan.model, plan.layout, plan.global_batch, plan.exchange.compression, policy, platform)
