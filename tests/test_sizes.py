@@ -26,7 +26,6 @@ LONG_FUNCTIONS = {
     ("dpjax/pipeline/engine.py", "run"): "to be split",
     ("dpjax/pipeline/staged.py", "for_model"): "to be split",
     ("dpjax/timeline/plot.py", "plot"): "to be split",
-    ("dpjax/updates/onebit_adam.py", "onebit_adam"): "to be split",
 }
 
 
