@@ -21,7 +21,6 @@ LONG_MODULES = {
 # (path, qualified name) -> why it is still long
 LONG_FUNCTIONS = {
     ("dpjax/wrap/wrapper.py", "ShardedStep.__call__"): "the lead splits wrapper.py",
-    ("dpjax/data_parallel.py", "DistributedOptimizer"): "to be split",
     ("dpjax/launch.py", "launch"): "to be split",
     ("dpjax/pipeline/engine.py", "run"): "to be split",
     ("dpjax/pipeline/staged.py", "for_model"): "to be split",
