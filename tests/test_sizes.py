@@ -22,7 +22,6 @@ LONG_MODULES = {
 LONG_FUNCTIONS = {
     ("dpjax/wrap/wrapper.py", "ShardedStep.__call__"): "the lead splits wrapper.py",
     ("dpjax/launch.py", "launch"): "to be split",
-    ("dpjax/timeline/plot.py", "plot"): "to be split",
 }
 
 
