@@ -21,7 +21,6 @@ LONG_MODULES = {
 # (path, qualified name) -> why it is still long
 LONG_FUNCTIONS = {
     ("dpjax/wrap/wrapper.py", "ShardedStep.__call__"): "the lead splits wrapper.py",
-    ("dpjax/launch.py", "launch"): "to be split",
 }
 
 
