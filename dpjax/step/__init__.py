@@ -7,6 +7,11 @@ model (`for_plan`, `for_model`), for research code's own loss and rule
 (`make_update_step`), a step's programs kept across restarts (`kept`), and the values
 the programs take, placed in their shardings without a device ever holding the whole
 (`init_params`, `put_batch`, `replicated`).
+
+The room is three files because they change for different reasons: a new entry point or
+placement here, a new program or layout in the builder, a new way to reduce a gradient
+in `gradient`. `build` and `TrainStep` are this module's too (`dpjax.step.build`): the
+entry points build with them.
 """
 
 from __future__ import annotations
