@@ -102,22 +102,8 @@ def DistributedOptimizer(inner: optax.GradientTransformation, axis_name="data", 
     check_compression(compression)
     ex = Exchange(algorithm, fusion_mb, compression, options)
     keeps_state = axis_name is not None and ex.keeps_state(axis_name)
-    if keeps_state and op != "mean":
-        raise ValueError(f"compression {compression!r} averages with error feedback: op must be 'mean', not {op!r}")
-    if keeps_state and options.get("groups") is not None:
-        raise ValueError(f"compression {compression!r} runs its own exchange over the whole axis: it takes no "
-                         "process sets (groups=)")
-    if int(backward_passes_per_step) != backward_passes_per_step or backward_passes_per_step < 1:
-        raise ValueError(f"backward_passes_per_step must be a positive integer, got {backward_passes_per_step}")
-    if gradient_predivide_factor <= 0:
-        raise ValueError(f"gradient_predivide_factor must be positive, got {gradient_predivide_factor}")
-    if op not in OPS:
-        raise ValueError(f"unknown gradient op {op!r}; choose one of {', '.join(OPS)}")
-    if op == "adasum" and algorithm != "butterfly":
-        raise ValueError(f"op='adasum' runs Adasum's own butterfly: pass algorithm='butterfly', not {algorithm!r}")
-    if op != "mean" and gradient_predivide_factor != 1.0:
-        raise ValueError(f"gradient_predivide_factor applies to op='mean' only, not to op={op!r}")
-    k = int(backward_passes_per_step)
+    _check_arguments(compression, keeps_state, options, backward_passes_per_step, gradient_predivide_factor, op,
+                     algorithm)
 
     def exchange(tree, comp):
         if axis_name is None:
@@ -137,9 +123,39 @@ def DistributedOptimizer(inner: optax.GradientTransformation, axis_name="data", 
         grads, comp = exchange(grads, comp)
         return (*inner.update(grads, inner_state, params), comp)
 
+    return _accumulating(inner, step, int(backward_passes_per_step),
+                         lambda params: ex.init(params, axis_name) if keeps_state else ())
+
+
+def _check_arguments(compression, keeps_state: bool, options, backward_passes_per_step, gradient_predivide_factor,
+                     op: str, algorithm: str) -> None:
+    """DistributedOptimizer's arguments that make no sense together: a ValueError naming them
+    (keeps_state: the compression keeps per-rank state, error feedback, over the axis)."""
+    if keeps_state and op != "mean":
+        raise ValueError(f"compression {compression!r} averages with error feedback: op must be 'mean', not {op!r}")
+    if keeps_state and options.get("groups") is not None:
+        raise ValueError(f"compression {compression!r} runs its own exchange over the whole axis: it takes no "
+                         "process sets (groups=)")
+    if int(backward_passes_per_step) != backward_passes_per_step or backward_passes_per_step < 1:
+        raise ValueError(f"backward_passes_per_step must be a positive integer, got {backward_passes_per_step}")
+    if gradient_predivide_factor <= 0:
+        raise ValueError(f"gradient_predivide_factor must be positive, got {gradient_predivide_factor}")
+    if op not in OPS:
+        raise ValueError(f"unknown gradient op {op!r}; choose one of {', '.join(OPS)}")
+    if op == "adasum" and algorithm != "butterfly":
+        raise ValueError(f"op='adasum' runs Adasum's own butterfly: pass algorithm='butterfly', not {algorithm!r}")
+    if op != "mean" and gradient_predivide_factor != 1.0:
+        raise ValueError(f"gradient_predivide_factor applies to op='mean' only, not to op={op!r}")
+
+
+def _accumulating(inner, step, k: int, init_compression) -> optax.GradientTransformation:
+    """The transformation around step(grads, inner_state, params, comp) -> (updates,
+    inner_state, comp), the exchange and `inner`'s update: with k == 1 every call steps;
+    with k > 1 the calls' gradients accumulate and every k-th steps on their mean (zero
+    updates between). init_compression(params): the compression's per-rank state, or ()."""
     def init_fn(params):
         acc = jax.tree.map(jnp.zeros_like, params) if k > 1 else ()
-        comp = ex.init(params, axis_name) if keeps_state else ()
+        comp = init_compression(params)
         return DistributedState(inner.init(params), jnp.zeros((), jnp.int32), acc, comp)
 
     def update_fn(grads, state, params=None):

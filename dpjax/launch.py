@@ -115,27 +115,61 @@ def launch(command: list[str], n: int, devices_per_process: int | None = None, p
     """Runs `command` in n processes; returns the exit status the launcher should exit with.
     verbose: every line the processes print (`dpjax.distributed.output`)."""
     port = port or free_port()
-    logs = log_dir("launch", port)
-    lock = threading.Lock()
-    last_out: dict[int, str] = {}
-    last_err: dict[int, str] = {}
-    exits: queue.Queue = queue.Queue()  # ranks in the order they exit (a waiter thread each)
-    procs, pumps = [], []
+    ranks = _Ranks(log_dir("launch", port), verbose)
     for rank in range(n):
         try:
-            p = subprocess.Popen(command, env=process_env(rank, n, port, devices_per_process, collectives),
-                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1)
+            ranks.start(rank, command, process_env(rank, n, port, devices_per_process, collectives))
         except OSError as e:
-            _stop(procs, signal.SIGKILL)
+            _stop(ranks.procs, signal.SIGKILL)
             return _refuse(f"cannot run {command[0]!r}: {e.strerror}")
-        procs.append(p)
-        threading.Thread(target=lambda r=rank, p=p: (p.wait(), exits.put(r)), daemon=True).start()
-        for stream, out, last in ((p.stdout, sys.stdout, last_out), (p.stderr, sys.stderr, last_err)):
-            shown = RankOutput(rank, out, lock, logs, verbose)
+    try:
+        failed = _watch(ranks.procs, ranks.exits)
+    finally:
+        ranks.join()
+    if failed is None:
+        failed = next((r for r, p in enumerate(ranks.procs) if p.returncode != 0), None)
+    if failed is None:
+        return 0
+    code = ranks.procs[failed].returncode
+    why = ranks.last_err.get(failed) or (f"killed by {signal.Signals(-code).name}, no error output" if code < 0 else
+                                         ranks.last_out.get(failed) or "no output")
+    print(f"dpjax.launch: rank {failed} failed ({_how(code)}): {why}", file=sys.stderr, flush=True)
+    return code if code > 0 else 1
+
+
+class _Ranks:
+    """The launched processes and their threads: one each that waits for its exit (`exits`:
+    ranks in the order they exit, so the first failure is seen first) and two that pump its
+    stdout and stderr, keeping its last lines for the launcher's own last line."""
+
+    def __init__(self, logs, verbose: bool):
+        self.logs, self.verbose, self.lock = logs, verbose, threading.Lock()
+        self.last_out: dict[int, str] = {}
+        self.last_err: dict[int, str] = {}
+        self.exits: queue.Queue = queue.Queue()
+        self.procs, self.pumps = [], []
+
+    def start(self, rank: int, command: list[str], env: dict) -> None:
+        p = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1)
+        self.procs.append(p)
+        threading.Thread(target=lambda: (p.wait(), self.exits.put(rank)), daemon=True).start()
+        for stream, out, last in ((p.stdout, sys.stdout, self.last_out), (p.stderr, sys.stderr, self.last_err)):
+            shown = RankOutput(rank, out, self.lock, self.logs, self.verbose)
             t = threading.Thread(target=_pump, args=(rank, stream, shown, last), daemon=True)
             t.start()
-            pumps.append(t)
+            self.pumps.append(t)
 
+    def join(self) -> None:
+        for p in self.procs:
+            p.wait()
+        for t in self.pumps:
+            t.join(timeout=5)
+
+
+def _watch(procs, exits: queue.Queue) -> int | None:
+    """Waits until every process has exited, stopping the others when one fails (unless a
+    Ctrl-C stopped them) and escalating on Ctrl-C; returns the rank that failed first, if
+    any did before a Ctrl-C."""
     grace = float(os.environ.get("DPJAX_LAUNCH_GRACE", GRACE_S))
     kill_grace = float(os.environ.get("DPJAX_LAUNCH_KILL_GRACE", KILL_GRACE_S))
     stopper, interrupted = Stopper(procs), {"n": 0}
@@ -145,7 +179,7 @@ def launch(command: list[str], n: int, devices_per_process: int | None = None, p
         stopper.start(ESCALATION, grace, 0 if interrupted["n"] == 1 else len(ESCALATION) - 1)
 
     old = signal.signal(signal.SIGINT, on_sigint)
-    failed, running = None, n
+    failed, running = None, len(procs)
     try:
         while running:
             try:
@@ -164,19 +198,7 @@ def launch(command: list[str], n: int, devices_per_process: int | None = None, p
             stopper.tick()
     finally:
         signal.signal(signal.SIGINT, old)
-        for p in procs:
-            p.wait()
-        for t in pumps:
-            t.join(timeout=5)
-    if failed is None:
-        failed = next((r for r, p in enumerate(procs) if p.returncode != 0), None)
-    if failed is None:
-        return 0
-    code = procs[failed].returncode
-    why = last_err.get(failed) or (f"killed by {signal.Signals(-code).name}, no error output" if code < 0 else
-                                   last_out.get(failed) or "no output")
-    print(f"dpjax.launch: rank {failed} failed ({_how(code)}): {why}", file=sys.stderr, flush=True)
-    return code if code > 0 else 1
+    return failed
 
 
 def shaped(argv: list[str], mbit: float) -> int:

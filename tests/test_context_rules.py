@@ -1,5 +1,5 @@
 """The context axis beside the update rules and compression (issue #40): a context axis only
-splits each sequence's tokens, and the mean over it (`dpjax.step._inner_mean`) is exact, so
+splits each sequence's tokens, and the mean over it (`dpjax.step.gradient.inner_mean`) is exact, so
 the workers a rule sees (over `data`) and the error-feedback exchange between them are the
 same as on a mesh without it. A run on data=2,context=4 must then equal the same run on
 data=2 (two devices, whole sequences) step for step, to float32 round-off."""

@@ -118,3 +118,13 @@ def test_an_editable_install_finds_models_from_anywhere_and_from_the_clone(tmp_p
         assert package == src / "dpjax" / "__init__.py", cwd
         assert models == src / "models" / "__init__.py", cwd
         assert cls_module == "dpjax.models.gpt"
+
+
+def test_pyproject_lists_every_package():
+    """setuptools installs the packages pyproject names and no others: a package folder left
+    off its list is missing from a regular install (dpjax.step when it became a package)."""
+    import tomllib
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {".".join(p.parent.relative_to(ROOT).parts) for p in (ROOT / "dpjax").rglob("__init__.py")}
+    found |= {".".join(("dpjax",) + p.parent.relative_to(ROOT).parts) for p in (ROOT / "models").rglob("__init__.py")}
+    assert listed == found, (sorted(found - listed), sorted(listed - found))

@@ -23,7 +23,7 @@ DIM = re.compile(r"^([A-Z])([0-9]*)([a-z]*)$")
 
 # Where each letter's concept lives: path prefixes (relative to the repository). "*": anywhere.
 MODEL_MATH = ("models/", "dpjax/compute/tensor_parallel.py", "dpjax/nn/", "dpjax/compute/attention.py",
-              "dpjax/compute/stack.py", "dpjax/pipeline/", "dpjax/plan/pipeline_cost.py", "dpjax/step.py",
+              "dpjax/compute/stack.py", "dpjax/pipeline/", "dpjax/plan/pipeline_cost.py", "dpjax/step/",
               "dpjax/sharding.py", "dpjax/hf/", "dpjax/generate/", "dpjax/compute/fp8.py",
               "dpjax/compute/policy.py")  # fp8 and the policy: the projections
 # hf: the Hub's names of the model's leaves
@@ -38,10 +38,10 @@ HOMES = {
     "O": ("dpjax/generate/",),
     "V": ("models/", "dpjax/compute/tensor_parallel.py", "dpjax/nn/", "dpjax/hf/", "dpjax/generate/"),
     "E": ("models/mlp.py",), "C": ("models/mlp.py",),
-    "A": ("dpjax/step.py",), "M": ("dpjax/pipeline/", "dpjax/step.py"),
-    "S": ("dpjax/pipeline/", "dpjax/compute/stack.py", "dpjax/sharding.py", "dpjax/step.py"),
+    "A": ("dpjax/step/",), "M": ("dpjax/pipeline/", "dpjax/step/"),
+    "S": ("dpjax/pipeline/", "dpjax/compute/stack.py", "dpjax/sharding.py", "dpjax/step/"),
     "G": ("dpjax/pipeline/",),
-    "W": ("dpjax/updates/", "dpjax/step.py"), "R": ("dpjax/updates/",),
+    "W": ("dpjax/updates/", "dpjax/step/"), "R": ("dpjax/updates/",),
     "I": ("dpjax/compression/", "dpjax/collectives/"), "J": ("dpjax/compression/",),
     "Q": ("dpjax/compression/",), "Z": ("dpjax/compression/",),
     "U": ("dpjax/wrap/replicas.py",), "X": ("models/moe.py", "models/gpt.py"),

@@ -91,6 +91,40 @@ def run(tt: Timetable, pieces: Pieces, shared, chunks_GxL, batch_MxBxT1, *, axis
     assert x_spec.shape[0] == b and (T1 - 1) % x_spec.shape[1] == 0, (x_spec.shape, b, T1)
     zeros_x = jnp.zeros(x_spec.shape, x_spec.dtype)
 
+    forward, backward = _slots(tt, pieces, shared, chunks_GxL, batch_MxBxT1, s, x_spec, grad)
+
+    def tick(c, t, do_forward: bool, do_backward: bool):
+        c = dict(c)
+        if do_forward:  # before the backward: on the last chunk the backward needs this tick's seed
+            c["recv_x"] = shift(forward(c, t), axis, S, +1, V > 1, "activations")
+        if do_backward:
+            c["recv_dx"] = shift(backward(c, t), axis, S, -1, V > 1, "gradients")
+        return c, None
+
+    carry = {"recv_x": zeros_x, "loss": jnp.zeros((), jnp.float32)}
+    if grad:
+        carry.update(recv_dx=zeros_x, stash=jnp.zeros((tt.stash_slots, *x_spec.shape), x_spec.dtype),
+                     seeds=jnp.zeros((tt.seed_slots, *x_spec.shape), x_spec.dtype),
+                     d_shared=jax.tree.map(jnp.zeros_like, shared), d_chunks=jax.tree.map(jnp.zeros_like, chunks_GxL))
+    for ph in tt.phases:
+        do_forward, do_backward = ph.forward, ph.backward and grad
+        if not (do_forward or do_backward):
+            continue
+        body = lambda c, t, f=do_forward, b=do_backward: tick(c, t, f, b)  # noqa: E731
+        carry, _ = lax.scan(body, carry, jnp.arange(ph.start, ph.start + ph.ticks), unroll=unroll)
+    loss = lax.psum(carry["loss"], axis)  # only the last stage's is not zero
+    if not grad:
+        return loss
+    return loss, carry["d_shared"], carry["d_chunks"]
+
+
+def _slots(tt: Timetable, pieces: Pieces, shared, chunks_GxL, batch_MxBxT1, s, x_spec, grad: bool):
+    """(forward(c, t) -> y, backward(c, t) -> dx): what stage `s` computes in tick t's
+    forward and backward slots, from and into the carry `c` (the stash, the seeds, the
+    received activation and gradient, the accumulated loss and gradients). `run` sends
+    what they return; a slot that is not `ok` computes and is masked away."""
+    S, M, V = tt.stages, tt.microbatches, tt.chunks
+
     def micro(m):  # tokens and targets of micro-batch m (clamped: an idle slot's are masked away)
         b_BxT1 = _get(batch_MxBxT1, jnp.clip(m, 0, M - 1))
         return b_BxT1[:, :-1], b_BxT1[:, 1:]
@@ -134,26 +168,5 @@ def run(tt: Timetable, pieces: Pieces, shared, chunks_GxL, batch_MxBxT1, *, axis
         c["d_shared"] = _add(c["d_shared"], embed_vjp(dx)[0], ok & first(r))
         return dx
 
-    def tick(c, t, do_forward: bool, do_backward: bool):
-        c = dict(c)
-        if do_forward:  # before the backward: on the last chunk the backward needs this tick's seed
-            c["recv_x"] = shift(forward(c, t), axis, S, +1, V > 1, "activations")
-        if do_backward:
-            c["recv_dx"] = shift(backward(c, t), axis, S, -1, V > 1, "gradients")
-        return c, None
+    return forward, backward
 
-    carry = {"recv_x": zeros_x, "loss": jnp.zeros((), jnp.float32)}
-    if grad:
-        carry.update(recv_dx=zeros_x, stash=jnp.zeros((tt.stash_slots, *x_spec.shape), x_spec.dtype),
-                     seeds=jnp.zeros((tt.seed_slots, *x_spec.shape), x_spec.dtype),
-                     d_shared=jax.tree.map(jnp.zeros_like, shared), d_chunks=jax.tree.map(jnp.zeros_like, chunks_GxL))
-    for ph in tt.phases:
-        do_forward, do_backward = ph.forward, ph.backward and grad
-        if not (do_forward or do_backward):
-            continue
-        body = lambda c, t, f=do_forward, b=do_backward: tick(c, t, f, b)  # noqa: E731
-        carry, _ = lax.scan(body, carry, jnp.arange(ph.start, ph.start + ph.ticks), unroll=unroll)
-    loss = lax.psum(carry["loss"], axis)  # only the last stage's is not zero
-    if not grad:
-        return loss
-    return loss, carry["d_shared"], carry["d_chunks"]

@@ -50,33 +50,8 @@ def for_model(model, layout, algorithm: str = "ring") -> Staged:
     M, V, key = tt.microbatches, tt.chunks, model.LAYERS
     algorithm = _stage_algorithm(algorithm)
 
-    def chunk_fn(par):
-        def chunk(chunk_L, x_BxTxD):  # a chunk's layers, gathered already, by the one stack runner
-            return stack.run(model.layer, chunk_L, x_BxTxD, par)
-        return chunk
-
     def prepare(params, batch_BdxT1, par):
-        """(pieces, shared, chunks_GxL, micro-batches, the FSDP gather's VJP or None)."""
-        B, T1 = batch_BdxT1.shape
-        assert T1 == model.config.seq_len + 1, (batch_BdxT1.shape, model.config.seq_len)
-        assert B % M == 0, f"{M} micro-batches do not divide the replica's {B} rows (dpjax.pipeline.check_batch)"
-        unshard = None
-        if par.gather_dims is not None:
-            params, unshard = jax.vjp(par.use, params)
-        dense = dataclasses.replace(par, gather_dims=None)  # gathered already: the pieces use them as they are
-        stack_Ls = params[key]
-        # V = 1: the stage's L/S layers are its one chunk; V > 1: stored V x L/(SV) already
-        chunks_GxL = jax.tree.map(lambda w: w[None] if V == 1 else w, stack_Ls)
-        n = jax.tree.leaves(chunks_GxL)[0].shape[1]
-        assert all(w.shape[:2] == (V, n) for w in jax.tree.leaves(chunks_GxL)), jax.tree.map(jax.numpy.shape,
-                                                                                             chunks_GxL)
-        shared = {k: v for k, v in params.items() if k != key}
-        # with a context axis each device embeds, runs and scores its own chunks of every sequence
-        # (`dpjax.compute.context.split`: the identity without one); the stages send those
-        pieces = engine.Pieces(embed=lambda sh, tok: model.embed(sh, context.split(tok, dense), dense),
-                               chunk=chunk_fn(dense),
-                               loss=lambda sh, y, tgt: model.head_loss(sh, y, context.split(tgt, dense), dense))
-        return pieces, shared, chunks_GxL, batch_BdxT1.reshape(M, B // M, T1), unshard
+        return _prepare(model, M, V, params, batch_BdxT1, par)
 
     def loss(params, batch_BdxT1, par):
         pieces, shared, chunks_GxL, batch_MxBxT1, _ = prepare(params, batch_BdxT1, par)
@@ -104,3 +79,37 @@ def for_model(model, layout, algorithm: str = "ring") -> Staged:
         return loss, {**fusion.unpack(plan, summed), key: grads[key]}
 
     return Staged(loss, value_and_grad, schedule, tt)
+
+
+def _prepare(model, M: int, V: int, params, batch_BdxT1, par):
+    """What `engine.run` takes from one device's parameters and rows: (pieces, shared,
+    chunks_GxL, the M micro-batches, the FSDP gather's VJP or None). The FSDP-split
+    parameters are gathered here once (the pieces then use them as they are), the stage's
+    layers cut into its V chunks and the rest kept as `shared`."""
+    key = model.LAYERS
+    B, T1 = batch_BdxT1.shape
+    assert T1 == model.config.seq_len + 1, (batch_BdxT1.shape, model.config.seq_len)
+    assert B % M == 0, f"{M} micro-batches do not divide the replica's {B} rows (dpjax.pipeline.check_batch)"
+    unshard = None
+    if par.gather_dims is not None:
+        params, unshard = jax.vjp(par.use, params)
+    dense = dataclasses.replace(par, gather_dims=None)  # gathered already: the pieces use them as they are
+    stack_Ls = params[key]
+    # V = 1: the stage's L/S layers are its one chunk; V > 1: stored V x L/(SV) already
+    chunks_GxL = jax.tree.map(lambda w: w[None] if V == 1 else w, stack_Ls)
+    n = jax.tree.leaves(chunks_GxL)[0].shape[1]
+    assert all(w.shape[:2] == (V, n) for w in jax.tree.leaves(chunks_GxL)), jax.tree.map(jax.numpy.shape, chunks_GxL)
+    shared = {k: v for k, v in params.items() if k != key}
+    # with a context axis each device embeds, runs and scores its own chunks of every sequence
+    # (`dpjax.compute.context.split`: the identity without one); the stages send those
+    pieces = engine.Pieces(embed=lambda sh, tok: model.embed(sh, context.split(tok, dense), dense),
+                           chunk=_chunk_fn(model, dense),
+                           loss=lambda sh, y, tgt: model.head_loss(sh, y, context.split(tgt, dense), dense))
+    return pieces, shared, chunks_GxL, batch_BdxT1.reshape(M, B // M, T1), unshard
+
+
+def _chunk_fn(model, par):
+    """chunk(chunk_L, x) -> x: a chunk's layers run by the one stack runner."""
+    def chunk(chunk_L, x_BxTxD):  # a chunk's layers, gathered already, by the one stack runner
+        return stack.run(model.layer, chunk_L, x_BxTxD, par)
+    return chunk

@@ -63,7 +63,8 @@ own), because each server owns chunks of its local shard and the split moves the
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, NamedTuple
+from dataclasses import dataclass
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -97,89 +98,115 @@ def onebit_adam(adamw, clip, schedule, axis_name=(), *, b1: float, b2: float, ep
     ex = Exchange.of(exchange, **allreduce)
     spec = ex.spec
     assert spec is not None and spec.method.stateful and spec.start >= 1, spec  # dpjax.plan refuses the rest
-    freeze, bound = spec.start, spec.bound
-    refreshes = jnp.asarray(spec.refreshes(), jnp.int32)  # the steps after the freeze that update v (maybe none)
     exact = ex.exact(per_shard=True)  # the gradient's exact mean, per shard where the momentum's is
     ex = dataclasses.replace(ex, compression=dataclasses.replace(spec, start=0, refresh=0, bound=0.0))
     assert ex.keeps_state(axes) or not axes, spec
+    rule = _Rule(adamw, clip, schedule, axes, ex, exact, b1, b2, eps, weight_decay, freeze=spec.start,
+                 bound=spec.bound, refreshes=jnp.asarray(spec.refreshes(), jnp.int32))
+    return UpdateRule("onebit_adam", rule.init, rule.step, identity, rule.specs, lambda params: params, axes,
+                      ex.keeps_state(axes))
 
-    def init(params):
-        inner, exchange = adamw.init(params), ex.init(params, axes)
-        return OneBitState(inner, exchange, jax.tree.map(jnp.zeros_like, params) if bound else ())
 
-    def v_updates(count):
+@dataclass(frozen=True, eq=False)  # eq=False: hashed by identity (`refreshes` is an array)
+class _Rule:
+    """The rule's parts, resolved once by `onebit_adam`: the AdamW chain and its schedule,
+    the two exchanges (the gradient's exact mean for the warm-up and the refreshes, the
+    momentum's compressed one after the freeze) and AdamW's arithmetic, done by hand once
+    the variance is frozen. Each step runs one of two branches (`exact_step`, `frozen`)."""
+
+    adamw: Any
+    clip: Callable
+    schedule: Callable
+    axes: tuple
+    ex: Exchange  # the momentum's: start, refresh and bound taken off (this rule runs them)
+    exact: Any
+    b1: float
+    b2: float
+    eps: float
+    weight_decay: float
+    freeze: int
+    bound: float
+    refreshes: Any  # the steps after the freeze that update v (maybe none)
+
+    def init(self, params):
+        inner, exchange = self.adamw.init(params), self.ex.init(params, self.axes)
+        return OneBitState(inner, exchange, jax.tree.map(jnp.zeros_like, params) if self.bound else ())
+
+    def specs(self, ps, shapes):
+        return OneBitState(state_specs(self.adamw, shapes.inner, ps), self.ex.specs(ps, self.axes),
+                           ps if self.bound else ())
+
+    def v_updates(self, count):
         """How many times v was updated in the `count` steps done: each warm-up step, each refresh."""
-        return jnp.minimum(count, freeze) + jnp.sum(refreshes < count)
+        return jnp.minimum(count, self.freeze) + jnp.sum(self.refreshes < count)
 
-    def debiased(v, k):
+    def debiased(self, v, k):
         """v_hat: v after k updates, its bias corrected."""
-        return jax.tree.map(lambda x: x / (1 - b2 ** k).astype(x.dtype), v)
+        return jax.tree.map(lambda x: x / (1 - self.b2 ** k).astype(x.dtype), v)
 
-    def adam_step(params, m, v_hat, count, lr):
+    def momentum(self, g, adam):
+        """b1 m + (1 - b1) g, from the m the state holds."""
+        return jax.tree.map(lambda gi, mu: (1 - self.b1) * gi + self.b1 * mu, g, adam.mu)
+
+    def adam_step(self, params, m, v_hat, count, lr):
         """AdamW's update of the parameters from m (t = count steps, these included) and v_hat."""
         def one(p, m, v_hat):
-            m_hat = m / (1 - b1 ** count).astype(m.dtype)
-            return p - lr * (m_hat / (jnp.sqrt(v_hat) + eps) + weight_decay * p)
+            m_hat = m / (1 - self.b1 ** count).astype(m.dtype)
+            return p - lr * (m_hat / (jnp.sqrt(v_hat) + self.eps) + self.weight_decay * p)
 
         return jax.tree.map(one, params, m, v_hat)
 
-    def step(grad_fn, params, state, batch):
+    def step(self, grad_fn, params, state, batch):
         loss, g = grad_fn(params, batch)
         adam = _find(state.inner, optax.ScaleByAdamState)
-        count = optax.safe_increment(adam.count)
+        count = optax.safe_increment(adam.count)  # t: the steps done, this one included
         sched = _find(state.inner, optax.ScaleByScheduleState)  # None for a constant lr given as a float
-        lr = schedule(adam.count if sched is None else sched.count)
-
-        def momentum(g):
-            """b1 m + (1 - b1) g, from the m the state holds."""
-            return jax.tree.map(lambda gi, mu: (1 - b1) * gi + b1 * mu, g, adam.mu)
-
-        def carried(m, nu):
-            """The chain's state after a step of ours: adam's count, mu and nu; the schedule's count."""
-            return _replace(state.inner, {optax.ScaleByAdamState: lambda s: s._replace(count=count, mu=m, nu=nu),
-                                          optax.ScaleByScheduleState: lambda s: s._replace(
-                                              count=optax.safe_increment(s.count))})
-
-        def exact_step():
-            gm, _ = exact.mean(g, axes)  # the one exchange of this branch (the update below has none)
-
-            def warm():
-                updates, inner = adamw.update(gm, state.inner, params)
-                return optax.apply_updates(params, updates), state._replace(inner=inner)
-
-            def refresh():
-                gc = clip(gm)
-                m = momentum(gc)
-                v = jax.tree.map(lambda gi, nu: (1 - b2) * gi * gi + b2 * nu, gc, adam.nu)
-                params_ = adam_step(params, m, debiased(v, v_updates(adam.count) + 1), count, lr)
-                return params_, state._replace(inner=carried(m, v))
-
-            return lax.cond(adam.count < freeze, warm, refresh)
-
-        def frozen():
-            local = momentum(clip(g))
-            if bound:  # what the bound held back last step goes out now, once (the same on every worker)
-                local = jax.tree.map(jnp.add, local, state.held)
-            with scopes.scope("momentum"):
-                m, exchange = ex.mean(local, axes, state.exchange)
-            v_hat = debiased(adam.nu, v_updates(adam.count))
-            held = ()
-            if bound:  # no coordinate's momentum beyond bound x sqrt(v_hat): the excess is held, not lost
-                kept = jax.tree.map(lambda a, v: jnp.clip(a, -bound * jnp.sqrt(v), bound * jnp.sqrt(v)), m, v_hat)
-                held, m = jax.tree.map(jnp.subtract, m, kept), kept
-            params_ = adam_step(params, m, v_hat, count, lr)
-            return params_, OneBitState(carried(m, adam.nu), exchange, held)
-
-        exact_now = (adam.count < freeze) | jnp.any(refreshes == adam.count)
-        with scopes.scope("compression", start=freeze):  # comm_bytes charges a step the branch it runs
-            params, state = lax.cond(exact_now, exact_step, frozen)
+        lr = self.schedule(adam.count if sched is None else sched.count)
+        exact_now = (adam.count < self.freeze) | jnp.any(self.refreshes == adam.count)
+        with scopes.scope("compression", start=self.freeze):  # comm_bytes charges a step the branch it runs
+            params, state = lax.cond(exact_now, lambda: self.exact_step(g, params, state, adam, count, lr),
+                                     lambda: self.frozen(g, params, state, adam, count, lr))
         return params, state, loss
 
-    def specs(ps, shapes):
-        return OneBitState(state_specs(adamw, shapes.inner, ps), ex.specs(ps, axes), ps if bound else ())
+    def exact_step(self, g, params, state, adam, count, lr):
+        """The warm-up (the chain's own AdamW) or a refresh (m and v both updated), from the
+        gradient's exact mean."""
+        gm, _ = self.exact.mean(g, self.axes)  # the one exchange of this branch (the update below has none)
 
-    return UpdateRule("onebit_adam", init, step, identity, specs, lambda params: params, axes,
-                      ex.keeps_state(axes))
+        def warm():
+            updates, inner = self.adamw.update(gm, state.inner, params)
+            return optax.apply_updates(params, updates), state._replace(inner=inner)
+
+        def refresh():
+            gc = self.clip(gm)
+            m = self.momentum(gc, adam)
+            v = jax.tree.map(lambda gi, nu: (1 - self.b2) * gi * gi + self.b2 * nu, gc, adam.nu)
+            params_ = self.adam_step(params, m, self.debiased(v, self.v_updates(adam.count) + 1), count, lr)
+            return params_, state._replace(inner=_carried(state.inner, count, m, v))
+
+        return lax.cond(adam.count < self.freeze, warm, refresh)
+
+    def frozen(self, g, params, state, adam, count, lr):
+        """After the freeze: this worker's momentum through the compressed exchange, v as it was."""
+        local = self.momentum(self.clip(g), adam)
+        if self.bound:  # what the bound held back last step goes out now, once (the same on every worker)
+            local = jax.tree.map(jnp.add, local, state.held)
+        with scopes.scope("momentum"):
+            m, exchange = self.ex.mean(local, self.axes, state.exchange)
+        v_hat = self.debiased(adam.nu, self.v_updates(adam.count))
+        held = ()
+        if self.bound:  # no coordinate's momentum beyond bound x sqrt(v_hat): the excess is held, not lost
+            bound = self.bound
+            kept = jax.tree.map(lambda a, v: jnp.clip(a, -bound * jnp.sqrt(v), bound * jnp.sqrt(v)), m, v_hat)
+            held, m = jax.tree.map(jnp.subtract, m, kept), kept
+        params_ = self.adam_step(params, m, v_hat, count, lr)
+        return params_, OneBitState(_carried(state.inner, count, m, adam.nu), exchange, held)
+
+
+def _carried(inner, count, m, nu):
+    """The chain's state after a step of ours: adam's count, mu and nu; the schedule's count."""
+    return _replace(inner, {optax.ScaleByAdamState: lambda s: s._replace(count=count, mu=m, nu=nu),
+                            optax.ScaleByScheduleState: lambda s: s._replace(count=optax.safe_increment(s.count))})
 
 
 def _find(state, kind):

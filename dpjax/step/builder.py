@@ -1,4 +1,5 @@
-"""THE step builder: a plan (`dpjax.plan`) -> jitted steps.
+"""The program builder: a plan (`dpjax.plan`) -> the step's jitted programs (init, train,
+evaluate, flush, consensus, stats), each one shard_map over the plan's mesh.
 
 Every training step dpjax runs is assembled here from one `Plan`, whatever the rule
 (sync, delayed, sparse, async: `dpjax.updates`), the layout (replicated, tensor-parallel
@@ -8,14 +9,9 @@ compression, gradient accumulation). A feature is added once and composes with t
 rest. Nothing here checks settings: the plan did.
 
 Inside one `shard_map` a device holds its rows of the batch and its shards of the
-parameters; the step is, per device:
-
-    for each of the A micro-batches:        loss, g = value_and_grad(loss)(params, micro)
-    g = sum / A                             (accumulation: A backward passes, one exchange)
-    g = mean over the worker's own devices  (FSDP: already done by the reduce-scatter in the
-                                             backward; else dpjax's fused allreduce over the
-                                             inner data axes)
-    params, state = rule.step(...)          (the rule's exchanges run over the worker axes)
+parameters; the step is, per device, the worker's gradient (`dpjax.step.gradient`: A
+micro-batches accumulated, averaged over the worker's own devices), then
+`params, state = rule.step(...)` (the rule's exchanges run over the worker axes).
 
 With a `stage` axis (`layout.pipeline`) each pass's value_and_grad is the pipeline's
 schedule (`dpjax.pipeline.staged`): the replica's rows cut into micro-batches that flow
@@ -25,9 +21,9 @@ The worker axes are `layout.workers`; the rest of the data axes are synchronous 
 parallelism inside each worker. Rules whose workers diverge (`rule.per_worker`) keep
 every worker's parameters and state on a leading worker axis, split over the worker
 axes, so each device holds its own worker's copy (sharded like the parameters it
-mirrors) and a checkpoint holds them all. Every gradient and parameter byte between
-devices goes through an explicit dpjax collective; the two scalar means (the reported
-loss and the evaluation loss) are XLA's `lax.pmean` of one float.
+mirrors) and a checkpoint holds them all (`_Held`). Every gradient and parameter byte
+between devices goes through an explicit dpjax collective; the two scalar means (the
+reported loss and the evaluation loss) are XLA's `lax.pmean` of one float.
 
 Shape suffixes: a dimension split over a mesh axis is marked with the axis's initial
 (`Bd`: the batch split over the data axes; `Fm`: split over `model`). Outside a
@@ -42,10 +38,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 from jax import lax
-from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from dpjax import links as emulation
@@ -54,9 +47,9 @@ from dpjax.compression import sharded
 from dpjax.data_parallel import broadcast_params
 from dpjax.fusion import leaf_classes
 from dpjax.mesh import EXPERT, NOT_DATA, as_axes, axis_arg, data_axes, dp_size, is_spec, local_shape, spec_axes
-from dpjax.pipeline import staged as pipeline_staged
-from dpjax.plan import Exchange, Plan, for_layout, for_rule
+from dpjax.plan import Plan
 from dpjax.sharding import Layout
+from dpjax.step.gradient import by_leaf, local_grad, worker_grad
 from dpjax.updates import UpdateRule
 
 
@@ -120,12 +113,12 @@ def build(loss_fn, plan: Plan, *, abstract_params, donate: bool = True, value_an
     assert as_axes(plan.rule.axes) == tuple(layout.workers), (plan.rule.axes, layout.workers)  # one plan made both
     par = dataclasses.replace(layout.parallel(fsdp_wire=exchange.wire), policy=plan.policy)  # dpjax.compute.policy
     # the "loss" the rule passes through is then (loss, stats); FSDP through random-k takes
-    # its own local gradient (`_local_grad`): its steps leave the figures to the `stats` program
+    # its own local gradient (`local_grad`): its steps leave the figures to the `stats` program
     step_stats = loss_and_stats is not None and not sharded.applies(layout, exchange.compression)
     if step_stats:
         assert value_and_grad is None, "dpjax.plan refuses experts beside a stage axis"
         value_and_grad = jax.value_and_grad(loss_and_stats, has_aux=True)
-    grad_fn = _grad_fn(plan, *_local_grad(loss_fn, plan, par, value_and_grad))
+    grad_fn = worker_grad(plan, *local_grad(loss_fn, plan, par, value_and_grad))
     held = _Held.of(plan, abstract_params)
     bodies = _Bodies(plan, held, par, grad_fn, loss_fn, loss_and_stats, step_stats)
     smap = _smapper(plan, held, clock)
@@ -139,49 +132,6 @@ def build(loss_fn, plan: Plan, *, abstract_params, donate: bool = True, value_an
         flush=jax.jit(smap(bodies.flush_body, (pw, sw), (pw, sw))),
         consensus=jax.jit(smap(bodies.consensus_body, (pw,), held.pspecs)),
         stats=None if loss_and_stats is None else jax.jit(smap(bodies.stats_body, (pw, P(rows)), P())))
-
-
-def _local_grad(loss_fn, plan: Plan, par, value_and_grad):
-    """(value_and_grad(params, batch_BdxT1) -> this device's loss and gradient, zeros(params)
-    -> a zero gradient to accumulate into). FSDP through random-k differentiates with
-    respect to the gathered parameters, unreduced: its rule (wrapped, `sharded.wrap`)
-    reduces."""
-    layout = plan.layout
-    loss_and_grad = functools.partial(value_and_grad or jax.value_and_grad(loss_fn), par=par)
-    zeros_grad = lambda p: jax.tree.map(jnp.zeros_like, p)  # noqa: E731
-    if sharded.applies(layout, plan.exchange.compression):
-        assert value_and_grad is None, "dpjax.plan refuses a stage axis here"
-        loss_and_grad = sharded.local_value_and_grad(loss_fn, par, sharded.dp(layout))
-        zeros_grad = lambda p: sharded.full_zeros(p, layout.gather_dims, sharded.dp(layout))  # noqa: E731
-
-    def named(p, b):
-        with scopes.phase("forward_backward"):  # names only (dpjax.scopes): the program is the same
-            return loss_and_grad(p, b)
-
-    return named, zeros_grad
-
-
-def _grad_fn(plan: Plan, value_and_grad, zeros_grad):
-    """grad_fn(params, batch_AxBdxT1) -> the worker's loss and gradient: A micro-batches
-    accumulated, then averaged over the worker's own devices (`_inner_mean`)."""
-    passes, inner_mean = plan.passes, _inner_mean(plan.layout, plan.exchange)
-
-    def grad_fn(params, batch_AxBdxT1):
-        assert batch_AxBdxT1.shape[0] == passes, (batch_AxBdxT1.shape, passes)
-        if passes == 1:
-            loss, g = value_and_grad(params, batch_AxBdxT1[0])
-        else:
-            def micro(carry, batch_BdxT1):
-                loss, g = value_and_grad(params, batch_BdxT1)
-                return (jax.tree.map(jnp.add, carry[0], loss), jax.tree.map(jnp.add, carry[1], g)), None
-
-            shapes = jax.eval_shape(value_and_grad, params, batch_AxBdxT1[0])[0]  # the loss, or (loss, stats)
-            zero = (jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes), zeros_grad(params))
-            (loss, g), _ = lax.scan(micro, zero, batch_AxBdxT1)
-            loss, g = jax.tree.map(lambda x: x / passes, (loss, g))
-        return loss, inner_mean(g)
-
-    return grad_fn
 
 
 @dataclass(frozen=True)
@@ -256,7 +206,7 @@ class _Bodies:
             return broadcast_params(leaves, axis_arg(over), root=0) if over and leaves else leaves
 
         if self.replicated_over or self.expert_over:
-            params = _by_leaf(params, layout.expert_leaves(), lambda ls: broadcast(ls, self.expert_over),
+            params = by_leaf(params, layout.expert_leaves(), lambda ls: broadcast(ls, self.expert_over),
                               lambda ls: broadcast(ls, self.replicated_over))
         return held.wrap(params), held.wrap(self.plan.rule.init(params))
 
@@ -311,42 +261,6 @@ def _smapper(plan: Plan, held: _Held, clock):
     return smap
 
 
-def _inner_mean(layout: Layout, exchange: Exchange):
-    """The mean of a worker's gradient over its own devices: dpjax's fused allreduce over
-    the inner data axes (none under FSDP: its reduce-scatter in the backward pass already
-    averaged over them) and the context axis (each of its devices took the gradient of
-    its own tokens' loss; the mean over them is the gradient of the sequences' mean)."""
-    axes = (layout.inner_axes if not layout.fsdp else ()) + layout.context_axes  # (dpjax.plan refuses a
-    # nested algorithm, which reads two axes as levels, with a context axis)
-    inside = exchange.inside()  # exact where only the exchange between workers is compressed
-
-    def mean_over(over):
-        return lambda g: inside.mean(g, over)[0]
-
-    if not layout.expert_split:
-        return mean_over(axes)
-    # A device's experts got, through the all-to-all's transpose, the gradient of every
-    # token routed to them from the whole expert axis: of the loss summed over its n
-    # devices. The mean over the other axes and a division by n make it the mean's. FSDP
-    # never gathers the experts, so no reduce-scatter averaged them: their axes are the
-    # inner data axes even under FSDP.
-    inner = tuple(a for a in layout.inner_axes if a != EXPERT) + layout.context_axes
-    n, mean, experts_mean = layout.mesh.shape[EXPERT], mean_over(axes), mean_over(inner)
-    return lambda g: _by_leaf(g, layout.expert_leaves(), lambda ls: [x / n for x in experts_mean(ls)], mean)
-
-
-def _by_leaf(tree, mask, if_true, if_false):
-    """`tree` with the list of its leaves where `mask` (a tree of bools like it) is true
-    replaced by if_true(that list), and the others by if_false(theirs)."""
-    leaves, treedef = jax.tree.flatten(tree)
-    flags = jax.tree.leaves(mask)
-    assert len(flags) == len(leaves), (len(flags), len(leaves))
-    picked = {True: [x for x, f in zip(leaves, flags) if f], False: [x for x, f in zip(leaves, flags) if not f]}
-    done = {True: iter(if_true(picked[True]) if picked[True] else []),
-            False: iter(if_false(picked[False]) if picked[False] else [])}
-    return jax.tree.unflatten(treedef, [next(done[bool(f)]) for f in flags])
-
-
 def _traced_within(context, fn):
     """fn, traced inside `context()`: `scopes.numbered_calls` numbers its collective calls
     in their names (so that a timeline tells apart calls XLA interleaves; names only, the
@@ -361,95 +275,3 @@ def _traced_within(context, fn):
 def _one_worker(x):
     assert x.shape[0] == 1, f"a device should hold one worker's copy, got leading dim {x.shape[0]}"
     return x[0]
-
-
-def for_plan(plan: Plan, donate: bool = True, clock=None) -> TrainStep:
-    """The steps of a plan made for a dpjax model (`plan.model`: `loss(params, batch,
-    par)`, `init`): its own loss, or on a layout with a stage axis the pipeline's schedule
-    in place of value_and_grad(model.loss)."""
-    model, layout = plan.model, plan.layout
-    abstract = jax.eval_shape(lambda k: plan.policy.store(layout.store(model.init(k))), jax.random.key(0))
-    if layout.pipeline is None:
-        stats = model.loss_and_stats if getattr(getattr(model, "config", None), "experts", 0) else None
-        return build(model.loss, plan, abstract_params=abstract, donate=donate, clock=clock, loss_and_stats=stats)
-    staged = pipeline_staged.for_model(model, layout, plan.exchange.algorithm)
-    return build(staged.loss, plan, abstract_params=abstract, donate=donate, value_and_grad=staged.value_and_grad,
-                 clock=clock)
-
-
-def for_model(model, layout: Layout, *, global_batch: int, update="sync", opt=None, passes: int = 1,
-              exchange: Exchange = Exchange(), links: tuple = (), seed: int = 0, donate: bool = True,
-              clock=None) -> TrainStep:
-    """The steps of a dpjax model on a layout made by hand: `for_plan` of
-    `dpjax.plan.for_layout(...)` (the same arguments)."""
-    return for_plan(for_layout(model, layout, global_batch=global_batch, update=update, opt=opt, passes=passes,
-                               exchange=exchange, links=links, seed=seed), donate=donate, clock=clock)
-
-
-def make_update_step(loss_fn, rule: UpdateRule, mesh, params, *, param_specs=None, passes: int = 1,
-                     exchange: Exchange = Exchange(), donate: bool = True) -> TrainStep:
-    """The steps of `rule` for research code: `loss_fn(params, local_batch) -> scalar`.
-
-    params: the parameters (or their shapes); param_specs: a PartitionSpec per parameter
-    over the non-data axes (default P(): a replica on every `model` rank). The rule's
-    axes (its `axis_name`) are the worker axes; any other data axes average gradients
-    synchronously inside each worker (`dpjax.plan.for_rule`). The train batch is A x B
-    (A = passes).
-    """
-    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)), params)
-    plan = for_rule(rule, mesh, abstract, param_specs=param_specs, passes=passes, exchange=exchange)
-    return build(lambda p, b, par: loss_fn(p, b), plan, abstract_params=abstract, donate=donate)
-
-
-def init_params(model, layout: Layout, key, policy=None, keep=None):
-    """The model's parameters, created by a jitted init directly in their sharding: no
-    device ever holds a whole sharded weight, and the values do not depend on the mesh
-    (jax's partitionable threefry). policy: a `dpjax.compute.policy.Policy` whose param_dtype the
-    master weights take (default: as the model makes them, float32); keep: a
-    `dpjax.recovery.programs.Programs.keep` (the compiled init kept across restarts)."""
-    store = (lambda p: p) if policy is None else policy.store
-    init = jax.jit(lambda k: store(layout.store(model.init(k))), out_shardings=layout.shardings())
-    return (init if keep is None else keep("init_params", init))(key)
-
-
-def kept(step: TrainStep, keep, tag: str = "") -> TrainStep:
-    """`step` with each program kept by `keep` (`dpjax.recovery.programs.Programs.keep`): a
-    restarted process loads their executables instead of tracing and compiling them.
-    tag: what tells this step's programs from another step's of the same run (an
-    autotune's settings)."""
-    return dataclasses.replace(step, **{f: keep(f"{f}{tag}", getattr(step, f))
-                                        for f in ("init", "train", "evaluate", "flush", "consensus")})
-
-
-def replicated(mesh):
-    return NamedSharding(mesh, P())
-
-
-def put_batch(stream, cursor: int, global_batch: int, mesh, passes: int | None = None):
-    """The global batch at `cursor` as one sharded array; each process reads only the rows
-    its devices hold, each once (the devices along `model` that share a block get one
-    read). passes=A: A consecutive batches stacked, A x B x T+1 (the train step's
-    micro-batches)."""
-    rows = data_axes(mesh) or None
-    read = {}  # block index -> rows read: the callback runs once per device, not per block
-
-    def once(key, fn):
-        if key not in read:
-            read[key] = fn()
-        return read[key]
-
-    if passes is None:
-        return jax.make_array_from_callback(
-            (global_batch, stream.seq_len + 1), NamedSharding(mesh, P(rows)),
-            lambda idx: once(idx[0].indices(global_batch), lambda: stream.batch(cursor, global_batch, rows=idx[0])))
-
-    def block(idx):
-        return once((idx[0].indices(passes), idx[1].indices(global_batch)), lambda: np.stack(
-            [stream.batch(cursor + k * global_batch, global_batch, rows=idx[1]) for k in range(passes)[idx[0]]]))
-
-    return jax.make_array_from_callback((passes, global_batch, stream.seq_len + 1),
-                                        NamedSharding(mesh, P(None, rows)), block)
-
-
-def num_bytes(tree) -> int:
-    return sum(x.size * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
