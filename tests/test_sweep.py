@@ -5,6 +5,7 @@ one-line refusal: never a signal, never a traceback."""
 from __future__ import annotations
 
 import itertools
+import math
 import os
 import sys
 
@@ -14,11 +15,24 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 import sweep  # noqa: E402
 
 
-def test_the_rows_cover_every_pair_of_values():
-    rows = sweep.pairwise(sweep.FACTORS)
-    for a, b in itertools.combinations(sweep.FACTORS, 2):
-        assert {(r[a], r[b]) for r in rows} == set(itertools.product(sweep.FACTORS[a], sweep.FACTORS[b])), (a, b)
-    assert len(rows) < 40  # pairs, not the product (5 * 5 * 4 * 2 * 2 * 2 * 2 = 1,600 rows)
+@pytest.mark.parametrize("design", list(sweep.DESIGNS))
+def test_the_rows_cover_every_pair_of_values(design):
+    factors = sweep.DESIGNS[design]
+    rows = sweep.pairwise(factors)
+    for a, b in itertools.combinations(factors, 2):
+        assert {(r[a], r[b]) for r in rows} == set(itertools.product(factors[a], factors[b])), (a, b)
+    # pairs, not the product: at least the two largest factors' product, at most 1.25 times it
+    big = sorted(len(v) for v in factors.values())[-2:]
+    assert math.prod(big) <= len(rows) <= 1.25 * math.prod(big) < math.prod(len(v) for v in factors.values()) / 100
+
+
+def test_every_documented_mesh_axis_and_new_feature_is_a_factor():
+    """The factors follow the README's options: each mesh axis and the newer features appear."""
+    flags = " ".join(v for f in sweep.DESIGNS.values() for vs in f.values() for v in vs)
+    for needle in ("context=", "expert=", "stage=", "--fsdp", "--dtype fp8", "--remat full", "onebit_adam",
+                   "--commit-dir", "--ckpt-dir", "--compress-axes", "--compress-whole", "--update async",
+                   "--backward-passes", "--tokenizer", "--sample-tokens", "--model llama", "--schedule interleaved"):
+        assert needle in flags, needle
 
 
 def test_what_counts_as_ending_well():
@@ -32,4 +46,4 @@ def test_what_counts_as_ending_well():
 
 @pytest.mark.slow
 def test_every_pair_of_options_ends_well_as_a_process(capsys):
-    assert sweep.main(["--steps", "2"]) == 0, capsys.readouterr().out
+    assert sweep.main(["--steps", "2", "--jobs", "2"]) == 0, capsys.readouterr().out
