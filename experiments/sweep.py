@@ -105,6 +105,16 @@ def ends_well(rc, stderr_lines: list[str]) -> bool:
     return rc == 0 or (rc == 2 and len(stderr_lines) == 1 and "Traceback" not in stderr_lines[0])
 
 
+def refused_only(rows: list[dict], exits: list) -> set:
+    """The pairs of values (factor, value, factor, value) that only refused rows hold: pairs
+    the sweep saw refused, never trained (a refusal may stand for a combination that works)."""
+    def pairs(row):
+        return {(a, row[a], b, row[b]) for a, b in itertools.combinations(row, 2)}
+
+    trained = set().union(*(pairs(r) for r, rc in zip(rows, exits) if rc == 0))
+    return set().union(*(pairs(r) for r in rows)) - trained
+
+
 def run(row: dict, steps: int, timeout: float) -> dict:
     """One row as a process: TINY first, so a row's own flags (a layout's --n-layers) win."""
     with tempfile.TemporaryDirectory(prefix="dpjax-sweep-") as tmp:
@@ -140,13 +150,18 @@ def main(argv=None) -> int:
         print(f"\n{name}: {len(rows)} processes cover every pair of {len(DESIGNS[name])} options' values")
         print("| options | exit | seconds | refusal or fault |")
         print("|---|---:|---:|---|", flush=True)
+        exits = []
         with concurrent.futures.ThreadPoolExecutor(max(1, args.jobs)) as pool:
             for r in pool.map(lambda row: run(row, args.steps, args.timeout), rows):
                 bad += not r["ok"]
+                exits.append(r["exit"])
                 print(f"| `{r['flags']}` | {r['exit']} | {r['seconds']:.1f} | {r['said']} |", flush=True)
                 if not r["ok"]:
                     print("\n".join("    " + line for line in r["stderr"][-30:]), file=sys.stderr, flush=True)
         total += len(rows)
+        untrained = refused_only(rows, exits)
+        print(f"{len(untrained)} pairs of values only in rows that did not train"
+              + "".join(f"\n    {a}: `{va}` with {b}: `{vb}`" for a, va, b, vb in sorted(untrained)))
     print(f"{total - bad} of {total} ended in exit 0 or a one-line refusal")
     return 1 if bad else 0
 

@@ -47,3 +47,10 @@ def test_what_counts_as_ending_well():
 @pytest.mark.slow
 def test_every_pair_of_options_ends_well_as_a_process(capsys):
     assert sweep.main(["--steps", "2", "--jobs", "2"]) == 0, capsys.readouterr().out
+
+
+def test_pairs_seen_only_refused_are_named():
+    factors = {"a": ["x", "y"], "b": ["u", "v"], "c": ["p"]}
+    rows = sweep.pairwise(factors)
+    exits = [2 if (r["a"], r["b"]) == ("y", "v") else 0 for r in rows]
+    assert sweep.refused_only(rows, exits) == {("a", "y", "b", "v")}
