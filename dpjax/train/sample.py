@@ -20,7 +20,8 @@ def sample_line(trainer) -> str | None:
     if n < 1 or cfg.progress == "none" or jax.process_count() > 1:
         return None
     prompt = trainer.val_stream.batch(0, 1)[:, :prompt_len]
-    new = generate(model, trainer.params, prompt, n, Sampling())[0]
+    # the model's own tree: an interleaved pipeline keeps its layer stack as V x L/V
+    new = generate(model, trainer.layout.unstore(trainer.params), prompt, n, Sampling())[0]
     tok = trainer.tokenizer
     if tok is None:
         return f"sample: {prompt[0].tolist()} -> {new.tolist()}"
