@@ -8,7 +8,9 @@ the layer loop, accumulation, the data and tokenizer, sampling, commits and chec
 and the update rules against the exchange (allreduce, compression and its axes, the
 optimizer with 1-bit Adam, fusion). `pairwise` picks rows greedily until every pair of
 values of any two factors of a design appears in some row (the classic AETG construction),
-so ~85 processes, not the millions of every combination.
+so ~100 processes, not the millions of every combination. With `--cover planned` (the default)
+the cover passes over a row that `dpjax.plan` refuses (resolved in this process, no compile)
+where another row covers the same new pairs, so few pairs are seen only refused.
 
     python experiments/sweep.py --jobs 2        # both designs, a table of rows each
     python experiments/sweep.py --design "update rules x exchange"
@@ -72,32 +74,62 @@ DESIGNS = {
 TINY = "--d-model 32 --n-layers 2 --n-heads 4 --d-ff 64 --seq-len 32 --batch-size 16 --seed 4 --eval-batches 1"
 
 
-def pairwise(factors: dict[str, list], tries: int = 50) -> list[dict]:
+def pairwise(factors: dict[str, list], tries: int = 50, refuses=None) -> list[dict]:
     """Rows (one value per factor) until every pair of values of any two factors appears.
     Greedy: each new row is, of `tries` candidates grown factor by factor (each from another
-    first factor), the one covering the most pairs not yet covered; deterministic."""
+    first factor), the one covering the most pairs not yet covered; deterministic.
+    refuses(row) -> str | None: a row dpjax refuses is passed over for the next best
+    candidate that covers a new pair, so a pair is seen refused only where no candidate
+    holding it is taken (a refused row is then taken: its pairs are covered by the refusal)."""
     names = list(factors)
     sizes = [len(factors[n]) for n in names]
 
     def pair(i, vi, j, vj):
         return (i, vi, j, vj) if i < j else (j, vj, i, vi)
 
+    def named(row):
+        return {n: factors[n][row[i]] for i, n in enumerate(names)}
+
     todo = {(i, vi, j, vj) for i, j in itertools.combinations(range(len(names)), 2)
             for vi in range(sizes[i]) for vj in range(sizes[j])}
-    rows = []
+    rows, verdicts = [], {}
     while todo:
-        best, best_gain = None, -1
+        candidates = []
         for t in range(tries):
             row = {}
             for k in [(t + n) % len(names) for n in range(len(names))]:
                 row[k] = max(range(sizes[k]), key=lambda v: (sum(pair(i, vi, k, v) in todo for i, vi in row.items()),
                                                              -((v + t) % sizes[k])))
             gain = sum(pair(i, row[i], j, row[j]) in todo for i, j in itertools.combinations(row, 2))
-            if gain > best_gain:
-                best, best_gain = row, gain
+            candidates.append((-gain, t, row))
+        candidates.sort(key=lambda c: c[:2])  # the most new pairs first, then the earliest candidate
+
+        def taken(row):
+            key = tuple(sorted(row.items()))
+            if key not in verdicts:
+                verdicts[key] = refuses(named(row)) if refuses else None
+            return verdicts[key] is None
+
+        best = next((row for gain, _, row in candidates if gain < 0 and taken(row)), candidates[0][2])
         rows.append(best)
         todo -= {pair(i, best[i], j, best[j]) for i, j in itertools.combinations(best, 2)}
-    return [{n: factors[n][best_row[i]] for i, n in enumerate(names)} for best_row in rows]
+    return [named(row) for row in rows]
+
+
+def plan_refusal(row: dict, tmp: str) -> str | None:
+    """The one line dpjax refuses a row with when its settings are resolved in this process
+    (`dpjax.plan.resolve`: the plan's checks, no compile), or None: what `pairwise` asks to
+    prefer rows that train. Refusals made later (data, folders) are not seen here."""
+    from dpjax.errors import UserError
+    from dpjax.plan import resolve
+    from dpjax.train.cli import parse_args
+
+    flags = TINY.split() + " ".join(v for v in row.values() if v).replace("{tmp}", tmp).split()
+    try:
+        resolve(parse_args(flags))
+    except (UserError, SystemExit) as e:
+        return str(e) or type(e).__name__
+    return None
 
 
 def ends_well(rc, stderr_lines: list[str]) -> bool:
@@ -146,11 +178,19 @@ def main(argv=None) -> int:
     ap.add_argument("--design", choices=list(DESIGNS), action="append",
                     help="run only this covering design (repeatable; default: every one)")
     ap.add_argument("--jobs", type=int, default=1, help="processes at a time (default 1)")
+    ap.add_argument("--cover", choices=["planned", "plain"], default="planned",
+                    help="planned: rows the plan refuses are passed over where another row covers the same new "
+                         "pairs (each candidate resolved in this process); plain: the cover of the values alone "
+                         "(default: planned)")
     ap.add_argument("--smoke", action="store_true", help="two rows of one step: the sweep's machinery")
     args = ap.parse_args(argv)
     bad = total = 0
+    if args.cover == "planned" and not args.smoke:
+        _bench.simulate(8)
     for name in args.design or list(DESIGNS):
-        rows = pairwise(DESIGNS[name])
+        with tempfile.TemporaryDirectory(prefix="dpjax-sweep-") as tmp:
+            planned = args.cover == "planned" and not args.smoke
+            rows = pairwise(DESIGNS[name], refuses=(lambda row: plan_refusal(row, tmp)) if planned else None)
         if args.smoke:
             rows, args.steps = rows[:1], 1
         print(f"\n{name}: {len(rows)} processes cover every pair of {len(DESIGNS[name])} options' values")

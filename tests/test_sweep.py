@@ -35,6 +35,34 @@ def test_every_documented_mesh_axis_and_new_feature_is_a_factor():
         assert needle in flags, needle
 
 
+def test_a_refused_row_is_passed_over_where_others_cover_its_pairs():
+    factors = {"a": ["x", "y"], "b": ["u", "v"], "c": ["p", "q"]}
+
+    def covered(rows):
+        return all({(r[m], r[n]) for r in rows} == set(itertools.product(factors[m], factors[n]))
+                   for m, n in itertools.combinations(factors, 2))
+
+    def triple(r):  # refuses one row of the plain cover; its pairs are in other rows that train
+        return "refused" if (r["a"], r["b"], r["c"]) == ("x", "v", "q") else None
+
+    assert any(triple(r) for r in sweep.pairwise(factors))
+    rows = sweep.pairwise(factors, refuses=triple)
+    assert covered(rows) and not any(triple(r) for r in rows)
+
+    def pair(r):  # a pair dpjax always refuses: covered by one refused row, no more
+        return "refused" if (r["a"], r["b"]) == ("y", "v") else None
+
+    rows = sweep.pairwise(factors, refuses=pair)
+    assert covered(rows) and sum(bool(pair(r)) for r in rows) == 1
+
+
+def test_the_plan_refuses_what_the_process_refuses(tmp_path):
+    """The planned cover's verdicts are dpjax.plan's: a row it refuses names the clash."""
+    row = {"layout": "--mesh 8x1 --fsdp", "allreduce": "--allreduce tree"}
+    assert "'tree' has none" in sweep.plan_refusal(row, str(tmp_path))
+    assert sweep.plan_refusal({"layout": "--mesh 8x1 --fsdp", "allreduce": "--allreduce ring"}, str(tmp_path)) is None
+
+
 def test_what_counts_as_ending_well():
     assert sweep.ends_well(0, ["devices: 8 x cpu"])
     assert sweep.ends_well(2, ["dpjax: --mesh: no axis 'modle'"])
