@@ -191,9 +191,10 @@ def main(argv=None) -> int:
         with tempfile.TemporaryDirectory(prefix="dpjax-sweep-") as tmp:
             planned = args.cover == "planned" and not args.smoke
             rows = pairwise(DESIGNS[name], refuses=(lambda row: plan_refusal(row, tmp)) if planned else None)
+        print(f"\n{name}: {len(rows)} processes cover every pair of {len(DESIGNS[name])} options' values"
+              + (" (smoke: the first, one step)" if args.smoke else ""))
         if args.smoke:
             rows, args.steps = rows[:1], 1
-        print(f"\n{name}: {len(rows)} processes cover every pair of {len(DESIGNS[name])} options' values")
         print("| options | exit | seconds | refusal or fault |")
         print("|---|---:|---:|---|", flush=True)
         exits = []
