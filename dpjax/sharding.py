@@ -138,6 +138,12 @@ class Layout:
             return params
         return pp.store(params, self.layers, self.pipeline.virtual_stages)
 
+    def unstore(self, params):
+        """`store`'s inverse: the parameters as the model's own `apply` takes them."""
+        if self.pipeline is None:
+            return params
+        return pp.unstore(params, self.layers, self.pipeline.virtual_stages)
+
 
 def model_table(model, mesh) -> dict:
     """The model's sharding table on `mesh`: `model.sharding_table(mesh)` where a model's

@@ -115,10 +115,19 @@ def store(params, layers: str, virtual_stages: int):
     return {**params, layers: stack}
 
 
+def unstore(params, layers: str, virtual_stages: int):
+    """`store`'s inverse: the model's own tree (V x L/V x ... back to L x ...), which its
+    `apply` outside a pipeline (the end-of-run sample, `dpjax.generate`) takes."""
+    if virtual_stages == 1:
+        return params
+    stack = jax.tree.map(lambda x: x.reshape(x.shape[0] * x.shape[1], *x.shape[2:]), params[layers])
+    return {**params, layers: stack}
+
+
 def layer_dims(pipe: Pipeline | None) -> int:
     """Leading dimensions of a stored layer-stack leaf that number layers (never split by FSDP)."""
     return 2 if pipe is not None and pipe.virtual_stages > 1 else 1
 
 
 __all__ = ["Phase", "Pipeline", "SCHEDULES", "Schedule", "Timetable", "bubble_formula", "check", "check_batch",
-           "layer_dims", "register", "store", "timetable"]
+           "layer_dims", "register", "store", "timetable", "unstore"]

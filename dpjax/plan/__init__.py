@@ -85,8 +85,14 @@ class Plan:
     def for_devices(self, devices) -> "Plan":
         """The same settings planned again for another set of devices: an explicit mesh is
         resized and the global batch kept, in more or fewer micro-batches (`fit_devices`)."""
+        from dpjax.mesh import make_mesh
+
         settings = fit_devices(self.settings, len(devices))
-        return resolve(settings, devices, model=self.model, optimizer=self.optimizer, exchange=self.exchange,
+        # the exchange keeps what was chosen (an autotune's algorithm and fusion), but its per-shard
+        # form is cut by the new mesh: a site that lost devices holds fewer shards (and error buffers)
+        mesh = make_mesh(settings.mesh or f"{len(devices)}x1", list(devices))
+        exchange = dataclasses.replace(self.exchange, shards=_shards(settings, mesh, self.exchange.compress_axes))
+        return resolve(settings, mesh=mesh, model=self.model, optimizer=self.optimizer, exchange=exchange,
                        tensor_parallel=self.tensor_parallel)
 
     def describe(self) -> dict:
@@ -196,7 +202,7 @@ def resolve(s: Settings, devices=None, *, mesh=None, model=None, optimizer=None,
         exchange = Exchange(default_allreduce(platform) if s.allreduce in ("auto", None) else s.allreduce,
                             DEFAULT_FUSION_MB if s.fusion_mb == "auto" else float(s.fusion_mb),
                             None if s.compression == "none" else s.compression, compress_axes=compress_axes,
-                            shards=None if s.compress_whole or s.fsdp else per_shard(mesh, compress_axes))
+                            shards=_shards(s, mesh, compress_axes))
     pipeline = _pipeline(s, model, mesh, workers, exchange)
     layout = make_layout(model, mesh, algorithm=s.tp_allreduce, fsdp=s.fsdp, fsdp_algorithm=exchange.algorithm,
                          workers=workers, pipeline=pipeline, tensor_parallel=tensor_parallel)
@@ -272,6 +278,12 @@ def _workers(s: Settings, mesh, update) -> tuple[tuple, tuple | None]:
         raise UsageError(f"--fsdp with --compress-axes {s.compress_axes}: FSDP splits over the data axes inside a "
                          "worker, and these are all of them; compress fewer (e.g. node)")
     return axes, axes
+
+
+def _shards(s: Settings, mesh, compress_axes):
+    """The per-shard form settings `s` give on `mesh` (None with --compress-whole, or under
+    FSDP, whose exchange is per shard already)."""
+    return None if s.compress_whole or s.fsdp else per_shard(mesh, compress_axes)
 
 
 def per_shard(mesh, compress_axes):

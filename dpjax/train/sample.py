@@ -20,7 +20,10 @@ def sample_line(trainer) -> str | None:
     if n < 1 or cfg.progress == "none" or jax.process_count() > 1:
         return None
     prompt = trainer.val_stream.batch(0, 1)[:, :prompt_len]
-    new = generate(model, trainer.params, prompt, n, Sampling())[0]
+    # the model's own tree: the workers' consensus where a rule keeps a copy per worker (as
+    # evaluation reads it), the layer stack as L x ... where an interleaved pipeline keeps V x L/V
+    params = trainer.step.consensus(trainer.params) if trainer.step.rule.per_worker else trainer.params
+    new = generate(model, trainer.layout.unstore(params), prompt, n, Sampling())[0]
     tok = trainer.tokenizer
     if tok is None:
         return f"sample: {prompt[0].tolist()} -> {new.tolist()}"
