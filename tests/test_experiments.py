@@ -5,10 +5,10 @@ later. A script runs the way `python experiments/X.py --smoke` runs it (experime
 on sys.path, this checkout's dpjax, the session's compile cache: conftest.py), but in this
 process: its `main(["--smoke", *mode])` is called, with the jax configuration, environment
 and working directory put back afterwards. A subprocess each would pay a JAX import and a
-backend start-up (2-3 CPU-s) for nothing the test checks; what only a process shows (the
+backend start-up (2-3 CPU-s) for nothing the test checks. What only a process shows (the
 `__main__` guard, the exit status, the sibling imports from a script's own directory) is
-checked by `test_a_script_runs_as_a_process`, and a script that configures jax or XLA
-when it is imported (or whose main takes no argv) runs as a process. Helper modules (`_*.py`)
+checked by running one cheap script's smoke as a process (PROCESS_SMOKE); a script that
+configures jax or XLA when it is imported (or whose main takes no argv) runs as a process too. Helper modules (`_*.py`)
 are exercised through the scripts; a module without `main` (imported by scripts, e.g.
 update_runs.py) is imported. A new script without a smoke mode fails: argparse rejects
 `--smoke` with exit status 2. A smoke run writes its outputs into a temporary directory:
@@ -64,6 +64,11 @@ SLOW = {("bench_train.py", 1), ("bench_train.py", 2), ("staleness.py", 1), ("wan
         ("onebit_grid.py", 0),
         # two training runs in subprocesses (2 min under load); tests/test_commit.py runs auto in the loop
         ("commit_stall.py", 0)}
+
+
+# The smoke that runs as `python experiments/X.py --smoke` whatever in_process says: a cheap
+# one that imports _bench and update_runs from its own directory.
+PROCESS_SMOKE = "large_batch.py"
 
 
 def cases():
@@ -149,13 +154,13 @@ def call_main(script, mode, monkeypatch) -> int:
 
 def test_scripts_found():
     # the glob must see the scripts RESULTS.md quotes (a moved directory would pass vacuously)
-    assert {"bench_train.py", "bench_collectives.py", "staleness.py", "huge_layer.py"} <= set(SCRIPTS)
+    assert {"bench_train.py", "bench_collectives.py", "staleness.py", "huge_layer.py", PROCESS_SMOKE} <= set(SCRIPTS)
 
 
 @pytest.mark.parametrize("script,mode", list(cases()))
 def test_smoke(script, mode, monkeypatch, capsys):
     before = listing()
-    if has_main(script) and in_process(script):
+    if has_main(script) and in_process(script) and script != PROCESS_SMOKE:
         rc = call_main(script, mode, monkeypatch)
         out = capsys.readouterr()
         assert rc == 0, f"{script} {' '.join(mode)} --smoke returned {rc}:\n{out.out[-3000:]}\n{out.err[-5000:]}"
@@ -167,14 +172,3 @@ def test_smoke(script, mode, monkeypatch, capsys):
         load(script, monkeypatch)
     assert listing() == before, f"{script} --smoke wrote into experiments/"
 
-
-def test_a_script_runs_as_a_process():
-    """What the in-process runs do not show: `python experiments/X.py --smoke` finds its
-    sibling modules from its own directory, runs main under the `__main__` guard and exits
-    0; an unknown flag exits 2 (argparse). large_batch.py: a cheap smoke that imports
-    _bench and update_runs."""
-    r = run([sys.executable, os.path.join("experiments", "large_batch.py"), "--smoke"], ROOT)
-    assert r.returncode == 0, f"large_batch.py --smoke exited {r.returncode}:\n{r.stdout[-3000:]}\n{r.stderr[-5000:]}"
-    assert "smoke run: outputs in " in r.stdout, r.stdout  # _bench.smoke_outputs, imported from experiments/
-    r = run([sys.executable, os.path.join("experiments", "large_batch.py"), "--smokes"], ROOT)
-    assert r.returncode == 2 and "--smokes" in r.stderr, (r.returncode, r.stderr)
