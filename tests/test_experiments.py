@@ -1,18 +1,25 @@
 """Every script under experiments/ runs its --smoke mode, as RESULTS.md runs it.
 
 A removed or renamed dpjax API fails here instead of in a RESULTS.md command months
-later. Each script runs as a subprocess (`python experiments/X.py --smoke`, the way the
-RESULTS.md commands call it), with this checkout's dpjax first on the path and the
-session's compile cache (conftest.py). Helper modules (`_*.py`) are exercised through the
-scripts; a module without `main` (imported by scripts, e.g. update_runs.py) is imported.
-A new script without a smoke mode fails: argparse rejects `--smoke` with exit status 2.
-A smoke run writes its outputs into a temporary directory: the test checks that
-experiments/ is left as it was.
+later. A script runs the way `python experiments/X.py --smoke` runs it (experiments/ first
+on sys.path, this checkout's dpjax, the session's compile cache: conftest.py), but in this
+process: its `main(["--smoke", *mode])` is called, with the jax configuration, environment
+and working directory put back afterwards. A subprocess each would pay a JAX import and a
+backend start-up (2-3 CPU-s) for nothing the test checks. What only a process shows (the
+`__main__` guard, the exit status, the sibling imports from a script's own directory) is
+checked by running one cheap script's smoke as a process (PROCESS_SMOKE); a script that
+configures jax or XLA when it is imported (or whose main takes no argv) runs as a process too. Helper modules (`_*.py`)
+are exercised through the scripts; a module without `main` (imported by scripts, e.g.
+update_runs.py) is imported. A new script without a smoke mode fails: argparse rejects
+`--smoke` with exit status 2. A smoke run writes its outputs into a temporary directory:
+the test checks that experiments/ is left as it was.
 """
 
 from __future__ import annotations
 
+import ast
 import glob
+import importlib.util
 import os
 import subprocess
 import sys
@@ -61,6 +68,11 @@ SLOW = {("bench_train.py", 1), ("bench_train.py", 2), ("staleness.py", 1), ("wan
         ("hlo_side_by_side.py", 0)}
 
 
+# The smoke that runs as `python experiments/X.py --smoke` whatever in_process says: a cheap
+# one that imports _bench and update_runs from its own directory.
+PROCESS_SMOKE = "large_batch.py"
+
+
 def cases():
     for script in SCRIPTS:
         for i, mode in enumerate(MODES.get(script, [[]])):
@@ -80,9 +92,26 @@ def listing():
     return out
 
 
-def has_main(script: str) -> bool:
+def source(script: str) -> str:
     with open(os.path.join(EXPERIMENTS, script)) as fh:
-        return "\ndef main(" in fh.read()
+        return fh.read()
+
+
+def has_main(script: str) -> bool:
+    return "\ndef main(" in source(script)
+
+
+def in_process(script: str) -> bool:
+    """Whether `script` can run in this process: its main takes argv, nothing at its top
+    level sets the environment (XLA_FLAGS is read once, when jax starts), and it changes no
+    jax configuration (some settings are read once a process: compile_depth.py's
+    compile cache off would not take here)."""
+    tree = ast.parse(source(script))
+    mains = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "main"]
+    if not mains or not mains[0].args.args or "config.update" in source(script):
+        return False
+    return not any("os.environ[" in ast.unparse(node) for node in tree.body
+                   if not isinstance(node, (ast.FunctionDef, ast.ClassDef)))
 
 
 def run(cmd, cwd):
@@ -90,18 +119,58 @@ def run(cmd, cwd):
     return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
 
 
+def load(script: str, monkeypatch):
+    """The script as a fresh module, with experiments/ first on sys.path (as for
+    `python experiments/X.py`) until the test ends."""
+    monkeypatch.syspath_prepend(EXPERIMENTS)
+    name = f"smoke_{script[:-3]}"
+    spec = importlib.util.spec_from_file_location(name, os.path.join(EXPERIMENTS, script))
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, name, module)  # dataclasses look their module up while it runs
+    spec.loader.exec_module(module)
+    return module
+
+
+def call_main(script, mode, monkeypatch) -> int:
+    """`main(["--smoke", *mode])` of the script, in the process's state as a fresh process
+    would see it (cwd the checkout's root); the environment and jax's configuration as
+    they were afterwards, whatever the script set."""
+    import jax
+
+    config, environ = dict(jax.config.values), dict(os.environ)
+    monkeypatch.chdir(ROOT)
+    try:
+        return load(script, monkeypatch).main(["--smoke", *mode]) or 0
+    except SystemExit as e:  # argparse's refusal, or a script's `raise SystemExit("error: ...")`
+        if isinstance(e.code, str):
+            print(e.code, file=sys.stderr)
+            return 1
+        return e.code or 0
+    finally:
+        os.environ.clear()
+        os.environ.update(environ)
+        for key, value in config.items():
+            if jax.config.values.get(key) != value:
+                jax.config.update(key, value)
+
+
 def test_scripts_found():
     # the glob must see the scripts RESULTS.md quotes (a moved directory would pass vacuously)
-    assert {"bench_train.py", "bench_collectives.py", "staleness.py", "huge_layer.py"} <= set(SCRIPTS)
+    assert {"bench_train.py", "bench_collectives.py", "staleness.py", "huge_layer.py", PROCESS_SMOKE} <= set(SCRIPTS)
 
 
 @pytest.mark.parametrize("script,mode", list(cases()))
-def test_smoke(script, mode):
+def test_smoke(script, mode, monkeypatch, capsys):
     before = listing()
-    if has_main(script):
+    if has_main(script) and in_process(script) and script != PROCESS_SMOKE:
+        rc = call_main(script, mode, monkeypatch)
+        out = capsys.readouterr()
+        assert rc == 0, f"{script} {' '.join(mode)} --smoke returned {rc}:\n{out.out[-3000:]}\n{out.err[-5000:]}"
+    elif has_main(script):
         r = run([sys.executable, os.path.join("experiments", script), "--smoke", *mode], ROOT)
+        assert r.returncode == 0, f"{script} {' '.join(mode)} --smoke exited {r.returncode}:\n{r.stdout[-3000:]}\n" \
+                                  f"{r.stderr[-5000:]}"
     else:  # a module the scripts import
-        r = run([sys.executable, "-c", f"import {script[:-3]}"], EXPERIMENTS)
-    assert r.returncode == 0, f"{script} {' '.join(mode)} --smoke exited {r.returncode}:\n{r.stdout[-3000:]}\n" \
-                              f"{r.stderr[-5000:]}"
+        load(script, monkeypatch)
     assert listing() == before, f"{script} --smoke wrote into experiments/"
+

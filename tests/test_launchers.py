@@ -131,19 +131,24 @@ def test_the_agent_removes_the_folder_it_chose_at_exit(tmp_path):
     assert open(log).read().count("hi\n") == 2  # both runs' lines
 
 
-def test_an_unknown_launcher_option_is_one_usage_line():
-    r = subprocess.run([sys.executable, "-m", "dpjax.launch", "-n", "4", "--max-restart", "2", "--", "true"],
-                       capture_output=True, text=True, timeout=60)
-    assert r.returncode == 2 and r.stdout == ""
-    assert r.stderr.splitlines() == ["python -m dpjax.launch: unrecognized arguments: --max-restart (see python "
-                                     "-m dpjax.launch --help)"]
+def test_an_unknown_launcher_option_is_one_usage_line(capsys):
+    """The refusals of the arguments, in this process (parsing is all they do); the last
+    case as a process: its exit status and its one line."""
+    from dpjax.launch import main
+
+    def refused(argv):
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        out = capsys.readouterr()
+        assert e.value.code == 2 and out.out == ""
+        return out.err.splitlines()
+
+    assert refused(["-n", "4", "--max-restart", "2", "--", "true"]) == [
+        "python -m dpjax.launch: unrecognized arguments: --max-restart (see python -m dpjax.launch --help)"]
     # --max-restarts is the supervising agent's (dpjax.agent): with -n it is one line saying what to give
-    r = subprocess.run([sys.executable, "-m", "dpjax.launch", "-n", "4", "--max-restarts", "2", "--", "true"],
-                       capture_output=True, text=True, timeout=60)
-    assert r.returncode == 2 and r.stdout == ""
-    assert r.stderr.splitlines() == ["python -m dpjax.launch: -n is for processes without an agent; under the agent "
-                                     "(--max-restarts) give --nproc-per-node K and --nnodes MIN:MAX --rdzv HOST:PORT "
-                                     "instead (see python -m dpjax.launch --help)"]
+    assert refused(["-n", "4", "--max-restarts", "2", "--", "true"]) == [
+        "python -m dpjax.launch: -n is for processes without an agent; under the agent (--max-restarts) give "
+        "--nproc-per-node K and --nnodes MIN:MAX --rdzv HOST:PORT instead (see python -m dpjax.launch --help)"]
     r = subprocess.run([sys.executable, "-m", "dpjax.launch", "-n", "2", "--", "no-such-command-dpjax"],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and r.stderr.splitlines() == [

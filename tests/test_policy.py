@@ -184,7 +184,10 @@ def test_attention_kernels_equal_the_naive_one(kernel):
     model = get_model("gpt", seq_len=16, **GPT)
     params = model.init(jax.random.key(0))
     batch = jax.random.randint(jax.random.key(2), (4, 17), 0, 256)
-    grad = lambda pol: jax.value_and_grad(lambda p: model.loss(p, batch, Parallel(policy=pol)))(params)  # noqa: E731
+
+    def grad(policy):  # jitted: eager dispatch compiles each op of the 4 layers alone (several CPU-s)
+        return jax.jit(jax.value_and_grad(lambda p: model.loss(p, batch, Parallel(policy=policy))))(params)
+
     (want, g_want), (got, g_got) = grad(Policy()), grad(Policy(attention=kernel))
     np.testing.assert_allclose(got, want, rtol=1e-6)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6), g_got, g_want)
