@@ -1,7 +1,10 @@
 """Same data, same batch, on any size (issue 19): a plan made again for fewer devices keeps
 the user's global batch in more micro-batches per device (gradient accumulation) and
 steps as the no-failure run does, within float32 round-off; a size that cannot hold the
-run is skipped with its reason, and when none can, one line."""
+run is skipped with its reason, and when none can, one line. The restarted plan's exchange
+is the new mesh's: a compressed exchange between sites cuts each tensor into as many
+shards as a site has devices, so a site that lost devices cuts into fewer, loss for loss
+as a plan made fresh for that count."""
 
 import jax
 import numpy as np
@@ -97,3 +100,15 @@ def test_the_size_asked_for_and_other_commands_run_as_given():
     assert sizes.choose(None, hosts=1, nproc=2, devices_per_process=2) == (2, [])
     with pytest.raises(UsageError, match="over the 3 data-parallel ranks of mesh data=3,model=2"):
         fit_devices(Settings(mesh="4x2", batch_size=8), 6)
+
+
+def test_a_restart_on_fewer_devices_cuts_the_per_shard_exchange_for_its_sites():
+    # two sites of two devices (data outermost: a restart on 4 devices keeps one data rank a site)
+    sites = Settings(mesh="data=2,node=2,model=2", batch_size=8, compression="int8", compress_axes="node", **TINY)
+    eight = resolve(sites, jax.devices())
+    assert eight.exchange.shards is not None and eight.exchange.shards.size == 2  # 2 devices a site
+    four = eight.for_devices(jax.devices()[:4])
+    fresh = resolve(fit_devices(sites, 4), jax.devices()[:4])
+    assert dict(four.mesh.shape) == {"data": 1, "node": 2, "model": 2}
+    assert four.exchange == fresh.exchange  # one device a site: nothing to cut (no per-shard form)
+    np.testing.assert_array_equal(_losses(four)[0], _losses(fresh)[0])
