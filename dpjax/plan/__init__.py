@@ -85,12 +85,10 @@ class Plan:
     def for_devices(self, devices) -> "Plan":
         """The same settings planned again for another set of devices: an explicit mesh is
         resized and the global batch kept, in more or fewer micro-batches (`fit_devices`)."""
-        from dpjax.mesh import make_mesh
-
         settings = fit_devices(self.settings, len(devices))
         # the exchange keeps what was chosen (an autotune's algorithm and fusion), but its per-shard
         # form is cut by the new mesh: a site that lost devices holds fewer shards (and error buffers)
-        mesh = make_mesh(settings.mesh or f"{len(devices)}x1", list(devices))
+        mesh = _mesh(settings, devices)
         exchange = dataclasses.replace(self.exchange, shards=_shards(settings, mesh, self.exchange.compress_axes))
         return resolve(settings, mesh=mesh, model=self.model, optimizer=self.optimizer, exchange=exchange,
                        tensor_parallel=self.tensor_parallel)
@@ -174,7 +172,7 @@ def resolve(s: Settings, devices=None, *, mesh=None, model=None, optimizer=None,
     experiments' dense baselines). Raises UsageError (one line) for anything that does
     not fit."""
     from dpjax.collectives.registry import nested
-    from dpjax.mesh import data_axes, make_mesh
+    from dpjax.mesh import data_axes
     from dpjax.models import get_model
     from dpjax.optim import OptimizerConfig
     from dpjax.sharding import make_layout
@@ -183,10 +181,7 @@ def resolve(s: Settings, devices=None, *, mesh=None, model=None, optimizer=None,
     s = settled(s)  # e.g. 1-bit Adam's default compression: the plan (and its settings) carry it
     check(s)
     if mesh is None:
-        import jax
-
-        devs = list(jax.devices() if devices is None else devices)
-        mesh = make_mesh(s.mesh or f"{len(devs)}x1", devs)
+        mesh = _mesh(s, devices)
     update = parse_update(s.update)
     workers, compress_axes = _workers(s, mesh, update)
     if nested(s.allreduce) and len(data_axes(mesh)) < 2:
@@ -278,6 +273,16 @@ def _workers(s: Settings, mesh, update) -> tuple[tuple, tuple | None]:
         raise UsageError(f"--fsdp with --compress-axes {s.compress_axes}: FSDP splits over the data axes inside a "
                          "worker, and these are all of them; compress fewer (e.g. node)")
     return axes, axes
+
+
+def _mesh(s: Settings, devices=None):
+    """The mesh settings `s` name on `devices` (default: every device; no --mesh: all data)."""
+    import jax
+
+    from dpjax.mesh import make_mesh
+
+    devs = list(jax.devices() if devices is None else devices)
+    return make_mesh(s.mesh or f"{len(devs)}x1", devs)
 
 
 def _shards(s: Settings, mesh, compress_axes):
