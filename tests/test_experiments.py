@@ -8,9 +8,9 @@ and working directory put back afterwards. A subprocess each would pay a JAX imp
 backend start-up (2-3 CPU-s) for nothing the test checks. What only a process shows (the
 `__main__` guard, the exit status, the sibling imports from a script's own directory) is
 checked by running one cheap script's smoke as a process (PROCESS_SMOKE); a script that
-configures jax or XLA when it is imported (or whose main takes no argv) runs as a process too. Helper modules (`_*.py`)
-are exercised through the scripts; a module without `main` (imported by scripts, e.g.
-update_runs.py) is imported. A new script without a smoke mode fails: argparse rejects
+configures jax or XLA when it is imported (or whose main takes no argv) runs as a process
+too. Helper modules (`_*.py`) are exercised through the scripts; a module without `main`
+(imported by scripts, e.g. update_runs.py) is imported. A new script without a smoke mode fails: argparse rejects
 `--smoke` with exit status 2. A smoke run writes its outputs into a temporary directory:
 the test checks that experiments/ is left as it was.
 """
@@ -106,9 +106,10 @@ def in_process(script: str) -> bool:
     level sets the environment (XLA_FLAGS is read once, when jax starts), and it changes no
     jax configuration (some settings are read once a process: compile_depth.py's
     compile cache off would not take here)."""
-    tree = ast.parse(source(script))
+    text = source(script)
+    tree = ast.parse(text)
     mains = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "main"]
-    if not mains or not mains[0].args.args or "config.update" in source(script):
+    if not mains or not mains[0].args.args or "config.update" in text:
         return False
     return not any("os.environ[" in ast.unparse(node) for node in tree.body
                    if not isinstance(node, (ast.FunctionDef, ast.ClassDef)))
