@@ -217,8 +217,8 @@ def commit_cost(args, out_dir):
     from dpjax.recovery.commit import Committer
     from dpjax.train.cli import parse_args
     from dpjax.train.elastic import Elastic
-    from dpjax.train.loop import Trainer
-    from dpjax.train.run import MAX_IN_FLIGHT
+    from dpjax.train.trainer import Trainer
+    from dpjax.train.loop import MAX_IN_FLIGHT
 
     block, skip = args.block, MAX_IN_FLIGHT + 1
     steps = block * (3 * args.rounds + 4)

@@ -11,7 +11,7 @@ import pytest
 
 from dpjax.train import main
 from dpjax.train.cli import parse_args
-from dpjax.train.loop import Trainer
+from dpjax.train.trainer import Trainer
 
 from conftest import tiny_gpt
 

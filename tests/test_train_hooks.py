@@ -9,7 +9,7 @@ import pytest
 
 from dpjax.train import Hook, parse_args, run
 from dpjax.train.hooks import Hooks
-from dpjax.train.run import MAX_IN_FLIGHT
+from dpjax.train.loop import MAX_IN_FLIGHT
 
 from conftest import tiny_gpt
 

@@ -9,7 +9,7 @@ processes. Horovod's size (data-parallel ranks, one per device) is
     launchers.py   the registry of launchers (dpjax.launch, Open MPI, MVAPICH, MPICH /
                    PMI, PMIx, SLURM): rank, size, local rank, coordinator, or one line
     transport.py   gloo | mpi for CPU collectives across processes
-    agree.py       every process about to make the same collective call
+    agreement.py   every process about to make the same collective call
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 import sys
 
-from dpjax.distributed.agree import agree
+from dpjax.distributed.agreement import agree
 from dpjax.distributed.launchers import COORDINATOR, LOCAL_RANK, NUM_PROCESSES, PROCESS_ID, detect
 from dpjax.distributed.transport import COLLECTIVES, chosen, no_mpi_world, problem
 from dpjax.errors import UserError

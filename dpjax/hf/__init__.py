@@ -3,13 +3,13 @@
     files.py    the safetensors format: memory-mapped reads, one-tensor-at-a-time writes, shards + index
     llama.py    the one table of Hub names and layouts beside dpjax's leaves, and config.json's fields
     load.py     a Hub folder -> the model and its parameters, each device's block read for its device
-    export.py   parameters -> a Hub folder; the dpjax checkpoint an import writes
+    writer.py   parameters -> a Hub folder (`export`); the dpjax checkpoint an import writes
     source.py   `hf:DIR` or a dpjax checkpoint -> model and parameters (--init-from, generate, export)
 
 `python -m dpjax.hf import DIR --out CKPT` and `python -m dpjax.hf export CKPT --out DIR`.
 """
 
-from dpjax.hf.export import export, save_checkpoint
+from dpjax.hf.writer import export, save_checkpoint
 from dpjax.hf.files import HFError, Tensors
 from dpjax.hf.load import load_params, model_from_hf
 from dpjax.hf.source import is_hf, model_of, params_of

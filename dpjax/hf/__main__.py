@@ -18,7 +18,7 @@ from dpjax.errors import UserError
 
 
 def do_import(folder: str, out: str, mesh_spec: str | None) -> str:
-    from dpjax.hf.export import save_checkpoint
+    from dpjax.hf.writer import save_checkpoint
     from dpjax.hf.load import model_from_hf
     from dpjax.hf.source import default_mesh, params_of
     from dpjax.sharding import make_layout
@@ -34,7 +34,7 @@ def do_import(folder: str, out: str, mesh_spec: str | None) -> str:
 
 
 def do_export(ckpt: str, out: str, dtype: str | None, shard_mb: float) -> str:
-    from dpjax.hf.export import export
+    from dpjax.hf.writer import export
     from dpjax.hf.source import default_mesh, model_of, params_of
     from dpjax.sharding import make_layout
 

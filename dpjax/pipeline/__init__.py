@@ -11,7 +11,7 @@ first and last stage.
 
 Each data-parallel replica's batch is cut into M micro-batches that flow through the
 stages by a schedule, one file each, each citing its source and stating its bubble, and
-registered in `SCHEDULES` (a `timetable.Schedule`: the one list of schedule names):
+registered in `SCHEDULES` (a `schedule.Schedule`: the one list of schedule names):
 
     naive        one stage at a time, all forwards then all backwards    (S-1)/S
     gpipe        Huang et al. 2019: all forwards, then all backwards     (S-1)/(M+S-1)
@@ -40,7 +40,7 @@ import jax
 from dpjax.errors import UserError
 from dpjax.mesh import STAGE
 from dpjax.pipeline import gpipe, interleaved, naive, one_f_one_b
-from dpjax.pipeline.timetable import Phase, Schedule, Timetable
+from dpjax.pipeline.schedule import Phase, Schedule, Timetable
 from dpjax.registry import Registry
 
 SCHEDULES: Registry[Schedule] = Registry("pipeline schedule")  # name -> Schedule: the one list of schedules

@@ -38,7 +38,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from dpjax.collectives.p2p import send
-from dpjax.pipeline.timetable import Timetable
+from dpjax.pipeline.schedule import Timetable
 
 
 class Pieces(NamedTuple):

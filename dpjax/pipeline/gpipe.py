@@ -17,7 +17,7 @@ activation memory grows with M (1F1B's does not).
 
 from __future__ import annotations
 
-from dpjax.pipeline.timetable import Phase, Schedule, Timetable
+from dpjax.pipeline.schedule import Phase, Schedule, Timetable
 
 
 def timetable(stages: int, microbatches: int, virtual_stages: int = 1) -> Timetable:

@@ -28,7 +28,7 @@ whatever M is. V = 1 is 1F1B exactly (tests/test_pipeline.py checks the timetabl
 
 from __future__ import annotations
 
-from dpjax.pipeline.timetable import Schedule, Timetable, phases
+from dpjax.pipeline.schedule import Schedule, Timetable, phases
 
 
 def timetable(stages: int, microbatches: int, virtual_stages: int) -> Timetable:

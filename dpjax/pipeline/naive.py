@@ -16,7 +16,7 @@ measured against.
 
 from __future__ import annotations
 
-from dpjax.pipeline.timetable import Phase, Schedule, Timetable
+from dpjax.pipeline.schedule import Phase, Schedule, Timetable
 
 
 def timetable(stages: int, microbatches: int, virtual_stages: int = 1) -> Timetable:

@@ -23,7 +23,7 @@ one forward or one backward, here one tick of both.)
 
 from __future__ import annotations
 
-from dpjax.pipeline.timetable import Schedule, Timetable, phases
+from dpjax.pipeline.schedule import Schedule, Timetable, phases
 
 
 def timetable(stages: int, microbatches: int, virtual_stages: int = 1) -> Timetable:

@@ -79,7 +79,7 @@ def check_memory(plan):
                                                             "fraction": device["fraction"],
                                                             "usable_from": device["source"]})
     refusal = memory_refusal(plan)
-    if refusal and not s.dry_run:  # --dry-run prints the plan first, then refuses (dpjax.train.loop.dry_run)
+    if refusal and not s.dry_run:  # --dry-run prints the plan first, then refuses (dpjax.train.trainer.dry_run)
         raise UsageError(refusal)
     return plan
 

@@ -23,7 +23,7 @@ importing only those above it (no circle), and none importing step code:
     spans      a device's ops grouped into phase, call and point-to-point spans
     program    a compiled program's ops (`compiled_text`, `Program`)
     gpu        a GPU capture's kernels, their runs, CUDA command buffers
-    build      raw trace + programs -> the timeline
+    builder    raw trace + programs -> the timeline (`build`)
     capture    a capture on disk: its trace, the HLO text kept beside it
     recorder   `Recorder`, `record`, `save`: capture and write
     summary    `load`, `summarize`, `render`: the tables
@@ -39,7 +39,7 @@ importing only those above it (no circle), and none importing step code:
 """
 
 
-from dpjax.timeline.build import build
+from dpjax.timeline.builder import build
 from dpjax.timeline.cli import main
 from dpjax.timeline.format import FORMAT
 from dpjax.timeline.program import Program, compiled_text

@@ -9,7 +9,7 @@ import sys
 
 from dpjax.errors import UserError
 from dpjax.timeline import capture
-from dpjax.timeline.build import build
+from dpjax.timeline.builder import build
 from dpjax.timeline.recorder import save
 from dpjax.timeline.summary import load, render, summarize
 

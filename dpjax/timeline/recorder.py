@@ -24,7 +24,7 @@ import tempfile
 
 from dpjax import scopes
 from dpjax.timeline import capture
-from dpjax.timeline.build import build
+from dpjax.timeline.builder import build
 from dpjax.timeline.program import Program, compiled_text
 
 class Recorder:

@@ -5,7 +5,7 @@ over `stage`, and any update rule between workers.
     python -m dpjax.train --mesh 2x4 --steps 200 --metrics run.jsonl
 
 parse (`cli.py`, generated from `dpjax.settings.Settings`) -> plan (`dpjax.plan`) ->
-loop (`loop.py`'s `Trainer`, `run.py`: data -> step -> hooks).
+loop (`trainer.py`'s `Trainer`, `loop.py`'s `Loop`: data -> step -> hooks).
 
 From research code: `dpjax.train.run(settings, hooks=[...])` trains as the command line
 does, calling each `Hook` (`dpjax.train.hooks`: every step's metrics row, a stop) beside
@@ -15,6 +15,6 @@ the built-in ones.
 from dpjax.settings import Settings
 from dpjax.train.cli import build_parser, main, parse_args, summary_line
 from dpjax.train.hooks import Hook
-from dpjax.train.loop import Trainer, run
+from dpjax.train.trainer import Trainer, run
 
 __all__ = ["Hook", "Settings", "Trainer", "build_parser", "main", "parse_args", "run", "summary_line"]

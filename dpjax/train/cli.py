@@ -171,7 +171,7 @@ def main(argv=None) -> int:
     """The command line's exit status: 0 done, 2 a user error (one line), 130 interrupted
     by Ctrl-C in the loop. A Ctrl-C before the loop (starting, compiling) raises
     KeyboardInterrupt: `python -m dpjax.train` (`__main__`) makes it one line and 130."""
-    from dpjax.train.loop import dry_run, run
+    from dpjax.train.trainer import dry_run, run
     from dpjax.train.resume import interrupted
 
     argv = sys.argv[1:] if argv is None else list(argv)

@@ -84,7 +84,7 @@ class Elastic:
         import jax
 
         from dpjax.recovery.interval import AutoInterval
-        from dpjax.train.run import MAX_IN_FLIGHT
+        from dpjax.train.loop import MAX_IN_FLIGHT
 
         self.cfg, self.committer, self.heartbeat_path = trainer.cfg, committer, heartbeat
         self.faults = faults.for_process(jax.process_index())

@@ -17,7 +17,7 @@ timeline, so that a stop it asks for in `after` still saves this step).
             if row["loss"] < 1.0:
                 loop.stop()                # this step finishes and is saved; the run ends "done"
 
-What a hook may use of `loop` (`dpjax.train.run.Loop`): `loop.trainer` (the
+What a hook may use of `loop` (`dpjax.train.loop.Loop`): `loop.trainer` (the
 `Trainer`: cfg, plan, mesh, params, ...), `loop.write(row)` (a row to the metrics file),
 `loop.stop()`, `loop.drain()` (wait for the steps in flight, writing their rows),
 `loop.phase(name)` (a host phase on the timeline), `loop.reset_clock()` (what the hook

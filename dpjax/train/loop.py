@@ -1,301 +1,165 @@
-"""The training loop: a `Trainer` built from one plan, then `run()`.
-
-    settings -> dpjax.plan.resolve -> Trainer (steps from dpjax.step, parameters,
-    data streams, checkpoint restore) -> run(): data -> step -> hooks
-
-The loop itself is `run.py`; everything beside the step is a hook (`hooks.py`, the
-protocol a run's own hooks follow too; the built-in ones in `builtin.py`: metrics,
-progress, evaluation, checkpoints, commits, the NaN stop, Ctrl-C, the autotune, the
-timeline). Beside them: the autotune's glue (`tuning.py`), what a run measures about
-itself (`observe.py`), starting fresh or resuming and the metrics file (`resume.py`),
-the stop on a NaN or Inf (`nonfinite.py`).
-"""
+"""The loop of a run: data -> step -> hooks, with a step in flight behind the one
+running. Everything beside the step (metrics, progress, evaluation, checkpoints,
+commits, the NaN stop, Ctrl-C, the autotune, the timeline) is a hook
+(`dpjax.train.hooks`, the built-in ones in `builtin.py`)."""
 
 from __future__ import annotations
 
-import dataclasses
-import os
-import sys
+import collections
+import contextlib
+import time
+from typing import NamedTuple
 
-from dpjax import distributed
-from dpjax.recovery.checkpoint import compression_split
-from dpjax.train.comm_bytes import CommBytes
-from dpjax.plan import check, devices_per_process, resolve, settled, warnings
-from dpjax.settings import Settings
-from dpjax.train import elastic, hardware, nonfinite, observe, record, resume, tuning
-from dpjax.train.streams import streams
+from dpjax.train import builtin
+from dpjax.train.hooks import Hooks
+from dpjax.train.observe import Figures
 
-
-def setup_devices(cfg: Settings):
-    """Starts jax.distributed if launched as one of several processes and simulates the
-    CPU devices this process contributes to the mesh (before JAX starts); the devices
-    the mesh is made of."""
-    from dpjax.mesh import mesh_size, recommended_xla_flags, simulate_cpu_devices
-
-    recommended_xla_flags()  # GPU: collectives overlapped with compute (before JAX starts; the user's flags win)
-    distributed.initialize(collectives=cfg.collectives)
-    per_process = devices_per_process(cfg, distributed.launched_processes())
-    simulate_cpu_devices(per_process or 8)
-    import jax
-
-    devices = jax.devices()
-    distributed.ready()  # the transport's first collective, now that the devices are set
-    want = mesh_size(cfg.mesh) if cfg.mesh else None
-    if want is not None and want < len(devices) and jax.process_count() == 1:
-        devices = devices[:want]  # e.g. --mesh 1x1 on a machine with several GPUs
-    return devices
+# Dispatched-but-unfinished steps allowed in flight: one, queued behind the one running,
+# hides the host's work for the next step (its batch, its dispatch) behind the device's.
+# More let several steps finish while the loop looks elsewhere (the first step's
+# figures, a busy host), and a metrics row could not time its own step: with 4 in
+# flight, runs on CPU wrote rows of 0.0 s beside rows holding several steps' time.
+MAX_IN_FLIGHT = 1
 
 
-class Trainer:
-    """Everything a run needs, built from its plan; `run()` then loops. Raises a
-    UserError before anything is written when the settings are bad."""
+class Flight(NamedTuple):
+    """A step dispatched whose row is not written yet: its index (from 0), its loss (a
+    device array), the fields its row carries beside the loss, the program that ran it."""
 
-    def __init__(self, cfg: Settings):
-        check(cfg)  # before JAX starts: a bad flag costs nothing
-        resume.check_metrics_file(cfg)  # ... nor does a metrics file that would be lost
-        resume.check_commit_dir(cfg)  # ... nor commits a fresh run would remove
-        user = cfg  # what must match on resume is what the user asked, whatever the size now
-        # under dpjax.agent: mesh and micro-batches for the hosts there are now; what the plan fills in (1-bit Adam's
-        # default compression) in the settings the record and the checkpoint see
-        self.cfg = cfg = settled(elastic.fit(cfg))
-        # where commits are: compiled programs a restart loads (before any compile)
-        self.programs = elastic.programs(cfg)
-        self.plan = plan = resolve(cfg, setup_devices(cfg))
-        distributed.ready(plan.mesh)  # the transport's communicators for this mesh (MPI: see transport.py)
-        from dpjax.train.autotune import Setting
+    step_i: int
+    loss: object
+    extra: dict
+    program: object
 
-        self.mesh, self.model, self.layout, self.opt = plan.mesh, plan.model, plan.layout, plan.opt
-        self._say_plan()
-        self.train_stream, self.val_stream, self.tokenizer = streams(cfg, self.model)
-        self._steps, self.comm_bytes = {}, CommBytes(plan)
-        self.compression_ratio = observe.CompressionRatio(plan) if plan.exchange.compression else None
-        self.use(Setting(plan.exchange.algorithm, plan.exchange.fusion_mb))
-        self.record = self._resume_record(user)
-        self._say_exchange()
-        self._init_state()
-        self.start, self.cursor, self.ckpt, self.resumed, self.saved = 0, 0, None, {}, []
-        if cfg.ckpt_dir:
-            self._restore()
-        self.run_record = record.build(cfg, plan)  # the first metrics row, and run.json beside the checkpoints
-        self.elastic = elastic.attach(self)  # commits, heartbeat, faults; a restart restores its commit
-        resume.fresh_or_refuse(self)  # before anything is written: --resume that found nothing is an error
-        self._open_checkpoints()
-        self.tuner = tuning.plan_search(self)
-        self.recorder = observe.recorder(cfg)
-        if self.start >= cfg.steps:
-            from dpjax.plan import UsageError
 
-            raise UsageError(f"the checkpoint is at step {self.start}, not before --steps {cfg.steps}; "
-                             "ask for more steps")
+class Loop:
+    """One run of a `dpjax.train.trainer.Trainer` to --steps (or a stop), and what its hooks
+    may use (`dpjax.train.hooks`)."""
 
-    # --- what __init__ does, in its order ---
+    def __init__(self, trainer, hooks=()):
+        cfg, self.trainer = trainer.cfg, trainer
+        self.tokens_per_step = cfg.batch_size * cfg.seq_len * cfg.backward_passes
+        self.figures = Figures(trainer, self.tokens_per_step)
+        self.hooks = Hooks(builtin.parts(trainer, self.figures, hooks))
+        self.writers = None  # the metrics writers (builtin.Metrics); None: this process writes no rows
+        self.in_flight: collections.deque = collections.deque()
+        self.finished: dict = {}  # step index -> when it was first seen finished (`_seen_finished`)
+        self.tps_window: collections.deque = collections.deque(maxlen=20)
+        self.lr_at = trainer.opt.schedule(cfg.batch_size * cfg.backward_passes)
+        self.loss, self.eval_loss, self.tokens_per_s = float("nan"), None, 0.0
+        self.stopping = self.interrupted = False
+        self.set_aside: list = []  # a checkpoint saved at the step whose loss turned out not finite
+        self.done, self.args, self.began = trainer.start, None, 0.0
+        rec = trainer.recorder  # host phases are annotations that cost nothing outside the profile
+        self.phase = rec.phase if rec is not None else (lambda _: contextlib.nullcontext())
 
-    def _say_plan(self) -> None:
-        """The devices, the plan's notes (e.g. why the attention is not cuDNN's flash
-        kernel), its warnings (process 0, to stderr)."""
+    # --- what hooks use ---
+
+    def write(self, row: dict) -> None:
+        """A row to the metrics file (process 0; nothing without --metrics)."""
+        if self.writers:
+            self.writers.write(row)
+
+    def stop(self, interrupted: bool = False) -> None:
+        """Ends the run after the step under way: it finishes and is saved (--ckpt-dir).
+        `interrupted` (Ctrl-C): the summary says so, the run exits 130, nothing is
+        evaluated at the end; otherwise the run ends as if this step were the last."""
+        self.stopping = True
+        self.interrupted = self.interrupted or interrupted
+
+    def reset_clock(self) -> None:
+        """What the host did since the last step's end is not the next step's step_time."""
+        self.last_done = time.perf_counter()
+
+    def drain(self) -> None:
+        """Waits for every step in flight, writing their rows."""
+        while self.in_flight:
+            self._retire()
+
+    # --- the loop ---
+
+    def run(self) -> dict:
+        """The steps from the trainer's start to --steps; returns the summary."""
+        t0 = self.last_done = time.perf_counter()
+        with contextlib.ExitStack() as stack:
+            for hook in self.hooks:  # each hook's close once it has started: reversed, every one called
+                hook.start(self)
+                stack.callback(hook.close, self)
+            for step in range(self.trainer.start + 1, self.trainer.cfg.steps + 1):
+                self._iterate(step)
+                if self.stopping:
+                    break
+            self.drain()
+            if not self.interrupted:
+                self.hooks.end(self)
+        return self.summary(time.perf_counter() - t0)
+
+    def _iterate(self, step: int) -> None:
+        """Step `step` (from 1): data -> step -> hooks. A step runs alone to its end when a
+        hook asks (`alone`: autotune trials, profiled steps); else one stays in flight."""
         import jax
 
-        self.say(hardware.devices_line(list(self.mesh.devices.flat), jax.process_count()))
-        for note in self.plan.notes:
-            self.say(note)
-        for warning in [hardware.cpu_but_gpu_warning(jax.devices()), *warnings(self.cfg)]:
-            if warning and jax.process_index() == 0:
-                print(warning, file=sys.stderr, flush=True)
+        trainer = self.trainer
+        self.program, self.alone, self.tags = None, False, {}  # before-hooks may choose, isolate, tag
+        self.hooks.before(self, step)
+        program = self.program or trainer.step
+        with self.phase("data"):
+            cursor = trainer.cursor  # the step's first sample: the step log shows none read twice or skipped
+            batch = trainer.batch()
+        self._seen_finished()
+        self.args, self.began = (trainer.params, trainer.opt_state, batch), time.perf_counter()
+        with self.phase("dispatch"):
+            trainer.params, trainer.opt_state, loss, *stats = program.train(*self.args)  # a MoE's drops: its own
+        self.done = step
+        flight = Flight(step - 1, loss, {"cursor": cursor, **self.tags, **dict(*stats)}, program)
+        self.in_flight.append(flight)
+        self._seen_finished()  # before the row's figures: the first step's take a compile
+        self.hooks.dispatched(self, flight)
+        if self.alone:
+            self._retire()
+            with self.phase("host_wait"):
+                jax.block_until_ready((trainer.params, trainer.opt_state))
+        elif len(self.in_flight) > MAX_IN_FLIGHT:
+            self._retire()
+        self.hooks.after(self, step)
 
-    def _resume_record(self, user: Settings) -> dict:
-        """What must match for a checkpoint to resume: per-worker state needs the same
-        rule and the same number of workers (the mesh may change)."""
-        cfg, plan = self.cfg, self.plan
-        out = {"model": self.model.describe(), "data": cfg.data, "seed": cfg.seed, "batch_size": user.batch_size,
-               "optimizer": {**dataclasses.asdict(self.opt), "backward_passes": user.backward_passes,
-                             "update": str(plan.update)}}
-        if self.step.rule.per_worker:
-            out["optimizer"]["workers"] = self.layout.num_workers
-        if plan.exchange.between_workers_only:  # error buffers / PowerSGD's Q in the state (issue 20)
-            out["optimizer"]["compression"] = cfg.compression
-            split = compression_split(cfg.compression, self.mesh, fsdp=cfg.fsdp, shards=plan.exchange.shards)
-            if split:  # the state's shapes follow these axes: they must match to resume
-                out["optimizer"]["compression_model_split"] = split
-        if self.layout.pipeline is not None and self.layout.pipeline.virtual_stages > 1:
-            # the layer stack is stored V x L/V: it resumes on any stage count, with the same V
-            out["model"]["virtual_stages"] = self.layout.pipeline.virtual_stages
-        return out
+    def _seen_finished(self) -> None:
+        """Stamps the steps in flight that have finished, oldest first, without waiting:
+        a row's step_time runs from the previous step's end to its own, each seen as soon
+        as the loop looks (a backend that runs a program inside its dispatch, as XLA's CPU
+        one does on one device, has finished it when the dispatch returns)."""
+        for flight in self.in_flight:
+            if flight.step_i not in self.finished:
+                if not flight.loss.is_ready():
+                    break
+                self.finished[flight.step_i] = time.perf_counter()
 
-    def _say_exchange(self) -> None:
-        """One line when the cost model says the compression cannot pay, or the method
-        misbehaves under the optimizer; then what compiles, and how to stop it."""
-        from dpjax.compression import accounting
-        from dpjax.train.plan_table import compiling_line
-
-        for warning in (accounting.warning(self.plan), accounting.optimizer_warning(self.plan)):
-            if warning:
-                self.say(warning)
-        self.say(compiling_line(self.plan))  # a large model compiles for minutes: say what, and how to stop it
-
-    def _init_state(self) -> None:
-        """Parameters (--init-from's weights read onto this layout, or fresh), the
-        optimizer state, and the run's RNG state: nothing in the step draws from it yet (no
-        dropout), but it is saved and restored with the rest so that stochastic steps
-        resume exactly too."""
+    def _retire(self) -> None:
+        """The oldest step in flight: waits for its loss, then its row to the hooks."""
         import jax
-
-        from dpjax import step as S
-
-        cfg, plan, key = self.cfg, self.plan, jax.random.key(self.cfg.seed)
-        if cfg.init_from:  # the optimizer state fresh
-            from dpjax.hf import params_of
-
-            initial = plan.policy.store(params_of(cfg.init_from, self.model, self.layout))
-            self.say(f"initialised from {cfg.init_from} ({self.model.num_params(initial):,} parameters)")
-        else:
-            initial = S.init_params(self.model, self.layout, key, plan.policy,
-                                    keep=self.programs and self.programs.keep)
-        self.params, self.opt_state = self.step.init(initial)
-        self.rng = jax.device_put(jax.random.key_data(jax.random.fold_in(key, 1)), S.replicated(self.mesh))
-
-    def _open_checkpoints(self) -> None:
-        """--ckpt-dir's Checkpointer (the folder made now, not for a refusal) and its run.json."""
-        import jax
-
-        if not self.cfg.ckpt_dir:
-            return
-        from dpjax.recovery.checkpoint import Checkpointer
-
-        self.ckpt = self.ckpt or Checkpointer(self.cfg.ckpt_dir)
-        if jax.process_index() == 0:
-            record.write_run_file(self.cfg.ckpt_dir, self.run_record)
-
-    # --- the steps, one per exchange setting (an autotune tries several) ---
-
-    def step_for(self, setting):
-        """The steps with this allreduce algorithm and fusion cap, built once each."""
-        if setting not in self._steps:
-            from dpjax import step as S
-            from dpjax.wrap.replicas import check_always, checked
-
-            plan = self.plan
-            if (setting.algorithm, setting.fusion_mb) != (plan.exchange.algorithm, plan.exchange.fusion_mb):
-                plan = plan.with_exchange(setting.algorithm, setting.fusion_mb)
-            step = S.for_plan(plan)
-            if self.programs is not None:
-                step = S.kept(step, self.programs.keep, f"-{setting.algorithm}-{setting.fusion_mb}")
-            if check_always():  # DPJAX_CHECK=1: every step's replicated values are checked (dpjax.wrap.replicas)
-                step = dataclasses.replace(step, train=checked(step.train, ("params", "opt_state", "loss"),
-                                                               "dpjax.train step"))
-            self._steps[setting] = step
-        return self._steps[setting]
-
-    def use(self, setting) -> None:
-        self.setting, self.step = setting, self.step_for(setting)
-
-    # --- state ---
-
-    def _state(self) -> dict:
-        return {"params": self.params, "opt_state": self.opt_state, "rng": self.rng}
-
-    def _restore(self) -> None:
-        import jax
-
-        from dpjax.recovery.checkpoint import Checkpointer
-
-        if not os.path.isdir(self.cfg.ckpt_dir):  # nothing to restore; made when the run is sure to start
-            return
-        self.ckpt = Checkpointer(self.cfg.ckpt_dir)
-        latest = self.ckpt.latest_step()
-        if latest is None:
-            return
-        if resume.refuse_fresh_into(self.cfg, "--ckpt-dir", self.cfg.ckpt_dir, "checkpoints", latest):
-            self.ckpt.clear()  # --overwrite: a fresh run, its checkpoints the only ones there
-            return
-        abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), self._state())
-        state, saved = self.ckpt.restore(abstract, expect=self.record)
-        self.params, self.opt_state, self.rng = state["params"], state["opt_state"], state["rng"]
-        self.start, self.cursor, self.resumed = saved["step"], saved["cursor"], saved
-        self.saved = [self.start]  # good as far as is known: a non-finite loss at this step sets it aside
-
-    def save(self, step_done: int) -> None:
-        """A checkpoint of the state after `step_done` steps; never of a state that holds
-        a NaN or Inf (the run stops instead, naming the last good one)."""
-        if not nonfinite.finite((self.params, self.opt_state)):
-            raise nonfinite.stop(f"the update of step {step_done} turned the parameters or optimizer state NaN "
-                                 "or Inf (not saved)", step_done, self.cfg, self.saved)
-        self.ckpt.save(step_done, self._state(), {**self.record, "step": step_done, "cursor": self.cursor})
-        self.saved.append(step_done)
-
-    def say(self, line: str) -> None:
-        import jax
-
-        if jax.process_index() == 0 and self.cfg.progress != "none":
-            print(line, flush=True)
-
-    def announce(self, line: str) -> None:
-        """A line said whatever --progress is (process 0): how the run starts is news."""
-        import jax
-
-        if jax.process_index() == 0:
-            print(line, flush=True)
-
-    # --- data and evaluation ---
-
-    def batch(self):
-        from dpjax.step import put_batch
-
-        b = put_batch(self.train_stream, self.cursor, self.cfg.batch_size, self.mesh, passes=self.cfg.backward_passes)
-        self.cursor += self.cfg.batch_size * self.cfg.backward_passes
-        return b
-
-    def evaluate(self) -> float:
         import numpy as np
 
-        from dpjax.step import put_batch
+        step_i, loss, extra, _ = self.in_flight.popleft()
+        with self.phase("host_wait"):
+            loss = float(loss)  # waits for the step
+        now = self.finished.pop(step_i, None) or time.perf_counter()
+        dt, self.last_done = now - self.last_done, now
+        self.tps_window.append(self.tokens_per_step / dt)
+        self.loss, self.tokens_per_s = loss, float(np.median(self.tps_window))
+        row = {"step": step_i + 1, "loss": loss, "step_time": dt, "tokens_per_s": self.tokens_per_step / dt,
+               "lr": float(self.lr_at(step_i)),
+               **{k: float(v) if isinstance(v, jax.Array) else v for k, v in extra.items()}}  # a MoE's drops
+        self.hooks.step(self, row)
 
-        cfg = self.cfg
-        losses = [self.step.evaluate(self.params, put_batch(self.val_stream, i * cfg.batch_size, cfg.batch_size,
-                                                            self.mesh))
-                  for i in range(cfg.eval_batches)]
-        return float(np.mean([float(x) for x in losses]))
-
-    def model_stats(self) -> dict:
-        """The model's own figures on the validation batches (a mixture of experts' router
-        losses and share of dropped choices: `dpjax.step`'s `stats`), {} for a model without."""
-        import numpy as np
-
-        from dpjax.step import put_batch
-
-        if self.step.stats is None:
-            return {}
-        cfg = self.cfg
-        got = [self.step.stats(self.params, put_batch(self.val_stream, i * cfg.batch_size, cfg.batch_size, self.mesh))
-               for i in range(cfg.eval_batches)]
-        return {k: float(np.mean([float(g[k]) for g in got])) for k in got[0]}
-
-    def run(self, hooks=()) -> dict:
-        """Trains to --steps (or a stop) with the built-in hooks and `hooks` (each a
-        `dpjax.train.Hook`: `dpjax.train.hooks`); returns the summary."""
-        from dpjax.train.run import run_loop
-
-        return run_loop(self, hooks)
+    def summary(self, seconds: float) -> dict:
+        saved = self.trainer.saved
+        return {"steps": self.done, "interrupted": self.interrupted, "saved": saved[-1] if saved else None,
+                "loss": self.loss, "eval_loss": self.eval_loss, "tokens_per_s": self.tokens_per_s,
+                "seconds": seconds, "mesh": dict(self.trainer.mesh.shape),
+                "efficiency": self.figures.summary(self.tokens_per_s)}
 
 
-def run(cfg: Settings, hooks=()) -> dict:
-    """Trains per `cfg`, calling `hooks` (`dpjax.train.Hook`s) at each step beside the
-    built-in ones; returns the summary."""
-    return Trainer(cfg).run(hooks)
-
-
-def dry_run(cfg: Settings) -> int:
-    """--dry-run: the plan resolved on the devices here (or for --device-memory), printed,
-    nothing compiled; 0 if it fits, 2 (and the one line saying why) if not."""
-    from dpjax.plan import UsageError, memory_refusal
-    from dpjax.train.plan_table import plan_lines
-
-    check(cfg)
-    plan = resolve(elastic.fit(cfg), setup_devices(cfg))
-    for line in plan_lines(plan):
-        print(line)
-    refusal = memory_refusal(plan)
-    if refusal:
-        raise UsageError(refusal)
-    mem = plan.memory
-    print("the plan fits" + (f" in {mem['device'] / 2**30:,.1f} GiB per device" if mem and mem["device"] else ""))
-    return 0
+def run_loop(trainer, hooks=()) -> dict:
+    """Runs `trainer` (a `dpjax.train.trainer.Trainer`) to --steps with the built-in hooks
+    and `hooks` (`dpjax.train.hooks.Hook`s); returns the summary."""
+    return Loop(trainer, hooks).run()

@@ -19,17 +19,18 @@ from dpjax.updates.grammar import make_rule
 # Each rule registers itself when imported; this order is the order of HELP and the errors.
 from dpjax.updates import sync as _sync, delayed as _delayed, sparse as _sparse, stale_async as _async  # noqa: E401
 from dpjax.updates import onebit_adam as _onebit_adam
-from dpjax.updates.delayed import DelayedState, delayed, delayed_gradients
-from dpjax.updates.sparse import LocalState, sparse
-from dpjax.updates.stale_async import AsyncState, stale_async, staleness, staleness_schedule
-from dpjax.updates.sync import sync
+# The rules' constructors keep their modules' names (`dpjax.updates.delayed.delayed`): a package
+# that bound `delayed` to the function would see it replaced by the module the first time anything
+# imported `dpjax.updates.delayed` (tests/test_package_names.py).
+from dpjax.updates.delayed import DelayedState, delayed_gradients
+from dpjax.updates.sparse import LocalState
+from dpjax.updates.stale_async import AsyncState, staleness, staleness_schedule
 
 REGISTERED_BY = (_sync, _delayed, _sparse, _async, _onebit_adam)
 
 __all__ = [
     "AsyncState", "DelayedState", "HELP", "LocalState", "UpdateRule", "UpdateSpec",
-    "delayed", "delayed_gradients", "help_text", "make_rule", "parse_update", "sparse", "stale_async", "staleness",
-    "staleness_schedule", "sync",
+    "delayed_gradients", "help_text", "make_rule", "parse_update", "staleness", "staleness_schedule",
 ]
 
 

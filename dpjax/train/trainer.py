@@ -1,0 +1,301 @@
+"""The training loop: a `Trainer` built from one plan, then `run()`.
+
+    settings -> dpjax.plan.resolve -> Trainer (steps from dpjax.step, parameters,
+    data streams, checkpoint restore) -> run(): data -> step -> hooks
+
+The loop itself is `loop.py`; everything beside the step is a hook (`hooks.py`, the
+protocol a run's own hooks follow too; the built-in ones in `builtin.py`: metrics,
+progress, evaluation, checkpoints, commits, the NaN stop, Ctrl-C, the autotune, the
+timeline). Beside them: the autotune's glue (`tuning.py`), what a run measures about
+itself (`observe.py`), starting fresh or resuming and the metrics file (`resume.py`),
+the stop on a NaN or Inf (`nonfinite.py`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+
+from dpjax import distributed
+from dpjax.recovery.checkpoint import compression_split
+from dpjax.train.comm_bytes import CommBytes
+from dpjax.plan import check, devices_per_process, resolve, settled, warnings
+from dpjax.settings import Settings
+from dpjax.train import elastic, hardware, nonfinite, observe, record, resume, tuning
+from dpjax.train.streams import streams
+
+
+def setup_devices(cfg: Settings):
+    """Starts jax.distributed if launched as one of several processes and simulates the
+    CPU devices this process contributes to the mesh (before JAX starts); the devices
+    the mesh is made of."""
+    from dpjax.mesh import mesh_size, recommended_xla_flags, simulate_cpu_devices
+
+    recommended_xla_flags()  # GPU: collectives overlapped with compute (before JAX starts; the user's flags win)
+    distributed.initialize(collectives=cfg.collectives)
+    per_process = devices_per_process(cfg, distributed.launched_processes())
+    simulate_cpu_devices(per_process or 8)
+    import jax
+
+    devices = jax.devices()
+    distributed.ready()  # the transport's first collective, now that the devices are set
+    want = mesh_size(cfg.mesh) if cfg.mesh else None
+    if want is not None and want < len(devices) and jax.process_count() == 1:
+        devices = devices[:want]  # e.g. --mesh 1x1 on a machine with several GPUs
+    return devices
+
+
+class Trainer:
+    """Everything a run needs, built from its plan; `run()` then loops. Raises a
+    UserError before anything is written when the settings are bad."""
+
+    def __init__(self, cfg: Settings):
+        check(cfg)  # before JAX starts: a bad flag costs nothing
+        resume.check_metrics_file(cfg)  # ... nor does a metrics file that would be lost
+        resume.check_commit_dir(cfg)  # ... nor commits a fresh run would remove
+        user = cfg  # what must match on resume is what the user asked, whatever the size now
+        # under dpjax.agent: mesh and micro-batches for the hosts there are now; what the plan fills in (1-bit Adam's
+        # default compression) in the settings the record and the checkpoint see
+        self.cfg = cfg = settled(elastic.fit(cfg))
+        # where commits are: compiled programs a restart loads (before any compile)
+        self.programs = elastic.programs(cfg)
+        self.plan = plan = resolve(cfg, setup_devices(cfg))
+        distributed.ready(plan.mesh)  # the transport's communicators for this mesh (MPI: see transport.py)
+        from dpjax.train.autotune import Setting
+
+        self.mesh, self.model, self.layout, self.opt = plan.mesh, plan.model, plan.layout, plan.opt
+        self._say_plan()
+        self.train_stream, self.val_stream, self.tokenizer = streams(cfg, self.model)
+        self._steps, self.comm_bytes = {}, CommBytes(plan)
+        self.compression_ratio = observe.CompressionRatio(plan) if plan.exchange.compression else None
+        self.use(Setting(plan.exchange.algorithm, plan.exchange.fusion_mb))
+        self.record = self._resume_record(user)
+        self._say_exchange()
+        self._init_state()
+        self.start, self.cursor, self.ckpt, self.resumed, self.saved = 0, 0, None, {}, []
+        if cfg.ckpt_dir:
+            self._restore()
+        self.run_record = record.build(cfg, plan)  # the first metrics row, and run.json beside the checkpoints
+        self.elastic = elastic.attach(self)  # commits, heartbeat, faults; a restart restores its commit
+        resume.fresh_or_refuse(self)  # before anything is written: --resume that found nothing is an error
+        self._open_checkpoints()
+        self.tuner = tuning.plan_search(self)
+        self.recorder = observe.recorder(cfg)
+        if self.start >= cfg.steps:
+            from dpjax.plan import UsageError
+
+            raise UsageError(f"the checkpoint is at step {self.start}, not before --steps {cfg.steps}; "
+                             "ask for more steps")
+
+    # --- what __init__ does, in its order ---
+
+    def _say_plan(self) -> None:
+        """The devices, the plan's notes (e.g. why the attention is not cuDNN's flash
+        kernel), its warnings (process 0, to stderr)."""
+        import jax
+
+        self.say(hardware.devices_line(list(self.mesh.devices.flat), jax.process_count()))
+        for note in self.plan.notes:
+            self.say(note)
+        for warning in [hardware.cpu_but_gpu_warning(jax.devices()), *warnings(self.cfg)]:
+            if warning and jax.process_index() == 0:
+                print(warning, file=sys.stderr, flush=True)
+
+    def _resume_record(self, user: Settings) -> dict:
+        """What must match for a checkpoint to resume: per-worker state needs the same
+        rule and the same number of workers (the mesh may change)."""
+        cfg, plan = self.cfg, self.plan
+        out = {"model": self.model.describe(), "data": cfg.data, "seed": cfg.seed, "batch_size": user.batch_size,
+               "optimizer": {**dataclasses.asdict(self.opt), "backward_passes": user.backward_passes,
+                             "update": str(plan.update)}}
+        if self.step.rule.per_worker:
+            out["optimizer"]["workers"] = self.layout.num_workers
+        if plan.exchange.between_workers_only:  # error buffers / PowerSGD's Q in the state (issue 20)
+            out["optimizer"]["compression"] = cfg.compression
+            split = compression_split(cfg.compression, self.mesh, fsdp=cfg.fsdp, shards=plan.exchange.shards)
+            if split:  # the state's shapes follow these axes: they must match to resume
+                out["optimizer"]["compression_model_split"] = split
+        if self.layout.pipeline is not None and self.layout.pipeline.virtual_stages > 1:
+            # the layer stack is stored V x L/V: it resumes on any stage count, with the same V
+            out["model"]["virtual_stages"] = self.layout.pipeline.virtual_stages
+        return out
+
+    def _say_exchange(self) -> None:
+        """One line when the cost model says the compression cannot pay, or the method
+        misbehaves under the optimizer; then what compiles, and how to stop it."""
+        from dpjax.compression import accounting
+        from dpjax.train.plan_table import compiling_line
+
+        for warning in (accounting.warning(self.plan), accounting.optimizer_warning(self.plan)):
+            if warning:
+                self.say(warning)
+        self.say(compiling_line(self.plan))  # a large model compiles for minutes: say what, and how to stop it
+
+    def _init_state(self) -> None:
+        """Parameters (--init-from's weights read onto this layout, or fresh), the
+        optimizer state, and the run's RNG state: nothing in the step draws from it yet (no
+        dropout), but it is saved and restored with the rest so that stochastic steps
+        resume exactly too."""
+        import jax
+
+        from dpjax import step as S
+
+        cfg, plan, key = self.cfg, self.plan, jax.random.key(self.cfg.seed)
+        if cfg.init_from:  # the optimizer state fresh
+            from dpjax.hf import params_of
+
+            initial = plan.policy.store(params_of(cfg.init_from, self.model, self.layout))
+            self.say(f"initialised from {cfg.init_from} ({self.model.num_params(initial):,} parameters)")
+        else:
+            initial = S.init_params(self.model, self.layout, key, plan.policy,
+                                    keep=self.programs and self.programs.keep)
+        self.params, self.opt_state = self.step.init(initial)
+        self.rng = jax.device_put(jax.random.key_data(jax.random.fold_in(key, 1)), S.replicated(self.mesh))
+
+    def _open_checkpoints(self) -> None:
+        """--ckpt-dir's Checkpointer (the folder made now, not for a refusal) and its run.json."""
+        import jax
+
+        if not self.cfg.ckpt_dir:
+            return
+        from dpjax.recovery.checkpoint import Checkpointer
+
+        self.ckpt = self.ckpt or Checkpointer(self.cfg.ckpt_dir)
+        if jax.process_index() == 0:
+            record.write_run_file(self.cfg.ckpt_dir, self.run_record)
+
+    # --- the steps, one per exchange setting (an autotune tries several) ---
+
+    def step_for(self, setting):
+        """The steps with this allreduce algorithm and fusion cap, built once each."""
+        if setting not in self._steps:
+            from dpjax import step as S
+            from dpjax.wrap.replicas import check_always, checked
+
+            plan = self.plan
+            if (setting.algorithm, setting.fusion_mb) != (plan.exchange.algorithm, plan.exchange.fusion_mb):
+                plan = plan.with_exchange(setting.algorithm, setting.fusion_mb)
+            step = S.for_plan(plan)
+            if self.programs is not None:
+                step = S.kept(step, self.programs.keep, f"-{setting.algorithm}-{setting.fusion_mb}")
+            if check_always():  # DPJAX_CHECK=1: every step's replicated values are checked (dpjax.wrap.replicas)
+                step = dataclasses.replace(step, train=checked(step.train, ("params", "opt_state", "loss"),
+                                                               "dpjax.train step"))
+            self._steps[setting] = step
+        return self._steps[setting]
+
+    def use(self, setting) -> None:
+        self.setting, self.step = setting, self.step_for(setting)
+
+    # --- state ---
+
+    def _state(self) -> dict:
+        return {"params": self.params, "opt_state": self.opt_state, "rng": self.rng}
+
+    def _restore(self) -> None:
+        import jax
+
+        from dpjax.recovery.checkpoint import Checkpointer
+
+        if not os.path.isdir(self.cfg.ckpt_dir):  # nothing to restore; made when the run is sure to start
+            return
+        self.ckpt = Checkpointer(self.cfg.ckpt_dir)
+        latest = self.ckpt.latest_step()
+        if latest is None:
+            return
+        if resume.refuse_fresh_into(self.cfg, "--ckpt-dir", self.cfg.ckpt_dir, "checkpoints", latest):
+            self.ckpt.clear()  # --overwrite: a fresh run, its checkpoints the only ones there
+            return
+        abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), self._state())
+        state, saved = self.ckpt.restore(abstract, expect=self.record)
+        self.params, self.opt_state, self.rng = state["params"], state["opt_state"], state["rng"]
+        self.start, self.cursor, self.resumed = saved["step"], saved["cursor"], saved
+        self.saved = [self.start]  # good as far as is known: a non-finite loss at this step sets it aside
+
+    def save(self, step_done: int) -> None:
+        """A checkpoint of the state after `step_done` steps; never of a state that holds
+        a NaN or Inf (the run stops instead, naming the last good one)."""
+        if not nonfinite.finite((self.params, self.opt_state)):
+            raise nonfinite.stop(f"the update of step {step_done} turned the parameters or optimizer state NaN "
+                                 "or Inf (not saved)", step_done, self.cfg, self.saved)
+        self.ckpt.save(step_done, self._state(), {**self.record, "step": step_done, "cursor": self.cursor})
+        self.saved.append(step_done)
+
+    def say(self, line: str) -> None:
+        import jax
+
+        if jax.process_index() == 0 and self.cfg.progress != "none":
+            print(line, flush=True)
+
+    def announce(self, line: str) -> None:
+        """A line said whatever --progress is (process 0): how the run starts is news."""
+        import jax
+
+        if jax.process_index() == 0:
+            print(line, flush=True)
+
+    # --- data and evaluation ---
+
+    def batch(self):
+        from dpjax.step import put_batch
+
+        b = put_batch(self.train_stream, self.cursor, self.cfg.batch_size, self.mesh, passes=self.cfg.backward_passes)
+        self.cursor += self.cfg.batch_size * self.cfg.backward_passes
+        return b
+
+    def evaluate(self) -> float:
+        import numpy as np
+
+        from dpjax.step import put_batch
+
+        cfg = self.cfg
+        losses = [self.step.evaluate(self.params, put_batch(self.val_stream, i * cfg.batch_size, cfg.batch_size,
+                                                            self.mesh))
+                  for i in range(cfg.eval_batches)]
+        return float(np.mean([float(x) for x in losses]))
+
+    def model_stats(self) -> dict:
+        """The model's own figures on the validation batches (a mixture of experts' router
+        losses and share of dropped choices: `dpjax.step`'s `stats`), {} for a model without."""
+        import numpy as np
+
+        from dpjax.step import put_batch
+
+        if self.step.stats is None:
+            return {}
+        cfg = self.cfg
+        got = [self.step.stats(self.params, put_batch(self.val_stream, i * cfg.batch_size, cfg.batch_size, self.mesh))
+               for i in range(cfg.eval_batches)]
+        return {k: float(np.mean([float(g[k]) for g in got])) for k in got[0]}
+
+    def run(self, hooks=()) -> dict:
+        """Trains to --steps (or a stop) with the built-in hooks and `hooks` (each a
+        `dpjax.train.Hook`: `dpjax.train.hooks`); returns the summary."""
+        from dpjax.train.loop import run_loop
+
+        return run_loop(self, hooks)
+
+
+def run(cfg: Settings, hooks=()) -> dict:
+    """Trains per `cfg`, calling `hooks` (`dpjax.train.Hook`s) at each step beside the
+    built-in ones; returns the summary."""
+    return Trainer(cfg).run(hooks)
+
+
+def dry_run(cfg: Settings) -> int:
+    """--dry-run: the plan resolved on the devices here (or for --device-memory), printed,
+    nothing compiled; 0 if it fits, 2 (and the one line saying why) if not."""
+    from dpjax.plan import UsageError, memory_refusal
+    from dpjax.train.plan_table import plan_lines
+
+    check(cfg)
+    plan = resolve(elastic.fit(cfg), setup_devices(cfg))
+    for line in plan_lines(plan):
+        print(line)
+    refusal = memory_refusal(plan)
+    if refusal:
+        raise UsageError(refusal)
+    mem = plan.memory
+    print("the plan fits" + (f" in {mem['device'] / 2**30:,.1f} GiB per device" if mem and mem["device"] else ""))
+    return 0
