@@ -60,7 +60,7 @@ def main(argv=None):
                       eval_batches=1, progress="log", data=args.data, autotune_samples=args.samples,
                       **(SMOKE_RUN if args.smoke else {}))
     trainer = Trainer(cfg)
-    cfg.steps = trainer.start + trainer.tuner.budget  # exactly the search
+    cfg.steps = trainer.start + trainer.parts.autotune.tuner.budget  # exactly the search
     t0 = time.time()
     trainer.run()
     search_s = time.time() - t0

@@ -231,16 +231,16 @@ def commit_cost(args, out_dir):
                       "--overwrite"])
     try:
         trainer = Trainer(cfg)
-        committer = trainer.elastic.committer
-        every = Elastic(trainer, committer, None)
+        commits = trainer.parts.commits  # the hook that owns the run's Elastic
+        every = Elastic(trainer, commits.elastic.committer, None)
         every.every, every.auto = 1, None
-        trainer.elastic = probe = Interleaved(trainer.elastic, every, block)
+        commits.elastic = probe = Interleaved(commits.elastic, every, block)
         trainer.run()
         paired = []  # (plain write s, commit s, bytes) with nothing else running
         c = Committer(os.path.join(commits, "alone"), "h", 0, 1)
         for i in range(args.writes + 1):  # the first compiles the device copy and fills the pages reused later
             t = time.perf_counter()
-            c.commit(steps + 1 + i, trainer._state(), {"cursor": 0})
+            c.commit(steps + 1 + i, trainer.state(), {"cursor": 0})
             c.flush()
             alone = time.perf_counter() - t
             nbytes = c.poll()[0]["commit_bytes"]

@@ -55,3 +55,20 @@ def test_a_hook_sees_every_row_in_order_and_stops_the_run(corpus, tmp_path):
 def test_a_hook_is_a_hook():
     with pytest.raises(TypeError, match="dpjax.train.Hook"):
         Hooks([object()])
+
+
+def test_the_built_in_hooks_use_only_what_hooks_py_documents():
+    """The built-in hooks are components (each owns its part) that reach the loop only
+    through the names `dpjax.train.hooks` lists, as a run's own hook must."""
+    import re
+    from pathlib import Path
+
+    import dpjax.train.hooks as hooks_module
+
+    train = Path(hooks_module.__file__).parent
+    block = hooks_module.__doc__.split("What a hook may use of `loop`")[1]
+    documented = set(re.findall(r"loop\.(\w+)", block))
+    used = {name: set(re.findall(r"\bloop\.(\w+)", (train / name).read_text()))
+            for name in ("builtin.py", "checkpoints.py", "observe.py", "elastic.py", "tuning.py")}
+    assert {k: v - documented for k, v in used.items() if v - documented} == {}
+    assert "isolate" in documented and "trainer" in documented

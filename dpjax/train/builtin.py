@@ -5,15 +5,18 @@
     NonFiniteStop a loss that turns NaN or Inf stops the run in one line (nonfinite.py)
     Metrics       the rows to --metrics / --tensorboard (metrics.py); the run record first
     Progress      the bar or the log lines (progress.py)
-    Commits       commits, heartbeat, injected faults: the trainer's Elastic (elastic.py)
+    Commits       commits, heartbeat, injected faults: the run's Elastic (elastic.py)
     Evaluation    --eval-every, and the evaluation after the last step
     Checkpoints   --ckpt-every, the last step, a stop; a NaN's checkpoint set aside
     Timeline      --timeline: a few steps profiled, run alone (observe.py)
     Sample        the greedy continuation printed at the end (sample.py)
 
-`parts(trainer, own)` puts them in the order each event needs them in (the loop calls
-every hook's method in list order); a run's own hooks come before the evaluation, so
-that a stop asked for in `after` still saves the step. How much a step moves and how fast
+`Parts.hooks(figures, own)` puts them in the order each event needs them in (the loop
+calls every hook's method in list order); a run's own hooks come before the evaluation,
+so that a stop asked for in `after` still saves the step. The parts that own a component
+(Checkpoints its Checkpointer, Commits the Elastic, Autotune the tuner, Timeline the
+recorder) are made while the trainer starts (`Parts`): the trainer keeps the state, the
+plan and the streams, and knows none of them. How much a step moves and how fast
 it ran (comm_bytes, compression_ratio, efficiency) is `observe.Figures`, a hook too,
 whose summary the loop's last line reads.
 """
@@ -21,6 +24,7 @@ whose summary the loop's last line reads.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import os
 import signal
@@ -29,6 +33,7 @@ import time
 
 from dpjax import interrupt
 from dpjax.train import nonfinite, observe, resume, sample, tuning
+from dpjax.train.checkpoints import Checkpoints
 from dpjax.train.hooks import Hook
 from dpjax.train.metrics import open_writers
 from dpjax.train.progress import Progress as Bar
@@ -48,6 +53,9 @@ class Interrupt(Hook):
     (a KeyboardInterrupt, as Python's own handler raises; the compile that took minutes on
     a large model used to run to its end first)."""
 
+    def __init__(self, checkpoints):
+        self.checkpoints = checkpoints  # whether a stop saves (the line says so)
+
     def start(self, loop) -> None:
         self.stepping, self.loop = False, loop
         self.old = signal.signal(signal.SIGINT, self.on_sigint)
@@ -62,7 +70,7 @@ class Interrupt(Hook):
             os._exit(130)
         self.loop.stop(interrupted=True)
         if _main():
-            print("Ctrl-C: finishing the step" + (" and saving" if self.loop.trainer.ckpt else "") + "; Ctrl-C "
+            print("Ctrl-C: finishing the step" + (" and saving" if self.checkpoints.ckpt else "") + "; Ctrl-C "
                   "again stops at once", file=sys.stderr, flush=True)
 
     def dispatched(self, loop, flight) -> None:
@@ -75,39 +83,53 @@ class Interrupt(Hook):
 
 
 class Autotune(Hook):
-    """While the search runs, each step is a trial of one setting, run alone and timed;
-    the choice then runs from the next step on (`tuning.finish`)."""
+    """--allreduce / --fusion-mb auto: owns the search (`tuning.plan_search`'s tuner, None
+    when nothing is searched). While it runs, each step is a trial of one setting, run
+    alone and timed; the choice then runs from the next step on (`tuning.finish`)."""
+
+    def __init__(self, tuner):
+        self.tuner = tuner
+
+    @property
+    def searching(self) -> bool:
+        return self.tuner is not None
 
     def before(self, loop, step: int) -> None:
         trainer = loop.trainer
-        self.trial = trainer.tuner.ask() if trainer.tuner is not None else None  # (setting, timed)
-        if trainer.tuner is not None and self.trial is None:  # nothing left to compare (one candidate)
-            tuning.finish(trainer, loop.write, step)
+        self.trial = self.tuner.ask() if self.tuner is not None else None  # (setting, timed)
+        if self.tuner is not None and self.trial is None:  # nothing left to compare (one candidate)
+            self._finish(loop, step)
         if self.trial is not None:
-            loop.program, loop.alone = trainer.step_for(self.trial[0]), True
-            loop.tags["trial"] = str(self.trial[0])
+            loop.isolate(trainer.step_for(self.trial[0]), trial=str(self.trial[0]))
 
     def after(self, loop, step: int) -> None:
-        trainer = loop.trainer
         if self.trial is not None:
-            trainer.tuner.tell(self.trial[0], time.perf_counter() - loop.began, self.trial[1])
-            if trainer.tuner.done:
-                tuning.finish(trainer, loop.write, step)
+            self.tuner.tell(self.trial[0], time.perf_counter() - loop.began, self.trial[1])
+            if self.tuner.done:
+                self._finish(loop, step)
+
+    def _finish(self, loop, step: int) -> None:
+        tuning.finish(loop.trainer, self.tuner, loop.write, step)
+        self.tuner = None
 
 
 class NonFiniteStop(Hook):
     """A step's loss is computed from the state after the steps before it: a loss that is
     not finite stops the run before its row is written (an event row says so), and a
-    checkpoint saved at that state is set aside once its save is finished."""
+    checkpoint saved at that state is set aside once its save is finished (the
+    Checkpoints part's)."""
+
+    def __init__(self, checkpoints):
+        self.checkpoints = checkpoints
 
     def step(self, loop, row: dict) -> None:
         if math.isfinite(row["loss"]):
             return
-        done, trainer = row["step"] - 1, loop.trainer  # the state of `done` steps gave it
+        done, saved = row["step"] - 1, self.checkpoints.saved  # the state of `done` steps gave it
         loop.write({"event": "non_finite_loss", "step": row["step"], "value": str(row["loss"])})
-        if done in trainer.saved and _main():
-            loop.set_aside.append(done)
-        raise nonfinite.stop(f"the loss is {row['loss']} at step {row['step']}", done, trainer.cfg, trainer.saved)
+        if done in saved and _main():
+            self.checkpoints.set_aside.append(done)
+        raise nonfinite.stop(f"the loss is {row['loss']} at step {row['step']}", done, loop.trainer.cfg, saved)
 
 
 class Metrics(Hook):
@@ -144,21 +166,26 @@ class Progress(Hook):
 
 
 class Commits(Hook):
-    """The trainer's `elastic.Elastic` (commits, heartbeat, injected faults), once a step
-    is dispatched; none without --commit-dir or an agent."""
+    """Owns the run's `elastic.Elastic` (commits, heartbeat, injected faults; made, and a
+    restart's commit restored, by `elastic.attach` while the trainer starts), called once
+    a step is dispatched; None without --commit-dir or an agent."""
+
+    def __init__(self, elastic):
+        self.elastic = elastic
 
     def dispatched(self, loop, flight) -> None:
-        if loop.trainer.elastic is not None:
-            loop.trainer.elastic.after_step(loop.trainer, flight.step_i + 1, loop.write, loop.in_flight)
+        if self.elastic is not None:
+            self.elastic.after_step(loop.trainer, flight.step_i + 1, loop.write, loop.in_flight)
 
     def close(self, loop) -> None:
-        if loop.trainer.elastic is not None:
-            loop.trainer.elastic.close()
+        if self.elastic is not None:
+            self.elastic.close()
 
 
 class Evaluation(Hook):
     """The validation loss every --eval-every steps (not at the last, which the end
-    evaluates), of the state after that step; a mixture of experts' router figures too."""
+    evaluates), of the state after that step, on --eval-batches validation batches; a
+    mixture of experts' router figures too (the step's `stats`)."""
 
     at = None  # the step of the last evaluation
 
@@ -175,30 +202,33 @@ class Evaluation(Hook):
             self.record(loop, loop.done)
 
     def record(self, loop, step: int) -> None:
-        trainer, self.at = loop.trainer, step
-        loop.eval_loss = trainer.evaluate()
+        self.at = step
+        loop.eval_loss = self.loss(loop.trainer)
         loop.write({"step": step, "eval_loss": loop.eval_loss,  # of the state after step `step`
-                    **{f"eval_{k}": v for k, v in trainer.model_stats().items()}})
+                    **{f"eval_{k}": v for k, v in self.model_stats(loop.trainer).items()}})
 
+    @staticmethod
+    def batches(trainer):
+        from dpjax.step import put_batch
 
-class Checkpoints(Hook):
-    """A checkpoint every --ckpt-every steps, at the last step and at a stop (Ctrl-C's
-    included); closed at the end, and one whose state gave a NaN set aside then."""
+        cfg = trainer.cfg
+        return (put_batch(trainer.val_stream, i * cfg.batch_size, cfg.batch_size, trainer.mesh)
+                for i in range(cfg.eval_batches))
 
-    def after(self, loop, step: int) -> None:
-        trainer = loop.trainer
-        if trainer.ckpt and (step % trainer.cfg.ckpt_every == 0 or step == trainer.cfg.steps or loop.stopping):
-            loop.drain()
-            with loop.phase("checkpoint"):
-                trainer.save(step)
-            loop.reset_clock()  # nor is saving
+    def loss(self, trainer) -> float:
+        import numpy as np
 
-    def close(self, loop) -> None:
-        ckpt = loop.trainer.ckpt
-        if ckpt:
-            ckpt.close()
-            for step in loop.set_aside:  # its save finished (close waits)
-                nonfinite.set_aside(ckpt.directory, step)
+        return float(np.mean([float(trainer.step.evaluate(trainer.params, b)) for b in self.batches(trainer)]))
+
+    def model_stats(self, trainer) -> dict:
+        """The model's own figures on the validation batches (a mixture of experts' router
+        losses and share of dropped choices: `dpjax.step`'s `stats`), {} for a model without."""
+        import numpy as np
+
+        if trainer.step.stats is None:
+            return {}
+        got = [trainer.step.stats(trainer.params, b) for b in self.batches(trainer)]
+        return {k: float(np.mean([float(g[k]) for g in got])) for k in got[0]}
 
 
 class Timeline(Hook):
@@ -206,17 +236,17 @@ class Timeline(Hook):
     the final setting (after an autotune; that first step compiles), each run alone to its
     end, the host's phases annotated; then the timeline written and its comm_fraction rows."""
 
-    def __init__(self, recorder):
-        self.rec, self.window, self.host = recorder, None, contextlib.ExitStack()
+    def __init__(self, recorder, autotune):
+        self.rec, self.autotune, self.window, self.host = recorder, autotune, None, contextlib.ExitStack()
 
     def before(self, loop, step: int) -> None:
         cfg, trainer, i = loop.trainer.cfg, loop.trainer, step - 1  # the window holds step indices, from 0
-        if self.window is None and trainer.tuner is None:  # the search, if any, is over
+        if self.window is None and not self.autotune.searching:  # the search, if any, is over
             self.window = range(i + 1, min(cfg.steps, i + 1 + cfg.timeline_steps))
         self.host = contextlib.ExitStack()
         if self.window is None or i not in self.window:
             return
-        loop.alone = True
+        loop.isolate()
         if i == self.window.start:
             loop.drain()
             import jax
@@ -247,11 +277,22 @@ class Sample(Hook):
             loop.trainer.say(line)
 
 
-def parts(trainer, figures, own=()) -> list:
-    """Every hook of a run, in the order its events need: the interrupt's handler first
-    (and restored last), the NaN stop before a row's figures and its writing, the commits
-    after the step's figures, the evaluation and checkpoint after the run's own hooks,
-    the timeline's step closed after them."""
-    timeline = [Timeline(trainer.recorder)] if trainer.recorder is not None else []
-    return [Interrupt(), Autotune(), NonFiniteStop(), figures, Metrics(), Progress(), Commits(), *own,
-            Evaluation(), Checkpoints(), *timeline, Sample()]
+@dataclasses.dataclass
+class Parts:
+    """The built-in hooks that own a component, made while the trainer starts (the
+    checkpoints and commits restore the state before the first step; the autotune's
+    search is refused before anything is written if it cannot fit)."""
+
+    checkpoints: Checkpoints
+    commits: Commits
+    autotune: Autotune
+    recorder: object = None  # --timeline's Recorder (observe.recorder), None without
+
+    def hooks(self, figures, own=()) -> list:
+        """Every hook of a run, in the order its events need: the interrupt's handler first
+        (and restored last), the NaN stop before a row's figures and its writing, the commits
+        after the step's figures, the evaluation and checkpoint after the run's own hooks,
+        the timeline's step closed after them."""
+        timeline = [Timeline(self.recorder, self.autotune)] if self.recorder is not None else []
+        return [Interrupt(self.checkpoints), self.autotune, NonFiniteStop(self.checkpoints), figures, Metrics(),
+                Progress(), self.commits, *own, Evaluation(), self.checkpoints, *timeline, Sample()]

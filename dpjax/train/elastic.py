@@ -160,7 +160,7 @@ class Elastic:
             gap = self._gap(done)
             self.next_commit, self.gaps[done], began = done + gap, gap, True
             meta = {"cursor": trainer.cursor, "record": trainer.record, "commit_every": gap}
-            c.commit(done, trainer._state(), meta, losses, ready=in_flight[-1][1] if in_flight else None)
+            c.commit(done, trainer.state(), meta, losses, ready=in_flight[-1][1] if in_flight else None)
             if done == self.cfg.steps:
                 c.flush()  # the last commit's figures land in the last row
         if c is not None:
@@ -280,7 +280,7 @@ def _exit_now(kind, value, tb):
 
 
 def attach(trainer) -> Elastic | None:
-    """The trainer's Elastic (None when nothing elastic is asked for); restores the newest
+    """The run's Elastic (the Commits hook owns it) (None when nothing elastic is asked for); restores the newest
     complete commit on a restart."""
     import jax
     from jax._src import distributed as jax_distributed
@@ -304,14 +304,13 @@ def attach(trainer) -> Elastic | None:
     elastic = Elastic(trainer, committer, heartbeat)
     if committer is not None and (restart > 0 or cfg.resume):
         restoring_at = time.time()
-        got = committer.restore(trainer._state(), expect=trainer.record)
+        got = committer.restore(trainer.state(), expect=trainer.record)
         if got is None and restart > 0:  # failed before the first commit: from the start, and said so
             elastic.restored = {"step": trainer.start, "cursor": trainer.cursor, "sources": {}, "commit_every": None,
                                 "restoring_at": restoring_at, "restored_at": time.time()}
         if got is not None and got[1]["step"] > trainer.start:  # newer than the orbax checkpoint
             state, meta = got
-            trainer.params, trainer.opt_state, trainer.rng = state["params"], state["opt_state"], state["rng"]
-            trainer.start, trainer.cursor = meta["step"], meta["cursor"]
+            trainer.load_state(state, meta["step"], meta["cursor"])
             elastic.restored = {**meta, "restoring_at": restoring_at, "restored_at": time.time()}
             elastic.next_commit = elastic.first_commit(trainer.start)
             _say(f"dpjax.elastic: restored step {meta['step']} from commits {meta['sources']} onto mesh "

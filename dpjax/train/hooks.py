@@ -17,11 +17,25 @@ timeline, so that a stop it asks for in `after` still saves this step).
             if row["loss"] < 1.0:
                 loop.stop()                # this step finishes and is saved; the run ends "done"
 
-What a hook may use of `loop` (`dpjax.train.loop.Loop`): `loop.trainer` (the
-`Trainer`: cfg, plan, mesh, params, ...), `loop.write(row)` (a row to the metrics file),
-`loop.stop()`, `loop.drain()` (wait for the steps in flight, writing their rows),
-`loop.phase(name)` (a host phase on the timeline), `loop.reset_clock()` (what the hook
-just spent is not the next step's step_time), `loop.done` (steps done so far).
+What a hook may use of `loop` (`dpjax.train.loop.Loop`), and nothing else:
+
+    loop.trainer        the `Trainer`: cfg, plan, mesh, model, layout, params, opt_state,
+                        state(), start, cursor, step (the step's programs), step_for(setting),
+                        batch(), say(line) -- the state, the plan and the streams
+    loop.write(row)     a row to the metrics file (process 0; nothing without --metrics)
+    loop.stop()         ends the run after the step under way (it finishes and is saved)
+    loop.drain()        waits for the steps in flight, writing their rows
+    loop.isolate(program=None, **tags)
+                        from `before`: this step runs alone to its end (with `program`
+                        instead of the trainer's step; `tags` into its row)
+    loop.phase(name)    a host phase on the timeline (a context manager)
+    loop.reset_clock()  what the hook just spent is not the next step's step_time
+    loop.done           steps dispatched so far;  loop.stopping, loop.interrupted
+    loop.in_flight      the steps dispatched whose rows are not written yet (`Flight`s)
+    loop.args, loop.began   the arguments and start time of the step just dispatched
+    loop.writers        the metrics writers (None: this process writes no rows)
+    loop.eval_loss, loop.tokens_per_s   the last evaluation, the median speed
+    loop.outcome        fields a hook adds to the run's summary (the checkpoints: `saved`)
 """
 
 from __future__ import annotations

@@ -10,7 +10,6 @@ import contextlib
 import time
 from typing import NamedTuple
 
-from dpjax.train import builtin
 from dpjax.train.hooks import Hooks
 from dpjax.train.observe import Figures
 
@@ -40,7 +39,7 @@ class Loop:
         cfg, self.trainer = trainer.cfg, trainer
         self.tokens_per_step = cfg.batch_size * cfg.seq_len * cfg.backward_passes
         self.figures = Figures(trainer, self.tokens_per_step)
-        self.hooks = Hooks(builtin.parts(trainer, self.figures, hooks))
+        self.hooks = Hooks(trainer.parts.hooks(self.figures, hooks))
         self.writers = None  # the metrics writers (builtin.Metrics); None: this process writes no rows
         self.in_flight: collections.deque = collections.deque()
         self.finished: dict = {}  # step index -> when it was first seen finished (`_seen_finished`)
@@ -48,9 +47,10 @@ class Loop:
         self.lr_at = trainer.opt.schedule(cfg.batch_size * cfg.backward_passes)
         self.loss, self.eval_loss, self.tokens_per_s = float("nan"), None, 0.0
         self.stopping = self.interrupted = False
-        self.set_aside: list = []  # a checkpoint saved at the step whose loss turned out not finite
+        self.outcome: dict = {"saved": None}  # what hooks add to the summary (the Checkpoints part: the last saved)
         self.done, self.args, self.began = trainer.start, None, 0.0
-        rec = trainer.recorder  # host phases are annotations that cost nothing outside the profile
+        self.program, self.alone, self.tags = None, False, {}
+        rec = trainer.parts.recorder  # host phases are annotations that cost nothing outside the profile
         self.phase = rec.phase if rec is not None else (lambda _: contextlib.nullcontext())
 
     # --- what hooks use ---
@@ -76,6 +76,15 @@ class Loop:
         while self.in_flight:
             self._retire()
 
+    def isolate(self, program=None, **tags) -> None:
+        """From a hook's `before`: this step runs alone, waited for to its end before the
+        next is dispatched (an autotune trial, a profiled step), with `program` (a
+        `dpjax.step` program: another exchange setting) instead of the trainer's step;
+        `tags` go into its metrics row."""
+        self.alone = True
+        self.program = program or self.program
+        self.tags.update(tags)
+
     # --- the loop ---
 
     def run(self) -> dict:
@@ -100,7 +109,7 @@ class Loop:
         import jax
 
         trainer = self.trainer
-        self.program, self.alone, self.tags = None, False, {}  # before-hooks may choose, isolate, tag
+        self.program, self.alone, self.tags = None, False, {}  # before-hooks may isolate the step (`isolate`)
         self.hooks.before(self, step)
         program = self.program or trainer.step
         with self.phase("data"):
@@ -152,8 +161,7 @@ class Loop:
         self.hooks.step(self, row)
 
     def summary(self, seconds: float) -> dict:
-        saved = self.trainer.saved
-        return {"steps": self.done, "interrupted": self.interrupted, "saved": saved[-1] if saved else None,
+        return {"steps": self.done, "interrupted": self.interrupted, **self.outcome,
                 "loss": self.loss, "eval_loss": self.eval_loss, "tokens_per_s": self.tokens_per_s,
                 "seconds": seconds, "mesh": dict(self.trainer.mesh.shape),
                 "efficiency": self.figures.summary(self.tokens_per_s)}

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 
+from dpjax.train.comm_bytes import CommBytes
 from dpjax.train.efficiency import Efficiency
 from dpjax.train.hooks import Hook
 
@@ -23,13 +24,16 @@ class Figures(Hook):
         self.efficiency = Efficiency(trainer.model, trainer.mesh, tokens_per_step, cfg.peak_tflops,
                                      trainer.plan.policy.dtype)
         self.tokens_per_step, self.shapes, self.programs = tokens_per_step, {}, {}
+        plan = trainer.plan
+        self.comm_bytes = CommBytes(plan)
+        self.compression_ratio = CompressionRatio(plan) if plan.exchange.compression else None
 
     def dispatched(self, loop, flight) -> None:
-        trainer, program, extra = self.trainer, flight.program, flight.extra
+        program, extra = flight.program, flight.extra
         if loop.writers:
-            extra["comm_bytes"] = trainer.comm_bytes(program, loop.args, flight.step_i)
-            if trainer.compression_ratio is not None:
-                extra["compression_ratio"] = trainer.compression_ratio(flight.step_i)
+            extra["comm_bytes"] = self.comm_bytes(program, loop.args, flight.step_i)
+            if self.compression_ratio is not None:
+                extra["compression_ratio"] = self.compression_ratio(flight.step_i)
         if id(program) not in self.shapes:  # the step's argument shapes: its compiled figures are looked up by them
             self.shapes[id(program)] = shapes(loop.args)
         self.programs[flight.step_i] = program

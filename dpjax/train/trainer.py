@@ -14,15 +14,14 @@ the stop on a NaN or Inf (`nonfinite.py`).
 from __future__ import annotations
 
 import dataclasses
-import os
 import sys
 
 from dpjax import distributed
 from dpjax.recovery.checkpoint import compression_split
-from dpjax.train.comm_bytes import CommBytes
 from dpjax.plan import check, devices_per_process, resolve, settled, warnings
 from dpjax.settings import Settings
-from dpjax.train import elastic, hardware, nonfinite, observe, record, resume, tuning
+from dpjax.train import builtin, elastic, hardware, observe, record, resume, tuning
+from dpjax.train.checkpoints import Checkpoints
 from dpjax.train.streams import streams
 
 
@@ -67,21 +66,20 @@ class Trainer:
         self.mesh, self.model, self.layout, self.opt = plan.mesh, plan.model, plan.layout, plan.opt
         self._say_plan()
         self.train_stream, self.val_stream, self.tokenizer = streams(cfg, self.model)
-        self._steps, self.comm_bytes = {}, CommBytes(plan)
-        self.compression_ratio = observe.CompressionRatio(plan) if plan.exchange.compression else None
+        self._steps = {}
         self.use(Setting(plan.exchange.algorithm, plan.exchange.fusion_mb))
         self.record = self._resume_record(user)
         self._say_exchange()
         self._init_state()
-        self.start, self.cursor, self.ckpt, self.resumed, self.saved = 0, 0, None, {}, []
-        if cfg.ckpt_dir:
-            self._restore()
+        self.start, self.cursor, self.resumed = 0, 0, {}
+        checkpoints = Checkpoints(cfg)
+        checkpoints.restore(self)
         self.run_record = record.build(cfg, plan)  # the first metrics row, and run.json beside the checkpoints
-        self.elastic = elastic.attach(self)  # commits, heartbeat, faults; a restart restores its commit
+        commits = builtin.Commits(elastic.attach(self))  # commits, heartbeat, faults; a restart restores its commit
         resume.fresh_or_refuse(self)  # before anything is written: --resume that found nothing is an error
-        self._open_checkpoints()
-        self.tuner = tuning.plan_search(self)
-        self.recorder = observe.recorder(cfg)
+        checkpoints.open(self)
+        self.parts = builtin.Parts(checkpoints, commits, builtin.Autotune(tuning.plan_search(self)),
+                                   observe.recorder(cfg))
         if self.start >= cfg.steps:
             from dpjax.plan import UsageError
 
@@ -153,18 +151,6 @@ class Trainer:
         self.params, self.opt_state = self.step.init(initial)
         self.rng = jax.device_put(jax.random.key_data(jax.random.fold_in(key, 1)), S.replicated(self.mesh))
 
-    def _open_checkpoints(self) -> None:
-        """--ckpt-dir's Checkpointer (the folder made now, not for a refusal) and its run.json."""
-        import jax
-
-        if not self.cfg.ckpt_dir:
-            return
-        from dpjax.recovery.checkpoint import Checkpointer
-
-        self.ckpt = self.ckpt or Checkpointer(self.cfg.ckpt_dir)
-        if jax.process_index() == 0:
-            record.write_run_file(self.cfg.ckpt_dir, self.run_record)
-
     # --- the steps, one per exchange setting (an autotune tries several) ---
 
     def step_for(self, setting):
@@ -190,37 +176,14 @@ class Trainer:
 
     # --- state ---
 
-    def _state(self) -> dict:
+    def state(self) -> dict:
+        """What a checkpoint or a commit saves: the parameters, the optimizer state, the RNG state."""
         return {"params": self.params, "opt_state": self.opt_state, "rng": self.rng}
 
-    def _restore(self) -> None:
-        import jax
-
-        from dpjax.recovery.checkpoint import Checkpointer
-
-        if not os.path.isdir(self.cfg.ckpt_dir):  # nothing to restore; made when the run is sure to start
-            return
-        self.ckpt = Checkpointer(self.cfg.ckpt_dir)
-        latest = self.ckpt.latest_step()
-        if latest is None:
-            return
-        if resume.refuse_fresh_into(self.cfg, "--ckpt-dir", self.cfg.ckpt_dir, "checkpoints", latest):
-            self.ckpt.clear()  # --overwrite: a fresh run, its checkpoints the only ones there
-            return
-        abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), self._state())
-        state, saved = self.ckpt.restore(abstract, expect=self.record)
+    def load_state(self, state: dict, step: int, cursor: int) -> None:
+        """A restored `state()` after `step` steps, the data read up to `cursor`."""
         self.params, self.opt_state, self.rng = state["params"], state["opt_state"], state["rng"]
-        self.start, self.cursor, self.resumed = saved["step"], saved["cursor"], saved
-        self.saved = [self.start]  # good as far as is known: a non-finite loss at this step sets it aside
-
-    def save(self, step_done: int) -> None:
-        """A checkpoint of the state after `step_done` steps; never of a state that holds
-        a NaN or Inf (the run stops instead, naming the last good one)."""
-        if not nonfinite.finite((self.params, self.opt_state)):
-            raise nonfinite.stop(f"the update of step {step_done} turned the parameters or optimizer state NaN "
-                                 "or Inf (not saved)", step_done, self.cfg, self.saved)
-        self.ckpt.save(step_done, self._state(), {**self.record, "step": step_done, "cursor": self.cursor})
-        self.saved.append(step_done)
+        self.start, self.cursor = step, cursor
 
     def say(self, line: str) -> None:
         import jax
@@ -235,7 +198,7 @@ class Trainer:
         if jax.process_index() == 0:
             print(line, flush=True)
 
-    # --- data and evaluation ---
+    # --- data ---
 
     def batch(self):
         from dpjax.step import put_batch
@@ -243,31 +206,6 @@ class Trainer:
         b = put_batch(self.train_stream, self.cursor, self.cfg.batch_size, self.mesh, passes=self.cfg.backward_passes)
         self.cursor += self.cfg.batch_size * self.cfg.backward_passes
         return b
-
-    def evaluate(self) -> float:
-        import numpy as np
-
-        from dpjax.step import put_batch
-
-        cfg = self.cfg
-        losses = [self.step.evaluate(self.params, put_batch(self.val_stream, i * cfg.batch_size, cfg.batch_size,
-                                                            self.mesh))
-                  for i in range(cfg.eval_batches)]
-        return float(np.mean([float(x) for x in losses]))
-
-    def model_stats(self) -> dict:
-        """The model's own figures on the validation batches (a mixture of experts' router
-        losses and share of dropped choices: `dpjax.step`'s `stats`), {} for a model without."""
-        import numpy as np
-
-        from dpjax.step import put_batch
-
-        if self.step.stats is None:
-            return {}
-        cfg = self.cfg
-        got = [self.step.stats(self.params, put_batch(self.val_stream, i * cfg.batch_size, cfg.batch_size, self.mesh))
-               for i in range(cfg.eval_batches)]
-        return {k: float(np.mean([float(g[k]) for g in got])) for k in got[0]}
 
     def run(self, hooks=()) -> dict:
         """Trains to --steps (or a stop) with the built-in hooks and `hooks` (each a

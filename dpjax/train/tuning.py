@@ -40,12 +40,12 @@ def plan_search(trainer):
     return tuner
 
 
-def finish(trainer, write, step: int) -> None:
-    """The search is over: its choice runs from now on, in the metrics (the row of step
-    `step`, numbered from 1 as every row is) and the checkpoint."""
-    rec = trainer.tuner.record()
-    trainer.use(trainer.tuner.choice)
-    trainer.tuner, trainer.record["autotune"] = None, rec
+def finish(trainer, tuner, write, step: int) -> None:
+    """`tuner`'s search is over: its choice runs from now on, in the metrics (the row of
+    step `step`, numbered from 1 as every row is) and the checkpoint."""
+    rec = tuner.record()
+    trainer.use(tuner.choice)
+    trainer.record["autotune"] = rec
     write({"step": step, "autotune": rec})
     how = "; ".join(f"{st['knob']}: {st['winner']} won" + (
         "" if st["winner"] == st["from"] else f", {st['winner_vs_from']:.3f}x {st['from']}'s speed"
