@@ -70,6 +70,12 @@ def _all_to_alls():
     return tuple(ALL_TO_ALL_ALGORITHMS)
 
 
+def _tasks():
+    from dpjax.tasks import TASKS
+
+    return TASKS
+
+
 def _opt(default, help: str, **kw):
     return field(default=default, metadata={"help": help, **kw})
 
@@ -111,6 +117,9 @@ class Settings:
     tokenizer: str | None = MODEL(None, "tokenize the text --data with this: a HuggingFace tokenizer.json or a "
                                         "SentencePiece .model (both need the hf extra), or bpe:N (a byte-level BPE "
                                         "of N ids trained on the corpus first). Default: bytes (256 ids)")
+    task: str = MODEL("lm", lambda: "what the step optimises: " + "; ".join(f"{t.name}: {t.about}"
+                                                                             for t in _tasks().values()),
+                      choices=lambda: tuple(_tasks()))
     vocab_size: int | None = MODEL(None, "the vocabulary of a token file (--data FILE.bin); default 256 (bytes)")
     token_dtype: str = MODEL("auto", "the ids' type in a token file; auto: uint32 if the file name says u32 or "
                                     "uint32, else uint16", choices=("auto", "uint16", "uint32"))

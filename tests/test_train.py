@@ -65,10 +65,10 @@ def test_parallel_equals_one_device(corpus, reference, tmp_path, mesh, algorithm
 
 
 def test_metrics_and_summary(corpus, tmp_path, capsys, monkeypatch):
-    from dpjax.train import Trainer
+    from dpjax.train.builtin import Evaluation
 
-    evaluate = Trainer.evaluate
-    monkeypatch.setattr(Trainer, "evaluate", lambda self: (time.sleep(1.5), evaluate(self))[1])  # a slow eval
+    evaluate = Evaluation.loss
+    monkeypatch.setattr(Evaluation, "loss", lambda self, trainer: (time.sleep(1.5), evaluate(self, trainer))[1])  # slow
     path = tmp_path / "m.jsonl"
     assert main(tiny(corpus, "--mesh", "8x1", "--steps", "6", "--eval-every", "3", "--metrics", str(path),
                      "--progress", "log")) == 0

@@ -23,6 +23,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from dpjax.plan.task import check_task
 from dpjax.compression.exchange import Exchange  # the plan builds it (resolve, per_shard); dpjax.step reads it
 from dpjax.compute.policy import Policy
 from dpjax.settings import Settings
@@ -191,6 +192,7 @@ def resolve(s: Settings, devices=None, *, mesh=None, model=None, optimizer=None,
         model = get_model(name, **options)
     check_context(s, model, mesh)
     check_expert(s, model, mesh, update, workers)
+    check_task(s, model, mesh)
     platform = target_platform(s, mesh)
     policy, notes = compute_policy(s, model, platform)
     if exchange is None:

@@ -29,6 +29,7 @@ from dpjax.pipeline import staged as pipeline_staged
 from dpjax.plan import Exchange, Plan, for_layout, for_rule
 from dpjax.sharding import Layout
 from dpjax.step.builder import TrainStep, build
+from dpjax.tasks import TASKS
 from dpjax.updates import UpdateRule
 
 
@@ -39,8 +40,10 @@ def for_plan(plan: Plan, donate: bool = True, clock=None) -> TrainStep:
     model, layout = plan.model, plan.layout
     abstract = jax.eval_shape(lambda k: plan.policy.store(layout.store(model.init(k))), jax.random.key(0))
     if layout.pipeline is None:
-        stats = model.loss_and_stats if getattr(getattr(model, "config", None), "experts", 0) else None
-        return build(model.loss, plan, abstract_params=abstract, donate=donate, clock=clock, loss_and_stats=stats)
+        task = TASKS[plan.settings.task]  # what the step optimises (dpjax.tasks): lm's loss is the model's own
+        stats = task.loss_and_stats(model) if getattr(getattr(model, "config", None), "experts", 0) else None
+        return build(task.loss(model), plan, abstract_params=abstract, donate=donate, clock=clock,
+                     loss_and_stats=stats)
     staged = pipeline_staged.for_model(model, layout, plan.exchange.algorithm)
     return build(staged.loss, plan, abstract_params=abstract, donate=donate, value_and_grad=staged.value_and_grad,
                  clock=clock)
@@ -98,7 +101,8 @@ def put_batch(stream, cursor: int, global_batch: int, mesh, passes: int | None =
     """The global batch at `cursor` as one sharded array; each process reads only the rows
     its devices hold, each once (the devices along `model` that share a block get one
     read). passes=A: A consecutive batches stacked, A x B x T+1 (the train step's
-    micro-batches)."""
+    micro-batches). A stream whose batch is a dict of arrays (a task's: `dpjax.tasks`)
+    gives a dict of sharded arrays, every leaf split by rows alike."""
     rows = data_axes(mesh) or None
     read = {}  # block index -> rows read: the callback runs once per device, not per block
 
@@ -108,16 +112,30 @@ def put_batch(stream, cursor: int, global_batch: int, mesh, passes: int | None =
         return read[key]
 
     if passes is None:
-        return jax.make_array_from_callback(
-            (global_batch, stream.seq_len + 1), NamedSharding(mesh, P(rows)),
-            lambda idx: once(idx[0].indices(global_batch), lambda: stream.batch(cursor, global_batch, rows=idx[0])))
+        spec, lead = P(rows), (global_batch,)
 
-    def block(idx):
-        return once((idx[0].indices(passes), idx[1].indices(global_batch)), lambda: np.stack(
-            [stream.batch(cursor + k * global_batch, global_batch, rows=idx[1]) for k in range(passes)[idx[0]]]))
+        def block(idx):
+            return once(idx[0].indices(global_batch), lambda: stream.batch(cursor, global_batch, rows=idx[0]))
+    else:
+        spec, lead = P(None, rows), (passes, global_batch)
 
-    return jax.make_array_from_callback((passes, global_batch, stream.seq_len + 1),
-                                        NamedSharding(mesh, P(None, rows)), block)
+        def block(idx):
+            return once((idx[0].indices(passes), idx[1].indices(global_batch)), lambda: _stacked(
+                [stream.batch(cursor + k * global_batch, global_batch, rows=idx[1]) for k in range(passes)[idx[0]]]))
+
+    sharding = NamedSharding(mesh, spec)
+    shape = (*lead, stream.seq_len + 1)
+    first = block(next(iter(sharding.addressable_devices_indices_map(shape).values())))
+    if not isinstance(first, dict):
+        return jax.make_array_from_callback(shape, sharding, block)
+    return {k: jax.make_array_from_callback((*lead, *v.shape[len(lead):]), sharding,
+                                            lambda idx, k=k: block(idx)[k]) for k, v in first.items()}
+
+
+def _stacked(batches):
+    if isinstance(batches[0], dict):
+        return {k: np.stack([b[k] for b in batches]) for k in batches[0]}
+    return np.stack(batches)
 
 
 def num_bytes(tree) -> int:

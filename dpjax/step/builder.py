@@ -50,6 +50,7 @@ from dpjax.mesh import EXPERT, NOT_DATA, as_axes, axis_arg, data_axes, dp_size, 
 from dpjax.plan import Plan
 from dpjax.sharding import Layout
 from dpjax.step.gradient import by_leaf, local_grad, worker_grad
+from dpjax.tasks import tokens
 from dpjax.updates import UpdateRule
 
 
@@ -213,8 +214,9 @@ class _Bodies:
     def train_body(self, params, state, batch_AxBdxT1):
         held, passes, rows = self.held, self.plan.passes, self.local_rows
         held.check(params)
-        assert batch_AxBdxT1.ndim == 3 and batch_AxBdxT1.shape[:2] == (passes, rows or batch_AxBdxT1.shape[1]), (
-            batch_AxBdxT1.shape, passes, rows)
+        tokens_AxBdxT1 = tokens(batch_AxBdxT1)  # a task's batch may carry more leaves (dpjax.tasks)
+        assert tokens_AxBdxT1.ndim == 3 and tokens_AxBdxT1.shape[:2] == (passes, rows or tokens_AxBdxT1.shape[1]), (
+            tokens_AxBdxT1.shape, passes, rows)
         with scopes.phase("optimizer"):  # the rule's own work; grad_fn's phases name themselves inside
             params, state, loss = self.plan.rule.step(self.grad_fn, held.unwrap(params), held.unwrap(state),
                                                       batch_AxBdxT1)
@@ -223,9 +225,9 @@ class _Bodies:
         return held.wrap(params), held.wrap(state), *(loss if self.step_stats else (loss,))
 
     def eval_body(self, params, batch_BdxT1):
-        rows = self.local_rows
-        assert batch_BdxT1.ndim == 2 and batch_BdxT1.shape[0] == (rows or batch_BdxT1.shape[0]), (
-            batch_BdxT1.shape, rows)
+        rows, tokens_BdxT1 = self.local_rows, tokens(batch_BdxT1)
+        assert tokens_BdxT1.ndim == 2 and tokens_BdxT1.shape[0] == (rows or tokens_BdxT1.shape[0]), (
+            tokens_BdxT1.shape, rows)
         return lax.pmean(self.loss_fn(self.consensus_body(params), batch_BdxT1, self.par), self.loss_axes)
 
     def stats_body(self, params, batch_BdxT1):

@@ -27,6 +27,7 @@ from dpjax.compression import sharded
 from dpjax.mesh import EXPERT
 from dpjax.plan import Exchange, Plan
 from dpjax.sharding import Layout
+from dpjax.tasks import tokens
 
 
 def local_grad(loss_fn, plan: Plan, par, value_and_grad):
@@ -55,15 +56,16 @@ def worker_grad(plan: Plan, value_and_grad, zeros_grad):
     passes, mean = plan.passes, inner_mean(plan.layout, plan.exchange)
 
     def grad_fn(params, batch_AxBdxT1):
-        assert batch_AxBdxT1.shape[0] == passes, (batch_AxBdxT1.shape, passes)
+        assert tokens(batch_AxBdxT1).shape[0] == passes, (tokens(batch_AxBdxT1).shape, passes)
+        first = lambda: jax.tree.map(lambda x: x[0], batch_AxBdxT1)  # noqa: E731  every leaf of a task's batch
         if passes == 1:
-            loss, g = value_and_grad(params, batch_AxBdxT1[0])
+            loss, g = value_and_grad(params, first())
         else:
             def micro(carry, batch_BdxT1):
                 loss, g = value_and_grad(params, batch_BdxT1)
                 return (jax.tree.map(jnp.add, carry[0], loss), jax.tree.map(jnp.add, carry[1], g)), None
 
-            shapes = jax.eval_shape(value_and_grad, params, batch_AxBdxT1[0])[0]  # the loss, or (loss, stats)
+            shapes = jax.eval_shape(value_and_grad, params, first())[0]  # the loss, or (loss, stats)
             zero = (jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes), zeros_grad(params))
             (loss, g), _ = lax.scan(micro, zero, batch_AxBdxT1)
             loss, g = jax.tree.map(lambda x: x / passes, (loss, g))

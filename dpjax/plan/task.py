@@ -1,0 +1,18 @@
+"""Which layouts and models a task (`dpjax.tasks`) runs on: the pairs not built yet are
+refused in one line before anything compiles."""
+
+from __future__ import annotations
+
+from dpjax.errors import UserError
+from dpjax.mesh import STAGE
+
+
+def check_task(s, model, mesh) -> None:
+    if s.task == "lm":
+        return
+    if mesh.shape.get(STAGE, 1) > 1:
+        raise UserError(f"--task {s.task} on a stage axis is not built yet (the pipeline's micro-batches carry "
+                        "tokens only); use the data, model, context or FSDP axes")
+    if model.config.experts if "experts" in type(model.config).__dataclass_fields__ else False:
+        raise UserError(f"--task {s.task} with --experts is not built yet (the router's losses are not weighted "
+                        "per answer token)")
