@@ -67,7 +67,7 @@ def test_mask_equals_transformers_assistant_masks(formats, tmp_path):
             np.testing.assert_array_equal(formats["chatml"].encode(_row(case)).loss_mask, want, err_msg=key)
             np.testing.assert_array_equal(bare.encode(_row(case)).loss_mask, want, err_msg=key)
             checked += 1
-    assert checked == 4
+    assert checked == 5
 
 
 def test_offset_rule_on_a_template_without_blocks(formats):
