@@ -67,7 +67,7 @@ def test_mask_equals_transformers_assistant_masks(formats, tmp_path):
             np.testing.assert_array_equal(formats["chatml"].encode(_row(case)).loss_mask, want, err_msg=key)
             np.testing.assert_array_equal(bare.encode(_row(case)).loss_mask, want, err_msg=key)
             checked += 1
-    assert checked == 5
+    assert checked == 6
 
 
 def test_offset_rule_on_a_template_without_blocks(formats):
@@ -158,6 +158,11 @@ def test_bad_input_is_one_line(formats, tmp_path):
     with pytest.raises(UserError) as e:
         fmt.encode(_row(EXPECTED["chatml"]["multi_turn"]), "m.jsonl:1", loss_on="completion")
     _one_line(e, "m.jsonl:1", "prompt/completion")
+    (tmp_path / "upper.jinja").write_text("{% for m in messages %}{{ m['content'] | upper }}\n{% endfor %}")
+    with pytest.raises(UserError) as e:  # no blocks, and the answer is not written as it is: where is it?
+        chat.ChatFormat(str(FIXTURE / "chatml"), str(tmp_path / "upper.jinja")).encode(
+            _row(EXPECTED["chatml"]["multi_turn"]), "u.jsonl:3")
+    _one_line(e, "u.jsonl:3", "assistant turn 1", "generation")
     with pytest.raises(TemplateError) as e:
         ChatTemplate("{% for m in messages %}")
     _one_line(e, "not a jinja template")

@@ -191,9 +191,9 @@ class ChatFormat:
             return spans
         out = []
         for k, m in enumerate(messages):
-            if m["role"] != "assistant" or not m.get("content"):
-                continue
-            content = m["content"]
+            content = m.get("content")
+            if m["role"] != "assistant" or not content or (isinstance(content, str) and not content.strip()):
+                continue  # no answer text in this turn (a tool call alone, say)
             if not isinstance(content, str):
                 raise DataError(f"{where}: assistant turn {k}'s content is not a string, and {self.template.name} "
                                 "has no {% generation %} blocks to say where its answer is")
