@@ -188,3 +188,14 @@ def test_cli_reports_counts_and_packing(tmp_path, capsys):
     assert chat.main([data, "--model", str(tmp_path), "--seq-len", "8"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "tokenizer.json" in err
+
+
+def test_held_out_split():
+    examples = [chat.Example(np.full(3, i, np.int32), np.ones(3, bool)) for i in range(40)]
+    train, held = chat.split(examples, 0.1, seed=3)
+    ids = lambda part: [int(ex.tokens[0]) for ex in part]  # noqa: E731
+    assert len(held) == 4 and sorted(ids(train) + ids(held)) == list(range(40))
+    assert ids(train) == sorted(ids(train)) and ids(held) == ids(chat.split(examples, 0.1, seed=3)[1])
+    assert ids(held) != ids(chat.split(examples, 0.1, seed=4)[1])
+    with pytest.raises(UserError):
+        chat.split(examples[:1], 0.5)

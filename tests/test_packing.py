@@ -87,3 +87,14 @@ def test_too_short_a_row_is_one_line():
     assert "--seq-len 32 is shorter than every example" in str(e.value) and "\n" not in str(e.value)
     with pytest.raises(UserError):
         packing.pack(_examples([40, 5]), 32)
+
+
+def test_a_fixed_number_of_rows():
+    """num_rows: a batch of one shape whatever its examples need (the rows past theirs all padding)."""
+    examples = _examples([20, 20, 5])
+    p = packing.pack(examples, 32, num_rows=4)
+    assert p.tokens.shape == (4, 33) and len(p.rows) == 2
+    assert (p.segment_ids[2:] == 0).all() and not p.loss_mask[2:].any()
+    assert p.efficiency == 45 / (4 * 33)
+    with pytest.raises(ValueError):
+        packing.pack(examples, 32, num_rows=1)

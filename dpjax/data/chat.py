@@ -280,6 +280,19 @@ def load(path: str, fmt: ChatFormat, seq_len: int, loss_on: str = "assistant", t
     return out, counts
 
 
+def split(examples: list, fraction: float, seed: int = 0) -> tuple[list, list]:
+    """(train, held-out): `fraction` of the examples (at least one), drawn by a permutation of `seed`, held out
+    for the eval loss on answers; each part keeps the file's order."""
+    if not 0 < fraction < 1:
+        raise DataError(f"the held-out fraction is between 0 and 1, got {fraction}")
+    n_eval = max(1, round(len(examples) * fraction))
+    if n_eval >= len(examples):
+        raise DataError(f"holding out {fraction} of {len(examples)} examples leaves none to train on; hold out less "
+                        "or give the held-out set as its own file")
+    held = set(np.random.default_rng(seed).permutation(len(examples))[:n_eval].tolist())
+    return ([ex for i, ex in enumerate(examples) if i not in held], [ex for i, ex in enumerate(examples) if i in held])
+
+
 def main(argv=None) -> int:
     """Read a chat set as training would and say what it holds: counts, answer tokens, packing efficiency."""
     p = argparse.ArgumentParser(prog="python -m dpjax.data.chat", description=main.__doc__)

@@ -100,9 +100,10 @@ class Packed:
         return float((self.segment_ids > 0).sum() / max(1, self.segment_ids.size))
 
 
-def pack(examples, seq_len: int, method: str = "first-fit", pad_id: int = 0) -> Packed:
+def pack(examples, seq_len: int, method: str = "first-fit", pad_id: int = 0, num_rows: int | None = None) -> Packed:
     """`examples` (each with int32 `tokens` and a bool `loss_mask` of the same length, at most seq_len + 1
-    tokens) in rows of seq_len + 1 tokens, placed by `method` (first-fit, best-fit or none)."""
+    tokens) in rows of seq_len + 1 tokens, placed by `method` (first-fit, best-fit or none). num_rows: that
+    many rows, the ones past the packing all padding (a batch of a fixed shape: one compiled step)."""
     if method not in METHODS:
         raise DataError(f"packing {method!r}: one of {', '.join(METHODS)}")
     capacity = seq_len + 1
@@ -117,7 +118,9 @@ def pack(examples, seq_len: int, method: str = "first-fit", pad_id: int = 0) -> 
         raise DataError(f"{too_long} of {len(lengths)} examples are longer than a row of {capacity} tokens; "
                         "truncate or drop them first (dpjax.data.chat.fit)")
     rows = METHODS[method](lengths, capacity)
-    shape = (len(rows), capacity)
+    if num_rows is not None and len(rows) > num_rows:
+        raise ValueError(f"{len(lengths)} examples need {len(rows)} rows of {capacity} tokens, more than {num_rows}")
+    shape = (len(rows) if num_rows is None else num_rows, capacity)
     tokens = np.full(shape, pad_id, np.int32)
     mask = np.zeros(shape, bool)
     segments = np.zeros(shape, np.int32)
