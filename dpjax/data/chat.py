@@ -42,9 +42,9 @@ import numpy as np
 
 from dpjax.data import DataError
 from dpjax.data import tokenizer as tokenizers_
+from dpjax.data.chat_template import ChatTemplate, find, read_config, special_tokens
 from dpjax.data.packing import METHODS, pack
 from dpjax.errors import UserError
-from dpjax.data.chat_template import ChatTemplate, find, read_config, special_tokens
 
 LOSS_ON = ("assistant", "completion", "all")
 TRUNCATE = ("right", "left", "drop")
