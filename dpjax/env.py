@@ -7,13 +7,12 @@ that every `DPJAX_*` name in dpjax's source is here, that each entry is still re
 somewhere, and that the page shows the table as it is. A new variable joins the table
 first: `value(name)` refuses a name that is not in it.
 
-    python -m dpjax.env        prints the docs' table
+    python -c "from dpjax import env; print(env.markdown(), end='')"    the docs' table
 """
 
 from __future__ import annotations
 
 import os
-import sys
 from dataclasses import dataclass
 from typing import Mapping
 
@@ -54,7 +53,8 @@ VARS: dict[str, Var] = {v.name: v for v in (
         "`jax.distributed` coordinator; wins over what a launcher says", "`dpjax.launch`, or you"),
     Var("DPJAX_NUM_PROCESSES", "the launcher's, else 1", "the number of processes of the job",
         "`dpjax.launch`, or you"),
-    Var("DPJAX_PROCESS_ID", "the launcher's, else 0", "this process's rank", "`dpjax.launch`, or you"),
+    Var("DPJAX_PROCESS_ID", "the launcher's, else 0", "this process's rank in the job, from 0 (the "
+        "coordinator's) to the count - 1", "`dpjax.launch`, or you"),
     Var("DPJAX_LOCAL_RANK", "the launcher's", "this process's rank on its host",
         "`dpjax.launch`, or you"),
     Var("DPJAX_COLLECTIVES", "`gloo`", "the CPU collectives between processes (`gloo` or `mpi`) when "
@@ -95,7 +95,3 @@ def markdown() -> str:
     rows = ["| variable | unset | meaning | set by |", "|---|---|---|---|"]
     rows += [f"| `{v.name}` | {v.unset} | {v.meaning} | {v.set_by} |" for v in VARS.values()]
     return "\n".join(rows) + "\n"
-
-
-if __name__ == "__main__":
-    sys.stdout.write(markdown())
