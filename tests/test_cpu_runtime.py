@@ -81,6 +81,16 @@ def test_nproc_sized_for_the_devices_unless_the_user_set_it():
     assert cpu_runtime.enough_threads(off) is None and "NPROC" not in off
 
 
+def test_the_tools_guard_devices_that_xla_flags_simulates():
+    """`python -m dpjax.generate` and `dpjax.hf` call guard_flagged: the guards where XLA_FLAGS
+    simulates devices (here NPROC in a given environment), nothing where it does not."""
+    plain = {"XLA_FLAGS": "--xla_dump_to=/tmp/x"}
+    assert cpu_runtime.guard_flagged(plain) is False and "NPROC" not in plain
+    flagged = {"XLA_FLAGS": "--xla_force_host_platform_device_count=12"}
+    assert cpu_runtime.guard_flagged(flagged) is True
+    assert flagged["NPROC"] == str(max(os.cpu_count(), cpu_runtime.WAITS_PER_DEVICE * 12))
+
+
 def test_simulate_cpu_devices_refuses_no_devices():
     with pytest.raises(ValueError, match="0"):
         cpu_runtime.simulate_cpu_devices(0)

@@ -151,6 +151,17 @@ def cpu_guards(devices: int | None = None) -> None:
     unique_channel_ids()
 
 
+def guard_flagged(environ=os.environ) -> bool:
+    """Applies the guards when XLA_FLAGS simulates CPU devices: for dpjax's own tools
+    (`python -m dpjax.generate`, `dpjax.hf`), where a user cannot add the call. Before JAX
+    starts; whether it applied them."""
+    if flagged_devices(environ) is None:
+        return False
+    enough_threads(environ)
+    unique_channel_ids()
+    return True
+
+
 def simulate_cpu_devices(n: int) -> None:
     """Asks for `n` simulated CPU devices and applies the guards their collectives need
     (`cpu_guards`); must run before JAX initialises its backends.
