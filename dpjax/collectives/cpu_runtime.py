@@ -1,4 +1,5 @@
-"""Two guards that keep XLA:CPU's in-process collectives from aborting the process.
+"""Simulated CPU devices, and two guards that keep XLA:CPU's in-process collectives from
+aborting the process.
 
 Simulated CPU devices (`--xla_force_host_platform_device_count=N`) exchange data through
 XLA:CPU's in-process communicator: each device's thread waits at a rendezvous until the
