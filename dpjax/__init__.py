@@ -90,7 +90,8 @@ from dpjax.distributed import local_rank, process_count, process_index
 from dpjax.errors import UserError
 from dpjax.wrap.replicas import ReplicationError
 from dpjax.wrap.rng import device_key
-from dpjax.mesh import data_axes, dp_size, make_mesh, parse_mesh_spec, simulate_cpu_devices
+from dpjax.mesh import data_axes, dp_size, make_mesh, parse_mesh_spec
+from dpjax.collectives.cpu_runtime import cpu_guards, simulate_cpu_devices
 from dpjax import sharding_rules, updates
 from dpjax.compute import attention, stack
 from dpjax.compute.policy import Policy
@@ -108,6 +109,7 @@ __all__ = [
     "attention",
     "broadcast_params",
     "collectives",
+    "cpu_guards",
     "data_axes",
     "delayed_gradients",
     "device_key",

@@ -22,6 +22,7 @@ import re
 
 import numpy as np
 
+from dpjax import env
 from dpjax.errors import UserError
 
 DATA = "data"
@@ -221,34 +222,10 @@ def recommended_xla_flags() -> list[str]:
     """Adds `GPU_XLA_FLAGS` to XLA_FLAGS where the user did not set them (theirs win:
     `--xla_gpu_enable_latency_hiding_scheduler=false` turns it off; DPJAX_XLA_FLAGS=0 adds
     none). Must run before JAX initialises its backends. Returns the flags it added."""
-    if os.environ.get("DPJAX_XLA_FLAGS", "1") == "0":
+    if env.value("DPJAX_XLA_FLAGS") == "0":
         return []
     flags = os.environ.get("XLA_FLAGS", "")
     added = [f"{k}={v}" for k, v in GPU_XLA_FLAGS.items() if k not in flags]
     if added:
         os.environ["XLA_FLAGS"] = " ".join([flags, *added]).strip()
     return added
-
-
-def simulate_cpu_devices(n: int) -> None:
-    """Asks for `n` simulated CPU devices; must run before JAX initialises its backends.
-
-    Harmless where a GPU is present (it only shapes the CPU backend). Raises
-    RuntimeError if JAX has already initialised with a different CPU device count.
-    """
-    if n < 1:
-        raise ValueError(f"cannot simulate {n} CPU devices")
-    import jax
-
-    flags = os.environ.get("XLA_FLAGS", "")
-    if "xla_force_host_platform_device_count" in flags:
-        return  # the user (or conftest) already decided
-    try:
-        jax.config.update("jax_num_cpu_devices", n)
-    except RuntimeError as e:  # backends already up
-        have = len(jax.devices("cpu"))
-        if have != n:
-            raise RuntimeError(
-                f"JAX is already initialised with {have} CPU devices; "
-                f"call simulate_cpu_devices({n}) before using JAX"
-            ) from e

@@ -9,7 +9,7 @@ DistributedOptimizer), the model axis GSPMD's as the guide annotates it and cons
 import os
 os.environ.setdefault('XLA_FLAGS', '--xla_force_host_platform_device_count=8')  # 8 CPU devices, as the guide
 
-import dpjax  # dpjax
+import dpjax; dpjax.cpu_guards()  # noqa: E702  dpjax: guards XLA:CPU's collectives for the 8 simulated devices
 import jax
 import jax.numpy as jnp
 import numpy as np

@@ -43,7 +43,7 @@ median = statistics.median
 def simulate(n: int) -> None:
     """`n` simulated CPU devices; call before anything imports jax (it only shapes the
     CPU backend: a GPU host keeps its GPUs)."""
-    from dpjax.mesh import simulate_cpu_devices
+    from dpjax.collectives.cpu_runtime import simulate_cpu_devices
 
     simulate_cpu_devices(n)
 

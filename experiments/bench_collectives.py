@@ -58,7 +58,7 @@ leave it) and busbw = algbw * (n-1)/n, as nccl-tests defines it for alltoall.
 
 Devices: with no accelerator requested (`--platform auto` on a machine without one,
 or `--platform cpu`) the script asks JAX for `--devices` simulated CPU devices before
-JAX starts (`dpjax.mesh.simulate_cpu_devices`, i.e. XLA's
+JAX starts (`dpjax.simulate_cpu_devices`, i.e. XLA's
 --xla_force_host_platform_device_count); on a GPU host with enough devices the same
 command runs on the GPUs unchanged.
 """

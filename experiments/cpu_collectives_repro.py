@@ -31,7 +31,8 @@ PLAIN_JAX = """
 import os, sys
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
 if sys.argv[1] == "guarded":
-    import dpjax  # noqa: F401  (its import applies the guards)
+    import dpjax
+    dpjax.cpu_guards()  # the explicit call for code that sets XLA_FLAGS itself (importing dpjax applies none)
 import jax, jax.numpy as jnp, numpy as np
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P

@@ -407,7 +407,7 @@ def main():
     if args.smoke and args.paths:
         args.gb = 0.01
     if args.commit_cost or args.paths:  # in this process: the main job's 8 simulated devices, before JAX starts
-        from dpjax.mesh import simulate_cpu_devices
+        from dpjax.collectives.cpu_runtime import simulate_cpu_devices
 
         simulate_cpu_devices(8)
     print(f"# {_bench.machine()}, load {_bench.load_avg():.1f}, {time.strftime('%Y-%m-%d')}, outputs in {out_dir}")

@@ -61,10 +61,11 @@ def make_folder(folder: str, s: dict) -> None:
 def measure(folder: str) -> dict:
     import jax
 
-    from dpjax import make_mesh
+    from dpjax import cpu_guards, make_mesh
     from dpjax.hf.load import load_params, model_from_hf
     from dpjax.sharding import make_layout
 
+    cpu_guards()  # the 8 devices are XLA_FLAGS' (above): their collectives' guards, as dpjax.train has them
     model, _ = model_from_hf(folder)
     layout = make_layout(model, make_mesh("1x8", jax.devices()[:8]))
     jax.block_until_ready(jax.device_put(np.zeros(1), jax.devices()[0]))  # the client started before "before"

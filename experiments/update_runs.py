@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass, field
 
 from _bench import finish_plot
-from dpjax.mesh import simulate_cpu_devices
+from dpjax.collectives.cpu_runtime import simulate_cpu_devices
 
 simulate_cpu_devices(8)  # before jax starts: 8 simulated workers on a CPU-only machine
 

@@ -47,6 +47,11 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import dpjax  # noqa: E402
 
+# The 8 devices above are simulated through XLA_FLAGS, so their collectives get dpjax's guards by this
+# explicit call (dpjax/collectives/cpu_runtime.py; `import dpjax` applies none): before JAX starts its CPU
+# backend, which reads NPROC. The processes tests start inherit NPROC; dpjax.train applies both itself.
+dpjax.cpu_guards()
+
 NUM_DEVICES = 8
 
 

@@ -4,6 +4,7 @@ the two processes equals lax.psum (or its tiled relatives). Prints 'collectives 
 import dpjax
 from dpjax import distributed
 
+dpjax.cpu_guards()  # the launcher's XLA_FLAGS simulate this process's devices: guard their collectives
 distributed.initialize()
 
 import jax  # noqa: E402

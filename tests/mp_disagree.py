@@ -11,6 +11,7 @@ import time
 import dpjax
 from dpjax import distributed
 
+dpjax.cpu_guards()  # the launcher's XLA_FLAGS simulate this process's devices: guard their collectives
 distributed.initialize()
 
 import jax  # noqa: E402

@@ -9,6 +9,7 @@ import sys
 import dpjax
 from dpjax import distributed
 
+dpjax.cpu_guards()  # the launcher's XLA_FLAGS simulate this process's devices: guard their collectives
 distributed.initialize()
 
 import jax  # noqa: E402

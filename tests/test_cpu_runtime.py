@@ -4,7 +4,9 @@ The README's `--mesh 2x2x2 --fsdp --compression bf16` aborted the process every 
 (every collective had channel id 1, and XLA:CPU keys its rendezvous by it; with too few
 threads to wait in, a device never arrived). Here: each collective gets its own id, the
 same in every lowering, with results equal to numpy's; NPROC is sized for the devices;
-and the combination runs as a real process to exit 0.
+and the combination runs as a real process to exit 0. The guards change every JAX program
+of a process, so `import dpjax` applies neither: `simulate_cpu_devices` does, and this
+suite's conftest.py (which simulates its 8 devices with XLA_FLAGS) calls `dpjax.cpu_guards()`.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import subprocess
 import sys
 
 import jax
+import pytest
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
@@ -72,8 +75,66 @@ def test_nproc_sized_for_the_devices_unless_the_user_set_it():
     assert env["NPROC"] == str(max(os.cpu_count(), cpu_runtime.WAITS_PER_DEVICE * 16))
     mine = {"XLA_FLAGS": "", "NPROC": "3"}
     assert cpu_runtime.enough_threads(mine) is None and mine["NPROC"] == "3"
+    told = {}  # simulate_cpu_devices(12) passes its count
+    assert cpu_runtime.enough_threads(told, devices=12) == str(max(os.cpu_count(), cpu_runtime.WAITS_PER_DEVICE * 12))
     off = {"DPJAX_CPU_GUARDS": "channels"}
     assert cpu_runtime.enough_threads(off) is None and "NPROC" not in off
+
+
+def test_the_tools_guard_devices_that_xla_flags_simulates():
+    """`python -m dpjax.generate` and `dpjax.hf` call guard_flagged: the guards where XLA_FLAGS
+    simulates devices (here NPROC in a given environment), nothing where it does not."""
+    plain = {"XLA_FLAGS": "--xla_dump_to=/tmp/x"}
+    assert cpu_runtime.guard_flagged(plain) is False and "NPROC" not in plain
+    flagged = {"XLA_FLAGS": "--xla_force_host_platform_device_count=12"}
+    assert cpu_runtime.guard_flagged(flagged) is True
+    assert flagged["NPROC"] == str(max(os.cpu_count(), cpu_runtime.WAITS_PER_DEVICE * 12))
+
+
+def test_simulate_cpu_devices_refuses_no_devices():
+    with pytest.raises(ValueError, match="0"):
+        cpu_runtime.simulate_cpu_devices(0)
+
+
+# In a fresh process: what the lowering of each guarded collective is, and NPROC, after each line.
+FRESH = """
+import os, sys
+from jax._src.interpreters import mlir
+from jax._src.lax import parallel
+def state():
+    cpu = mlir._platform_specific_lowerings["cpu"]
+    wrapped = [n for n in CHANNEL_PRIMITIVES if hasattr(cpu.get(getattr(parallel, n), mlir._lowerings[getattr(
+        parallel, n)]).rule, "__wrapped__")]
+    print(os.environ.get("NPROC"), len(wrapped), flush=True)
+CHANNEL_PRIMITIVES = sys.argv[1].split(",")
+import dpjax
+state()
+dpjax.simulate_cpu_devices(3)
+state()
+import jax
+print(len(jax.devices("cpu")))
+try:
+    dpjax.simulate_cpu_devices(5)
+except RuntimeError as e:
+    print("refused:", e)
+"""
+
+
+def test_import_dpjax_changes_nothing_and_simulate_cpu_devices_guards():
+    """`import dpjax` leaves NPROC unset and JAX's lowerings JAX's own; simulating devices
+    sets both guards (NPROC for at least 8 devices' waits), decides the device count, and
+    a second count once JAX is up is refused with the reason."""
+    env = {k: v for k, v in os.environ.items() if k not in ("NPROC", "XLA_FLAGS", "DPJAX_CPU_GUARDS")}
+    env["PYTHONPATH"] = os.pathsep.join([ROOT, env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    p = subprocess.run([sys.executable, "-c", FRESH, ",".join(cpu_runtime.CHANNEL_PRIMITIVES)], env=env,
+                       capture_output=True, text=True, timeout=120, check=False)
+    assert p.returncode == 0, p.stderr[-3000:]
+    nproc = str(max(os.cpu_count(), cpu_runtime.WAITS_PER_DEVICE * 8))
+    plain, guarded, count, refused = p.stdout.strip().splitlines()
+    assert plain == "None 0"
+    assert guarded == f"{nproc} {len(cpu_runtime.CHANNEL_PRIMITIVES)}"
+    assert count == "3"
+    assert refused.startswith("refused: JAX is already initialised with 3 CPU devices")
 
 
 def test_the_readme_combination_that_aborted_exits_0_as_a_process(tmp_path):

@@ -23,7 +23,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 # to the unit its name starts with (a package's modules to the package); a module may import
 # its own unit or a lower layer's, never a higher one, nor one of its own layer.
 LAYERS = [
-    ["dpjax.errors", "dpjax.interrupt", "dpjax.registry", "dpjax.fusion", "dpjax.hlo", "dpjax.scopes"],
+    ["dpjax.env", "dpjax.errors", "dpjax.interrupt", "dpjax.registry", "dpjax.fusion", "dpjax.hlo", "dpjax.scopes"],
     ["dpjax.mesh"],  # axis names and the axis helpers (spec_axes, bound) every layer above reads
     ["dpjax.links", "dpjax.distributed", "dpjax.data"],
     ["dpjax.collectives", "dpjax.wrap"],  # wrap: shard_step's room, on mesh and errors alone

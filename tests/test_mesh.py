@@ -7,7 +7,7 @@ import re
 import pytest
 
 import dpjax
-from dpjax.mesh import mesh_size, simulate_cpu_devices
+from dpjax.mesh import mesh_size
 
 
 @pytest.mark.parametrize(
@@ -194,28 +194,6 @@ def test_data_axes(devices, spec, axes):
 )
 def test_mesh_size(spec, size):
     assert mesh_size(spec) == size
-
-
-def test_simulate_cpu_devices():
-    with pytest.raises(ValueError, match="0"):
-        simulate_cpu_devices(0)
-
-
-def test_simulate_cpu_devices_in_a_fresh_process():
-    """In a process where nothing chose the count yet (no XLA_FLAGS), the call decides it,
-    and asking for another count once JAX is up is an error that says why."""
-    import os
-    import subprocess
-    import sys
-
-    code = ("import dpjax; dpjax.simulate_cpu_devices(3); import jax; print(len(jax.devices('cpu')))\n"
-            "try:\n    dpjax.simulate_cpu_devices(5)\nexcept RuntimeError as e:\n    print('refused:', e)")
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
-    assert out.returncode == 0, out.stderr
-    lines = out.stdout.strip().splitlines()
-    assert lines[0] == "3"
-    assert lines[1].startswith("refused: JAX is already initialised with 3 CPU devices")
 
 
 def test_dp_size_counts_data_parallel_ranks_not_processes(devices):

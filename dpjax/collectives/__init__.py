@@ -24,11 +24,14 @@ reduce-scatter; `dpjax.horovod` follows Horovod's, these follow JAX's.
 Across processes, every call first checks that all processes are about to make the
 same call (`dpjax.distributed.agree`: shape, dtype, op, root, algorithm, groups,
 sizes), so ranks that disagree get one clear error instead of garbage or a hang.
+
+Simulated CPU devices need two guards on XLA:CPU's collectives (`cpu_runtime.py`); importing
+this package applies neither: `dpjax.simulate_cpu_devices` and `dpjax.cpu_guards` do.
 """
 
 from __future__ import annotations
 
-from dpjax.collectives import cpu_runtime, registry  # noqa: F401  (registry first: the algorithms register into it)
+from dpjax.collectives import registry  # noqa: F401  (first: the algorithms register into it)
 
 # Each algorithm registers itself when imported; this order is the order of the views.
 from dpjax.collectives import xla, ring, butterfly, tree, ps, hierarchical, alltoall, adasum  # noqa: E401
@@ -39,11 +42,6 @@ from dpjax.collectives.grouped import all_gather as grouped_all_gather
 from dpjax.collectives.grouped import allreduce as grouped_allreduce
 from dpjax.collectives.grouped import reduce_scatter as grouped_reduce_scatter
 from dpjax.collectives.ops import REDUCE_OPS
-
-# Before anything lowers a collective or JAX starts its CPU client (cpu_runtime.py: XLA:CPU's
-# in-process collectives abort the process without these two)
-cpu_runtime.enough_threads()
-cpu_runtime.unique_channel_ids()
 
 REGISTERED_BY = (xla, ring, butterfly, tree, ps, hierarchical, alltoall, adasum)
 

@@ -1,4 +1,5 @@
-"""Two guards that keep XLA:CPU's in-process collectives from aborting the process.
+"""Simulated CPU devices, and two guards that keep XLA:CPU's in-process collectives from
+aborting the process.
 
 Simulated CPU devices (`--xla_force_host_platform_device_count=N`) exchange data through
 XLA:CPU's in-process communicator: each device's thread waits at a rendezvous until the
@@ -26,12 +27,25 @@ stack's loop):
 `DPJAX_CPU_GUARDS` switches them (`all`, the default; `channels`; `threads`; `none`) to
 see a fault again. Neither touches GPUs: the lowering applies to the CPU platform only,
 and NPROC only sizes host thread pools.
+
+The guards change every JAX program of the process (a lowering rule, an environment
+variable), so a plain `import dpjax` applies neither: `simulate_cpu_devices(n)` applies
+them, as it sets up the simulated devices (`python -m dpjax.train` calls it), and
+`cpu_guards()` is the call for code that simulates devices with XLA_FLAGS itself.
 """
 
 from __future__ import annotations
 
 import os
 import re
+
+import jax
+from jax._src.interpreters import mlir
+from jax._src.lax import parallel
+from jax._src.lib.mlir import ir
+from jax._src.lib.mlir.dialects import hlo
+
+from dpjax import env
 
 # Threads per simulated device that may wait at once: two collectives in flight in one
 # program (the scanned stack's gather beside an exchange), or two steps in flight. NPROC
@@ -40,23 +54,34 @@ import re
 # looked slower under load, so no more than needed.
 WAITS_PER_DEVICE = 2
 GUARDS = ("all", "channels", "threads", "none")
+COUNT_FLAG = "--xla_force_host_platform_device_count"
+# The collectives whose CPU lowering gets a channel id of its own (every one JAX lowers with
+# a channel handle); tests/test_jax_private.py checks each exists in the installed jax.
+CHANNEL_PRIMITIVES = ("psum_p", "pmax_p", "pmin_p", "ppermute_p", "all_gather_p", "all_gather_invariant_p",
+                      "reduce_scatter_p", "all_to_all_p", "psum_invariant_p")
 
 
 def guards(environ=os.environ) -> str:
     """Which guards run: DPJAX_CPU_GUARDS, `all` by default (others are for showing a fault)."""
-    chosen = environ.get("DPJAX_CPU_GUARDS", "all")
+    chosen = env.value("DPJAX_CPU_GUARDS", environ) or "all"
     if chosen not in GUARDS:
         raise ValueError(f"DPJAX_CPU_GUARDS={chosen!r}: expected one of {', '.join(GUARDS)}")
     return chosen
 
 
-def enough_threads(environ=os.environ) -> str | None:
-    """Sets NPROC (XLA's thread pools' size) for the simulated CPU devices unless the
-    user set it. Must run before JAX creates its CPU client; returns the value set."""
+def flagged_devices(environ=os.environ) -> int | None:
+    """The simulated CPU device count XLA_FLAGS asks for, or None."""
+    found = re.search(rf"{COUNT_FLAG}=(\d+)", environ.get("XLA_FLAGS", ""))
+    return int(found.group(1)) if found else None
+
+
+def enough_threads(environ=os.environ, devices: int | None = None) -> str | None:
+    """Sets NPROC (XLA's thread pools' size) for `devices` simulated CPU devices (default:
+    XLA_FLAGS' count) unless the user set it. Must run before JAX creates its CPU client;
+    returns the value set."""
     if "NPROC" in environ or guards(environ) not in ("all", "threads"):
         return None
-    found = re.search(r"--xla_force_host_platform_device_count=(\d+)", environ.get("XLA_FLAGS", ""))
-    devices = max(int(found.group(1)) if found else 8, 8)  # 8: what dpjax.train simulates by default
+    devices = max(devices or flagged_devices(environ) or 8, 8)  # 8: what dpjax.train simulates by default
     environ["NPROC"] = str(max(os.cpu_count() or 1, WAITS_PER_DEVICE * devices))
     return environ["NPROC"]
 
@@ -64,8 +89,6 @@ def enough_threads(environ=os.environ) -> str | None:
 def _new_ops(outs, args):
     """The operations a lowering rule created: everything between its results and its
     arguments (the walk stops at the arguments, so no earlier op is visited)."""
-    from jax._src.lib.mlir import ir
-
     def values(x):  # a rule takes and returns values, sequences of them (OpResultList too), or nests
         if isinstance(x, ir.Value):
             yield x
@@ -88,8 +111,6 @@ def _new_ops(outs, args):
 
 
 def _with_own_channel(default):
-    from jax._src.lib.mlir.dialects import hlo
-
     def rule(ctx, *args, **params):
         outs = default(ctx, *args, **params)
         for op in _new_ops(outs, args):
@@ -105,18 +126,11 @@ def _with_own_channel(default):
 def unique_channel_ids() -> list:
     """Registers, for the CPU platform, each collective's lowering wrapped so that its ops
     get a channel id of their own. Idempotent; returns the primitives it covers."""
-    from jax._src.interpreters import mlir
-    from jax._src.lax import parallel
-
     if guards() not in ("all", "channels"):
         return []
-    names = ("psum_p", "pmax_p", "pmin_p", "ppermute_p", "all_gather_p", "all_gather_invariant_p",
-             "reduce_scatter_p", "all_to_all_p", "psum_invariant_p")
     covered = []
-    for name in names:
-        prim = getattr(parallel, name, None)
-        if prim is None:
-            continue
+    for name in CHANNEL_PRIMITIVES:
+        prim = getattr(parallel, name)  # each checked to exist by tests/test_jax_private.py
         current = mlir._platform_specific_lowerings["cpu"].get(prim) or mlir._lowerings.get(prim)
         if current is None or hasattr(current.rule, "__wrapped__"):
             covered.append(prim)
@@ -126,3 +140,49 @@ def unique_channel_ids() -> list:
                                cacheable=False)
         covered.append(prim)
     return covered
+
+
+def cpu_guards(devices: int | None = None) -> None:
+    """Applies both guards to this process: for code that simulates CPU devices itself
+    (XLA_FLAGS=--xla_force_host_platform_device_count=N set before JAX starts) rather than
+    through `simulate_cpu_devices`. Call it before JAX starts its CPU backend (NPROC is
+    read then) and before any collective lowers; `devices` defaults to XLA_FLAGS' count.
+    Idempotent; `import dpjax` alone applies neither guard."""
+    enough_threads(devices=devices)
+    unique_channel_ids()
+
+
+def guard_flagged(environ=os.environ) -> bool:
+    """Applies the guards when XLA_FLAGS simulates CPU devices: for dpjax's own tools
+    (`python -m dpjax.generate`, `dpjax.hf`), where a user cannot add the call. Before JAX
+    starts; whether it applied them."""
+    if flagged_devices(environ) is None:
+        return False
+    enough_threads(environ)
+    unique_channel_ids()
+    return True
+
+
+def simulate_cpu_devices(n: int) -> None:
+    """Asks for `n` simulated CPU devices and applies the guards their collectives need
+    (`cpu_guards`); must run before JAX initialises its backends.
+
+    Harmless where a GPU is present (it only shapes the CPU backend). Raises
+    RuntimeError if JAX has already initialised with a different CPU device count.
+    """
+    if n < 1:
+        raise ValueError(f"cannot simulate {n} CPU devices")
+    flagged = flagged_devices()
+    if flagged is not None:  # the user (or conftest, or dpjax.launch) already decided
+        cpu_guards(flagged)
+        return
+    try:
+        jax.config.update("jax_num_cpu_devices", n)
+    except RuntimeError as e:  # backends already up
+        have = len(jax.devices("cpu"))
+        if have != n:
+            raise RuntimeError(
+                f"JAX is already initialised with {have} CPU devices; "
+                f"call simulate_cpu_devices({n}) before using JAX"
+            ) from e
+    cpu_guards(n)

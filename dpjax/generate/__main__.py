@@ -14,6 +14,7 @@ import json
 import os
 import sys
 
+from dpjax.collectives.cpu_runtime import guard_flagged
 from dpjax.errors import UserError
 
 
@@ -85,6 +86,7 @@ def main(argv=None) -> int:
     p.add_argument("--mesh", help="e.g. 1x8 (default: every device on model where it divides)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     args = p.parse_args(argv)
+    guard_flagged()  # devices simulated with XLA_FLAGS: guard their collectives before JAX starts
     try:
         out = run(args)
     except UserError as e:

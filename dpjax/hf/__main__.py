@@ -14,6 +14,7 @@ import argparse
 import os
 import sys
 
+from dpjax.collectives.cpu_runtime import guard_flagged
 from dpjax.errors import UserError
 
 
@@ -62,6 +63,7 @@ def main(argv=None) -> int:
                    help="the files' dtype (default: the imported folder's, else float32)")
     e.add_argument("--shard-mb", type=float, default=5 * 1024, help="largest safetensors file in MiB (default 5 GiB)")
     args = p.parse_args(argv)
+    guard_flagged()  # devices simulated with XLA_FLAGS: guard their collectives before JAX starts
     try:
         if args.command == "import":
             line = do_import(args.folder, args.out, args.mesh)

@@ -29,7 +29,8 @@ def setup_devices(cfg: Settings):
     """Starts jax.distributed if launched as one of several processes and simulates the
     CPU devices this process contributes to the mesh (before JAX starts); the devices
     the mesh is made of."""
-    from dpjax.mesh import mesh_size, recommended_xla_flags, simulate_cpu_devices
+    from dpjax.collectives.cpu_runtime import simulate_cpu_devices  # and the guards their collectives need
+    from dpjax.mesh import mesh_size, recommended_xla_flags
 
     recommended_xla_flags()  # GPU: collectives overlapped with compute (before JAX starts; the user's flags win)
     distributed.initialize(collectives=cfg.collectives)
