@@ -167,6 +167,9 @@ def test_import_export_round_trip_keeps_tensors_and_config(tmp_path):
     ({"rope_scaling": {"rope_type": "linear", "factor": 4.0}}, "disagree"),
     ({"rope_theta": 20000.0}, "rope_theta 20000.0 and rope_parameters' 10000.0 disagree"),
     ({"partial_rotary_factor": 0.5}, "partial_rotary_factor 0.5"),
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.25}},
+     "partial_rotary_factor 0.25"),
+    ({"rope_parameters": {"rope_type": "linear", "rope_theta": 1e4}}, "rope linear without 'factor'"),
 ])
 def test_what_changes_the_numbers_and_is_not_computed_is_refused(change, named):
     hub = json.load(open(os.path.join(folder("linear"), "config.json")))

@@ -84,6 +84,10 @@ def rope_from_hub(hub: dict, where: str) -> tuple[float, RopeScaling | None]:
     theta = float(params.pop("rope_theta", hub.get("rope_theta", 10000.0)))
     kind = params.pop("rope_type", None) or params.pop("type", None) or "default"
     params.pop("type", None)
+    if params.get("partial_rotary_factor", 1.0) != 1.0:
+        raise HFError(f"{where}: dpjax's Llama does not compute partial_rotary_factor {params['partial_rotary_factor']}"
+                      " (it rotates whole heads)")
+    params.pop("partial_rotary_factor", None)
     if kind == "default":
         if params:
             raise HFError(f"{where}: rope type default with {', '.join(sorted(params))}, which dpjax does not compute")
@@ -99,7 +103,8 @@ def rope_from_hub(hub: dict, where: str) -> tuple[float, RopeScaling | None]:
         params.setdefault("original_max_position_embeddings", hub.get("max_position_embeddings"))
     if "max_position_embeddings" in need:
         params["max_position_embeddings"] = hub.get("max_position_embeddings")
-    if kind == "yarn" and params.get("factor") is None:  # transformers 5: the ratio of the two contexts
+    if kind == "yarn" and params.get("factor") is None and hub.get("max_position_embeddings") and params.get(
+            "original_max_position_embeddings"):  # transformers 5: the ratio of the two contexts
         params["factor"] = hub["max_position_embeddings"] / params["original_max_position_embeddings"]
     try:
         return theta, RopeScaling(type=kind, **{k: v for k, v in params.items() if k in (*need, *may, "factor")
