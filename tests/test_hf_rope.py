@@ -69,22 +69,24 @@ def test_export_writes_the_layout_it_read_and_nothing_else():
 
     from dpjax.models import get_model
 
-    for kind in KINDS:
-        for f in ("config.json", "config.4x.json"):
-            hub = json.load(open(os.path.join(folder(kind), f)))
-            config = get_model("llama", seq_len=64, **config_from_hub(hub, kind)).config
-            assert config_to_hub(config, "float32", hub) == hub, (kind, f)
-            record = json.loads(json.dumps(get_model("llama", seq_len=64, **config_from_hub(hub, kind)).describe()))
-            assert get_model(record.pop("model"), **record).config == config  # as export rebuilds it
-            changed = dataclasses.replace(config, rope_theta=20000.0)
-            for base, layout in ((hub, "old" if f == "config.4x.json" else "new"), (None, "new")):
-                out = config_to_hub(changed, "float32", base)
-                if layout == "new":
-                    assert "rope_scaling" not in out and "rope_theta" not in out and "rope_parameters" in out
-                else:
-                    assert "rope_parameters" not in out and out["rope_theta"] == 20000.0
-                got = config_from_hub(out, kind)
-                assert (got["rope_theta"], got["rope_scaling"]) == (20000.0, config.rope_scaling), (kind, f, base)
+    older = json.load(open(os.path.join(folder("linear"), "config.4x.json")))
+    older["rope_scaling"] = {"type": "linear", "factor": 2.0}  # as transformers before 4.45 wrote it
+    cases = [(kind, f, json.load(open(os.path.join(folder(kind), f)))) for kind in KINDS
+             for f in ("config.json", "config.4x.json")] + [("linear", "config.4x.json", older)]
+    for kind, f, hub in cases:
+        config = get_model("llama", seq_len=64, **config_from_hub(hub, kind)).config
+        assert config_to_hub(config, "float32", hub) == hub, (kind, f)
+        record = json.loads(json.dumps(get_model("llama", seq_len=64, **config_from_hub(hub, kind)).describe()))
+        assert get_model(record.pop("model"), **record).config == config  # as export rebuilds it
+        changed = dataclasses.replace(config, rope_theta=20000.0)
+        for base, layout in ((hub, "old" if f == "config.4x.json" else "new"), (None, "new")):
+            out = config_to_hub(changed, "float32", base)
+            if layout == "new":
+                assert "rope_scaling" not in out and "rope_theta" not in out and "rope_parameters" in out
+            else:
+                assert "rope_parameters" not in out and out["rope_theta"] == 20000.0
+            got = config_from_hub(out, kind)
+            assert (got["rope_theta"], got["rope_scaling"]) == (20000.0, config.rope_scaling), (kind, f, base)
 
 
 FAST = ("llama3", "yarn")  # Llama 3.1's and the one that scales sin/cos; the others in the slow set (a compile each)
