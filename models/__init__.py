@@ -20,8 +20,9 @@ from dpjax.models.mlp import MLP, MLPConfig
 from dpjax.models.registry import MODELS, Entry, Model, register, registered, unregister
 
 REGISTERED_BY = (gpt, llama, mlp)  # importing a model's module registers it
-# Set by the data, not chosen per model.
-_NOT_OPTIONS = ("vocab_size", "seq_len")
+# Set by the data, not chosen per model; rope scaling comes with a checkpoint or a preset
+# (a structure, not one number a flag could give).
+_NOT_OPTIONS = ("vocab_size", "seq_len", "rope_scaling")
 
 
 def model_options() -> dict[str, dict[str, object]]:

@@ -26,11 +26,12 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from dpjax.compute import attention, context, stack
+from dpjax.compute import attention, context, rope, stack
 from dpjax.compute import tensor_parallel as tp
 from dpjax.errors import UserError
 from dpjax.models.gpt import GPT, ByteModel, GPTConfig
 from dpjax.models.registry import Entry, register
+from dpjax.compute.rope import RopeScaling
 from dpjax.compute.tensor_parallel import DENSE, Parallel
 
 
@@ -46,8 +47,11 @@ class LlamaConfig:
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
     tie_embeddings: bool = False  # the output head is the embedding table (Llama 3.2 1B / 3B)
+    rope_scaling: RopeScaling | None = None  # longer contexts (Llama 3.1 / 3.2: llama3); None: none
 
     def __post_init__(self):
+        if isinstance(self.rope_scaling, dict):  # as a run record or a preset writes it (dataclasses.asdict)
+            object.__setattr__(self, "rope_scaling", RopeScaling(**self.rope_scaling))
         for name in ("vocab_size", "seq_len", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff"):
             if getattr(self, name) < 1:
                 raise UserError(f"Llama {name} must be positive, got {getattr(self, name)}")
@@ -61,12 +65,15 @@ class LlamaConfig:
 
 
 # Named shapes (`--preset`): Meta's published configurations (the Hub's config.json). The
-# 3.2 1B's "llama3" rope scaling for long contexts is not modelled (`dpjax.hf` refuses it).
+# 3.2 1B and 3B stretch their rope for a 128K context (llama3 scaling, factor 32 over the
+# 8192 positions trained at); Llama 3 8B has none.
+_LLAMA32_ROPE = dict(type="llama3", factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                     original_max_position_embeddings=8192)
 PRESETS = {
     "llama3-1b": dict(vocab_size=128256, d_model=2048, n_layers=16, n_heads=32, n_kv_heads=8, d_ff=8192,
-                      rope_theta=500000.0, tie_embeddings=True),
+                      rope_theta=500000.0, tie_embeddings=True, rope_scaling=_LLAMA32_ROPE),
     "llama3-3b": dict(vocab_size=128256, d_model=3072, n_layers=28, n_heads=24, n_kv_heads=8, d_ff=8192,
-                      rope_theta=500000.0, tie_embeddings=True),
+                      rope_theta=500000.0, tie_embeddings=True, rope_scaling=_LLAMA32_ROPE),
     "llama3-8b": dict(vocab_size=128256, d_model=4096, n_layers=32, n_heads=32, n_kv_heads=8, d_ff=14336,
                       rope_theta=500000.0),
     "llama2-7b": dict(vocab_size=32000, d_model=4096, n_layers=32, n_heads=32, n_kv_heads=32, d_ff=11008,
@@ -82,14 +89,17 @@ def rms_norm(x, scale, eps: float):
     return (scale * normed.astype(x.dtype)).astype(x.dtype)
 
 
-def rope_table(n_positions: int, K: int, theta: float):
+def rope_table(n_positions: int, K: int, theta: float, scaling: RopeScaling | None = None):
     """sin and cos of every position's angles, n_positions x K each (the K/2 frequencies
-    twice: the rotate-half layout). Made with numpy as HuggingFace's Flax Llama makes it
-    (frequencies in float64, cast to float32, then sin and cos): a constant of the trace."""
-    inv_freq = 1.0 / (theta ** (np.arange(0, K, 2) / K))
+    twice: the rotate-half layout), times the scaling's attention factor (YaRN's; 1 for the
+    others), as HuggingFace scales its cos and sin. Made with numpy (frequencies from
+    `dpjax.compute.rope` in float64, angles cast to float32, then sin and cos): a constant
+    of the trace. `dynamic` scaling reads n_positions (the run's seq_len)."""
+    inv_freq, scale = rope.inverse_frequencies(K, theta, scaling, n_positions)
     freqs = np.einsum("i,j->ij", np.arange(n_positions), inv_freq).astype(np.float32)
     angles = np.concatenate([freqs, freqs], axis=-1)
-    return np.sin(angles), np.cos(angles)
+    return (np.sin(angles) * np.float32(scale)).astype(np.float32), (np.cos(angles) * np.float32(scale)).astype(
+        np.float32)
 
 
 def rotate(x_BxTxHxK, sin_BxTxK, cos_BxTxK):
@@ -179,7 +189,7 @@ class Llama(ByteModel):
             kv_Bdx2xTxYmxK = lax.dynamic_slice_in_dim(kv_Bdx2xTxYxK, par.rank() * Y // n, 1, axis=3)
         else:
             kv_Bdx2xTxYmxK = par.policy.einsum("btd,diyk->bityk", hf_BdxTxD, a["wkv_LsxDx2xYmxK"])
-        sin_TxK, cos_TxK = rope_table(c.seq_len, K, c.rope_theta)
+        sin_TxK, cos_TxK = rope_table(c.seq_len, K, c.rope_theta, c.rope_scaling)
         sin_BdxTxK, cos_BdxTxK = jnp.asarray(sin_TxK)[positions_BdxT], jnp.asarray(cos_TxK)[positions_BdxT]
         q_BdxTxHmxK = rotate(q_BdxTxHmxK, sin_BdxTxK, cos_BdxTxK)
         k_BdxTxYmxK = rotate(kv_Bdx2xTxYmxK[:, 0], sin_BdxTxK, cos_BdxTxK)

@@ -123,10 +123,10 @@ def test_what_llama_does_not_compute_is_one_line(tmp_path, capsys):
     for f in ("model.safetensors", "tokenizer.json"):
         os.symlink(os.path.join(FIXTURE, f), tmp_path / f)
     hub = json.load(open(os.path.join(FIXTURE, "config.json")))
-    (tmp_path / "config.json").write_text(json.dumps({**hub, "rope_scaling": {"rope_type": "llama3", "factor": 8.0}}))
+    (tmp_path / "config.json").write_text(json.dumps({**hub, "rope_scaling": {"rope_type": "longrope", "factor": 8.0}}))
     assert main(["import", str(tmp_path), "--out", str(tmp_path / "ck")]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "does not compute rope_scaling" in err
+    assert err.count("\n") == 1 and "rope_type 'longrope' is not computed by dpjax" in err
 
 
 @pytest.mark.slow  # a training step's compile; the fast set keeps the import/export round trip

@@ -1,7 +1,8 @@
 """HuggingFace checkpoints in and out of dpjax's Llama.
 
     files.py    the safetensors format: memory-mapped reads, one-tensor-at-a-time writes, shards + index
-    llama.py    the one table of Hub names and layouts beside dpjax's leaves, and config.json's fields
+    llama.py    the one table of Hub names and layouts beside dpjax's leaves
+    config.py   config.json's keys in both transformers layouts (4.x top-level rope keys, 5.x rope_parameters)
     load.py     a Hub folder -> the model and its parameters, each device's block read for its device
     writer.py   parameters -> a Hub folder (`export`); the dpjax checkpoint an import writes
     source.py   `hf:DIR` or a dpjax checkpoint -> model and parameters (--init-from, generate, export)

@@ -29,7 +29,7 @@ def do_import(folder: str, out: str, mesh_spec: str | None) -> str:
         raise UserError(f"{out} exists and is not empty; pass a new folder")
     layout = make_layout(model, default_mesh(model, mesh_spec))
     params = params_of("hf:" + folder, model, layout)
-    save_checkpoint(out, params, model, hub, hub.get("torch_dtype") or "float32")
+    save_checkpoint(out, params, model, hub, hub.get("dtype") or hub.get("torch_dtype") or "float32")
     n = model.num_params(params)
     return f"{out}: {model.name} with {n:,} parameters from {folder} (step 0); train with --init-from {out}"
 

@@ -6,58 +6,14 @@ with the heads as their own dimension (`wq_LsxDxHmxK`: D x H x K per layer) and 
 stacked (`wkv_LsxDx2xYmxK`). Both use the rotate-half rotary convention, so no weight
 is permuted: every conversion is a transpose and a reshape, exact in any dtype.
 
-`read_block` gives one device's block of a leaf by reading only the rows and columns of
-the (memory-mapped) Hub tensors that hold it; `hub_tensors` gives one layer's Hub tensors
-from dpjax's leaves for export.
+`read_layer_block` gives one device's block of a leaf by reading only the rows and
+columns of the (memory-mapped) Hub tensors that hold it; `hub_tensors` gives one layer's
+Hub tensors from dpjax's leaves for export. config.json's keys are `dpjax.hf.config`'s.
 """
 
 from __future__ import annotations
 
 import numpy as np
-
-from dpjax.hf.files import HFError
-
-# dpjax LlamaConfig field <- config.json key (and its default when the file has none)
-CONFIG = {"vocab_size": ("vocab_size", None), "d_model": ("hidden_size", None),
-          "n_layers": ("num_hidden_layers", None), "n_heads": ("num_attention_heads", None),
-          "n_kv_heads": ("num_key_value_heads", None), "d_ff": ("intermediate_size", None),
-          "rope_theta": ("rope_theta", 10000.0), "norm_eps": ("rms_norm_eps", 1e-6),
-          "tie_embeddings": ("tie_word_embeddings", False)}
-
-
-def config_from_hub(hub: dict, where: str) -> dict:
-    """dpjax LlamaConfig fields from a config.json; what dpjax's Llama does not compute
-    (biases, rope scaling, another activation, a head width other than D/H) is refused."""
-    if hub.get("model_type") != "llama":
-        raise HFError(f"{where}: model_type {hub.get('model_type')!r}; dpjax imports llama")
-    problems = []
-    if hub.get("attention_bias") or hub.get("mlp_bias"):
-        problems.append("biases in attention or MLP")
-    if hub.get("rope_scaling") not in (None, {}) and (hub["rope_scaling"] or {}).get("rope_type") != "default":
-        problems.append(f"rope_scaling {hub['rope_scaling']}")
-    if hub.get("hidden_act", "silu") != "silu":
-        problems.append(f"hidden_act {hub['hidden_act']}")
-    if hub.get("head_dim") not in (None, hub["hidden_size"] // hub["num_attention_heads"]):
-        problems.append(f"head_dim {hub['head_dim']} other than hidden_size / num_attention_heads")
-    if problems:
-        raise HFError(f"{where}: dpjax's Llama does not compute {'; '.join(problems)}")
-    fields = {ours: hub.get(key, default) for ours, (key, default) in CONFIG.items()}
-    fields["n_kv_heads"] = fields["n_kv_heads"] or fields["n_heads"]
-    missing = [CONFIG[k][0] for k, v in fields.items() if v is None]
-    if missing:
-        raise HFError(f"{where}: config.json has no {', '.join(missing)}")
-    return fields
-
-
-def config_to_hub(config, dtype: str, base: dict | None = None) -> dict:
-    """A config.json for dpjax's Llama `config` (`base`: the imported one, whose other
-    keys, token ids among them, are kept)."""
-    hub = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
-           "attention_bias": False, "mlp_bias": False, "rope_scaling": None, **(base or {})}
-    hub.update({key: getattr(config, ours) for ours, (key, _) in CONFIG.items()})
-    hub.update(head_dim=config.d_model // config.n_heads, torch_dtype=dtype)
-    hub.setdefault("max_position_embeddings", config.seq_len)
-    return hub
 
 
 def _layer(i: int) -> str:

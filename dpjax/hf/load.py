@@ -16,6 +16,7 @@ import jax
 import numpy as np
 
 from dpjax.hf import llama as names
+from dpjax.hf.config import config_from_hub
 from dpjax.hf.files import HFError, Tensors
 
 CONFIG = "config.json"
@@ -36,7 +37,7 @@ def model_from_hf(folder: str, seq_len: int | None = None):
     from dpjax.models import get_model
 
     hub = read_config(folder)
-    fields = names.config_from_hub(hub, folder)
+    fields = config_from_hub(hub, folder)
     return get_model("llama", seq_len=seq_len or hub.get("max_position_embeddings", 2048), **fields), hub
 
 

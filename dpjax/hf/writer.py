@@ -16,6 +16,7 @@ import jax
 import numpy as np
 
 from dpjax.hf import llama as names
+from dpjax.hf.config import config_to_hub
 from dpjax.hf.files import DTYPES, HFError, write_folder
 from dpjax.hf.load import CONFIG
 
@@ -69,7 +70,7 @@ def export(params, model, folder: str, *, dtype: str = "float32", base_config: d
 
     files = write_folder(folder, list(table), spec, fetch, max_shard_bytes)
     with open(os.path.join(folder, CONFIG), "w") as f:
-        json.dump(names.config_to_hub(model.config, dtype, base_config), f, indent=2)
+        json.dump(config_to_hub(model.config, dtype, base_config), f, indent=2)
     return [*files, CONFIG]
 
 

@@ -65,12 +65,8 @@ def _check_model(s: Settings) -> None:
     from dpjax.models import MODELS, model_options
 
     _one_of("model", s.model, MODELS)
-    if s.init_from is not None:
-        mine = [flag(k) for k in ("preset", "vocab_size") if getattr(s, k) is not None]
-        mine += [flag(k) for k in s.model_options]
-        if mine or s.model != Settings.model:
-            raise UsageError(f"--init-from {s.init_from} brings its model; {', '.join(mine) or '--model'} cannot "
-                             "change it")
+    if s.init_from is not None and s.model == Settings.model:
+        return  # the checkpoint names its model: model_choice holds the flags given to it once it is read
     name = s.model if s.init_from is not None else model_choice(s)[0]
     wrong = [o for o in s.model_options if o not in model_options()[name]]
     if wrong:
@@ -193,6 +189,7 @@ def model_choice(s: Settings) -> tuple[str, dict]:
         from dpjax.hf import model_of
 
         model, _, _ = model_of(s.init_from, s.seq_len)
+        _agree(s, model, vocab)
         return model.name, dataclasses.asdict(model.config)
     if s.preset is None:
         return s.model, given
@@ -203,6 +200,35 @@ def model_choice(s: Settings) -> tuple[str, dict]:
     if s.model not in (name, Settings.model):  # --preset names its model; another one given is a contradiction
         raise UsageError(f"--preset {s.preset} is a {name} model, not --model {s.model}")
     return name, {**fields, **{k: v for k, v in given.items() if v is not None}}
+
+
+def _agree(s: Settings, model, vocab) -> None:
+    """Flags that name the model beside --init-from (--model, --preset, --vocab-size, the
+    model's options) are accepted when they say what the checkpoint holds; one that
+    disagrees is refused, naming it and the checkpoint's value."""
+    from dpjax.models import presets
+
+    c, wrong = dataclasses.asdict(model.config), []
+    if s.model not in (Settings.model, model.name):
+        wrong.append(f"--model {s.model} (it holds {model.name})")
+    given = {"vocab_size": vocab, **s.model_options}
+    if s.preset is not None:
+        name, fields = presets().get(s.preset, (None, {}))
+        if name is None:
+            raise UsageError(f"unknown --preset {s.preset!r}; choose one of {', '.join(presets())}")
+        if name != model.name:
+            wrong.append(f"--preset {s.preset} (a {name}; it holds a {model.name})")
+        else:
+            fields = dataclasses.asdict(dataclasses.replace(model.config, **fields))  # as the config stores them
+            differ = [k for k in fields if k != "seq_len" and fields[k] != c[k]]
+            if differ:
+                wrong.append(f"--preset {s.preset} (its {', '.join(differ)} differ)")
+    for k, v in given.items():
+        if v is not None and (k not in c or c[k] != v):
+            wrong.append(f"{flag(k)} {v} (it holds {c.get(k, 'no such option')})")
+    if wrong:
+        raise UsageError(f"--init-from {s.init_from} disagrees with {'; '.join(wrong)}: flags beside it must "
+                         "say what it holds")
 
 
 def warnings(s: Settings) -> list[str]:
