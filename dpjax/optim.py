@@ -1,7 +1,8 @@
 """The inner optimizer a run asks for: name, learning-rate schedule, clipping.
 
 `OptimizerConfig.make(global_batch, specs)` builds the optax transformation that every
-update rule wraps. Goyal et al.'s linear scaling and gradual warmup live here; so does
+update rule wraps. Goyal et al.'s linear scaling and gradual warmup live here (the
+schedules after warm-up: `dpjax.lr_schedules`); so does
 global-norm clipping over sharded gradients (`specs`: each leaf's PartitionSpec, so the
 norm sums every shard exactly once).
 """
@@ -31,19 +32,24 @@ class OptimizerConfig:
     warmup_steps: int = 0
     weight_decay: float = 0.0
     clip_norm: float = 1.0
+    lr_schedule: str = "constant"  # one of dpjax.lr_schedules.LR_SCHEDULES: the shape after warm-up
+    min_lr: float = 0.0  # where the decay ends (not scaled)
+    decay_start: int | None = None  # the decay's first step (None: the end of warm-up)
+    decay_steps: int = 0  # the decay's length (0: none)
 
     def peak_lr(self, global_batch: int) -> float:
         return self.lr * global_batch / 256 if self.lr_scaling == "linear" else self.lr
 
     def schedule(self, global_batch: int):
-        """Linear warmup then constant. With linear scaling the warmup starts from the
-        unscaled lr and ramps to the scaled one (Goyal et al.'s gradual warmup);
-        without, it ramps from 0."""
-        peak = self.peak_lr(global_batch)
-        if self.warmup_steps <= 0:
-            return optax.constant_schedule(peak)
+        """Linear warmup, then the `lr_schedule`'s shape (`dpjax.lr_schedules`). With
+        linear scaling the warmup starts from the unscaled lr and ramps to the scaled one
+        (Goyal et al.'s gradual warmup); without, it ramps from 0."""
+        from dpjax import lr_schedules
+
         start = self.lr if self.lr_scaling == "linear" else 0.0
-        return optax.linear_schedule(start, peak, self.warmup_steps)
+        return lr_schedules.make(self.lr_schedule, peak=self.peak_lr(global_batch), start=start,
+                                 warmup=self.warmup_steps, min_lr=self.min_lr, decay_start=self.decay_start,
+                                 decay_steps=self.decay_steps)
 
     def make(self, global_batch: int, specs=None) -> optax.GradientTransformation:
         """The optimizer; `specs` (the gradients' PartitionSpecs) make the clipping norm
