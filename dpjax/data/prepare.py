@@ -31,7 +31,7 @@ import numpy as np
 
 from dpjax.data import TOKEN_SUFFIX, DataError, corpus_files, load_corpus, tokenize_file
 from dpjax.data import token_file
-from dpjax.errors import UserError
+from dpjax.errors import UserError, os_error_line
 
 BYTE_VOCAB = 256
 
@@ -149,7 +149,7 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except OSError as e:  # a read-only or missing folder, a full disk: what was there is kept
-        print(f"error: cannot write {out}: {e.strerror or e}", file=sys.stderr)
+        print(f"error: {os_error_line(e, out)}", file=sys.stderr)
         return 2
     print(f"{out}: {n:,} tokens ({dtype}" + (f", tokenizer {saved}" if saved else "") +
           f"); train with --data {out} --vocab-size {vocab}")

@@ -25,6 +25,9 @@ WHY = {  # a field whose difference needs its reason said
 }
 
 
+RUN_FILE = "run.json"  # a run's record beside its checkpoints (dpjax.train.record writes it; hf export reads it)
+
+
 class CheckpointError(UserError):
     """A checkpoint that cannot be used; the message says why and what to do."""
 

@@ -14,9 +14,8 @@ import subprocess
 import sys
 
 from dpjax.errors import UserError
+from dpjax.recovery.checkpoint import RUN_FILE
 from dpjax.settings import Settings
-
-RUN_FILE = "run.json"
 PACKAGES = ("jax", "jaxlib", "flax", "optax", "numpy", "orbax-checkpoint", "dpjax")
 
 
@@ -60,7 +59,17 @@ def build(settings: Settings, plan) -> dict:
     return {"settings": dataclasses.asdict(settings), "plan": plan.describe(),
             "devices": {"count": len(devices), "platform": devices[0].platform,
                         "kinds": sorted({d.device_kind for d in devices})},
-            "processes": jax.process_count(), "versions": versions(), "git": git_commit()}
+            "processes": jax.process_count(), "versions": versions(), "git": git_commit(),
+            "init_from": absolute_source(settings.init_from)}
+
+
+def absolute_source(source: str | None) -> str | None:
+    """--init-from with an absolute path: what `python -m dpjax.hf export` follows, from
+    any folder, to the Hub model's config and tokenizer (`dpjax.hf.identity`)."""
+    if source is None:
+        return None
+    prefix = "hf:" if source.startswith("hf:") else ""
+    return prefix + os.path.abspath(source[len(prefix):])
 
 
 def write_run_file(folder: str, record: dict) -> str:
