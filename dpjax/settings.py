@@ -29,15 +29,15 @@ def _optimizers():
 
 
 def _lr_schedules():
-    from dpjax.lr_schedules import LR_SCHEDULES
+    from dpjax.optim import LR_SCHEDULES
 
     return tuple(LR_SCHEDULES)
 
 
 def _lr_schedules_help():
-    from dpjax.lr_schedules import describe
+    from dpjax.optim import describe_schedules
 
-    return f"the learning rate after --warmup-steps: {describe()}. Default: constant"
+    return f"the learning rate after --warmup-steps: {describe_schedules()}. Default: constant"
 
 
 def _algorithms():

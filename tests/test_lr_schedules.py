@@ -9,7 +9,7 @@ import numpy as np
 import optax
 import pytest
 
-from dpjax.lr_schedules import LR_SCHEDULES
+from dpjax.optim import LR_SCHEDULES
 from dpjax.plan import UsageError, check, resolve
 from dpjax.settings import Settings
 

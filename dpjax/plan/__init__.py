@@ -173,7 +173,7 @@ def resolve(s: Settings, devices=None, *, mesh=None, model=None, optimizer=None,
     not fit."""
     from dpjax.collectives.registry import nested
     from dpjax.mesh import data_axes
-    from dpjax.lr_schedules import LR_SCHEDULES
+    from dpjax.optim import LR_SCHEDULES
     from dpjax.models import get_model
     from dpjax.optim import OptimizerConfig
     from dpjax.sharding import make_layout

@@ -103,7 +103,7 @@ def _check_choices(s: Settings) -> None:
 def _check_lr_schedule(s: Settings) -> None:
     """The schedule is one the registry has, its decay options go with a decay, and wsd's
     decay fits after the warm-up."""
-    from dpjax.lr_schedules import LR_SCHEDULES
+    from dpjax.optim import LR_SCHEDULES
 
     _one_of("--lr-schedule", s.lr_schedule, LR_SCHEDULES)
     shape = LR_SCHEDULES[s.lr_schedule]
