@@ -68,7 +68,7 @@ LR_SCHEDULES = {
     "cosine": LrSchedule("half a cosine from the peak to --min-lr", lambda f: jnp.cos(jnp.pi / 2 * f) ** 2),
     "linear": LrSchedule("a straight line from the peak to --min-lr", lambda f: 1 - f),
     "wsd": LrSchedule("warmup-stable-decay: the peak, then a 1-sqrt decay to --min-lr over the last --decay-steps "
-                 "(default: a fifth of --steps; Hägele et al. 2024)", lambda f: 1 - jnp.sqrt(f), tail=True),
+                 "(a fifth of --steps unless given; Hägele et al. 2024)", lambda f: 1 - jnp.sqrt(f), tail=True),
 }
 
 
