@@ -81,3 +81,18 @@ def test_bad_schedules_are_one_line(flags, words):
     with pytest.raises(UsageError, match=words) as e:
         check(Settings(model="mlp", steps=STEPS, **flags))
     assert "\n" not in str(e.value)
+
+
+def test_a_checkpoint_from_before_the_schedules_resumes_with_the_default_and_not_another():
+    """Records saved before --lr-schedule lack its keys: they ran warm-up then constant."""
+    import dataclasses
+
+    from dpjax.optim import OptimizerConfig
+    from dpjax.recovery.checkpoint import CheckpointError, check_compatible
+
+    old = {k: v for k, v in dataclasses.asdict(OptimizerConfig()).items()
+           if k not in ("lr_schedule", "min_lr", "decay_start", "decay_steps")}
+    check_compatible({"optimizer": old}, {"optimizer": dataclasses.asdict(OptimizerConfig())}, "ck/3")
+    cosine = dataclasses.asdict(OptimizerConfig(lr_schedule="cosine", decay_start=0, decay_steps=100))
+    with pytest.raises(CheckpointError, match="optimizer.lr_schedule: saved 'constant', now 'cosine'"):
+        check_compatible({"optimizer": old}, {"optimizer": cosine}, "ck/3")
