@@ -136,9 +136,10 @@ class Settings:
     warmup_steps: int = OPTIM(0, "steps of linear learning-rate warmup (from 0; with --lr-scaling linear from --lr "
                                  "to the scaled rate, Goyal et al.'s gradual warmup)")
     lr_schedule: str = OPTIM("constant", lambda: _lr_schedules_help(), choices=lambda: _lr_schedules())
-    min_lr: float = OPTIM(0.0, "the rate cosine, linear and wsd decay to (as given: not scaled by --lr-scaling)")
-    decay_steps: int | None = OPTIM(None, "steps of cosine's, linear's or wsd's decay. Default: every step after "
-                                          "warm-up (cosine, linear), the last fifth of --steps (wsd)")
+    min_lr: float = OPTIM(0.0, "the rate a decaying --lr-schedule ends at (as given: not scaled by --lr-scaling)")
+    decay_steps: int | None = OPTIM(None, "steps of a decaying --lr-schedule's decay. Default: every step after "
+                                          "warm-up, or the last fifth of --steps for one that decays at the end "
+                                          "(wsd)")
     weight_decay: float = OPTIM(0.0, "AdamW's decoupled weight decay")
     clip_norm: float = OPTIM(1.0, "clip each worker's gradient to this global norm (0: off)")
     # The compute policy (dpjax.compute.policy) and what the planner may choose

@@ -74,7 +74,7 @@ def test_goyal_scaling_warms_up_from_the_unscaled_rate_and_decays_from_the_scale
 @pytest.mark.parametrize("flags,words", [
     (dict(lr_schedule="constant", min_lr=1e-5), "--min-lr shape a decay; --lr-schedule constant has none"),
     (dict(lr_schedule="wsd", warmup_steps=90, decay_steps=20), "do not fit in --steps 100"),
-    (dict(lr_schedule="cosine", min_lr=1.0), "is above --lr"),
+    (dict(lr_schedule="cosine", min_lr=1.0), "is above the peak rate 0.003"),
     (dict(lr_schedule="cosine", decay_steps=0), "--decay-steps must be at least 1"),
 ])
 def test_bad_schedules_are_one_line(flags, words):

@@ -173,9 +173,8 @@ def resolve(s: Settings, devices=None, *, mesh=None, model=None, optimizer=None,
     not fit."""
     from dpjax.collectives.registry import nested
     from dpjax.mesh import data_axes
-    from dpjax.optim import LR_SCHEDULES
     from dpjax.models import get_model
-    from dpjax.optim import OptimizerConfig
+    from dpjax.optim import LR_SCHEDULES, OptimizerConfig
     from dpjax.sharding import make_layout
     from dpjax.updates import parse_update
 

@@ -114,8 +114,9 @@ def _check_lr_schedule(s: Settings) -> None:
                          f"{decaying})")
     if s.decay_steps is not None and s.decay_steps < 1:
         raise UsageError(f"--decay-steps must be at least 1, got {s.decay_steps}")
-    if shape.keep is not None and s.min_lr > s.lr:
-        raise UsageError(f"--min-lr {s.min_lr} is above --lr {s.lr}: a decay goes down")
+    peak = s.lr * s.batch_size * s.backward_passes / 256 if s.lr_scaling == "linear" else s.lr
+    if shape.keep is not None and s.min_lr > peak:
+        raise UsageError(f"--min-lr {s.min_lr} is above the peak rate {peak:g}: a decay goes down")
     start, _ = shape.window(s.steps, s.warmup_steps, s.decay_steps)
     if shape.tail and start < s.warmup_steps:
         raise UsageError(f"--lr-schedule {s.lr_schedule}: --warmup-steps {s.warmup_steps} and a decay of "
