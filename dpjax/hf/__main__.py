@@ -36,12 +36,23 @@ def do_import(folder: str, out: str, mesh_spec: str | None) -> str:
 
 
 def do_export(ckpt: str, out: str, dtype: str | None, shard_mb: float, overwrite: bool = False) -> str:
+    from dpjax.hf.export import check_out
+
+    made = check_out(out, overwrite)
+    try:
+        return _export(ckpt, out, dtype, shard_mb)
+    except BaseException:
+        if made and os.path.isdir(out) and not os.listdir(out):
+            os.rmdir(out)  # a failed export leaves no empty folder behind
+        raise
+
+
+def _export(ckpt: str, out: str, dtype: str | None, shard_mb: float) -> str:
     from dpjax.hf import identity
-    from dpjax.hf.export import check_out, export
+    from dpjax.hf.export import export
     from dpjax.hf.source import default_mesh, model_of, params_of
     from dpjax.sharding import make_layout
 
-    check_out(out, overwrite)
     model, _, record = model_of(ckpt)
     if model.name != "llama":
         raise UserError(f"{ckpt} holds a {model.name} model; the HuggingFace export writes llama")

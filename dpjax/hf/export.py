@@ -39,8 +39,9 @@ def hub_names(model) -> list[tuple[str, tuple, int | None]]:
     return out
 
 
-def check_out(folder: str, overwrite: bool) -> None:
-    """Before anything is read: `folder` is new, empty, or --overwrite says its files may go."""
+def check_out(folder: str, overwrite: bool) -> bool:
+    """Before anything is read: `folder` is new, empty, or --overwrite says its files may go.
+    Returns whether it made the folder (its caller removes it again if the export fails)."""
     if os.path.exists(folder) and not os.path.isdir(folder):
         raise HFError(f"{folder} is a file; pass a folder to export to")
     there = sorted(os.listdir(folder)) if os.path.isdir(folder) else []
@@ -48,7 +49,9 @@ def check_out(folder: str, overwrite: bool) -> None:
         named = [f for f in there if f in (CONFIG, *identity.FILES)] or there
         raise HFError(f"{folder} is not empty (it holds {', '.join(named[:3])}{', ...' if len(named) > 3 else ''}); "
                       "pass a new folder, or --overwrite to replace its files (nothing was written)")
+    made = not os.path.isdir(folder)
     os.makedirs(folder, exist_ok=True)  # a read-only place fails here, before the checkpoint is read
+    return made
 
 
 def _is_weights(name: str) -> bool:
