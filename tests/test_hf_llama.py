@@ -140,10 +140,14 @@ def test_import_export_round_trip_is_bit_for_bit(tmp_path, capsys):
     assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
     assert r.stderr.startswith(f"error: {out} is not empty (it holds chat_template.jinja, config.json, ")
     assert sorted(os.listdir(out)) == before and json.load(open(os.path.join(out, "config.json"))) == hub
+    os.rename(hub_dir, tmp_path / "moved")  # the import's record keeps the config, the tokenizer went with it
     capsys.readouterr()
     assert main(["export", ckpt, "--out", out, "--overwrite"]) == 0  # one file now: the shards and index go
+    assert capsys.readouterr().out.strip().endswith(f"; {hub_dir}, where the model was imported from, is not "
+                                                    "there: no tokenizer")
     assert not [f for f in os.listdir(out) if f.startswith("model-") or f.endswith(".index.json")]
     assert load_file(os.path.join(out, "model.safetensors")).keys() == want.keys()
+    assert json.load(open(os.path.join(out, "config.json"))) == hub
     (tmp_path / "afile").write_text("")
     capsys.readouterr()
     assert main(["export", ckpt, "--out", str(tmp_path / "afile" / "out")]) == 2

@@ -67,7 +67,8 @@ def _export(ckpt: str, out: str, dtype: str | None, shard_mb: float) -> str:
     if origin is None:
         return line + "; no tokenizer: the model was not imported from a HuggingFace folder"
     if origin.missing:
-        return line + f"; no tokenizer: {origin.missing}, where the model was imported from, is not there"
+        return line + (f"; {origin.missing}, where the model was imported from, is not there: no tokenizer"
+                       + ("" if origin.config else ", and config.json is dpjax's own"))
     return line
 
 

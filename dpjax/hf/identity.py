@@ -27,16 +27,18 @@ DTYPE_KEYS = ("torch_dtype", "dtype")  # transformers 4 writes torch_dtype, 5 wr
 
 @dataclass(frozen=True)
 class Origin:
-    """The Hub model a checkpoint descends from: its config.json, and its folder (None
-    when the record does not name one or it is no longer there: `missing` names it)."""
+    """The Hub model a checkpoint descends from: its config.json (None when it can no
+    longer be read), and its folder (None when the record does not name one or it is no
+    longer there: `missing` names it)."""
 
-    config: dict
+    config: dict | None
     folder: str | None = None
     missing: str | None = None
 
     @property
     def dtype(self) -> str | None:
-        return next((self.config[k] for k in DTYPE_KEYS if isinstance(self.config.get(k), str)), None)
+        config = self.config or {}
+        return next((config[k] for k in DTYPE_KEYS if isinstance(config.get(k), str)), None)
 
 
 def _run_file(folder: str) -> dict:
@@ -64,10 +66,10 @@ def origin(ckpt: str, record: dict | None, depth: int = 4) -> Origin | None:
     if source.startswith(HF_PREFIX):
         folder = source[len(HF_PREFIX):]
         if not os.path.isfile(os.path.join(folder, CONFIG)):
-            return None
+            return Origin(None, None, folder)
         return Origin(read_config(folder), folder)
     if not os.path.isdir(source):
-        return None
+        return Origin(None, None, source)
     from dpjax.hf.source import read_record
 
     return origin(source, read_record(source), depth - 1)
