@@ -11,3 +11,13 @@ from __future__ import annotations
 
 class UserError(ValueError):
     """Bad input from a user; the message says what is wrong and what to do instead."""
+
+
+def os_error_line(e: OSError, out: str) -> str:
+    """A failed read or write (a read-only or missing folder, a full disk) as one line:
+    which file, and why; the temporary files a command writes through are named by the
+    output they stand for."""
+    where = e.filename if e.filename is not None else out
+    if str(where).startswith(out):
+        return f"cannot write {out}: {e.strerror or e}"
+    return f"{where}: {e.strerror or e}"

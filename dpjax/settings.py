@@ -28,6 +28,18 @@ def _optimizers():
     return OPTIMIZERS
 
 
+def _lr_schedules():
+    from dpjax.optim import LR_SCHEDULES
+
+    return tuple(LR_SCHEDULES)
+
+
+def _lr_schedules_help():
+    from dpjax.optim import describe_schedules
+
+    return f"the learning rate after --warmup-steps: {describe_schedules()}. Default: constant"
+
+
 def _algorithms():
     from dpjax.collectives import ALGORITHMS
 
@@ -130,7 +142,13 @@ class Settings:
                                            "0.9)")
     lr: float = OPTIM(3e-3, "learning rate (before any scaling)")
     lr_scaling: str = OPTIM("none", "linear: lr * global batch / 256 (Goyal et al. 2017)", choices=("none", "linear"))
-    warmup_steps: int = OPTIM(0, "steps of linear learning-rate warmup")
+    warmup_steps: int = OPTIM(0, "steps of linear learning-rate warmup (from 0; with --lr-scaling linear from --lr "
+                                 "to the scaled rate, Goyal et al.'s gradual warmup)")
+    lr_schedule: str = OPTIM("constant", lambda: _lr_schedules_help(), choices=lambda: _lr_schedules())
+    min_lr: float = OPTIM(0.0, "the rate a decaying --lr-schedule ends at (as given: not scaled by --lr-scaling)")
+    decay_steps: int | None = OPTIM(None, "steps of a decaying --lr-schedule's decay. Default: every step after "
+                                          "warm-up, or the last fifth of --steps for one that decays at the end "
+                                          "(wsd)")
     weight_decay: float = OPTIM(0.0, "AdamW's decoupled weight decay")
     clip_norm: float = OPTIM(1.0, "clip each worker's gradient to this global norm (0: off)")
     # The compute policy (dpjax.compute.policy) and what the planner may choose

@@ -92,15 +92,33 @@ def test_sharded_load_reads_blocks_and_matches(mesh_of, dense, monkeypatch):
     assert sizes["wgate_LsxDxFm"] == c.d_model * c.d_ff // 4
 
 
+IDENTITY = {"tokenizer_config.json": '{"bos_token": "<s>", "eos_token": "</s>"}',
+            "special_tokens_map.json": '{"bos_token": "<s>"}', "chat_template.jinja": "{{ messages }}",
+            "generation_config.json": '{"bos_token_id": 0, "eos_token_id": 1}'}
+
+
 def test_import_export_round_trip_is_bit_for_bit(tmp_path, capsys):
     """import, then export in shards of 50 KB: every tensor of the Hub file comes back
-    with the same bytes, the index names every tensor, config.json keeps the model's keys."""
+    with the same bytes, the index names every tensor, config.json is the imported one
+    (token ids and context length included) and the tokenizer, chat template and
+    generation config come along. A second export onto it is refused, as a process, in
+    one line with nothing replaced; with --overwrite the earlier shards go; an --out that
+    cannot be written is one line."""
+    import subprocess
+    import sys
+
     from safetensors.numpy import load_file
 
     from dpjax.hf.__main__ import main
 
+    hub_dir = tmp_path / "hub"  # the fixture with the files a Hub folder has beside the weights
+    hub_dir.mkdir()
+    for f in os.listdir(FIXTURE):
+        os.symlink(os.path.join(FIXTURE, f), hub_dir / f)
+    for f, text in IDENTITY.items():
+        (hub_dir / f).write_text(text)
     ckpt, out = str(tmp_path / "ckpt"), str(tmp_path / "out")
-    assert main(["import", FIXTURE, "--out", ckpt]) == 0
+    assert main(["import", str(hub_dir), "--out", ckpt]) == 0
     assert main(["export", ckpt, "--out", out, "--shard-mb", "0.05"]) == 0
     want = load_file(os.path.join(FIXTURE, "model.safetensors"))
     index = json.load(open(os.path.join(out, "model.safetensors.index.json")))
@@ -113,8 +131,27 @@ def test_import_export_round_trip_is_bit_for_bit(tmp_path, capsys):
         assert got[k].dtype == want[k].dtype and got[k].shape == want[k].shape and got[k].tobytes() == \
             want[k].tobytes(), k
     hub, back = (json.load(open(os.path.join(d, "config.json"))) for d in (FIXTURE, out))
-    assert {k: back[k] for k in hub if k != "transformers_version"} == \
-        {k: hub[k] for k in hub if k != "transformers_version"}
+    assert back == hub
+    for f in ("tokenizer.json", *IDENTITY):
+        assert open(os.path.join(out, f), "rb").read() == open(hub_dir / f, "rb").read(), f
+    before = sorted(os.listdir(out))
+    r = subprocess.run([sys.executable, "-m", "dpjax.hf", "export", ckpt, "--out", out], capture_output=True,
+                       text=True)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+    assert r.stderr.startswith(f"error: {out} is not empty (it holds chat_template.jinja, config.json, ")
+    assert sorted(os.listdir(out)) == before and json.load(open(os.path.join(out, "config.json"))) == hub
+    os.rename(hub_dir, tmp_path / "moved")  # the import's record keeps the config, the tokenizer went with it
+    capsys.readouterr()
+    assert main(["export", ckpt, "--out", out, "--overwrite"]) == 0  # one file now: the shards and index go
+    assert capsys.readouterr().out.strip().endswith(f"; {hub_dir}, where the model was imported from, is not "
+                                                    "there: no tokenizer")
+    assert not [f for f in os.listdir(out) if f.startswith("model-") or f.endswith(".index.json")]
+    assert load_file(os.path.join(out, "model.safetensors")).keys() == want.keys()
+    assert json.load(open(os.path.join(out, "config.json"))) == hub
+    (tmp_path / "afile").write_text("")
+    capsys.readouterr()
+    assert main(["export", ckpt, "--out", str(tmp_path / "afile" / "out")]) == 2
+    assert capsys.readouterr().err == f"error: cannot write {tmp_path / 'afile' / 'out'}: Not a directory\n"
 
 
 def test_what_llama_does_not_compute_is_one_line(tmp_path, capsys):
@@ -130,19 +167,25 @@ def test_what_llama_does_not_compute_is_one_line(tmp_path, capsys):
 
 
 @pytest.mark.slow  # a training step's compile; the fast set keeps the import/export round trip
-def test_init_from_hf_trains_and_its_checkpoint_exports(tmp_path):
+def test_init_from_hf_trains_and_its_checkpoint_exports(tmp_path, monkeypatch):
     """--init-from hf:DIR on a 2x4 mesh with FSDP, one step at lr 0 with --ckpt-dir: the
     run's checkpoint (sharded over that mesh, with optimizer state) exports the Hub's
-    tensors bit for bit."""
+    tensors bit for bit, and, from another folder, the Hub's config.json (not the run's
+    --seq-len) and its tokenizer."""
     from safetensors.numpy import load_file
 
     from dpjax.hf.__main__ import main as hf_main
     from dpjax.train.cli import main as train_main
 
     ckpt, out = str(tmp_path / "run"), str(tmp_path / "out")
-    assert train_main(["--init-from", f"hf:{FIXTURE}", "--mesh", "2x4", "--fsdp", "--steps", "1", "--lr", "0",
-                       "--batch-size", "8", "--seq-len", "8", "--data", "synthetic", "--eval-every", "0",
+    assert train_main(["--init-from", f"hf:{os.path.relpath(FIXTURE)}", "--mesh", "2x4", "--fsdp", "--steps", "1",
+                       "--lr", "0", "--batch-size", "8", "--seq-len", "8", "--data", "synthetic", "--eval-every", "0",
                        "--ckpt-dir", ckpt, "--ckpt-every", "1", "--progress", "none"]) == 0
+    monkeypatch.chdir(tmp_path)  # export follows run.json's --init-from from any folder
     assert hf_main(["export", ckpt, "--out", out]) == 0
     want, got = load_file(os.path.join(FIXTURE, "model.safetensors")), load_file(os.path.join(out, "model.safetensors"))
     assert set(got) == set(want) and all(got[k].tobytes() == want[k].tobytes() for k in want)
+    # the model keeps its identity: token ids, its context (not the run's --seq-len 8), its tokenizer
+    assert json.load(open(os.path.join(out, "config.json"))) == json.load(open(os.path.join(FIXTURE, "config.json")))
+    assert open(os.path.join(out, "tokenizer.json"), "rb").read() == \
+        open(os.path.join(FIXTURE, "tokenizer.json"), "rb").read()

@@ -180,3 +180,21 @@ def test_profile_dir_keeps_the_raw_capture(corpus, tmp_path):
                      "--timeline-steps", "1", "--profile-dir", str(keep))) == 0
     assert glob.glob(str(keep / "plugins" / "profile" / "*" / "*.xplane.pb"))  # what XProf / TensorBoard open
     assert os.path.getsize(tmp_path / "t.json") > 0
+
+
+def test_a_yaml_config_reads_as_its_toml_twin_and_a_bad_one_is_one_line(corpus, tmp_path, capsys):
+    """YAML's own types come through as the flags' (3e-4, which YAML 1.1 reads as text, is
+    the float; mesh 8, read as a number, is the text '8'); a file YAML cannot parse is one line."""
+    from dpjax.train.cli import parse_args
+
+    yml = tmp_path / "run.yaml"
+    yml.write_text(f"mesh: 8\nsteps: 2\nlr: 3e-4\nlr-schedule: cosine\nfsdp: true\ndata: {corpus}\n"
+                   "link: [node=1ms]\nmodel_options:\n  n_layers: 1\nd_model: 16\n")
+    s = parse_args(["--config", str(yml), "--steps", "5"])
+    assert (s.mesh, s.steps, s.lr, s.lr_schedule, s.fsdp, s.data, s.link) == \
+        ("8", 5, 3e-4, "cosine", True, corpus, ["node=1ms"])
+    assert s.model_options == {"d_model": 16, "n_layers": 1}
+    yml.write_text("steps: [2\n")
+    assert main(["--config", str(yml)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: --config {yml}: not valid YAML (") and err.count("\n") == 1

@@ -10,6 +10,7 @@ import pytest
 from dpjax.data import make_streams
 from dpjax.data.prepare import main as prepare
 from dpjax.data.tokenizer import load
+from dpjax.errors import UserError
 
 FIXTURE = os.path.join(os.path.dirname(__file__), "fixtures", "llama_tiny", "tokenizer.json")
 TEXT = "".join(f"line {i}: the quick brown fox jumps over the lazy dog, {i * i} times\n" for i in range(300))
@@ -94,3 +95,54 @@ def test_prepare_in_parallel_equals_serial(tmp_path):
     want = np.concatenate([tok.encode(t, add_special_tokens=False).ids for t in texts])
     np.testing.assert_array_equal(np.fromfile(serial, np.uint16), want)
     assert (tmp_path / "p.bin").read_bytes() == (tmp_path / "s.bin").read_bytes()
+
+
+def test_docs_recipe_token_width_is_recorded_not_guessed(corpus, tmp_path, capsys):
+    """docs/hf.md's `prepare my_texts/ --out tokens.u32.bin --tokenizer tokenizer.json`, as a
+    process, with a vocabulary of 320: training reads back the tokenizer's ids. The width is
+    written beside the file and trusted over the name (--dtype uint16 into a u32 name); a
+    file without it is read by its name as before; a second prepare onto it is refused in
+    one line with nothing replaced (also as a process) unless --overwrite; an --out that
+    cannot be written is one line."""
+    import subprocess
+    import sys
+
+    from tokenizers import Tokenizer
+
+    from dpjax.data import open_tokens
+
+    texts = tmp_path / "my_texts"
+    texts.mkdir()
+    os.replace(corpus, texts / "a.txt")
+    out = str(tmp_path / "tokens.u32.bin")
+    cmd = [sys.executable, "-m", "dpjax.data.prepare", str(texts), "--out", out, "--tokenizer", FIXTURE,
+           "--workers", "1"]
+    want = Tokenizer.from_file(FIXTURE).encode(TEXT, add_special_tokens=False).ids
+
+    def read():
+        train, val = make_streams(out, 16, 0, vocab_size=320)
+        return np.concatenate([train.data, val.data])
+
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    np.testing.assert_array_equal(read(), want)
+    before = open(out, "rb").read()
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    assert (r.returncode, r.stderr) == (2, f"error: {out} exists; pass --overwrite to replace it (nothing was "
+                                            "written)\n")
+    assert open(out, "rb").read() == before
+    assert prepare([str(texts), "--out", out, "--tokenizer", FIXTURE, "--workers", "1", "--dtype", "uint16",
+                    "--overwrite"]) == 0
+    assert os.path.getsize(out) == 2 * len(want)
+    np.testing.assert_array_equal(read(), want)  # the name says u32, the file says uint16: the file wins
+    os.truncate(out, 2 * len(want) - 2)
+    with pytest.raises(UserError, match="were not written together") as e:
+        read()
+    assert "\n" not in str(e.value)
+    os.remove(out + ".json")  # an older file, or nanoGPT's: the name decides, as before
+    os.truncate(out, 4 * (len(want) // 2))
+    assert open_tokens(out).dtype == np.uint32
+    (tmp_path / "afile").write_text("")
+    capsys.readouterr()
+    assert prepare([str(texts), "--out", str(tmp_path / "afile" / "t.bin")]) == 2
+    assert capsys.readouterr().err == f"error: cannot write {tmp_path / 'afile' / 't.bin'}: Not a directory\n"

@@ -173,8 +173,15 @@ LLMC_MAGIC, LLMC_HEADER = 20240520, 256  # llm.c's .bin: 256 int32 (magic, versi
 
 
 def token_dtype(path: str, given: str = "auto") -> str:
-    """The ids' type of token file `path`: `given`, or uint32 if the name says so
-    ('u32' / 'uint32' in it), else uint16 (nanoGPT's and llm.c's GPT-2 files)."""
+    """The ids' type of token file `path`: what `python -m dpjax.data.prepare` wrote
+    beside it (`dpjax.data.token_file`), else `given`, else, for a file without that
+    (nanoGPT's, llm.c's, older ones), uint32 if the name says so ('u32' / 'uint32' in
+    it), else uint16 (nanoGPT's and llm.c's GPT-2 files)."""
+    from dpjax.data.token_file import read_meta
+
+    meta = read_meta(path)
+    if meta is not None:
+        return meta["dtype"]
     if given != "auto":
         return given
     name = os.path.basename(path).lower()
@@ -183,9 +190,15 @@ def token_dtype(path: str, given: str = "auto") -> str:
 
 def open_tokens(path: str, dtype: str = "auto") -> np.ndarray:
     """A flat file of token ids, memory-mapped (nothing is read until a batch asks for
-    its rows). An llm.c header (its magic number first) is skipped."""
+    its rows). The description written beside it is trusted over the name and checked
+    against the file's size. An llm.c header (its magic number first) is skipped."""
+    from dpjax.data.token_file import check_fits, read_meta
+
     if not os.path.isfile(path):
         raise DataError(f"token file {path!r} does not exist")
+    meta = read_meta(path)
+    if meta is not None:
+        check_fits(path, meta, os.path.getsize(path), dtype)
     dtype = np.dtype(token_dtype(path, dtype))
     offset = 0
     if os.path.getsize(path) >= 4 * LLMC_HEADER:
@@ -214,6 +227,17 @@ class TokenStream(ByteStream):
         return out
 
 
+def _check_vocab(path: str | None, vocab_size: int | None) -> None:
+    """A token file whose tokenizer has more ids than the model reads is refused at once
+    (not at the first batch that holds one of them)."""
+    from dpjax.data.token_file import read_meta, sidecar
+
+    meta = read_meta(path) if path else None
+    if meta and vocab_size and meta.get("vocab_size") and meta["vocab_size"] > vocab_size:
+        raise DataError(f"{path} was tokenized with {meta['vocab_size']} ids ({sidecar(path)}), more than the "
+                        f"model's {vocab_size}; give --vocab-size {meta['vocab_size']} or the model's tokenizer")
+
+
 def make_streams(source: str, seq_len: int, seed: int, val_fraction: float = 0.05,
                  max_bytes: int | None = None, vocab_size: int | None = None, token_dtype: str = "auto",
                  tokenizer=None):
@@ -227,6 +251,7 @@ def make_streams(source: str, seq_len: int, seed: int, val_fraction: float = 0.0
         return SyntheticStream(seq_len, seed, v), SyntheticStream(seq_len, seed + 1_000_003, v)
     if source.endswith(TOKEN_SUFFIX) or tokenizer is not None:
         data = open_tokens(source, token_dtype) if tokenizer is None else tokenize_corpus(source, tokenizer)
+        _check_vocab(source if tokenizer is None else None, vocab_size)
         n_val = max(seq_len + 1, int(data.size * val_fraction))
         if data.size - n_val < seq_len + 1:
             raise DataError(f"the tokens of {source!r} number {data.size}, too few for a train and a "

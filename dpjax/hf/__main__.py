@@ -4,8 +4,10 @@ import: a HuggingFace Llama folder (config.json, safetensors: one file or shards
 their index) -> a dpjax checkpoint (parameters, float32, step 0), read on a mesh
 (--mesh, default every device on `model` where it divides: each device reads its own
 block from the memory-mapped files). export: a dpjax checkpoint (an import's, or a
-training run's --ckpt-dir, from any mesh) -> a HuggingFace folder in the Hub's layout.
-User errors: one line, exit 2.
+training run's --ckpt-dir, from any mesh) -> a HuggingFace folder in the Hub's layout,
+with the imported model's config.json (changed only where the model differs), tokenizer,
+chat template and generation config; an existing export is replaced only with
+--overwrite. User errors: one line, exit 2.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import os
 import sys
 
 from dpjax.collectives.cpu_runtime import guard_flagged
-from dpjax.errors import UserError
+from dpjax.errors import UserError, os_error_line
 
 
 def do_import(folder: str, out: str, mesh_spec: str | None) -> str:
@@ -29,24 +31,46 @@ def do_import(folder: str, out: str, mesh_spec: str | None) -> str:
         raise UserError(f"{out} exists and is not empty; pass a new folder")
     layout = make_layout(model, default_mesh(model, mesh_spec))
     params = params_of("hf:" + folder, model, layout)
-    save_checkpoint(out, params, model, hub, hub.get("dtype") or hub.get("torch_dtype") or "float32")
+    save_checkpoint(out, params, model, hub, hub.get("dtype") or hub.get("torch_dtype") or "float32", folder)
     n = model.num_params(params)
     return f"{out}: {model.name} with {n:,} parameters from {folder} (step 0); train with --init-from {out}"
 
 
-def do_export(ckpt: str, out: str, dtype: str | None, shard_mb: float) -> str:
+def do_export(ckpt: str, out: str, dtype: str | None, shard_mb: float, overwrite: bool = False) -> str:
+    from dpjax.hf.writer import check_out
+
+    made = check_out(out, overwrite)
+    try:
+        return _export(ckpt, out, dtype, shard_mb)
+    except BaseException:
+        if made and os.path.isdir(out) and not os.listdir(out):
+            os.rmdir(out)  # a failed export leaves no empty folder behind
+        raise
+
+
+def _export(ckpt: str, out: str, dtype: str | None, shard_mb: float) -> str:
+    from dpjax.hf import identity
     from dpjax.hf.writer import export
     from dpjax.hf.source import default_mesh, model_of, params_of
     from dpjax.sharding import make_layout
 
-    model, hub, record = model_of(ckpt)
+    model, _, record = model_of(ckpt)
     if model.name != "llama":
         raise UserError(f"{ckpt} holds a {model.name} model; the HuggingFace export writes llama")
+    origin = identity.origin(ckpt, record)  # the imported model: its config, tokenizer, template
     layout = make_layout(model, default_mesh(model))
     params = params_of(ckpt, model, layout, record)
-    dtype = dtype or (record.get("hf") or {}).get("dtype") or "float32"
-    files = export(params, model, out, dtype=dtype, base_config=hub, max_shard_bytes=int(shard_mb * 2**20))
-    return f"{out}: {', '.join(files)} ({dtype})"
+    dtype = dtype or (record.get("hf") or {}).get("dtype") or (origin and origin.dtype) or "float32"
+    files = export(params, model, out, dtype=dtype, base_config=origin and origin.config,
+                   max_shard_bytes=int(shard_mb * 2**20))
+    files += identity.copy_files(origin, out)
+    line = f"{out}: {', '.join(files)} ({dtype})"
+    if origin is None:
+        return line + "; no tokenizer: the model was not imported from a HuggingFace folder"
+    if origin.missing:
+        return line + (f"; {origin.missing}, where the model was imported from, is not there: no tokenizer"
+                       + ("" if origin.config else ", and config.json is dpjax's own"))
+    return line
 
 
 def main(argv=None) -> int:
@@ -62,17 +86,24 @@ def main(argv=None) -> int:
     e.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
                    help="the files' dtype (default: the imported folder's, else float32)")
     e.add_argument("--shard-mb", type=float, default=5 * 1024, help="largest safetensors file in MiB (default 5 GiB)")
+    e.add_argument("--overwrite", action="store_true", help="replace the files of a folder that is not empty "
+                                                            "(default: refuse)")
     args = p.parse_args(argv)
     guard_flagged()  # devices simulated with XLA_FLAGS: guard their collectives before JAX starts
     try:
         if args.command == "import":
             line = do_import(args.folder, args.out, args.mesh)
         else:
-            line = do_export(args.ckpt, args.out, args.dtype, args.shard_mb)
+            line = do_export(args.ckpt, args.out, args.dtype, args.shard_mb, args.overwrite)
     except UserError as e:
         if os.environ.get("DPJAX_DEBUG"):
             raise
         print(f"error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:  # a read-only --out, a full disk: one line, like a user error
+        if os.environ.get("DPJAX_DEBUG"):
+            raise
+        print(f"error: {os_error_line(e, args.out)}", file=sys.stderr)
         return 2
     print(line)
     return 0

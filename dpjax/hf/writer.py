@@ -6,6 +6,9 @@ sharded over any mesh; a layer is the unit the Hub's files hold) and writes each
 tensor as it comes, so the host holds one layer's tensors, never the model. An
 untouched import exports every tensor bit for bit: the conversion is transposes and
 reshapes, and the dtype is the imported file's (`torch_dtype`) unless another is asked.
+config.json is the imported one changed only where the model differs, and the tokenizer,
+chat template and generation config come along (`dpjax.hf.identity`). An existing export
+is not replaced unless asked (`check_out`); asked, the shards of the earlier one go.
 """
 
 from __future__ import annotations
@@ -15,9 +18,9 @@ import os
 import jax
 import numpy as np
 
+from dpjax.hf import identity
 from dpjax.hf import llama as names
-from dpjax.hf.config import config_to_hub
-from dpjax.hf.files import DTYPES, HFError, write_folder
+from dpjax.hf.files import DTYPES, INDEX, SINGLE, HFError, write_folder
 from dpjax.hf.load import CONFIG
 
 TORCH_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
@@ -36,10 +39,32 @@ def hub_names(model) -> list[tuple[str, tuple, int | None]]:
     return out
 
 
+def check_out(folder: str, overwrite: bool) -> bool:
+    """Before anything is read: `folder` is new, empty, or --overwrite says its files may go.
+    Returns whether it made the folder (its caller removes it again if the export fails)."""
+    if os.path.exists(folder) and not os.path.isdir(folder):
+        raise HFError(f"{folder} is a file; pass a folder to export to")
+    there = sorted(os.listdir(folder)) if os.path.isdir(folder) else []
+    if there and not overwrite:
+        named = [f for f in there if f in (CONFIG, *identity.FILES)] or there
+        raise HFError(f"{folder} is not empty (it holds {', '.join(named[:3])}{', ...' if len(named) > 3 else ''}); "
+                      "pass a new folder, or --overwrite to replace its files (nothing was written)")
+    made = not os.path.isdir(folder)
+    os.makedirs(folder, exist_ok=True)  # a read-only place fails here, before the checkpoint is read
+    return made
+
+
+def _is_weights(name: str) -> bool:
+    return name in (SINGLE, INDEX) or (name.startswith("model-") and name.endswith(".safetensors"))
+
+
 def export(params, model, folder: str, *, dtype: str = "float32", base_config: dict | None = None,
            max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> list[str]:
     """Writes `params` (dpjax's Llama tree, any sharding, the layer stack L x ...) to
-    `folder` in the Hub's layout; returns the files written."""
+    `folder` in the Hub's layout, config.json from `base_config` (the imported one)
+    changed only where the model differs; returns the files written. Weight files of an
+    earlier export there that this one does not write are removed (a loader would read a
+    stale model.safetensors beside a new index)."""
     import json
 
     if dtype not in TORCH_DTYPES:
@@ -69,8 +94,10 @@ def export(params, model, folder: str, *, dtype: str = "float32", base_config: d
         return np_dtype, _hub_shape(key, shape, model.config)[hub.rsplit(".", 2)[-2] == "v_proj"]
 
     files = write_folder(folder, list(table), spec, fetch, max_shard_bytes)
+    for stale in sorted(set(filter(_is_weights, os.listdir(folder))) - set(files)):
+        os.remove(os.path.join(folder, stale))
     with open(os.path.join(folder, CONFIG), "w") as f:
-        json.dump(config_to_hub(model.config, dtype, base_config), f, indent=2)
+        json.dump(identity.hub_config(model, dtype, base_config), f, indent=2)
     return [*files, CONFIG]
 
 
@@ -88,12 +115,14 @@ def _hub_shape(key, shape, c) -> tuple:
     return (shape, shape)
 
 
-def save_checkpoint(folder: str, params, model, hub_config: dict | None, dtype: str) -> None:
+def save_checkpoint(folder: str, params, model, hub_config: dict | None, dtype: str,
+                    source: str | None = None) -> None:
     """A dpjax checkpoint of imported parameters (step 0, parameters only), its record
-    naming the model (what --init-from and export rebuild it from) and the Hub config."""
+    naming the model (what --init-from and export rebuild it from), the Hub config and
+    the Hub folder `source` (whose tokenizer export copies)."""
     from dpjax.recovery.checkpoint import Checkpointer
 
     ckpt = Checkpointer(folder)
-    ckpt.save(0, {"params": params}, {"model": model.describe(), "step": 0,
-                                      "hf": {"config": hub_config or {}, "dtype": dtype}})
+    hf = {"config": hub_config or {}, "dtype": dtype, "folder": os.path.abspath(source) if source else None}
+    ckpt.save(0, {"params": params}, {"model": model.describe(), "step": 0, "hf": hf})
     ckpt.close()

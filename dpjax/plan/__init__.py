@@ -175,7 +175,7 @@ def resolve(s: Settings, devices=None, *, mesh=None, model=None, optimizer=None,
     from dpjax.collectives.registry import nested
     from dpjax.mesh import data_axes
     from dpjax.models import get_model
-    from dpjax.optim import OptimizerConfig
+    from dpjax.optim import LR_SCHEDULES, OptimizerConfig
     from dpjax.sharding import make_layout
     from dpjax.updates import parse_update
 
@@ -204,8 +204,10 @@ def resolve(s: Settings, devices=None, *, mesh=None, model=None, optimizer=None,
     layout = make_layout(model, mesh, algorithm=s.tp_allreduce, fsdp=s.fsdp, fsdp_algorithm=exchange.algorithm,
                          workers=workers, pipeline=pipeline, tensor_parallel=tensor_parallel)
     links = _links(s, mesh)
+    decay_start, decay_steps = LR_SCHEDULES[s.lr_schedule].window(s.steps, s.warmup_steps, s.decay_steps)
     opt = OptimizerConfig(name=s.optimizer, lr=s.lr, lr_scaling=s.lr_scaling, warmup_steps=s.warmup_steps,
-                          weight_decay=s.weight_decay, clip_norm=s.clip_norm)
+                          weight_decay=s.weight_decay, clip_norm=s.clip_norm, lr_schedule=s.lr_schedule,
+                          min_lr=s.min_lr, decay_start=decay_start if decay_steps else None, decay_steps=decay_steps)
     knobs = tuple(k for k, v in (("allreduce", s.allreduce), ("fusion_mb", s.fusion_mb)) if v == "auto")
     plan = for_layout(model, layout, global_batch=s.batch_size, update=update, opt=opt, optimizer=optimizer,
                       passes=s.backward_passes, exchange=exchange, links=links, seed=s.seed)

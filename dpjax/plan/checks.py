@@ -22,7 +22,7 @@ def flag(name: str) -> str:
 
 _AT_LEAST_1 = ("steps", "batch_size", "seq_len", "backward_passes", "ckpt_every", "eval_batches", "timeline_steps",
                "autotune_samples")
-_NOT_NEGATIVE = ("eval_every", "warmup_steps", "weight_decay", "clip_norm", "lr")
+_NOT_NEGATIVE = ("eval_every", "warmup_steps", "weight_decay", "clip_norm", "lr", "min_lr")
 
 
 def settled(s: Settings) -> Settings:
@@ -84,6 +84,7 @@ def _check_choices(s: Settings) -> None:
 
     _one_of("--optimizer", s.optimizer, OPTIMIZERS)
     _one_of("--lr-scaling", s.lr_scaling, LR_SCALINGS)
+    _check_lr_schedule(s)
     if s.allreduce is not None:  # None: the platform's default (dpjax.plan.default_allreduce)
         _one_of("--allreduce algorithm", s.allreduce, (*ALGORITHMS, "auto"))
     _one_of("--dtype", s.dtype, ("auto", *DTYPES))
@@ -93,6 +94,29 @@ def _check_choices(s: Settings) -> None:
     _one_of("--tp-allreduce algorithm", s.tp_allreduce, ALGORITHMS)
     _one_of("--context-attention", s.context_attention, CONTEXT_ATTENTIONS)
     _one_of("--expert-alltoall", s.expert_alltoall, ALL_TO_ALL_ALGORITHMS)
+
+
+def _check_lr_schedule(s: Settings) -> None:
+    """The schedule is one the registry has, its decay options go with a decay, and wsd's
+    decay fits after the warm-up."""
+    from dpjax.optim import LR_SCHEDULES
+
+    _one_of("--lr-schedule", s.lr_schedule, LR_SCHEDULES)
+    shape = LR_SCHEDULES[s.lr_schedule]
+    given = [flag(k) for k in ("min_lr", "decay_steps") if getattr(s, k) != getattr(Settings, k)]
+    if shape.keep is None and given:
+        decaying = ", ".join(n for n, sh in LR_SCHEDULES.items() if sh.keep is not None)
+        raise UsageError(f"{' and '.join(given)} shape a decay; --lr-schedule {s.lr_schedule} has none (choose "
+                         f"{decaying})")
+    if s.decay_steps is not None and s.decay_steps < 1:
+        raise UsageError(f"--decay-steps must be at least 1, got {s.decay_steps}")
+    peak = s.lr * s.batch_size * s.backward_passes / 256 if s.lr_scaling == "linear" else s.lr
+    if shape.keep is not None and s.min_lr > peak:
+        raise UsageError(f"--min-lr {s.min_lr} is above the peak rate {peak:g}: a decay goes down")
+    start, _ = shape.window(s.steps, s.warmup_steps, s.decay_steps)
+    if shape.tail and start < s.warmup_steps:
+        raise UsageError(f"--lr-schedule {s.lr_schedule}: --warmup-steps {s.warmup_steps} and a decay of "
+                         f"{s.steps - start} steps do not fit in --steps {s.steps}")
 
 
 def _check_compression(s: Settings) -> None:

@@ -25,6 +25,9 @@ WHY = {  # a field whose difference needs its reason said
 }
 
 
+RUN_FILE = "run.json"  # a run's record beside its checkpoints (dpjax.train.record writes it; hf export reads it)
+
+
 class CheckpointError(UserError):
     """A checkpoint that cannot be used; the message says why and what to do."""
 
@@ -117,10 +120,17 @@ def compression_split(compression, mesh, fsdp: bool = False, shards=None) -> dic
     return {a: n for a, n in mesh.shape.items() if a in NOT_DATA and n > 1}
 
 
+# Record keys added after checkpoints were made without them, and the value those runs had:
+# a checkpoint that lacks one resumes where the current run has that value.
+ADDED_LATER = {"optimizer": {"lr_schedule": "constant", "min_lr": 0.0, "decay_start": None, "decay_steps": 0}}
+
+
 def check_compatible(saved: dict, now: dict, where: str) -> None:
     diffs = []
     for field in CKPT_FIELDS_THAT_MUST_MATCH:
         a, b = saved.get(field), now.get(field)
+        if isinstance(a, dict) and field in ADDED_LATER:
+            a = {**ADDED_LATER[field], **a}
         if a != b:
             if isinstance(a, dict) and isinstance(b, dict):
                 diffs += [f"{field}.{k}: saved {a.get(k)!r}, now {b.get(k)!r}"

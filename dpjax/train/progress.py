@@ -1,8 +1,18 @@
-"""What a person watching a run sees: a rich bar on a terminal, log lines otherwise."""
+"""What a person watching a run sees: a rich bar on a terminal, log lines otherwise.
+
+Until the first step's row comes the bar says what it waits for (the first step compiles,
+for seconds to minutes) instead of a NaN loss at 0 tokens/s."""
 
 from __future__ import annotations
 
 import sys
+
+
+WAITING = "compiling the step..."  # what the bar says before the first step's row
+
+
+def figures(loss: float, tps: float) -> str:
+    return f"loss {loss:.4f}  {tps:,.0f} tok/s"
 
 
 class Progress:
@@ -17,14 +27,13 @@ class Progress:
             from rich.progress import TextColumn, TimeRemainingColumn
 
             self.bar = RichProgress(TextColumn("train"), BarColumn(), MofNCompleteColumn(),
-                                    TextColumn("loss {task.fields[loss]:.4f}"),
-                                    TextColumn("{task.fields[tps]:,.0f} tok/s"), TimeRemainingColumn())
-            self.task = self.bar.add_task("train", total=total, completed=start, loss=float("nan"), tps=0.0)
+                                    TextColumn("{task.fields[figures]}"), TimeRemainingColumn())
+            self.task = self.bar.add_task("train", total=total, completed=start, figures=WAITING)
             self.bar.start()
 
     def update(self, step: int, loss: float, tps: float) -> None:
         if self.bar is not None:
-            self.bar.update(self.task, completed=step + 1, loss=loss, tps=tps)
+            self.bar.update(self.task, completed=step + 1, figures=figures(loss, tps))
         elif self.mode == "log" and ((step + 1) % self.every == 0 or step + 1 == self.total):
             print(f"step {step + 1}/{self.total}  loss {loss:.4f}  {tps:,.0f} tok/s", flush=True)
 

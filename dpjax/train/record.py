@@ -1,8 +1,8 @@
 """The run record: what produced a run (its settings, the plan resolved from them, the
 devices, the process count, the package versions and the git commit), written as the
 first metrics row (`{"record": {...}}`) and as `run.json` in the checkpoint folder; and
-`--config FILE`, which reads settings back from a TOML or JSON file (a record included:
-any run's record, fed back, repeats the run).
+`--config FILE`, which reads settings back from a YAML, TOML or JSON file (a record
+included: any run's record, fed back, repeats the run).
 """
 
 from __future__ import annotations
@@ -14,9 +14,8 @@ import subprocess
 import sys
 
 from dpjax.errors import UserError
+from dpjax.recovery.checkpoint import RUN_FILE
 from dpjax.settings import Settings
-
-RUN_FILE = "run.json"
 PACKAGES = ("jax", "jaxlib", "flax", "optax", "numpy", "orbax-checkpoint", "dpjax")
 
 
@@ -60,7 +59,17 @@ def build(settings: Settings, plan) -> dict:
     return {"settings": dataclasses.asdict(settings), "plan": plan.describe(),
             "devices": {"count": len(devices), "platform": devices[0].platform,
                         "kinds": sorted({d.device_kind for d in devices})},
-            "processes": jax.process_count(), "versions": versions(), "git": git_commit()}
+            "processes": jax.process_count(), "versions": versions(), "git": git_commit(),
+            "init_from": absolute_source(settings.init_from)}
+
+
+def absolute_source(source: str | None) -> str | None:
+    """--init-from with an absolute path: what `python -m dpjax.hf export` follows, from
+    any folder, to the Hub model's config and tokenizer (`dpjax.hf.identity`)."""
+    if source is None:
+        return None
+    prefix = "hf:" if source.startswith("hf:") else ""
+    return prefix + os.path.abspath(source[len(prefix):])
 
 
 def write_run_file(folder: str, record: dict) -> str:
@@ -72,12 +81,31 @@ def write_run_file(folder: str, record: dict) -> str:
     return path
 
 
+CONFIG_FORMATS = {".yaml": "YAML", ".yml": "YAML", ".toml": "TOML"}  # by suffix; anything else is JSON
+
+
+def _parse(path: str, text: str):
+    """The file's data by its suffix: YAML (PyYAML's safe loader: plain data, no tags that
+    build objects), TOML (the standard library's), else JSON (a .jsonl metrics file: its
+    first line, the record)."""
+    kind = CONFIG_FORMATS.get(os.path.splitext(path)[1].lower(), "JSON")
+    if kind == "YAML":
+        import yaml
+
+        return yaml.safe_load(text)
+    if kind == "TOML":
+        import tomllib
+
+        return tomllib.loads(text)
+    return json.loads(text.splitlines()[0] if path.endswith(".jsonl") else text)
+
+
 def load_config(path: str) -> dict:
-    """Settings by field name from a TOML or JSON file: a flat table of `Settings` fields
+    """Settings by field name from a YAML, TOML or JSON file: a flat table of `Settings` fields
     (model options under `model_options`, or flat as `d_model = 64`), or a run record
     (`run.json`, or a metrics file's first line `{"record": ...}`), whose `settings`
     are taken. Unknown keys are an error."""
-    import tomllib
+    import yaml
 
     try:
         with open(path, "rb") as fh:
@@ -85,13 +113,10 @@ def load_config(path: str) -> dict:
     except OSError as e:
         raise ConfigError(f"--config {path}: {e.strerror}") from None
     try:
-        if path.endswith(".toml"):
-            data = tomllib.loads(raw.decode())
-        else:  # .json, or a metrics file (JSON lines: its first line is the record)
-            data = json.loads(raw.decode().splitlines()[0] if path.endswith(".jsonl") else raw)
-    except (ValueError, IndexError) as e:
-        raise ConfigError(f"--config {path}: not valid {'TOML' if path.endswith('.toml') else 'JSON'} ({e})") \
-            from None
+        data = _parse(path, raw.decode())
+    except (ValueError, IndexError, yaml.YAMLError) as e:  # tomllib's and json's errors are ValueErrors
+        kind = CONFIG_FORMATS.get(os.path.splitext(path)[1].lower(), "JSON")
+        raise ConfigError(f"--config {path}: not valid {kind} ({' '.join(str(e).split())})") from None
     if not isinstance(data, dict):
         raise ConfigError(f"--config {path}: expected a table of settings, got {type(data).__name__}")
     data = data.get("record", data)
@@ -102,15 +127,17 @@ def load_config(path: str) -> dict:
 def _settings(data: dict, path: str) -> dict:
     from dpjax.models import model_options
 
-    fields = {f.name for f in dataclasses.fields(Settings)}
+    fields = {f.name: str(f.type) for f in dataclasses.fields(Settings)}
     options = {o for opts in model_options().values() for o in opts}
     out, opts = {}, dict(data.get("model_options") or {})
     for key, value in data.items():
         if key == "model_options":
             continue
         name = key.replace("-", "_")
-        if name in fields:
-            out[name] = value
+        if name in fields:  # a YAML or JSON number where a text setting is meant (mesh: 8) is that text
+            text = fields[name] in ("str", "str | None") and isinstance(value, (int, float)) \
+                and not isinstance(value, bool)
+            out[name] = str(value) if text else value
         elif name in options:
             opts[name] = value
         else:
