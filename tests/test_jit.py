@@ -20,6 +20,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import dpjax
+from dpjax.mesh import bound
 
 VOCAB, WIDTH, ROWS, LEN = 16, 8, 16, 6
 RULES = [("batch", "data"), ("vocab", None), ("embed", None), ("mlp", "model")]
@@ -109,3 +110,56 @@ def test_per_device_normaliser_is_another_objective(mesh_of, one_device, monkeyp
     gap = max(float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
               for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(params)))
     assert gap > 1e-3, gap
+
+
+def sgd_step(params, x, y, act, *, lr):
+    """A step with a static argument (`act`), a keyword-only one (`lr`), the batch (x, y)."""
+    def loss_fn(p):
+        return dpjax.weighted_mean((act(x @ p["w"]) - y) ** 2, jnp.ones_like(y))
+    loss, grads = jax.value_and_grad(loss_fn)(params)
+    if bound("data"):  # in the sharded step; plain jax.jit has no axis to average over
+        grads = dpjax.allreduce_gradients(grads)
+    return jax.tree.map(lambda p, g: p - lr * g, params, grads), loss, jnp.asarray(x.shape[0])
+
+
+@pytest.fixture(scope="module")
+def regression():
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((16, 4)).astype(np.float32)
+    return {"w": rng.standard_normal((4, 3)).astype(np.float32)}, x, np.tanh(x[:, :3])
+
+
+def _same(got, want):
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7), got[:2], want[:2])
+
+
+def test_static_argnums_and_keywords_as_jax_jit(mesh_of, regression):
+    params, x, y = regression
+    plain = jax.jit(sgd_step, static_argnums=3)
+    step = dpjax.shard_step(sgd_step, mesh_of("8x1", 8), batch_argnums=(1, 2), static_argnums=3)
+    for act in (jnp.tanh, jax.nn.relu):  # another static value: another program, as jax.jit compiles
+        want = plain(params, x, y, act, lr=0.1)
+        got = step(params, x, y, act, lr=0.1)
+        _same(got, want)
+        assert int(got[2]) == 2 and int(want[2]) == 16  # the rows split over 8 devices
+    _same(step(params, y=y, act=jnp.tanh, x=x, lr=0.1), plain(params, x, y, jnp.tanh, lr=0.1))  # by keyword
+    assert len(step._programs) == 2  # x and y by keyword are still the batch: the first program again
+    by_name = dpjax.shard_step(sgd_step, mesh_of("8x1", 8), batch_argnums=(1, 2), static_argnames="act")
+    _same(by_name(params, x, y, act=jnp.tanh, lr=0.1), plain(params, x, y, jnp.tanh, lr=0.1))
+    with pytest.raises(dpjax.UserError, match="^sgd_step: the static argument act is a list, which is not hashable"):
+        step(params, x, y, [jnp.tanh], lr=0.1)
+    with pytest.raises(dpjax.UserError, match="^sgd_step: missing a required argument: 'y'"):
+        step(params, x, act=jnp.tanh, lr=0.1)
+
+
+@pytest.mark.parametrize("donate", [dict(donate_argnums=0), dict(donate_argnames="params")])
+def test_donated_state_as_jax_jit(mesh_of, regression, donate):
+    params, x, y = regression
+    mesh = mesh_of("8x1", 8)
+    mine = jax.device_put(params, NamedSharding(mesh, P()))  # placed as the step places it: donated as is
+    one = jax.device_put(params, jax.devices()[0])
+    want = jax.jit(sgd_step, static_argnums=3, **donate)(one, x, y, jnp.tanh, lr=0.1)
+    got = dpjax.jit(sgd_step, in_shardings=(None, NamedSharding(mesh, P("data")), NamedSharding(mesh, P("data"))),
+                    static_argnums=3, **donate)(mine, x, y, jnp.tanh, lr=0.1)
+    _same(got, want)
+    assert one["w"].is_deleted() and mine["w"].is_deleted()
