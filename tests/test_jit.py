@@ -163,3 +163,39 @@ def test_donated_state_as_jax_jit(mesh_of, regression, donate):
                     static_argnums=3, **donate)(mine, x, y, jnp.tanh, lr=0.1)
     _same(got, want)
     assert one["w"].is_deleted() and mine["w"].is_deleted()
+
+
+def test_reference_check_catches_a_per_device_normaliser(mesh_of, monkeypatch):
+    """check="reference": the first call also runs on one device; lm1b's own normaliser (each device
+    divides by its own count) agrees across devices and differs from one device: named."""
+    monkeypatch.setattr(dpjax, "weighted_mean", lambda x, w: jnp.sum(x * w) / jnp.sum(w))
+    with pytest.raises(dpjax.UserError) as e:
+        lm1b_port(mesh_of("8x1", 8), check="reference")
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith('train_step: check="reference": ')
+    assert "differs from the one-device run" in msg and "likely cause: the devices agree" in msg
+    assert "dpjax.weighted_mean" in msg
+    print(msg)
+
+
+def average_step(params, x, y, average):
+    grads = jax.grad(lambda p: dpjax.weighted_mean((x @ p["w"] - y) ** 2, jnp.ones_like(y)))(params)
+    if average:
+        grads = dpjax.allreduce_gradients(grads)
+    return jax.tree.map(lambda p, g: p - 0.1 * g, params, grads)
+
+
+@pytest.mark.parametrize("how", ["check", "env"])
+def test_reference_check_catches_a_missing_average_and_passes_a_right_step(mesh_of, regression, monkeypatch, how):
+    params, x, y = regression
+    mesh = mesh_of("8x1", 8)
+    if how == "env":
+        monkeypatch.setenv("DPJAX_CHECK", "reference")
+    check = "reference" if how == "check" else None
+    step = dpjax.shard_step(average_step, mesh, batch_argnums=(1, 2), static_argnums=3, check=check)
+    with pytest.raises(dpjax.UserError, match=r"^average_step: check=\"reference\": output/w \(4, 3\) differs from "
+                                              r"the one-device run.*likely cause: the devices' copies differ: .*"
+                                              r"dpjax.allreduce_gradients"):
+        step(params, x, y, False)
+    right = dpjax.shard_step(average_step, mesh, batch_argnums=(1, 2), static_argnums=3, check=check)
+    right(params, x, y, True)

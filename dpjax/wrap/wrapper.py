@@ -48,7 +48,7 @@ from jax.sharding import PartitionSpec as P
 
 from dpjax.errors import UserError
 from dpjax.mesh import data_axes, make_mesh
-from dpjax.wrap import annotations, arguments, call, checks, per_rank, program
+from dpjax.wrap import annotations, arguments, call, checks, per_rank, program, reference
 from dpjax.wrap.replicas import FIRST_CALLS, ReplicaCheck, check_always
 
 HINTS = {
@@ -91,7 +91,9 @@ def shard_step(fn=None, mesh=None, batch_argnums=None, *, donate_argnums=(), in_
     device's rows; then replicated, checked); "rows" one row per batch row (a prediction:
     each device's rows joined in batch order, P(data axes)).
     check: None checks the first calls (dpjax.wrap.replicas.FIRST_CALLS), True every call,
-    False none; DPJAX_CHECK=1 checks every call whatever this says.
+    False none; DPJAX_CHECK=1 checks every call whatever this says. "reference" (or
+    DPJAX_CHECK=reference) runs the first call also on one device and compares
+    (`dpjax.wrap.reference`), and checks the first calls' replicas.
     model_axes: how what the model annotates over its model axes is laid out (see
     `dpjax.wrap.annotations`): "auto" (GSPMD inside the step, for flax code written for jax.jit)
     or "explicit" (each device its block, for dpjax.nn layers and code written for
@@ -153,6 +155,8 @@ class ShardedStep:
         mesh = self.mesh
         self.calls += 1
         b = self.signature.bind(self.__name__, args, kwargs)  # statics out, keywords in their places
+        nodes = [x for x in b.args if arguments.has_nnx(x)]
+        want = reference.run(self._reference(), args, kwargs, nodes) if self._check_reference() else None
         batch = b.dynamic(self.batch_argnums)
         in_specs = None if self.in_specs is None else tuple(
             self.in_specs[pos] if by_pos and pos < len(self.in_specs) else None for pos, _, by_pos in b.where)
@@ -169,9 +173,23 @@ class ShardedStep:
         out, new_state = self._run(key, new, a, mesh, layout)
         if a.nodes:  # the in-place updates, written into the caller's objects
             arguments.flax_nnx().update(a.nodes, a.state_def.unflatten(list(new_state)))
-        if self.check is True or check_always() or (self.check is None and self.calls <= FIRST_CALLS):
+        if want is not None:  # the first call against one device's (`dpjax.wrap.reference`)
+            reference.compare(self.__name__, want, out, a.nodes, [m.name for m in a.meta[:a.k]],
+                              lambda names: self._check_replicas(out, new_state, a, names))
+        if self.check is True or check_always() or (self.check in (None, "reference") and self.calls <= FIRST_CALLS):
             self._check_replicas(out, new_state, a)
         return out
+
+    def _check_reference(self) -> bool:
+        return self.calls == 1 and self.check is not False and reference.wanted(self.check)
+
+    def _reference(self):
+        """This step on one device of the mesh (`dpjax.wrap.reference`): same arguments, no donation."""
+        sig = self.signature
+        return shard_step(self.fn, reference.one_device_mesh(self.mesh, self.axes), self.batch_argnums,
+                          in_specs=self.in_specs, out_specs=self.out_specs, check=False, model_axes=self.model_axes,
+                          axes=self.axes, static_argnums=tuple(sig.static_nums),
+                          static_argnames=tuple(sig.static_names))
 
     def compiled_text(self) -> str:
         """The compiled program of the last call, as XLA's HLO text (for `dpjax.hlo`: its
@@ -217,11 +235,13 @@ class ShardedStep:
                 raise
             raise UserError(line) from None
 
-    def _check_replicas(self, out, new_state, a: arguments.Arguments) -> None:
+    def _check_replicas(self, out, new_state, a: arguments.Arguments, only=None) -> None:
         """What came back declared replicated (outputs, new state) equal on the devices sharing it
-        (`dpjax.wrap.replicas`), a divergence one line with the usual cause for its kind."""
+        (`dpjax.wrap.replicas`), a divergence one line with the usual cause for its kind; only:
+        the names of the leaves to check (None: all)."""
         named = {arguments.path_name("output", path): x for path, x in jax.tree_util.tree_flatten_with_path(out)[0]}
         named.update({m.name: x for m, x in zip(a.meta, new_state)})
+        named = {k: v for k, v in named.items() if only is None or k in only}
         kinds = {m.name: m.kind for m in a.meta[:a.k]}
         self._replicas(named, where=f"{self.__name__}: ",
                        hint=lambda name, along: _hint(kinds.get(name, "output"), along, name))
