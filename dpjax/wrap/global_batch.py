@@ -55,9 +55,10 @@ def global_sum(x):
 
 
 def weighted_mean(x, weights):
-    """sum(x * weights) / sum(weights) over the global batch (every device's rows), the same on
+    """sum(x * weights) / sum(weights) over the global batch (every device's rows), weights
+    broadcast to x's shape (a weight per row is a weight for each of its elements), the same on
     every device: a token-weighted loss as one device computes it. Differentiable in x (see the
     module docstring for how its gradient meets the average over the devices)."""
     x = jnp.asarray(x)
-    weights = jnp.asarray(weights, x.dtype)
+    weights = jnp.broadcast_to(jnp.asarray(weights, x.dtype), x.shape)  # a weight per element of x
     return global_sum(jnp.sum(x * weights)) / global_sum(jnp.sum(weights))
