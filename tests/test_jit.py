@@ -150,7 +150,7 @@ def test_donated_state_as_jax_jit(mesh_of, regression, donate):
     one = jax.device_put(params, jax.devices()[0])
     want = jax.jit(sgd_step, static_argnums=3, **donate)(one, x, y, jnp.tanh, lr=0.1)
     got = dpjax.jit(sgd_step, in_shardings=(None, NamedSharding(mesh, P("data")), NamedSharding(mesh, P("data"))),
-                    static_argnums=3, **donate)(mine, x, y, jnp.tanh, lr=0.1)
+                    static_argnums=3, **donate)(mine, x, y=y, act=jnp.tanh, lr=0.1)  # y, act by name: as placed
     _same(got, want)
     assert one["w"].is_deleted() and mine["w"].is_deleted()
 

@@ -102,7 +102,7 @@ class Jitted:
 
     def __call__(self, *args, **kwargs):
         if self.step is None:
-            self.step = self._build(args)
+            self.step = self._build(args, kwargs)
         return self.step(*args, **kwargs)
 
     def _mesh_of(self, args):
@@ -118,7 +118,7 @@ class Jitted:
                   and isinstance(x.sharding, NamedSharding) and x.sharding.mesh.size > 1]
         return placed[0] if placed else None  # None: shard_step's default, every device on `data`
 
-    def _build(self, args):
+    def _build(self, args, kwargs):
         mesh = self._mesh_of(args)
         if isinstance(mesh, str) or mesh is None:
             from dpjax.mesh import make_mesh
@@ -126,6 +126,8 @@ class Jitted:
         axes = self.options["axes"] or {}
         data = {a for a in mesh.axis_names if axes.get(a, a) not in NOT_DATA}  # in the user's names
         sig = call.Signature(self.fn, self.options["static_argnums"], self.options["static_argnames"])
+        if sig.sig is not None:  # a keyword argument for a positional parameter is covered too (unlike jax.jit)
+            args = sig.sig.bind_partial(*args, **kwargs).args
         positions = [i for i in range(len(args)) if i not in sig.static_nums]  # what in_shardings covers
         ins = _specs(self.in_shardings, "in_shardings", self.name)
         if _is_leaf(ins):  # one for every argument, as jax.jit reads it
