@@ -202,3 +202,26 @@ def test_per_device_normaliser_is_another_objective(mesh_of, regression, monkeyp
     assert "\n" not in msg and msg.startswith('average_step: check="reference": output/w (4, 3) differs from the '
                                                'one-device run')
     assert "likely cause: the devices agree" in msg and "dpjax.weighted_mean" in msg
+
+
+def test_reference_check_passes_an_nnx_step_and_leaves_one_update(mesh_of, regression):
+    """NNX objects: the one-device run updates them first; they are put back before the sharded
+    run, which alone updates them (one SGD step, as plain nnx.jit's)."""
+    from flax import nnx
+
+    params, x, y = regression
+
+    def nnx_step(model, optimizer, x, y):
+        grads = nnx.grad(lambda m: dpjax.weighted_mean((m(x) - y[:, :3]) ** 2, y[:, 3:]))(model)
+        optimizer.update(model, grads)
+
+    def make(tx):
+        model = nnx.Linear(4, 3, rngs=nnx.Rngs(0))
+        return model, nnx.Optimizer(model, tx, wrt=nnx.Param)
+
+    plain, opt = make(optax.sgd(0.1))
+    nnx.jit(nnx_step)(plain, opt, x, y)
+    model, optimizer = make(dpjax.DistributedOptimizer(optax.sgd(0.1)))
+    dpjax.shard_step(nnx_step, mesh_of("8x1", 8), batch_argnums=(2, 3), check="reference")(model, optimizer, x, y)
+    np.testing.assert_allclose(model.kernel[...], plain.kernel[...], rtol=1e-6, atol=1e-7)
+    assert int(optimizer.step[...]) == 1

@@ -62,15 +62,15 @@ def run(reference, args, kwargs, nodes) -> tuple[dict, list]:
     objects `nodes`) on the host, the NNX objects put back as they were (the sharded run then
     starts from the same state)."""
     nnx = arguments.flax_nnx()
-    saved = [nnx.state(n) for n in nodes]
+    saved = [jax.tree.flatten(nnx.state(n)) for n in nodes]  # the arrays: nnx.state holds the Variables themselves
     # its own mesh in context (a `jax.set_mesh` around the user's call names the step's);
     # one CPU device, nothing split: true of a reference, and meant, so not said
     with warnings.catch_warnings(), jax.set_mesh(reference.mesh):
         warnings.simplefilter("ignore")
         out = reference(*args, **kwargs)
     new = [jax.tree.leaves(nnx.state(n)) for n in nodes]
-    for n, s in zip(nodes, saved):
-        nnx.update(n, s)
+    for n, (leaves, treedef) in zip(nodes, saved):
+        nnx.update(n, treedef.unflatten(leaves))
     return _host(outputs(out)), [np.asarray(x) if isinstance(x, jax.Array) else x for leaves in new for x in leaves]
 
 

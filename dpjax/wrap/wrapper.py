@@ -7,7 +7,8 @@ TrainStates and plain pytrees alike.
 Each call is one `jax.jit(jax.shard_map(...))` (compiled once per structure, `dpjax.wrap.program`);
 `ShardedStep.__call__` reads as these stages in order:
 
-1. Arguments (`dpjax.wrap.arguments`). NNX objects (modules, `nnx.Optimizer`, metrics) are split into a graph
+1. Arguments, bound as jax.jit binds them (static, keyword, donated: `dpjax.wrap.call`) and read
+   (`dpjax.wrap.arguments`). NNX objects (modules, `nnx.Optimizer`, metrics) are split into a graph
    and a state, the way flax's own transforms do it (`nnx.jit`, `nnx.shard_map`); the
    state travels as arrays, each with the spec of its Variable's sharding metadata
    (`nnx.with_partitioning`, dpjax's parallel layers; none: replicated). Any other
