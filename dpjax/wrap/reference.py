@@ -48,9 +48,12 @@ def one_device_mesh(mesh, axes: dict) -> Mesh:
     return Mesh(np.array(mesh.devices.flat[:1]).reshape((1,) * len(names)), names, axis_types=mesh.axis_types)
 
 
+def _is_key(x) -> bool:
+    return jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+
+
 def _host(tree) -> dict:
-    return {name: np.asarray(x) for name, x in tree.items()
-            if isinstance(x, jax.Array) and not jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)}
+    return {name: np.asarray(x) for name, x in tree.items() if isinstance(x, jax.Array) and not _is_key(x)}
 
 
 def outputs(out) -> dict:
@@ -71,13 +74,15 @@ def run(reference, args, kwargs, nodes) -> tuple[dict, list]:
     new = [jax.tree.leaves(nnx.state(n)) for n in nodes]
     for n, (leaves, treedef) in zip(nodes, saved):
         nnx.update(n, treedef.unflatten(leaves))
-    return _host(outputs(out)), [np.asarray(x) if isinstance(x, jax.Array) else x for leaves in new for x in leaves]
+    return _host(outputs(out)), [np.asarray(x) if isinstance(x, jax.Array) and not _is_key(x) else x
+                                 for leaves in new for x in leaves]
 
 
 def compare(step: str, want: tuple[dict, list], out, nodes, names, replicas) -> None:
     """Raises ReferenceError naming the leaf that differs most from the one-device run (see the
-    module docstring). replicas(names): the replica check of those leaves, run to tell a missing average (copies
-    that differ across devices) from a value that is wrong alike everywhere."""
+    module docstring). names: the NNX leaves' names, None for one not compared. replicas(names):
+    the replica check of those leaves, run to tell a missing average (copies that differ across
+    devices) from a value that is wrong alike everywhere."""
     want_out, want_state = want
     got = _host(outputs(out))
     pairs = [(name, got[name], w) for name, w in want_out.items() if name in got]
@@ -85,7 +90,7 @@ def compare(step: str, want: tuple[dict, list], out, nodes, names, replicas) -> 
         nnx = arguments.flax_nnx()
         now = jax.tree.leaves(nnx.state(tuple(nodes)))
         pairs += [(name, np.asarray(x), w) for name, x, w in zip(names, now, want_state)
-                  if isinstance(x, jax.Array) and not jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)]
+                  if name is not None and isinstance(x, jax.Array) and not _is_key(x)]
     bad = []
     for name, g, w in pairs:
         if g.shape != w.shape or not np.issubdtype(w.dtype, np.inexact):
