@@ -204,6 +204,7 @@ def test_per_device_normaliser_is_another_objective(mesh_of, regression, monkeyp
     assert "likely cause: the devices agree" in msg and "dpjax.weighted_mean" in msg
 
 
+@pytest.mark.slow  # ~3 s of CPU: two NNX compiles
 def test_reference_check_passes_an_nnx_step_and_leaves_one_update(mesh_of, regression):
     """NNX objects: the one-device run updates them first; they are put back before the sharded
     run, which alone updates them (one SGD step, as plain nnx.jit's)."""
