@@ -86,6 +86,8 @@ from dpjax.data_parallel import (
     shard_batch,
 )
 from dpjax.wrap.wrapper import shard_step
+from dpjax.wrap.jit import jit
+from dpjax.wrap.global_batch import global_sum, weighted_mean
 from dpjax.distributed import local_rank, process_count, process_index
 from dpjax.errors import UserError
 from dpjax.wrap.replicas import ReplicationError
@@ -114,7 +116,9 @@ __all__ = [
     "delayed_gradients",
     "device_key",
     "dp_size",
+    "global_sum",
     "horovod",
+    "jit",
     "local_rank",
     "make_mesh",
     "make_update_step",
@@ -128,6 +132,7 @@ __all__ = [
     "simulate_cpu_devices",
     "stack",
     "updates",
+    "weighted_mean",
 ]
 __version__ = "0.1.0"
 interrupt.started()  # Ctrl-C is Python's KeyboardInterrupt again (the tool's own handling takes it)

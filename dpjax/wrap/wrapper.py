@@ -7,7 +7,8 @@ TrainStates and plain pytrees alike.
 Each call is one `jax.jit(jax.shard_map(...))` (compiled once per structure, `dpjax.wrap.program`);
 `ShardedStep.__call__` reads as these stages in order:
 
-1. Arguments (`dpjax.wrap.arguments`). NNX objects (modules, `nnx.Optimizer`, metrics) are split into a graph
+1. Arguments, bound as jax.jit binds them (static, keyword, donated: `dpjax.wrap.call`) and read
+   (`dpjax.wrap.arguments`). NNX objects (modules, `nnx.Optimizer`, metrics) are split into a graph
    and a state, the way flax's own transforms do it (`nnx.jit`, `nnx.shard_map`); the
    state travels as arrays, each with the spec of its Variable's sharding metadata
    (`nnx.with_partitioning`, dpjax's parallel layers; none: replicated). Any other
@@ -41,7 +42,6 @@ what would not be parallel (nothing split over the data axes; one CPU device).
 from __future__ import annotations
 
 import functools
-import inspect
 
 import jax
 from jax.sharding import Mesh, NamedSharding
@@ -49,7 +49,7 @@ from jax.sharding import PartitionSpec as P
 
 from dpjax.errors import UserError
 from dpjax.mesh import data_axes, make_mesh
-from dpjax.wrap import annotations, arguments, checks, per_rank, program
+from dpjax.wrap import annotations, arguments, call, checks, per_rank, program, reference
 from dpjax.wrap.replicas import FIRST_CALLS, ReplicaCheck, check_always
 
 HINTS = {
@@ -78,7 +78,7 @@ MODEL_HINT = ("the copies differ along 'model': a value computed from a weight s
 
 
 def shard_step(fn=None, mesh=None, batch_argnums=None, *, donate_argnums=(), in_specs=None, out_specs=P(),
-               check=None, model_axes=None, axes=None):
+               check=None, model_axes=None, axes=None, static_argnums=(), static_argnames=(), donate_argnames=()):
     """`fn` as one jit(shard_map) step over `mesh` (default: every device on a `data` axis).
 
     mesh: a Mesh or a spec for `dpjax.make_mesh` ("4x2": data x model), made at the first call.
@@ -92,7 +92,9 @@ def shard_step(fn=None, mesh=None, batch_argnums=None, *, donate_argnums=(), in_
     device's rows; then replicated, checked); "rows" one row per batch row (a prediction:
     each device's rows joined in batch order, P(data axes)).
     check: None checks the first calls (dpjax.wrap.replicas.FIRST_CALLS), True every call,
-    False none; DPJAX_CHECK=1 checks every call whatever this says.
+    False none; DPJAX_CHECK=1 checks every call whatever this says. "reference" (or
+    DPJAX_CHECK=reference) runs the first call also on one device and compares
+    (`dpjax.wrap.reference`), and checks the first calls' replicas.
     model_axes: how what the model annotates over its model axes is laid out (see
     `dpjax.wrap.annotations`): "auto" (GSPMD inside the step, for flax code written for jax.jit)
     or "explicit" (each device its block, for dpjax.nn layers and code written for
@@ -102,18 +104,24 @@ def shard_step(fn=None, mesh=None, batch_argnums=None, *, donate_argnums=(), in_
     same devices with dpjax's names (inside it, collectives name dpjax's axes), and the
     annotations' names are read through the mapping. Without it every axis but `model`
     and `stage` is a data axis, whatever its name.
+    static_argnums / static_argnames, donate_argnums / donate_argnames: as in jax.jit
+    (`dpjax.wrap.call`): a static argument keys the program (hashable, not traced), a donated
+    one's buffers may be reused for the outputs; keyword arguments are taken as jax.jit takes
+    them, and argnums name a parameter however it is passed.
     Also a decorator: `@shard_step(batch_argnums=3)`, `@shard_step("4x2", batch_argnums=3)`.
     See the module docstring for what it does with NNX objects, RNGs and metrics.
     """
     if fn is None or isinstance(fn, (Mesh, str)):
         return functools.partial(shard_step, mesh=mesh if fn is None else fn, batch_argnums=batch_argnums,
                                  donate_argnums=donate_argnums, in_specs=in_specs, out_specs=out_specs, check=check,
-                                 model_axes=model_axes, axes=axes)
+                                 model_axes=model_axes, axes=axes, static_argnums=static_argnums,
+                                 static_argnames=static_argnames, donate_argnames=donate_argnames)
     if model_axes not in (None,) + annotations.LAYOUTS:
         raise UserError(f"shard_step: model_axes={model_axes!r} is not one of "
                         f"{', '.join(map(repr, annotations.LAYOUTS))} or None")
     batch = arguments.argnums(() if batch_argnums is None else batch_argnums)  # 0 is an argument, None none said
     step = ShardedStep(fn, mesh, batch, arguments.argnums(donate_argnums), in_specs, out_specs, check)
+    step.signature = call.Signature(fn, static_argnums, static_argnames, donate_argnums, donate_argnames)
     step.model_axes, step.axes = model_axes, dict(axes or {})
     step.warn_unsplit = batch_argnums is None and not getattr(fn, "dpjax_splits_nothing", False)
     return step
@@ -134,10 +142,7 @@ class ShardedStep:
         self._renamed = False
         self._programs: dict = {}
         self._replicas = ReplicaCheck()
-        try:
-            self._argnames = list(inspect.signature(fn).parameters)
-        except (TypeError, ValueError):
-            self._argnames = []
+        self.signature = call.Signature(fn, donate_argnums=donate_argnums)  # shard_step sets the static ones
 
     @property
     def mesh(self):
@@ -147,29 +152,46 @@ class ShardedStep:
             self._mesh, self._renamed = annotations.renamed_mesh(self._mesh, self.axes, self.__name__), True
         return self._mesh
 
-    def _argname(self, i: int) -> str:
-        return self._argnames[i] if i < len(self._argnames) else f"arg{i}"
-
-    def __call__(self, *args):
+    def __call__(self, *args, **kwargs):
         mesh = self.mesh
         self.calls += 1
-        a = arguments.Reader(self.__name__, self._argname, self.axes, self.in_specs,
-                             self.batch_argnums).read(args, mesh)
+        b = self.signature.bind(self.__name__, args, kwargs)  # statics out, keywords in their places
+        nodes = [x for x in b.args if arguments.has_nnx(x)]
+        want = reference.run(self._reference(), args, kwargs, nodes) if self._check_reference() else None
+        batch = b.dynamic(self.batch_argnums)
+        in_specs = None if self.in_specs is None else tuple(
+            self.in_specs[pos] if by_pos and pos < len(self.in_specs) else None for pos, _, by_pos in b.where)
+        a = arguments.Reader(self.__name__, b.name, self.axes, in_specs, batch).read(b.args, mesh)
         if self.calls == 1:
             self._warn_once(mesh, a)
-        arguments.check_splits(self.__name__, a.leaves, a.meta, mesh, self.batch_argnums)
-        layout = self._layout(mesh, a)
-        key = program.Key.of(a, self.donate_argnums, len(args), layout)
+        arguments.check_splits(self.__name__, a.leaves, a.meta, mesh, batch)
+        layout = self._layout(mesh, a, b.name)
+        key = (b.key, program.Key.of(a, b.donated, len(b.args), layout))
         new = key not in self._programs
         if new:
-            self._programs[key] = program.build(self.fn, self.__name__, self.axes, self.out_specs, mesh, key,
-                                                a.leaves)
+            self._programs[key] = program.build(b.fn(self.fn), self.__name__, self.axes, self.out_specs, mesh,
+                                                key[1], a.leaves)
         out, new_state = self._run(key, new, a, mesh, layout)
         if a.nodes:  # the in-place updates, written into the caller's objects
             arguments.flax_nnx().update(a.nodes, a.state_def.unflatten(list(new_state)))
-        if self.check is True or check_always() or (self.check is None and self.calls <= FIRST_CALLS):
+        if want is not None:  # the first call against one device's (`dpjax.wrap.reference`)
+            # a metric's total and count add the devices' updates, one per device: its own ways, not compared
+            reference.compare(self.__name__, want, out, a.nodes, [None if m.summed else m.name for m in a.meta[:a.k]],
+                              lambda names: self._check_replicas(out, new_state, a, names))
+        if self.check is True or check_always() or (self.check in (None, "reference") and self.calls <= FIRST_CALLS):
             self._check_replicas(out, new_state, a)
         return out
+
+    def _check_reference(self) -> bool:
+        return self.calls == 1 and self.check is not False and reference.wanted(self.check)
+
+    def _reference(self):
+        """This step on one device of the mesh (`dpjax.wrap.reference`): same arguments, no donation."""
+        sig = self.signature
+        return shard_step(self.fn, reference.one_device_mesh(self.mesh, self.axes), self.batch_argnums,
+                          in_specs=self.in_specs, out_specs=self.out_specs, check=False, model_axes=self.model_axes,
+                          axes=self.axes, static_argnums=tuple(sig.static_nums),
+                          static_argnames=tuple(sig.static_names))
 
     def compiled_text(self) -> str:
         """The compiled program of the last call, as XLA's HLO text (for `dpjax.hlo`: its
@@ -186,13 +208,13 @@ class ShardedStep:
         annotations.warn_other_mesh(self.__name__, a.meshes, mesh, self.axes)
         annotations.warn_no_model_axis(self.__name__, mesh, a.whole)
 
-    def _layout(self, mesh, a: arguments.Arguments) -> str:
+    def _layout(self, mesh, a: arguments.Arguments, argname) -> str:
         """How the model axes are laid out ("auto" or "explicit", `dpjax.wrap.annotations`); under
         "explicit", an nnx.Linear whose bias does not fit its kernel's split is refused."""
         layout = annotations.choose(self.model_axes, mesh, a.specs, a.explicit_hint)
         if layout == "explicit" and a.graph:
             checks.check_flax_biases(self.__name__, a.graph, mesh,
-                                     lambda p: arguments.path_name(self._argname(a.nnx_idx[p[0]]), p[1:]),
+                                     lambda p: arguments.path_name(argname(a.nnx_idx[p[0]]), p[1:]),
                                      annotations.spec_of)
         return layout
 
@@ -215,11 +237,13 @@ class ShardedStep:
                 raise
             raise UserError(line) from None
 
-    def _check_replicas(self, out, new_state, a: arguments.Arguments) -> None:
+    def _check_replicas(self, out, new_state, a: arguments.Arguments, only=None) -> None:
         """What came back declared replicated (outputs, new state) equal on the devices sharing it
-        (`dpjax.wrap.replicas`), a divergence one line with the usual cause for its kind."""
+        (`dpjax.wrap.replicas`), a divergence one line with the usual cause for its kind; only:
+        the names of the leaves to check (None: all)."""
         named = {arguments.path_name("output", path): x for path, x in jax.tree_util.tree_flatten_with_path(out)[0]}
         named.update({m.name: x for m, x in zip(a.meta, new_state)})
+        named = {k: v for k, v in named.items() if only is None or k in only}
         kinds = {m.name: m.kind for m in a.meta[:a.k]}
         self._replicas(named, where=f"{self.__name__}: ",
                        hint=lambda name, along: _hint(kinds.get(name, "output"), along, name))

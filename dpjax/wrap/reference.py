@@ -1,0 +1,129 @@
+"""`check="reference"`: a step's first call run also as one device would run it, and compared.
+
+The replica check (`dpjax.wrap.replicas`) sees copies that disagree. A sharded step can also
+agree with itself and compute something else: a loss divided by each device's own count of
+tokens (`sum(loss * w) / sum(w)` over this device's rows), then averaged; a mean taken over
+this device's rows where the global batch's was meant. Every device does the same wrong thing,
+the copies agree, the run trains, on another objective.
+
+So, under `check="reference"` (or `DPJAX_CHECK=reference`), the step's first call runs twice:
+first as the same step on a mesh of one device with the same axis names (every axis of size 1:
+the collectives are identities, `DistributedOptimizer` averages one gradient, the whole global
+batch and state on that device: the unsharded function), then as itself. The outputs and the
+new state (the NNX objects' updated state, written back only by the sharded run) are compared
+leaf by leaf; a leaf that differs by more than round-off stops the run with one line naming
+it, how far apart, and the likely cause. Dropout draws per device in the sharded run, so a
+step with dropout on differs from its reference by design: check it with dropout off.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import jax
+import numpy as np
+from jax.sharding import Mesh
+
+from dpjax.errors import UserError
+from dpjax.wrap import arguments
+from dpjax.wrap.replicas import ENV, ReplicationError
+
+WORD = "reference"
+RTOL = 1e-4  # of the leaf's largest |value|: float32 round-off over a step, with room to spare
+
+
+class ReferenceError(UserError):
+    """The sharded step's result is not the one-device run's."""
+
+
+def wanted(check) -> bool:
+    return check == WORD or os.environ.get(ENV, "").strip() == WORD
+
+
+def one_device_mesh(mesh, axes: dict) -> Mesh:
+    """A mesh of the first device of `mesh`, every axis of size 1, with the user's axis names."""
+    user = {v: k for k, v in axes.items()}
+    names = tuple(user.get(a, a) for a in mesh.axis_names)
+    return Mesh(np.array(mesh.devices.flat[:1]).reshape((1,) * len(names)), names, axis_types=mesh.axis_types)
+
+
+def _is_key(x) -> bool:
+    return jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+
+
+def _host(tree) -> dict:
+    return {name: np.asarray(x) for name, x in tree.items() if isinstance(x, jax.Array) and not _is_key(x)}
+
+
+def outputs(out) -> dict:
+    return {arguments.path_name("output", p): x for p, x in jax.tree_util.tree_flatten_with_path(out)[0]}
+
+
+def run(reference, args, kwargs, nodes) -> tuple[dict, list]:
+    """The one-device run of the call (args, kwargs): (its outputs, the new state of its NNX
+    objects `nodes`) on the host, the NNX objects put back as they were (the sharded run then
+    starts from the same state)."""
+    nnx = arguments.flax_nnx()
+    saved = [jax.tree.flatten(nnx.state(n)) for n in nodes]  # the arrays: nnx.state holds the Variables themselves
+    # its own mesh in context (a `jax.set_mesh` around the user's call names the step's);
+    # one CPU device, nothing split: true of a reference, and meant, so not said
+    with warnings.catch_warnings(), jax.set_mesh(reference.mesh):
+        warnings.simplefilter("ignore")
+        out = reference(*args, **kwargs)
+    new = [jax.tree.leaves(nnx.state(n)) for n in nodes]
+    for n, (leaves, treedef) in zip(nodes, saved):
+        nnx.update(n, treedef.unflatten(leaves))
+    return _host(outputs(out)), [np.asarray(x) if isinstance(x, jax.Array) and not _is_key(x) else x
+                                 for leaves in new for x in leaves]
+
+
+def compare(step: str, want: tuple[dict, list], out, nodes, names, replicas) -> None:
+    """Raises ReferenceError naming the leaf that differs most from the one-device run (see the
+    module docstring). names: the NNX leaves' names, None for one not compared. replicas(names):
+    the replica check of those leaves, run to tell a missing average (copies that differ across
+    devices) from a value that is wrong alike everywhere."""
+    want_out, want_state = want
+    got = _host(outputs(out))
+    pairs = [(name, got[name], w) for name, w in want_out.items() if name in got]
+    if nodes:
+        nnx = arguments.flax_nnx()
+        now = jax.tree.leaves(nnx.state(tuple(nodes)))
+        pairs += [(name, np.asarray(x), w) for name, x, w in zip(names, now, want_state)
+                  if name is not None and isinstance(x, jax.Array) and not _is_key(x)]
+    bad = []
+    for name, g, w in pairs:
+        if g.shape != w.shape or not np.issubdtype(w.dtype, np.inexact):
+            if g.shape != w.shape or not np.array_equal(g, w):
+                bad.append((np.inf, name, g, w))
+            continue
+        scale = float(np.max(np.abs(w))) if w.size else 0.0
+        gap = float(np.max(np.abs(g.astype(np.float64) - w))) if w.size else 0.0
+        if gap > RTOL * max(scale, 1e-3):
+            bad.append((gap / max(scale, 1e-3), name, g, w))
+    if not bad:
+        return
+
+    def copies_differ(name):
+        try:
+            replicas({name})
+        except ReplicationError as e:
+            return str(e)
+        return None
+
+    # a leaf wrong alike on every device first: the silent kind, which no other check sees
+    ranked = sorted(((copies_differ(b[1]) is not None, -b[0], i) for i, b in enumerate(bad)))
+    _, name, g, w = bad[ranked[0][2]]
+    differ = copies_differ(name)
+    gap = float(np.max(np.abs(g.astype(np.float64) - w))) if g.shape == w.shape else float("nan")
+    others = [bad[r[2]][1] for r in ranked[1:]]
+    more = f"; {len(others)} more differ ({', '.join(others[:3])}{', ...' if len(others) > 3 else ''})" \
+        if others else ""
+    cause = (f"the devices' copies differ: {differ}" if differ else
+             "the devices agree with one another and all differ from one device, so a value of this device's rows "
+             "was used as the global batch's: a loss normalised by this device's count (sum(loss * w) / sum(w): use "
+             "dpjax.weighted_mean(loss, w), or divide by dpjax.global_sum(...)), or a mean over this device's rows "
+             "where the batch's was meant")
+    raise ReferenceError(f"{step}: check=\"reference\": {name} {tuple(w.shape)} differs from the one-device run of "
+                         f"the same batch and state: max |difference| {gap:.3g} (largest |value| "
+                         f"{float(np.max(np.abs(w))) if w.size else 0.0:.3g}){more}; likely cause: {cause}")
