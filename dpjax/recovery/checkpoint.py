@@ -8,13 +8,24 @@ with another configuration is refused with the differences named. It also keeps 
 run chose for itself and a resumed run should keep rather than choose again: the
 autotuned exchange (`"autotune"`: the allreduce algorithm, the fusion cap, the measured
 gain; `dpjax.train.autotune`), which need not match and is not checked.
+
+Every step is sealed once orbax has finalised it: a manifest of its files' checksums
+(`dpjax.recovery.sums`), written by process 0 on a thread of its own after the save's
+background write ends, so the steps never wait for it. A restore verifies a step before
+orbax reads it: a corrupt or cut-short newest step is named in one line (stderr) and the
+one before it is used. A save the filesystem refuses (full, read-only) stops the run
+with one line; the steps saved before it stay as they were.
 """
 
 from __future__ import annotations
 
+import errno
 import os
+import sys
+import threading
 
 from dpjax.errors import UserError
+from dpjax.recovery import sums
 
 CKPT_FIELDS_THAT_MUST_MATCH = ("model", "optimizer")
 WHY = {  # a field whose difference needs its reason said
@@ -29,6 +40,10 @@ class CheckpointError(UserError):
     """A checkpoint that cannot be used; the message says why and what to do."""
 
 
+class Unreadable(CheckpointError):
+    """A step orbax could not read."""
+
+
 class Checkpointer:
     def __init__(self, directory: str, max_to_keep: int = 3):
         import orbax.checkpoint as ocp
@@ -37,10 +52,15 @@ class Checkpointer:
         self.directory = os.path.abspath(directory)
         if os.path.exists(self.directory) and not os.path.isdir(self.directory):
             raise CheckpointError(f"checkpoint path {directory!r} is a file, not a folder; pass a folder")
-        self._manager = ocp.CheckpointManager(
-            self.directory,
-            options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True),
-        )
+        try:
+            self._manager = ocp.CheckpointManager(
+                self.directory,
+                options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True),
+            )
+        except OSError as e:
+            raise CheckpointError(f"checkpoint folder {directory!r} cannot be used ({_why(e)})") from None
+        self._sealer: threading.Thread | None = None
+        self._failed: BaseException | None = None
 
     def latest_step(self) -> int | None:
         return self._manager.latest_step()
@@ -51,9 +71,47 @@ class Checkpointer:
             self._manager.delete(step)
 
     def save(self, step: int, state, record: dict) -> None:
+        import jax
+
         ocp = self._ocp
-        self._manager.save(step, args=ocp.args.Composite(
-            state=ocp.args.StandardSave(state), record=ocp.args.JsonSave(record)), force=True)
+        self._settle()
+        try:
+            self._manager.save(step, args=ocp.args.Composite(
+                state=ocp.args.StandardSave(state), record=ocp.args.JsonSave(record)), force=True)
+        except Exception as e:
+            raise self._refused(step, e) from None
+        if jax.process_index() == 0:  # the others' files are in the same folder (orbax needs that)
+            self._sealer = threading.Thread(target=self._seal, args=(step,), daemon=True, name="dpjax-ckpt-seal")
+            self._sealer.start()
+
+    def _seal(self, step: int) -> None:
+        """Waits for orbax to finalise the save, then writes the manifests it lacks."""
+        try:
+            self._manager.wait_until_finished()
+            steps = self._manager.all_steps()
+            for s in steps:
+                if not sums.sealed(self.directory, s):
+                    sums.seal(self.directory, s)
+            sums.prune(self.directory, steps)
+        except BaseException as e:  # said by the loop's thread, at the next save or close
+            self._failed = (step, e)
+
+    def _settle(self) -> None:
+        """Joins the previous save's sealing; its failure stops the run with one line."""
+        if self._sealer is not None:
+            self._sealer.join()
+            self._sealer = None
+        if self._failed is not None:
+            (step, e), self._failed = self._failed, None
+            raise self._refused(step, e)
+
+    def _refused(self, step: int, e: BaseException) -> Exception:
+        """A save that failed: one line for a filesystem's refusal, else the error itself (a bug)."""
+        if not isinstance(e, OSError):
+            return e
+        good = [s for s in self._manager.all_steps() if s != step and sums.problem(self.directory, s) is None]
+        kept = f"the last good one is {self.directory}/{max(good)}" if good else "no earlier checkpoint was kept"
+        return CheckpointError(f"checkpoint {self.directory}/{step} cannot be written ({_why(e)}); {kept}")
 
     def read_record(self, step: int | None = None) -> dict:
         ocp = self._ocp
@@ -61,7 +119,7 @@ class Checkpointer:
         try:
             return self._manager.restore(step, args=ocp.args.Composite(record=ocp.args.JsonRestore())).record
         except Exception as e:  # orbax raises many kinds; all mean the same to a user
-            raise CheckpointError(self._unreadable(step, e)) from None
+            raise Unreadable(self._unreadable(step, e)) from None
 
     def restore(self, abstract_state, step: int | None = None, expect: dict | None = None):
         """(state, record) of `step` (default: the latest), laid out like `abstract_state`.
@@ -69,8 +127,20 @@ class Checkpointer:
         `expect`: the current run's record; a saved record whose model or optimizer
         differs is refused before any array is read.
         """
+        if step is not None:
+            return self._restore(abstract_state, step, expect)
+        good = self.good_steps()
+        for i, s in enumerate(good):
+            try:
+                return self._restore(abstract_state, s, expect)
+            except Unreadable as e:  # an unverified step orbax cannot read: the one before it
+                if sums.problem(self.directory, s) != sums.UNSEALED or i + 1 == len(good):
+                    raise
+                print(f"dpjax.recovery: {e}; passed over", file=sys.stderr, flush=True)
+        return self._restore(abstract_state, self._pick(None), expect)  # the one line for none
+
+    def _restore(self, abstract_state, step: int, expect: dict | None):
         ocp = self._ocp
-        step = self._pick(step)
         record = self.read_record(step)
         if expect is not None:
             check_compatible(record, expect, f"{self.directory}/{step}")
@@ -78,23 +148,57 @@ class Checkpointer:
             out = self._manager.restore(step, args=ocp.args.Composite(
                 state=ocp.args.StandardRestore(abstract_state)))
         except Exception as e:
-            raise CheckpointError(self._unreadable(step, e)) from None
+            raise Unreadable(self._unreadable(step, e)) from None
         return out.state, record
 
     def close(self) -> None:
-        self._manager.wait_until_finished()
-        self._manager.close()
+        try:
+            self._settle()
+            try:
+                self._manager.wait_until_finished()
+            except Exception as e:
+                raise self._refused(self.latest_step(), e) from None
+        finally:
+            self._manager.close()
 
     def _pick(self, step):
-        step = self.latest_step() if step is None else step
-        if step is None:
-            raise CheckpointError(f"no checkpoint in {self.directory}")
-        return step
+        if step is not None:
+            return step
+        good = self.good_steps(1)
+        if not good:
+            raise CheckpointError(f"no checkpoint in {self.directory}" if self.latest_step() is None else
+                                  f"no good checkpoint in {self.directory}: every one is corrupt "
+                                  "(`python -m dpjax.recovery verify` says how)")
+        return good[0]
+
+    def good_steps(self, want: int | None = None) -> list:
+        """The steps here, newest first, that verify (or carry no checksums: said in one
+        line); a corrupt one is named in one line (stderr) and left out. want: stop once
+        that many are found."""
+        out = []
+        for step in sorted(self._manager.all_steps(), reverse=True):
+            why = sums.problem(self.directory, step)
+            if why is not None:
+                print(f"dpjax.recovery: checkpoint {self.directory}/{step} "
+                      + ("is not verified: " if why == sums.UNSEALED else "is corrupt: ") + why
+                      + ("" if why == sums.UNSEALED else "; passed over"), file=sys.stderr, flush=True)
+                if why != sums.UNSEALED:
+                    continue
+            out.append(step)
+            if want is not None and len(out) >= want:
+                break
+        return out
 
     def _unreadable(self, step, e: Exception) -> str:
         first = (str(e).strip().splitlines() or [""])[0][:200]
         return (f"checkpoint {self.directory}/{step} cannot be read ({type(e).__name__}: {first}); "
                 "it may be corrupt or from another configuration: delete it or pass another --ckpt-dir")
+
+
+def _why(e: OSError) -> str:
+    """An OSError in a few words: the filesystem's reason, not its traceback."""
+    return os.strerror(e.errno) if e.errno in (errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EDQUOT) \
+        else f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
 
 
 def compression_split(compression, mesh, fsdp: bool = False, shards=None) -> dict:
