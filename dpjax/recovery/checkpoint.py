@@ -19,8 +19,9 @@ with one line; the steps saved before it stay as they were.
 
 from __future__ import annotations
 
-import errno
+import logging
 import os
+import re
 import sys
 import threading
 
@@ -49,6 +50,9 @@ class Checkpointer:
         import orbax.checkpoint as ocp
 
         self._ocp = ocp
+        for name in ("absl", "asyncio"):  # orbax's loggers, and asyncio's for its writer's futures
+            if _QUIET not in logging.getLogger(name).filters:
+                logging.getLogger(name).addFilter(_QUIET)
         self.directory = os.path.abspath(directory)
         if os.path.exists(self.directory) and not os.path.isdir(self.directory):
             raise CheckpointError(f"checkpoint path {directory!r} is a file, not a folder; pass a folder")
@@ -60,7 +64,9 @@ class Checkpointer:
         except OSError as e:
             raise CheckpointError(f"checkpoint folder {directory!r} cannot be used ({_why(e)})") from None
         self._sealer: threading.Thread | None = None
-        self._failed: BaseException | None = None
+        self._failed: tuple | None = None  # (step, error) of a save that failed on the sealing thread
+        self._saving: int | None = None  # the step of the newest save asked for
+        self._refusal: CheckpointError | None = None  # a write the filesystem refused, once said
 
     def latest_step(self) -> int | None:
         return self._manager.latest_step()
@@ -75,6 +81,7 @@ class Checkpointer:
 
         ocp = self._ocp
         self._settle()
+        self._saving = step
         try:
             self._manager.save(step, args=ocp.args.Composite(
                 state=ocp.args.StandardSave(state), record=ocp.args.JsonSave(record)), force=True)
@@ -88,7 +95,11 @@ class Checkpointer:
         """Waits for orbax to finalise the save, then writes the manifests it lacks."""
         try:
             self._manager.wait_until_finished()
-            steps = self._manager.all_steps()
+            steps = sorted(int(n) for n in os.listdir(self.directory)  # its own list has the step asked for
+                           if n.isdigit() and os.path.isdir(os.path.join(self.directory, n)))
+            if step not in steps:  # orbax logged a refused write from one of its threads and went on
+                _probe(self.directory)
+                raise CheckpointError(f"checkpoint {self.directory}/{step} was not finished by orbax")
             for s in steps:
                 if not sums.sealed(self.directory, s):
                     sums.seal(self.directory, s)
@@ -107,11 +118,14 @@ class Checkpointer:
 
     def _refused(self, step: int, e: BaseException) -> Exception:
         """A save that failed: one line for a filesystem's refusal, else the error itself (a bug)."""
-        if not isinstance(e, OSError):
+        if _errno(e) is None:
             return e
+        if self._refusal is not None:
+            return self._refusal
         good = [s for s in self._manager.all_steps() if s != step and sums.problem(self.directory, s) is None]
         kept = f"the last good one is {self.directory}/{max(good)}" if good else "no earlier checkpoint was kept"
-        return CheckpointError(f"checkpoint {self.directory}/{step} cannot be written ({_why(e)}); {kept}")
+        self._refusal = CheckpointError(f"checkpoint {self.directory}/{step} cannot be written ({_why(e)}); {kept}")
+        return self._refusal
 
     def read_record(self, step: int | None = None) -> dict:
         ocp = self._ocp
@@ -152,14 +166,24 @@ class Checkpointer:
         return out.state, record
 
     def close(self) -> None:
+        """Waits for the last save and its seal. A refused write is said once: closing
+        after it (the run stopping on its line) says nothing more."""
         try:
+            said = self._refusal is not None  # before this close
             self._settle()
-            try:
-                self._manager.wait_until_finished()
-            except Exception as e:
-                raise self._refused(self.latest_step(), e) from None
+            self._manager.wait_until_finished()
+        except CheckpointError:
+            raise
+        except Exception as e:
+            err = self._refused(self._saving, e)
+            if not (said and err is self._refusal):
+                raise err from None
         finally:
-            self._manager.close()
+            try:
+                self._manager.close()
+            except Exception:  # noqa: BLE001  the same refusal again, from orbax's own threads
+                if self._refusal is None:
+                    raise
 
     def _pick(self, step):
         if step is not None:
@@ -195,10 +219,46 @@ class Checkpointer:
                 "it may be corrupt or from another configuration: delete it or pass another --ckpt-dir")
 
 
-def _why(e: OSError) -> str:
-    """An OSError in a few words: the filesystem's reason, not its traceback."""
-    return os.strerror(e.errno) if e.errno in (errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EDQUOT) \
-        else f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
+def _probe(directory: str) -> None:
+    """Raises the OSError the filesystem gives a small write in `directory`, if any."""
+    path = os.path.join(directory, f".dpjax-probe{os.getpid()}")
+    try:
+        with open(path, "wb") as fh:
+            fh.write(b"\0" * 65536)
+            fh.flush()
+            os.fsync(fh.fileno())
+    finally:
+        if os.path.exists(path):
+            os.remove(path)
+
+
+def _errno(e: BaseException) -> int | None:
+    """The filesystem's error number of a failed write: an OSError's, or the one
+    tensorstore (orbax's writer) puts in its ValueError's text; None for anything else."""
+    if isinstance(e, OSError):
+        return e.errno or 0
+    found = re.search(r"os_error_code='?(\d+)", str(e))
+    return int(found.group(1)) if found else None
+
+
+def _why(e: BaseException) -> str:
+    """A failed write in a few words: the filesystem's reason, not its traceback."""
+    n = _errno(e)
+    return os.strerror(n) if n else f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:160]}"
+
+
+class _QuietFilesystemErrors(logging.Filter):
+    """Orbax logs a write the filesystem refused from each of its threads, with tracebacks
+    (853 lines for one full disk); the run says it in one line instead (`_refused`)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        text = record.getMessage() + (str(record.exc_info[1]) if record.exc_info else "")
+        return not any(mark in text for mark in FILESYSTEM_REFUSALS)
+
+
+FILESYSTEM_REFUSALS = ("os_error_code=", "No space left on device", "Read-only file system", "Permission denied",
+                       "Disk quota exceeded")
+_QUIET = _QuietFilesystemErrors()
 
 
 def compression_split(compression, mesh, fsdp: bool = False, shards=None) -> dict:
