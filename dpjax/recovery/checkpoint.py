@@ -179,11 +179,8 @@ class Checkpointer:
             if not (said and err is self._refusal):
                 raise err from None
         finally:
-            try:
-                self._manager.close()
-            except Exception:  # noqa: BLE001  the same refusal again, from orbax's own threads
-                if self._refusal is None:
-                    raise
+            if self._refusal is None:  # after a refusal orbax's closing races its writer's callbacks
+                self._manager.close()  # into a closed event loop (tracebacks): the process ends anyway
 
     def _pick(self, step):
         if step is not None:
@@ -192,7 +189,7 @@ class Checkpointer:
         if not good:
             raise CheckpointError(f"no checkpoint in {self.directory}" if self.latest_step() is None else
                                   f"no good checkpoint in {self.directory}: every one is corrupt "
-                                  "(`python -m dpjax.recovery verify` says how)")
+                                  "(python -m dpjax.recovery verify says how)")
         return good[0]
 
     def good_steps(self, want: int | None = None) -> list:

@@ -281,7 +281,7 @@ class Committer:
         if got is None:
             if bad:
                 raise CommitError(f"no good commit left in {self.root}: {len(bad)} corrupt file(s) passed over "
-                                  "(`python -m dpjax.recovery verify` lists them)")
+                                  "(python -m dpjax.recovery verify lists them)")
             return None
         mine_bad = {r for p, r in bad if p == self.rank}
         local = {old: rel for old in range(world) if (rel := _file_of(mine, old, step, world, mine_bad))}
