@@ -76,6 +76,25 @@ def test_a_checkpoint_folder_on_a_read_only_filesystem_is_one_line(mount):
         Checkpointer(str(folder / "ck"))
 
 
+def test_a_commit_onto_a_full_folder_is_one_line_and_the_one_before_kept(mount):
+    from dpjax.recovery.commit import Committer
+    from dpjax.recovery.file_format import CommitError
+
+    folder = mount(64)
+    c = Committer(str(folder / "c"), "h0", 0, 1)
+    c.commit(1, _state(1), {"cursor": 1})
+    c.flush()
+    _fill(folder, 0)
+    c.commit(2, _state(2), {"cursor": 2})
+    with pytest.raises(CommitError) as got:
+        c.flush()
+    assert str(got.value) == (f"the commit of step 2 cannot be written to {folder}/c/h0/own/r0 (No space left on "
+                              "device); the newest kept is step 1")
+    (folder / "filler").unlink()
+    state, meta = Committer(str(folder / "c"), "h0", 0, 1, fresh=False).restore(_state(0))
+    assert meta["step"] == 1 and np.all(np.asarray(state["w"]) == 1.0)
+
+
 def _run(*args):
     return subprocess.run([sys.executable, "-m", *args], capture_output=True, text=True, timeout=600)
 
@@ -110,10 +129,12 @@ def test_training_onto_full_or_read_only_folders_is_one_line(mount, tmp_path):
         f"error: checkpoint {full}/ck/1 cannot be written (No space left on device)"), r.stderr[-3000:]
     ro = mount(64, read_only=True)
     r = _run(*_train("--steps", "1", "--metrics", str(ro / "m.jsonl")))
-    assert r.returncode == 2 and r.stderr.strip() == \
-        f"error: --metrics {ro}/m.jsonl cannot be opened (Read-only file system); the rows before this one are in it"
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr[-3000:]  # refused before the run starts
+    assert r.stderr.startswith(f"error: --metrics {ro}/m.jsonl") and "not writable" in r.stderr, r.stderr
+    r = _run(*_train("--steps", "1", "--ckpt-dir", str(ro / "ck")))
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and f"--ckpt-dir {ro}/ck" in r.stderr, r.stderr[-3000:]
     full = mount(64)
-    _fill(full, 4)
+    _fill(full, 0)
     r = _run(*_train("--steps", "3", "--metrics", str(full / "m.jsonl")))
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "No space left on device" in r.stderr, r.stderr[-3000:]
     src = tmp_path / "hf"

@@ -46,6 +46,7 @@ The file's format is `dpjax.recovery.file_format`'s; laying a commit's pieces ou
 from __future__ import annotations
 
 import collections
+import errno
 import json
 import os
 import queue
@@ -57,9 +58,13 @@ import time
 import numpy as np
 
 from dpjax.recovery.file_format import CommitError, check_file, crc, header, raw, trailer
+from dpjax.recovery.file_format import name as _name
+from dpjax.recovery.file_format import parse_name as _parse_name
+from dpjax.recovery.file_format import write_file
 from dpjax.recovery.place import LocalFile, RemoteFile, place
 from dpjax.recovery.stage import Stager
 
+REFUSALS = (errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EDQUOT, errno.EPERM)  # the filesystem says no
 WAIT_MS = 60_000  # a process that does not publish what it holds within this is gone or stuck
 
 
@@ -71,37 +76,6 @@ def _pieces(leaf):
             index = [[s.start or 0, n if s.stop is None else s.stop] for s, n in zip(shard.index, leaf.shape)]
             out.append((index, shard.data))
     return out
-
-
-def _name(step: int, world: int) -> str:
-    return f"s{step:09d}_w{world}.bin"
-
-
-def _parse_name(name: str):
-    if not (name.startswith("s") and name.endswith(".bin") and "_w" in name):
-        return None
-    step, world = name[1:-4].split("_w")
-    return int(step), int(world)
-
-
-def write_file(folder: str, name: str, keep: int, fill) -> tuple[str, int]:
-    """Writes `fill(file)` as `folder/name`, atomically (a temporary name, then a rename),
-    keeping the newest `keep` commits there; the oldest one's file is reused when there
-    are `keep` already (its pages are overwritten, not allocated again). (path, bytes)."""
-    os.makedirs(folder, exist_ok=True)
-    done = sorted((p, f) for f in os.listdir(folder) if (p := _parse_name(f)) and f != name)
-    tmp = os.path.join(folder, f".{name}.tmp{os.getpid()}.{threading.get_ident()}")
-    if len(done) >= keep:
-        os.replace(os.path.join(folder, done.pop(0)[1]), tmp)
-    with open(tmp, "r+b" if os.path.exists(tmp) else "wb") as fh:
-        fill(fh)
-        fh.truncate()
-        size = fh.tell()
-    path = os.path.join(folder, name)
-    os.replace(tmp, path)  # atomic: all of a commit or none of it
-    for _, f in done[:max(0, len(done) - (keep - 1))]:
-        os.remove(os.path.join(folder, f))
-    return path, size
 
 
 class Committer:
@@ -134,6 +108,7 @@ class Committer:
         self._thread.start()
         self.stager = Stager()
         self.completed, self.completed_at = -1, None  # the newest step whose state left the step's buffers
+        self.written = None  # the newest step this process's own file holds
 
     # --- writing ---
 
@@ -169,6 +144,8 @@ class Committer:
                 if item is None:
                     return
                 self._write(*item)
+            except OSError as e:  # a full or read-only commit folder: one line, the commits before kept
+                self._error = _refused(e, item[0], self.written, self.own) if e.errno in REFUSALS else e
             except BaseException as e:  # surfaced on the next commit / flush
                 self._error = e
             finally:
@@ -206,6 +183,7 @@ class Committer:
 
         name = _name(step, self.world)
         path, size = write_file(self.own, name, self.keep, fill)
+        self.written = step
         del arrays, leaves  # no view of the staged buffers is left: the next commit may write into them
         self.stager.give_back(snapshot)
         del snapshot
@@ -297,6 +275,11 @@ class Committer:
         files = [source(old) for old in range(world)]
         meta = {k: v for k, v in files[0].meta.items() if k not in ("leaves", "treedef", "rank")}
         return place(template, files, expect), {**meta, "sources": sources}
+
+
+def _refused(e: OSError, step: int, written, folder: str) -> CommitError:
+    kept = f"the newest kept is step {written}" if written is not None else "none was kept before it"
+    return CommitError(f"the commit of step {step} cannot be written to {folder} ({os.strerror(e.errno)}); {kept}")
 
 
 def _file_of(inv, old: int, step: int, world: int, bad) -> str | None:

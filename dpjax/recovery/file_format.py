@@ -1,4 +1,5 @@
-"""A commit's file: what `dpjax.recovery.commit` writes and reads.
+"""A commit's file: what `dpjax.recovery.commit` writes and reads, its name
+(`s<step>_w<world>.bin`) and its atomic write (`write_file`).
 
     MAGIC (5 bytes) | the header's length (uint64, little-endian) | the header (JSON) | the pieces' bytes
     | the trailer: a CRC-32 of each piece, of the header (uint32 each), the piece count (uint32), END
@@ -22,6 +23,7 @@ from __future__ import annotations
 import json
 import os
 import struct
+import threading
 import zlib
 
 import numpy as np
@@ -173,3 +175,34 @@ def mapped(path: str):
 def check_file(path: str) -> dict:
     """`check` of the file at `path`."""
     return check(mapped(path))
+
+
+def name(step: int, world: int) -> str:
+    return f"s{step:09d}_w{world}.bin"
+
+
+def parse_name(name: str):
+    if not (name.startswith("s") and name.endswith(".bin") and "_w" in name):
+        return None
+    step, world = name[1:-4].split("_w")
+    return int(step), int(world)
+
+
+def write_file(folder: str, name: str, keep: int, fill) -> tuple[str, int]:
+    """Writes `fill(file)` as `folder/name`, atomically (a temporary name, then a rename),
+    keeping the newest `keep` commits there; the oldest one's file is reused when there
+    are `keep` already (its pages are overwritten, not allocated again). (path, bytes)."""
+    os.makedirs(folder, exist_ok=True)
+    done = sorted((p, f) for f in os.listdir(folder) if (p := parse_name(f)) and f != name)
+    tmp = os.path.join(folder, f".{name}.tmp{os.getpid()}.{threading.get_ident()}")
+    if len(done) >= keep:
+        os.replace(os.path.join(folder, done.pop(0)[1]), tmp)
+    with open(tmp, "r+b" if os.path.exists(tmp) else "wb") as fh:
+        fill(fh)
+        fh.truncate()
+        size = fh.tell()
+    path = os.path.join(folder, name)
+    os.replace(tmp, path)  # atomic: all of a commit or none of it
+    for _, f in done[:max(0, len(done) - (keep - 1))]:
+        os.remove(os.path.join(folder, f))
+    return path, size
