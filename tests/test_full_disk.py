@@ -141,5 +141,6 @@ def test_training_onto_full_or_read_only_folders_is_one_line(mount, tmp_path):
     shutil.copytree(FIXTURE, src)
     data = (src / "model.safetensors").read_bytes()
     (src / "model.safetensors").write_bytes(data[:-100])
-    r = _run(*_train("--steps", "1", "--init-from", f"hf:{src}"))
+    r = _run("dpjax.train", "--init-from", f"hf:{src}", "--mesh", "2x4", "--steps", "1", "--batch-size", "8",
+             "--seq-len", "8", "--data", "synthetic", "--eval-every", "0", "--progress", "none")
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "model.safetensors: cut short" in r.stderr, r.stderr

@@ -192,6 +192,10 @@ class Checkpointer:
                                   "(python -m dpjax.recovery verify says how)")
         return good[0]
 
+    def newest_good(self) -> int:
+        """The newest step that verifies (a corrupt newer one named and passed over)."""
+        return self._pick(None)
+
     def good_steps(self, want: int | None = None) -> list:
         """The steps here, newest first, that verify (or carry no checksums: said in one
         line); a corrupt one is named in one line (stderr) and left out. want: stop once
