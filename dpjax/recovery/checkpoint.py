@@ -185,12 +185,9 @@ class Checkpointer:
     def _pick(self, step):
         if step is not None:
             return step
-        good = self.good_steps(1)
-        if not good:
-            raise CheckpointError(f"no checkpoint in {self.directory}" if self.latest_step() is None else
-                                  f"no good checkpoint in {self.directory}: every one is corrupt "
-                                  "(python -m dpjax.recovery verify says how)")
-        return good[0]
+        if self.latest_step() is None:
+            raise CheckpointError(f"no checkpoint in {self.directory}")
+        return self.good_steps(1)[0]
 
     def newest_good(self) -> int:
         """The newest step that verifies (a corrupt newer one named and passed over)."""
@@ -198,20 +195,25 @@ class Checkpointer:
 
     def good_steps(self, want: int | None = None) -> list:
         """The steps here, newest first, that verify (or carry no checksums: said in one
-        line); a corrupt one is named in one line (stderr) and left out. want: stop once
-        that many are found."""
-        out = []
+        line); a corrupt one is named in one line (stderr) and passed over; none left: one
+        CheckpointError line naming the newest. want: stop once that many are found."""
+        out, corrupt = [], []
         for step in sorted(self._manager.all_steps(), reverse=True):
             why = sums.problem(self.directory, step)
-            if why is not None:
-                print(f"dpjax.recovery: checkpoint {self.directory}/{step} "
-                      + ("is not verified: " if why == sums.UNSEALED else "is corrupt: ") + why
-                      + ("" if why == sums.UNSEALED else "; passed over"), file=sys.stderr, flush=True)
-                if why != sums.UNSEALED:
-                    continue
+            if why == sums.UNSEALED:
+                print(f"dpjax.recovery: checkpoint {self.directory}/{step} is not verified: {why}",
+                      file=sys.stderr, flush=True)
+            elif why is not None:
+                corrupt.append(f"checkpoint {self.directory}/{step} is corrupt: {why}")
+                continue
             out.append(step)
             if want is not None and len(out) >= want:
                 break
+        if not out and corrupt:
+            raise CheckpointError(f"{corrupt[0]}; no good checkpoint is left in {self.directory} "
+                                  f"({len(corrupt)} corrupt: python -m dpjax.recovery verify lists them)")
+        for line in corrupt:
+            print(f"dpjax.recovery: {line}; passed over", file=sys.stderr, flush=True)
         return out
 
     def _unreadable(self, step, e: Exception) -> str:
