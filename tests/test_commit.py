@@ -286,7 +286,7 @@ def test_pieces_from_several_files_are_placed_on_any_layout(tmp_path):
     """Three old ranks' files whose pieces cut the arrays unlike the target's blocks (and
     the third fetched from a "remote" holder) are placed bit for bit, every device's block
     cut from the pieces that overlap it."""
-    from dpjax.recovery.file_format import header
+    from dpjax.recovery.file_format import encode, header
     from dpjax.recovery.place import LocalFile, RemoteFile, place
 
     arrays = _arrays(3)
@@ -307,10 +307,9 @@ def test_pieces_from_several_files_are_placed_on_any_layout(tmp_path):
         for k in names:
             pieces = [mine[k]] if k in mine else []
             meta["leaves"].append({"shape": list(arrays[k].shape), "dtype": str(arrays[k].dtype), "pieces": pieces})
-            blob += [np.ascontiguousarray(np.asarray(arrays[k])[tuple(slice(a, b) for a, b in p)]).tobytes()
-                     for p in pieces]
+            blob += [np.asarray(arrays[k])[tuple(slice(a, b) for a, b in p)] for p in pieces]
         paths.append(tmp_path / f"r{rank}.bin")
-        paths[-1].write_bytes(header(meta) + b"".join(blob))
+        paths[-1].write_bytes(encode(meta, blob))
     fetched = []
 
     def fetch(n=None):

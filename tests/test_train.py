@@ -213,7 +213,7 @@ def test_checkpoint_refusals_lose_nothing(corpus, tmp_path, capsys):
             with open(path, "wb") as fh:
                 fh.write(b"garbage")
     assert main(base + ["--steps", "4", "--resume"]) == 2
-    assert "cannot be read" in _one_error_line(capsys)
+    assert f"checkpoint {ckpt}/2 is corrupt: state/" in _one_error_line(capsys)  # its checksums say so
 
 
 def test_a_fresh_run_replaces_saved_state_only_with_overwrite(corpus, tmp_path, capsys):

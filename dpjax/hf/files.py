@@ -43,9 +43,31 @@ def read_header(path: str) -> tuple[dict, int]:
         if n > os.path.getsize(path):
             raise HFError(f"{path}: not a safetensors file (header length {n} beyond the file)")
         try:
-            return json.loads(f.read(n)), 8 + n
-        except json.JSONDecodeError as e:
-            raise HFError(f"{path}: not a safetensors file ({e})") from None
+            header = json.loads(f.read(n))
+        except ValueError as e:  # JSON or UTF-8: a cut or corrupt header
+            raise HFError(f"{path}: not a safetensors file ({type(e).__name__}: {str(e)[:100]})") from None
+    if not isinstance(header, dict):
+        raise HFError(f"{path}: not a safetensors file (its header is not a JSON object)")
+    return header, 8 + n
+
+
+def _entry(path: str, key: str, info, start: int) -> tuple:
+    """(dtype, shape, first byte) of one tensor, once its bytes are inside the file: a
+    truncated or corrupt file is named here rather than failing in a memory map later."""
+    try:
+        dtype, shape, (begin, end) = info["dtype"], tuple(int(n) for n in info["shape"]), info["data_offsets"]
+    except (TypeError, KeyError, ValueError):
+        raise HFError(f"{path}: tensor {key}'s entry is not a safetensors one (a corrupt file)") from None
+    if dtype not in DTYPES:
+        raise HFError(f"{path}: tensor {key} has dtype {dtype}; dpjax reads {', '.join(DTYPES)}")
+    size = os.path.getsize(path)
+    if end - begin != int(np.prod(shape, dtype=np.int64)) * DTYPES[dtype].itemsize or begin < 0:
+        raise HFError(f"{path}: tensor {key}'s bytes [{begin}, {end}) do not fit its shape {list(shape)} "
+                      "(a corrupt file)")
+    if start + end > size:
+        raise HFError(f"{path}: cut short ({size} bytes, tensor {key} ends at byte {start + end}); "
+                      "download or copy it again")
+    return DTYPES[dtype], shape, start + begin
 
 
 class Tensors:
@@ -68,9 +90,7 @@ class Tensors:
             for key, info in header.items():
                 if key == "__metadata__":
                     continue
-                if info["dtype"] not in DTYPES:
-                    raise HFError(f"{path}: tensor {key} has dtype {info['dtype']}; dpjax reads {', '.join(DTYPES)}")
-                self.where[key] = (path, DTYPES[info["dtype"]], tuple(info["shape"]), start + info["data_offsets"][0])
+                self.where[key] = (path, *_entry(path, key, info, start))
         self._maps = {}
 
     def __contains__(self, name: str) -> bool:

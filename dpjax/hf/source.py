@@ -61,7 +61,7 @@ def params_of(source: str, model, layout, record: dict | None = None):
     from dpjax.recovery.checkpoint import CheckpointError, Checkpointer
 
     ckpt = Checkpointer(source)
-    step = ckpt.latest_step()
+    step = ckpt.newest_good()  # checked against its checksums: a corrupt newest one is named and passed over
     record = record or ckpt.read_record(step)
     V = record["model"].get("virtual_stages", 1)  # a pipeline's interleaved stack is stored V x L/V
     abstract = jax.eval_shape(model.init, jax.random.key(0))

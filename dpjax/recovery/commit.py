@@ -46,19 +46,25 @@ The file's format is `dpjax.recovery.file_format`'s; laying a commit's pieces ou
 from __future__ import annotations
 
 import collections
+import errno
 import json
 import os
 import queue
 import shutil
+import sys
 import threading
 import time
 
 import numpy as np
 
-from dpjax.recovery.file_format import CommitError, header, raw
+from dpjax.recovery.file_format import CommitError, check_file, crc, header, raw, trailer
+from dpjax.recovery.file_format import name as _name
+from dpjax.recovery.file_format import parse_name as _parse_name
+from dpjax.recovery.file_format import write_file
 from dpjax.recovery.place import LocalFile, RemoteFile, place
 from dpjax.recovery.stage import Stager
 
+REFUSALS = (errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EDQUOT, errno.EPERM)  # the filesystem says no
 WAIT_MS = 60_000  # a process that does not publish what it holds within this is gone or stuck
 
 
@@ -70,37 +76,6 @@ def _pieces(leaf):
             index = [[s.start or 0, n if s.stop is None else s.stop] for s, n in zip(shard.index, leaf.shape)]
             out.append((index, shard.data))
     return out
-
-
-def _name(step: int, world: int) -> str:
-    return f"s{step:09d}_w{world}.bin"
-
-
-def _parse_name(name: str):
-    if not (name.startswith("s") and name.endswith(".bin") and "_w" in name):
-        return None
-    step, world = name[1:-4].split("_w")
-    return int(step), int(world)
-
-
-def write_file(folder: str, name: str, keep: int, fill) -> tuple[str, int]:
-    """Writes `fill(file)` as `folder/name`, atomically (a temporary name, then a rename),
-    keeping the newest `keep` commits there; the oldest one's file is reused when there
-    are `keep` already (its pages are overwritten, not allocated again). (path, bytes)."""
-    os.makedirs(folder, exist_ok=True)
-    done = sorted((p, f) for f in os.listdir(folder) if (p := _parse_name(f)) and f != name)
-    tmp = os.path.join(folder, f".{name}.tmp{os.getpid()}.{threading.get_ident()}")
-    if len(done) >= keep:
-        os.replace(os.path.join(folder, done.pop(0)[1]), tmp)
-    with open(tmp, "r+b" if os.path.exists(tmp) else "wb") as fh:
-        fill(fh)
-        fh.truncate()
-        size = fh.tell()
-    path = os.path.join(folder, name)
-    os.replace(tmp, path)  # atomic: all of a commit or none of it
-    for _, f in done[:max(0, len(done) - (keep - 1))]:
-        os.remove(os.path.join(folder, f))
-    return path, size
 
 
 class Committer:
@@ -133,6 +108,7 @@ class Committer:
         self._thread.start()
         self.stager = Stager()
         self.completed, self.completed_at = -1, None  # the newest step whose state left the step's buffers
+        self.written = None  # the newest step this process's own file holds
 
     # --- writing ---
 
@@ -168,6 +144,8 @@ class Committer:
                 if item is None:
                     return
                 self._write(*item)
+            except OSError as e:  # a full or read-only commit folder: one line, the commits before kept
+                self._error = _refused(e, item[0], self.written, self.own) if e.errno in REFUSALS else e
             except BaseException as e:  # surfaced on the next commit / flush
                 self._error = e
             finally:
@@ -195,12 +173,17 @@ class Committer:
         self.completed, self.completed_at = step, time.time()
 
         def fill(fh):
-            fh.write(header(meta))
+            head, crcs = header(meta), []
+            fh.write(head)
             for a in arrays:  # noqa: F821  (fill runs inside write_file, before the del below)
-                fh.write(raw(np.asarray(a)))  # waits for this piece's copy only
+                view = raw(np.asarray(a))  # waits for this piece's copy only
+                fh.write(view)
+                crcs.append(crc(view))
+            fh.write(trailer(head, crcs))  # the checksums after the data: a torn file has none
 
         name = _name(step, self.world)
         path, size = write_file(self.own, name, self.keep, fill)
+        self.written = step
         del arrays, leaves  # no view of the staged buffers is left: the next commit may write into them
         self.stager.give_back(snapshot)
         del snapshot
@@ -245,29 +228,44 @@ class Committer:
 
     def restore(self, template, expect: dict | None = None):
         """(state laid out like `template`'s arrays, meta) of the newest step every old
-        rank committed, or None when there is none. Called by every process of the job."""
+        rank committed in files whose checksums match, or None when there is none. Called
+        by every process of the job. A corrupt file is named in one line (stderr) by the
+        process that holds it and passed over: its other copy, or an older step, is used."""
         mine = self.inventory()
         everyone = _all_gather_json(self.client, "dpjax/restore/inv", self.rank, self.world, mine)
-        holders: dict = {}  # (step, world) -> {old rank: the lowest process that holds it}
-        for proc, inv in enumerate(everyone):
-            for old, step, world, _ in inv:
-                holders.setdefault((step, world), {}).setdefault(old, proc)
-        complete = [sw for sw, ranks in holders.items() if set(ranks) >= set(range(sw[1]))]
-        if not complete:
-            if holders:
-                newest = max(holders)
-                raise CommitError(f"no step that every process committed: the newest, step {newest[0]}, has "
-                                  f"ranks {sorted(holders[newest])} of {newest[1]} (own and neighbour copies lost)")
+        bad: set = set()  # (process, path) of the files found corrupt
+        checked: dict = {}  # path -> None (good) or why not, for this process's files
+        for attempt in range(1 + sum(map(len, everyone))):  # each round passes over one file at least
+            got = _newest(everyone, bad)
+            if got is None:
+                break
+            step, world, holder = got
+            found = []
+            for old in range(world):  # the files this process would read or send for the step: checked first
+                rel = _file_of(mine, old, step, world, {r for p, r in bad if p == self.rank})
+                if rel is not None and rel not in checked:
+                    try:
+                        check_file(os.path.join(self.root, rel))
+                        checked[rel] = None
+                    except (CommitError, OSError) as e:
+                        checked[rel] = str(e)
+                        found.append(rel)
+                        print(f"dpjax.recovery: commit {os.path.join(self.root, rel)} is corrupt ({e}); passed over",
+                              file=sys.stderr, flush=True)
+            news = _all_gather_json(self.client, f"dpjax/restore/bad/{attempt}", self.rank, self.world, found)
+            if not any(news):
+                break
+            bad |= {(p, rel) for p, rels in enumerate(news) for rel in rels}
+        if got is None:
+            if bad:
+                raise CommitError(f"no good commit left in {self.root}: {len(bad)} corrupt file(s) passed over "
+                                  "(python -m dpjax.recovery verify lists them)")
             return None
-        step, world = max(complete)
-        local = {}
-        for old, s, w, rel in mine:  # the own copy where both are here
-            if (s, w) == (step, world) and (old not in local or f"{os.sep}own{os.sep}" in rel):
-                local[old] = rel
-        sources = {}
-        for old, proc in holders[(step, world)].items():
-            sources[old] = local.get(old) or next(r for o, s, w, r in everyone[proc] if (o, s, w) == (old, step, world))
-        peers, holder = self.peers, holders[(step, world)]
+        mine_bad = {r for p, r in bad if p == self.rank}
+        local = {old: rel for old in range(world) if (rel := _file_of(mine, old, step, world, mine_bad))}
+        sources = {old: local.get(old) or _file_of(everyone[proc], old, step, world, {r for p, r in bad if p == proc})
+                   for old, proc in holder.items()}
+        peers = self.peers
 
         def source(old):  # where old rank's commit is read from: the local file, or the holder's over TCP
             if old in local:
@@ -277,6 +275,39 @@ class Committer:
         files = [source(old) for old in range(world)]
         meta = {k: v for k, v in files[0].meta.items() if k not in ("leaves", "treedef", "rank")}
         return place(template, files, expect), {**meta, "sources": sources}
+
+
+def _refused(e: OSError, step: int, written, folder: str) -> CommitError:
+    kept = f"the newest kept is step {written}" if written is not None else "none was kept before it"
+    return CommitError(f"the commit of step {step} cannot be written to {folder} ({os.strerror(e.errno)}); {kept}")
+
+
+def _file_of(inv, old: int, step: int, world: int, bad) -> str | None:
+    """The file of old rank's commit of (step, world) that a process with inventory
+    `inv` reads or sends: its own copy before a neighbour's, none found corrupt."""
+    rels = [r for o, s, w, r in inv if (o, s, w) == (old, step, world) and r not in bad]
+    return next((r for r in rels if f"{os.sep}own{os.sep}" in r), rels[0] if rels else None)
+
+
+def _newest(everyone, bad):
+    """(step, world, {old rank: the lowest process that holds it}) of the newest step every
+    old rank committed, none of the files found corrupt; None when nothing was committed;
+    CommitError when something was but no step is whole."""
+    holders: dict = {}
+    for proc, inv in enumerate(everyone):
+        for old, step, world, rel in inv:
+            if (proc, rel) not in bad:
+                holders.setdefault((step, world), {}).setdefault(old, proc)
+    complete = [sw for sw, ranks in holders.items() if set(ranks) >= set(range(sw[1]))]
+    if not complete:
+        if holders:
+            newest = max(holders)
+            raise CommitError(f"no step that every process committed: the newest, step {newest[0]}, has "
+                              f"ranks {sorted(holders[newest])} of {newest[1]} (own and neighbour copies lost"
+                              f"{' or corrupt' if bad else ''})")
+        return None
+    step, world = max(complete)
+    return step, world, holders[(step, world)]
 
 
 def inventory(root: str, hosts=None) -> list:

@@ -9,10 +9,15 @@ TensorBoard writer logs its numbers as scalars at that step, named by group
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 
 from dpjax.errors import UserError
+
+
+class MetricsError(UserError):
+    """A metrics file the filesystem refuses (read-only, full): one line, the rows before it kept."""
 
 
 class MissingPackage(UserError):
@@ -38,10 +43,26 @@ class JsonLines:
     lost run may have written): every step has one row, however often the run resumed."""
 
     def __init__(self, path: str, append: bool, resumed_at: int | None = None):
-        self.loss_steps: set = set()
-        if append and resumed_at is not None and os.path.isfile(path):
-            self._keep_until(path, resumed_at)
-        self.fh = open(path, "a" if append else "w", buffering=1)
+        self.path, self.loss_steps, self.fh = path, set(), None
+        with self._refused("opened"):
+            if append and resumed_at is not None and os.path.isfile(path):
+                self._keep_until(path, resumed_at)
+            self.fh = open(path, "a" if append else "w", buffering=1)
+
+    @contextlib.contextmanager
+    def _refused(self, doing: str):
+        """A write the filesystem refuses as one line (the rows written before it stay)."""
+        try:
+            yield
+        except OSError as e:
+            if self.fh is not None:
+                try:
+                    self.fh.close()
+                except OSError:  # the same refusal, flushing what was left
+                    pass
+                self.fh = None
+            raise MetricsError(f"--metrics {self.path} cannot be {doing} ({e.strerror or e}); "
+                               "the rows before this one are in it") from None
 
     def _keep_until(self, path: str, step: int) -> None:
         with open(path) as fh:
@@ -72,10 +93,15 @@ class JsonLines:
             if row["step"] in self.loss_steps:
                 return
             self.loss_steps.add(row["step"])
-        self.fh.write(json.dumps(row) + "\n")
+        if self.fh is None:  # refused before: said once
+            return
+        with self._refused("written"):
+            self.fh.write(json.dumps(row) + "\n")
 
     def close(self) -> None:
-        self.fh.close()
+        if self.fh is not None:
+            with self._refused("written"):
+                self.fh.close()
 
 
 class TensorBoard:
