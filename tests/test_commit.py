@@ -281,7 +281,7 @@ def test_a_finished_run_restored_is_one_line_by_hand_and_the_end_under_the_agent
     from conftest import tiny_gpt
 
     path, beat = tmp_path / "m.jsonl", tmp_path / "heartbeat"
-    args = tiny_gpt(corpus, "--mesh", "2x4", "--commit-dir", str(tmp_path / "c"), "--metrics", str(path), "--steps",
+    args = tiny_gpt(corpus, "--mesh", "1x1", "--commit-dir", str(tmp_path / "c"), "--metrics", str(path), "--steps",
                     "4", "--commit-every", "2")
     assert main(args) == 0
     want = read_losses(path)

@@ -269,13 +269,11 @@ class Elastic:
         _say("dpjax.elastic: " + ", ".join(f"{k} {v}" for k, v in row.items() if k != "event"))
 
     def close(self) -> None:
-        """At the run's end (the loop's exit stack). Once the last step's commit is made
-        and the loop ended as planned (not on an exception's way out: close runs from the
-        loop's exit stack, where sys.exc_info() is the exception leaving), the heartbeat
-        says how far the end has come, for dpjax.agent: `final`, this process's last
-        commit written and held by its neighbour and its rows written; `ended`, every
-        process's (they wait for each other in the committer's close). A failure after
-        every process is final is after the job's end: not a reason to restart."""
+        """Once the last step's commit is made and the loop ended as planned (close runs in
+        its exit stack: sys.exc_info() is an exception leaving), the heartbeat tells the
+        agent `final` (this process's last commit held by its neighbour, its rows written),
+        then `ended` (every process's: they meet in the committer's close). A failure from
+        then on is after the job's end (dpjax.agent.rendezvous)."""
         c = self.committer
         if c is None:
             return
@@ -299,11 +297,9 @@ class Elastic:
             faults.fire(self.faults[moment])
 
     def finish_restored(self, trainer) -> None:
-        """A restart (dpjax.agent's) whose restored state is at --steps: the job had
-        trained and committed every step when it failed, so this process ends it, exit 0,
-        with every process of the round (a `--resume` by hand is refused instead, in
-        `Trainer`): the rows of the commit's last steps (process 0), a restart row
-        saying nothing was left, one line, and the heartbeat's marks."""
+        """An agent's restart whose restored state is at --steps: the job had trained and
+        committed every step when it failed, so every process ends it, exit 0 (--resume by
+        hand is refused, in `Trainer`), after the commit's rows, a restart row, the marks."""
         import jax
 
         cfg, failure = self.cfg, json.loads(_env("failure", "{}"))
