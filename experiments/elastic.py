@@ -15,7 +15,9 @@ programs loaded and compiled again), and their medians.
 Per scenario: did it finish, how long from the failure until the processes were
 started again (restart_s) and until the first step after it was done (seconds_lost),
 the steps of work lost, the losses against the no-failure run (bit for bit, or the
-largest relative difference), and the wall time beside the no-failure run's.
+largest relative difference), and the wall time beside the no-failure run's. A job
+that trained every step must end with exit 0 (but the agent a `forever` fault kills):
+the script exits 1 naming the scenarios that did not.
 """
 
 from __future__ import annotations
@@ -37,12 +39,15 @@ import _bench  # noqa: E402
 MODEL = ["--model", "gpt", "--d-model", "32", "--n-layers", "1", "--n-heads", "2", "--seq-len", "16",
          "--batch-size", "16", "--eval-every", "0", "--eval-batches", "1", "--progress", "none"]
 FSDP = ["--mesh", "2x2x2", "--fsdp", "--update", "sparse:4", "--workers", "node", "--optimizer", "sgd", "--lr", "0.3"]
-# name: (fault, --nnodes, extra agent flags, extra training flags)
+# name: (rank 2's DPJAX_FAULT, {at} the step --at, --nnodes, extra agent flags, extra training flags)
 SCENARIOS = {
-    "same": ("kill", "2:2", [], []),
-    "smaller": ("kill,forever", "1:2", [], []),
-    "fsdp-host": ("kill,host,wipe", "2:2", [], FSDP),
-    "hang": ("hang", "2:2", ["--hang-timeout", "10"], []),
+    "same": ("step={at},kind=kill", "2:2", [], []),
+    "smaller": ("step={at},kind=kill,forever", "1:2", [], []),
+    "fsdp-host": ("step={at},kind=kill,host,wipe", "2:2", [], FSDP),
+    "hang": ("step={at},kind=hang", "2:2", ["--hang-timeout", "10"], []),
+    # after the last commit: every process's (the job's end), or its own before it said so (a restart)
+    "after-end": ("step=end,kind=kill", "2:2", [], []),
+    "after-commit": ("step=committed,kind=kill", "2:2", [], []),
 }
 
 
@@ -121,16 +126,16 @@ def restart(args, out_dir):
 def scenarios(args, out_dir):
     head = ["scenario", "finished", "processes after", "restart_s", "seconds_lost", "steps_lost", "losses",
             "wall s (no failure)"]
-    rows, refs = [], {}
+    rows, refs, wrong = [], {}, []
     for name in args.scenarios.split(","):
-        kind, nnodes, agent, extra = SCENARIOS[name]
+        fault, nnodes, agent, extra = SCENARIOS[name]
+        fault = "rank=2," + fault.format(at=args.at)
         train = [*MODEL, "--data", args.data, "--mesh", "4x2", "--steps", str(args.steps), *extra]
         key = tuple(extra)
         if key not in refs:
             refs[key] = run_job(os.path.join(out_dir, f"ref-{len(refs)}"), train)
         ref_s, ref_metrics, _ = refs[key]
-        secs, metrics, codes = run_job(os.path.join(out_dir, name), train, f"rank=2,step={args.at},kind={kind}",
-                                       nnodes, agent)
+        secs, metrics, codes = run_job(os.path.join(out_dir, name), train, fault, nnodes, agent)
         got, want = losses(metrics), losses(ref_metrics)
         with open(metrics) as fh:
             ev = next((r for r in map(json.loads, fh) if r.get("event") == "restart"), {})
@@ -140,6 +145,11 @@ def scenarios(args, out_dir):
                      ev.get("restart_s", "-"), ev.get("seconds_lost", "-"), ev.get("steps_lost", "-"),
                      "bit for bit" if same else f"max rel diff {worst:.1e}", f"{secs:.0f} ({ref_s:.0f})"])
         print(" | ".join(map(str, rows[-1])), flush=True)
+        alive = codes[:1] if "forever" in fault else codes  # h1's agent is what a `forever` fault kills
+        if sorted(got) == list(range(1, args.steps + 1)) and any(alive):
+            wrong.append(f"{name} (exit {codes})")
+    if wrong:  # every step trained, and the job said it failed: what a scheduler would rerun (issue 53)
+        raise SystemExit(f"every step was trained, yet the job did not exit 0: {', '.join(wrong)}; see {out_dir}")
     return head, rows
 
 
@@ -391,7 +401,8 @@ def main():
                         "--tries times")
     p.add_argument("--tries", type=int, default=3, help="--restart: how many times")
     p.add_argument("--data", default=None, help="a text file; None: 300 kB of the stdlib corpus")
-    _bench.add_smoke(p, "the same-size scenario, 8 steps; or 2 rounds of 8-step blocks for the commit cost")
+    _bench.add_smoke(p, "the same-size and after-end scenarios, 8 steps; or 2 rounds of 8-step blocks for the commit "
+                        "cost")
     args = p.parse_args()
     out_dir = tempfile.mkdtemp(prefix="dpjax-elastic-")
     if args.data is None:
@@ -403,7 +414,8 @@ def main():
     if args.restart and args.at == p.get_default("at"):
         args.at = 35  # the issue's step
     if args.smoke:
-        args.steps, args.at, args.scenarios, args.rounds, args.block, args.writes, args.tries = 8, 3, "same", 2, 8, 1, 1
+        args.steps, args.at, args.rounds, args.block, args.writes, args.tries = 8, 3, 2, 8, 1, 1
+        args.scenarios = "same,after-end"
     if args.smoke and args.paths:
         args.gb = 0.01
     if args.commit_cost or args.paths:  # in this process: the main job's 8 simulated devices, before JAX starts

@@ -1,5 +1,10 @@
 """The agent's parts without processes: the rendezvous's rounds on a hand-driven clock,
-DPJAX_FAULT's grammar, the mesh resized for the hosts that are left, the cause named."""
+DPJAX_FAULT's grammar, the mesh resized for the hosts that are left, the cause named;
+and one agent as a process over stand-in processes (no JAX) for a failure after the end."""
+
+import subprocess
+import sys
+import time
 
 import pytest
 
@@ -83,6 +88,50 @@ def test_a_job_is_done_when_every_host_is():
     assert s.handle({"op": "done", "host": "b", "round": 1})["state"] == "done"
 
 
+def test_a_failure_after_every_host_is_final_is_after_the_end_not_a_restart():
+    clock = Clock()
+    s = State(2, 2, max_restarts=0, lost_after=3, clock=clock)
+    _join(s, "a"), _join(s, "b")
+    s.handle({"op": "end", "host": "a", "round": 1, "final": True, "ended": False})
+    # b not final yet: a failure now is a failure (with no restarts left: the end of the job)
+    assert s.state == "running"
+    v = s.handle({"op": "fail", "host": "b", "round": 1, "rank": 2, "how": "killed by signal SIGKILL", "t": 1.0,
+                  "signal": True, "final": True, "ended": False})  # its processes had all made their last commit
+    assert (v["state"], v["restarts"], v["failures"]) == ("done", 0, [])
+    assert [f["rank"] for f in v["after_end"]] == [2]
+    # what other hosts report then joins it; the round stays done
+    v = s.handle({"op": "fail", "host": "a", "round": 1, "rank": 0, "how": "exit code 1", "t": 1.5})
+    assert v["state"] == "done" and cause(v["after_end"])["rank"] == 2
+
+
+def test_a_failure_heard_before_the_news_of_the_end_is_taken_back():
+    clock = Clock()
+    s = State(2, 2, max_restarts=3, lost_after=3, clock=clock)
+    _join(s, "a"), _join(s, "b")
+    v = s.handle({"op": "fail", "host": "b", "round": 1, "rank": 2, "how": "killed by signal SIGKILL", "t": 1.0,
+                  "signal": True})
+    assert (v["state"], v["restarts"]) == ("failed", 1)
+    v = s.handle({"op": "end", "host": "a", "round": 1, "final": True, "ended": True})  # every process committed
+    assert (v["state"], v["restarts"], v["failures"]) == ("done", 0, [])
+    assert v["after_end"][0]["rank"] == 2
+
+
+def test_a_host_lost_after_the_end_ends_the_job_done():
+    clock = Clock()
+    s = State(1, 2, max_restarts=3, lost_after=3, clock=clock)
+    _join(s, "a"), _join(s, "b")
+    s.handle({"op": "end", "host": "a", "round": 1, "final": True, "ended": True})
+    clock.t = 3.5  # b's agent is silent: its host is lost
+    v = s.handle({"op": "poll", "host": "a"})
+    assert (v["state"], v["restarts"], v["round"]) == ("done", 0, 1)
+    assert "host lost" in v["after_end"][0]["how"]
+    # a round that did not end: the same loss is a restart, as before
+    s = State(1, 2, max_restarts=3, lost_after=3, clock=Clock())
+    _join(s, "a"), _join(s, "b")
+    s.clock.t = 3.5
+    assert s.handle({"op": "poll", "host": "a"})["state"] == "failed"
+
+
 def test_a_hang_is_the_cause_before_the_exits_it_provokes():
     failures = [{"rank": 0, "how": "exit code 1", "t": 1.0}, {"rank": 3, "how": "hung", "hang": True, "t": 2.0,
                                                              "silent_since": 0.5},
@@ -102,7 +151,9 @@ def test_fault_grammar():
     assert fault.for_process(2, {"DPJAX_FAULT": "rank=2,step=30"}) == {30: fault.Fault(2, 30)}
     assert fault.for_process(2, {"DPJAX_FAULT": "rank=2,step=30", "DPJAX_RESTART": "1"}) == {}  # once
     assert fault.for_process(1, {"DPJAX_FAULT": "rank=2,step=30"}) == {}
-    for bad in ("rank=2", "rank=2,step=3,kind=melt", "rank=x,step=3", "rank=1,step=2,sometimes"):
+    assert fault.parse("rank=1,step=end,kind=hang; rank=2,step=committed") == (
+        fault.Fault(1, "end", "hang"), fault.Fault(2, "committed"))
+    for bad in ("rank=2", "rank=2,step=3,kind=melt", "rank=x,step=3", "rank=1,step=2,sometimes", "rank=1,step=later"):
         with pytest.raises(UserError):
             fault.parse(bad)
 
@@ -118,3 +169,29 @@ def test_the_mesh_for_the_devices_left(mesh, devices, want):
 def test_a_size_that_cannot_hold_the_mesh_is_one_line():
     with pytest.raises(UsageError, match="cannot be resized to 3 devices"):
         fit_mesh(Settings(mesh="4x2"), 3)
+
+
+# what a stand-in process does: its heartbeat says the job ended (dpjax.train.elastic's marks),
+# then rank 1 is killed and rank 0 hangs (a peer gone from jax.distributed's shutdown)
+AFTER_END = """
+import json, os, signal, time
+with open(os.environ["DPJAX_HEARTBEAT"], "w") as fh:
+    json.dump({"dispatched": 5, "completed": 5, "t": time.time(), "final": True, "ended": True}, fh)
+if os.environ["DPJAX_PROCESS_ID"] == "1":
+    os.kill(os.getpid(), signal.SIGKILL)
+time.sleep(120)
+"""
+
+
+def test_a_process_killed_after_the_end_ends_the_job_with_0_and_one_line(tmp_path):
+    from dpjax.agent.rendezvous import free_port
+
+    t0 = time.time()
+    r = subprocess.run([sys.executable, "-m", "dpjax.agent", "--nproc-per-node", "2", "--rdzv",
+                        f"127.0.0.1:{free_port()}", "--host-id", "h0", "--commit-dir", str(tmp_path), "--",
+                        sys.executable, "-c", AFTER_END], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert r.stderr.strip().splitlines()[-1] == (
+        "dpjax.agent[h0]: done: the job finished in round 1; after its end rank 1 on host h0 failed: killed by signal "
+        "SIGKILL (not restarted: every step was trained and committed)"), r.stderr
+    assert "round 2" not in r.stderr and time.time() - t0 < 110  # rank 0's sleep (120 s) was not waited for

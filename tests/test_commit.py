@@ -269,6 +269,47 @@ def test_a_fixed_interval_and_bad_ones(corpus, tmp_path, capsys):
         assert f"--commit-every takes a number of steps (at least 1) or auto, got '{bad}'" in capsys.readouterr().err
 
 
+def test_a_finished_run_restored_is_one_line_by_hand_and_the_end_under_the_agent(corpus, tmp_path, capsys,
+                                                                                  monkeypatch):
+    """A run whose commit is at --steps: `--resume` by hand is refused in one line (ask for
+    more steps); an agent's restart (DPJAX_RESTART=1) that restores it is the job's end,
+    exit 0 (the job failed after its last commit): the rows of the commit's last steps
+    that the lost job had not written come from the commit, once; a restart row says
+    nothing was left; the heartbeat tells the agent."""
+    from dpjax.train import main
+
+    from conftest import tiny_gpt
+
+    path, beat = tmp_path / "m.jsonl", tmp_path / "heartbeat"
+    args = tiny_gpt(corpus, "--mesh", "1x1", "--commit-dir", str(tmp_path / "c"), "--metrics", str(path), "--steps",
+                    "4", "--commit-every", "2")
+    assert main(args) == 0
+    want = read_losses(path)
+    capsys.readouterr()
+    assert main([*args, "--resume"]) == 2
+    refusal = "error: the checkpoint is at step 4, not before --steps 4; ask for more steps"
+    assert capsys.readouterr().err.strip() == refusal
+    rows = _rows(path)
+    with open(path, "w") as fh:  # the lost job died before its last rows: steps 3 and 4 were in flight at the commit
+        fh.writelines(json.dumps(r) + "\n" for r in rows if r.get("step", 0) < 3)
+    monkeypatch.setenv("DPJAX_RESTART", "1")
+    monkeypatch.setenv("DPJAX_HEARTBEAT", str(beat))
+    monkeypatch.setenv("DPJAX_LAST_FAILURE", json.dumps({"line": "rank 1 on host h1 failed: killed by signal SIGKILL"}))
+    monkeypatch.setattr(sys, "excepthook", sys.excepthook)  # a process under the agent leaves at once on an exception
+    with pytest.raises(SystemExit) as e:
+        main(args)
+    assert e.value.code == 0
+    assert ("dpjax.elastic: restored step 4 of --steps 4: the job had trained and committed every step before it "
+            "failed (rank 1 on host h1 failed: killed by signal SIGKILL); nothing left to train"
+            ) in capsys.readouterr().out
+    rows = _rows(path)
+    assert [r["step"] for r in rows if "loss" in r] == [1, 2, 3, 4] and read_losses(path) == want
+    (ev,) = [r for r in rows if r.get("event") == "restart"]
+    assert ev["nothing_left"] and ev["restored_step"] == 4 and ev["failed"].startswith("rank 1 on host h1")
+    marks = json.loads(beat.read_text())
+    assert marks["final"] and marks["ended"] and marks["nothing_left"]
+
+
 @pytest.mark.slow
 def test_the_paths_experiment_smoke():
     """experiments/elastic.py --paths --smoke (test_experiments runs the other modes):

@@ -1,7 +1,8 @@
 """Surviving failures, end to end: two agents on 127.0.0.1 standing for two hosts, two
 processes of two CPU devices each (`--mesh 4x2`), a fault injected by DPJAX_FAULT,
-against the same job without a failure. The issue's must-show scenarios, short
-(40 steps, the fault at step 10); RESULTS.md has the long ones (experiments/elastic.py)."""
+against the same job without a failure. The issue's must-show scenarios, short (40
+steps, the fault at step 10); RESULTS.md has the long ones (experiments/elastic.py). And
+faults after the last commit (issue 53), which end the job with exit 0."""
 
 import json
 import os
@@ -194,4 +195,64 @@ def test_a_size_that_cannot_hold_the_run_is_skipped_for_the_next_smaller(corpus,
     assert sorted(applied) == list(range(1, steps + 1))
     # none twice, none skipped
     assert [applied[s]["cursor"] for s in range(1, steps + 1)] == [6 * s for s in range(steps)]
+    assert pids_running(str(tmp_path)) == []
+
+
+def _once_each(metrics):
+    """Whether every step's loss row is in the metrics once (no step missing, none twice)."""
+    steps = [r["step"] for r in map(json.loads, open(metrics)) if "loss" in r]
+    return sorted(steps) == list(range(1, STEPS + 1))
+
+
+def _done_line(err):
+    (line,) = [s for s in err.splitlines() if s.startswith("dpjax.agent[") and ": done: " in s]
+    return line.split(": ", 1)[1]
+
+
+@pytest.mark.parametrize("kind,how,agent_args", [
+    ("kill", "killed by signal SIGKILL", ()),
+    # stopped while the processes finish; a timeout that the end's evaluation (compiled then) fits in, on a loaded
+    # machine: a process silent longer before its last commit is taken for hung (a restart finds nothing left)
+    ("hang", "hung: no step for", ("--hang-timeout", "20")),
+])
+def test_a_failure_after_the_end_ends_the_job_with_0_and_one_line(corpus, straight, tmp_path, kind, how, agent_args):
+    codes, errs, _, metrics, _ = run_agents(tmp_path, tiny(corpus), fault=f"rank=2,step=end,kind={kind}",
+                                            agent_args=agent_args)
+    assert codes == [0, 0], errs
+    for err in errs:  # both agents name rank 2, not the processes its end held up; nothing restarted
+        assert _done_line(err).startswith(f"done: the job finished in round 1; after its end rank 2 on host h1 "
+                                          f"failed: {how}"), err
+        assert _done_line(err).endswith("(not restarted: every step was trained and committed)")
+        assert "round 2" not in err
+    assert events(metrics) == [] and _once_each(metrics)
+    assert read_losses(metrics) == straight
+    time.sleep(1)
+    assert pids_running(str(tmp_path)) == []
+
+
+def test_an_agent_lost_after_the_end_ends_the_job_with_0_and_one_line(corpus, straight, tmp_path):
+    codes, errs, _, metrics, _ = run_agents(tmp_path, tiny(corpus), fault="rank=2,step=end,kind=kill,forever",
+                                            nnodes="1:2")
+    assert codes[0] == 0 and codes[1] == -signal.SIGKILL, errs
+    assert _done_line(errs[0]) == ("done: the job finished in round 1; after its end host h1 failed: agent silent "
+                                   "for 3 s (host lost) (not restarted: every step was trained and committed)")
+    assert events(metrics) == [] and _once_each(metrics)
+    assert read_losses(metrics) == straight
+    time.sleep(1)
+    assert pids_running(str(tmp_path)) == []
+
+
+def test_a_failure_after_the_last_commit_restarts_and_finds_nothing_left(corpus, straight, tmp_path):
+    """Rank 2 killed once its last commit is made, before it says so: the agents restart the
+    job, whose processes restore step STEPS and end it, exit 0 (not the user error a
+    --resume by hand on a finished run gets)."""
+    codes, errs, _, metrics, _ = run_agents(tmp_path, tiny(corpus), fault="rank=2,step=committed,kind=kill")
+    assert codes == [0, 0], errs
+    for err in errs:
+        assert _done_line(err) == ("done: the job had trained and committed every step when rank 2 on host h1 "
+                                   "failed: killed by signal SIGKILL; round 2 found nothing left to train"), err
+    (ev,) = events(metrics)
+    assert ev["nothing_left"] and ev["restored_step"] == STEPS
+    assert _once_each(metrics) and read_losses(metrics) == straight
+    time.sleep(1)
     assert pids_running(str(tmp_path)) == []

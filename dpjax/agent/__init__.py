@@ -12,7 +12,10 @@ older than --hang-timeout, a host whose agent falls silent) every agent stops it
 processes and the job starts again at the size that is left, or at the same size when
 the failed host can start again; the training loop restores the newest step every
 process committed (`dpjax.recovery.commit`), so at most about one step of work is lost. More
-failures than --max-restarts end the job with one line and a non-zero exit.
+failures than --max-restarts end the job with one line and a non-zero exit. A failure
+after every process committed the last step is after the job's end: exit 0, one line
+saying what failed (`rendezvous.py`; a restart that finds the last step committed ends
+the same way).
 
 Files: `rendezvous.py` (membership, rounds), `workers.py` (this host's processes:
 start, watch, stop), `supervisor.py` (the agent's loop), `sizes.py` (which size a restart

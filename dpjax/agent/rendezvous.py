@@ -15,6 +15,12 @@ of their names (a restarted host keeps its place) and the coordinator address
 of node 0. Agents `poll` every fraction of a second; one silent for `lost_after`
 seconds has lost its host and is dropped (a running round with it fails). A `fail`
 ends the running round for everyone; more than `max_restarts` failures end the job.
+
+The end: an agent says `end` once its processes have all made their last commit
+(`final`) or one of them saw every process's (`ended`). Once every member host is
+final, or one says ended, the job has trained and committed every step: a failure
+from then on (a process, a hang, a lost host) is after its end, kept in `after_end`,
+and the round is done, not failed (a failure heard before the news is taken back).
 """
 
 from __future__ import annotations
@@ -44,6 +50,7 @@ class State:
         # the furthest step the last job had completed; its failures
         self.reached, self.last, self.failed_at = -1, None, 0.0
         self.why = None  # why the job was given up, when not for --max-restarts
+        self.final, self.ended, self.after_end = set(), False, []  # the round's end (see the module's text)
         self.lock = threading.Lock()
 
     def handle(self, req: dict) -> dict:
@@ -67,12 +74,30 @@ class State:
         pass
 
     def _fail(self, req, now):
-        if req.get("round") == self.round and self.state in ("running", "failed"):
-            self.failures.append({k: req[k] for k in ("host", "rank", "how", "line", "t", "signal", "hang",
-                                                      "stopped", "silent_since", "user_error", "echo") if k in req})
+        if req.get("round") != self.round:
+            return
+        self._end(req, now)  # how far the failing host's processes got
+        failure = {k: req[k] for k in ("host", "rank", "how", "line", "t", "signal", "hang", "stopped",
+                                       "silent_since", "user_error", "echo") if k in req}
+        if self.ended and self.state in ("running", "done"):
+            self.after_end.append(failure)
+            self.state = "done"
+        elif self.state in ("running", "failed"):
+            self.failures.append(failure)
             if self.state == "running":
                 self.state, self.failed_at = "failed", now
                 self.restarts += 1
+
+    def _end(self, req, now):
+        if req.get("round") != self.round:
+            return
+        if req.get("final"):
+            self.final.add(req["host"])
+        if req.get("ended") or (self.members and self.final >= set(self.members)):
+            self.ended = True
+        if self.ended and self.state == "failed":  # its failures came before the news: after the end
+            self.state, self.after_end, self.failures = "done", self.after_end + self.failures, []
+            self.restarts -= 1
 
     def _done(self, req, now):
         if req.get("round") == self.round and self.state == "running":
@@ -118,6 +143,7 @@ class State:
         self.round += 1
         self.reached = -1
         self.state, self.members, self.failures, self.done = "running", list(hosts), [], set()
+        self.final, self.ended, self.after_end = set(), False, []
         head = self.waiting[hosts[0]]
         self.coordinator = f"{head['addr']}:{head['port']}"
         self.nproc = {h: self.waiting[h]["nproc"] for h in hosts}
@@ -127,7 +153,7 @@ class State:
     def _view(self, host) -> dict:
         out = {"round": self.round, "state": self.state, "members": self.members, "restarts": self.restarts,
                "max_restarts": self.max_restarts, "failures": self.failures, "coordinator": self.coordinator,
-               "last": self.last, "why": self.why}
+               "last": self.last, "why": self.why, "after_end": self.after_end}
         if host in self.members:
             i = self.members.index(host)
             out.update(node_rank=i, first_rank=sum(self.nproc[h] for h in self.members[:i]),

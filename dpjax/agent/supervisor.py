@@ -123,7 +123,7 @@ class Agent:
                 self._announce(view)
                 outcome, completed = self._run_round(view)
                 if outcome == "done":
-                    self.say(f"done: the job finished in round {my_round}")
+                    self.say(self._done_line(view))
                     return 0
                 if outcome == "gave_up":
                     return self._give_up(self.ask("poll"))
@@ -171,21 +171,27 @@ class Agent:
                     os.path.join(a.commit_dir, "heartbeat", self.host), self.host,
                     log_dir=os.path.join(log_dir("agent", self.rport), self.host), verbose=a.verbose)
         self.workers = w
-        asked, reported = 0.0, False
+        asked, reported, told = 0.0, False, {}
         try:
             while True:
                 if self.stopped is not None:
                     self.ask("leave")
                     raise KeyboardInterrupt
                 result = w.check(a.hang_timeout, a.start_timeout)
+                end = w.end()
+                if end != told and (end["final"] or end["ended"]):  # the job's end, as far as it has come
+                    self.ask("end", round=view["round"], **end)
+                    told = end
                 if result == "done" and not reported:
                     self.ask("done", round=view["round"])
                     reported = True
                 elif isinstance(result, dict) and not reported:
                     f = {**result, "host": self.host}
-                    self.say(failure_line(f))
                     w.stop()
-                    self.ask("fail", round=view["round"], completed=w.completed(), **f)
+                    now = self.ask("fail", round=view["round"], completed=w.completed(), **w.end(), **f)
+                    if now["state"] == "done":  # after the job's end: not a reason to restart (_done_line)
+                        return "done", w.completed()
+                    self.say(failure_line(f))
                     return "failed", w.completed()
                 if time.time() - asked >= ASK_S:
                     asked = time.time()
@@ -198,10 +204,34 @@ class Agent:
                         w.stop()
                         return ("gave_up" if now["state"] == "gave_up" else "failed"), w.completed()
                     if now["state"] == "done":
+                        if now["after_end"]:  # a failure after the end elsewhere: what failed here, too
+                            for f in w.post_mortem():
+                                self.ask("fail", round=view["round"], **{**f, "host": self.host})
                         return "done", w.completed()
                 time.sleep(POLL_S)
         finally:
             w.stop()
+
+    def _done_line(self, view: dict) -> str:
+        """The job's last line: done; and what failed after its end (every step trained and
+        committed), as every host that heard of it names it (after a moment for the others'
+        reports: a stopped process rather than those its hang held up)."""
+        last = cause((view.get("last") or {}).get("failures") or [])
+        if self.workers.end()["nothing_left"] and last:
+            return (f"done: the job had trained and committed every step when {failure_line(last)}; round "
+                    f"{view['round']} found nothing left to train")
+        try:
+            now = rdzv.request(self.rhost, self.rport, {"op": "poll", "host": self.host})
+            if now["after_end"]:
+                time.sleep(3 * ASK_S)
+                now = rdzv.request(self.rhost, self.rport, {"op": "poll", "host": self.host})
+        except OSError:  # the rendezvous's host finished first
+            now = {"after_end": []}
+        line = f"done: the job finished in round {view['round']}"
+        if now["after_end"]:
+            line += (f"; after its end {failure_line(cause(now['after_end']))} (not restarted: every step was trained "
+                     "and committed)")
+        return line
 
     def _give_up(self, view: dict) -> int:
         f = cause(view["failures"])

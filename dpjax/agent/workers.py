@@ -110,6 +110,15 @@ class Workers:
         done = [d for d in done if d is not None]
         return max(done) if done else None
 
+    def end(self) -> dict:
+        """How far the job's end has come, from what the heartbeats say (dpjax.train.elastic's
+        marks): `final`, every process here made its last commit and wrote its rows;
+        `ended`, one of them saw every process of the job do so; `nothing_left`, every one
+        restored a state at --steps (a restart after the job had finished)."""
+        beats = [self.heartbeat(i)[1] for i in range(self.k)]
+        return {"final": all(b.get("final") for b in beats), "ended": any(b.get("ended") for b in beats),
+                "nothing_left": all(b.get("nothing_left") for b in beats)}
+
     def check(self, hang_timeout: float, start_timeout: float):
         """None while all is well; "done" when every process exited 0; else a failure
         {rank, how, line, t, silent_since?} of the first process that failed or hung."""

@@ -11,9 +11,17 @@
                                                       `wipe` its local commits are gone too
                                                       (a host replaced or rebooted)
 
-"At step S" means when S steps are done, before step S+1 starts. `once` (the default)
-fires only in the first attempt of a job (DPJAX_RESTART, set by `dpjax.agent`, is 0 or
-unset), so the restarted job runs through. Several faults are separated by ';'.
+"At step S" means when S steps are done, before step S+1 starts (before step S's commit). Two
+moments after the last step, for what a failure at a run's end does (docs/recovery.md):
+
+    DPJAX_FAULT="rank=2,step=committed,kind=kill"     when this process's last commit is made,
+                                                      before it tells its agent it is done
+                                                      (a restart finds every step committed)
+    DPJAX_FAULT="rank=2,step=end,kind=hang"           when every process has committed the last
+                                                      step and said so (the job is over)
+
+`once` (the default) fires only in the first attempt of a job (DPJAX_RESTART, set by
+`dpjax.agent`, is 0 or unset), so the restarted job runs through. Several faults are separated by ';'.
 """
 
 from __future__ import annotations
@@ -28,6 +36,7 @@ from dpjax.errors import UserError
 
 VAR = "DPJAX_FAULT"
 KINDS = ("kill", "hang", "raise")
+AFTER_LAST = ("committed", "end")  # the moments after the last step (`step=`), in their order
 
 
 class FaultInjected(RuntimeError):
@@ -37,7 +46,7 @@ class FaultInjected(RuntimeError):
 @dataclass(frozen=True)
 class Fault:
     rank: int
-    step: int
+    step: int | str  # steps done, or one of AFTER_LAST
     kind: str = "kill"
     forever: bool = False
     host: bool = False  # every process of the host, not only this one
@@ -61,21 +70,25 @@ def parse(text: str) -> tuple[Fault, ...]:
                 flags.add(name)
         unknown = (set(fields) - {"rank", "step", "kind"}) | (flags - {"once", "forever", "host", "wipe"})
         if unknown or "rank" not in fields or "step" not in fields:
-            raise UserError(f"{VAR}={text!r}: expected 'rank=R,step=S[,kind={'|'.join(KINDS)}][,once|forever]"
+            raise UserError(f"{VAR}={text!r}: expected 'rank=R,step=S|{'|'.join(AFTER_LAST)}"
+                            f"[,kind={'|'.join(KINDS)}][,once|forever]"
                             "[,host][,wipe]'")
         kind = fields.get("kind", "kill")
         if kind not in KINDS:
             raise UserError(f"{VAR}: unknown kind {kind!r}; choose one of {', '.join(KINDS)}")
+        step = fields["step"]
         try:
-            out.append(Fault(int(fields["rank"]), int(fields["step"]), kind, "forever" in flags, "host" in flags,
-                             "wipe" in flags))
+            out.append(Fault(int(fields["rank"]), step if step in AFTER_LAST else int(step), kind, "forever" in flags,
+                             "host" in flags, "wipe" in flags))
         except ValueError:
-            raise UserError(f"{VAR}={text!r}: rank and step are integers") from None
+            raise UserError(f"{VAR}={text!r}: rank is an integer, step an integer or one of "
+                            f"{', '.join(AFTER_LAST)}") from None
     return tuple(out)
 
 
 def for_process(rank: int, env=None) -> dict[int, Fault]:
-    """{step: fault} of this process in this attempt (empty when none applies)."""
+    """{step: fault} of this process in this attempt (empty when none applies); a step
+    is steps done or one of AFTER_LAST."""
     env = os.environ if env is None else env
     attempt = int(env.get(ENV["restart"], "0") or 0)
     return {f.step: f for f in parse(env.get(VAR, "")) if f.rank == rank and (f.forever or attempt == 0)}

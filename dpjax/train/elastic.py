@@ -98,6 +98,7 @@ class Elastic:
         self.announced, self.gaps = False, {}  # the gap decided at each commit not yet finished
         self.finished, self.first_done_at = 0, None  # steps whose results the loop has; the restart's first step
         self.beaten = False  # whether this process has written a heartbeat
+        self.marks: dict = {}  # how far the run's end has come, in every heartbeat from then on (`close`)
 
     def first_commit(self, start: int) -> int:
         """The step of the first commit from `start`: under auto, once the interval has
@@ -135,12 +136,7 @@ class Elastic:
         whose metrics are not written yet, (step, loss, extra)."""
         c = self.committer
         if self.restored is not None and not self.reported and done == self.restored["step"] + 1:
-            r, per_step = self.restored, self.cfg.batch_size * self.cfg.backward_passes
-            for step, loss in sorted(r.get("losses", {}).items(), key=lambda kv: int(kv[0])):
-                # rows the lost job may not have written (the metrics writer skips a step it holds);
-                # step s (1-based) read from cursor(commit) - (commit - s + 1) steps' batches
-                cursor = r["cursor"] - (r["step"] - int(step) + 1) * per_step
-                write({"step": int(step), "loss": loss, "cursor": cursor, "from_commit": True})
+            self._commit_rows(write)
         self.finished = max(self.finished, done - len(in_flight))  # the loop has these steps' results
         if done in self.faults:
             if c is not None:
@@ -176,6 +172,15 @@ class Elastic:
             self._stamp_first(in_flight[-1][1])
         if self.restored is not None and not self.reported and self.first_done_at is not None:
             self.report(trainer, write)
+
+    def _commit_rows(self, write) -> None:
+        """The rows of the restored commit's steps that the lost job may not have written
+        (the metrics writer skips a step it holds)."""
+        r, per_step = self.restored, self.cfg.batch_size * self.cfg.backward_passes
+        for step, loss in sorted(r.get("losses", {}).items(), key=lambda kv: int(kv[0])):
+            # step s (1-based) read from cursor(commit) - (commit - s + 1) steps' batches
+            cursor = r["cursor"] - (r["step"] - int(step) + 1) * per_step
+            write({"step": int(step), "loss": loss, "cursor": cursor, "from_commit": True})
 
     def _stamp_first(self, loss) -> None:
         """When the first step after a restore is done (a thread waits for its loss)."""
@@ -232,7 +237,7 @@ class Elastic:
             completed = max(self.finished, self.committer.completed) if self.committer is not None else None
             tmp = f"{self.heartbeat_path}.tmp"
             with open(tmp, "w") as fh:
-                json.dump({"dispatched": done, "completed": completed, "t": time.time()}, fh)
+                json.dump({"dispatched": done, "completed": completed, "t": time.time(), **self.marks}, fh)
             os.replace(tmp, self.heartbeat_path)
 
     def report(self, trainer, write) -> None:
@@ -264,9 +269,57 @@ class Elastic:
         _say("dpjax.elastic: " + ", ".join(f"{k} {v}" for k, v in row.items() if k != "event"))
 
     def close(self) -> None:
-        if self.committer is not None:
-            # the last step's commit made: the run ended as planned (not on an exception's way out)
-            self.committer.close(finished=self.committer.completed == self.cfg.steps)
+        """Once the last step's commit is made and the loop ended as planned (close runs in
+        its exit stack: sys.exc_info() is an exception leaving), the heartbeat tells the
+        agent `final` (this process's last commit held by its neighbour, its rows written),
+        then `ended` (every process's: they meet in the committer's close). A failure from
+        then on is after the job's end (dpjax.agent.rendezvous)."""
+        c = self.committer
+        if c is None:
+            return
+        last = c.completed == self.cfg.steps
+        planned = last and sys.exc_info()[0] is None
+        if planned:
+            c.flush()
+            self._at_end("committed")
+            self.mark(final=True)
+        c.close(finished=last)
+        if planned:
+            self.mark(ended=True)
+            self._at_end("end")
+
+    def mark(self, **marks) -> None:
+        self.marks.update(marks)
+        self.heartbeat(self.cfg.steps)
+
+    def _at_end(self, moment: str) -> None:
+        if moment in self.faults:  # DPJAX_FAULT's step=committed / step=end
+            faults.fire(self.faults[moment])
+
+    def finish_restored(self, trainer) -> None:
+        """An agent's restart whose restored state is at --steps: the job had trained and
+        committed every step when it failed, so every process ends it, exit 0 (--resume by
+        hand is refused, in `Trainer`), after the commit's rows, a restart row, the marks."""
+        import jax
+
+        cfg, failure = self.cfg, json.loads(_env("failure", "{}"))
+        step = self.restored["step"] if self.restored else trainer.start
+        if jax.process_index() == 0 and (cfg.metrics or cfg.tensorboard):
+            from dpjax.train.metrics import open_writers
+
+            writers = open_writers(cfg.metrics, cfg.tensorboard, append=True, resumed_at=trainer.start)
+            if self.restored:
+                self._commit_rows(writers.write)
+            writers.write({"event": "restart", "attempt": restart_number(), "processes": jax.process_count(),
+                           "restored_step": step, "failed": failure.get("line"), "nothing_left": True})
+            writers.close()
+        self.committer.close(finished=True)  # every process restored (their files served until then)
+        self.mark(final=True, ended=True, nothing_left=True)
+        _say(f"dpjax.elastic: restored step {step} of --steps {cfg.steps}: the job had trained and committed "
+             f"every step before it failed{' (' + failure['line'] + ')' if failure.get('line') else ''}; nothing "
+             "left to train")
+        sys.stdout.flush()
+        raise SystemExit(0)
 
 
 def _exit_now(kind, value, tb):
@@ -315,4 +368,6 @@ def attach(trainer) -> Elastic | None:
             elastic.next_commit = elastic.first_commit(trainer.start)
             _say(f"dpjax.elastic: restored step {meta['step']} from commits {meta['sources']} onto mesh "
                         f"{dict(trainer.mesh.shape)}")
+    if committer is not None and restart > 0 and trainer.start >= cfg.steps:
+        elastic.finish_restored(trainer)
     return elastic
