@@ -39,7 +39,7 @@ def for_plan(plan: Plan, donate: bool = True, clock=None) -> TrainStep:
     model, layout = plan.model, plan.layout
     abstract = jax.eval_shape(lambda k: plan.policy.store(layout.store(model.init(k))), jax.random.key(0))
     if layout.pipeline is None:
-        stats = model.loss_and_stats if getattr(getattr(model, "config", None), "experts", 0) else None
+        stats = model.loss_and_stats if model.has_stats else None
         return build(model.loss, plan, abstract_params=abstract, donate=donate, clock=clock, loss_and_stats=stats)
     staged = pipeline_staged.for_model(model, layout, plan.exchange.algorithm)
     return build(staged.loss, plan, abstract_params=abstract, donate=donate, value_and_grad=staged.value_and_grad,
