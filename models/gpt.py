@@ -80,7 +80,8 @@ class DenseMLP:
         self.config = config
 
     def init(self, stacked, layer_key) -> dict:
-        """The stacked leaves: `stacked(j, shape, scale)` draws layer i's from its key j (2, 3 here)."""
+        """The stacked leaves: `stacked(j, shape, scale)` draws layer i's from its key j (2, 3
+        here; `layer_key(i, j)`, that key, is for a part drawing its own, as `moe.Mixture`'s router)."""
         c, L = self.config, self.config.n_layers
         D, F, std, out_std = c.d_model, c.d_ff, 0.02, 0.02 / math.sqrt(2 * L)
         return {"w1_LsxDxFm": stacked(2, (D, F), std), "b1_LsxFm": jnp.zeros((L, F)),
@@ -94,6 +95,7 @@ class DenseMLP:
         return tp.row_parallel(h_BdxTxFm, m["w2_LsxFmxD"], m["b2_LsxD"], par), ()
 
     def values(self, tokens: int, split: int) -> dict:
+        """Its values per token for the memory estimate, F split over the model axis."""
         return dense_mlp_values(self.config.d_ff // split)
 
     def matmul_params(self) -> int:
