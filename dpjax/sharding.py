@@ -146,10 +146,10 @@ class Layout:
 
 
 def model_table(model, mesh) -> dict:
-    """The model's sharding table on `mesh`: `model.sharding_table(mesh)` where a model's
-    table depends on the mesh (the Llama's K/V heads, split or replicated by the model
-    axis's size), else its SPECS."""
-    return model.sharding_table(mesh) if hasattr(model, "sharding_table") else model.SPECS
+    """The model's sharding table on `mesh`: its SPECS, or another where a model's table
+    depends on the mesh (the Llama's K/V heads, split or replicated by the model axis's
+    size): `model.sharding_table(mesh)`."""
+    return model.sharding_table(mesh)
 
 
 def make_layout(model, mesh, *, algorithm: str = "ring", fsdp: bool = False, fsdp_algorithm: str = "ring",
@@ -160,7 +160,7 @@ def make_layout(model, mesh, *, algorithm: str = "ring", fsdp: bool = False, fsd
     `pipeline` (default `Pipeline()`: 1F1B, one micro-batch per stage; `dpjax.plan` checks
     that it fits the model). Raises UserError (one line) when a split dimension does not
     divide by its axis."""
-    layers = getattr(model, "LAYERS", None)
+    layers = model.LAYERS
     if STAGE in mesh.axis_names:  # checked by dpjax.plan; here only its micro-batches resolved
         pipeline = (pipeline or pp.Pipeline()).resolved(mesh.shape[STAGE])
     elif pipeline is not None:

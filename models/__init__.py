@@ -1,11 +1,15 @@
 """Models for dpjax, imported as `dpjax.models`.
 
-A model is a small object with `config`, `init(key) -> params`, `loss(params, batch,
-par=DENSE)` (`batch`: int32 tokens of shape (B, T+1); the loss predicts tokens[:, 1:]
+A model is a `ByteModel` (`base.py`) with `config`, `init(key) -> params`, `loss(params,
+batch, par=DENSE)` (`batch`: int32 tokens of shape (B, T+1); the loss predicts tokens[:, 1:]
 from tokens[:, :-1]; `par`, a `dpjax.compute.tensor_parallel.Parallel`, names the model axis
 inside a sharded step), `SPECS` (its one sharding table: leaf name -> PartitionSpec over
-`model`) and `flops_per_token()` (`registry.Model`). Each model registers itself at the
-end of its file (`registry.py`).
+`model`), `flops_per_token()`, `activation_bytes(...)` and its declared capabilities
+(`registry.Model` lists every member dpjax reads). A stack of layers between an embedding
+and a head is a `Decoder`: a new architecture is a config, a block (`embed`, `layer`,
+`head`), a weight init and its SPECS; the loss, the forward over the stack, the pipeline's
+pieces, the context split and the memory estimate are the base's. Each model registers
+itself at the end of its file (`registry.py`).
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import dataclasses
 
 from dpjax.errors import UserError
 from dpjax.models import gpt, llama, mlp
+from dpjax.models.base import ByteModel, Decoder
 from dpjax.models.gpt import GPT, GPTConfig
 from dpjax.models.llama import Llama, LlamaConfig
 from dpjax.models.mlp import MLP, MLPConfig
@@ -56,5 +61,6 @@ def get_model(name: str, **overrides):
     return cls(cfg_cls(**given))
 
 
-__all__ = ["GPT", "GPTConfig", "Llama", "LlamaConfig", "MLP", "MLPConfig", "MODELS", "Entry", "Model", "get_model",
+__all__ = ["ByteModel", "Decoder",
+           "GPT", "GPTConfig", "Llama", "LlamaConfig", "MLP", "MLPConfig", "MODELS", "Entry", "Model", "get_model",
            "model_options", "option_types", "presets", "register", "registered", "unregister"]

@@ -17,7 +17,6 @@ ring / all-gather carries this rank's K/V heads, which each block repeats to its
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 import jax
@@ -26,10 +25,10 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from dpjax.compute import attention, context, rope, stack
+from dpjax.compute import attention, context, rope
 from dpjax.compute import tensor_parallel as tp
 from dpjax.errors import UserError
-from dpjax.models.gpt import GPT, ByteModel, GPTConfig
+from dpjax.models.base import Decoder, dense_mlp_values
 from dpjax.models.registry import Entry, register
 from dpjax.compute.rope import RopeScaling
 from dpjax.compute.tensor_parallel import DENSE, Parallel
@@ -111,14 +110,12 @@ def rotate(x_BxTxHxK, sin_BxTxK, cos_BxTxK):
     return x_BxTxHxK * cos + rotated * sin
 
 
-class Llama(ByteModel):
+class Llama(Decoder):
     """Pre-norm decoder blocks (RMSNorm, GQA with rotary positions, SwiGLU), a final
-    RMSNorm and an untied (or tied) output head; the pipeline's pieces are `embed`,
-    `layer` and `head_loss`, as the GPT's."""
+    RMSNorm and an untied (or tied) output head; the loss, the forward over the stack and
+    the pipeline's pieces are the `Decoder`'s."""
 
     name = "llama"
-    CONTEXT = True  # its loss (GPT.loss) splits each sequence over a context axis (dpjax.compute.context)
-    LAYERS = "blocks"
     SPECS = {
         "embed_VmxD": P("model", None), "unembed_VmxD": P("model", None),  # vocabulary-parallel
         "scale_D": P(), "scale_LsxD": P("stage", None),  # the norms
@@ -139,6 +136,10 @@ class Llama(ByteModel):
             raise UserError(f"llama n_kv_heads={Y} and the model axis of {n}: one must divide the other (K/V "
                             "heads split over the model ranks, or each shared by n/Y of them)")
         return {**self.SPECS, "wkv_LsxDx2xYmxK": P("stage", None, None, None, None)}
+
+    @property
+    def kv_heads(self) -> int:
+        return self.config.n_kv_heads
 
     def init(self, key):
         c = self.config
@@ -229,26 +230,11 @@ class Llama(ByteModel):
         unembed_VmxD = params["embed_VmxD" if self.config.tie_embeddings else "unembed_VmxD"]
         return tp.column_parallel(x_BdxTxD, unembed_VmxD.T.astype(jnp.float32), None, par)
 
-    head_loss, apply, loss, loss_and_stats, logits = GPT.head_loss, GPT.apply, GPT.loss, GPT.loss_and_stats, GPT.logits
-
-    def forward(self, params, tokens_BdxT, par: Parallel = DENSE):
-        """(this shard's slice of the logits, Bd x T x Vm (all of them when dense; with a
-        context axis, of this device's chunks), None): the GPT's `forward` without router
-        statistics, which `GPT.loss` (through `GPT.loss_and_stats`) and `GPT.logits` call."""
-        outer = {k: par.use(v, k) for k, v in params.items() if k != self.LAYERS}
-        x_BdxTxD = self.embed(outer, tokens_BdxT, par)
-        x_BdxTxD = stack.run(self.layer, params[self.LAYERS], x_BdxTxD, par, path=(self.LAYERS,))
-        return self.head(outer, x_BdxTxD, par), None
-
-    def activation_bytes(self, rows: int, *, remat: str = "none", attention: str = "naive", width: int = 4,
-                         split: int = 1, context: int = 1) -> int:
-        """The GPT's estimate (`GPT.activation_bytes`, fitted to XLA's buffers on CPU) with
-        this model's extra SwiGLU half counted as MLP width (F -> 1.5 F): an estimate the
+    def mlp_values(self, tokens: int, split: int) -> dict:
+        """The memory estimate's MLP (`Decoder.activation_bytes`, fitted to the GPT's buffers
+        on CPU) with SwiGLU's extra half counted as width (F -> 1.5 F): an estimate the
         planner sizes remat by, not a fit of its own."""
-        c = self.config
-        as_gpt = GPT(dataclasses.replace(_gpt_shape(c), d_ff=c.d_ff * 3 // 2))
-        return as_gpt.activation_bytes(rows, remat=remat, attention=attention, width=width, split=split,
-                                       context=context)
+        return dense_mlp_values(self.config.d_ff * 3 // 2 // split)
 
     def flops_per_token(self) -> float:
         """Training FLOPs per token: 6 x matmul parameters + attention (Kaplan et al. 2020)."""
@@ -257,11 +243,6 @@ class Llama(ByteModel):
         attn = c.d_model * (2 * c.n_heads * K + 2 * c.n_kv_heads * K)
         matmul = c.n_layers * (attn + 3 * c.d_model * c.d_ff) + c.vocab_size * c.d_model  # + the output head
         return 6 * matmul + 3 * c.n_layers * 4 * c.seq_len * c.d_model
-
-
-def _gpt_shape(c: LlamaConfig) -> GPTConfig:
-    return GPTConfig(vocab_size=c.vocab_size, seq_len=c.seq_len, d_model=c.d_model, n_layers=c.n_layers,
-                     n_heads=c.n_heads, d_ff=c.d_ff)
 
 
 register(Entry("llama", Llama, LlamaConfig, presets=PRESETS))

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from dpjax.compute import tensor_parallel as tp
-from dpjax.models.gpt import ByteModel, check_positive
+from dpjax.models.base import ByteModel, check_positive
 from dpjax.models.registry import Entry, register
 from dpjax.compute.tensor_parallel import DENSE, Parallel
 
@@ -33,6 +33,9 @@ class MLPConfig:
 
 
 class MLP(ByteModel):
+    """No sequence to split over a context axis, no stack of layers for a pipeline, no
+    statistics: `ByteModel`'s defaults."""
+
     name = "mlp"
     # Hidden units split over the model axis: w1 column-parallel, w2 row-parallel.
     SPECS = {"embed_VxE": P(), "w1_CxFm": P(None, "model"), "b1_Fm": P("model"), "w2_FmxV": P("model", None),

@@ -36,9 +36,12 @@ import math
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 from dpjax import collectives
 from dpjax.collectives._common import axis_size
+from dpjax.compute import tensor_parallel as tp
+from dpjax.compute.tensor_parallel import DENSE, Parallel
 
 
 def capacity(N: int, E: int, k: int, factor: float) -> int:
@@ -116,3 +119,61 @@ def moe_mlp(x_NxD, p: dict, *, k: int, capacity_factor: float, axis=None, algori
     y_NxD = jnp.einsum("nk,nkd->nd", weight, y_XxNxD[chosen, slot])
     stats = {"balance": balance, "z": z, "dropped": jnp.sum(~kept), "choices": kept.size}
     return y_NxD, stats
+
+
+class Mixture:
+    """A block's MLP as a mixture of experts (a GPT's `mlp` part with `experts` > 0): its
+    leaves stacked over the layers like the dense MLP's, E split over `expert` and each
+    expert whole (replicated over `model`); every model rank computes it whole. It reports
+    the router's statistics, which the decoder sums over the layers and adds to the loss
+    with the config's weights. `config`: the model's (d_model, d_ff, n_layers, experts,
+    top_k, capacity_factor, router_aux_weight, router_z_weight)."""
+
+    stat_names = ("router_balance", "router_z", "dropped")
+    SPECS = {"router_LsxDxX": P("stage", None, None), "w1_LsxXexDxF": P("stage", "expert", None, None),
+             "b1_LsxXexF": P("stage", "expert", None), "w2_LsxXexFxD": P("stage", "expert", None, None),
+             "b2_LsxXexD": P("stage", "expert", None)}
+    _NAMES = {"router_DxX": "router_LsxDxX", "w1_XexDxF": "w1_LsxXexDxF", "b1_XexF": "b1_LsxXexF",
+              "w2_XexFxD": "w2_LsxXexFxD", "b2_XexD": "b2_LsxXexD"}  # moe_mlp's names -> the stacked leaves'
+
+    def __init__(self, config):
+        self.config = config
+
+    def init(self, stacked, layer_key) -> dict:
+        """Each expert's matrices drawn as the dense MLP's are, one key per layer and matrix
+        (`stacked(j, shape, scale)`: layer i's from its key j); the router from its own key,
+        folded from w1's (`layer_key(i, 2)`)."""
+        c, L = self.config, self.config.n_layers
+        D, F, E, std, out_std = c.d_model, c.d_ff, c.experts, 0.02, 0.02 / math.sqrt(2 * L)
+        router = jnp.stack([std * jax.random.normal(jax.random.fold_in(layer_key(i, 2), E), (D, E))
+                            for i in range(L)])
+        return {"router_LsxDxX": router,
+                "w1_LsxXexDxF": stacked(2, (E, D, F), std), "b1_LsxXexF": jnp.zeros((L, E, F)),
+                "w2_LsxXexFxD": stacked(3, (E, F, D), out_std), "b2_LsxXexD": jnp.zeros((L, E, D))}
+
+    def __call__(self, m, h_BdxTxD, par: Parallel = DENSE):
+        """(the mixture's output on this device's tokens, (balance loss, z loss, share of
+        the choices dropped)); its experts split over the expert axis (all here without one)."""
+        c, (B, T, D) = self.config, h_BdxTxD.shape
+        axis = par.expert_axis if tp._active(par.expert_axis) else None
+        y_NxD, stats = moe_mlp(h_BdxTxD.reshape(B * T, D), {k: m[v] for k, v in self._NAMES.items()}, k=c.top_k,
+                               capacity_factor=c.capacity_factor, axis=axis,
+                               algorithm=par.policy.expert_alltoall, einsum=par.policy.einsum)
+        y_BdxTxD = y_NxD.reshape(B, T, D)
+        dropped = jax.lax.stop_gradient(stats["dropped"] / stats["choices"])
+        return y_BdxTxD, (stats["balance"], stats["z"], dropped)
+
+    def add_loss(self, loss, stats_3):
+        """The loss with Switch's balance loss and the z loss at the config's weights."""
+        return loss + self.config.router_aux_weight * stats_3[0] + self.config.router_z_weight * stats_3[1]
+
+    def values(self, tokens: int, split: int) -> dict:
+        """Its values per token for the memory estimate (`activation_values`), for remat none and dots."""
+        c = self.config
+        return {r: activation_values(tokens, c.d_model, c.d_ff, c.experts, c.top_k, c.capacity_factor, r)
+                for r in ("none", "dots")}
+
+    def matmul_params(self) -> int:
+        """The matmul parameters a token uses: its k experts' and the router's."""
+        c = self.config
+        return 2 * c.d_model * c.d_ff * c.top_k + c.d_model * c.experts

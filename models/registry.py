@@ -15,16 +15,52 @@ from dpjax.registry import Registry
 
 
 class Model(Protocol):
-    """What dpjax reads from a model (see `dpjax.models`)."""
+    """Every member dpjax reads of a model, read as a plain attribute (never probed with
+    getattr). `models/base.py` gives each a default: `ByteModel` for any model, `Decoder`
+    for a stack of layers between an embedding and a head (the GPT, the Llama)."""
 
-    config: Any  # its config dataclass: the options a run may set, besides vocab_size and seq_len
-    SPECS: dict  # its one sharding table: leaf name -> PartitionSpec over `model`
+    name: str  # the registered name (`--model`), in messages and the run record
+    config: Any  # its config dataclass: the options a run may set, with vocab_size and seq_len
+    SPECS: dict  # its one sharding table: leaf name -> PartitionSpec over `model` (and `stage`, `expert`)
+    CONTEXT: bool  # its loss splits each sequence over a context axis (dpjax.compute.context)
+    LAYERS: str | None  # the key of its stacked layers, which a pipeline divides over `stage`; None: no stack
+    has_stats: bool  # `loss_and_stats` gives statistics the train step reports (a mixture's router)
+    experts: int  # E > 0: a mixture of E experts, which an `expert` axis splits
+    head_dim: int | None  # the attention heads' width (the compute policy's kernel choice); None: no attention
 
-    def init(self, key) -> Any: ...
+    def init(self, key) -> Any:
+        """The parameters: a dict of arrays, each leaf named for a SPECS entry."""
 
-    def loss(self, params, batch_BxT1, par=...) -> Any: ...
+    def loss(self, params, batch_BxT1, par=...) -> Any:
+        """The mean next-token loss of int32 tokens (B, T+1); `par` names the model axis in a step."""
 
-    def flops_per_token(self) -> float: ...
+    def loss_and_stats(self, params, batch_BxT1, par=...) -> tuple[Any, dict | None]:
+        """(`loss`, its statistics by name, or None) of one forward."""
+
+    def apply(self, params, tokens_BxT, par=...) -> Any:
+        """The full logits, B x T x V (generation, inspection)."""
+
+    def sharding_table(self, mesh) -> dict:
+        """The sharding table on `mesh` (SPECS, or another where it depends on the mesh)."""
+
+    def activation_bytes(self, rows: int, *, remat: str, attention: str, width: int, split: int,
+                         context: int) -> int:
+        """The activations' bytes a device keeps for the backward pass of `rows` sequences."""
+
+    def flops_per_token(self) -> float:
+        """Training FLOPs per token (MFU)."""
+
+    def model_splits(self) -> tuple[int, ...]:
+        """The sizes a model axis must divide (`dpjax.hf`'s default mesh)."""
+
+    def num_params(self, params) -> int: ...
+
+    def describe(self) -> dict:
+        """{'model': name, **config fields}: the run record's, from which a checkpoint rebuilds it."""
+
+    # With LAYERS (a `Decoder`), the pipeline's pieces and the context lines read too:
+    # embed(params, tokens, par), layer(blk, x, par), head_loss(params, x, targets, par),
+    # kv_heads (the K/V heads a context axis's ring carries).
 
 
 @dataclasses.dataclass(frozen=True)

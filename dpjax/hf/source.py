@@ -38,8 +38,8 @@ def default_mesh(model, spec: str | None = None):
 
     if spec is not None:
         return make_mesh(spec)
-    c, n = model.config, len(jax.devices())
-    while n > 1 and any(x % n for x in (getattr(c, "n_heads", 1), getattr(c, "d_ff", 1), c.vocab_size)):
+    n = len(jax.devices())
+    while n > 1 and any(x % n for x in model.model_splits()):
         n -= 1
     return make_mesh(f"1x{n}", jax.devices()[:n])
 
@@ -67,7 +67,7 @@ def params_of(source: str, model, layout, record: dict | None = None):
     abstract = jax.eval_shape(model.init, jax.random.key(0))
     saved = jax.tree_util.tree_map_with_path(
         lambda path, x: jax.ShapeDtypeStruct((V, x.shape[0] // V, *x.shape[1:]) if V > 1 and getattr(
-            path[0], "key", None) == getattr(model, "LAYERS", None) else x.shape, x.dtype), abstract)
+            path[0], "key", None) == model.LAYERS else x.shape, x.dtype), abstract)
     stored_v = layout.pipeline.virtual_stages if layout.pipeline is not None else 1
     target = layout.shardings() if V == 1 and stored_v == 1 else None
     if target is not None:

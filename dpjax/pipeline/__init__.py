@@ -82,7 +82,7 @@ def check(model, mesh, pipe: Pipeline) -> Pipeline:
     S = mesh.shape[STAGE]
     if pipe.schedule not in SCHEDULES:
         raise UserError(f"unknown pipeline schedule {pipe.schedule!r}; choose one of {', '.join(SCHEDULES)}")
-    layers = getattr(model, "LAYERS", None)
+    layers = model.LAYERS
     if layers is None:
         raise UserError(f"model {model.name} has no stack of layers to split over the stage axis; use --model gpt")
     pipe = pipe.resolved(S)  # --microbatches and --virtual-stages themselves: dpjax.plan.check

@@ -23,11 +23,11 @@ def check_context(s: Settings, model, mesh) -> None:
     if C == 1:
         return
     where = f"the context axis of mesh {dict(mesh.shape)}"
-    if not getattr(model, "CONTEXT", False):
-        able = " or ".join(f"--model {e.name}" for e in MODELS.values() if getattr(e.build, "CONTEXT", False))
-        raise UsageError(f"--model {getattr(model, 'name', model)} has no sequence to split over {where}; "
+    if not model.CONTEXT:
+        able = " or ".join(f"--model {e.name}" for e in MODELS.values() if e.build.CONTEXT)
+        raise UsageError(f"--model {model.name} has no sequence to split over {where}; "
                          f"use {able} or drop the context axis")
-    T = getattr(model.config, "seq_len", s.seq_len)
+    T = model.config.seq_len
     if T % (2 * C):
         raise UsageError(f"--seq-len {T} does not split into 2C = {2 * C} equal chunks over {where} (device i "
                          f"holds chunks i and {2 * C - 1}-i); use a multiple of {2 * C}")
@@ -56,7 +56,7 @@ def check_expert(s: Settings, model, mesh, update, workers: tuple = ()) -> None:
     from dpjax.mesh import CONTEXT, EXPERT, STAGE
 
     n = mesh.shape.get(EXPERT, 1)
-    E = getattr(getattr(model, "config", None), "experts", 0)
+    E = model.experts
     if E and (STAGE in mesh.axis_names or mesh.shape.get(CONTEXT, 1) > 1):
         raise UsageError(f"--experts {E} with a {'stage' if STAGE in mesh.axis_names else 'context'} axis in mesh "
                          f"{dict(mesh.shape)}: a mixture of experts does not run in a pipeline or over split "

@@ -31,10 +31,7 @@ def compute_policy(s: Settings, model, platform: str) -> tuple[Policy, list]:
     `none` here; `check_memory` chooses it."""
     from dpjax.compute import policy as P
 
-    head_dim = None
-    config = getattr(model, "config", None)
-    if getattr(config, "n_heads", None):
-        head_dim = config.d_model // config.n_heads
+    head_dim = None if model is None else model.head_dim
     attention = s.attention
     if attention == "auto" and not P.accelerated(platform):
         attention = "naive"  # CPU: the reference kernel, as every CPU figure was measured with
@@ -55,7 +52,7 @@ def check_memory(plan):
     full: `dpjax.compute.policy` says why). Returns the
     plan with its policy's remat and its estimate (`plan.memory`)."""
     model, s = plan.model, plan.settings
-    if model is None or s is None or not hasattr(model, "activation_bytes"):
+    if model is None or s is None:
         return plan
     from dpjax.plan.memory import estimate, parse_size
     from dpjax.plan.usable import usable_memory

@@ -13,6 +13,6 @@ def check_task(s, model, mesh) -> None:
     if mesh.shape.get(STAGE, 1) > 1:
         raise UserError(f"--task {s.task} on a stage axis is not built yet (the pipeline's micro-batches carry "
                         "tokens only); use the data, model, context or FSDP axes")
-    if model.config.experts if "experts" in type(model.config).__dataclass_fields__ else False:
+    if model.experts:
         raise UserError(f"--task {s.task} with --experts is not built yet (the router's losses are not weighted "
                         "per answer token)")

@@ -61,12 +61,12 @@ def _context_lines(plan) -> list[str]:
     from dpjax.compute import context
     from dpjax.mesh import CONTEXT, MODEL, dp_size
 
-    C, config = plan.mesh.shape.get(CONTEXT, 1), getattr(plan.model, "config", None)
-    if C == 1 or config is None or plan.global_batch is None:
+    C, model = plan.mesh.shape.get(CONTEXT, 1), plan.model
+    if C == 1 or model is None or plan.global_batch is None:
         return []
-    T, name = config.seq_len, plan.policy.context_attention
+    T, name = model.config.seq_len, plan.policy.context_attention
     # the K/V heads that travel: this rank's share of them (grouped-query attention: Y of them; one when replicated)
-    Y, K = getattr(config, "n_kv_heads", config.n_heads), config.d_model // config.n_heads
+    Y, K = model.kv_heads, model.head_dim
     H = max(1, Y // plan.mesh.shape.get(MODEL, 1))
     rows, width = plan.global_batch // dp_size(plan.mesh), plan.policy.compute.itemsize
     sched = context.schedule(name, C, rows, T, H, K, width)
@@ -81,9 +81,9 @@ def _experts(plan) -> str | None:
     """With an expert axis: how the experts are split and moved."""
     from dpjax.mesh import EXPERT
 
-    c = getattr(plan.model, "config", None)
-    if not plan.layout.expert_split or c is None:
+    if not plan.layout.expert_split or plan.model is None:
         return None
+    c = plan.model.config
     n = plan.mesh.shape[EXPERT]
     return (f"expert-parallel ({c.experts} experts, {c.experts // n} a device, top {c.top_k}, capacity factor "
             f"{c.capacity_factor:g}, {plan.policy.expert_alltoall} all-to-all)")

@@ -1,0 +1,243 @@
+"""What every model shares, and the `Decoder` contract a new architecture fills in.
+
+`ByteModel` is the root: a config, the next-token loss, a parameter count, a description,
+and every capability dpjax reads of a model declared with its default (no sequence to
+split over a context axis, no stack of layers for a pipeline, no statistics beside the
+loss, no experts, its SPECS on every mesh). dpjax reads these as plain attributes, never
+probing a model with getattr (`dpjax.models.registry.Model` lists them).
+
+`Decoder` is a stack of identical layers between an embedding and an output head (the
+GPT, the Llama): a subclass gives its config (with vocab_size, seq_len, d_model,
+n_layers, n_heads, d_ff), `init`, SPECS, `embed`, `layer`, `head` and `flops_per_token`;
+the loss, the logits, the pipeline's pieces, the forward over the stack
+(`dpjax.compute.stack`), the context split and the memory estimate come from here. A
+block whose layers report statistics (a mixture's router) declares their names in
+`stat_names` and gives `layer_stats`; the forward then carries their sum beside x.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import asdict
+
+import jax
+import jax.numpy as jnp
+
+from dpjax import collectives
+from dpjax.compute import context, stack
+from dpjax.compute import tensor_parallel as tp
+from dpjax.compute.tensor_parallel import DENSE, Parallel
+from dpjax.errors import UserError
+
+
+def check_positive(config, kind: str, skip: tuple = ()) -> None:
+    """A one-line UserError for the first config field below 1 (`skip`: fields that may be)."""
+    for name, value in asdict(config).items():
+        if name not in skip and value < 1:
+            raise UserError(f"{kind} {name} must be positive, got {value}")
+
+
+def cross_entropy(logits_BdxTxV, targets_BdxT):
+    """Mean next-byte cross-entropy of whole (unsplit) logits."""
+    logp = jax.nn.log_softmax(logits_BdxTxV.astype(jnp.float32), axis=-1)
+    return -jnp.take_along_axis(logp, targets_BdxT[..., None], axis=-1).mean()
+
+
+class ByteModel:
+    """What every model shares: the next-byte loss, a parameter count, a description, and
+    the capabilities dpjax reads, declared with their defaults."""
+
+    name = "model"
+    CONTEXT = False  # True: its loss splits each sequence over a context axis (dpjax.compute.context)
+    LAYERS: str | None = None  # the key of its stacked layers, which a pipeline divides over `stage`
+    has_stats = False  # True: `loss_and_stats` returns statistics the train step reports (a router's)
+    experts = 0  # E > 0: a mixture of E experts, which an `expert` axis splits
+    head_dim: int | None = None  # the attention heads' width (the compute policy's kernel choice)
+    SPECS: dict  # (each model's own) its one sharding table: leaf name -> PartitionSpec over `model`
+
+    def __init__(self, config):
+        self.config = config
+
+    def loss(self, params, batch_BdxT1, par: Parallel = DENSE):
+        """Mean next-byte cross-entropy. Inside a sharded step `par` names the model axis
+        (and the FSDP gathers); the default is the plain dense computation."""
+        return cross_entropy(self.apply(params, batch_BdxT1[:, :-1], par), batch_BdxT1[:, 1:])
+
+    def loss_and_stats(self, params, batch_BdxT1, par: Parallel = DENSE):
+        """(`loss`, its statistics by name, or None where the model has none: `has_stats`)."""
+        return self.loss(params, batch_BdxT1, par), None
+
+    def sharding_table(self, mesh) -> dict:
+        """Its sharding table on `mesh`: SPECS unless the table depends on the mesh."""
+        return self.SPECS
+
+    def model_splits(self) -> tuple[int, ...]:
+        """The sizes a model axis must divide (`dpjax.hf`'s default mesh)."""
+        return (self.config.vocab_size,)
+
+    def num_params(self, params) -> int:
+        return sum(x.size for x in jax.tree.leaves(params))
+
+    def describe(self) -> dict:
+        return {"model": self.name, **asdict(self.config)}
+
+
+def activation_bytes(rows: int, *, layers: int, d_model: int, heads: int, seq_len: int, vocab: int, mlp: dict,
+                     remat: str = "none", attention: str = "naive", width: int = 4, context: int = 1) -> int:
+    """Bytes of activations a decoder's backward pass keeps for `rows` sequences (an
+    estimate, per device): each layer keeps what the remat policy saves, a layer being
+    recomputed holds its whole working set once, and the ends of the model keep the
+    embeddings and the float32 logits. `heads`, `vocab` and the MLP's values are this
+    device's (split over the model axis); `mlp`: the MLP's compute-dtype values per token
+    for remat none and dots (`dense_mlp_values` for a plain MLP of width F). `width`:
+    bytes of a compute-dtype value (4 on CPU, where XLA computes bfloat16 in float32); the
+    attention's scores and probabilities are float32 (naive, xla: heads x T per token;
+    cudnn's flash kernel keeps a float32 log-sum-exp per head instead). `context`: the
+    context axis's size: a device holds T/context tokens of each sequence (each row's
+    scores still span the T keys: ring attention keeps them block by block for its backward).
+
+    Per token and layer, in compute-dtype values: none keeps about 12 D + 6 F (the
+    norms' inputs and outputs, Q K V, the attention and projection outputs, the MLP's
+    pre- and post-GELU values), dots keeps the matmul outputs 6 D + F (Q K V 3 D, the
+    attention output, the two projections' D each, the first MLP matmul's F), full the
+    layer's input D. The coefficients were fitted to XLA's buffer assignment on CPU for
+    the GPT (`memory_analysis()`, layers 2 and 4 apart); tests/test_memory.py holds the
+    estimate to the compiled program."""
+    D, H, T, V = d_model, heads, seq_len, vocab
+    scores = 2 * H * T * 4 if attention in ("naive", "xla") else H * 4
+    full_layer = (12 * D + mlp["none"]) * width + scores
+    saved = {"none": full_layer, "dots": (6 * D + mlp["dots"]) * width, "full": D * width}[remat]
+    working = {"none": 0.5, "dots": 0.6, "full": 1.0}[remat] * full_layer  # the layer being recomputed
+    ends = (2 * V + 2 * D) * 4
+    return int(rows * (T // context) * (layers * saved + working + ends))
+
+
+def dense_mlp_values(F: int) -> dict:
+    """A plain MLP of (this device's) width F: 6 F values a token kept without remat, F under dots."""
+    return {"none": 6 * F, "dots": F}
+
+
+class Decoder(ByteModel, abc.ABC):
+    """Embedding, a stack of identical layers (`blocks`: every leaf with a leading layer
+    axis L, which a `stage` axis splits), output head. For a pipeline the model is cut
+    into `embed` (first stage), `layer` (L times) and `head_loss` (last stage). The
+    parameter tree is the same on every mesh, so a checkpoint resumes on another one."""
+
+    CONTEXT = True  # its loss splits each sequence over a context axis (dpjax.compute.context)
+    LAYERS = "blocks"
+    stat_names: tuple = ()  # the statistics each layer reports through `layer_stats`, summed over the stack
+
+    @property
+    def has_stats(self) -> bool:
+        return bool(self.stat_names)
+
+    @property
+    def head_dim(self) -> int:
+        return self.config.d_model // self.config.n_heads
+
+    @property
+    def kv_heads(self) -> int:
+        """The K/V heads a context axis's ring carries (grouped-query attention has fewer)."""
+        return self.config.n_heads
+
+    def model_splits(self) -> tuple[int, ...]:
+        c = self.config
+        return (c.n_heads, c.d_ff, c.vocab_size)
+
+    # A subclass computes with parameters ready to use (under FSDP: gathered; `forward`
+    # gathers the outer ones, the stack runner a layer at a time, a pipeline a stage's once).
+
+    @abc.abstractmethod
+    def init(self, key) -> dict:
+        """The parameters: a dict whose `LAYERS` entry holds the stacked layers."""
+
+    @abc.abstractmethod
+    def embed(self, params, tokens_BdxT, par: Parallel = DENSE):
+        """Bd x T x D: the first stage's work."""
+
+    @abc.abstractmethod
+    def layer(self, blk, x_BdxTxD, par: Parallel = DENSE):
+        """One block (`blk`: one layer of the stack, its leaves without the leading L): x -> x."""
+
+    def layer_stats(self, blk, x_BdxTxD, par: Parallel = DENSE):
+        """(x after the block, its statistics: one scalar for each of `stat_names`)."""
+        return self.layer(blk, x_BdxTxD, par), ()
+
+    @abc.abstractmethod
+    def head(self, params, x_BdxTxD, par: Parallel = DENSE):
+        """This shard's logits, Bd x T x Vm in float32 (the last stage's work)."""
+
+    @abc.abstractmethod
+    def flops_per_token(self) -> float:
+        """Training FLOPs per token (the MFU's numerator)."""
+
+    def add_stats_loss(self, loss, stats_S):
+        """The loss with its statistics' terms (a router's auxiliary losses) added."""
+        return loss
+
+    def head_loss(self, params, x_BdxTxD, targets_BdxT, par: Parallel = DENSE):
+        """Vocabulary-parallel cross-entropy of the head's logits: the full logits are never gathered."""
+        return tp.vocab_parallel_cross_entropy(self.head(params, x_BdxTxD, par), targets_BdxT, par)
+
+    def _summed(self, blk, carry, par: Parallel = DENSE):
+        x_BdxTxD, sums_S = carry
+        x_BdxTxD, stats = self.layer_stats(blk, x_BdxTxD, par)
+        return x_BdxTxD, sums_S + jnp.stack(stats)
+
+    def forward(self, params, tokens_BdxT, par: Parallel = DENSE):
+        """(this shard's logits, Bd x T x Vm (all of them when dense; with a context axis,
+        of this device's chunks), the layers' statistics averaged over them, or None)."""
+        outer = {k: par.use(v, k) for k, v in params.items() if k != self.LAYERS}
+        x_BdxTxD = self.embed(outer, tokens_BdxT, par)
+        stack_L, path = params[self.LAYERS], (self.LAYERS,)
+        # dpjax.compute.stack: scanned, rematerialised by the policy, FSDP gathering one layer at a time
+        if not self.has_stats:
+            return self.head(outer, stack.run(self.layer, stack_L, x_BdxTxD, par, path=path), par), None
+        zeros_S = jnp.zeros(len(self.stat_names), jnp.float32)
+        x_BdxTxD, sums_S = stack.run(self._summed, stack_L, (x_BdxTxD, zeros_S), par, path=path)
+        return self.head(outer, x_BdxTxD, par), sums_S / self.config.n_layers
+
+    def logits(self, params, tokens_BdxT, par: Parallel = DENSE):
+        """This shard's slice of the logits, Bd x T x Vm (all of them when dense); with a
+        context axis `tokens_BdxT` are this device's chunks (`context.split`)."""
+        return self.forward(params, tokens_BdxT, par)[0]
+
+    def apply(self, params, tokens_BdxT, par: Parallel = DENSE):
+        """The full logits (dense; with a model axis, gathered: for inspection, not training;
+        with a context axis, of this device's tokens, `context.split`'s)."""
+        logits = self.logits(params, tokens_BdxT, par)
+        if par.model_axis is None:
+            return logits
+        return jnp.moveaxis(collectives.all_gather(jnp.moveaxis(logits, -1, 0), par.model_axis), 0, -1)
+
+    def loss(self, params, batch_BdxT1, par: Parallel = DENSE):
+        """Vocabulary-parallel cross-entropy: the full logits are never gathered. With a
+        context axis, the mean over this device's share of the tokens (`dpjax.compute.context`:
+        the step averages it over the axis)."""
+        return self.loss_and_stats(params, batch_BdxT1, par)[0]
+
+    def loss_and_stats(self, params, batch_BdxT1, par: Parallel = DENSE):
+        """(`loss`, the statistics of the same forward by name, of this device's tokens;
+        None without): the train step's figures come from its own forward, no second one
+        (`dpjax.step`'s `loss_and_stats`)."""
+        tokens_BdxTc, targets_BdxTc = context.split(batch_BdxT1[:, :-1], par), context.split(batch_BdxT1[:, 1:], par)
+        logits_BdxTcxVm, stats_S = self.forward(params, tokens_BdxTc, par)
+        loss = tp.vocab_parallel_cross_entropy(logits_BdxTcxVm, targets_BdxTc, par)
+        if stats_S is None:
+            return loss, None
+        return self.add_stats_loss(loss, stats_S), {name: stats_S[i] for i, name in enumerate(self.stat_names)}
+
+    def mlp_values(self, tokens: int, split: int) -> dict:
+        """The MLP's compute-dtype values per token kept for the backward (`activation_bytes`),
+        on a device with `tokens` tokens and a model axis of `split`: a plain MLP of d_ff."""
+        return dense_mlp_values(self.config.d_ff // split)
+
+    def activation_bytes(self, rows: int, *, remat: str = "none", attention: str = "naive", width: int = 4,
+                         split: int = 1, context: int = 1) -> int:
+        """The activations' bytes for `rows` sequences per device (`activation_bytes` of the
+        module, of this decoder's shape: heads, MLP width and vocabulary split `split` ways)."""
+        c = self.config
+        return activation_bytes(rows, layers=c.n_layers, d_model=c.d_model, heads=max(1, c.n_heads // split),
+                                seq_len=c.seq_len, vocab=c.vocab_size // split,
+                                mlp=self.mlp_values(rows * (c.seq_len // context), split), remat=remat,
+                                attention=attention, width=width, context=context)
