@@ -60,10 +60,18 @@ def dense_vjp(fn, args, cot):
     return (out, *vjp(jnp.asarray(cot)))
 
 
-def check(got, want):
+def check(got, want, scaled: bool = False):
+    """`scaled`: the absolute tolerance is per the leaf's largest value. Float32 round-off of a
+    sum is relative to the terms summed, not to a result they cancel to: the attention's
+    gradients (values up to ~57 here) hold a few elements near 0 that are differences of such
+    terms, where the sharded and the dense sums, each as near float64's as the other
+    (3.8e-5 and 5.0e-5 at most), land 5.5e-6 apart on an AMD EPYC's XLA:CPU (the fixed 2e-6
+    held on the Intel machines the test was written on)."""
     assert len(got) == len(want)
     for g, w in zip(got, want):
-        np.testing.assert_allclose(g, np.asarray(w), **TOL)
+        w = np.asarray(w)
+        atol = TOL["atol"] * max(1.0, float(np.abs(w).max())) if scaled else TOL["atol"]
+        np.testing.assert_allclose(g, w, rtol=TOL["rtol"], atol=atol)
 
 
 @pytest.mark.parametrize("n", SIZES)
@@ -100,7 +108,7 @@ def test_head_parallel_attention(mesh_of, n, algorithm):
         s = jnp.where(np.tril(np.ones((T, T), bool)), s, -jnp.inf)
         return jnp.einsum("bhts,bshk,hkd->btd", jax.nn.softmax(s, -1), v, wo)
 
-    check(got, dense_vjp(dense, (x, wqkv, wo), cot))
+    check(got, dense_vjp(dense, (x, wqkv, wo), cot), scaled=True)
 
 
 @pytest.mark.parametrize("n", SIZES)

@@ -64,6 +64,11 @@ class Plan:
     memory: dict | None = None  # the planner's estimate per device (dpjax.plan.memory.estimate) and what a device has
 
     @property
+    def task(self) -> str:
+        """What the step optimises (`dpjax.tasks`): the settings' (settled), else pretraining's."""
+        return (self.settings.task if self.settings is not None else None) or "lm"
+
+    @property
     def workers(self) -> tuple:
         return self.layout.workers
 

@@ -40,7 +40,7 @@ def for_plan(plan: Plan, donate: bool = True, clock=None) -> TrainStep:
     model, layout = plan.model, plan.layout
     abstract = jax.eval_shape(lambda k: plan.policy.store(layout.store(model.init(k))), jax.random.key(0))
     if layout.pipeline is None:
-        task = TASKS[plan.settings.task]  # what the step optimises (dpjax.tasks): lm's loss is the model's own
+        task = TASKS[plan.task]  # what the step optimises (dpjax.tasks): lm's loss is the model's own
         stats = task.loss_and_stats(model) if model.has_stats else None
         return build(task.loss(model), plan, abstract_params=abstract, donate=donate, clock=clock,
                      loss_and_stats=stats)
