@@ -100,6 +100,16 @@ def rows(path: str):
                 yield where, row
 
 
+def row_at(where: str) -> dict:
+    """The row an Example's `where` ("FILE:LINE") names, read again."""
+    name, line = where.rsplit(":", 1)
+    with open(name, encoding="utf-8") as f:
+        for i, text in enumerate(f, 1):
+            if i == int(line):
+                return json.loads(text)
+    raise DataError(f"{where}: no such line (the file changed while training?)")
+
+
 def _messages(value, where: str, key: str) -> list[dict]:
     if not isinstance(value, list) or not all(isinstance(m, dict) and isinstance(m.get("role"), str) for m in value):
         raise DataError(f"{where}: {key!r} is a list of {{\"role\": ..., \"content\": ...}} messages")
@@ -210,6 +220,16 @@ class ChatFormat:
             end += next((len(s) for s in self.stops if text.startswith(s, end)), 0)
             out.append((start, end))
         return out
+
+    def prompt(self, row: dict, where: str = "a row") -> str:
+        """What the model is asked before the row's first answer: its messages up to the first assistant turn
+        rendered for generation (add_generation_prompt), or a string prompt as it is."""
+        if "messages" not in row and isinstance(row.get("prompt"), str):
+            return row["prompt"]
+        messages = _messages(row["messages"], where, "messages") if "messages" in row else _messages(
+            row.get("prompt"), where, "prompt")
+        first = next((k for k, m in enumerate(messages) if m["role"] == "assistant"), len(messages))
+        return self.template.render(messages[:first], add_generation_prompt=True, where=where)[0]
 
     def encode(self, row: dict, where: str = "a row", loss_on: str = "assistant") -> Example:
         """The row as int32 ids and their answer mask (all False when it has no answer)."""
