@@ -9,14 +9,12 @@ import math
 import os
 
 from dpjax.errors import UserError
+from dpjax.plan.task import CHAT, check_chat
 from dpjax.settings import Settings
 
 
 class UsageError(UserError):
     """Settings that do not make sense; printed as one line."""
-
-
-CHAT = "chat:"  # --data chat:PATH: conversations (dpjax.data.chat)
 
 
 def flag(name: str) -> str:
@@ -257,7 +255,7 @@ def _check_data(s: Settings) -> None:
     """A token file (--data X.bin) needs its vocabulary; bytes need at least 256 ids; a
     tokenizer tokenizes text (not a token file, nor synthetic ids)."""
     tokens = s.data.endswith(".bin")  # dpjax.data.TOKEN_SUFFIX
-    _check_chat(s)
+    check_chat(s)
     if s.tokenizer is not None:
         from dpjax.data.tokenizer import vocab_of
 
@@ -274,36 +272,6 @@ def _check_data(s: Settings) -> None:
         raise UsageError(f"--vocab-size {s.vocab_size} is too small for --data {s.data}")
     if s.token_dtype != "auto" and not tokens:
         raise UsageError(f"--token-dtype applies to a token file (--data FILE.bin), not {s.data}")
-
-
-def _check_chat(s: Settings) -> None:
-    """Chat data (--data chat:PATH) trains --task sft, with a tokenizer that has character
-    offsets and a template; the chat flags that name files apply to it only."""
-    chat = s.data.startswith(CHAT)
-    if not chat:
-        given = [flag(k) for k in ("chat_template", "eval_data", "eval_fraction") if getattr(s, k) is not None]
-        if given:
-            raise UsageError(f"{', '.join(given)} applies to chat data (--data chat:FILE.jsonl), not --data {s.data}")
-        return
-    if not s.data[len(CHAT):]:
-        raise UsageError("--data chat:PATH names a FILE.jsonl of conversations or a folder of them")
-    if s.task != "sft":
-        raise UsageError(f"--task {s.task} trains on every token of a text; --data {s.data} is conversations, "
-                         "trained on their answers: leave --task out (chat data is --task sft)")
-    if s.eval_data is not None and s.eval_fraction is not None:
-        raise UsageError("--eval-data and --eval-fraction both say what is held out for evaluation: give one")
-    if s.eval_data is not None and not s.eval_data.startswith(CHAT):
-        raise UsageError(f"--eval-data {s.eval_data}: held-out conversations are chat:PATH, like --data")
-    if s.eval_fraction is not None and not 0 < s.eval_fraction < 1:
-        raise UsageError(f"--eval-fraction is between 0 and 1, got {s.eval_fraction}")
-    if s.tokenizer is None and not (s.init_from or "").startswith("hf:"):
-        raise UsageError(f"--data {s.data} is rendered and tokenized as the model's: give --init-from hf:DIR (its "
-                         "folder's tokenizer.json and chat template) or --tokenizer DIR")
-    if s.tokenizer is not None and s.tokenizer.startswith("bpe:"):
-        raise UsageError(f"--tokenizer {s.tokenizer} is trained on text; chat data needs the model's own "
-                         "tokenizer.json (its folder, with the chat template)")
-    if s.chat_template is not None and not os.path.isfile(s.chat_template):
-        raise UsageError(f"--chat-template {s.chat_template}: no such file")
 
 
 def _check_output_file(what: str, path: str) -> None:
