@@ -13,19 +13,17 @@ from __future__ import annotations
 import dataclasses
 import os
 
-from dpjax.data import chat as chat_data
-
 
 @dataclasses.dataclass
 class Chat:
     """What a run's chat data is: its format (template, tokenizer), what reading it counted,
     and the held-out conversations (the eval loss, the end's sample)."""
 
-    format: chat_data.ChatFormat
-    counts: chat_data.Counts  # of --data
+    format: object  # dpjax.data.chat.ChatFormat
+    counts: object  # dpjax.data.chat.Counts of --data
     train: list
     held_out: list
-    eval_counts: chat_data.Counts | None = None  # of --eval-data, when given
+    eval_counts: object = None  # the Counts of --eval-data, when given
 
     def record(self) -> dict:
         """The run record's "data": what was read, skipped, cut, and the answer tokens trained on."""
@@ -92,7 +90,12 @@ def tokenizer_folder(cfg) -> str:
     return cfg.init_from[len("hf:"):]
 
 
+def _pairs(examples) -> list:
+    return [(ex.tokens, ex.loss_mask) for ex in examples]
+
+
 def _chat_streams(cfg, model) -> Data:
+    from dpjax.data import chat as chat_data
     from dpjax.data.sft import ExampleStream
     from dpjax.data.tokenizer import HF
     from dpjax.plan import UsageError
@@ -115,9 +118,8 @@ def _chat_streams(cfg, model) -> Data:
         train, held_out = chat_data.split(examples, 0.05 if cfg.eval_fraction is None else cfg.eval_fraction,
                                           cfg.seed)
     chat = Chat(fmt, counts, train, held_out, eval_counts)
-    pairs = lambda exs: [(ex.tokens, ex.loss_mask) for ex in exs]  # noqa: E731
     # a step reads --batch-size x --backward-passes conversations from a cursor that moves by that much
     # (and resumes where it stopped): each step's window is normalised by its own answer tokens
-    train_stream = ExampleStream(pairs(train), cfg.seq_len, cfg.seed, window=cfg.batch_size * cfg.backward_passes)
-    val_stream = ExampleStream(pairs(held_out), cfg.seq_len, cfg.seed, window=cfg.batch_size)
+    train_stream = ExampleStream(_pairs(train), cfg.seq_len, cfg.seed, window=cfg.batch_size * cfg.backward_passes)
+    val_stream = ExampleStream(_pairs(held_out), cfg.seq_len, cfg.seed, window=cfg.batch_size)
     return Data(train_stream, val_stream, HF(fmt.tok, os.path.join(folder, "tokenizer.json")), chat)
