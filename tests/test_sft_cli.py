@@ -128,6 +128,8 @@ def test_truncation_and_skips_are_counted(tmp_path):
     data = streams(cfg, model).chat.record()["chat"]
     assert (data["rows"], data["skipped_no_answer"], data["truncated"]) == (14, 1, 1)
     assert data["examples"] + data["held_out"] == 13 and data["held_out"] == 3
+    with pytest.raises(chat.DataError, match="cut the answer of 12 rows away"):  # the answers are at the end
+        chat.load(write_rows(tmp_path / "d.jsonl", conversations(12)), chat.ChatFormat(CHATML), 8, truncate="right")
 
 
 def run_error(args, capsys) -> str:

@@ -267,7 +267,7 @@ def load(path: str, fmt: ChatFormat, seq_len: int, loss_on: str = "assistant", t
         raise DataError(f"rows without an answer: {no_answer!r} is not one of {', '.join(NO_ANSWER)}")
     if seq_len < 1:
         raise DataError(f"sequence length must be positive, got {seq_len}")
-    out, counts, longest = [], Counts(files=[path]), 0
+    out, counts, longest, cut_away = [], Counts(files=[path]), 0, 0
     for where, row in rows(path):
         counts.rows += 1
         ex = fmt.encode(row, where, loss_on)
@@ -286,6 +286,7 @@ def load(path: str, fmt: ChatFormat, seq_len: int, loss_on: str = "assistant", t
             counts.truncated += 1
             if not cut.loss_mask[1:].any():
                 counts.no_answer += 1
+                cut_away += 1
                 continue
         out.append(cut)
         counts.tokens += len(cut.tokens)
@@ -293,7 +294,10 @@ def load(path: str, fmt: ChatFormat, seq_len: int, loss_on: str = "assistant", t
     counts.examples = len(out)
     if not out:
         why = "no row has an answer to train on"
-        if counts.dropped_long:
+        if cut_away:
+            why = (f"truncating at --seq-len {seq_len} + 1 tokens ({truncate}) cut the answer of {cut_away} rows "
+                   f"away (the longest: {longest} tokens); raise --seq-len or truncate on the other side")
+        elif counts.dropped_long:
             why = (f"every example is longer than --seq-len {seq_len} + 1 tokens (the longest: {longest}); raise "
                    "--seq-len or truncate instead of dropping")
         raise DataError(f"chat data {path!r}: {why} ({counts.rows} rows)")

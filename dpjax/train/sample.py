@@ -21,6 +21,8 @@ def sample_line(trainer) -> str | None:
         return None
     if trainer.chat is not None:
         prompt, eos = _chat_prompt(trainer.chat)
+        keep = model.config.seq_len - min(cfg.sample_tokens, model.config.seq_len // 2)
+        prompt = prompt[:, -keep:]  # a long prompt's end (as --truncate left keeps it): room for the answer
     else:
         prompt_len = min(PROMPT_TOKENS, model.config.seq_len // 2)
         prompt, eos = trainer.val_stream.batch(0, 1)[:, :prompt_len], ()
