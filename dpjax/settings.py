@@ -88,6 +88,12 @@ def _tasks():
     return TASKS
 
 
+def _chat():
+    from dpjax.data import chat
+
+    return chat
+
+
 def _opt(default, help: str, **kw):
     return field(default=default, metadata={"help": help, **kw})
 
@@ -124,19 +130,40 @@ class Settings:
     preset: str | None = MODEL(None, lambda: f"a named model shape: {', '.join(_presets())} (sets --model and its "
                                             "options, and --vocab-size unless given; options given override it)")
     data: str = MODEL("stdlib", "'stdlib' (the Python standard library's source), a text file, a folder of text "
-                               "files, 'synthetic' (random tokens), or a file of token ids ending in .bin (uint16 "
-                               "or uint32, as nanoGPT and llm.c write them; needs --vocab-size)")
+                               "files, 'synthetic' (random tokens), a file of token ids ending in .bin (uint16 "
+                               "or uint32, as nanoGPT and llm.c write them; needs --vocab-size), or chat:PATH "
+                               "(conversations, FILE.jsonl or a folder of them: fine-tuning on the answers, "
+                               "--task sft; docs/finetune.md)")
     tokenizer: str | None = MODEL(None, "tokenize the text --data with this: a HuggingFace tokenizer.json or a "
                                         "SentencePiece .model (both need the hf extra), or bpe:N (a byte-level BPE "
                                         "of N ids trained on the corpus first). Default: bytes (256 ids)")
-    task: str = MODEL("lm", lambda: "what the step optimises: " + "; ".join(f"{t.name}: {t.about}"
-                                                                             for t in _tasks().values()),
-                      choices=lambda: tuple(_tasks()))
+    task: str | None = MODEL(None, lambda: "what the step optimises: " + "; ".join(
+        f"{t.name}: {t.about}" for t in _tasks().values()) + ". Default: sft for --data chat:PATH, else lm",
+                             choices=lambda: tuple(_tasks()))
+    # Chat data (--data chat:PATH; dpjax.data.chat)
+    loss_on: str = MODEL("assistant", "with chat data, which tokens the loss counts: assistant (each assistant "
+                                      "turn's answer and its end-of-turn token), completion (what follows the "
+                                      "prompt of prompt/completion rows), all (every token)",
+                         choices=lambda: _chat().LOSS_ON)
+    truncate: str = MODEL("right", "with chat data, a conversation longer than --seq-len + 1 tokens: right (keep "
+                                   "its start), left (keep its end) or drop it; counted in the run record",
+                          choices=lambda: _chat().TRUNCATE)
+    no_answer: str = MODEL("skip", "with chat data, a row without an answer to train on: skip it (counted) or "
+                                   "refuse the data (one line naming the row)", choices=lambda: _chat().NO_ANSWER)
+    chat_template: str | None = MODEL(None, "with chat data, a jinja chat template file to render the rows with "
+                                            "instead of the model's own (its tokenizer folder's chat_template.jinja "
+                                            "or tokenizer_config.json's chat_template)")
+    eval_data: str | None = MODEL(None, "with chat data, held-out conversations for the eval loss on answers: "
+                                        "chat:PATH. Default: --eval-fraction of --data held out")
+    eval_fraction: float | None = MODEL(None, "with chat data, the fraction of its conversations held out (seeded "
+                                              "by --seed) for the eval loss on answers. Default: 0.05 (at least "
+                                              "one), unless --eval-data is given")
     vocab_size: int | None = MODEL(None, "the vocabulary of a token file (--data FILE.bin); default 256 (bytes)")
     token_dtype: str = MODEL("auto", "the ids' type in a token file; auto: uint32 if the file name says u32 or "
                                     "uint32, else uint16", choices=("auto", "uint16", "uint32"))
     steps: int = OPTIM(200, "optimizer steps to run (in total, counting resumed ones)")
-    batch_size: int = OPTIM(32, "global batch in sequences per backward pass, split over the data axes")
+    batch_size: int = OPTIM(32, "global batch in sequences (with chat data: conversations, one a row) per "
+                                     "backward pass, split over the data axes")
     seq_len: int = MODEL(128, "tokens (bytes) per sequence")
     optimizer: str = OPTIM("adamw", lambda: f"the inner optimizer: {', '.join(_optimizers())} (momentum: Nesterov, "
                                            "0.9)")

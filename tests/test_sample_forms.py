@@ -32,7 +32,7 @@ def test_an_interleaved_runs_sample_is_the_models_own(mesh_of):
         np.testing.assert_array_equal(a, b)
     _, val = make_streams("synthetic", 16, seed=0)
     trainer = SimpleNamespace(cfg=SimpleNamespace(sample_tokens=4, progress="log"), model=model, params=stored,
-                              layout=layout, val_stream=val, tokenizer=None,
+                              layout=layout, val_stream=val, tokenizer=None, chat=None,
                               step=SimpleNamespace(rule=SimpleNamespace(per_worker=False)))
     prompt = val.batch(0, 1)[:, :8]
     want = generate(model, params, prompt, 4, Sampling())[0]
@@ -51,7 +51,8 @@ def test_a_per_worker_runs_sample_is_the_models_own(mesh_of):
     assert held["embed_VmxD"].shape[0] == 2  # a copy per worker
     _, val = make_streams("synthetic", 16, seed=0)
     trainer = SimpleNamespace(cfg=SimpleNamespace(sample_tokens=4, progress="log"), model=plan.model, params=held,
-                              layout=plan.layout, val_stream=val, tokenizer=None, step=step)
+                              layout=plan.layout, val_stream=val, tokenizer=None, chat=None,
+                              step=step)
     prompt = val.batch(0, 1)[:, :8]
     want = generate(plan.model, params, prompt, 4, Sampling())[0]
     assert sample_line(trainer) == f"sample: {prompt[0].tolist()} -> {want.tolist()}"

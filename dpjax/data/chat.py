@@ -100,6 +100,16 @@ def rows(path: str):
                 yield where, row
 
 
+def row_at(where: str) -> dict:
+    """The row an Example's `where` ("FILE:LINE") names, read again."""
+    name, line = where.rsplit(":", 1)
+    with open(name, encoding="utf-8") as f:
+        for i, text in enumerate(f, 1):
+            if i == int(line):
+                return json.loads(text)
+    raise DataError(f"{where}: no such line (the file changed while training?)")
+
+
 def _messages(value, where: str, key: str) -> list[dict]:
     if not isinstance(value, list) or not all(isinstance(m, dict) and isinstance(m.get("role"), str) for m in value):
         raise DataError(f"{where}: {key!r} is a list of {{\"role\": ..., \"content\": ...}} messages")
@@ -211,6 +221,16 @@ class ChatFormat:
             out.append((start, end))
         return out
 
+    def prompt(self, row: dict, where: str = "a row") -> str:
+        """What the model is asked before the row's first answer: its messages up to the first assistant turn
+        rendered for generation (add_generation_prompt), or a string prompt as it is."""
+        if "messages" not in row and isinstance(row.get("prompt"), str):
+            return row["prompt"]
+        messages = _messages(row["messages"], where, "messages") if "messages" in row else _messages(
+            row.get("prompt"), where, "prompt")
+        first = next((k for k, m in enumerate(messages) if m["role"] == "assistant"), len(messages))
+        return self.template.render(messages[:first], add_generation_prompt=True, where=where)[0]
+
     def encode(self, row: dict, where: str = "a row", loss_on: str = "assistant") -> Example:
         """The row as int32 ids and their answer mask (all False when it has no answer)."""
         text, spans = self.render(row, where, loss_on)
@@ -247,7 +267,7 @@ def load(path: str, fmt: ChatFormat, seq_len: int, loss_on: str = "assistant", t
         raise DataError(f"rows without an answer: {no_answer!r} is not one of {', '.join(NO_ANSWER)}")
     if seq_len < 1:
         raise DataError(f"sequence length must be positive, got {seq_len}")
-    out, counts, longest = [], Counts(files=[path]), 0
+    out, counts, longest, cut_away = [], Counts(files=[path]), 0, 0
     for where, row in rows(path):
         counts.rows += 1
         ex = fmt.encode(row, where, loss_on)
@@ -266,6 +286,7 @@ def load(path: str, fmt: ChatFormat, seq_len: int, loss_on: str = "assistant", t
             counts.truncated += 1
             if not cut.loss_mask[1:].any():
                 counts.no_answer += 1
+                cut_away += 1
                 continue
         out.append(cut)
         counts.tokens += len(cut.tokens)
@@ -273,7 +294,10 @@ def load(path: str, fmt: ChatFormat, seq_len: int, loss_on: str = "assistant", t
     counts.examples = len(out)
     if not out:
         why = "no row has an answer to train on"
-        if counts.dropped_long:
+        if cut_away:
+            why = (f"truncating at --seq-len {seq_len} + 1 tokens ({truncate}) cut the answer of {cut_away} rows "
+                   f"away (the longest: {longest} tokens); raise --seq-len or truncate on the other side")
+        elif counts.dropped_long:
             why = (f"every example is longer than --seq-len {seq_len} + 1 tokens (the longest: {longest}); raise "
                    "--seq-len or truncate instead of dropping")
         raise DataError(f"chat data {path!r}: {why} ({counts.rows} rows)")

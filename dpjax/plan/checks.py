@@ -9,6 +9,7 @@ import math
 import os
 
 from dpjax.errors import UserError
+from dpjax.plan.task import CHAT, check_chat
 from dpjax.settings import Settings
 
 
@@ -29,6 +30,8 @@ def settled(s: Settings) -> Settings:
     """`s` with what it leaves to dpjax filled in: `--optimizer onebit_adam` without a
     --compression runs 1-bit Adam's default for its --steps
     (`dpjax.updates.onebit_adam.default_compression`). `check` and `resolve` see these."""
+    if s.task is None:  # chat data trains on its answers; anything else on every token
+        s = dataclasses.replace(s, task="sft" if s.data.startswith(CHAT) else "lm")
     if s.optimizer == "onebit_adam" and s.compression in (None, "none"):
         from dpjax.updates.onebit_adam import default_compression
 
@@ -302,6 +305,7 @@ def _check_data(s: Settings) -> None:
     """A token file (--data X.bin) needs its vocabulary; bytes need at least 256 ids; a
     tokenizer tokenizes text (not a token file, nor synthetic ids)."""
     tokens = s.data.endswith(".bin")  # dpjax.data.TOKEN_SUFFIX
+    check_chat(s)
     if s.tokenizer is not None:
         from dpjax.data.tokenizer import vocab_of
 

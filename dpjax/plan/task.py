@@ -1,12 +1,17 @@
 """Which layouts and models a task (`dpjax.tasks`) runs on: the pairs not built yet are
-refused in one line before anything compiles."""
+refused in one line before anything compiles; and what chat data (--data chat:PATH, which
+trains --task sft) needs of the settings, checked before JAX starts."""
 
 from __future__ import annotations
+
+import os
 
 from dpjax.errors import UserError
 from dpjax.mesh import STAGE
 from dpjax.models import MODELS
 from dpjax.models.base import Decoder
+
+CHAT = "chat:"  # --data chat:PATH: conversations (dpjax.data.chat)
 
 
 def check_task(s, model, mesh) -> None:
@@ -21,3 +26,34 @@ def check_task(s, model, mesh) -> None:
     if model.experts:
         raise UserError(f"--task {s.task} with --experts is not built yet (the router's losses are not weighted "
                         "per answer token)")
+
+
+def check_chat(s) -> None:
+    """Chat data (--data chat:PATH) trains --task sft, with a tokenizer that has character
+    offsets and a template; the chat flags that name files apply to it only."""
+    chat = s.data.startswith(CHAT)
+    if not chat:
+        given = [f"--{k.replace('_', '-')}" for k in ("chat_template", "eval_data", "eval_fraction")
+                 if getattr(s, k) is not None]
+        if given:
+            raise UserError(f"{', '.join(given)} applies to chat data (--data chat:FILE.jsonl), not --data {s.data}")
+        return
+    if not s.data[len(CHAT):]:
+        raise UserError("--data chat:PATH names a FILE.jsonl of conversations or a folder of them")
+    if s.task != "sft":
+        raise UserError(f"--task {s.task} trains on every token of a text; --data {s.data} is conversations, "
+                         "trained on their answers: leave --task out (chat data is --task sft)")
+    if s.eval_data is not None and s.eval_fraction is not None:
+        raise UserError("--eval-data and --eval-fraction both say what is held out for evaluation: give one")
+    if s.eval_data is not None and not s.eval_data.startswith(CHAT):
+        raise UserError(f"--eval-data {s.eval_data}: held-out conversations are chat:PATH, like --data")
+    if s.eval_fraction is not None and not 0 < s.eval_fraction < 1:
+        raise UserError(f"--eval-fraction is between 0 and 1, got {s.eval_fraction}")
+    if s.tokenizer is None and not (s.init_from or "").startswith("hf:"):
+        raise UserError(f"--data {s.data} is rendered and tokenized as the model's: give --init-from hf:DIR (its "
+                         "folder's tokenizer.json and chat template) or --tokenizer DIR")
+    if s.tokenizer is not None and s.tokenizer.startswith("bpe:"):
+        raise UserError(f"--tokenizer {s.tokenizer} is trained on text; chat data needs the model's own "
+                         "tokenizer.json (its folder, with the chat template)")
+    if s.chat_template is not None and not os.path.isfile(s.chat_template):
+        raise UserError(f"--chat-template {s.chat_template}: no such file")

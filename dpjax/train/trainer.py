@@ -66,7 +66,10 @@ class Trainer:
 
         self.mesh, self.model, self.layout, self.opt = plan.mesh, plan.model, plan.layout, plan.opt
         self._say_plan()
-        self.train_stream, self.val_stream, self.tokenizer = streams(cfg, self.model)
+        data = streams(cfg, self.model)
+        self.train_stream, self.val_stream, self.tokenizer, self.chat = data.train, data.val, data.tokenizer, data.chat
+        if self.chat is not None:
+            self.say(self.chat.line())  # what was read, skipped, cut: before the compile's wait
         self._steps = {}
         self.use(Setting(plan.exchange.algorithm, plan.exchange.fusion_mb))
         self.record = self._resume_record(user)
@@ -76,6 +79,8 @@ class Trainer:
         checkpoints = Checkpoints(cfg)
         checkpoints.restore(self)
         self.run_record = record.build(cfg, plan)  # the first metrics row, and run.json beside the checkpoints
+        if self.chat is not None:
+            self.run_record["data"] = self.chat.record()
         commits = builtin.Commits(elastic.attach(self))  # commits, heartbeat, faults; a restart restores its commit
         resume.fresh_or_refuse(self)  # before anything is written: --resume that found nothing is an error
         checkpoints.open(self)
