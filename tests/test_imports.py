@@ -30,7 +30,7 @@ LAYERS = [
     ["dpjax.compression", "dpjax.compute", "dpjax.timeline"],
     ["dpjax.data_parallel", "dpjax.models", "dpjax.nn", "dpjax.pipeline", "dpjax.recovery"],
     ["dpjax.sharding", "dpjax.horovod"],  # sharding beside the pipeline in DESIGN.md: it lays the stages out
-    ["dpjax.sharding_rules", "dpjax.optim", "dpjax.updates",
+    ["dpjax.sharding_rules", "dpjax.optim", "dpjax.updates", "dpjax.tasks",  # tasks: a model's loss on a task's batch
      "dpjax.hf"],  # HuggingFace import / export: a model, its layout, a checkpoint
     ["dpjax.generate", "dpjax.settings"],  # generate: weights from dpjax.hf; settings: the registries' choices
     ["dpjax.plan"],  # and the pipeline's cost model (plan.pipeline_cost compiles a layout)
