@@ -28,8 +28,8 @@ from dpjax.compression.exchange import Exchange  # the plan builds it (resolve, 
 from dpjax.compute.policy import Policy
 from dpjax.settings import Settings
 from dpjax.plan.axes import check_context, check_expert
-from dpjax.plan.checks import (UsageError, check, devices_per_process, fit_devices, fit_mesh, flag,  # noqa: F401
-                               model_choice, settled, warnings)
+from dpjax.plan.checks import UsageError, check, flag, model_choice, settled, warnings  # noqa: F401
+from dpjax.plan.fit import devices_per_process, fit_devices, fit_mesh  # noqa: F401
 from dpjax.plan.compute import (DEFAULT_ALGORITHM, DEFAULT_FUSION_MB, check_memory, compute_policy,  # noqa: F401
                                 default_allreduce, memory_refusal, target_platform)
 
