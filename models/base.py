@@ -171,7 +171,7 @@ class Decoder(ByteModel, abc.ABC):
     def flops_per_token(self) -> float:
         """Training FLOPs per token (the MFU's numerator)."""
 
-    def add_stats_loss(self, loss, stats_S):
+    def add_stats_loss(self, loss, stat_means):
         """The loss with its statistics' terms (a router's auxiliary losses) added."""
         return loss
 
@@ -180,9 +180,9 @@ class Decoder(ByteModel, abc.ABC):
         return tp.vocab_parallel_cross_entropy(self.head(params, x_BdxTxD, par), targets_BdxT, par)
 
     def _summed(self, blk, carry, par: Parallel = DENSE):
-        x_BdxTxD, sums_S = carry
+        x_BdxTxD, stat_totals = carry
         x_BdxTxD, stats = self.layer_stats(blk, x_BdxTxD, par)
-        return x_BdxTxD, sums_S + jnp.stack(stats)
+        return x_BdxTxD, stat_totals + jnp.stack(stats)
 
     def forward(self, params, tokens_BdxT, par: Parallel = DENSE):
         """(this shard's logits, Bd x T x Vm (all of them when dense; with a context axis,
@@ -193,9 +193,9 @@ class Decoder(ByteModel, abc.ABC):
         # dpjax.compute.stack: scanned, rematerialised by the policy, FSDP gathering one layer at a time
         if not self.has_stats:
             return self.head(outer, stack.run(self.layer, stack_L, x_BdxTxD, par, path=path), par), None
-        zeros_S = jnp.zeros(len(self.stat_names), jnp.float32)
-        x_BdxTxD, sums_S = stack.run(self._summed, stack_L, (x_BdxTxD, zeros_S), par, path=path)
-        return self.head(outer, x_BdxTxD, par), sums_S / self.config.n_layers
+        no_stats = jnp.zeros(len(self.stat_names), jnp.float32)
+        x_BdxTxD, stat_totals = stack.run(self._summed, stack_L, (x_BdxTxD, no_stats), par, path=path)
+        return self.head(outer, x_BdxTxD, par), stat_totals / self.config.n_layers
 
     def logits(self, params, tokens_BdxT, par: Parallel = DENSE):
         """This shard's slice of the logits, Bd x T x Vm (all of them when dense); with a
@@ -221,11 +221,11 @@ class Decoder(ByteModel, abc.ABC):
         None without): the train step's figures come from its own forward, no second one
         (`dpjax.step`'s `loss_and_stats`)."""
         tokens_BdxTc, targets_BdxTc = context.split(batch_BdxT1[:, :-1], par), context.split(batch_BdxT1[:, 1:], par)
-        logits_BdxTcxVm, stats_S = self.forward(params, tokens_BdxTc, par)
+        logits_BdxTcxVm, stat_means = self.forward(params, tokens_BdxTc, par)
         loss = tp.vocab_parallel_cross_entropy(logits_BdxTcxVm, targets_BdxTc, par)
-        if stats_S is None:
+        if stat_means is None:
             return loss, None
-        return self.add_stats_loss(loss, stats_S), {name: stats_S[i] for i, name in enumerate(self.stat_names)}
+        return self.add_stats_loss(loss, stat_means), {name: stat_means[i] for i, name in enumerate(self.stat_names)}
 
     def mlp_values(self, tokens: int, split: int) -> dict:
         """The MLP's compute-dtype values per token kept for the backward (`activation_bytes`),

@@ -200,8 +200,8 @@ class GPT(Decoder):
         x_BdxTxD = layer_norm(x_BdxTxD, params["ln_f"]["scale_D"], params["ln_f"]["bias_D"]).astype(jnp.float32)
         return tp.column_parallel(x_BdxTxD, params["embed_VmxD"].T.astype(jnp.float32), None, par)  # tied head
 
-    def add_stats_loss(self, loss, stats_S):
-        return self.mlp.add_loss(loss, stats_S)
+    def add_stats_loss(self, loss, stat_means):
+        return self.mlp.add_loss(loss, stat_means)
 
     def mlp_values(self, tokens: int, split: int) -> dict:
         """The MLP's values per token for the memory estimate: a mixture's are its slots'

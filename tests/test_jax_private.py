@@ -29,6 +29,8 @@ RELIED_ON = {
     "jax._src.interpreters.mlir._platform_specific_lowerings": "a collective's CPU lowering rule, if it has one",
     "jax._src.interpreters.mlir.register_lowering": "registers the wrapped rule for the CPU platform",
     "jax._src.lax.parallel": "the collective primitives (CHANNEL_PRIMITIVES, below)",
+    "jax._src.mesh": "dpjax.jit: the mesh a legacy `with mesh:` set, which jax.sharding.get_mesh does not return",
+    "jax._src.mesh.thread_resources.env.physical_mesh": "dpjax.jit: that mesh itself",
     "jax._src.lib.mlir.ir": "walks the operations a lowering rule made",
     "jax._src.lib.mlir.ir.Block": "a block argument ends the walk",
     "jax._src.lib.mlir.ir.OpView": "an operation's typed view",

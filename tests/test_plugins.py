@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import pytest
 
 from dpjax import collectives, compression, pipeline
-from dpjax import updates as U
+from dpjax.updates.sync import sync
 from dpjax.collectives import cost, ring
 from dpjax.compression.accounting import compressed_bytes
 from dpjax.models import MLP, MLPConfig, registry as models
@@ -39,7 +39,7 @@ TOY_METHOD = compression.Method(  # bfloat16 on the wire, another name
 
 TOY_RULE = rules.Kind("toy-sync", "a toy: sync, named", is_sync=lambda spec: True, number="the toy number N",
                       build=lambda spec, inner, axis_name, *, seed, **allreduce:
-                      U.sync(inner, axis_name, **allreduce)._replace(name=f"toy-sync:{spec.n}"))
+                      sync(inner, axis_name, **allreduce)._replace(name=f"toy-sync:{spec.n}"))
 
 TOY_SCHEDULE = pipeline.Schedule("toy-gpipe", gpipe.timetable, bubble=lambda S, M, V: (S - 1) / (M + S - 1))
 

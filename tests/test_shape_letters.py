@@ -36,7 +36,8 @@ HOMES = {
     "H": ATTENTION, "K": ATTENTION, "Y": ("dpjax/compute/context.py", "models/llama.py", "dpjax/hf/",
                                                  "dpjax/generate/"),
     "O": ("dpjax/generate/",),
-    "V": ("models/", "dpjax/compute/tensor_parallel.py", "dpjax/nn/", "dpjax/hf/", "dpjax/generate/"),
+    "V": ("models/", "dpjax/compute/tensor_parallel.py", "dpjax/nn/", "dpjax/hf/", "dpjax/generate/",
+          "dpjax/tasks/"),  # tasks: a task's loss of the vocabulary-parallel logits
     "E": ("models/mlp.py",), "C": ("models/mlp.py",),
     "A": ("dpjax/step/",), "M": ("dpjax/pipeline/", "dpjax/step/"),
     "S": ("dpjax/pipeline/", "dpjax/compute/stack.py", "dpjax/sharding.py", "dpjax/step/"),

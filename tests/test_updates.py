@@ -14,6 +14,10 @@ from jax.sharding import PartitionSpec as P
 
 from dpjax import step as S
 from dpjax import updates as U
+from dpjax.updates.delayed import delayed
+from dpjax.updates.sparse import sparse
+from dpjax.updates.stale_async import stale_async
+from dpjax.updates.sync import sync
 from dpjax.errors import UserError
 from dpjax.updates import registry
 from dpjax.train import main
@@ -63,7 +67,7 @@ def test_delayed_sgd_is_the_slide_algebra(mesh_of, put, T, compensate):
     g_SxNxD = xs.astype(np.float64)  # worker k's gradient of w at step i
     gbar_SxD = g_SxNxD.mean(1)
     w0 = _linear_init()
-    rule = U.delayed(optax.sgd(LR), T, "data", compensate=compensate, algorithm="ring")
+    rule = delayed(optax.sgd(LR), T, "data", compensate=compensate, algorithm="ring")
     ustep, params_W, state_W, _ = _run(mesh, put, rule, linear_loss, xs, w0)
 
     # before the last T averages arrive: worker k has its own g for steps N-T..N-1
@@ -79,7 +83,7 @@ def test_delayed_sgd_is_the_slide_algebra(mesh_of, put, T, compensate):
         np.testing.assert_array_equal(np.asarray(params_W[k]), np.broadcast_to(want[k], (N, *want[k].shape)))
     # ... which is exactly where sync goes on a loss with constant gradients (sync keeps
     # one copy, no worker axis)
-    _, sync_params, _, _ = _run(mesh, put, U.sync(optax.sgd(LR), "data"), linear_loss, xs, w0)
+    _, sync_params, _, _ = _run(mesh, put, sync(optax.sgd(LR), "data"), linear_loss, xs, w0)
     for k in want:
         assert sync_params[k].shape == want[k].shape
         np.testing.assert_array_equal(np.asarray(params_W[k]), np.broadcast_to(sync_params[k], params_W[k].shape))
@@ -91,7 +95,7 @@ def test_delayed_momentum_compensates_the_gradient_stream(mesh_of, put):
     mesh, steps, T, beta = mesh_of("8x1", N), 7, 2, 0.9
     xs = _linear_batches(steps, seed=1)
     w0 = _linear_init()
-    rule = U.delayed(optax.sgd(0.1, momentum=beta), T, "data")
+    rule = delayed(optax.sgd(0.1, momentum=beta), T, "data")
     _, params_W, _, _ = _run(mesh, put, rule, linear_loss, xs, w0)
     g = xs.astype(np.float64)
     gbar = g.mean(1, keepdims=True)
@@ -121,7 +125,7 @@ def test_sparse_is_local_sgd_with_periodic_average(mesh_of, put, period, outer_l
     mesh, steps, lr, beta = mesh_of("8x1", N), 7, 0.3, 0.9
     xs = _quadratic_data(steps)
     outer = optax.sgd(outer_lr, momentum=beta, nesterov=True) if outer_lr else None
-    rule = U.sparse(optax.sgd(lr), period, "data", outer=outer)
+    rule = sparse(optax.sgd(lr), period, "data", outer=outer)
     _, params_W, _, _ = _run(mesh, put, rule, quadratic_loss, xs, {"w": np.zeros(D, np.float32)})
     w, anchor, trace = np.zeros((N, D)), np.zeros(D), np.zeros(D)
     for i in range(steps):
@@ -141,7 +145,7 @@ def test_sparse_is_local_sgd_with_periodic_average(mesh_of, put, period, outer_l
 def test_async_follows_its_seeded_schedule(mesh_of, put, tau, fetch, push):
     mesh, steps, lr, seed = mesh_of("8x1", N), 9, 0.4, 7
     xs = _quadratic_data(steps, seed=3)
-    rule = U.stale_async(optax.sgd(lr), tau, "data", seed=seed, fetch_every=fetch, push_every=push)
+    rule = stale_async(optax.sgd(lr), tau, "data", seed=seed, fetch_every=fetch, push_every=push)
     ustep, params_W, _, states = _run(mesh, put, rule, quadratic_loss, xs, {"w": np.zeros(D, np.float32)})
 
     # the seeded schedule is this simulation's input (its properties: the tests below);
@@ -217,7 +221,7 @@ def test_param_specs_shard_worker_state_over_model(mesh_of, put):
     out = {}
     for spec, count, pspec in (("4x2", 8, P("model")), ("4x1", 4, P())):
         mesh = mesh_of(spec, count)
-        rule = U.delayed(optax.sgd(lr), 2, "data")
+        rule = delayed(optax.sgd(lr), 2, "data")
         w0 = {"w": put(mesh, np.zeros(D, np.float32), pspec)}
         ustep = S.make_update_step(sliced_loss, rule, mesh, w0, param_specs={"w": pspec}, donate=False)
         params_W, state_W = ustep.init(w0)
@@ -259,7 +263,7 @@ def test_unknown_rule_is_an_error_not_async():
 def test_a_registered_rule_is_in_the_grammar_help_and_make_rule():
     """A rule is its module's registration: nothing else lists the names."""
     def build(spec, inner, axis_name, *, seed, **allreduce):
-        return U.sync(inner, axis_name, **allreduce)._replace(name=f"every:{spec.n}")
+        return sync(inner, axis_name, **allreduce)._replace(name=f"every:{spec.n}")
 
     kind = registry.Kind("every", "a toy: sync, named", build=build, is_sync=lambda spec: spec.n == 7,
                          number="the toy number N", low=2)
