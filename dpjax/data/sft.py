@@ -41,6 +41,7 @@ class ExampleStream:
         self.counts_NxT1[:, 0] = False  # nothing predicts the first token
         self.num_examples = n
         self._orders: dict[int, np.ndarray] = {}
+        self._scale: tuple[int, float] | None = None  # (window start, its N / n): one count a window, not a read
 
     def _example_ids(self, positions: np.ndarray) -> np.ndarray:
         epochs = positions // self.num_examples
@@ -56,9 +57,11 @@ class ExampleStream:
     def scale(self, cursor: int) -> float:
         """N / n of the window holding `cursor` (0.0 when it holds no answer token)."""
         start = cursor - cursor % self.window
-        ids = self._example_ids(np.arange(start, start + self.window, dtype=np.int64))
-        n = int(self.counts_NxT1[ids].sum())
-        return self.window * self.seq_len / n if n else 0.0
+        if self._scale is None or self._scale[0] != start:  # put_batch reads a window's rows in several calls
+            ids = self._example_ids(np.arange(start, start + self.window, dtype=np.int64))
+            n = int(self.counts_NxT1[ids].sum())
+            self._scale = (start, self.window * self.seq_len / n if n else 0.0)
+        return self._scale[1]
 
     def batch(self, cursor: int, batch_size: int, rows: slice = slice(None)) -> dict:
         """Rows `rows` of the global batch that starts at example `cursor`."""
