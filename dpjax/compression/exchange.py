@@ -170,16 +170,20 @@ class Exchange:
             out, error, own = _from_start(spec, state.t, exact, compressed)
         return out, feedback.State(state.t + 1, error, own)
 
-    def allreduce(self, tree, axis, *, op: str = "mean", prescale_factor: float = 1.0,
+    def allreduce(self, tree, axis, *, op: str | None = None, prescale_factor: float = 1.0,
                   postscale_factor: float = 1.0):
         """The plain form: `tree` reduced with `op` over `axis`, one allreduce per fusion
-        bucket, floating-point buckets through the cast (a linear, stateless method)."""
+        bucket, floating-point buckets through the cast (a linear, stateless method). `op`
+        defaults to the exchange's own (`options["op"]`, e.g. "adasum"), else the mean."""
         axis_size(axis, "the gradient exchange")
+        options = dict(self.options)
+        op = op or options.pop("op", "mean")
+        options.pop("op", None)
         with scopes.phase("exchange"):  # every exchange passes here (dpjax.scopes, dpjax.timeline)
             return grouped.allreduce(tree, axis, op=op, fusion_mb=self.fusion_mb,
                                      compression=summable(self.compression), algorithm=self.algorithm,
                                      prescale_factor=prescale_factor, postscale_factor=postscale_factor,
-                                     **self.options)
+                                     **options)
 
     def reduce_scatter_mean(self, g, dims, axes, state):
         """FSDP's form: (the mean of the devices' full local gradients `g`, on this
