@@ -75,10 +75,11 @@ def _is_box(x) -> bool:
     return meta is not None and isinstance(x, meta.AxisMetadata)
 
 
-def box_specs(tree, mesh_axes) -> list | None:
+def box_specs(tree, mesh_axes, unmapped: list | None = None) -> list | None:
     """A PartitionSpec per leaf of a pytree holding Linen boxes (`nn.with_partitioning`,
     `nn.with_logical_partitioning`; logical names mapped by the `nn.logical_axis_rules` in
-    force), or None if it holds none."""
+    force), or None if it holds none. unmapped: gets the logical names of each box that no
+    rule in force maps (flax then leaves the parameter whole, silently: `warn_model_unsplit`)."""
     if not any(_is_box(x) for x in jax.tree.leaves(tree, is_leaf=_is_box)):
         return None
     from flax import linen as nn
@@ -88,6 +89,8 @@ def box_specs(tree, mesh_axes) -> list | None:
             return [P()] * len(jax.tree.leaves(x))
         spec = x.get_partition_spec()
         if any(a not in mesh_axes for a in spec_axes(spec)):
+            if unmapped is not None and not nn.get_logical_axis_rules():
+                unmapped.append(tuple(a for a in spec_axes(spec) if a not in mesh_axes))
             spec = nn.logical_to_mesh_axes(tuple(spec))
         return [spec] * len(jax.tree.leaves(x))
 
@@ -169,6 +172,27 @@ def warn_no_model_axis(step: str, mesh, whole) -> None:
         warnings.warn(f"dpjax: {step}: the mesh {dict(mesh.shape)} has no {axis!r} axis, so the {len(whole)} "
                       f"parameters annotated over it ({name} first) stay whole on every device; add the axis to the "
                       "mesh to split them", LayoutWarning, stacklevel=4)
+
+
+def warn_model_unsplit(step: str, mesh, specs, unmapped) -> None:
+    """Said once a step: the mesh has a model axis of more than one device and no argument is
+    split over it, so each of its devices computes the whole model (the state's annotations were
+    lost: unboxed with `nn.meta.unbox`, or logical names without the rules that map them)."""
+    names = [a for a in model_axes(mesh) if mesh.shape[a] > 1]
+    if not names or any(a in names for s in specs for a in spec_axes(s)):
+        return
+    where = f"the mesh's {names[0]!r} axis of {mesh.shape[names[0]]} devices splits no parameter"
+    if unmapped:
+        logical = sorted({a for names_ in unmapped for a in names_})
+        why = (f"the parameters carry logical axis names ({', '.join(map(repr, logical))}) but no "
+               "nn.logical_axis_rules are in force to map them; call the step inside `with "
+               "nn.logical_axis_rules(RULES):` (or nnx.logical_axis_rules)")
+    else:
+        why = ("no sharding annotation reached the step (parameters unboxed with nn.meta.unbox, or made without "
+               "nn.with_partitioning / nnx.with_partitioning?); keep the boxes, or pass in_specs, or use a mesh "
+               "without the axis")
+    warnings.warn(f"dpjax: {step}: {where}, so every device on it computes the whole model: {why}", LayoutWarning,
+                  stacklevel=4)
 
 
 _SHAPE = re.compile(r"\((\d+(?:, ?\d+)*),?\)|\[(\d+(?:, ?\d+)*)\]")

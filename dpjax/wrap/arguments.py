@@ -79,6 +79,7 @@ class Arguments:
     meta: list  # a Leaf for each
     graph: list  # nnx.iter_graph(nodes)
     whole: list  # (name, axis): parameters annotated over a model axis the mesh lacks
+    unmapped: list  # the logical names of Linen boxes that no rule in force maps
     meshes: list  # the meshes of the annotations' NamedShardings
     explicit_hint: bool  # dpjax.nn layers, or in_specs naming a model axis
 
@@ -100,6 +101,7 @@ class Reader:
         self.name, self.argname, self.axes = name, argname, axes
         self.in_specs, self.batch_argnums = in_specs, batch_argnums
         self.whole: list = []
+        self.unmapped: list = []
         self.meshes: list = []
         self.explicit_hint = False
 
@@ -122,7 +124,7 @@ class Reader:
             meta += self._tree_leaves(i, args[i], mesh)
         leaves = [per_rank.spread(x, mesh, m.spec) if m.per_rank else x for x, m in zip(leaves, meta)]
         return Arguments(nnx_idx, nodes, graphdef, state_def, tree_idx, tuple(tree_defs), leaves, meta, graph,
-                         self.whole, self.meshes, self.explicit_hint)
+                         self.whole, self.unmapped, self.meshes, self.explicit_hint)
 
     def _nnx_leaves(self, nodes, nnx_idx, state, mesh) -> tuple[list, list]:
         """A Leaf for each array of the NNX state, in the order of jax.tree.flatten(state), and the graph."""
@@ -151,7 +153,8 @@ class Reader:
     def _tree_leaves(self, i, arg, mesh) -> list:
         """A Leaf for each leaf of pytree argument i: its spec from in_specs, else the batch rule."""
         entry = None if self.in_specs is None or i >= len(self.in_specs) else self.in_specs[i]
-        boxed = annotations.box_specs(arg, mesh.axis_names) if entry is None and i not in self.batch_argnums else None
+        boxed = (annotations.box_specs(arg, mesh.axis_names, self.unmapped)
+                 if entry is None and i not in self.batch_argnums else None)
         if entry is None:
             entry = P(data_axes(mesh)) if i in self.batch_argnums else P()
         try:

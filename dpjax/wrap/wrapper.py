@@ -207,6 +207,8 @@ class ShardedStep:
             checks.warn_unsplit(self.__name__, mesh, data_axes(mesh), a.specs)
         annotations.warn_other_mesh(self.__name__, a.meshes, mesh, self.axes)
         annotations.warn_no_model_axis(self.__name__, mesh, a.whole)
+        if a.unmapped or (self.batch_argnums and not a.explicit_hint):  # a training step, not hand-split code
+            annotations.warn_model_unsplit(self.__name__, mesh, a.specs, a.unmapped)
 
     def _layout(self, mesh, a: arguments.Arguments, argname) -> str:
         """How the model axes are laid out ("auto" or "explicit", `dpjax.wrap.annotations`); under
