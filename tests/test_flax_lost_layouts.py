@@ -105,3 +105,22 @@ def test_linen_attention_with_lm1b_annotations_splits_by_heads_and_is_the_dense_
     assert query.shape == (8, 4, 4) and query.sharding.spec == jax.sharding.PartitionSpec(None, "model")  # by heads
     np.testing.assert_allclose(query, one.params["MultiHeadDotProductAttention_0"]["query"]["kernel"], rtol=2e-5,
                                atol=2e-6)
+
+
+def test_a_mesh_with_explicit_axes_is_one_line_with_the_fix(boxed):
+    """jax.make_mesh's default axes are Explicit: the row-parallel Dense then has no output sharding, and JAX's
+    ShardingTypeError (a private class, no traceback of ours) becomes one line saying how to make the mesh."""
+    from dpjax.errors import UserError
+
+    explicit = jax.make_mesh((4, 2), ("data", "model"), axis_types=(jax.sharding.AxisType.Explicit,) * 2)
+    tx = dpjax.DistributedOptimizer(optax.sgd(0.1))
+
+    def step(params, opt, x, y):
+        loss = lambda p: ((MLP().apply({"params": p}, x) - y) ** 2).mean()  # noqa: E731
+        updates, opt = tx.update(jax.grad(loss)(params), opt, params)
+        return optax.apply_updates(params, updates), opt
+
+    with nn.logical_axis_rules(RULES), pytest.raises(UserError, match=r"^step: the mesh's 'data', 'model' axes are "
+                                                                      r"Explicit .* axis_types=\(jax\.sharding\."
+                                                                      r"AxisType\.Auto,\) \* 2"):
+        dpjax.shard_step(step, explicit, batch_argnums=(2, 3))(boxed, tx.init(boxed), X, Y)

@@ -195,6 +195,21 @@ def warn_model_unsplit(step: str, mesh, specs, unmapped) -> None:
                   stacklevel=4)
 
 
+def explicit_axes(step: str, error: Exception, mesh) -> str:
+    """One line for JAX's sharding-type error under a mesh with Explicit axes (`jax.make_mesh`'s
+    default): there every matmul over a split dimension must name its output's sharding, which
+    code written for jax.jit's GSPMD (flax's layers) does not."""
+    explicit = [a for a, t in zip(mesh.axis_names, mesh.axis_types) if t == jax.sharding.AxisType.Explicit]
+    first = str(error).splitlines()[0] if str(error) else type(error).__name__
+    if not explicit:
+        return f"{step}: {first}"
+    n = len(mesh.axis_names)
+    return (f"{step}: the mesh's {', '.join(map(repr, explicit))} axes are Explicit (jax.make_mesh's default), so JAX "
+            f"asks each operation over a split dimension for its output's sharding ({first[:160]}); make the mesh "
+            f"with axis_types=(jax.sharding.AxisType.Auto,) * {n}, as code written for jax.jit's sharding "
+            "propagation expects, or give those operations out_sharding=")
+
+
 _SHAPE = re.compile(r"\((\d+(?:, ?\d+)*),?\)|\[(\d+(?:, ?\d+)*)\]")
 
 

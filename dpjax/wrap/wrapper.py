@@ -238,6 +238,11 @@ class ShardedStep:
             if line is None:
                 raise
             raise UserError(line) from None
+        except Exception as e:
+            if type(e).__name__ != "ShardingTypeError" or not new:  # matched by name: jax's class is private
+                raise
+            self._programs.pop(key)
+            raise UserError(annotations.explicit_axes(self.__name__, e, mesh)) from None
 
     def _check_replicas(self, out, new_state, a: arguments.Arguments, only=None) -> None:
         """What came back declared replicated (outputs, new state) equal on the devices sharing it
