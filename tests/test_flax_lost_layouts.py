@@ -124,3 +124,17 @@ def test_a_mesh_with_explicit_axes_is_one_line_with_the_fix(boxed):
                                                                       r"Explicit .* axis_types=\(jax\.sharding\."
                                                                       r"AxisType\.Auto,\) \* 2"):
         dpjax.shard_step(step, explicit, batch_argnums=(2, 3))(boxed, tx.init(boxed), X, Y)
+
+
+def test_heads_that_do_not_divide_are_not_told_to_pad_a_vocabulary():
+    """The refusal of an uneven split says to pad only a leaf that spans a vocabulary (an embedding, the
+    output layer); attention heads are told to use an axis that divides them."""
+    from dpjax.errors import UserError
+
+    P = jax.sharding.PartitionSpec
+    step = dpjax.shard_step(lambda p, x: x.sum(), "2x4", batch_argnums=1,
+                            in_specs=({"attn": {"kernel": P(None, "model", None)}}, P("data")), out_specs="mean")
+    with pytest.raises(UserError) as e:
+        step({"attn": {"kernel": np.ones((8, 6, 4), np.float32)}}, np.ones((8, 2), np.float32))
+    assert str(e.value).endswith("its dimension 1 (6) does not divide into 4 parts; use a mesh axis whose size "
+                                 "divides 6, or annotate that dimension None to keep it whole"), str(e.value)

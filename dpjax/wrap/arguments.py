@@ -12,6 +12,7 @@ lacks, a dimension that does not divide into its split.
 from __future__ import annotations
 
 import math
+import re
 import sys
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -200,10 +201,16 @@ def check_splits(name: str, leaves, meta, mesh, batch_argnums) -> None:
                                 f"rows do not divide into {n} parts; use a multiple of {n}")
             if shape[d] % n:  # JAX places no uneven blocks: the user pads (a vocabulary: its extra logits unused)
                 pad = -(-shape[d] // n) * n
+                how = (f"pad it to {pad} (a vocabulary of {pad} whose {_extra(pad - shape[d])} never used)"
+                       if _VOCABULARY.search(m.name) else f"use a mesh axis whose size divides {shape[d]}")
                 raise UserError(f"{name}: {m.name} {shape} is split over {e!r}, but its dimension {d} "
-                                f"({shape[d]}) does not divide into {n} parts; pad it to {pad} (a vocabulary "
-                                f"of {pad} whose {_extra(pad - shape[d])} never used), or annotate that "
+                                f"({shape[d]}) does not divide into {n} parts; {how}, or annotate that "
                                 "dimension None to keep it whole")
+
+
+# a leaf whose name says it spans the vocabulary (an embedding, the output layer): padding it is the usual fix;
+# for anything else (attention heads, an MLP's width) it is a smaller or another model axis
+_VOCABULARY = re.compile(r"embed|vocab|output|logit|lm_head|unembed|wte", re.IGNORECASE)
 
 
 def _extra(k: int) -> str:
