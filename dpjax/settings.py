@@ -271,6 +271,9 @@ class Settings:
                                     "and commits in --commit-dir, instead of refusing to start")
     tensorboard: str | None = OUTPUT(None, "also write the metrics as TensorBoard event files to this folder "
                                          "(needs tensorboardX)")
+    wandb: str | None = OUTPUT(None, "also log the metrics to this Weights & Biases project (needs wandb; with "
+                                     "WANDB_MODE=offline the run is written under WANDB_DIR for `wandb sync` later, "
+                                     "no network needed)")
     peak_tflops: float | None = OUTPUT(None, "one device's dense peak TFLOP/s, for the MFU in the metrics and the "
                                            "summary (default: from a table of accelerators by device kind; none "
                                            "on CPU)")

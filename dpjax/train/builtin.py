@@ -133,13 +133,14 @@ class NonFiniteStop(Hook):
 
 
 class Metrics(Hook):
-    """Process 0's rows to the --metrics file (and --tensorboard), the run record first;
+    """Process 0's rows to the --metrics file (and --tensorboard, --wandb), the run record first;
     a resumed run's file loses the rows after the restored step (this run writes them again)."""
 
     def start(self, loop) -> None:
         cfg, trainer = loop.trainer.cfg, loop.trainer
         self.writers = open_writers(cfg.metrics, cfg.tensorboard, append=resume.metrics_append(cfg),
-                                    resumed_at=trainer.start if resume.resuming(cfg) else None) if _main() else None
+                                    resumed_at=trainer.start if resume.resuming(cfg) else None,
+                                    wandb=cfg.wandb) if _main() else None
         loop.writers = self.writers
         loop.write({"record": trainer.run_record})
 

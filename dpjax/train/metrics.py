@@ -1,6 +1,8 @@
 """Where a run's metrics rows go: one small writer interface, JSON lines always when
 `--metrics FILE` is given, TensorBoard event files when `--tensorboard DIR` is (through
-tensorboardX, as MaxText and Levanter write them; imported only then).
+tensorboardX, as MaxText and Levanter write them; imported only then), a Weights & Biases
+run when `--wandb PROJECT` is (the `wandb` package, imported only then; `WANDB_MODE=offline`
+writes the run under `WANDB_DIR` with no network, for `wandb sync` later).
 
 A row is a flat dict with a `step` (the run record, `{"record": {...}}`, has none); the
 TensorBoard writer logs its numbers as scalars at that step, named by group
@@ -128,6 +130,32 @@ class TensorBoard:
         self.writer.close()
 
 
+class WandB:
+    """A Weights & Biases run in `project`: the run record's settings as its config, each
+    row's numbers logged at the row's step under the TensorBoard writer's group names."""
+
+    def __init__(self, project: str):
+        try:
+            import wandb
+        except ImportError:
+            raise MissingPackage("--wandb needs wandb: pip install wandb (or pip install 'dpjax[wandb]')") from None
+        self.run = wandb.init(project=project)
+
+    def write(self, row: dict) -> None:
+        if "record" in row:
+            record = row["record"]
+            self.run.config.update({"settings": record.get("settings", {}), "plan": record.get("plan", {})},
+                                   allow_val_change=True)
+            return
+        numbers = {f"{GROUPS.get(k, 'train')}/{k}": v for k, v in row.items()
+                   if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)}
+        if numbers:
+            self.run.log(numbers, step=row.get("step"))
+
+    def close(self) -> None:
+        self.run.finish()
+
+
 class Writers:
     """Every writer a run asked for, written to and closed together."""
 
@@ -147,12 +175,14 @@ class Writers:
 
 
 def open_writers(metrics: str | None, tensorboard: str | None, append: bool = False,
-                 resumed_at: int | None = None) -> Writers:
-    """The writers of `--metrics FILE` and `--tensorboard DIR` (either may be None);
-    `resumed_at`: see `JsonLines`."""
+                 resumed_at: int | None = None, wandb: str | None = None) -> Writers:
+    """The writers of `--metrics FILE`, `--tensorboard DIR` and `--wandb PROJECT` (any may be
+    None); `resumed_at`: see `JsonLines`."""
     out = []
     if tensorboard:
         out.append(TensorBoard(tensorboard))
+    if wandb:
+        out.append(WandB(wandb))
     if metrics:
         out.append(JsonLines(metrics, append, resumed_at))
     return Writers(out)
