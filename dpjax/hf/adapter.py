@@ -84,7 +84,7 @@ def read_weights(folder: str) -> dict:
 def check_base(adapter: AdapterConfig, source: str | None) -> None:
     """The adapter's base model (PEFT's base_model_name_or_path) is the one it is put on:
     compared by the last part of each name (a Hub id and its downloaded folder agree)."""
-    if not adapter.base or not source:
+    if not adapter.base or not source or not source.startswith("hf:"):  # a dpjax checkpoint has a name of its own
         return
     want = os.path.basename(os.path.normpath(adapter.base))
     got = os.path.basename(os.path.normpath(source.removeprefix("hf:")))

@@ -268,11 +268,15 @@ def lora_model(s: Settings, model):
     from dpjax.models import lora
 
     text = s.lora
-    if s.adapter is not None and text is None:
-        from dpjax.hf.adapter import read_config
+    if s.adapter is None:
+        return lora.wrap(model, text)
+    from dpjax.hf.adapter import adapters_of, read_config
 
-        text = read_config(s.adapter).as_flag()
-    return lora.wrap(model, text)
+    if s.init_from is None:
+        raise UsageError(f"--adapter {s.adapter} is put on a base model: give that with --init-from hf:DIR")
+    model = lora.wrap(model, text or read_config(s.adapter).as_flag())
+    adapters_of(s.adapter, model, s.init_from)  # another base's adapter is refused now, before anything is written
+    return model
 
 
 def trained_split(model, layout, exchange: Exchange):
