@@ -173,7 +173,8 @@ class Lora(Decoder):
         return shape[:t.n_in], shape[t.n_in:]
 
     def describe(self) -> dict:
-        return {**self.base.describe(), "lora": dataclasses.asdict(self.lora)}
+        # as JSON writes it (a list): the record a resume compares is read back from JSON
+        return {**self.base.describe(), "lora": {**dataclasses.asdict(self.lora), "targets": list(self.lora.targets)}}
 
     def init(self, key):
         params = self.base.init(key)

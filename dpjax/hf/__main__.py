@@ -66,9 +66,11 @@ def _export(ckpt: str, out: str, dtype: str | None, shard_mb: float, lora: str |
     model, params, adapter = _lora_export(ckpt, model, params, lora)
     if adapter:
         from dpjax.hf.adapter import export as export_adapter
+        from dpjax.hf.files import DTYPES
+        from dpjax.hf.writer import TORCH_DTYPES
 
         base = origin and (origin.folder or origin.missing)  # PEFT's base_model_name_or_path
-        files = export_adapter(params, model, out, dtype=dtype, base=base or None)
+        files = export_adapter(params, model, out, dtype=DTYPES[TORCH_DTYPES[dtype]], base=base or None)
         return f"{out}: {', '.join(files)} ({dtype}): a PEFT adapter of {base or 'its base model'}"
     files = export(params, model, out, dtype=dtype, base_config=origin and origin.config,
                    max_shard_bytes=int(shard_mb * 2**20))

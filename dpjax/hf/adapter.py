@@ -20,7 +20,7 @@ import os
 import jax
 import numpy as np
 
-from dpjax.hf.files import DTYPES, HFError, _entry, read_header, write_file
+from dpjax.hf.files import HFError, _entry, read_header, write_file
 
 CONFIG = "adapter_config.json"
 WEIGHTS = "adapter_model.safetensors"
@@ -128,13 +128,13 @@ def adapters_of(folder: str, model, source: str | None = None) -> dict:
     return out
 
 
-def export(params, model, folder: str, *, dtype: str = "float32", base: str | None = None) -> list[str]:
-    """`model`'s adapters in `params` (any sharding) -> a PEFT adapter folder; `base`: the
-    base model's name or folder (PEFT's base_model_name_or_path). Returns the files written."""
-    from dpjax.hf.writer import TORCH_DTYPES
+def export(params, model, folder: str, *, dtype=np.float32, base: str | None = None) -> list[str]:
+    """`model`'s adapters in `params` (any sharding) -> a PEFT adapter folder, the tensors in
+    numpy `dtype`; `base`: the base model's name or folder (PEFT's base_model_name_or_path).
+    Returns the files written."""
     from dpjax.models.lora import a_key, b_key
 
-    np_dtype, c = DTYPES[TORCH_DTYPES[dtype]], model.lora
+    np_dtype, c = np.dtype(dtype), model.lora
     adapters = jax.device_get(params[model.LAYERS]["lora"])
     tensors = {}
     for i in range(model.config.n_layers):

@@ -231,6 +231,8 @@ class _Bodies:
         if self.replicated_over or self.expert_over:
             params = by_leaf(params, layout.expert_leaves(), lambda ls: broadcast(ls, self.expert_over),
                               lambda ls: broadcast(ls, self.replicated_over))
+        if held.split is not None:  # LoRA's frozen base is only ever computed with: kept in the compute dtype
+            params = held.join(held.trained(params), self.plan.policy.cast(held.frozen(params)))
         return held.wrap(params), held.wrap(self.plan.rule.init(held.trained(params)))
 
     def train_body(self, params, state, batch_AxBdxT1):
