@@ -130,3 +130,25 @@ def test_dry_run_plans_adapters_state_only():
     assert lora["state"] == 2 * 4 * 32 * per_layer // 8
     # the frozen base in the compute dtype, bfloat16 on the GPU planned for: half the float32 master weights
     assert lora["params"] == full["params"] // 2 + 4 * 32 * per_layer // 8
+
+
+def test_bad_input_is_one_line_and_writes_nothing(tmp_path, capsys):
+    import shutil
+
+    from dpjax.train import main
+
+    out, other = tmp_path / "out", tmp_path / "other-model"
+    out.mkdir()
+    shutil.copytree(BASE, other)  # the same weights under another name: not the adapter's base by its config
+    writes = ["--data", "synthetic", "--seq-len", "16", "--steps", "2", "--metrics", str(out / "m.jsonl"),
+              "--ckpt-dir", str(out / "ckpt")]
+    for args, says in [
+        (["--init-from", f"hf:{BASE}", "--lora", "r=4,targets=q,lm_head"], "targets lm_head name no layer"),
+        (["--init-from", f"hf:{BASE}", "--lora", "r=64"], "r=64 is larger than layer q (32 x 32)"),
+        (["--init-from", f"hf:{other}", "--adapter", ADAPTER], "was made for llama_tiny, not hf:"),
+        (["--model", "gpt", "--lora", "r=4"], "--lora adapts the Llama's linear layers"),
+    ]:
+        assert main([*args, *writes]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("error: ") and len(err.splitlines()) == 1 and says in err, err
+        assert os.listdir(out) == []
