@@ -280,6 +280,11 @@ class Settings:
     init_from: str | None = SAVE(None, "start from these weights: hf:DIR (a HuggingFace Llama folder: config.json and "
                                        "safetensors) or a dpjax checkpoint folder (python -m dpjax.hf import's, or a "
                                        "run's --ckpt-dir); the model and its options come from there")
+    lora: str | None = SAVE(None, "train LoRA adapters, the base frozen: r=16,alpha=32,dropout=0.0,targets=q,k,v,o,"
+                                  "gate,up,down (PEFT's target_modules names, or all-linear; docs/finetune.md)")
+    adapter: str | None = SAVE(None, "with --init-from: start the adapters from this PEFT adapter folder "
+                                     "(adapter_config.json, adapter_model.safetensors); --lora defaults to its "
+                                     "settings")
     ckpt_dir: str | None = SAVE(None, "folder for checkpoints (orbax)")
     ckpt_every: int = SAVE(100, "steps between checkpoints")
     resume: bool = SAVE(False, "continue from the latest checkpoint in --ckpt-dir (or the newest commit in "

@@ -1,5 +1,5 @@
 """`python -m dpjax.generate --init-from hf:DIR|CKPT (--prompt TEXT [--tokenizer PATH] |
---prompt-ids 1,2,3) --max-new-tokens N [--temperature T] [--top-p P] [--json]`
+--prompt-ids 1,2,3) --max-new-tokens N [--temperature T] [--top-p P] [--adapter DIR] [--json]`
 
 Prints the prompt and its continuation (or, with --json, one object: the prompt's ids,
 the new ids and the text). Greedy unless --temperature is above 0; stops at the model's
@@ -36,9 +36,7 @@ def eos_ids(hub: dict | None, tok) -> list[int]:
 
 def run(args) -> dict:
     from dpjax.generate import Sampling, generate
-    from dpjax.hf import model_of, params_of
-    from dpjax.hf.source import default_mesh
-    from dpjax.sharding import make_layout
+    from dpjax.hf import model_of
     from dpjax.data.tokenizer import for_model
 
     if args.max_new_tokens < 1 or args.temperature < 0 or not 0 < args.top_p <= 1:
@@ -59,8 +57,7 @@ def run(args) -> dict:
     if max(prompt) >= model.config.vocab_size:
         raise UserError(f"prompt id {max(prompt)} is beyond the model's {model.config.vocab_size} ids")
     model, _, _ = model_of(args.init_from, seq_len=len(prompt) + args.max_new_tokens)
-    layout = make_layout(model, default_mesh(model, args.mesh))
-    params = params_of(args.init_from, model, layout, record)
+    model, params = _weights(args, model, record)
     new = generate(model, params, [prompt], args.max_new_tokens,  # one row: it ends at its EOS, if any
                    Sampling(args.temperature, args.top_p, args.seed), eos=eos_ids(hub, tok))[0].tolist()
     out = {"prompt_ids": prompt, "new_ids": new}
@@ -68,6 +65,27 @@ def run(args) -> dict:
         out["text"] = tok.decode(new)
         out["prompt"] = tok.decode(prompt)
     return out
+
+
+def _weights(args, model, record):
+    """(the model, its parameters on the mesh): with LoRA adapters (--adapter, or a LoRA run's
+    checkpoint) the base with them merged in (base + alpha/r B A), as an export --merge writes it."""
+    import jax
+
+    from dpjax.hf import params_of
+    from dpjax.hf.source import default_mesh
+    from dpjax.models.lora import Lora
+    from dpjax.sharding import make_layout
+
+    if args.adapter is not None:
+        from dpjax.hf.adapter import read_config
+
+        model = model if isinstance(model, Lora) else Lora(model, read_config(args.adapter).lora)
+    mesh = default_mesh(model, args.mesh)
+    params = params_of(args.init_from, model, make_layout(model, mesh), record, adapter=args.adapter)
+    if not isinstance(model, Lora):
+        return model, params
+    return model.base, jax.device_put(jax.jit(model.merge)(params), make_layout(model.base, mesh).shardings())
 
 
 def main(argv=None) -> int:
@@ -84,6 +102,7 @@ def main(argv=None) -> int:
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling's probability mass (default 1: all)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--mesh", help="e.g. 1x8 (default: every device on model where it divides)")
+    p.add_argument("--adapter", help="a PEFT LoRA adapter folder to put on --init-from's weights")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     args = p.parse_args(argv)
     guard_flagged()  # devices simulated with XLA_FLAGS: guard their collectives before JAX starts

@@ -36,19 +36,21 @@ def do_import(folder: str, out: str, mesh_spec: str | None) -> str:
     return f"{out}: {model.name} with {n:,} parameters from {folder} (step 0); train with --init-from {out}"
 
 
-def do_export(ckpt: str, out: str, dtype: str | None, shard_mb: float, overwrite: bool = False) -> str:
+def do_export(ckpt: str, out: str, dtype: str | None, shard_mb: float, overwrite: bool = False,
+              lora: str | None = None) -> str:
+    """lora: for a LoRA run's checkpoint, "adapter" (PEFT's files) or "merge" (full weights, base + alpha/r B A)."""
     from dpjax.hf.writer import check_out
 
     made = check_out(out, overwrite)
     try:
-        return _export(ckpt, out, dtype, shard_mb)
+        return _export(ckpt, out, dtype, shard_mb, lora)
     except BaseException:
         if made and os.path.isdir(out) and not os.listdir(out):
             os.rmdir(out)  # a failed export leaves no empty folder behind
         raise
 
 
-def _export(ckpt: str, out: str, dtype: str | None, shard_mb: float) -> str:
+def _export(ckpt: str, out: str, dtype: str | None, shard_mb: float, lora: str | None = None) -> str:
     from dpjax.hf import identity
     from dpjax.hf.writer import export
     from dpjax.hf.source import default_mesh, model_of, params_of
@@ -61,6 +63,15 @@ def _export(ckpt: str, out: str, dtype: str | None, shard_mb: float) -> str:
     layout = make_layout(model, default_mesh(model))
     params = params_of(ckpt, model, layout, record)
     dtype = dtype or (record.get("hf") or {}).get("dtype") or (origin and origin.dtype) or "float32"
+    model, params, adapter = _lora_export(ckpt, model, params, lora)
+    if adapter:
+        from dpjax.hf.adapter import export as export_adapter
+        from dpjax.hf.files import DTYPES
+        from dpjax.hf.writer import TORCH_DTYPES
+
+        base = origin and (origin.folder or origin.missing)  # PEFT's base_model_name_or_path
+        files = export_adapter(params, model, out, dtype=DTYPES[TORCH_DTYPES[dtype]], base=base or None)
+        return f"{out}: {', '.join(files)} ({dtype}): a PEFT adapter of {base or 'its base model'}"
     files = export(params, model, out, dtype=dtype, base_config=origin and origin.config,
                    max_shard_bytes=int(shard_mb * 2**20))
     files += identity.copy_files(origin, out)
@@ -71,6 +82,25 @@ def _export(ckpt: str, out: str, dtype: str | None, shard_mb: float) -> str:
         return line + (f"; {origin.missing}, where the model was imported from, is not there: no tokenizer"
                        + ("" if origin.config else ", and config.json is dpjax's own"))
     return line
+
+
+def _lora_export(ckpt: str, model, params, how: str | None):
+    """(the model and parameters to write, whether as an adapter): a LoRA checkpoint's
+    adapters (--adapter), or its base with them merged (--merge)."""
+    import jax
+
+    from dpjax.models.lora import Lora
+
+    if not isinstance(model, Lora):
+        if how:
+            raise UserError(f"{ckpt} holds no LoRA adapters (a run without --lora): export it without --{how}")
+        return model, params, False
+    if how is None:
+        raise UserError(f"{ckpt} holds a LoRA run (a frozen base and adapters): export --adapter writes PEFT's "
+                        "adapter files, --merge the full weights with the adapters merged in")
+    if how == "adapter":
+        return model, params, True
+    return model.base, jax.jit(model.merge)(params), False
 
 
 def main(argv=None) -> int:
@@ -88,13 +118,18 @@ def main(argv=None) -> int:
     e.add_argument("--shard-mb", type=float, default=5 * 1024, help="largest safetensors file in MiB (default 5 GiB)")
     e.add_argument("--overwrite", action="store_true", help="replace the files of a folder that is not empty "
                                                             "(default: refuse)")
+    how = e.add_mutually_exclusive_group()  # a LoRA run's checkpoint (--lora): which of the two
+    how.add_argument("--adapter", dest="lora", action="store_const", const="adapter",
+                     help="write the LoRA adapters as PEFT does (adapter_config.json, adapter_model.safetensors)")
+    how.add_argument("--merge", dest="lora", action="store_const", const="merge",
+                     help="write full weights with the LoRA adapters merged in (base + alpha/r B A: for vLLM)")
     args = p.parse_args(argv)
     guard_flagged()  # devices simulated with XLA_FLAGS: guard their collectives before JAX starts
     try:
         if args.command == "import":
             line = do_import(args.folder, args.out, args.mesh)
         else:
-            line = do_export(args.ckpt, args.out, args.dtype, args.shard_mb, args.overwrite)
+            line = do_export(args.ckpt, args.out, args.dtype, args.shard_mb, args.overwrite, args.lora)
     except UserError as e:
         if os.environ.get("DPJAX_DEBUG"):
             raise

@@ -5,6 +5,7 @@ read onto a layout. `--init-from` (train), `python -m dpjax.generate` and export
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import jax
@@ -27,8 +28,13 @@ def model_of(source: str, seq_len: int | None = None):
     if seq_len:
         fields["seq_len"] = seq_len
     from dpjax.models import get_model
+    from dpjax.models.lora import Lora, LoraConfig
 
-    return get_model(record["model"]["model"], **fields), record.get("hf", {}).get("config"), record
+    lora = fields.pop("lora", None)  # a LoRA run's checkpoint: the base and its adapters
+    model = get_model(record["model"]["model"], **fields)
+    if lora is not None:
+        model = Lora(model, LoraConfig(**{**lora, "targets": tuple(lora["targets"])}))
+    return model, record.get("hf", {}).get("config"), record
 
 
 def default_mesh(model, spec: str | None = None):
@@ -52,8 +58,21 @@ def read_record(folder: str) -> dict:
     return Checkpointer(folder).read_record()
 
 
-def params_of(source: str, model, layout, record: dict | None = None):
-    """`source`'s parameters in `layout`'s sharding (float32)."""
+def params_of(source: str, model, layout, record: dict | None = None, adapter: str | None = None, seed: int = 0):
+    """`source`'s parameters in `layout`'s sharding (float32). A LoRA model's
+    (`dpjax.models.lora`) from a source without adapters: the base's, with the PEFT adapter
+    in folder `adapter` or fresh ones (drawn from `seed`)."""
+    from dpjax.models.lora import Lora, Split
+
+    if isinstance(model, Lora) and (adapter or is_hf(source) or "lora" not in (
+            record or read_record(source))["model"]):
+        from dpjax.hf.adapter import adapters_of
+
+        split = Split(model.LAYERS)
+        base = params_of(source, model.base, dataclasses.replace(layout, specs=split.frozen(layout.specs)), record)
+        fresh = adapters_of(adapter, model, source) if adapter else jax.jit(model.init_adapters)(
+            jax.random.key(seed))
+        return split.join(jax.device_put(fresh, split.trained(layout.shardings())), base)
     if is_hf(source):
         return load_params(source[len(HF_PREFIX):], model, layout)
     import orbax.checkpoint as ocp

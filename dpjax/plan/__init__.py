@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from dpjax.plan.task import check_task
+from dpjax.plan.lora import lora_model, trained_split
 from dpjax.compression.exchange import Exchange  # the plan builds it (resolve, per_shard); dpjax.step reads it
 from dpjax.compute.policy import Policy
 from dpjax.settings import Settings
@@ -62,6 +63,7 @@ class Plan:
     policy: Policy = Policy()  # the compute policy: dtype, remat, attention kernel, scan (dpjax.compute.policy)
     notes: tuple = ()  # one-line remarks the run prints once (e.g. why not cuDNN attention)
     memory: dict | None = None  # the planner's estimate per device (dpjax.plan.memory.estimate) and what a device has
+    split: Any = None  # LoRA (dpjax.models.lora.Split): the trained part of the parameters; None: all of them
 
     @property
     def task(self) -> str:
@@ -195,6 +197,7 @@ def resolve(s: Settings, devices=None, *, mesh=None, model=None, optimizer=None,
     if model is None:
         name, options = model_choice(s)
         model = get_model(name, **options)
+    model = lora_model(s, model)  # --lora / --adapter: the base frozen, adapters trained (dpjax.models.lora)
     check_context(s, model, mesh)
     check_expert(s, model, mesh, update, workers)
     check_task(s, model, mesh)
@@ -236,7 +239,9 @@ def for_layout(model, layout, *, global_batch: int, update="sync", opt=None, opt
 
     update = parse_update(update) if isinstance(update, str) else update
     opt = opt if opt is not None or optimizer is not None else OptimizerConfig()
-    inner = optimizer if optimizer is not None else opt.make(global_batch * passes, layout.specs)
+    split = trained_split(model, layout, exchange)
+    specs = layout.specs if split is None else split.trained(layout.specs)  # what the rule updates and exchanges
+    inner = optimizer if optimizer is not None else opt.make(global_batch * passes, specs)
     dp = dp_size(layout.mesh)
     if global_batch % dp:
         raise UsageError(f"--batch-size {global_batch} is not divisible by the {dp} data-parallel ranks of "
@@ -250,12 +255,12 @@ def for_layout(model, layout, *, global_batch: int, update="sync", opt=None, opt
         from dpjax.optim import ADAM_B1, ADAM_B2, ADAM_EPS
         from dpjax.updates.registry import Optimizer
 
-        own = Optimizer(opt, global_batch * passes, layout.specs, ADAM_B1, ADAM_B2, ADAM_EPS)
+        own = Optimizer(opt, global_batch * passes, specs, ADAM_B1, ADAM_B2, ADAM_EPS)
     rule = make_rule(update, inner, layout.workers, seed=seed, optimizer=own, exchange=exchange)
     if sharded.applies(layout, exchange.compression):  # FSDP's reduce-scatter carries the error feedback
         rule = sharded.wrap(rule, layout, exchange)
     return Plan(layout.mesh, layout, rule, exchange, passes, tuple(links), global_batch, model,
-                opt if optimizer is None else None, update, optimizer=optimizer)
+                opt if optimizer is None else None, update, optimizer=optimizer, split=split)
 
 
 def _workers(s: Settings, mesh, update) -> tuple[tuple, tuple | None]:

@@ -24,8 +24,11 @@ def estimate(model, layout, global_batch: int, compression=None, policy=None, pl
     n times its shards; the activations are the model's own estimate for its rows under
     the compute `policy` (`dpjax.compute.policy.Policy`: dtype, remat, attention; default the
     float32 reference), split by the model axis and the context axis. `platform`: where it runs (default
-    JAX's backend): XLA:CPU computes bfloat16 in float32, so on CPU a value is 4 bytes."""
+    JAX's backend): XLA:CPU computes bfloat16 in float32, so on CPU a value is 4 bytes.
+    A LoRA model (`dpjax.models.lora`): state and gradients of the adapters only, the
+    frozen base counted once, in the compute dtype it is kept in."""
     from dpjax.compute.policy import Policy, accelerated
+    from dpjax.models.lora import Lora, Split
 
     policy = policy or Policy()
     platform = platform or jax.default_backend()
@@ -33,8 +36,13 @@ def estimate(model, layout, global_batch: int, compression=None, policy=None, pl
     local = jax.tree.map(lambda x, sh: math.prod(sh.shard_shape(x.shape)) * x.dtype.itemsize,
                          stored, layout.shardings())
     params = sum(jax.tree.leaves(local))
-    state = 2 * params  # Adam's two moments (an upper bound for sgd and momentum)
-    grads = 2 * params  # the gradient and the update formed from it, live together in the step
+    trained = params
+    if isinstance(model, Lora):  # the frozen base in the compute dtype (dpjax.step.builder's init), the adapters not
+        trained = sum(jax.tree.leaves(Split(model.LAYERS).trained(local)))
+        frozen = Split(model.LAYERS).frozen(jax.tree.map(lambda x, n: n // x.dtype.itemsize, stored, local))
+        params = trained + sum(jax.tree.leaves(frozen)) * policy.compute.itemsize
+    state = 2 * trained  # Adam's two moments (an upper bound for sgd and momentum); LoRA: of the adapters only
+    grads = 2 * trained  # the gradient and the update formed from it, live together in the step
     error = _error_bytes(layout, stored, params, compression)
     rows = max(1, global_batch // dp_size(layout.mesh))
     split = layout.mesh.shape.get(MODEL, 1)

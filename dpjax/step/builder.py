@@ -116,11 +116,21 @@ def build(loss_fn, plan: Plan, *, abstract_params, donate: bool = True, value_an
     # the "loss" the rule passes through is then (loss, stats); FSDP through random-k takes
     # its own local gradient (`local_grad`): its steps leave the figures to the `stats` program
     step_stats = loss_and_stats is not None and not sharded.applies(layout, exchange.compression)
+    assert plan.split is None or not (step_stats or value_and_grad), "dpjax.plan: LoRA on a Llama, no stage axis"
     if step_stats:
         assert value_and_grad is None, "dpjax.plan refuses experts beside a stage axis"
         value_and_grad = jax.value_and_grad(loss_and_stats, has_aux=True)
-    grad_fn = worker_grad(plan, *local_grad(loss_fn, plan, par, value_and_grad))
     held = _Held.of(plan, abstract_params)
+
+    def grad_fn(frozen):
+        """The worker's gradient, of the trained parameters only (LoRA's adapters, `plan.split`:
+        the frozen base beside them is a constant of the loss, never differentiated, so nothing
+        of it is computed, exchanged or updated)."""
+        if plan.split is None:
+            return worker_grad(plan, *local_grad(loss_fn, plan, par, value_and_grad))
+        trained_loss = lambda t, b, par: loss_fn(plan.split.join(t, frozen), b, par)  # noqa: E731
+        return worker_grad(plan, *local_grad(trained_loss, plan, par, None))
+
     bodies = _Bodies(plan, held, par, grad_fn, loss_fn, loss_and_stats, step_stats)
     smap = _smapper(plan, held, clock)
     pw, sw, rows = held.pspecs_w, held.sspecs_w, data_axes(layout.mesh) or None
@@ -148,12 +158,23 @@ class _Held:
     local: Any
     local_w: Any
     per_worker: bool
+    split: Any = None  # LoRA's `dpjax.models.lora.Split`: the rule sees the trained part only; None: all
+
+    def trained(self, tree):
+        return tree if self.split is None else self.split.trained(tree)
+
+    def frozen(self, tree):
+        return None if self.split is None else self.split.frozen(tree)
+
+    def join(self, trained, frozen):
+        return trained if self.split is None else self.split.join(trained, frozen)
 
     @classmethod
     def of(cls, plan: Plan, abstract_params) -> "_Held":
         layout, rule, mesh = plan.layout, plan.rule, plan.layout.mesh
-        pspecs = layout.specs
-        sspecs = rule.specs(pspecs, jax.eval_shape(rule.init, abstract_params))
+        pspecs, split = layout.specs, plan.split
+        trained = (lambda t: t) if split is None else split.trained  # noqa: E731
+        sspecs = rule.specs(trained(pspecs), jax.eval_shape(rule.init, trained(abstract_params)))
         lead, stack = (), lambda tree: tree  # noqa: E731
         if rule.per_worker:
             lead = (layout.num_workers,)
@@ -165,7 +186,8 @@ class _Held:
             return jax.tree.map(lambda a, sp: local_shape(lead + tuple(a.shape), sp, mesh), abstract_params, specs,
                                 is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct))
 
-        return cls(pspecs, sspecs, pspecs_w, stack(sspecs), local(pspecs, ()), local(pspecs_w, lead), rule.per_worker)
+        return cls(pspecs, sspecs, pspecs_w, stack(sspecs), local(pspecs, ()), local(pspecs_w, lead), rule.per_worker,
+                   split)
 
     def wrap(self, tree):
         """The worker axis put on (a per-worker rule's values), or the tree as it is."""
@@ -209,7 +231,9 @@ class _Bodies:
         if self.replicated_over or self.expert_over:
             params = by_leaf(params, layout.expert_leaves(), lambda ls: broadcast(ls, self.expert_over),
                               lambda ls: broadcast(ls, self.replicated_over))
-        return held.wrap(params), held.wrap(self.plan.rule.init(params))
+        if held.split is not None:  # LoRA's frozen base is only ever computed with: kept in the compute dtype
+            params = held.join(held.trained(params), self.plan.policy.cast(held.frozen(params)))
+        return held.wrap(params), held.wrap(self.plan.rule.init(held.trained(params)))
 
     def train_body(self, params, state, batch_AxBdxT1):
         held, passes, rows = self.held, self.plan.passes, self.local_rows
@@ -217,9 +241,12 @@ class _Bodies:
         tokens_AxBdxT1 = tokens(batch_AxBdxT1)  # a task's batch may carry more leaves (dpjax.tasks)
         assert tokens_AxBdxT1.ndim == 3 and tokens_AxBdxT1.shape[:2] == (passes, rows or tokens_AxBdxT1.shape[1]), (
             tokens_AxBdxT1.shape, passes, rows)
+        params = held.unwrap(params)
+        frozen = held.frozen(params)  # LoRA's base: passed through as it came, bit for bit
         with scopes.phase("optimizer"):  # the rule's own work; grad_fn's phases name themselves inside
-            params, state, loss = self.plan.rule.step(self.grad_fn, held.unwrap(params), held.unwrap(state),
-                                                      batch_AxBdxT1)
+            trained, state, loss = self.plan.rule.step(self.grad_fn(frozen), held.trained(params),
+                                                       held.unwrap(state), batch_AxBdxT1)
+        params = held.join(trained, frozen)
         with scopes.phase("loss"):
             loss = lax.pmean(loss, self.loss_axes)  # with stats, (loss, stats): the step returns both
         return held.wrap(params), held.wrap(state), *(loss if self.step_stats else (loss,))
@@ -237,11 +264,15 @@ class _Bodies:
     def flush_body(self, params, state):
         held = self.held
         held.check(params)
-        return tuple(held.wrap(x) for x in self.plan.rule.flush(held.unwrap(params), held.unwrap(state)))
+        params = held.unwrap(params)
+        trained, state = self.plan.rule.flush(held.trained(params), held.unwrap(state))
+        return held.wrap(held.join(trained, held.frozen(params))), held.wrap(state)
 
     def consensus_body(self, params):
-        self.held.check(params)
-        return self.plan.rule.consensus(self.held.unwrap(params))
+        held = self.held
+        held.check(params)
+        params = held.unwrap(params)
+        return held.join(self.plan.rule.consensus(held.trained(params)), held.frozen(params))
 
 
 def _smapper(plan: Plan, held: _Held, clock):
@@ -250,7 +281,7 @@ def _smapper(plan: Plan, held: _Held, clock):
     compression's fusion buckets never mixing parameters split differently."""
     mesh = plan.layout.mesh
     classes = jax.tree.map(lambda s: ",".join(a for a in spec_axes(s) if a in NOT_DATA and mesh.shape[a] > 1),
-                           held.pspecs, is_leaf=is_spec)
+                           held.trained(held.pspecs), is_leaf=is_spec)  # the exchanged tree's
     emulator = emulation.Emulator(mesh, tuple(plan.links), clock) if plan.links else None
 
     def smap(fn, in_specs, out_specs):

@@ -149,7 +149,8 @@ class Trainer:
         if cfg.init_from:  # the optimizer state fresh
             from dpjax.hf import params_of
 
-            initial = plan.policy.store(params_of(cfg.init_from, self.model, self.layout))
+            initial = plan.policy.store(params_of(cfg.init_from, self.model, self.layout, adapter=cfg.adapter,
+                                                   seed=cfg.seed))
             self.say(f"initialised from {cfg.init_from} ({self.model.num_params(initial):,} parameters)")
         else:
             initial = S.init_params(self.model, self.layout, key, plan.policy,

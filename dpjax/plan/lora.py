@@ -1,0 +1,42 @@
+"""LoRA in the plan: the model --lora or --adapter asks for (the base wrapped with its
+adapters, `dpjax.models.lora`), and the part of its parameters the update rule is built over
+(the adapters: `Split`), refused in one line on the layouts it does not run on."""
+
+from __future__ import annotations
+
+from dpjax.compression.exchange import Exchange
+from dpjax.plan.checks import UsageError
+from dpjax.settings import Settings
+def lora_model(s: Settings, model):
+    """`model` with the adapters --lora asks for, or --adapter's folder holds (its settings
+    when --lora is not given)."""
+    from dpjax.models import lora
+
+    text = s.lora
+    if s.adapter is None:
+        return lora.wrap(model, text)
+    from dpjax.hf.adapter import adapters_of, read_config
+
+    if s.init_from is None:
+        raise UsageError(f"--adapter {s.adapter} is put on a base model: give that with --init-from hf:DIR")
+    model = lora.wrap(model, text or read_config(s.adapter).as_flag())
+    adapters_of(s.adapter, model, s.init_from)  # another base's adapter is refused now, before anything is written
+    return model
+
+
+def trained_split(model, layout, exchange: Exchange):
+    """The trained part of a LoRA model's parameters and the frozen rest (`dpjax.models.lora.Split`),
+    or None: every parameter trained."""
+    from dpjax.compression import sharded
+    from dpjax.models.lora import Lora, Split
+
+    if not isinstance(model, Lora):
+        return None
+    if layout.pipeline is not None:
+        raise UsageError("--lora on a stage axis is not built yet (the pipeline's schedule differentiates every "
+                         "parameter of a stage); use data, model and FSDP axes")
+    if sharded.applies(layout, exchange.compression):
+        raise UsageError(f"--lora with --fsdp and --compression {exchange.compression}: FSDP's error feedback "
+                         "mirrors every parameter; compress without --fsdp, or FSDP without error feedback")
+    return Split(model.LAYERS)
+
