@@ -101,11 +101,17 @@ class Qwen3(Llama):
         return params
 
     def queries(self, a, h_BdxTxD, par: Parallel = DENSE):
-        return rms_norm(super().queries(a, h_BdxTxD, par), a["qnorm_LsxK"], self.config.norm_eps)
+        # The norm's scale is replicated but each rank applies it to its own heads only: f
+        # sums the ranks' partial gradients of it (identity forward), as for a split input.
+        return rms_norm(super().queries(a, h_BdxTxD, par), par.f(a["qnorm_LsxK"]), self.config.norm_eps)
 
     def keys_values(self, a, h_BdxTxD, par: Parallel = DENSE):
         kv_Bdx2xTxYmxK = super().keys_values(a, h_BdxTxD, par)
-        k_BdxTxYmxK = rms_norm(kv_Bdx2xTxYmxK[:, 0], a["knorm_LsxK"], self.config.norm_eps)
+        # Split K/V heads: the scale's gradient summed as the queries'. Replicated ones (every
+        # rank computes all Y; `project` sums their cotangents already): taken as it is.
+        split = a["wkv_LsxDx2xYmxK"].shape[2] < self.config.n_kv_heads
+        scale_K = par.f(a["knorm_LsxK"]) if split else a["knorm_LsxK"]
+        k_BdxTxYmxK = rms_norm(kv_Bdx2xTxYmxK[:, 0], scale_K, self.config.norm_eps)
         return jnp.stack([k_BdxTxYmxK, kv_Bdx2xTxYmxK[:, 1]], axis=1)
 
 

@@ -10,6 +10,7 @@ and their last-position log-probs; config.4x.json is the same model saved by tra
 
 import json
 import os
+import re
 import shutil
 
 import jax
@@ -145,3 +146,47 @@ def test_processes_import_export_and_verify(tmp_path):
     assert set(got) == set(want) and all(got[k].tobytes() == want[k].tobytes() for k in want)
     card = run("verify", path, "--expected", os.path.join(path, "expected.json"))
     assert card.returncode == 0 and "# Qwen3ForCausalLM" in card.stdout and "**Verified**" in card.stdout
+
+
+# The published sizes (the Hub's model cards: Qwen3-0.6B's 0.6B with its embedding once, 0.44B without)
+PRESET_PARAMS = {"llama3.2-1b": 1_235_814_400, "llama3.2-3b": 3_212_749_824, "llama3.1-8b": 8_030_261_248,
+                 "qwen2.5-7b": 7_615_616_512, "qwen3-0.6b": 596_049_920, "qwen3-8b": 8_190_735_360}
+
+
+@pytest.mark.slow  # abstract inits of six shapes: about 10 s here
+def test_presets_have_the_published_sizes():
+    """Each preset's parameter count is the model card's: counted abstractly (nothing
+    allocated) at 1 and 2 layers and extended to its depth (a count linear in the layers).
+    The 3.2 names are the llama3-1b / 3b shapes, Llama 3.1 8B is Llama 3 8B's with llama3
+    rope scaling."""
+    import math
+
+    from dpjax.models import get_model, presets
+
+    def count(name, fields):
+        model = get_model(name, seq_len=128, **fields)
+        return sum(math.prod(x.shape) for x in jax.tree.leaves(jax.eval_shape(model.init, jax.random.key(0))))
+
+    known = presets()
+    for preset, published in PRESET_PARAMS.items():
+        name, fields = known[preset]
+        one, two = (count(name, {**fields, "n_layers": n}) for n in (1, 2))
+        assert one + (two - one) * (fields["n_layers"] - 1) == published, preset
+    assert known["llama3.2-1b"] == known["llama3-1b"] and known["llama3.2-3b"] == known["llama3-3b"]
+    assert known["llama3.1-8b"][1]["rope_scaling"]["factor"] == 8.0
+    assert known["qwen3-8b"][1]["head_dim"] == 128 and not known["qwen3-8b"][1].get("tie_embeddings")
+
+
+@pytest.mark.parametrize("preset", [p if p == "qwen3-0.6b" else pytest.param(p, marks=pytest.mark.slow)
+                                    for p in PRESET_PARAMS])
+def test_presets_plan_with_dry_run(preset, capsys):
+    """Each preset plans with --dry-run on this machine for one 141 GiB H200 a device (one
+    fast, the others slow: a few seconds each), and the plan's parameter bytes are its size's."""
+    from dpjax.train.cli import main
+
+    model = 4 if preset == "qwen2.5-7b" else 8  # 28 query heads: a model axis of 4
+    assert main(["--preset", preset, "--mesh", f"data=1,model={model}", "--fsdp", "--device-memory", "141GiB",
+                 "--batch-size", "8", "--seq-len", "2048", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    planned = float(re.search(r"parameters ([0-9.]+) GiB", out).group(1))  # float32, split over model
+    assert "the plan fits" in out and abs(planned / (PRESET_PARAMS[preset] * 4 / model / 2**30) - 1) < 0.01

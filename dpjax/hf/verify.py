@@ -199,8 +199,8 @@ def verify(folder: str, expected: str | None = None, train: tuple = (), new_toke
                   "by": saved.get("made_by", expected).split(", ", 1)[-1].split(", torch")[0]}
     else:
         try:
+            import transformers  # noqa: F401  (first: without it, torch's slow import is not needed)
             import torch  # noqa: F401
-            import transformers  # noqa: F401
         except ImportError:
             raise UserError("verify compares against HuggingFace transformers, which is not installed here "
                             "(pip install transformers torch), or pass --expected FILE") from None
