@@ -1,13 +1,15 @@
 """`python -m dpjax.hf import DIR --out CKPT` / `python -m dpjax.hf export CKPT --out DIR`.
 
-import: a HuggingFace Llama folder (config.json, safetensors: one file or shards and
+import: a HuggingFace folder of a supported family (config.json, safetensors: one file or shards and
 their index) -> a dpjax checkpoint (parameters, float32, step 0), read on a mesh
 (--mesh, default every device on `model` where it divides: each device reads its own
 block from the memory-mapped files). export: a dpjax checkpoint (an import's, or a
 training run's --ckpt-dir, from any mesh) -> a HuggingFace folder in the Hub's layout,
 with the imported model's config.json (changed only where the model differs), tokenizer,
 chat template and generation config; an existing export is replaced only with
---overwrite. User errors: one line, exit 2.
+--overwrite. verify: dpjax against transformers on a folder (greedy continuations,
+last-position log-probs, round trip), printed as a markdown card (`dpjax.hf.verify`).
+User errors: one line, exit 2.
 """
 
 from __future__ import annotations
@@ -52,13 +54,14 @@ def do_export(ckpt: str, out: str, dtype: str | None, shard_mb: float, overwrite
 
 def _export(ckpt: str, out: str, dtype: str | None, shard_mb: float, lora: str | None = None) -> str:
     from dpjax.hf import identity
+    from dpjax.hf.family import FAMILIES
     from dpjax.hf.writer import export
     from dpjax.hf.source import default_mesh, model_of, params_of
     from dpjax.sharding import make_layout
 
     model, _, record = model_of(ckpt)
-    if model.name != "llama":
-        raise UserError(f"{ckpt} holds a {model.name} model; the HuggingFace export writes llama")
+    if model.name not in FAMILIES:
+        raise UserError(f"{ckpt} holds a {model.name} model; the HuggingFace export writes {', '.join(FAMILIES)}")
     origin = identity.origin(ckpt, record)  # the imported model: its config, tokenizer, template
     layout = make_layout(model, default_mesh(model))
     params = params_of(ckpt, model, layout, record)
@@ -106,7 +109,7 @@ def _lora_export(ckpt: str, model, params, how: str | None):
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m dpjax.hf", description=__doc__.split("\n\n")[1])
     sub = p.add_subparsers(dest="command", required=True)
-    i = sub.add_parser("import", help="a HuggingFace Llama folder -> a dpjax checkpoint")
+    i = sub.add_parser("import", help="a HuggingFace folder -> a dpjax checkpoint")
     i.add_argument("folder")
     i.add_argument("--out", required=True, help="the dpjax checkpoint folder to write")
     i.add_argument("--mesh", help="read onto this mesh (default: every device on model where it divides)")
@@ -123,11 +126,22 @@ def main(argv=None) -> int:
                      help="write the LoRA adapters as PEFT does (adapter_config.json, adapter_model.safetensors)")
     how.add_argument("--merge", dest="lora", action="store_const", const="merge",
                      help="write full weights with the LoRA adapters merged in (base + alpha/r B A: for vLLM)")
+    v = sub.add_parser("verify", help="dpjax against HuggingFace transformers on a folder: a card")
+    v.add_argument("folder")
+    v.add_argument("--expected", help="transformers' saved outputs (a fixture's expected.json) instead of running it")
+    v.add_argument("--train", default="", help="meshes to train 5 steps on from the folder and compare, e.g. 2x4,8x1")
+    v.add_argument("--name", help="the folder's name on the card (default: its path)")
     args = p.parse_args(argv)
     guard_flagged()  # devices simulated with XLA_FLAGS: guard their collectives before JAX starts
     try:
         if args.command == "import":
             line = do_import(args.folder, args.out, args.mesh)
+        elif args.command == "verify":
+            from dpjax.hf.verify import verify
+
+            line, ok = verify(args.folder, args.expected, tuple(filter(None, args.train.split(","))), name=args.name)
+            print(line, end="")
+            return 0 if ok else 1
         else:
             line = do_export(args.ckpt, args.out, args.dtype, args.shard_mb, args.overwrite, args.lora)
     except UserError as e:
@@ -138,7 +152,7 @@ def main(argv=None) -> int:
     except OSError as e:  # a read-only --out, a full disk: one line, like a user error
         if os.environ.get("DPJAX_DEBUG"):
             raise
-        print(f"error: {os_error_line(e, args.out)}", file=sys.stderr)
+        print(f"error: {os_error_line(e, args.folder if args.command == 'verify' else args.out)}", file=sys.stderr)
         return 2
     print(line)
     return 0
