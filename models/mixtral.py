@@ -11,7 +11,8 @@ default (`--moe dropless`, `moe_dropless`: no token dropped, so the logits equal
 HuggingFace's at any load), the capacity form one option away. Over an `expert` axis
 the experts are split E/n a device like the GPT's; the rest of the block is the Llama's,
 tensor-parallel over `model`. `MoEBlocks` is the part a mixture adds to a Llama-like
-decoder, so another family (Qwen3-MoE) is its attention class plus this.
+decoder: Qwen3-MoE (`Qwen3MoeForCausalLM`) is Qwen3's attention plus this, its gates
+renormalised only when its config says (`norm_topk_prob`).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from dpjax.compute.tensor_parallel import DENSE, Parallel
 from dpjax.errors import UserError
 from dpjax.models import moe
 from dpjax.models.llama import Llama, LlamaConfig, rms_norm
+from dpjax.models.qwen import Qwen3, Qwen3Config
 from dpjax.models.registry import Entry, register
 
 
@@ -59,10 +61,27 @@ class MixtralConfig(LlamaConfig, MoEFields):
         self.check_moe("Mixtral")
 
 
-# Named shapes (`--preset`): Mistral AI's published configuration (the Hub's config.json)
+@dataclass(frozen=True)
+class Qwen3MoeConfig(Qwen3Config, MoEFields):
+    """Qwen3's attention (per-head q/k norms, its own head width) and a mixture in every block."""
+
+    d_ff: int = 128  # each expert's SwiGLU width (the Hub's moe_intermediate_size)
+    norm_topk_prob: bool = False  # the Hub's default; Qwen3-30B-A3B sets it
+
+    def __post_init__(self):
+        super().__post_init__()
+        self.check_moe("Qwen3-MoE")
+
+
+# Named shapes (`--preset`): the published configurations (the Hub's config.json of
+# mistralai/Mixtral-8x7B-v0.1 and Qwen/Qwen3-30B-A3B)
 PRESETS = {
     "mixtral-8x7b": dict(vocab_size=32000, d_model=4096, n_layers=32, n_heads=32, n_kv_heads=8, d_ff=14336,
                          experts=8, top_k=2, rope_theta=1e6, norm_eps=1e-5),
+}
+QWEN3_MOE_PRESETS = {
+    "qwen3-30b-a3b": dict(vocab_size=151936, d_model=2048, n_layers=48, n_heads=32, n_kv_heads=4, head_dim=128,
+                          d_ff=768, experts=128, top_k=8, norm_topk_prob=True, rope_theta=1e6, norm_eps=1e-6),
 }
 
 
@@ -172,4 +191,12 @@ class Mixtral(MoEBlocks, Llama):
     SPECS = moe_specs(Llama.SPECS)
 
 
+class Qwen3Moe(MoEBlocks, Qwen3):
+    """Qwen3's blocks (q/k norms before the rotation) with a SwiGLU mixture as their MLP."""
+
+    name = "qwen3_moe"
+    SPECS = moe_specs(Qwen3.SPECS)
+
+
 register(Entry("mixtral", Mixtral, MixtralConfig, presets=PRESETS))
+register(Entry("qwen3_moe", Qwen3Moe, Qwen3MoeConfig, presets=QWEN3_MOE_PRESETS))
