@@ -11,10 +11,11 @@ its contiguous rows. Two forms of the grouped matmul (`grouped_matmul`):
                in which a tile of real rows is one t x D by D x F matmul with its
                expert's weights and an empty tile is skipped (`lax.cond`)
 
-On XLA:CPU `ragged_dot` is lowered to a dense masked product (every row through every
-expert): 4096 rows, D 64, F 128, 8 experts took 32 ms forward and 77 ms with its
-gradient, against 4 ms and 17 ms for tiles (experiments/RESULTS.md), so CPU runs the
-segment form and other platforms `ragged_dot` (`default_form`).
+On XLA:CPU `ragged_dot` runs as slowly as a dense masked product (every row through
+every expert): 4096 rows, D 64, F 128, 8 experts took 131 ms forward and 758 ms with its
+gradient, against 110 ms and 165 ms for the segment form, on 2 cores that 8 other
+sessions loaded (load 51; experiments/moe_dropless.py, RESULTS.md), so CPU runs the
+segment form and other platforms `ragged_dot` (`default_form`; not measured on a GPU).
 
 Over an `expert` axis of n devices (E/n experts on each) the rows travel explicitly
 (`dpjax.collectives.all_to_all`, the algorithm the capacity form uses):
@@ -49,8 +50,8 @@ FORMS = ("ragged", "segment")
 
 
 def default_form() -> str:
-    """The grouped matmul for this backend: `segment` on CPU (measured 8x faster forward,
-    4.6x with the gradient), `ragged_dot` elsewhere."""
+    """The grouped matmul for this backend: `segment` on CPU (measured faster there, 4.6x
+    with the gradient: the module's docstring), `ragged_dot` elsewhere."""
     return "segment" if jax.default_backend() == "cpu" else "ragged"
 
 
