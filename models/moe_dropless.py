@@ -61,55 +61,55 @@ def tile_rows(expected: int, groups: int) -> int:
     return max(8, math.ceil(expected / groups))
 
 
-def grouped_matmul(x_MxD, w_GxDxF, sizes_G, form: str, expected: int | None = None):
+def grouped_matmul(x_NxD, w_XxDxF, sizes_X, form: str, expected: int | None = None):
     """x's rows through their groups' matrices, M x F: rows sizes[0] .. sizes[0]+sizes[1]-1
     use w[1] and so on; rows past sum(sizes) give zeros. `expected`: the rows usually
     used (the segment form's tile size; default M)."""
-    M, G = x_MxD.shape[0], w_GxDxF.shape[0]
+    M, G = x_NxD.shape[0], w_XxDxF.shape[0]
     if form == "ragged":
-        return lax.ragged_dot(x_MxD, w_GxDxF, sizes_G.astype(jnp.int32))
+        return lax.ragged_dot(x_NxD, w_XxDxF, sizes_X.astype(jnp.int32))
     assert form == "segment", form
     t = tile_rows(expected or M, G)
     tiles = -(-(M + G * (t - 1)) // t)
-    ends_G = jnp.cumsum(sizes_G)
-    padded_G = (sizes_G + t - 1) // t * t
-    pends_G = jnp.cumsum(padded_G)
-    row_M = jnp.arange(M)
-    group_M = jnp.searchsorted(ends_G, row_M, side="right")  # G for rows past the groups
-    gi_M = jnp.minimum(group_M, G - 1)
-    at_M = jnp.where(group_M < G, pends_G[gi_M] - padded_G[gi_M] + row_M - (ends_G[gi_M] - sizes_G[gi_M]),
+    ends_X = jnp.cumsum(sizes_X)
+    padded_X = (sizes_X + t - 1) // t * t
+    pends_X = jnp.cumsum(padded_X)
+    row_N = jnp.arange(M)
+    group_N = jnp.searchsorted(ends_X, row_N, side="right")  # G for rows past the groups
+    gi_N = jnp.minimum(group_N, G - 1)
+    at_N = jnp.where(group_N < G, pends_X[gi_N] - padded_X[gi_N] + row_N - (ends_X[gi_N] - sizes_X[gi_N]),
                      tiles * t)  # a row past the groups goes nowhere
-    tiled_PxD = jnp.zeros((tiles * t, x_MxD.shape[1]), x_MxD.dtype).at[at_M].set(x_MxD, mode="drop")
-    tile_group = jnp.searchsorted(pends_G, jnp.arange(tiles) * t, side="right")
+    tiled_PxD = jnp.zeros((tiles * t, x_NxD.shape[1]), x_NxD.dtype).at[at_N].set(x_NxD, mode="drop")
+    tile_group = jnp.searchsorted(pends_X, jnp.arange(tiles) * t, side="right")
     used = tile_group < G
 
     def one(_, tile):
-        x_txD, g, u = tile
-        w_DxF = lax.dynamic_index_in_dim(w_GxDxF, jnp.minimum(g, G - 1), keepdims=False)
-        zero = jnp.zeros((t, w_GxDxF.shape[2]), jnp.result_type(x_txD, w_GxDxF))
-        return None, lax.cond(u, lambda: x_txD @ w_DxF, lambda: zero)
+        x_tile, g, u = tile
+        w_DxF = lax.dynamic_index_in_dim(w_XxDxF, jnp.minimum(g, G - 1), keepdims=False)
+        zero = jnp.zeros((t, w_XxDxF.shape[2]), jnp.result_type(x_tile, w_XxDxF))
+        return None, lax.cond(u, lambda: x_tile @ w_DxF, lambda: zero)
 
     _, y_tiles = lax.scan(one, None, (tiled_PxD.reshape(tiles, t, -1), tile_group, used))
-    return jnp.take(y_tiles.reshape(tiles * t, -1), at_M, axis=0, mode="fill", fill_value=0)
+    return jnp.take(y_tiles.reshape(tiles * t, -1), at_N, axis=0, mode="fill", fill_value=0)
 
 
-def group_of_rows(sizes_G, M: int):
+def group_of_rows(sizes_X, M: int):
     """Each of M sorted rows' group (G for rows past the groups)."""
-    return jnp.searchsorted(jnp.cumsum(sizes_G), jnp.arange(M), side="right")
+    return jnp.searchsorted(jnp.cumsum(sizes_X), jnp.arange(M), side="right")
 
 
-def experts_grouped(x_MxD, p: dict, sizes_G, act: str, form: str, expected: int):
+def experts_grouped(x_NxD, p: dict, sizes_X, act: str, form: str, expected: int):
     """Each row through its group's expert: GELU with biases (w1, b1, w2, b2: the GPT's) or
     SwiGLU (wgate, wup, wdown: Mixtral's and Qwen3-MoE's); rows past the groups give zeros."""
-    mm = lambda x, w: grouped_matmul(x, w, sizes_G, form, expected)  # noqa: E731
+    mm = lambda x, w: grouped_matmul(x, w, sizes_X, form, expected)  # noqa: E731
     if act == "swiglu":
-        h_MxF = jax.nn.silu(mm(x_MxD, p["wgate_XexDxF"])) * mm(x_MxD, p["wup_XexDxF"])
-        return mm(h_MxF, p["wdown_XexFxD"])
-    g_M = group_of_rows(sizes_G, x_MxD.shape[0])
-    real = (g_M < sizes_G.shape[0])[:, None]
-    bias = lambda b: jnp.where(real, jnp.take(b, g_M, axis=0, mode="clip"), 0)  # noqa: E731
-    h_MxF = jax.nn.gelu(mm(x_MxD, p["w1_XexDxF"]) + bias(p["b1_XexF"]))
-    return mm(h_MxF, p["w2_XexFxD"]) + bias(p["b2_XexD"])
+        h_NxF = jax.nn.silu(mm(x_NxD, p["wgate_XexDxF"])) * mm(x_NxD, p["wup_XexDxF"])
+        return mm(h_NxF, p["wdown_XexFxD"])
+    g_N = group_of_rows(sizes_X, x_NxD.shape[0])
+    real = (g_N < sizes_X.shape[0])[:, None]
+    bias = lambda b: jnp.where(real, jnp.take(b, g_N, axis=0, mode="clip"), 0)  # noqa: E731
+    h_NxF = jax.nn.gelu(mm(x_NxD, p["w1_XexDxF"]) + bias(p["b1_XexF"]))
+    return mm(h_NxF, p["w2_XexFxD"]) + bias(p["b2_XexD"])
 
 
 def send_rows(N: int, k: int, El: int) -> int:
@@ -123,52 +123,55 @@ def row_bytes(N: int, k: int, El: int, n: int, D: int, itemsize: int) -> int:
     return n * send_rows(N, k, El) * D * itemsize
 
 
-def dropless(x_NxD, gates_Nxk, chosen_Nxk, p: dict, *, act: str, axis=None, n: int = 1,
+def dropless(x_NxD, gates, chosen, p: dict, *, act: str, axis=None, n: int = 1,
              algorithm: str = "pairwise", form: str | None = None):
     """y N x D: each token's gate-weighted sum of its k experts' outputs, none dropped.
     `p`: this device's E/n experts (w*_XexDxF ...); axis: the expert axis (None: all here)."""
     form = form or default_form()
     N, D = x_NxD.shape
-    k = chosen_Nxk.shape[1]
+    k = chosen.shape[1]
     El = p["w1_XexDxF" if act == "gelu" else "wgate_XexDxF"].shape[0]
     E, A = El * n, N * k
-    expert_A = chosen_Nxk.reshape(A)
-    order_A = jnp.argsort(expert_A, stable=True)  # choices sorted by expert (and so by device)
-    sizes_X = jnp.zeros((E,), jnp.int32).at[expert_A].add(1)
-    xs_AxD = x_NxD[order_A // k]
+    expert_N = chosen.reshape(A)
+    order_N = jnp.argsort(expert_N, stable=True)  # choices sorted by expert (and so by device)
+    sizes_X = jnp.zeros((E,), jnp.int32).at[expert_N].add(1)
+    xs_NxD = x_NxD[order_N // k]
     if n == 1:
-        ys_AxD = experts_grouped(xs_AxD, p, sizes_X, act, form, A)
+        ys_NxD = experts_grouped(xs_NxD, p, sizes_X, act, form, A)
     else:
-        ys_AxD = _over_axis(xs_AxD, expert_A[order_A], sizes_X, p, act=act, axis=axis, n=n, El=El,
+        ys_NxD = _over_axis(xs_NxD, expert_N[order_N], sizes_X, p, act=act, axis=axis, n=n, El=El,
                             S=send_rows(N, k, El), algorithm=algorithm, form=form)
-    y_AxD = jnp.zeros_like(ys_AxD).at[order_A].set(ys_AxD)
-    return jnp.einsum("nk,nkd->nd", gates_Nxk.astype(y_AxD.dtype), y_AxD.reshape(N, k, D))
+    y_NxD = jnp.zeros_like(ys_NxD).at[order_N].set(ys_NxD)
+    return jnp.einsum("nk,nkd->nd", gates.astype(y_NxD.dtype), y_NxD.reshape(N, k, D))
 
 
-def _over_axis(xs_AxD, expert_A, sizes_X, p, *, act, axis, n, El, S, algorithm, form):
+def _over_axis(xs_NxD, expert_N, sizes_X, p, *, act, axis, n, El, S, algorithm, form):
     """The sorted rows' outputs, computed by the devices holding their experts: counts
-    first, then the rows, both by explicit all-to-alls (module docstring)."""
-    A, D = xs_AxD.shape
-    counts_nxEl = sizes_X.reshape(n, El)
-    got_nxEl = collectives.all_to_all(counts_nxEl, axis, algorithm=algorithm)  # source i's rows per local expert
-    per_dev_n = counts_nxEl.sum(1)
-    dev_A = expert_A // El
-    pos_A = jnp.arange(A) - (jnp.cumsum(per_dev_n) - per_dev_n)[dev_A]  # < S by send_rows' bound
-    send_nSxD = jnp.zeros((n, S, D), xs_AxD.dtype).at[dev_A, pos_A].set(xs_AxD).reshape(n * S, D)
-    recv_nSxD = collectives.all_to_all(send_nSxD, axis, algorithm=algorithm)
+    first, then the rows, both by explicit all-to-alls (module docstring). The n x E/n and
+    n x S tables (source or destination by local expert or row) carry no shape suffix: the
+    letter table has no home in models/ for the axis's ranks."""
+    A, D = xs_NxD.shape
+    counts = sizes_X.reshape(n, El)  # n x E/n: my rows for each device's experts
+    got = collectives.all_to_all(counts, axis, algorithm=algorithm)  # n x E/n: source i's rows per local expert
+    per_dev = counts.sum(1)
+    dev_N = expert_N // El
+    pos_N = jnp.arange(A) - (jnp.cumsum(per_dev) - per_dev)[dev_N]  # < S by send_rows' bound
+    send_NxD = jnp.zeros((n, S, D), xs_NxD.dtype).at[dev_N, pos_N].set(xs_NxD).reshape(n * S, D)
+    recv_NxD = collectives.all_to_all(send_NxD, axis, algorithm=algorithm)
     # received row (i, s): source i's s-th row, of local expert e by source i's counts
-    s_S = jnp.arange(S)
-    ends_nxEl = jnp.cumsum(got_nxEl, axis=1)
-    e_nxS = jax.vmap(lambda ends: jnp.searchsorted(ends, s_S, side="right"))(ends_nxEl)
-    real_nxS = e_nxS < El
-    ec_nxS = jnp.minimum(e_nxS, El - 1)
-    within_nxS = s_S[None] - jnp.take_along_axis(ends_nxEl - got_nxEl, ec_nxS, axis=1)
-    total_El = got_nxEl.sum(0)
-    earlier_nxEl = jnp.cumsum(got_nxEl, axis=0) - got_nxEl  # rows of expert e from sources before i
-    at_nxS = (jnp.cumsum(total_El) - total_El)[ec_nxS] + jnp.take_along_axis(earlier_nxEl, ec_nxS, axis=1) + within_nxS
-    at_R = jnp.where(real_nxS, at_nxS, n * S).reshape(n * S)  # padding goes nowhere
-    grouped_RxD = jnp.zeros((n * S, D), xs_AxD.dtype).at[at_R].set(recv_nSxD, mode="drop")
-    y_RxD = experts_grouped(grouped_RxD, p, total_El, act, form, A)
-    back_nSxD = jnp.take(y_RxD, at_R, axis=0, mode="fill", fill_value=0)
-    home_nxSxD = collectives.all_to_all(back_nSxD, axis, algorithm=algorithm).reshape(n, S, -1)
-    return home_nxSxD[dev_A, pos_A]
+    s_N = jnp.arange(S)
+    ends = jnp.cumsum(got, axis=1)
+    # n x S: each received row's local expert (E/n: padding past the source's rows)
+    e_of = jax.vmap(lambda ends: jnp.searchsorted(ends, s_N, side="right"))(ends)
+    real = e_of < El
+    ec = jnp.minimum(e_of, El - 1)
+    within = s_N[None] - jnp.take_along_axis(ends - got, ec, axis=1)
+    total = got.sum(0)
+    earlier = jnp.cumsum(got, axis=0) - got  # rows of expert e from sources before i
+    at = (jnp.cumsum(total) - total)[ec] + jnp.take_along_axis(earlier, ec, axis=1) + within
+    at_N = jnp.where(real, at, n * S).reshape(n * S)  # padding goes nowhere
+    grouped_NxD = jnp.zeros((n * S, D), xs_NxD.dtype).at[at_N].set(recv_NxD, mode="drop")
+    y_NxD = experts_grouped(grouped_NxD, p, total, act, form, A)
+    back_NxD = jnp.take(y_NxD, at_N, axis=0, mode="fill", fill_value=0)
+    home = collectives.all_to_all(back_NxD, axis, algorithm=algorithm).reshape(n, S, -1)
+    return home[dev_N, pos_N]
