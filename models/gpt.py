@@ -42,6 +42,7 @@ class GPTConfig:
     capacity_factor: float = 1.25  # an expert's slots per device: ceil(F N k / E) of the device's N tokens
     router_aux_weight: float = 0.01  # Switch's load-balancing loss, in the loss with this weight
     router_z_weight: float = 0.001  # the router z-loss's weight
+    moe: str = "capacity"  # capacity: choices past an expert's slots dropped; dropless: none (moe_dropless.py)
 
     def __post_init__(self):
         check_positive(self, "GPT", skip=MOE_OPTIONS)
@@ -50,11 +51,13 @@ class GPTConfig:
         if self.experts < 0 or self.capacity_factor <= 0 or min(self.router_aux_weight, self.router_z_weight) < 0:
             raise UserError(f"GPT experts {self.experts}, capacity_factor {self.capacity_factor} and the router "
                             f"weights must not be negative (a capacity factor above 0)")
+        if self.moe not in moe.FORMS:
+            raise UserError(f"GPT moe {self.moe!r}: choose one of {', '.join(moe.FORMS)}")
         if self.experts and not 1 <= self.top_k <= self.experts:
             raise UserError(f"GPT top_k={self.top_k} must be between 1 and experts={self.experts}")
 
 
-MOE_OPTIONS = ("experts", "top_k", "capacity_factor", "router_aux_weight", "router_z_weight")  # 0 allowed
+MOE_OPTIONS = ("experts", "top_k", "capacity_factor", "router_aux_weight", "router_z_weight", "moe")  # 0 allowed
 
 
 def layer_norm(x, scale, bias, eps: float = 1e-5):

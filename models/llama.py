@@ -225,6 +225,12 @@ class Llama(Decoder):
         """One block; `blk` is one layer of the stack (its leaves without the leading L).
         positions_BdxT: each token's position (default 0 .. T-1; with a context axis, the
         global positions of this device's chunks, `context.positions`)."""
+        x_BdxTxD = self.attend(blk, x_BdxTxD, par, positions_BdxT)
+        return x_BdxTxD + self.mlp(blk, x_BdxTxD, par)
+
+    def attend(self, blk, x_BdxTxD, par: Parallel = DENSE, positions_BdxT=None):
+        """x plus the block's attention (the first half of `layer`; a mixture's block, models/mixtral.py,
+        adds its own second half)."""
         a, c = blk["attn"], self.config
         B, T = x_BdxTxD.shape[:2]
         if positions_BdxT is None:
@@ -237,8 +243,7 @@ class Llama(Decoder):
             Hm = q_BdxTxHmxK.shape[2]
             o_BdxTxHmxK = attention.causal(q_BdxTxHmxK, context.shared(k_BdxTxYmxK, Hm),
                                            context.shared(v_BdxTxYmxK, Hm), par.policy.attention)
-        x_BdxTxD = x_BdxTxD + par.g(par.policy.einsum("bthk,hkd->btd", o_BdxTxHmxK, a["wo_LsxHmxKxD"]))
-        return x_BdxTxD + self.mlp(blk, x_BdxTxD, par)
+        return x_BdxTxD + par.g(par.policy.einsum("bthk,hkd->btd", o_BdxTxHmxK, a["wo_LsxHmxKxD"]))
 
     def mlp(self, blk, x_BdxTxD, par: Parallel = DENSE):
         """The SwiGLU feed-forward (Shazeer, "GLU variants improve Transformer", 2020) of

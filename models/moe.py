@@ -42,6 +42,7 @@ from dpjax import collectives
 from dpjax.collectives._common import axis_size
 from dpjax.compute import tensor_parallel as tp
 from dpjax.compute.tensor_parallel import DENSE, Parallel
+from dpjax.models import moe_dropless
 
 
 def capacity(N: int, E: int, k: int, factor: float) -> int:
@@ -61,12 +62,14 @@ def activation_values(N: int, D: int, F: int, E: int, k: int, factor: float, rem
     return {"none": slots * (6 * F + 4 * D) + 2 * k * D, "dots": slots * (F + D), "full": 0.0}[remat]
 
 
-def route(x_NxD, router_DxX, k: int):
-    """(gates N x k, experts N x k, balance loss, z loss) of the softmax top-k router."""
+def route(x_NxD, router_DxX, k: int, normalize: bool | None = None):
+    """(gates N x k, experts N x k, balance loss, z loss) of the softmax top-k router;
+    normalize: the k gates renormalised to sum to 1 (Mixtral's always, Qwen3-MoE's
+    `norm_topk_prob`; None: for k > 1, Switch's raw probability for k = 1)."""
     logits_NxX = x_NxD.astype(jnp.float32) @ router_DxX.astype(jnp.float32)
     p_NxX = jax.nn.softmax(logits_NxX, axis=-1)
     gates, chosen = jax.lax.top_k(p_NxX, k)
-    if k > 1:
+    if (k > 1) if normalize is None else normalize:
         gates = gates / gates.sum(-1, keepdims=True)
     E = router_DxX.shape[1]
     f_X = jax.nn.one_hot(chosen, E, dtype=jnp.float32).sum((0, 1)) / chosen.size
@@ -85,25 +88,41 @@ def slots(chosen, E: int, C: int):
     return slot, slot < C
 
 
-def experts_mlp(x_XexTxD, w1_XexDxF, b1_XexF, w2_XexFxD, b2_XexD, einsum=jnp.einsum):
-    """Each local expert's GELU MLP on its T slots; `einsum`: the compute policy's (fp8 under --dtype fp8)."""
-    h_XexTxF = jax.nn.gelu(einsum("etd,edf->etf", x_XexTxD, w1_XexDxF) + b1_XexF[:, None])
-    return einsum("etf,efd->etd", h_XexTxF, w2_XexFxD) + b2_XexD[:, None]
+def experts_mlp(x_XexTxD, p: dict, act: str = "gelu", einsum=jnp.einsum):
+    """Each local expert's MLP on its T slots: GELU with biases (w1, b1, w2, b2: the GPT's)
+    or SwiGLU (wgate, wup, wdown: Mixtral's, Qwen3-MoE's); `einsum`: the compute policy's
+    (fp8 under --dtype fp8)."""
+    mm = lambda x, w: einsum("etd,edf->etf", x, w)  # noqa: E731
+    if act == "swiglu":
+        return mm(jax.nn.silu(mm(x_XexTxD, p["wgate_XexDxF"])) * mm(x_XexTxD, p["wup_XexDxF"]), p["wdown_XexFxD"])
+    h_XexTxF = jax.nn.gelu(mm(x_XexTxD, p["w1_XexDxF"]) + p["b1_XexF"][:, None])
+    return mm(h_XexTxF, p["w2_XexFxD"]) + p["b2_XexD"][:, None]
+
+
+FORMS = ("capacity", "dropless")  # --moe: what an expert does with more tokens than it has slots for
 
 
 def moe_mlp(x_NxD, p: dict, *, k: int, capacity_factor: float, axis=None, algorithm: str = "pairwise",
-            einsum=jnp.einsum):
+            einsum=jnp.einsum, form: str = "capacity", act: str = "gelu", normalize: bool | None = None,
+            grouped: str | None = None):
     """(y N x D, {'balance', 'z', 'dropped', 'choices'}) of the MoE MLP on this device's
-    tokens; `p` holds router_DxX (whole) and w1_XexDxF, b1_XexF, w2_XexFxD, b2_XexD (this
-    device's E/n experts). axis: the expert axis inside a shard_map (None: every expert
-    here); algorithm: the all-to-all's (`dpjax.collectives.ALL_TO_ALL_ALGORITHMS`); einsum: the
-    experts' matmuls' (`Policy.einsum`: fp8 under --dtype fp8)."""
+    tokens; `p` holds router_DxX (whole) and this device's E/n experts (`experts_mlp`'s
+    leaves for `act`). axis: the expert axis inside a shard_map (None: every expert here);
+    algorithm: the all-to-all's (`dpjax.collectives.ALL_TO_ALL_ALGORITHMS`); einsum: the
+    capacity form's expert matmuls' (`Policy.einsum`: fp8 under --dtype fp8); form:
+    `capacity` (this module) or `dropless` (`moe_dropless`: no choice dropped, its grouped
+    matmul `grouped`, default for the backend); normalize: `route`'s."""
     N, D = x_NxD.shape
-    E, El = p["router_DxX"].shape[1], p["w1_XexDxF"].shape[0]
+    E, El = p["router_DxX"].shape[1], p["w1_XexDxF" if act == "gelu" else "wgate_XexDxF"].shape[0]
     n = axis_size(axis, "the experts' all-to-all") if axis is not None else 1
-    assert E == El * n and p["router_DxX"].shape == (D, E), (p["router_DxX"].shape, p["w1_XexDxF"].shape, n)
+    assert E == El * n and p["router_DxX"].shape == (D, E), (p["router_DxX"].shape, El, n)
+    gates, chosen, balance, z = route(x_NxD, p["router_DxX"], k, normalize)
+    if form == "dropless":
+        y_NxD = moe_dropless.dropless(x_NxD, gates, chosen, p, act=act, axis=axis, n=n, algorithm=algorithm,
+                                      form=grouped)
+        return y_NxD, {"balance": balance, "z": z, "dropped": jnp.zeros((), jnp.int32), "choices": chosen.size}
+    assert form == "capacity", form
     C = capacity(N, E, k, capacity_factor)
-    gates, chosen, balance, z = route(x_NxD, p["router_DxX"], k)
     slot, kept = slots(chosen, E, C)
     slot = jnp.where(kept, slot, 0)  # a dropped choice writes nothing and reads nothing
     sent = jnp.where(kept[..., None], x_NxD[:, None, :], 0).astype(x_NxD.dtype)
@@ -111,7 +130,7 @@ def moe_mlp(x_NxD, p: dict, *, k: int, capacity_factor: float, axis=None, algori
     if n > 1:  # expert e's slots to the device holding it: n sources x E/n experts x C slots
         buf_XxNxD = collectives.all_to_all(buf_XxNxD, axis, algorithm=algorithm)
     x_XexNxD = buf_XxNxD.reshape(n, El, C, D).transpose(1, 0, 2, 3).reshape(El, n * C, D)
-    y_XexNxD = experts_mlp(x_XexNxD, p["w1_XexDxF"], p["b1_XexF"], p["w2_XexFxD"], p["b2_XexD"], einsum)
+    y_XexNxD = experts_mlp(x_XexNxD, p, act, einsum)
     y_XxNxD = y_XexNxD.reshape(El, n, C, D).transpose(1, 0, 2, 3).reshape(E, C, D)
     if n > 1:  # and back: each source gets its tokens' outputs, in expert order
         y_XxNxD = collectives.all_to_all(y_XxNxD, axis, algorithm=algorithm)
@@ -136,8 +155,15 @@ class Mixture:
     _NAMES = {"router_DxX": "router_LsxDxX", "w1_XexDxF": "w1_LsxXexDxF", "b1_XexF": "b1_LsxXexF",
               "w2_XexFxD": "w2_LsxXexFxD", "b2_XexD": "b2_LsxXexD"}  # moe_mlp's names -> the stacked leaves'
 
+    act = "gelu"  # the experts' MLP (`experts_mlp`): GELU with biases; SwiGLU in models/mixtral.py
+
     def __init__(self, config):
         self.config = config
+
+    @property
+    def normalize(self) -> bool | None:
+        """`route`'s: the GPT's rule (renormalised for k > 1)."""
+        return None
 
     def init(self, stacked, layer_key) -> dict:
         """Each expert's matrices drawn as the dense MLP's are, one key per layer and matrix
@@ -158,7 +184,8 @@ class Mixture:
         axis = par.expert_axis if tp._active(par.expert_axis) else None
         y_NxD, stats = moe_mlp(h_BdxTxD.reshape(B * T, D), {k: m[v] for k, v in self._NAMES.items()}, k=c.top_k,
                                capacity_factor=c.capacity_factor, axis=axis,
-                               algorithm=par.policy.expert_alltoall, einsum=par.policy.einsum)
+                               algorithm=par.policy.expert_alltoall, einsum=par.policy.einsum, form=c.moe,
+                               act=self.act, normalize=self.normalize)
         y_BdxTxD = y_NxD.reshape(B, T, D)
         dropped = jax.lax.stop_gradient(stats["dropped"] / stats["choices"])
         return y_BdxTxD, (stats["balance"], stats["z"], dropped)
@@ -168,9 +195,13 @@ class Mixture:
         return loss + self.config.router_aux_weight * stats_3[0] + self.config.router_z_weight * stats_3[1]
 
     def values(self, tokens: int, split: int) -> dict:
-        """Its values per token for the memory estimate (`activation_values`), for remat none and dots."""
+        """Its values per token for the memory estimate (`activation_values`), for remat none
+        and dots. Dropless: counted as capacity factor 2 (the segment form's tiles pad each
+        expert's rows to at most twice the mean), an estimate no test holds to the compiled
+        program yet; over an expert axis its receive buffer is n min(k, E/n) rows a token."""
         c = self.config
-        return {r: activation_values(tokens, c.d_model, c.d_ff, c.experts, c.top_k, c.capacity_factor, r)
+        factor = 2.0 if c.moe == "dropless" else c.capacity_factor
+        return {r: activation_values(tokens, c.d_model, c.d_ff, c.experts, c.top_k, factor, r)
                 for r in ("none", "dots")}
 
     def matmul_params(self) -> int:

@@ -56,6 +56,8 @@ SLOW = {("bench_train.py", 1), ("bench_train.py", 2), ("staleness.py", 1), ("wan
         ("sweep.py", 0), ("cpu_collectives_repro.py", 0),
         # two training runs in subprocesses (about 60 s); tests/test_moe.py keeps a MoE step fast
         ("moe_vs_dense.py", 0),
+        # two training runs in subprocesses (the capacity and the dropless form); tests/test_moe_dropless.py is fast
+        ("moe_dropless.py", 0),
         # 60 s under load: three layouts compiled; the layouts themselves are tests/test_annotations.py's
         ("model_axes.py", 0),
         # three more training runs (30-60 s); tests/test_fp8.py keeps fp8's train step fast

@@ -45,7 +45,8 @@ HOMES = {
     "W": ("dpjax/updates/", "dpjax/step/"), "R": ("dpjax/updates/",),
     "I": ("dpjax/compression/", "dpjax/collectives/"), "J": ("dpjax/compression/",),
     "Q": ("dpjax/compression/",), "Z": ("dpjax/compression/",),
-    "U": ("dpjax/wrap/replicas.py",), "X": ("models/moe.py", "models/gpt.py"),
+    "U": ("dpjax/wrap/replicas.py",),
+    "X": ("models/moe.py", "models/moe_dropless.py", "models/gpt.py", "models/mixtral.py", "dpjax/hf/"),
 }
 
 

@@ -2,6 +2,7 @@
 
     family.py   the registry: one `Family` a Hub architecture (its config keys, its weight map, its dpjax model)
     llama.py    the Llama's entry (LlamaForCausalLM), whose tables the others extend
+    mixtral.py  Mixtral's (a mixture of SwiGLU experts, one Hub tensor an expert)
     qwen.py     Qwen2's (q/k/v biases; Qwen2.5) and Qwen3's (per-head q/k norms, explicit head_dim)
     layouts.py  each dpjax leaf's place in its Hub tensors (transposes and reshapes)
     files.py    the safetensors format: memory-mapped reads, one-tensor-at-a-time writes, shards + index
@@ -13,7 +14,7 @@
 `python -m dpjax.hf import DIR --out CKPT` and `python -m dpjax.hf export CKPT --out DIR`.
 """
 
-from dpjax.hf import llama, qwen  # noqa: F401  (each family's module registers it)
+from dpjax.hf import llama, mixtral, qwen  # noqa: F401  (each family's module registers it)
 from dpjax.hf.writer import export, save_checkpoint
 from dpjax.hf.files import HFError, Tensors
 from dpjax.hf.load import load_params, model_from_hf

@@ -46,8 +46,11 @@ class Family:
     layer_types: tuple = ("full_attention",)  # the values `layer_types` (5.x) may hold
     outer: dict = field(default_factory=lambda: dict(OUTER))  # outer leaf path -> Hub name
 
-    def layer_names(self, key: tuple, i: int) -> list[str]:
-        return [f"model.layers.{i}." + n for n in self.layer[key]]
+    def layer_names(self, key: tuple, i: int, experts: int = 0) -> list[str]:
+        """Leaf `key`'s Hub names in layer i; a name with `{e}` stands for one tensor per
+        expert, e = 0 .. experts-1 (a mixture's: `dpjax.hf.mixtral`)."""
+        return [f"model.layers.{i}." + n.format(e=e) for n in self.layer[key]
+                for e in (range(experts) if "{e}" in n else (None,))]
 
 
 _FAMILIES: Registry[Family] = Registry("HuggingFace architecture")

@@ -19,6 +19,9 @@ from __future__ import annotations
 import numpy as np
 
 
+EXPERTS = ("wgate_LsxXexDxF", "wup_LsxXexDxF", "wdown_LsxXexFxD")  # a mixture's experts: one Hub tensor an expert
+
+
 def _heads(s: slice, K: int) -> slice:
     """The rows of a flattened (heads x K) dimension that hold heads s."""
     return slice(s.start * K, s.stop * K)
@@ -46,9 +49,12 @@ def read_layer_block(key: tuple, hub: list, idx: tuple, K: int) -> np.ndarray:
     if name == "wo_LsxHmxKxD":  # ours[h, k, d] = o[d, h*K + k]
         h, k, d = idx
         return np.asarray(hub[0][d, _heads(h, K)]).T.reshape(h.stop - h.start, K, -1)[:, k]
-    if name in ("wgate_LsxDxFm", "wup_LsxDxFm", "wdown_LsxFmxD"):  # ours = the [out, in] matrix transposed
+    if name in ("wgate_LsxDxFm", "wup_LsxDxFm", "wdown_LsxFmxD", "router_LsxDxX"):  # the [out, in] matrix transposed
         a, b = idx
         return np.asarray(hub[0][b, a]).T
+    if name in EXPERTS:  # one [out, in] matrix an expert (hub[e]), each transposed: ours[e] = hub[e].T
+        e, a, b = idx
+        return np.stack([np.asarray(hub[j][b, a]).T for j in range(e.start, e.stop)])
     raise AssertionError(f"no Hub layout for {key}")
 
 
@@ -65,8 +71,10 @@ def hub_tensors(key: tuple, leaf: np.ndarray, names: list[str]) -> dict:
         return {n: leaf[j].reshape(-1) for j, n in enumerate(names)}
     if name == "wo_LsxHmxKxD":
         return {names[0]: leaf.reshape(-1, leaf.shape[-1]).T}
-    if name in ("wgate_LsxDxFm", "wup_LsxDxFm", "wdown_LsxFmxD"):
+    if name in ("wgate_LsxDxFm", "wup_LsxDxFm", "wdown_LsxFmxD", "router_LsxDxX"):
         return {names[0]: leaf.T}
+    if name in EXPERTS:
+        return {n: leaf[j].T for j, n in enumerate(names)}
     return {names[0]: leaf}  # norms' scales, the embedding and the output head: as they are
 
 
@@ -74,6 +82,9 @@ def hub_shapes(key: tuple, c) -> list[tuple]:
     """The Hub shapes of leaf `key`'s tensors (one layer's, for stacked leaves) that the
     dpjax config `c` implies."""
     D, F, V, K = c.d_model, c.d_ff, c.vocab_size, c.head_width
+    if key[-1] in EXPERTS or key[-1] == "router_LsxDxX":  # a mixture's (E only in a mixture's config)
+        return {"router_LsxDxX": [(c.experts, D)], "wgate_LsxXexDxF": [(F, D)] * c.experts,
+                "wup_LsxXexDxF": [(F, D)] * c.experts, "wdown_LsxXexFxD": [(D, F)] * c.experts}[key[-1]]
     return {"embed_VmxD": [(V, D)], "unembed_VmxD": [(V, D)], "scale_D": [(D,)], "scale_LsxD": [(D,)],
             "qnorm_LsxK": [(K,)], "knorm_LsxK": [(K,)], "wq_LsxDxHmxK": [(c.n_heads * K, D)],
             "bq_LsxHmxK": [(c.n_heads * K,)],

@@ -57,7 +57,7 @@ def load_params(folder: str, model, layout, dtype=np.float32):
     used = set()
 
     def hub_of(key, i):
-        named = [family.outer[key]] if i is None else family.layer_names(key, i)
+        named = [family.outer[key]] if i is None else family.layer_names(key, i, model.experts)
         hub = [tensors[n] for n in named]
         for t, want, n in zip(hub, layouts.hub_shapes(key, c), named):
             if t.shape != want:
@@ -72,7 +72,7 @@ def load_params(folder: str, model, layout, dtype=np.float32):
         if stacked:
             for i in range(c.n_layers):
                 hub_of(key, i)
-                used.update(family.layer_names(key, i))
+                used.update(family.layer_names(key, i, model.experts))
             stored = leaf.shape if V == 1 else (V, leaf.shape[0] // V, *leaf.shape[1:])
 
             def block(idx):

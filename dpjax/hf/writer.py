@@ -34,7 +34,7 @@ def hub_names(model) -> list[tuple[str, tuple, int | None]]:
     out = [("model.embed_tokens.weight", ("embed_VmxD",), None)]
     for i in range(c.n_layers):
         for key in family.layer:
-            out += [(n, key, i) for n in family.layer_names(key, i)]
+            out += [(n, key, i) for n in family.layer_names(key, i, model.experts)]
     out.append(("model.norm.weight", ("norm", "scale_D"), None))
     if not c.tie_embeddings:
         out.append(("lm_head.weight", ("unembed_VmxD",), None))
@@ -87,13 +87,13 @@ def export(params, model, folder: str, *, dtype: str = "float32", base_config: d
         if (key, i) not in cache:
             cache.clear()
             value = leaf(key) if i is None else leaf(key)[i]
-            named = [family.outer[key]] if i is None else family.layer_names(key, i)
+            named = [family.outer[key]] if i is None else family.layer_names(key, i, model.experts)
             cache[(key, i)] = layouts.hub_tensors(key, np.asarray(jax.device_get(value)), named)
         return cache[(key, i)][hub]
 
     def spec(hub):
         key, i = table[hub]
-        named = [family.outer[key]] if i is None else family.layer_names(key, i)
+        named = [family.outer[key]] if i is None else family.layer_names(key, i, model.experts)
         return np_dtype, layouts.hub_shapes(key, model.config)[named.index(hub)]
 
     files = write_folder(folder, list(table), spec, fetch, max_shard_bytes)

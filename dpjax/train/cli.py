@@ -32,7 +32,9 @@ MODEL_OPTION_HELP = {"d_model": "model width", "n_layers": "transformer blocks",
                      "d_ff": "MLP width", "context": "bytes of context each position sees",
                      "d_embed": "byte embedding width", "d_hidden": "hidden units",
                      "n_kv_heads": "key/value heads (grouped-query attention)", "rope_theta": "rotary base",
-                     "norm_eps": "RMSNorm epsilon", "tie_embeddings": "output head = embedding table (true/false)"}
+                     "norm_eps": "RMSNorm epsilon", "tie_embeddings": "output head = embedding table (true/false)",
+                     "moe": "a mixture's form: capacity (choices past --capacity-factor's slots dropped) or "
+                            "dropless (none dropped: sorted rows, grouped matmul)"}
 
 
 def _resolved(value):

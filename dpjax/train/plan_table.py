@@ -85,8 +85,9 @@ def _experts(plan) -> str | None:
         return None
     c = plan.model.config
     n = plan.mesh.shape[EXPERT]
-    return (f"expert-parallel ({c.experts} experts, {c.experts // n} a device, top {c.top_k}, capacity factor "
-            f"{c.capacity_factor:g}, {plan.policy.expert_alltoall} all-to-all)")
+    form = "dropless" if c.moe == "dropless" else f"capacity factor {c.capacity_factor:g}"
+    return (f"expert-parallel ({c.experts} experts, {c.experts // n} a device, top {c.top_k}, {form}, "
+            f"{plan.policy.expert_alltoall} all-to-all)")
 
 
 def compiling_line(plan) -> str:
