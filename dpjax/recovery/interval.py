@@ -191,10 +191,11 @@ class AutoInterval:
 
     @property
     def settled(self) -> bool:
-        """Whether the interval is worth saying: measured, or under a cap that leaves no
-        iteration free of commits for long (nothing more will be measured)."""
+        """Whether the interval is worth saying: decided here (process 0 decides, the others
+        read its gaps), and measured or under a cap that leaves no iteration free of commits
+        for long (nothing more will be measured)."""
         stuck = self.max_lost is not None and self.commit_s and self.since_clean >= self.lag + 2 + self.warm
-        return self.measured or bool(stuck)
+        return self.every is not None and (self.measured or bool(stuck))
 
     def line(self) -> str:
         """The one line that says the interval, what it was chosen from and what a failure loses."""
