@@ -53,7 +53,7 @@ def fit(cfg):
 
 
 NOT_IN_PROGRAMS = ("steps", "resume", "metrics", "tensorboard", "progress", "ckpt_dir", "ckpt_every", "commit_dir",
-                   "commit_every", "eval_every", "overwrite")
+                   "commit_every", "max_lost_steps", "on_full_disk", "eval_every", "overwrite")
 
 
 def programs(cfg):
@@ -99,7 +99,6 @@ class Elastic:
         self.announced, self.gaps = False, {}  # the gap decided at each commit not yet finished
         self.finished, self.first_done_at = 0, None  # steps whose results the loop has; the restart's first step
         self.beaten = False  # whether this process has written a heartbeat
-        self.skipping = False  # --on-full-disk skip-commits, and a commit met a full disk: no more commits
         self.marks: dict = {}  # how far the run's end has come, in every heartbeat from then on (`close`)
 
     def first_commit(self, start: int) -> int:
@@ -152,10 +151,10 @@ class Elastic:
             self.heartbeat(done)
             faults.fire(self.faults[done])
         began, finished = False, []
-        if c is not None and not self.skipping and self._due(done):
+        if c is not None and self._due(done):
             c.flush()  # the previous commit (commit() waits for it anyway): its figures go into the choice
-            self.skipping = c.skip_full and self._full_disk(done)
-        if c is not None and not self.skipping and self._due(done):
+            if c.skip_full:
+                self._full_disk(done)
             finished = self._finished()
             # the losses of the steps up to this one that the loop has not written yet: a
             # restart from this commit writes them, so that the metrics miss no step
@@ -181,8 +180,8 @@ class Elastic:
             self.report(trainer, write)
 
     def _full_disk(self, done: int) -> bool:
-        """--on-full-disk skip-commits: whether any process's previous commit met a full disk
-        (every process must stop at the same commit: dpjax.recovery.full_disk); said once."""
+        """--on-full-disk skip-commits: whether any process's previous commit met a full disk;
+        if so it is skipped on every process (dpjax.recovery.full_disk), and said."""
         import jax
 
         from dpjax.recovery import full_disk
@@ -190,9 +189,13 @@ class Elastic:
         c = self.committer
         who = full_disk.agree(c.client, _env("restart", "0"), done, jax.process_index(), jax.process_count(),
                               c.refused, c.written)
-        if who is not None and jax.process_index() == 0:
+        c.refused = None
+        if who is None:
+            return False
+        full_disk.drop(c, who[1])
+        if jax.process_index() == 0:
             print(full_disk.line(who, c.root), file=sys.stderr, flush=True)
-        return who is not None
+        return True
 
     def _commit_rows(self, write) -> None:
         """The rows of the restored commit's steps that the lost job may not have written
@@ -293,10 +296,11 @@ class Elastic:
         c = self.committer
         if c is None:
             return
-        if c.skip_full and not self.skipping and sys.exc_info()[0] is None:
+        skipped = False
+        if c.skip_full and sys.exc_info()[0] is None:
             c.flush()  # the last commit, too, may meet a full disk: said, and the end is not `final`
-            self.skipping = self._full_disk(self.cfg.steps + 1)
-        last = c.completed == self.cfg.steps and not self.skipping
+            skipped = self._full_disk(self.cfg.steps + 1)
+        last = c.completed == self.cfg.steps and not skipped
         planned = last and sys.exc_info()[0] is None
         if planned:
             c.flush()
