@@ -271,7 +271,9 @@ def main(argv=None):
     p.add_argument("--seed", type=int, default=0, help="the schedule's seed (the job's is dpjax.train's default)")
     p.add_argument("--max-lost-steps", type=int, default=1, help="the job's --max-lost-steps")
     p.add_argument("--ckpt-every", type=int, default=50, help="the job's --ckpt-every (truncate's targets)")
-    p.add_argument("--hang-timeout", type=float, default=10.0, help="the agents' --hang-timeout")
+    # 10 s was too short on a 2-core machine at load 30: the 4 processes' orbax saves (every
+    # --ckpt-every steps, no heartbeat meanwhile) took longer, and the undisturbed run restarted
+    p.add_argument("--hang-timeout", type=float, default=60.0, help="the agents' --hang-timeout")
     p.add_argument("--recover-s", type=float, default=300.0, help="the longest wait for a restart to train again")
     p.add_argument("--tmpfs-mb", type=int, default=64, help="the commit folder's tmpfs (the full disk's)")
     p.add_argument("--data", default=None, help="a text file; None: 300 kB of the stdlib corpus")

@@ -120,7 +120,7 @@ def test_a_killed_rank_of_the_4_process_job_loses_at_most_one_step(corpus, tmp_p
                         sys.executable, "-m", "dpjax.train", "--mesh", "4x2", "--batch-size", "16", "--seq-len", "64",
                         "--steps", "25", "--data", corpus, "--eval-every", "0", "--progress", "none",
                         "--max-lost-steps", "1", "--metrics", str(metrics)],
-                       env=env, capture_output=True, text=True, timeout=900)
+                       env=env, capture_output=True, text=True, timeout=1800)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "committing every 1 steps (--max-lost-steps 1:" in r.stdout + r.stderr
     with open(metrics) as fh:
