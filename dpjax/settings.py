@@ -298,6 +298,13 @@ class Settings:
                                            "auto: the smallest interval whose measured cost stays within 5 percent "
                                            "of the step time (dpjax.recovery.interval); a failure loses at most the "
                                            "interval plus the step in flight")
+    on_full_disk: str = SAVE("stop", "a commit that a full disk refuses: stop the run (one line, the newest commit "
+                                     "kept), or skip-commits: that commit is skipped on every process, said, and "
+                                     "the run trains on, trying the next (a failure meanwhile loses the steps "
+                                     "since the newest commit kept)",
+                             choices=("stop", "skip-commits"))
+    max_lost_steps: int | None = SAVE(None, "with --commit-every auto: commit often enough that a failure loses at "
+                                            "most this many steps, whatever the commits cost (the cost is said)")
     progress: str = OUTPUT("auto", "progress display: a bar on a terminal, log lines otherwise",
                          choices=("auto", "bar", "log", "none"))
     # Timeline and autotune (dpjax.timeline, dpjax.train.autotune)

@@ -175,6 +175,9 @@ def _check_numbers(s: Settings) -> None:
             raise UsageError(f"{flag(name)} must be at least 1, got {value}")
     if s.commit_every != "auto" and not (str(s.commit_every).isdigit() and int(s.commit_every) >= 1):
         raise UsageError(f"--commit-every takes a number of steps (at least 1) or auto, got {s.commit_every!r}")
+    if s.max_lost_steps is not None and (s.max_lost_steps < 1 or s.commit_every != "auto"):
+        raise UsageError(f"--max-lost-steps {s.max_lost_steps}: it takes a number of steps (at least 1) and sets "
+                         "--commit-every auto's interval; with --commit-every N a failure loses at most N steps")
     if not isinstance(s.fusion_mb, (int, float)) and s.fusion_mb != "auto":
         raise UsageError(f"--fusion-mb takes MiB or auto, got {s.fusion_mb!r}")
     for name in _NOT_NEGATIVE + (() if s.fusion_mb == "auto" else ("fusion_mb",)):

@@ -61,9 +61,11 @@ from dpjax.recovery.file_format import CommitError, check_file, crc, header, raw
 from dpjax.recovery.file_format import name as _name
 from dpjax.recovery.file_format import parse_name as _parse_name
 from dpjax.recovery.file_format import write_file
+from dpjax.recovery.peer import PeerError
 from dpjax.recovery.place import LocalFile, RemoteFile, place
 from dpjax.recovery.stage import Stager
 
+FULL = (errno.ENOSPC, errno.EDQUOT)
 REFUSALS = (errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EDQUOT, errno.EPERM)  # the filesystem says no
 WAIT_MS = 60_000  # a process that does not publish what it holds within this is gone or stuck
 
@@ -103,6 +105,7 @@ class Committer:
             self.peers = Peers(root, rank, client, self._store, coordinator)
         self._queue: queue.Queue = queue.Queue()
         self._error = None
+        self.skip_full, self.refused = False, None  # --on-full-disk skip-commits; (step, why) of a refused write
         self._finished: collections.deque = collections.deque()  # measured commits not yet polled
         self._thread = threading.Thread(target=self._work, daemon=True, name="dpjax-commit")
         self._thread.start()
@@ -145,7 +148,12 @@ class Committer:
                     return
                 self._write(*item)
             except OSError as e:  # a full or read-only commit folder: one line, the commits before kept
-                self._error = _refused(e, item[0], self.written, self.own) if e.errno in REFUSALS else e
+                if self.skip_full and e.errno in FULL:  # --on-full-disk skip-commits: the loop decides (full_disk)
+                    self.refused = (item[0], os.strerror(e.errno))
+                else:
+                    peer = isinstance(e, PeerError)  # the neighbour's disk refused its copy
+                    where = f"process {self.neighbour} (the neighbour copy)" if peer else self.own
+                    self._error = _refused(e, item[0], self.written, where) if e.errno in REFUSALS else e
             except BaseException as e:  # surfaced on the next commit / flush
                 self._error = e
             finally:

@@ -121,9 +121,10 @@ class Peers:
                             size = min(size, int(head["length"]))
                         _send_head(conn, {"ok": True, "size": size})
                         conn.sendfile(fh, count=size)
-            except Exception as e:  # the requester hears it
+            except Exception as e:  # the requester hears it (and the errno: a full disk is told apart)
                 try:
-                    _send_head(conn, {"ok": False, "error": f"{type(e).__name__}: {e}"})
+                    _send_head(conn, {"ok": False, "error": f"{type(e).__name__}: {e}",
+                                      "errno": e.errno if isinstance(e, OSError) else None})
                 except OSError:
                     pass
 
@@ -145,6 +146,8 @@ class Peers:
     def _answer(sock, what: str) -> dict:
         ans = _head(sock)
         if not ans.get("ok"):
+            if ans.get("errno"):
+                raise PeerError(ans["errno"], f"{what}: {ans.get('error')}")
             raise PeerError(f"{what}: {ans.get('error')}")
         return ans
 

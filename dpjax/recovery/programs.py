@@ -18,6 +18,7 @@ callable that behaves as `jitted` for arguments of one signature each.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import json
@@ -140,11 +141,18 @@ class Programs:
             blob = pickle.dumps((*serialize_executable.serialize(compiled), device_ids))
         except (ValueError, NotImplementedError, pickle.PicklingError):  # e.g. host callbacks: not kept
             return
-        os.makedirs(self.folder, exist_ok=True)
         tmp = f"{path}.tmp{os.getpid()}"
-        with open(tmp, "wb") as fh:
-            fh.write(blob)
-        os.replace(tmp, path)
+        try:
+            os.makedirs(self.folder, exist_ok=True)
+            with open(tmp, "wb") as fh:
+                fh.write(blob)
+            os.replace(tmp, path)
+        except OSError as e:  # a full or read-only folder: a cache, not the run's state; compiled next time
+            with contextlib.suppress(OSError):
+                os.remove(tmp)
+            print(f"dpjax.recovery.programs: {os.path.basename(path)} not kept in {self.folder} "
+                  f"({os.strerror(e.errno) if e.errno else e}); a restart compiles it again", file=sys.stderr,
+                  flush=True)
 
 
 class Kept:

@@ -53,7 +53,7 @@ def fit(cfg):
 
 
 NOT_IN_PROGRAMS = ("steps", "resume", "metrics", "tensorboard", "progress", "ckpt_dir", "ckpt_every", "commit_dir",
-                   "commit_every", "eval_every", "overwrite")
+                   "commit_every", "max_lost_steps", "on_full_disk", "eval_every", "overwrite")
 
 
 def programs(cfg):
@@ -91,7 +91,8 @@ class Elastic:
         self.restored, self.reported = None, False
         every = trainer.cfg.commit_every
         # auto: a commit's device copy shows in the loop's iterations up to MAX_IN_FLIGHT later
-        self.auto = AutoInterval(lag=MAX_IN_FLIGHT + 1) if str(every) == "auto" else None
+        auto = str(every) == "auto"
+        self.auto = AutoInterval(lag=MAX_IN_FLIGHT + 1, max_lost=trainer.cfg.max_lost_steps) if auto else None
         self.every = None if self.auto else int(every)
         self.next_commit = self.first_commit(trainer.start)
         self.last_t = None  # when the last iteration ended (the auto interval times each)
@@ -103,7 +104,10 @@ class Elastic:
     def first_commit(self, start: int) -> int:
         """The step of the first commit from `start`: under auto, once the interval has
         timed its first iterations (the first iteration has none before it to be timed from)."""
-        return start + (self.auto.first + 1 if self.auto else self.every)
+        if self.auto is None:
+            return start + self.every
+        cap = self.auto.cap()  # --max-lost-steps: a failure before the first commit loses the steps from the start
+        return start + (self.auto.first + 1 if cap is None else min(self.auto.first + 1, cap))
 
     def _due(self, done: int) -> bool:
         if done == self.cfg.steps:  # the last step is always committed
@@ -149,6 +153,8 @@ class Elastic:
         began, finished = False, []
         if c is not None and self._due(done):
             c.flush()  # the previous commit (commit() waits for it anyway): its figures go into the choice
+            if c.skip_full:
+                self._full_disk(done)
             finished = self._finished()
             # the losses of the steps up to this one that the loop has not written yet: a
             # restart from this commit writes them, so that the metrics miss no step
@@ -172,6 +178,24 @@ class Elastic:
             self._stamp_first(in_flight[-1][1])
         if self.restored is not None and not self.reported and self.first_done_at is not None:
             self.report(trainer, write)
+
+    def _full_disk(self, done: int) -> bool:
+        """--on-full-disk skip-commits: whether any process's previous commit met a full disk;
+        if so it is skipped on every process (dpjax.recovery.full_disk), and said."""
+        import jax
+
+        from dpjax.recovery import full_disk
+
+        c = self.committer
+        who = full_disk.agree(c.client, _env("restart", "0"), done, jax.process_index(), jax.process_count(),
+                              c.refused, c.written)
+        c.refused = None
+        if who is None:
+            return False
+        full_disk.drop(c, who[1])
+        if jax.process_index() == 0:
+            print(full_disk.line(who, c.root), file=sys.stderr, flush=True)
+        return True
 
     def _commit_rows(self, write) -> None:
         """The rows of the restored commit's steps that the lost job may not have written
@@ -217,18 +241,13 @@ class Elastic:
         if self.auto is not None and self.last_t is not None:
             self.auto.tick(now - self.last_t, busy=self.committer.busy or bool(finished), began=began)
         self.last_t = now
-        if self.auto is not None and began and self.auto.measured and not self.announced:
+        if self.auto is not None and began and self.auto.settled and not self.announced:
             import jax
 
             self.announced = True
-            d = self.auto.describe()
-            write({"step": done, "commit_every": d})
+            write({"step": done, "commit_every": self.auto.describe()})
             if jax.process_index() == 0:
-                print(f"dpjax.recovery.commit: committing every {d['every']} steps "
-                      f"(--commit-every auto: a commit costs "
-                      f"{d['cost_s']:.3g} s of the loop and takes {d['commit_s']:.3g} s, a step {d['step_s']:.3g} s; "
-                      f"within {100 * d['target']:g}% of the step); a failure loses at most {d['every'] + 1} steps. "
-                      f"Fewer: --commit-every N", flush=True)
+                print(self.auto.line(), flush=True)
 
     def heartbeat(self, done: int) -> None:
         if self.heartbeat_path:
@@ -277,7 +296,11 @@ class Elastic:
         c = self.committer
         if c is None:
             return
-        last = c.completed == self.cfg.steps
+        skipped = False
+        if c.skip_full and sys.exc_info()[0] is None:
+            c.flush()  # the last commit, too, may meet a full disk: said, and the end is not `final`
+            skipped = self._full_disk(self.cfg.steps + 1)
+        last = c.completed == self.cfg.steps and not skipped
         planned = last and sys.exc_info()[0] is None
         if planned:
             c.flush()
@@ -351,7 +374,9 @@ def attach(trainer) -> Elastic | None:
         committer = Committer(os.path.abspath(root), _env("host", "local"), jax.process_index(), jax.process_count(),
                               int(_env("per_host", "1")), jax_distributed.global_state.client, fresh=not restoring,
                               coordinator=jax_distributed.global_state.coordinator_address)
-        trainer.run_record["commit"] = {"dir": os.path.abspath(root), "every": cfg.commit_every}
+        committer.skip_full = cfg.on_full_disk == "skip-commits"
+        trainer.run_record["commit"] = {"dir": os.path.abspath(root), "every": cfg.commit_every,
+                                        "max_lost_steps": cfg.max_lost_steps}
     if heartbeat is not None:  # under the agent: an exception ends this process at once
         sys.excepthook = _exit_now
     elastic = Elastic(trainer, committer, heartbeat)
