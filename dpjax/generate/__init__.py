@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dpjax.errors import UserError
 from dpjax.generate import cache as kv
 
 
@@ -44,21 +45,26 @@ def pick(logits_BxV, key, sampling: Sampling):
     return jax.random.categorical(key, z_BxV, axis=-1).astype(jnp.int32)
 
 
-def generate(model, params, prompt_BxT, max_new_tokens: int, sampling: Sampling = Sampling(), eos=()):
+def generate(model, params, prompt_BxT, max_new_tokens: int, sampling: Sampling = Sampling(), eos=(),
+             logprobs: bool = False):
     """(B x N new tokens, as a numpy array): up to `max_new_tokens` after each prompt row
-    (rows of equal length), each row stopping after an id in `eos` (later places hold
-    the last EOS id). The model's seq_len bounds prompt + new tokens."""
+    (rows of equal length), each row stopping after any id in `eos` (a row that has stopped
+    holds its EOS id in the later places; the others go on). The model's context (its
+    config's seq_len) bounds prompt + new tokens. With `logprobs`: (the tokens, B x V
+    float32 log-probs of the first new token: log_softmax of the logits at the prompt's
+    last position, as the cache's prefill computes them)."""
     prompt_BxT = np.asarray(prompt_BxT, np.int32)
     B, T = prompt_BxT.shape
-    if T + max_new_tokens > model.config.seq_len:
-        raise ValueError(f"{T} prompt + {max_new_tokens} new tokens exceed the model's {model.config.seq_len}")
-    step = _cached_step(model) if model.name == "llama" else _window_step(model)
+    check_length(model, T, max_new_tokens)
+    step = _cached_step(model, T + max_new_tokens) if model.name == "llama" else _window_step(model, T + max_new_tokens)
     key = jax.random.key(sampling.seed)
     state = step.start(params, jnp.asarray(prompt_BxT), B)
     eos_ids = np.asarray(list(eos), np.int32)
-    done, out = np.zeros(B, bool), []
+    done, out, first = np.zeros(B, bool), [], None
     for i in range(max_new_tokens):
         logits_BxV, state = step.next(params, state, T + i)
+        if i == 0 and logprobs:
+            first = np.asarray(jax.nn.log_softmax(logits_BxV.astype(jnp.float32), axis=-1))
         token_B = np.asarray(pick(logits_BxV, jax.random.fold_in(key, i), sampling))
         token_B = np.where(done, out[-1] if out else token_B, token_B)
         out.append(token_B)
@@ -66,7 +72,21 @@ def generate(model, params, prompt_BxT, max_new_tokens: int, sampling: Sampling 
         if done.all():
             break
         state = step.feed(params, state, jnp.asarray(token_B), T + i)
-    return np.stack(out, axis=1) if out else np.zeros((B, 0), np.int32)
+    new_BxN = np.stack(out, axis=1) if out else np.zeros((B, 0), np.int32)
+    return (new_BxN, first) if logprobs else new_BxN
+
+
+def check_length(model, prompt_len: int, max_new_tokens: int) -> None:
+    """One line when a prompt of `prompt_len` tokens plus `max_new_tokens` does not fit the
+    model's context (its config's seq_len: the positions it was built for)."""
+    context = model.config.seq_len
+    if prompt_len < 1 or max_new_tokens < 0:
+        raise UserError(f"generation needs a prompt of at least 1 token and max_new_tokens >= 0, got {prompt_len} "
+                        f"and {max_new_tokens}")
+    if prompt_len + max_new_tokens > context:
+        raise UserError(f"a prompt of {prompt_len} tokens + {max_new_tokens} new tokens = {prompt_len + max_new_tokens}"
+                        f" positions exceed the model's context of {context}: shorten the prompt or ask fewer "
+                        "new tokens")
 
 
 @dataclass
@@ -76,12 +96,13 @@ class _Step:
     feed: object  # (params, state, token, position) -> state
 
 
-def _cached_step(model) -> _Step:
-    """The Llama with its KV cache: the state is (logits of the last position, cache)."""
+def _cached_step(model, length: int) -> _Step:
+    """The Llama with its KV cache of `length` positions (prompt and new tokens): the state
+    is (logits of the last position, cache)."""
     forward = jax.jit(lambda p, t, start, c: kv.forward(model, p, t, start, c))
 
     def start(params, prompt_BxT, B):
-        logits_BxTxV, cache = forward(params, prompt_BxT, 0, kv.empty(model, B, model.config.seq_len))
+        logits_BxTxV, cache = forward(params, prompt_BxT, 0, kv.empty(model, B, length))
         return logits_BxTxV[:, -1], cache
 
     def feed(params, state, token_B, position):
@@ -91,13 +112,13 @@ def _cached_step(model) -> _Step:
     return _Step(start, lambda params, state, length: (state[0], state), feed)
 
 
-def _window_step(model) -> _Step:
-    """Any model with `apply`: the whole sequence so far, padded to seq_len (causal: the
+def _window_step(model, length: int) -> _Step:
+    """Any model with `apply`: the whole sequence so far, padded to `length` (causal: the
     padding never reaches the logits read), recomputed for each token."""
     apply = jax.jit(lambda p, t: model.apply(p, t))
 
     def start(params, prompt_BxT, B):
-        return jnp.zeros((B, model.config.seq_len), jnp.int32).at[:, :prompt_BxT.shape[1]].set(prompt_BxT)
+        return jnp.zeros((B, length), jnp.int32).at[:, :prompt_BxT.shape[1]].set(prompt_BxT)
 
     def next_(params, tokens_BxT, length):
         return apply(params, tokens_BxT)[:, length - 1], tokens_BxT

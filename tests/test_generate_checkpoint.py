@@ -1,0 +1,103 @@
+"""`python -m dpjax.generate` from a dpjax checkpoint of the GPT (a learned table of
+positions, seq_len rows) at prompt lengths 1, seq_len/2 and seq_len - new: each new token
+the argmax of the unsharded full forward over the sequence so far, --logprobs the
+log_softmax of that forward's last prompt position; past the context, one line. The EOS
+ids of config.json and generation_config.json (a list) together."""
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dpjax.generate.__main__ import main
+from dpjax.generate.source import Source, eos_ids
+from dpjax.models import get_model
+from dpjax.recovery.checkpoint import Checkpointer
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SEQ, NEW = 16, 4
+
+
+@pytest.fixture(scope="module")
+def gpt_ckpt(tmp_path_factory):
+    """A checkpoint as a training run writes one (its params under state, the model in its
+    record), of a GPT trained at seq_len 16; and the reference: the full forward at 16,
+    whose logit at position t reads tokens up to t only (causal), so one compile serves
+    every prompt length."""
+    folder = str(tmp_path_factory.mktemp("gpt_ckpt"))
+    model = get_model("gpt", seq_len=SEQ, d_model=16, n_layers=1, n_heads=2, d_ff=32)
+    params = model.init(jax.random.key(3))
+    ckpt = Checkpointer(folder)
+    ckpt.save(1, {"params": params}, {"model": model.describe(), "step": 1})
+    ckpt.close()
+    full = jax.jit(model.apply)
+
+    def reference(prompt):
+        """(the greedy continuation of NEW tokens, the log-probs after the prompt)."""
+        seq = np.zeros((1, SEQ), np.int32)
+        seq[0, :len(prompt)] = prompt
+        logp = None
+        for t in range(len(prompt), len(prompt) + NEW):
+            logits = np.asarray(full(params, jnp.asarray(seq)))[0, t - 1]
+            logp = np.asarray(jax.nn.log_softmax(logits)) if logp is None else logp
+            seq[0, t] = int(np.argmax(logits))
+        return seq[0, len(prompt):len(prompt) + NEW].tolist(), logp
+
+    return folder, reference
+
+
+def _prompt(n):
+    return [(7 * i + 3) % 256 for i in range(n)]
+
+
+def test_the_longest_prompt_as_a_process(gpt_ckpt, tmp_path):
+    """seq_len - new tokens of prompt: the case a checkpoint's position table refused."""
+    folder, reference = gpt_ckpt
+    prompt, out = _prompt(SEQ - NEW), str(tmp_path / "lp.npy")
+    env = {**os.environ, "PYTHONPATH": ROOT}  # this checkout's dpjax, not an installed one
+    done = subprocess.run([sys.executable, "-m", "dpjax.generate", "--init-from", folder, "--prompt-ids",
+                           ",".join(map(str, prompt)), "--max-new-tokens", str(NEW), "--logprobs", "3",
+                           "--logprobs-out", out, "--json"], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    want_new, want_logp = reference(prompt)
+    assert got["new_ids"] == want_new
+    saved = np.load(out)
+    assert saved.shape == (256,) and saved.dtype == np.float32
+    np.testing.assert_allclose(saved, want_logp, rtol=0, atol=1e-5)
+    top = np.argsort(-want_logp, kind="stable")[:3]
+    assert got["logprobs"]["ids"] == top.tolist() and got["logprobs"]["position"] == len(prompt) - 1
+    np.testing.assert_allclose(got["logprobs"]["values"], want_logp[top], rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("length", [1, SEQ // 2])
+def test_shorter_prompts(gpt_ckpt, length, capsys):
+    folder, reference = gpt_ckpt
+    prompt = _prompt(length)
+    assert main(["--init-from", folder, "--prompt-ids", ",".join(map(str, prompt)), "--max-new-tokens", str(NEW),
+                 "--logprobs", "2", "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    want_new, want_logp = reference(prompt)
+    assert got["new_ids"] == want_new and got["prompt_ids"] == prompt
+    np.testing.assert_allclose(got["logprobs"]["values"], np.sort(want_logp)[::-1][:2], rtol=0, atol=1e-5)
+
+
+def test_past_the_context_is_one_line(gpt_ckpt, capsys):
+    folder, _ = gpt_ckpt
+    assert main(["--init-from", folder, "--prompt-ids", ",".join(map(str, _prompt(SEQ - NEW + 1))),
+                 "--max-new-tokens", str(NEW)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "17 positions exceed the model's context of 16" in err
+
+
+def test_eos_ids_of_both_configs(tmp_path):
+    """config.json's id and generation_config.json's list (Llama 3 Instruct's form), each once."""
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [7, 9, 11]}))
+    source = Source("hf:x", None, {"eos_token_id": 9}, None, str(tmp_path))
+    assert eos_ids(source, None) == [9, 7, 11]
+    assert eos_ids(Source("hf:x", None, {"eos_token_id": [3, 4]}, None, None), None) == [3, 4]
