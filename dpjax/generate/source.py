@@ -1,6 +1,6 @@
 """What `python -m dpjax.generate` reads of the model it is given (hf:DIR or a dpjax
-checkpoint): the model at the length a run needs, its context, its tokenizer and its
-end-of-sequence ids.
+checkpoint): the model at the length a run needs, its context, its tokenizer (a
+tokenizer.json) and its end-of-sequence ids.
 
 The context is the longest prompt + continuation the model takes: a HuggingFace config's
 `max_position_embeddings` (the folder's, or that of the folder a checkpoint descends
@@ -73,15 +73,24 @@ def _length_free(model) -> bool:
 
 
 def tokenizer_of(source: Source, given: str | None):
-    """The tokenizer of the model's ids: --tokenizer, else the folder's tokenizer.json (or
-    SentencePiece tokenizer.model), else bytes for a 256-id model; None: ids only."""
+    """The tokenizer of the model's ids: --tokenizer, else the folder's tokenizer.json, else
+    bytes for a 256-id model; None: ids only. A folder with a SentencePiece tokenizer.model
+    and no tokenizer.json is refused: transformers reads that file with its class's settings
+    (Gemma's no dummy prefix, the special tokens whole), which the raw `sentencepiece`
+    package does not apply, so its ids would not be the model's
+    (tests/fixtures/make_sentencepiece_tokenizer_fixtures.py shows them differ)."""
     from dpjax.data.tokenizer import Bytes, load
 
     if given:
         return load(given)
-    for name in (TOKENIZER_JSON, SENTENCEPIECE):
-        if source.folder and os.path.isfile(os.path.join(source.folder, name)):
-            return load(os.path.join(source.folder, name))
+    if source.folder and os.path.isfile(os.path.join(source.folder, TOKENIZER_JSON)):
+        return load(os.path.join(source.folder, TOKENIZER_JSON))
+    if source.folder and os.path.isfile(os.path.join(source.folder, SENTENCEPIECE)):
+        raise UserError(f"{source.folder} has a SentencePiece {SENTENCEPIECE} and no {TOKENIZER_JSON}: write one "
+                        "with transformers (python -c \"from transformers import AutoTokenizer as T; "
+                        f"T.from_pretrained('{source.folder}').save_pretrained('{source.folder}')\"), or give "
+                        f"--tokenizer {os.path.join(source.folder, SENTENCEPIECE)} to encode with SentencePiece as "
+                        "it is (ids may differ from transformers')")
     return Bytes() if source.model.config.vocab_size == 256 else None
 
 
