@@ -101,3 +101,20 @@ def test_eos_ids_of_both_configs(tmp_path):
     source = Source("hf:x", None, {"eos_token_id": 9}, None, str(tmp_path))
     assert eos_ids(source, None) == [9, 7, 11]
     assert eos_ids(Source("hf:x", None, {"eos_token_id": [3, 4]}, None, None), None) == [3, 4]
+
+
+@pytest.mark.slow  # a training run as a process (its compile), then three generations
+def test_from_a_training_runs_checkpoint(tmp_path, capsys):
+    """The main job's default model (the GPT) trained with --ckpt-dir, then generation at
+    prompt lengths 1, seq_len/2 and seq_len - new: each as long as asked (no EOS for bytes)."""
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    ckpt = str(tmp_path / "run")
+    done = subprocess.run([sys.executable, "-m", "dpjax.train", "--steps", "2", "--batch-size", "8", "--seq-len", "32",
+                           "--d-model", "32", "--n-layers", "1", "--n-heads", "2", "--eval-every", "0",
+                           "--ckpt-dir", ckpt], capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    for length in (1, 16, 28):
+        assert main(["--init-from", ckpt, "--prompt-ids", ",".join(map(str, _prompt(length))), "--max-new-tokens",
+                     "4", "--json"]) == 0
+        got = json.loads(capsys.readouterr().out)
+        assert len(got["new_ids"]) == 4 and got["prompt_ids"] == _prompt(length)
