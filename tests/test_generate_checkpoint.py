@@ -95,6 +95,17 @@ def test_past_the_context_is_one_line(gpt_ckpt, capsys):
     assert err.count("\n") == 1 and "17 positions exceed the model's context of 16" in err
 
 
+def test_weights_that_disagree_with_the_record_are_one_line(tmp_path, capsys):
+    """A record describing d_model 32 over weights of 16: one line naming a leaf and both shapes."""
+    model = get_model("gpt", seq_len=SEQ, d_model=16, n_layers=1, n_heads=2, d_ff=32)
+    ckpt = Checkpointer(str(tmp_path))
+    ckpt.save(1, {"params": model.init(jax.random.key(0))}, {"model": {**model.describe(), "d_model": 32}, "step": 1})
+    ckpt.close()
+    assert main(["--init-from", str(tmp_path), "--prompt-ids", "1,2", "--max-new-tokens", "2"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "(1, 2, 8, 16) but the gpt its record describes needs (1, 2, 16, 32)" in err
+
+
 def test_eos_ids_of_both_configs(tmp_path):
     """config.json's id and generation_config.json's list (Llama 3 Instruct's form), each once."""
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [7, 9, 11]}))
