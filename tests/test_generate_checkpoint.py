@@ -129,3 +129,18 @@ def test_from_a_training_runs_checkpoint(tmp_path, capsys):
                      "4", "--json"]) == 0
         got = json.loads(capsys.readouterr().out)
         assert len(got["new_ids"]) == 4 and got["prompt_ids"] == _prompt(length)
+
+
+@pytest.mark.slow  # a Llama's compile
+def test_logprobs_of_a_hub_llama_equal_transformers(tmp_path, capsys):
+    """--logprobs-out of the Llama 3.1-style fixture (llama3 rope scaling, transformers 5):
+    within 1e-4 of the log-probs transformers computed, and its greedy continuation."""
+    folder = os.path.join(ROOT, "tests", "fixtures", "llama_rope", "llama3")
+    expected = json.load(open(os.path.join(folder, "expected.json")))
+    out = str(tmp_path / "lp.npy")
+    assert main(["--init-from", f"hf:{folder}", "--prompt-ids", ",".join(map(str, expected["prompts"][2])),
+                 "--max-new-tokens", str(expected["new_tokens"]), "--logprobs-out", out, "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    np.testing.assert_allclose(np.load(out), expected["logprobs"][2], rtol=0, atol=1e-4)
+    n = len(got["new_ids"])  # up to the first EOS id
+    assert got["new_ids"] == expected["greedy"][2][:n] and (n == expected["new_tokens"] or got["new_ids"][-1] == 1)
