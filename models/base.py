@@ -21,12 +21,19 @@ and positions within each example), last in `forward`, `embed`, `layer` and `lay
 table), `layer` passes them to rope and the segment ids to its attention core, which
 attends only within a segment. A family overriding `layer` passes `segments` on; None is
 the unpacked model, traced exactly as before.
+
+A layer takes its attention core from `attention(par, segments)`: the policy's kernel (a
+context axis's ring or all-gather when there is one) masked by the segments and the
+window the layer passes, or, while decoding (`segments` a `Decoding`), the KV cache's
+(`dpjax.generate.cache`), which writes the layer's K and V into the cache and attends over
+it: a family whose layers call it decodes with the cache without code of its own.
 """
 
 from __future__ import annotations
 
 import abc
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
+from typing import Callable
 from functools import partial
 
 import jax
@@ -126,6 +133,18 @@ def dense_mlp_values(F: int) -> dict:
     return {"none": 6 * F, "dots": F}
 
 
+@dataclass(frozen=True)
+class Decoding:
+    """The `segments` of a decoding step (`dpjax.generate.cache`): the positions of its
+    tokens (start .. start+T-1: what rope and a learned table read), no packed segments,
+    and `attend`, the KV cache's attention core, which `Decoder.attention` hands the layer
+    instead of the training kernel (None: `embed`, which reads the positions only)."""
+
+    segment_ids_BxT: None
+    positions_BxT: jax.Array
+    attend: Callable | None = None
+
+
 class Decoder(ByteModel, abc.ABC):
     """Embedding, a stack of identical layers (`blocks`: every leaf with a leading layer
     axis L, which a `stage` axis splits), output head. For a pipeline the model is cut
@@ -173,6 +192,27 @@ class Decoder(ByteModel, abc.ABC):
     def layer_stats(self, blk, x_BdxTxD, par: Parallel = DENSE, segments=None):
         """(x after the block, its statistics: one scalar for each of `stat_names`)."""
         return self.layer(blk, x_BdxTxD, par, segments), ()
+
+    def attention(self, par: Parallel = DENSE, segments=None) -> Callable:
+        """The attention core a layer calls, `core(q_BdxTxHmxK, k_BdxTxYmxK, v_BdxTxYmxK,
+        window=None) -> o_BdxTxHmxK`: this rank's Hm query heads, the Ym K/V heads they read
+        (each serving Hm/Ym of them, in order; Y = H without grouped-query attention), and
+        the layer's sliding window (its query at p sees keys p-window+1 .. p; None: all
+        before it). Training: the policy's kernel, or a context axis's (which carries the Y
+        heads round its ring and repeats them itself), masked by packed rows' segment ids;
+        decoding (`segments` a `Decoding`): the KV cache's attention."""
+        if isinstance(segments, Decoding) and segments.attend is not None:
+            return segments.attend
+        kernel = context.kernel(par)
+        masks = {} if segments is None else {"segment_ids_BxT": segments.segment_ids_BxT}
+
+        def core(q_BdxTxHmxK, k_BdxTxYmxK, v_BdxTxYmxK, window: int | None = None):
+            if not context.active(par):  # each K/V head repeated to the query heads it serves on this rank
+                Hm = q_BdxTxHmxK.shape[2]
+                k_BdxTxYmxK, v_BdxTxYmxK = context.shared(k_BdxTxYmxK, Hm), context.shared(v_BdxTxYmxK, Hm)
+            return kernel(q_BdxTxHmxK, k_BdxTxYmxK, v_BdxTxYmxK, **masks, **(
+                {} if window is None else {"window": window}))
+        return core
 
     @abc.abstractmethod
     def head(self, params, x_BdxTxD, par: Parallel = DENSE):

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -192,9 +191,7 @@ class GPT(Decoder):
         assert x_BdxTxD.shape[-1] == D and a["wqkv_LsxDx3xHmxK"].shape == (D, 3, H // n, D // H), (
             x_BdxTxD.shape, a["wqkv_LsxDx3xHmxK"].shape, n)  # this device's heads
         h_BdxTxD = layer_norm(x_BdxTxD, blk["ln1"]["scale_LsxD"], blk["ln1"]["bias_LsxD"])
-        core = context.kernel(par)
-        if segments is not None:
-            core = partial(core, segment_ids_BxT=segments.segment_ids_BxT)
+        core = self.attention(par, segments)  # the training kernel, or the KV cache's while decoding
         x_BdxTxD = x_BdxTxD + tp.head_parallel_attention(h_BdxTxD, a["wqkv_LsxDx3xHmxK"], a["wo_LsxHmxKxD"],
                                                          core, par)
         h_BdxTxD = layer_norm(x_BdxTxD, blk["ln2"]["scale_LsxD"], blk["ln2"]["bias_LsxD"])

@@ -25,7 +25,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from dpjax.compute import attention, context, rope
+from dpjax.compute import context, rope
 from dpjax.compute import tensor_parallel as tp
 from dpjax.errors import UserError
 from dpjax.models.base import Decoder, dense_mlp_values
@@ -204,17 +204,13 @@ class Llama(Decoder):
         a, c = blk["attn"], self.config
         B, T = x_BdxTxD.shape[:2]
         if segments is None:
-            positions_BdxT, masks = jnp.broadcast_to(context.positions(T, par), (B, T)), {}
+            positions_BdxT = jnp.broadcast_to(context.positions(T, par), (B, T))
         else:
-            positions_BdxT, masks = segments.positions_BxT, {"segment_ids_BxT": segments.segment_ids_BxT}
+            positions_BdxT = segments.positions_BxT
         h_BdxTxD = rms_norm(x_BdxTxD, blk["attn_norm"]["scale_LsxD"], c.norm_eps)
         q_BdxTxHmxK, k_BdxTxYmxK, v_BdxTxYmxK = self.project(a, h_BdxTxD, positions_BdxT, par)
-        if context.active(par):  # the Y heads travel round the ring / are gathered; each block repeats them
-            o_BdxTxHmxK = context.kernel(par)(q_BdxTxHmxK, k_BdxTxYmxK, v_BdxTxYmxK, **masks)
-        else:  # each K/V head repeated to the query heads it serves on this rank
-            Hm = q_BdxTxHmxK.shape[2]
-            o_BdxTxHmxK = attention.causal(q_BdxTxHmxK, context.shared(k_BdxTxYmxK, Hm),
-                                           context.shared(v_BdxTxYmxK, Hm), par.policy.attention, **masks)
+        # the Y heads: a context axis's ring carries them, the local kernel and the KV cache repeat them
+        o_BdxTxHmxK = self.attention(par, segments)(q_BdxTxHmxK, k_BdxTxYmxK, v_BdxTxYmxK)
         x_BdxTxD = x_BdxTxD + par.g(par.policy.einsum("bthk,hkd->btd", o_BdxTxHmxK, a["wo_LsxHmxKxD"]))
         return x_BdxTxD + self.mlp(blk, x_BdxTxD, par)
 

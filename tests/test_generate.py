@@ -1,7 +1,7 @@
 """Generation: the Llama's KV cache against its full forward, greedy decoding against
 transformers' (the fixture tests/test_hf_llama.py describes), nucleus sampling against
-its definition in numpy, EOS, the window path of the other models, the CLI and the
-train job's sample."""
+its definition in numpy, EOS (a list, per row), the window path of a model without
+layers, the CLI and the train job's sample."""
 
 import json
 import os
@@ -85,8 +85,9 @@ def test_nucleus_sampling_keeps_the_smallest_set_reaching_top_p():
 
 
 def test_other_models_decode_by_their_window():
-    """The GPT (no cache): each token the argmax of the full forward over the sequence so far."""
-    model = get_model("gpt", seq_len=16, d_model=16, n_layers=1, n_heads=2, d_ff=32)
+    """A model without a stack of layers (the MLP: no cache): each token the argmax of the
+    full forward over the sequence so far (the GPT's cache: tests/test_generate_checkpoint.py)."""
+    model = get_model("mlp", seq_len=16, context=3, d_embed=8, d_hidden=16)
     params = model.init(jax.random.key(1))
     prompt = np.asarray([[5, 6, 7, 8]], np.int32)
     got = generate(model, params, prompt, 6)[0].tolist()

@@ -1,8 +1,9 @@
 """`python -m dpjax.generate` from a dpjax checkpoint of the GPT (a learned table of
 positions, seq_len rows) at prompt lengths 1, seq_len/2 and seq_len - new: each new token
 the argmax of the unsharded full forward over the sequence so far, --logprobs the
-log_softmax of that forward's last prompt position; past the context, one line. The EOS
-ids of config.json and generation_config.json (a list) together."""
+log_softmax of that forward's last prompt position; the GPT's KV cache against that
+forward; past the context, one line. The EOS ids of config.json and generation_config.json
+(a list) together."""
 
 import json
 import os
@@ -14,10 +15,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from dpjax.generate import cache as kv
 from dpjax.generate.__main__ import main
 from dpjax.generate.source import Source, eos_ids
 from dpjax.models import get_model
 from dpjax.recovery.checkpoint import Checkpointer
+from test_generate_cache import random_params
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SEQ, NEW = 16, 4
@@ -31,7 +34,7 @@ def gpt_ckpt(tmp_path_factory):
     every prompt length."""
     folder = str(tmp_path_factory.mktemp("gpt_ckpt"))
     model = get_model("gpt", seq_len=SEQ, d_model=16, n_layers=1, n_heads=2, d_ff=32)
-    params = model.init(jax.random.key(3))
+    params = random_params(model, 3)
     ckpt = Checkpointer(folder)
     ckpt.save(1, {"params": params}, {"model": model.describe(), "step": 1})
     ckpt.close()
@@ -48,7 +51,7 @@ def gpt_ckpt(tmp_path_factory):
             seq[0, t] = int(np.argmax(logits))
         return seq[0, len(prompt):len(prompt) + NEW].tolist(), logp
 
-    return folder, reference
+    return folder, reference, model, params, full
 
 
 def _prompt(n):
@@ -57,9 +60,10 @@ def _prompt(n):
 
 def test_the_longest_prompt_as_a_process(gpt_ckpt, tmp_path):
     """seq_len - new tokens of prompt: the case a checkpoint's position table refused."""
-    folder, reference = gpt_ckpt
+    folder, reference = gpt_ckpt[:2]
     prompt, out = _prompt(SEQ - NEW), str(tmp_path / "lp.npy")
-    env = {**os.environ, "PYTHONPATH": ROOT}  # this checkout's dpjax, not an installed one
+    # this checkout's dpjax, not an installed one; one CPU device (a user's laptop), which compiles least
+    env = {**os.environ, "PYTHONPATH": ROOT, "XLA_FLAGS": ""}
     done = subprocess.run([sys.executable, "-m", "dpjax.generate", "--init-from", folder, "--prompt-ids",
                            ",".join(map(str, prompt)), "--max-new-tokens", str(NEW), "--logprobs", "3",
                            "--logprobs-out", out, "--json"], capture_output=True, text=True, env=env, timeout=300)
@@ -75,9 +79,10 @@ def test_the_longest_prompt_as_a_process(gpt_ckpt, tmp_path):
     np.testing.assert_allclose(got["logprobs"]["values"], want_logp[top], rtol=0, atol=1e-5)
 
 
+@pytest.mark.slow  # 2 compiles each, on the default mesh (1x2: the heads over `model`)
 @pytest.mark.parametrize("length", [1, SEQ // 2])
 def test_shorter_prompts(gpt_ckpt, length, capsys):
-    folder, reference = gpt_ckpt
+    folder, reference = gpt_ckpt[:2]
     prompt = _prompt(length)
     assert main(["--init-from", folder, "--prompt-ids", ",".join(map(str, prompt)), "--max-new-tokens", str(NEW),
                  "--logprobs", "2", "--json"]) == 0
@@ -87,8 +92,23 @@ def test_shorter_prompts(gpt_ckpt, length, capsys):
     np.testing.assert_allclose(got["logprobs"]["values"], np.sort(want_logp)[::-1][:2], rtol=0, atol=1e-5)
 
 
+def test_the_cache_gives_the_full_forward_logits(gpt_ckpt):
+    """The GPT's KV cache (its learned positions read at each step's position): 12 tokens
+    in one pass, then 4 one at a time, every position's logits as the full forward's."""
+    _, _, model, params, full = gpt_ckpt
+    ids = jnp.asarray([_prompt(SEQ)])
+    forward = jax.jit(lambda p, t, start, c: kv.forward(model, p, t, start, c))
+    got, cache = forward(params, ids[:, :SEQ - NEW], 0, kv.empty(model, 1, SEQ))
+    rows = [np.asarray(got)]
+    for t in range(SEQ - NEW, SEQ):
+        logits, cache = forward(params, ids[:, t:t + 1], t, cache)
+        rows.append(np.asarray(logits))
+    want = np.asarray(full(params, ids))
+    np.testing.assert_allclose(np.concatenate(rows, axis=1), want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
 def test_past_the_context_is_one_line(gpt_ckpt, capsys):
-    folder, _ = gpt_ckpt
+    folder = gpt_ckpt[0]
     assert main(["--init-from", folder, "--prompt-ids", ",".join(map(str, _prompt(SEQ - NEW + 1))),
                  "--max-new-tokens", str(NEW)]) == 2
     err = capsys.readouterr().err
@@ -99,7 +119,8 @@ def test_weights_that_disagree_with_the_record_are_one_line(tmp_path, capsys):
     """A record describing d_model 32 over weights of 16: one line naming a leaf and both shapes."""
     model = get_model("gpt", seq_len=SEQ, d_model=16, n_layers=1, n_heads=2, d_ff=32)
     ckpt = Checkpointer(str(tmp_path))
-    ckpt.save(1, {"params": model.init(jax.random.key(0))}, {"model": {**model.describe(), "d_model": 32}, "step": 1})
+    params = random_params(model, 0)
+    ckpt.save(1, {"params": params}, {"model": {**model.describe(), "d_model": 32}, "step": 1})
     ckpt.close()
     assert main(["--init-from", str(tmp_path), "--prompt-ids", "1,2", "--max-new-tokens", "2"]) == 2
     err = capsys.readouterr().err

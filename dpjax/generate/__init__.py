@@ -1,8 +1,9 @@
 """Text from a model: greedy, temperature and nucleus (top-p) sampling, stopping at EOS.
 
-A Llama decodes with a KV cache (`cache.py`: the prompt in one pass, then one token a
-step, each step's cost independent of the length so far); the other models (the GPT,
-the MLP) recompute their window for each new token. The parameters may be sharded on any
+A `Decoder` (the GPT, the Llama and the families built on them) decodes with a KV cache
+(`cache.py`: the prompt in one pass, then one token a step, each step attending over the
+cache); a model without a stack of layers (the MLP) recomputes the sequence so far for
+each new token. The parameters may be sharded on any
 mesh: the programs are jitted over the global arrays, so XLA lays the work out as the
 parameters lie. `python -m dpjax.generate` is the command line; the train job's sample
 at the end of training calls `generate` too.
@@ -11,6 +12,7 @@ at the end of training calls `generate` too.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -56,7 +58,8 @@ def generate(model, params, prompt_BxT, max_new_tokens: int, sampling: Sampling 
     prompt_BxT = np.asarray(prompt_BxT, np.int32)
     B, T = prompt_BxT.shape
     check_length(model, T, max_new_tokens)
-    step = _cached_step(model, T + max_new_tokens) if model.name == "llama" else _window_step(model, T + max_new_tokens)
+    make = _cached_step if model.LAYERS is not None else _window_step  # a Decoder (a stack of layers) caches
+    step = make(model, T + max_new_tokens)
     key = jax.random.key(sampling.seed)
     state = step.start(params, jnp.asarray(prompt_BxT), B)
     eos_ids = np.asarray(list(eos), np.int32)
@@ -89,6 +92,20 @@ def check_length(model, prompt_len: int, max_new_tokens: int) -> None:
                         "new tokens")
 
 
+# jitted once per model object (static) and shapes: a second `generate` with the same model
+# and lengths reuses the programs; `start` is traced, so every decoding step shares one
+@partial(jax.jit, static_argnums=0)
+def _last(model, params, tokens_BxT, start, cache):
+    """(the logits of the last of `tokens_BxT`, the cache with their K and V written)."""
+    logits_BxTxV, cache = kv.forward(model, params, tokens_BxT, start, cache)
+    return logits_BxTxV[:, -1], cache
+
+
+@partial(jax.jit, static_argnums=0)
+def _apply(model, params, tokens_BxT):
+    return model.apply(params, tokens_BxT)
+
+
 @dataclass
 class _Step:
     start: object  # (params, prompt, B) -> state
@@ -97,17 +114,13 @@ class _Step:
 
 
 def _cached_step(model, length: int) -> _Step:
-    """The Llama with its KV cache of `length` positions (prompt and new tokens): the state
-    is (logits of the last position, cache)."""
-    forward = jax.jit(lambda p, t, start, c: kv.forward(model, p, t, start, c))
-
+    """A `Decoder` with its KV cache of `length` positions (prompt and new tokens): the
+    state is (logits of the last position, cache)."""
     def start(params, prompt_BxT, B):
-        logits_BxTxV, cache = forward(params, prompt_BxT, 0, kv.empty(model, B, length))
-        return logits_BxTxV[:, -1], cache
+        return _last(model, params, prompt_BxT, 0, kv.empty(model, B, length))
 
     def feed(params, state, token_B, position):
-        logits_BxTxV, cache = forward(params, token_B[:, None], position, state[1])
-        return logits_BxTxV[:, -1], cache
+        return _last(model, params, token_B[:, None], position, state[1])
 
     return _Step(start, lambda params, state, length: (state[0], state), feed)
 
@@ -115,13 +128,11 @@ def _cached_step(model, length: int) -> _Step:
 def _window_step(model, length: int) -> _Step:
     """Any model with `apply`: the whole sequence so far, padded to `length` (causal: the
     padding never reaches the logits read), recomputed for each token."""
-    apply = jax.jit(lambda p, t: model.apply(p, t))
-
     def start(params, prompt_BxT, B):
         return jnp.zeros((B, length), jnp.int32).at[:, :prompt_BxT.shape[1]].set(prompt_BxT)
 
     def next_(params, tokens_BxT, length):
-        return apply(params, tokens_BxT)[:, length - 1], tokens_BxT
+        return _apply(model, params, tokens_BxT)[:, length - 1], tokens_BxT
 
     def feed(params, tokens_BxT, token_B, position):
         return tokens_BxT.at[:, position].set(token_B)
