@@ -13,12 +13,28 @@ the loss, the logits, the pipeline's pieces, the forward over the stack
 (`dpjax.compute.stack`), the context split and the memory estimate come from here. A
 block whose layers report statistics (a mixture's router) declares their names in
 `stat_names` and gives `layer_stats`; the forward then carries their sum beside x.
+
+Packed rows (several examples in one row: `dpjax.data.packing`) reach a decoder as one
+optional argument, `segments` (`dpjax.compute.attention.Segments`: per-token segment ids
+and positions within each example), last in `forward`, `embed`, `layer` and `layer_stats`:
+`layer(blk, x, par, segments=None)`. `embed` reads the positions (a learned position
+table), `layer` passes them to rope and the segment ids to its attention core, which
+attends only within a segment. A family overriding `layer` passes `segments` on; None is
+the unpacked model, traced exactly as before.
+
+A layer takes its attention core from `attention(par, segments)`: the policy's kernel (a
+context axis's ring or all-gather when there is one) masked by the segments and the
+window the layer passes, or, while decoding (`segments` a `Decoding`), the KV cache's
+(`dpjax.generate.cache`), which writes the layer's K and V into the cache and attends over
+it: a family whose layers call it decodes with the cache without code of its own.
 """
 
 from __future__ import annotations
 
 import abc
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
+from typing import Callable
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -117,6 +133,18 @@ def dense_mlp_values(F: int) -> dict:
     return {"none": 6 * F, "dots": F}
 
 
+@dataclass(frozen=True)
+class Decoding:
+    """The `segments` of a decoding step (`dpjax.generate.cache`): the positions of its
+    tokens (start .. start+T-1: what rope and a learned table read), no packed segments,
+    and `attend`, the KV cache's attention core, which `Decoder.attention` hands the layer
+    instead of the training kernel (None: `embed`, which reads the positions only)."""
+
+    segment_ids_BxT: None
+    positions_BxT: jax.Array
+    attend: Callable | None = None
+
+
 class Decoder(ByteModel, abc.ABC):
     """Embedding, a stack of identical layers (`blocks`: every leaf with a leading layer
     axis L, which a `stage` axis splits), output head. For a pipeline the model is cut
@@ -152,16 +180,39 @@ class Decoder(ByteModel, abc.ABC):
         """The parameters: a dict whose `LAYERS` entry holds the stacked layers."""
 
     @abc.abstractmethod
-    def embed(self, params, tokens_BdxT, par: Parallel = DENSE):
-        """Bd x T x D: the first stage's work."""
+    def embed(self, params, tokens_BdxT, par: Parallel = DENSE, segments=None):
+        """Bd x T x D: the first stage's work. `segments` (`dpjax.compute.attention.Segments`,
+        packed rows; None: one sequence a row): each token's position within its example."""
 
     @abc.abstractmethod
-    def layer(self, blk, x_BdxTxD, par: Parallel = DENSE):
-        """One block (`blk`: one layer of the stack, its leaves without the leading L): x -> x."""
+    def layer(self, blk, x_BdxTxD, par: Parallel = DENSE, segments=None):
+        """One block (`blk`: one layer of the stack, its leaves without the leading L): x -> x.
+        `segments`: packed rows' segment ids and positions, which its attention masks by."""
 
-    def layer_stats(self, blk, x_BdxTxD, par: Parallel = DENSE):
+    def layer_stats(self, blk, x_BdxTxD, par: Parallel = DENSE, segments=None):
         """(x after the block, its statistics: one scalar for each of `stat_names`)."""
-        return self.layer(blk, x_BdxTxD, par), ()
+        return self.layer(blk, x_BdxTxD, par, segments), ()
+
+    def attention(self, par: Parallel = DENSE, segments=None) -> Callable:
+        """The attention core a layer calls, `core(q_BdxTxHmxK, k_BdxTxYmxK, v_BdxTxYmxK,
+        window=None) -> o_BdxTxHmxK`: this rank's Hm query heads, the Ym K/V heads they read
+        (each serving Hm/Ym of them, in order; Y = H without grouped-query attention), and
+        the layer's sliding window (its query at p sees keys p-window+1 .. p; None: all
+        before it). Training: the policy's kernel, or a context axis's (which carries the Y
+        heads round its ring and repeats them itself), masked by packed rows' segment ids;
+        decoding (`segments` a `Decoding`): the KV cache's attention."""
+        if isinstance(segments, Decoding) and segments.attend is not None:
+            return segments.attend
+        kernel = context.kernel(par)
+        masks = {} if segments is None else {"segment_ids_BxT": segments.segment_ids_BxT}
+
+        def core(q_BdxTxHmxK, k_BdxTxYmxK, v_BdxTxYmxK, window: int | None = None):
+            if not context.active(par):  # each K/V head repeated to the query heads it serves on this rank
+                Hm = q_BdxTxHmxK.shape[2]
+                k_BdxTxYmxK, v_BdxTxYmxK = context.shared(k_BdxTxYmxK, Hm), context.shared(v_BdxTxYmxK, Hm)
+            return kernel(q_BdxTxHmxK, k_BdxTxYmxK, v_BdxTxYmxK, **masks, **(
+                {} if window is None else {"window": window}))
+        return core
 
     @abc.abstractmethod
     def head(self, params, x_BdxTxD, par: Parallel = DENSE):
@@ -179,33 +230,40 @@ class Decoder(ByteModel, abc.ABC):
         """Vocabulary-parallel cross-entropy of the head's logits: the full logits are never gathered."""
         return tp.vocab_parallel_cross_entropy(self.head(params, x_BdxTxD, par), targets_BdxT, par)
 
-    def _summed(self, blk, carry, par: Parallel = DENSE):
+    def _summed(self, blk, carry, par: Parallel = DENSE, segments=None):
         x_BdxTxD, stat_totals = carry
-        x_BdxTxD, stats = self.layer_stats(blk, x_BdxTxD, par)
+        x_BdxTxD, stats = self.layer_stats(blk, x_BdxTxD, par, segments)
         return x_BdxTxD, stat_totals + jnp.stack(stats)
 
-    def forward(self, params, tokens_BdxT, par: Parallel = DENSE):
+    def forward(self, params, tokens_BdxT, par: Parallel = DENSE, segments=None):
         """(this shard's logits, Bd x T x Vm (all of them when dense; with a context axis,
-        of this device's chunks), the layers' statistics averaged over them, or None)."""
+        of this device's chunks), the layers' statistics averaged over them, or None).
+        `segments`: packed rows (`dpjax.compute.attention.Segments`, split like the tokens);
+        None traces the model exactly as it was before packing existed."""
         outer = {k: par.use(v, k) for k, v in params.items() if k != self.LAYERS}
-        x_BdxTxD = self.embed(outer, tokens_BdxT, par)
         stack_L, path = params[self.LAYERS], (self.LAYERS,)
+        layer, summed = self.layer, self._summed
+        if segments is None:
+            x_BdxTxD = self.embed(outer, tokens_BdxT, par)
+        else:  # each layer reads the same segments (the scan closes over them)
+            x_BdxTxD = self.embed(outer, tokens_BdxT, par, segments)
+            layer, summed = partial(self.layer, segments=segments), partial(self._summed, segments=segments)
         # dpjax.compute.stack: scanned, rematerialised by the policy, FSDP gathering one layer at a time
         if not self.has_stats:
-            return self.head(outer, stack.run(self.layer, stack_L, x_BdxTxD, par, path=path), par), None
+            return self.head(outer, stack.run(layer, stack_L, x_BdxTxD, par, path=path), par), None
         no_stats = jnp.zeros(len(self.stat_names), jnp.float32)
-        x_BdxTxD, stat_totals = stack.run(self._summed, stack_L, (x_BdxTxD, no_stats), par, path=path)
+        x_BdxTxD, stat_totals = stack.run(summed, stack_L, (x_BdxTxD, no_stats), par, path=path)
         return self.head(outer, x_BdxTxD, par), stat_totals / self.config.n_layers
 
-    def logits(self, params, tokens_BdxT, par: Parallel = DENSE):
+    def logits(self, params, tokens_BdxT, par: Parallel = DENSE, segments=None):
         """This shard's slice of the logits, Bd x T x Vm (all of them when dense); with a
         context axis `tokens_BdxT` are this device's chunks (`context.split`)."""
-        return self.forward(params, tokens_BdxT, par)[0]
+        return self.forward(params, tokens_BdxT, par, segments)[0]
 
-    def apply(self, params, tokens_BdxT, par: Parallel = DENSE):
+    def apply(self, params, tokens_BdxT, par: Parallel = DENSE, segments=None):
         """The full logits (dense; with a model axis, gathered: for inspection, not training;
         with a context axis, of this device's tokens, `context.split`'s)."""
-        logits = self.logits(params, tokens_BdxT, par)
+        logits = self.logits(params, tokens_BdxT, par, segments)
         if par.model_axis is None:
             return logits
         return jnp.moveaxis(collectives.all_gather(jnp.moveaxis(logits, -1, 0), par.model_axis), 0, -1)

@@ -25,7 +25,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from dpjax.compute import attention, context, rope
+from dpjax.compute import context, rope
 from dpjax.compute import tensor_parallel as tp
 from dpjax.errors import UserError
 from dpjax.models.base import Decoder, dense_mlp_values
@@ -182,9 +182,9 @@ class Llama(Decoder):
             params["unembed_VmxD"] = std * jax.random.normal(keys[1], (c.vocab_size, D))
         return params
 
-    def embed(self, params, tokens_BdxT, par: Parallel = DENSE):
+    def embed(self, params, tokens_BdxT, par: Parallel = DENSE, segments=None):
         """The token embeddings (the first stage's work): Bd x T x D; positions enter in
-        each layer's attention."""
+        each layer's attention (packed rows' too: `segments` is read by `layer`)."""
         c = self.config
         assert params["embed_VmxD"].shape == (c.vocab_size // par.size(), c.d_model), (
             params["embed_VmxD"].shape, par.size())  # this device's block
@@ -221,28 +221,27 @@ class Llama(Decoder):
         """The keys and values of the heads `a` holds, before rotation: Bd x 2 x T x Y' x K."""
         return par.policy.einsum("btd,diyk->bityk", h_BdxTxD, a["wkv_LsxDx2xYmxK"])
 
-    def layer(self, blk, x_BdxTxD, par: Parallel = DENSE, positions_BdxT=None):
+    def layer(self, blk, x_BdxTxD, par: Parallel = DENSE, segments=None):
         """One block; `blk` is one layer of the stack (its leaves without the leading L).
-        positions_BdxT: each token's position (default 0 .. T-1; with a context axis, the
-        global positions of this device's chunks, `context.positions`)."""
-        x_BdxTxD = self.attend(blk, x_BdxTxD, par, positions_BdxT)
+        Each token is rotated to its position: 0 .. T-1 (with a context axis, the global
+        positions of this device's chunks, `context.positions`), or with packed rows
+        (`segments`) its position within its own example, whose tokens alone it attends to."""
+        x_BdxTxD = self.attend(blk, x_BdxTxD, par, segments)
         return x_BdxTxD + self.mlp(blk, x_BdxTxD, par)
 
-    def attend(self, blk, x_BdxTxD, par: Parallel = DENSE, positions_BdxT=None):
+    def attend(self, blk, x_BdxTxD, par: Parallel = DENSE, segments=None):
         """x plus the block's attention (the first half of `layer`; a mixture's block, models/mixtral.py,
         adds its own second half)."""
         a, c = blk["attn"], self.config
         B, T = x_BdxTxD.shape[:2]
-        if positions_BdxT is None:
+        if segments is None:
             positions_BdxT = jnp.broadcast_to(context.positions(T, par), (B, T))
+        else:
+            positions_BdxT = segments.positions_BxT
         h_BdxTxD = rms_norm(x_BdxTxD, blk["attn_norm"]["scale_LsxD"], c.norm_eps)
         q_BdxTxHmxK, k_BdxTxYmxK, v_BdxTxYmxK = self.project(a, h_BdxTxD, positions_BdxT, par)
-        if context.active(par):  # the Y heads travel round the ring / are gathered; each block repeats them
-            o_BdxTxHmxK = context.kernel(par)(q_BdxTxHmxK, k_BdxTxYmxK, v_BdxTxYmxK)
-        else:  # each K/V head repeated to the query heads it serves on this rank
-            Hm = q_BdxTxHmxK.shape[2]
-            o_BdxTxHmxK = attention.causal(q_BdxTxHmxK, context.shared(k_BdxTxYmxK, Hm),
-                                           context.shared(v_BdxTxYmxK, Hm), par.policy.attention)
+        # the Y heads: a context axis's ring carries them, the local kernel and the KV cache repeat them
+        o_BdxTxHmxK = self.attention(par, segments)(q_BdxTxHmxK, k_BdxTxYmxK, v_BdxTxYmxK)
         return x_BdxTxD + par.g(par.policy.einsum("bthk,hkd->btd", o_BdxTxHmxK, a["wo_LsxHmxKxD"]))
 
     def mlp(self, blk, x_BdxTxD, par: Parallel = DENSE):

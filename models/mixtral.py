@@ -146,12 +146,12 @@ class MoEBlocks:
         params[self.LAYERS]["mlp"] = self.mixture.draw(jax.random.fold_in(key, 1))
         return params
 
-    def layer(self, blk, x_BdxTxD, par: Parallel = DENSE, positions_BdxT=None):
-        return self.layer_stats(blk, x_BdxTxD, par, positions_BdxT)[0]
+    def layer(self, blk, x_BdxTxD, par: Parallel = DENSE, segments=None):
+        return self.layer_stats(blk, x_BdxTxD, par, segments)[0]
 
-    def layer_stats(self, blk, x_BdxTxD, par: Parallel = DENSE, positions_BdxT=None):
+    def layer_stats(self, blk, x_BdxTxD, par: Parallel = DENSE, segments=None):
         """(the block's output, the mixture's balance loss, z loss and share dropped)."""
-        x_BdxTxD = self.attend(blk, x_BdxTxD, par, positions_BdxT)
+        x_BdxTxD = self.attend(blk, x_BdxTxD, par, segments)
         y_BdxTxD, stats = self.mixture(blk["mlp"], self._normed(blk, x_BdxTxD), par)
         return x_BdxTxD + y_BdxTxD, stats
 

@@ -1,7 +1,7 @@
 """Generation: the Llama's KV cache against its full forward, greedy decoding against
 transformers' (the fixture tests/test_hf_llama.py describes), nucleus sampling against
-its definition in numpy, EOS, the window path of the other models, the CLI and the
-train job's sample."""
+its definition in numpy, EOS (a list, per row), the window path of a model without
+layers, the CLI and the train job's sample."""
 
 import json
 import os
@@ -55,6 +55,22 @@ def test_stops_at_eos(llama):
     assert generate(model, params, [EXPECTED["prompt_ids"]], 8, eos=[first]).tolist() == [[first]]
 
 
+def test_each_row_stops_at_any_of_its_eos_ids(llama):
+    """A batch of 2 rows and a list of EOS ids (Llama 3's and Qwen's form): each row stops
+    at the first id of the list it makes (holding it after), the other goes on; when
+    every row has stopped, generation stops."""
+    model, params, _ = llama
+    prompts = np.asarray([EXPECTED["prompt_ids"], EXPECTED["prompt_ids"][:1] + EXPECTED["prompt_ids"][2:] + [9]])
+    free = generate(model, params, prompts, 6)
+    assert free[0].tolist() == EXPECTED["greedy"][:6] and free[0].tolist() != free[1].tolist()
+    a = next(i for i in range(1, 4) if free[0, i] not in free[0, :i] and free[0, i] not in free[1, :5])
+    b = next(i for i in range(a + 1, 5) if free[1, i] not in free[1, :i] and free[1, i] not in free[0, :a + 1])
+    got = generate(model, params, prompts, 6, eos=[int(free[0, a]), 300, int(free[1, b])])
+    assert got.shape == (2, b + 1)  # both stopped: no token past the later stop
+    assert got[0].tolist() == free[0, :a + 1].tolist() + [int(free[0, a])] * (b - a)
+    assert got[1].tolist() == free[1, :b + 1].tolist()
+
+
 def test_nucleus_sampling_keeps_the_smallest_set_reaching_top_p():
     """softmax(z / T) sorted: the tokens before the cumulative probability reaches
     top_p, and the one that reaches it, are drawn; never another; top_p tiny: greedy."""
@@ -69,8 +85,9 @@ def test_nucleus_sampling_keeps_the_smallest_set_reaching_top_p():
 
 
 def test_other_models_decode_by_their_window():
-    """The GPT (no cache): each token the argmax of the full forward over the sequence so far."""
-    model = get_model("gpt", seq_len=16, d_model=16, n_layers=1, n_heads=2, d_ff=32)
+    """A model without a stack of layers (the MLP: no cache): each token the argmax of the
+    full forward over the sequence so far (the GPT's cache: tests/test_generate_checkpoint.py)."""
+    model = get_model("mlp", seq_len=16, context=3, d_embed=8, d_hidden=16)
     params = model.init(jax.random.key(1))
     prompt = np.asarray([[5, 6, 7, 8]], np.int32)
     got = generate(model, params, prompt, 6)[0].tolist()

@@ -1,9 +1,12 @@
 """`python -m dpjax.generate --init-from hf:DIR|CKPT (--prompt TEXT [--tokenizer PATH] |
---prompt-ids 1,2,3) --max-new-tokens N [--temperature T] [--top-p P] [--adapter DIR] [--json]`
+--prompt-ids 1,2,3) --max-new-tokens N [--temperature T] [--top-p P] [--adapter DIR] [--logprobs K]
+[--logprobs-out FILE.npy] [--json]`
 
 Prints the prompt and its continuation (or, with --json, one object: the prompt's ids,
-the new ids and the text). Greedy unless --temperature is above 0; stops at the model's
-EOS (config.json's eos_token_id, or the tokenizer's). The weights are read onto --mesh
+the new ids, the text, and with --logprobs K the K most likely first new tokens and their
+log-probs). Greedy unless --temperature is above 0; stops at any of the model's EOS ids
+(config.json's and generation_config.json's eos_token_id, or the tokenizer's). Any
+prompt + --max-new-tokens up to the model's context. The weights are read onto --mesh
 (default: every device on `model` where it divides). User errors: one line, exit 2.
 """
 
@@ -28,42 +31,55 @@ def _ids(text: str) -> list[int]:
     return ids
 
 
-def eos_ids(hub: dict | None, tok) -> list[int]:
-    eos = (hub or {}).get("eos_token_id")
-    ids = eos if isinstance(eos, list) else [] if eos is None else [eos]
-    return ids or ([tok.eos_id] if tok is not None and tok.eos_id is not None else [])
-
-
 def run(args) -> dict:
-    from dpjax.generate import Sampling, generate
-    from dpjax.hf import model_of
-    from dpjax.data.tokenizer import for_model
+    import numpy as np
 
-    if args.max_new_tokens < 1 or args.temperature < 0 or not 0 < args.top_p <= 1:
-        raise UserError("--max-new-tokens must be at least 1, --temperature at least 0, --top-p in (0, 1]")
-    model, hub, record = model_of(args.init_from)
-    tok = for_model(args.init_from, args.tokenizer, model.config.vocab_size)
+    from dpjax.generate import Sampling, check_length, generate
+    from dpjax.generate.source import eos_ids, open_source, tokenizer_of
+
+    if args.max_new_tokens < 1 or args.temperature < 0 or not 0 < args.top_p <= 1 or args.logprobs < 0:
+        raise UserError("--max-new-tokens must be at least 1, --temperature at least 0, --top-p in (0, 1], "
+                        "--logprobs at least 0")
+    source = open_source(args.init_from)
+    vocab = source.model.config.vocab_size
+    tok = tokenizer_of(source, args.tokenizer)
     if args.prompt is not None:
         if tok is None:
-            raise UserError(f"{args.init_from} has no tokenizer.json (nor tokenizer.model) and "
-                            f"{model.config.vocab_size} ids: give "
+            raise UserError(f"{args.init_from} has no tokenizer.json (nor tokenizer.model) and {vocab} ids: give "
                             "--tokenizer PATH, or --prompt-ids")
         prompt = tok.encode(args.prompt)
-        bos = (hub or {}).get("bos_token_id")
+        bos = (source.hub or {}).get("bos_token_id")
         if isinstance(bos, int) and args.bos:
             prompt = [bos] + prompt
+        if not prompt:
+            raise UserError("--prompt encodes to no tokens: give some text, or --prompt-ids")
     else:
         prompt = _ids(args.prompt_ids)
-    if max(prompt) >= model.config.vocab_size:
-        raise UserError(f"prompt id {max(prompt)} is beyond the model's {model.config.vocab_size} ids")
-    model, _, _ = model_of(args.init_from, seq_len=len(prompt) + args.max_new_tokens)
-    model, params = _weights(args, model, record)
-    new = generate(model, params, [prompt], args.max_new_tokens,  # one row: it ends at its EOS, if any
-                   Sampling(args.temperature, args.top_p, args.seed), eos=eos_ids(hub, tok))[0].tolist()
-    out = {"prompt_ids": prompt, "new_ids": new}
+    if max(prompt) >= vocab or min(prompt) < 0:
+        raise UserError(f"prompt id {max(prompt) if max(prompt) >= vocab else min(prompt)} is outside the "
+                        f"model's {vocab} ids")
+    need = len(prompt) + args.max_new_tokens
+    if need > source.context:  # the context, not the seq_len of the model as saved: said in its words
+        raise UserError(f"a prompt of {len(prompt)} tokens + --max-new-tokens {args.max_new_tokens} = {need} positions "
+                        f"exceed the model's context of {source.context}: shorten the prompt or ask fewer new tokens")
+    model = source.model_for(need)
+    check_length(model, len(prompt), args.max_new_tokens)
+    model, params = _weights(args, model, source.record)
+    new, logp_BxV = generate(model, params, [prompt], args.max_new_tokens,  # one row: it ends at its EOS, if any
+                             Sampling(args.temperature, args.top_p, args.seed), eos=eos_ids(source, tok),
+                             logprobs=True)
+    out = {"prompt_ids": prompt, "new_ids": new[0].tolist()}
     if tok is not None:
-        out["text"] = tok.decode(new)
+        out["text"] = tok.decode(out["new_ids"])
         out["prompt"] = tok.decode(prompt)
+    logp_V = logp_BxV[0]
+    if args.logprobs:  # the most likely first new tokens, most likely first (ties: the lower id)
+        top = np.argsort(-logp_V, kind="stable")[:args.logprobs]
+        out["logprobs"] = {"position": len(prompt) - 1, "ids": top.tolist(),
+                           "values": [float(v) for v in logp_V[top]]}
+    if args.logprobs_out:
+        _save(args.logprobs_out, logp_V)
+        out["logprobs_file"] = args.logprobs_out
     return out
 
 
@@ -88,6 +104,18 @@ def _weights(args, model, record):
     return model.base, jax.device_put(jax.jit(model.merge)(params), make_layout(model.base, mesh).shardings())
 
 
+def _save(path: str, logp_V) -> None:
+    import numpy as np
+
+    from dpjax.errors import os_error_line
+
+    try:
+        with open(path, "wb") as f:
+            np.save(f, logp_V.astype(np.float32))
+    except OSError as e:
+        raise UserError(os_error_line(e, path)) from None
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m dpjax.generate", description=__doc__.split("\n\n")[1])
     p.add_argument("--init-from", required=True, help="hf:DIR (a HuggingFace Llama folder) or a dpjax checkpoint")
@@ -104,6 +132,10 @@ def main(argv=None) -> int:
     p.add_argument("--mesh", help="e.g. 1x8 (default: every device on model where it divides)")
     p.add_argument("--adapter", help="a PEFT LoRA adapter folder to put on --init-from's weights")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--logprobs", type=int, default=0, metavar="K",
+                   help="the K most likely first new tokens' log-probs (at the prompt's last position)")
+    p.add_argument("--logprobs-out", metavar="FILE.npy",
+                   help="save that position's whole log-prob vector (V float32, numpy's .npy) to FILE.npy")
     args = p.parse_args(argv)
     guard_flagged()  # devices simulated with XLA_FLAGS: guard their collectives before JAX starts
     try:
@@ -115,9 +147,13 @@ def main(argv=None) -> int:
         return 2
     if args.json:
         print(json.dumps(out))
-    else:
-        print(out.get("prompt", out["prompt_ids"]), end="" if "text" in out else " -> ")
-        print(out.get("text", out["new_ids"]))
+        return 0
+    print(out.get("prompt", out["prompt_ids"]), end="" if "text" in out else " -> ")
+    print(out.get("text", out["new_ids"]))
+    if "logprobs" in out:
+        lp = out["logprobs"]
+        print(f"logprobs at position {lp['position']}: " + ", ".join(
+            f"{i}:{v:.6f}" for i, v in zip(lp["ids"], lp["values"])))
     return 0
 
 

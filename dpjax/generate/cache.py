@@ -1,11 +1,18 @@
-"""The Llama's forward pass over a KV cache: a prompt once (prefill), then a token a step.
+"""A decoder's forward pass over a KV cache: a prompt once (prefill), then a token a step.
 
 Each layer keeps the keys and values of every position so far, L x B x O x Y x K (O: the
 longest sequence, Y: the K/V heads: a grouped-query model caches H/Y times less than
 one with a K/V head per query head); a step computes the new token's Q, K and V only,
-writes K and V at its position and attends over the cache up to it. The arithmetic is
-the model's own (`Llama.project`, `Llama.mlp`, `Llama.head`): with the cache the logits
-equal the full forward's (tests/test_generate.py).
+writes K and V at its position and attends over the cache up to it (and, in a layer with
+a sliding window, over the last `window` positions only).
+
+The arithmetic is the model's own for any `Decoder` (the GPT, the Llama and the families
+built on them): its `embed`, `layer` and `head`, run with a `Decoding` as the layer's
+`segments`. That carries the step's positions (which rope, or a learned table, reads)
+and the attention core the layer gets from `Decoder.attention`: instead of the training
+kernel, `attend` here, which writes the layer's new K and V into its slice of the cache
+and attends over it with the window the layer passes. With the cache the logits equal
+the full forward's (tests/test_generate.py, tests/test_generate_cache.py).
 """
 
 from __future__ import annotations
@@ -16,42 +23,66 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from dpjax.models.llama import rms_norm
+from dpjax.compute.attention import allowed
+from dpjax.models.base import Decoding
+
+K_CACHE, V_CACHE = "k_LxBxOxYxK", "v_LxBxOxYxK"
 
 
 def empty(model, B: int, length: int, dtype=jnp.float32) -> dict:
     """A cache for B sequences of up to `length` tokens."""
-    c = model.config
-    shape = (c.n_layers, B, length, c.n_kv_heads, c.d_model // c.n_heads)
-    return {"k_LxBxOxYxK": jnp.zeros(shape, dtype), "v_LxBxOxYxK": jnp.zeros(shape, dtype)}
+    shape = (model.config.n_layers, B, length, model.kv_heads, model.head_dim)
+    return {K_CACHE: jnp.zeros(shape, dtype), V_CACHE: jnp.zeros(shape, dtype)}
+
+
+def attend(q_BxTxHxK, k_BxOxYxK, v_BxOxYxK, start, window: int | None = None):
+    """Queries at positions start .. start+T-1 over the cached keys 0 .. O-1: each sees the
+    keys at or before its own position (the later places of the cache are not written yet)
+    and, with a window w, only the last w of them (p-w+1 .. p). Softmax(Q K^T / sqrt(K)) V,
+    the scores in float32 as `dpjax.compute.attention.naive`'s; K/V head y serves query
+    heads y*H/Y .. (y+1)*H/Y-1."""
+    B, T, H, K = q_BxTxHxK.shape
+    O, Y = k_BxOxYxK.shape[1], k_BxOxYxK.shape[2]
+    assert k_BxOxYxK.shape == v_BxOxYxK.shape == (B, O, Y, K) and H % Y == 0, (q_BxTxHxK.shape, k_BxOxYxK.shape)
+    k_BxOxHxK, v_BxOxHxK = (jnp.repeat(a, H // Y, axis=2) for a in (k_BxOxYxK, v_BxOxYxK))
+    s_BxHxTxO = jnp.einsum("bthk,bohk->bhto", q_BxTxHxK, k_BxOxHxK).astype(jnp.float32) / math.sqrt(K)
+    ok_1x1xTxO = allowed(start + jnp.arange(T), jnp.arange(O), window=window)
+    s_BxHxTxO = jnp.where(ok_1x1xTxO, s_BxHxTxO, jnp.finfo(jnp.float32).min)
+    p_BxHxTxO = jax.nn.softmax(s_BxHxTxO, axis=-1).astype(v_BxOxHxK.dtype)
+    return jnp.einsum("bhto,bohk->bthk", p_BxHxTxO, v_BxOxHxK)
+
+
+class _LayerCache:
+    """One layer's slice of the cache as the attention core the layer calls: it writes the
+    step's K and V at `start` and attends over the result. The layer returns x only, so
+    the written slice leaves through `written` (read in the same trace, after the layer)."""
+
+    def __init__(self, k_BxOxYxK, v_BxOxYxK, start):
+        self.k, self.v, self.start = k_BxOxYxK, v_BxOxYxK, start
+        self.written = None
+
+    def __call__(self, q_BxTxHxK, k_BxTxYxK, v_BxTxYxK, window: int | None = None):
+        k = lax.dynamic_update_slice(self.k, k_BxTxYxK.astype(self.k.dtype), (0, self.start, 0, 0))
+        v = lax.dynamic_update_slice(self.v, v_BxTxYxK.astype(self.v.dtype), (0, self.start, 0, 0))
+        self.written = (k, v)
+        return attend(q_BxTxHxK, k, v, self.start, window).astype(q_BxTxHxK.dtype)
 
 
 def forward(model, params, tokens_BxT, start, cache):
     """(logits B x T x V of tokens at positions start .. start+T-1, the cache with their
     keys and values written). Attention sees the cache up to each token's own position."""
-    c = model.config
     B, T = tokens_BxT.shape
-    length = cache["k_LxBxOxYxK"].shape[2]
     positions_BxT = jnp.broadcast_to(start + jnp.arange(T), (B, T))
-    x_BxTxD = model.embed(params, tokens_BxT)
+    x_BxTxD = model.embed(params, tokens_BxT, segments=Decoding(None, positions_BxT))
 
     def layer(x_BxTxD, xs):
         blk, k_BxOxYxK, v_BxOxYxK = xs
-        h_BxTxD = rms_norm(x_BxTxD, blk["attn_norm"]["scale_LsxD"], c.norm_eps)
-        q_BxTxHxK, k_BxTxYxK, v_BxTxYxK = model.project(blk["attn"], h_BxTxD, positions_BxT)
-        k_BxOxYxK = lax.dynamic_update_slice(k_BxOxYxK, k_BxTxYxK.astype(k_BxOxYxK.dtype), (0, start, 0, 0))
-        v_BxOxYxK = lax.dynamic_update_slice(v_BxOxYxK, v_BxTxYxK.astype(v_BxOxYxK.dtype), (0, start, 0, 0))
-        group = c.n_heads // c.n_kv_heads
-        k_BxOxHxK, v_BxOxHxK = (jnp.repeat(a, group, axis=2) for a in (k_BxOxYxK, v_BxOxYxK))
-        s_BxHxTxO = jnp.einsum("bthk,bohk->bhto", q_BxTxHxK, k_BxOxHxK).astype(jnp.float32) / math.sqrt(
-            q_BxTxHxK.shape[-1])
-        visible_TxO = jnp.arange(length)[None, :] <= (start + jnp.arange(T))[:, None]
-        s_BxHxTxO = jnp.where(visible_TxO, s_BxHxTxO, jnp.finfo(jnp.float32).min)
-        p_BxHxTxO = jax.nn.softmax(s_BxHxTxO, axis=-1).astype(v_BxOxHxK.dtype)
-        o_BxTxHxK = jnp.einsum("bhto,bohk->bthk", p_BxHxTxO, v_BxOxHxK)
-        x_BxTxD = x_BxTxD + jnp.einsum("bthk,hkd->btd", o_BxTxHxK, blk["attn"]["wo_LsxHmxKxD"])
-        x_BxTxD = x_BxTxD + model.mlp(blk, x_BxTxD)
-        return x_BxTxD, (k_BxOxYxK, v_BxOxYxK)
+        core = _LayerCache(k_BxOxYxK, v_BxOxYxK, start)
+        x_BxTxD = model.layer(blk, x_BxTxD, segments=Decoding(None, positions_BxT, core))
+        if core.written is None:  # a bug of the family's: its layer computes attention some other way
+            raise NotImplementedError(f"model {model.name!r}: its layer does not take its attention core from "
+                                      "Decoder.attention(par, segments), so it cannot decode with the KV cache")
+        return x_BxTxD, core.written
 
-    x_BxTxD, (k, v) = lax.scan(layer, x_BxTxD, (params[model.LAYERS], cache["k_LxBxOxYxK"], cache["v_LxBxOxYxK"]))
-    return model.head(params, x_BxTxD), {"k_LxBxOxYxK": k, "v_LxBxOxYxK": v}
+    x_BxTxD, (k, v) = lax.scan(layer, x_BxTxD, (params[model.LAYERS], cache[K_CACHE], cache[V_CACHE]))
+    return model.head(params, x_BxTxD), {K_CACHE: k, V_CACHE: v}

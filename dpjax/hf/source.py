@@ -6,6 +6,7 @@ read onto a layout. `--init-from` (train), `python -m dpjax.generate` and export
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 
 import jax
@@ -91,6 +92,7 @@ def params_of(source: str, model, layout, record: dict | None = None, adapter: s
     target = layout.shardings() if V == 1 and stored_v == 1 else None
     if target is not None:
         saved = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), saved, target)
+    _check_shapes(source, model, os.path.join(ckpt.directory, str(step), "state"), saved)
     try:
         item = {"params": saved}
         state = ckpt._manager.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
@@ -103,3 +105,28 @@ def params_of(source: str, model, layout, record: dict | None = None, adapter: s
         params = {**params, model.LAYERS: jax.tree.map(lambda x: x.reshape(-1, *x.shape[2:]), params[model.LAYERS])}
         params = jax.device_put(layout.store(params), layout.shardings())
     return params
+
+
+def _check_shapes(source: str, model, state_dir: str, want) -> None:
+    """One line when the stored parameters' shapes are not those of the model the record
+    describes (orbax would refuse too, but its reading threads then print their own
+    tracebacks as the process exits): the first leaf that differs, both shapes."""
+    import orbax.checkpoint as ocp
+
+    from dpjax.recovery.checkpoint import CheckpointError
+
+    absl = logging.getLogger("absl")
+    level = absl.level
+    absl.setLevel(logging.ERROR)  # orbax warns that a step's own metadata file is absent (dpjax writes none)
+    try:
+        stored = ocp.StandardCheckpointer().metadata(state_dir).item_metadata["params"]
+    except Exception:  # no metadata to compare (an older layout): the restore below says what is wrong
+        return
+    finally:
+        absl.setLevel(level)
+    have = {jax.tree_util.keystr(p): tuple(x.shape) for p, x in jax.tree_util.tree_leaves_with_path(stored)}
+    for path, x in jax.tree_util.tree_leaves_with_path(want):
+        key = jax.tree_util.keystr(path)
+        if key in have and have[key] != tuple(x.shape):
+            raise CheckpointError(f"{source}: its parameter {key} is {have[key]} but the {model.name} its record "
+                                  f"describes needs {tuple(x.shape)}: the weights and the record disagree")

@@ -1,0 +1,60 @@
+"""The KV cache with a sliding window: a grouped-query Llama whose layers attend over the
+last 3 keys (set through `Decoder.attention`, the hook every layer takes its attention
+core from: the training kernel, or the cache's while decoding) gives the windowed full
+forward's logits through the cache (a prompt of 5, then a token a step to 8: positions
+past the window). The windowed full forward is checked against numpy's masks in
+tests/test_pack_attention.py; the GPT's cache in tests/test_generate_checkpoint.py, the
+plain Llama's in tests/test_generate.py."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dpjax.generate import cache as kv
+from dpjax.models import get_model
+from dpjax.models.llama import Llama
+
+WINDOW = 3
+
+
+class WindowedLlama(Llama):
+    """A Llama whose every layer attends over the last WINDOW keys (Mistral's sliding window)."""
+
+    def attention(self, par, segments=None):
+        core = super().attention(par, segments)
+        return lambda q, k, v, window=None: core(q, k, v, window=WINDOW)
+
+
+def cached_logits(model, params, ids, prefill: int):
+    """Logits of every position: `prefill` tokens in one pass, then one token a step."""
+    forward = jax.jit(lambda p, t, start, c: kv.forward(model, p, t, start, c))
+    got, cache = forward(params, ids[:, :prefill], 0, kv.empty(model, ids.shape[0], ids.shape[1]))
+    rows = [np.asarray(got)]
+    for t in range(prefill, ids.shape[1]):
+        logits, cache = forward(params, ids[:, t:t + 1], t, cache)
+        rows.append(np.asarray(logits))
+    return np.concatenate(rows, axis=1)
+
+
+IDS = jnp.asarray([[5, 17, 3, 250, 9, 11, 64, 2], [1, 2, 3, 4, 5, 6, 7, 8]], jnp.int32)
+
+
+def random_params(model, seed: int):
+    """Parameters of the model's shapes drawn by numpy (init's random draws cost seconds
+    of compiling on this CPU; any values serve a comparison of two forwards)."""
+    rng = np.random.default_rng(seed)
+    shapes = jax.eval_shape(model.init, jax.random.key(0))
+    return jax.tree.map(lambda s: jnp.asarray(rng.normal(0, 0.3, s.shape), s.dtype), shapes)
+
+
+def _close(got, want):
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
+def test_a_windowed_llama_cache_equals_its_full_forward():
+    """Grouped-query heads (4 query heads, 2 K/V), every layer's window of 3."""
+    windowed = WindowedLlama(get_model("llama", vocab_size=256, seq_len=16, d_model=16, n_layers=1, n_heads=4,
+                                       n_kv_heads=2, d_ff=32).config)
+    params = random_params(windowed, 4)
+    full_windowed = np.asarray(jax.jit(windowed.apply)(params, IDS))
+    _close(cached_logits(windowed, params, IDS, 5), full_windowed)
