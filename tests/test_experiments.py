@@ -69,7 +69,9 @@ SLOW = {("bench_train.py", 1), ("bench_train.py", 2), ("staleness.py", 1), ("wan
         # two GPT steps compiled (45 s under load); tests/test_lean_step.py keeps what it found fast
         ("hlo_side_by_side.py", 0),
         # two 4-process jobs under two agents, one with faults (minutes); tests/test_chaos.py is slow too
-        ("chaos.py", 0)}
+        ("chaos.py", 0),
+        # two Llama sft steps compiled (60 CPU-s); tests/test_pack_train.py keeps packed == unpacked fast
+        ("pack_throughput.py", 0)}
 
 
 # The smoke that runs as `python experiments/X.py --smoke` whatever in_process says: a cheap

@@ -55,7 +55,8 @@ def test_a_bad_window_is_refused():
         attention.causal(q, q, q, "naive", window=0)
 
 
-@pytest.mark.parametrize("name,C,Y,window", [("ring", 4, 1, None), ("allgather", 4, H, 5),
+@pytest.mark.parametrize("name,C,Y,window", [("allgather", 4, H, 5),  # the ring's fast check: the Llama's below
+                                             pytest.param("ring", 4, 1, None, marks=pytest.mark.slow),
                                              pytest.param("ring", 4, H, 5, marks=pytest.mark.slow),
                                              pytest.param("allgather", 2, 1, None, marks=pytest.mark.slow),
                                              pytest.param("ring", 8, H, 3, marks=pytest.mark.slow)])
@@ -130,8 +131,9 @@ def params():
     return {name: m.init(jax.random.key(0)) for name, m in MODELS.items()}
 
 
-@pytest.mark.parametrize("name", list(MODELS))
-@pytest.mark.parametrize("kernel", ["naive", "xla"])
+@pytest.mark.parametrize("name,kernel", [("gpt", "naive"), ("llama", "xla"),  # both models, both kernels
+                                         pytest.param("llama", "naive", marks=pytest.mark.slow),
+                                         pytest.param("gpt", "xla", marks=pytest.mark.slow)])
 def test_an_example_packed_beside_others_has_its_logits_alone(params, name, kernel):
     """Its own positions (restarting at 0: the GPT's table, the Llama's rope) and attention to
     itself only: a shared position count or a key of the example before it moves every logit."""
@@ -143,7 +145,8 @@ def test_an_example_packed_beside_others_has_its_logits_alone(params, name, kern
     check_no_leak(alone_logits, packed, rows)
 
 
-@pytest.mark.parametrize("name,algorithm", [("llama", "ring"), ("gpt", "allgather"),
+@pytest.mark.parametrize("name,algorithm", [("llama", "ring"),
+                                            pytest.param("gpt", "allgather", marks=pytest.mark.slow),
                                             pytest.param("gpt", "ring", marks=pytest.mark.slow),
                                             pytest.param("llama", "allgather", marks=pytest.mark.slow)])
 def test_no_leak_on_the_context_axis(mesh_of, put, params, name, algorithm):

@@ -1,6 +1,12 @@
 """Which layouts and models a task (`dpjax.tasks`) runs on: the pairs not built yet are
 refused in one line before anything compiles; and what chat data (--data chat:PATH, which
-trains --task sft) needs of the settings, checked before JAX starts."""
+trains --task sft) needs of the settings, checked before JAX starts.
+
+--pack places conversations several to a row: chat data only (a text's windows are full
+rows already); with --attention cudnn it is refused by the compute policy
+(`dpjax.compute.policy.cudnn_refusal`: cuDNN gets the document mask only as a dense bias
+through JAX's public API, and dpjax has not run it on a GPU); a set in which no two
+conversations fit in one row is refused when it is read (`dpjax.train.streams`)."""
 
 from __future__ import annotations
 
@@ -34,7 +40,7 @@ def check_chat(s) -> None:
     chat = s.data.startswith(CHAT)
     if not chat:
         given = [f"--{k.replace('_', '-')}" for k in ("chat_template", "eval_data", "eval_fraction")
-                 if getattr(s, k) is not None]
+                 if getattr(s, k) is not None] + ([f"--pack {s.pack}"] if s.pack != "none" else [])
         if given:
             raise UserError(f"{', '.join(given)} applies to chat data (--data chat:FILE.jsonl), not --data {s.data}")
         return

@@ -97,12 +97,15 @@ def replicated(mesh):
     return NamedSharding(mesh, P())
 
 
-def put_batch(stream, cursor: int, global_batch: int, mesh, passes: int | None = None):
+def put_batch(stream, cursor: int, global_batch: int, mesh, passes: int | None = None, rows: int | None = None):
     """The global batch at `cursor` as one sharded array; each process reads only the rows
     its devices hold, each once (the devices along `model` that share a block get one
     read). passes=A: A consecutive batches stacked, A x B x T+1 (the train step's
     micro-batches). A stream whose batch is a dict of arrays (a task's: `dpjax.tasks`)
-    gives a dict of sharded arrays, every leaf split by rows alike."""
+    gives a dict of sharded arrays, every leaf split by rows alike. rows: the rows a batch
+    of `global_batch` examples fills when not one each (packed: `dpjax.data.sft.PackedStream`);
+    the cursor still moves by examples."""
+    R = global_batch if rows is None else rows
     rows = data_axes(mesh) or None
     read = {}  # block index -> rows read: the callback runs once per device, not per block
 
@@ -112,15 +115,15 @@ def put_batch(stream, cursor: int, global_batch: int, mesh, passes: int | None =
         return read[key]
 
     if passes is None:
-        spec, lead = P(rows), (global_batch,)
+        spec, lead = P(rows), (R,)
 
         def block(idx):
-            return once(idx[0].indices(global_batch), lambda: stream.batch(cursor, global_batch, rows=idx[0]))
+            return once(idx[0].indices(R), lambda: stream.batch(cursor, global_batch, rows=idx[0]))
     else:
-        spec, lead = P(None, rows), (passes, global_batch)
+        spec, lead = P(None, rows), (passes, R)
 
         def block(idx):
-            return once((idx[0].indices(passes), idx[1].indices(global_batch)), lambda: _stacked(
+            return once((idx[0].indices(passes), idx[1].indices(R)), lambda: _stacked(
                 [stream.batch(cursor + k * global_batch, global_batch, rows=idx[1]) for k in range(passes)[idx[0]]]))
 
     sharding = NamedSharding(mesh, spec)

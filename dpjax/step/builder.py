@@ -236,7 +236,7 @@ class _Bodies:
         return held.wrap(params), held.wrap(self.plan.rule.init(held.trained(params)))
 
     def train_body(self, params, state, batch_AxBdxT1):
-        held, passes, rows = self.held, self.plan.passes, self.local_rows
+        held, passes, rows = self.held, self.plan.passes, _rows(self.local_rows, batch_AxBdxT1)
         held.check(params)
         tokens_AxBdxT1 = tokens(batch_AxBdxT1)  # a task's batch may carry more leaves (dpjax.tasks)
         assert tokens_AxBdxT1.ndim == 3 and tokens_AxBdxT1.shape[:2] == (passes, rows or tokens_AxBdxT1.shape[1]), (
@@ -252,7 +252,7 @@ class _Bodies:
         return held.wrap(params), held.wrap(state), *(loss if self.step_stats else (loss,))
 
     def eval_body(self, params, batch_BdxT1):
-        rows, tokens_BdxT1 = self.local_rows, tokens(batch_BdxT1)
+        rows, tokens_BdxT1 = _rows(self.local_rows, batch_BdxT1), tokens(batch_BdxT1)
         assert tokens_BdxT1.ndim == 2 and tokens_BdxT1.shape[0] == (rows or tokens_BdxT1.shape[0]), (
             tokens_BdxT1.shape, rows)
         return lax.pmean(self.loss_fn(self.consensus_body(params), batch_BdxT1, self.par), self.loss_axes)
@@ -308,3 +308,9 @@ def _traced_within(context, fn):
 def _one_worker(x):
     assert x.shape[0] == 1, f"a device should hold one worker's copy, got leading dim {x.shape[0]}"
     return x[0]
+
+
+def _rows(local_rows, batch):
+    """The rows a device's batch must have: B / dp, or any number for packed rows (--pack:
+    `dpjax.data.sft.PackedStream` fixes them from the data, after the plan)."""
+    return None if isinstance(batch, dict) and "segment_ids" in batch else local_rows

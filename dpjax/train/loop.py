@@ -37,7 +37,8 @@ class Loop:
 
     def __init__(self, trainer, hooks=()):
         cfg, self.trainer = trainer.cfg, trainer
-        self.tokens_per_step = cfg.batch_size * cfg.seq_len * cfg.backward_passes
+        # the slots a step computes: --batch-size rows a micro-batch, or the packed rows they fill (--pack)
+        self.tokens_per_step = (trainer.rows or cfg.batch_size) * cfg.seq_len * cfg.backward_passes
         self.figures = Figures(trainer, self.tokens_per_step)
         self.hooks = Hooks(trainer.parts.hooks(self.figures, hooks))
         self.writers = None  # the metrics writers (builtin.Metrics); None: this process writes no rows

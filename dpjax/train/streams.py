@@ -24,6 +24,7 @@ class Chat:
     train: list
     held_out: list
     eval_counts: object = None  # the Counts of --eval-data, when given
+    packing: dict | None = None  # --pack: `dpjax.data.sft.PackedStream.describe()`
 
     def record(self) -> dict:
         """The run record's "data": what was read, skipped, cut, and the answer tokens trained on."""
@@ -35,13 +36,23 @@ class Chat:
             e = self.eval_counts
             out["eval"] = {"rows": e.rows, "skipped_no_answer": e.no_answer, "truncated": e.truncated,
                            "dropped_long": e.dropped_long}
+        if self.packing is not None:
+            out["packing"] = self.packing
         return {"chat": out}
 
     def line(self) -> str:
         r = self.record()["chat"]
         return (f"chat data: {r['examples']:,} conversations to train on ({r['answer_tokens']:,} answer tokens), "
                 f"{r['held_out']:,} held out; of {r['rows']:,} rows {r['skipped_no_answer']:,} skipped without an "
-                f"answer, {r['truncated']:,} truncated, {r['dropped_long']:,} dropped as too long")
+                f"answer, {r['truncated']:,} truncated, {r['dropped_long']:,} dropped as too long" + _packing_line(r))
+
+
+def _packing_line(r) -> str:
+    p = r.get("packing")
+    if p is None:
+        return ""
+    return (f"; packed {p['method']}: {p['conversations_per_batch']:,} conversations in {p['rows_per_batch']:,} rows a "
+            f"micro-batch, {p['efficiency']:.1%} of the slots real tokens (one a row: {p['unpacked_efficiency']:.1%})")
 
 
 def _answers(examples) -> int:
@@ -54,18 +65,20 @@ class Data:
     val: object
     tokenizer: object  # what decodes the ids (None: shown as ids)
     chat: Chat | None = None
+    rows: int | None = None  # the rows a batch of --batch-size examples fills (--pack's); None: one a row
 
 
-def streams(cfg, model) -> Data:
+def streams(cfg, model, rows_multiple: int = 1) -> Data:
     """The training and validation streams of --data, and what the ids are: the
     --tokenizer given (bpe:N is trained on the corpus here), bytes of text, or for a
-    token file perhaps an --init-from folder's tokenizer."""
+    token file perhaps an --init-from folder's tokenizer. rows_multiple: what a packed
+    batch's rows are rounded up to (the data axes' devices, which split them)."""
     from dpjax.data import make_streams
     from dpjax.data.tokenizer import Bytes, for_corpus, for_model
     from dpjax.plan import UsageError
 
     if cfg.data.startswith("chat:"):
-        return _chat_streams(cfg, model)
+        return _chat_streams(cfg, model, rows_multiple)
     if cfg.task != "lm":
         raise UsageError(f"--task {cfg.task} trains on conversations' answers: give --data chat:FILE.jsonl "
                          f"(--data {cfg.data} is text)")
@@ -94,9 +107,9 @@ def _pairs(examples) -> list:
     return [(ex.tokens, ex.loss_mask) for ex in examples]
 
 
-def _chat_streams(cfg, model) -> Data:
+def _chat_streams(cfg, model, rows_multiple: int = 1) -> Data:
     from dpjax.data import chat as chat_data
-    from dpjax.data.sft import ExampleStream
+    from dpjax.data.sft import ExampleStream, PackedStream
     from dpjax.data.tokenizer import HF
     from dpjax.plan import UsageError
 
@@ -120,6 +133,17 @@ def _chat_streams(cfg, model) -> Data:
     chat = Chat(fmt, counts, train, held_out, eval_counts)
     # a step reads --batch-size x --backward-passes conversations from a cursor that moves by that much
     # (and resumes where it stopped): each step's window is normalised by its own answer tokens
-    train_stream = ExampleStream(_pairs(train), cfg.seq_len, cfg.seed, window=cfg.batch_size * cfg.backward_passes)
+    window = cfg.batch_size * cfg.backward_passes
+    if cfg.pack == "none":
+        train_stream, rows = ExampleStream(_pairs(train), cfg.seq_len, cfg.seed, window=window), None
+    else:  # the evaluation reads one conversation a row: its answer-token mean is the same either way
+        shortest = min(len(ex.tokens) for ex in train)
+        if 2 * shortest > cfg.seq_len + 1:
+            raise UsageError(f"--pack {cfg.pack}: no two conversations fit in a row of --seq-len {cfg.seq_len} + 1 "
+                             f"tokens (the shortest has {shortest}" + (", after --truncate" if counts.truncated else "")
+                             + "): raise --seq-len or leave --pack out")
+        train_stream = PackedStream(_pairs(train), cfg.seq_len, cfg.seed, window=window, batch_size=cfg.batch_size,
+                                    method=cfg.pack, steps=cfg.steps, multiple=rows_multiple)
+        chat.packing, rows = train_stream.describe(), train_stream.rows
     val_stream = ExampleStream(_pairs(held_out), cfg.seq_len, cfg.seed, window=cfg.batch_size)
-    return Data(train_stream, val_stream, HF(fmt.tok, os.path.join(folder, "tokenizer.json")), chat)
+    return Data(train_stream, val_stream, HF(fmt.tok, os.path.join(folder, "tokenizer.json")), chat, rows)

@@ -66,8 +66,11 @@ class Trainer:
 
         self.mesh, self.model, self.layout, self.opt = plan.mesh, plan.model, plan.layout, plan.opt
         self._say_plan()
-        data = streams(cfg, self.model)
+        from dpjax.mesh import dp_size
+
+        data = streams(cfg, self.model, rows_multiple=dp_size(self.mesh))  # packed rows split over the data axes
         self.train_stream, self.val_stream, self.tokenizer, self.chat = data.train, data.val, data.tokenizer, data.chat
+        self.rows = data.rows  # the rows a batch of --batch-size examples fills (--pack), None: one a row
         if self.chat is not None:
             self.say(self.chat.line())  # what was read, skipped, cut: before the compile's wait
         self._steps = {}
@@ -210,7 +213,8 @@ class Trainer:
     def batch(self):
         from dpjax.step import put_batch
 
-        b = put_batch(self.train_stream, self.cursor, self.cfg.batch_size, self.mesh, passes=self.cfg.backward_passes)
+        b = put_batch(self.train_stream, self.cursor, self.cfg.batch_size, self.mesh, passes=self.cfg.backward_passes,
+                      rows=self.rows)
         self.cursor += self.cfg.batch_size * self.cfg.backward_passes
         return b
 

@@ -1,0 +1,144 @@
+"""`--pack` in training (`dpjax.data.sft.PackedStream`, `dpjax.tasks.sft`): packed and
+unpacked runs give the same losses (the unpacked run on the same mesh is the reference) on
+8x1, 2x4 and with FSDP; the packed batches hold exactly the window's examples, in a fixed
+number of rows that the data axes divide; the refusals are one line."""
+
+import jax
+import numpy as np
+import pytest
+
+from dpjax import step as S
+from dpjax.data import packing
+from dpjax.data.sft import ExampleStream, PackedStream
+from dpjax.mesh import dp_size, mesh_size
+from dpjax.errors import UserError
+from dpjax.plan import resolve
+from dpjax.train import parse_args
+
+SEQ, B, V, STEPS = 32, 16, 64, 10
+MODEL = ["--model", "llama", "--d-model", "32", "--n-layers", "1", "--n-heads", "4", "--n-kv-heads", "2",
+         "--d-ff", "64", "--vocab-size", str(V), "--seq-len", str(SEQ), "--data", "synthetic", "--optimizer",
+         "sgd", "--lr", "0.5", "--clip-norm", "0", "--task", "sft", "--batch-size", str(B)]
+
+
+def examples(n=90, seed=1):
+    """Prompt-then-answer examples of 3 to 20 tokens: several fit in a row of 33."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(n):
+        length = int(rng.integers(3, 21))
+        prompt = int(rng.integers(1, length - 1))
+        out.append((rng.integers(1, V, length), np.arange(length) >= prompt))
+    return out
+
+
+def losses(mesh, packed: bool, *extra):
+    settings = parse_args([*MODEL, "--mesh", mesh, *extra])
+    plan = resolve(settings, jax.devices()[:mesh_size(mesh)])
+    step, passes = S.for_plan(plan), settings.backward_passes
+    if packed:
+        stream = PackedStream(examples(), SEQ, 0, window=B * passes, batch_size=B, steps=STEPS,
+                              multiple=dp_size(plan.mesh))
+    else:
+        stream = ExampleStream(examples(), SEQ, 0, window=B * passes)
+    params, opt = step.init(S.init_params(plan.model, plan.layout, jax.random.key(0), plan.policy))
+    out = []
+    for i in range(STEPS):
+        batch = S.put_batch(stream, i * B * passes, B, plan.mesh, passes=passes, rows=stream.rows if packed else None)
+        params, opt, loss = step.train(params, opt, batch)
+        out.append(float(loss))
+    return out, (stream.rows if packed else B)
+
+
+@pytest.mark.parametrize("mesh,extra", [("2x4", ()),
+                                         pytest.param("8x1", (), marks=pytest.mark.slow),
+                                         pytest.param("data=4,model=2", ("--fsdp",), marks=pytest.mark.slow),
+                                         pytest.param("4x2", ("--backward-passes", "2"), marks=pytest.mark.slow),
+                                         pytest.param("data=2,context=2", (), marks=pytest.mark.slow)])
+def test_packed_and_unpacked_runs_give_the_same_losses(mesh, extra):
+    """Ten SGD steps: the same answer-token mean of the same examples each step, so the same
+    losses to float32 round-off, while the packed batch has fewer rows (its 16 examples of
+    3-20 tokens fill about 6 rows of 33)."""
+    unpacked, _ = losses(mesh, False, *extra)
+    packed, rows = losses(mesh, True, *extra)
+    assert rows < B
+    np.testing.assert_allclose(packed, unpacked, rtol=1e-5)
+    assert unpacked[-1] < unpacked[0]  # it trains: the equality is not of two runs that do nothing
+
+
+def test_the_packed_rows_hold_the_window_and_are_fixed():
+    """Each window's examples (its micro-batches together) in R rows a micro-batch, R the
+    most any window of the run needs (packed again here, window by window) over the passes,
+    rounded up to the data axes; the weights sum to the window's slots (N / n each of n
+    answer targets), and the efficiency is real tokens over slots."""
+    exs, passes, steps = examples(), 2, 7
+    stream = PackedStream(exs, SEQ, 0, window=B * passes, batch_size=B, steps=steps, multiple=4)
+    plain = ExampleStream(exs, SEQ, 0, window=B * passes)
+    lengths = np.array([len(ids) for ids, _ in exs])
+    most, real = 0, 0
+    for w in range(steps):
+        ids = plain._example_ids(np.arange(w * B * passes, (w + 1) * B * passes))
+        most = max(most, len(packing.first_fit(lengths[ids].tolist(), SEQ + 1)))
+        real += lengths[ids].sum()
+        got = [stream.batch(w * B * passes + k * B, B) for k in range(passes)]
+        seen = []  # each segment's tokens (the inputs' ids; the row's last token too when an example ends there)
+        for g in got:
+            for tokens, seg, pos in zip(g["tokens"], g["segment_ids"], g["positions"]):
+                for s in range(1, seg.max() + 1):
+                    at = np.flatnonzero(seg == s)
+                    np.testing.assert_array_equal(pos[at], np.arange(len(at)))  # restarting at 0
+                    end = at[-1] + 1 + (at[-1] == SEQ - 1 and tokens[SEQ] != 0)  # ids are >= 1, padding 0
+                    seen.append(tuple(tokens[at[0]:end]))
+        assert sorted(seen) == sorted(tuple(exs[i][0]) for i in ids)  # the window's examples, each once
+        weights = np.concatenate([g["weights"] for g in got])
+        assert weights.sum() == pytest.approx(stream.window_rows * SEQ, rel=1e-5)
+        ref = np.concatenate([plain.batch(w * B * passes + k * B, B)["weights"] for k in range(passes)])
+        assert (weights > 0).sum() == (ref > 0).sum()  # the same answer targets, packed or not
+    assert stream.rows % 4 == 0 and stream.rows == -(-(-(-most // passes)) // 4) * 4
+    assert stream.efficiency == pytest.approx(real / (steps * passes * stream.rows * (SEQ + 1)))
+    assert stream.unpacked_efficiency == pytest.approx(real / (steps * passes * B * (SEQ + 1)))
+    # part of a micro-batch's rows, as a device reads them: the same rows as the whole
+    part = stream.batch(B, B, rows=slice(2, 4))
+    whole = stream.batch(B, B)
+    for k in part:
+        np.testing.assert_array_equal(part[k], whole[k][2:4])
+
+
+def test_pack_refusals_are_one_line(tmp_path):
+    from dpjax.plan import check
+
+    with pytest.raises(UserError) as e:
+        check(parse_args(["--data", "stdlib", "--pack", "first_fit"]))
+    assert "--pack first_fit applies to chat data" in str(e.value) and "\n" not in str(e.value)
+    from dpjax.compute.policy import resolve as policy
+
+    with pytest.raises(ValueError) as e:
+        policy("bfloat16", attention="cudnn", platform="gpu", head_dim=64, packed=True)
+    assert "packed rows (--pack)" in str(e.value) and "\n" not in str(e.value)
+    chosen, notes = policy("bfloat16", attention="auto", platform="gpu", head_dim=64, packed=True)
+    assert chosen.attention == "xla" and "packed rows" in notes[0]
+
+
+def test_pack_when_no_two_conversations_fit_a_row_is_one_line_and_writes_nothing(tmp_path, capsys):
+    """A --seq-len shorter than every conversation (each cut to a whole row): nothing to pack."""
+    import json
+    import os
+
+    from dpjax.train import main
+
+    chatml = os.path.join(os.path.dirname(__file__), "fixtures", "chat_tiny", "chatml")
+    data = tmp_path / "c.jsonl"
+    data.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"What is {i} and {i}?"},
+                                                     {"role": "assistant", "content": f"It is {2 * i}."}]}) + "\n"
+                            for i in range(12)))
+    out = tmp_path / "out"
+    out.mkdir()
+    args = ["--model", "llama", "--d-model", "32", "--n-layers", "1", "--n-heads", "4", "--n-kv-heads", "2",
+            "--d-ff", "64", "--tokenizer", chatml, "--data", f"chat:{data}", "--seq-len", "12", "--truncate", "left",
+            "--batch-size", "8", "--pack", "best_fit", "--metrics", str(out / "m.jsonl"), "--ckpt-dir",
+            str(out / "ckpt")]
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: --pack best_fit: no two conversations fit in a row of --seq-len 12") and (
+        len(err.splitlines()) == 1), err
+    assert os.listdir(out) == []
