@@ -7,7 +7,8 @@ the layers split over `stage`). Outside a shard_map the name is the global array
 inside it this device's block, and every shard_map body asserts its local shapes.
 
     B  sequences in a batch (or in one micro-batch, beside M)
-    T  tokens in a sequence (T1: one more, the targets' shift)
+    T  tokens in a sequence (T1: one more, the targets' shift; T2: the keys', where a mask or
+       a block pairs queries with other positions)
     D  model width (d_model)
     F  MLP width (gpt's d_ff, mlp's d_hidden)
     H  attention heads

@@ -64,18 +64,18 @@ class Segments:
     positions_BxT: jax.Array
 
 
-def allowed(pos_q_T, pos_k_S, segment_q_BxT=None, segment_k_BxS=None, window: int | None = None):
+def allowed(pos_q_T, pos_k_T2, segment_q_BxT=None, segment_k_BxT2=None, window: int | None = None):
     """Which keys each query sees, bool: causal by the row positions given (`pos_q_T`,
-    `pos_k_S`: where each token sits in the whole sequence; global ones over a context
+    `pos_k_T2`: where each token sits in the whole sequence; global ones over a context
     axis), within the window, and of the same segment. 1 x 1 x T x S without segments, B x
     1 x T x S with them (broadcast over the heads)."""
-    d_TxS = pos_q_T[:, None] - pos_k_S[None, :]
-    ok_TxS = d_TxS >= 0
+    d_TxT2 = pos_q_T[:, None] - pos_k_T2[None, :]
+    ok_TxT2 = d_TxT2 >= 0
     if window is not None:
-        ok_TxS = ok_TxS & (d_TxS < window)
-    ok = ok_TxS[None, None]
+        ok_TxT2 = ok_TxT2 & (d_TxT2 < window)
+    ok = ok_TxT2[None, None]
     if segment_q_BxT is not None:
-        ok = ok & (segment_q_BxT[:, None, :, None] == segment_k_BxS[:, None, None, :])
+        ok = ok & (segment_q_BxT[:, None, :, None] == segment_k_BxT2[:, None, None, :])
     return ok
 
 

@@ -207,19 +207,19 @@ def ring(q_BxTcxHxK, k_BxTcxYxK, v_BxTcxYxK, axis, segment_ids_BxT=None, window:
         k_BxTxYxK, v_BxTxYxK = kv[0][:, :c], kv[1][:, :c]
         if not masked:
             return _fold(stats, _scores(q_BxTcxHxK, k_BxTxYxK), v_BxTxYxK)
-        s_BxHxTcxc = _masked(q_BxTcxHxK, k_BxTxYxK, pos, j * c + jnp.arange(c), seg_BxTc,
+        s_BxHxTcxT2 = _masked(q_BxTcxHxK, k_BxTxYxK, pos, j * c + jnp.arange(c), seg_BxTc,
                              None if seg_k is None else seg_k[:, :c], window)
-        return _fold(stats, s_BxHxTcxc, v_BxTxYxK)
+        return _fold(stats, s_BxHxTcxT2, v_BxTxYxK)
 
     def later(stats, blk):  # from device j > i: my second chunk (2C-1-i) sees both of its chunks
         kv, seg_k, j = parts(blk)
         mine = _rows(stats, c, Tc)  # before the scores: the unmasked program's order, op for op
         if not masked:
-            s_BxHxcxTc = _scores(q_BxTcxHxK[:, c:], kv[0])
+            s_BxHxT2xTc = _scores(q_BxTcxHxK[:, c:], kv[0])
         else:
-            s_BxHxcxTc = _masked(q_BxTcxHxK[:, c:], kv[0], pos[c:], chunk_positions(Tc * C, C, j),
+            s_BxHxT2xTc = _masked(q_BxTcxHxK[:, c:], kv[0], pos[c:], chunk_positions(Tc * C, C, j),
                                  None if seg_BxTc is None else seg_BxTc[:, c:], seg_k, window)
-        part = _fold(mine, s_BxHxcxTc, kv[1])
+        part = _fold(mine, s_BxHxT2xTc, kv[1])
         return _set_rows(stats, part, c)
 
     for s in range(1, C):
