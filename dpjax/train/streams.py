@@ -53,7 +53,7 @@ class Data:
     train: object
     val: object
     tokenizer: object  # what decodes the ids (None: shown as ids)
-    chat: Chat | None = None
+    chat: Chat | None = None  # or a preference run's pairs (dpjax.train.preference.Pref)
 
 
 def streams(cfg, model) -> Data:
@@ -66,6 +66,10 @@ def streams(cfg, model) -> Data:
 
     if cfg.data.startswith("chat:"):
         return _chat_streams(cfg, model)
+    if cfg.data.startswith("pref:"):  # preference pairs, --task dpo (dpjax.train.preference)
+        from dpjax.train import preference
+
+        return preference.streams(cfg, model)
     if cfg.task != "lm":
         raise UsageError(f"--task {cfg.task} trains on conversations' answers: give --data chat:FILE.jsonl "
                          f"(--data {cfg.data} is text)")
