@@ -17,7 +17,7 @@ research code's plans): dpo's variant and beta.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from typing import Callable
 
 from dpjax.registry import Registry
 from dpjax.tasks import dpo, lm, sft
