@@ -16,8 +16,6 @@ from __future__ import annotations
 import dataclasses
 import os
 
-from dpjax.train.streams import Data, tokenizer_folder
-
 PREF = "pref:"
 
 
@@ -46,13 +44,14 @@ class Pref:
                 f"rows {r['truncated']:,} truncated, {r['dropped']:,} dropped (an answer past --seq-len)")
 
 
-def streams(cfg, model) -> Data:
+def streams(cfg, model, folder: str) -> tuple:
+    """(train stream, held-out stream, tokenizer, Pref) of --data pref:PATH, read with the template
+    and tokenizer.json of `folder` (`dpjax.train.streams` makes them its `Data`)."""
     from dpjax.data import chat as chat_data
     from dpjax.data import pref
     from dpjax.data.tokenizer import HF
     from dpjax.plan import UsageError
 
-    folder = tokenizer_folder(cfg)
     fmt = chat_data.ChatFormat(folder, cfg.chat_template)
     ids, vocab = fmt.tok.get_vocab_size(with_added_tokens=True), model.config.vocab_size
     if ids > vocab:
@@ -69,8 +68,8 @@ def streams(cfg, model) -> Data:
     else:
         train, held_out = chat_data.split(pairs, 0.05 if cfg.eval_fraction is None else cfg.eval_fraction, cfg.seed)
     data = Pref(fmt, counts, train, held_out, eval_counts)
-    return Data(pref.PairStream(train, cfg.seq_len, cfg.seed), pref.PairStream(held_out, cfg.seq_len, cfg.seed),
-                HF(fmt.tok, os.path.join(folder, "tokenizer.json")), data)
+    return (pref.PairStream(train, cfg.seq_len, cfg.seed), pref.PairStream(held_out, cfg.seq_len, cfg.seed),
+            HF(fmt.tok, os.path.join(folder, "tokenizer.json")), data)
 
 
 def logps_program(plan):

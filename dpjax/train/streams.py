@@ -69,7 +69,7 @@ def streams(cfg, model) -> Data:
     if cfg.data.startswith("pref:"):  # preference pairs, --task dpo (dpjax.train.preference)
         from dpjax.train import preference
 
-        return preference.streams(cfg, model)
+        return Data(*preference.streams(cfg, model, tokenizer_folder(cfg)))
     if cfg.task != "lm":
         raise UsageError(f"--task {cfg.task} trains on conversations' answers: give --data chat:FILE.jsonl "
                          f"(--data {cfg.data} is text)")
