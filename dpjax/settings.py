@@ -159,9 +159,10 @@ class Settings:
     chat_template: str | None = MODEL(None, "with chat data, a jinja chat template file to render the rows with "
                                             "instead of the model's own (its tokenizer folder's chat_template.jinja "
                                             "or tokenizer_config.json's chat_template)")
-    eval_data: str | None = MODEL(None, "with chat data, held-out conversations for the eval loss on answers: "
-                                        "chat:PATH. Default: --eval-fraction of --data held out")
-    eval_fraction: float | None = MODEL(None, "with chat data, the fraction of its conversations held out (seeded "
+    eval_data: str | None = MODEL(None, "with chat data or preference pairs, held-out data like --data: chat:PATH "
+                                        "(the eval loss on answers) or pref:PATH (the eval loss and accuracy on "
+                                        "pairs). Default: --eval-fraction of --data held out")
+    eval_fraction: float | None = MODEL(None, "with chat data or pairs, the fraction of its rows held out (seeded "
                                               "by --seed) for the eval loss on answers. Default: 0.05 (at least "
                                               "one), unless --eval-data is given")
     # Preference pairs (--data pref:PATH, --task dpo; dpjax.tasks.dpo, docs/preferences.md)

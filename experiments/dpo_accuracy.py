@@ -1,8 +1,8 @@
 """DPO learns a preference: held-out pair accuracy over the steps of `--task dpo`.
 
 A synthetic preference set with a clear rule: asked for a country's capital, the chosen answer
-is the full sentence "The capital of X is Y." and the rejected one a bare or hedged answer
-("Y.", "I think it is Y", "Y? Not sure."). The held-out pairs ask about countries the training
+is the sentence "The capital of X is Y." and the rejected one another form ("Y.", "Y is the
+capital of X.", "The capital is Y.", "It is Y."). The held-out pairs ask about countries the training
 pairs never name, so that the rule, not the pairs, must be learnt. A tiny Llama (from scratch, the
 ChatML tokenizer of tests/fixtures/chat_tiny) trains with `python -m dpjax.train --task dpo` on a
 2x4 mesh, the reference its starting weights (precomputed); every --eval-every steps the run
@@ -34,7 +34,8 @@ CAPITALS = [("France", "Paris"), ("Italy", "Rome"), ("Spain", "Madrid"), ("Japan
             ("Mali", "Bamako"), ("Nepal", "Kathmandu"), ("Qatar", "Doha"), ("Fiji", "Suva"), ("Laos", "Vientiane"),
             ("Oman", "Muscat"), ("Chad", "N'Djamena")]
 HELD_OUT = 4  # the last countries: only in the held-out pairs
-REJECTED = ("{city}.", "I think it is {city}", "{city}? Not sure.", "{city}")
+# near misses too: the same words in another order, a shorter sentence
+REJECTED = ("{city}.", "{city} is the capital of {country}.", "The capital is {city}.", "It is {city}.")
 
 
 def pairs(n: int, seed: int, held_out: bool) -> list[dict]:
@@ -47,7 +48,7 @@ def pairs(n: int, seed: int, held_out: bool) -> list[dict]:
         out.append({"prompt": [{"role": "user", "content": f"What is the capital of {country}?"}],
                     "chosen": [{"role": "assistant", "content": f"The capital of {country} is {city}."}],
                     "rejected": [{"role": "assistant", "content": REJECTED[rng.integers(len(REJECTED))].format(
-                        city=city)}]})
+                        city=city, country=country)}]})
     return out
 
 
@@ -64,7 +65,7 @@ def train_args(folder: str, steps: int, eval_every: int, mesh: str = "2x4", n_tr
     held = write(os.path.join(folder, "held_out.jsonl"), pairs(n_eval, 1, held_out=True))
     return ["--model", "llama", "--d-model", "64", "--n-layers", "2", "--n-heads", "4", "--n-kv-heads", "2",
             "--d-ff", "128", "--tokenizer", CHATML, "--data", f"pref:{train}", "--eval-data", f"pref:{held}",
-            "--seq-len", "40", "--batch-size", "16", "--mesh", mesh, "--steps", str(steps), "--lr", "1e-3",
+            "--seq-len", "40", "--batch-size", "16", "--mesh", mesh, "--steps", str(steps), "--lr", "1e-4",
             "--dpo-beta", "0.1", "--eval-every", str(eval_every), "--eval-batches", str(n_eval // 16),
             "--sample-tokens", "0", "--progress", "none"]
 
@@ -120,8 +121,8 @@ def plot(c: dict, path: str, title: str) -> None:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--steps", type=int, default=120)
-    p.add_argument("--eval-every", type=int, default=10)
+    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--eval-every", type=int, default=2)
     p.add_argument("--plot", default=None, help="PNG: held-out accuracy and loss over the steps")
     p.add_argument("--json", default=None, help="the curves as JSON")
     _bench.add_smoke(p, "2 steps, an evaluation after each")

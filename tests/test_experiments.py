@@ -65,7 +65,9 @@ SLOW = {("bench_train.py", 1), ("bench_train.py", 2), ("staleness.py", 1), ("wan
         # two training runs in subprocesses (2 min under load); tests/test_commit.py runs auto in the loop
         ("commit_stall.py", 0),
         # two GPT steps compiled (45 s under load); tests/test_lean_step.py keeps what it found fast
-        ("hlo_side_by_side.py", 0)}
+        ("hlo_side_by_side.py", 0),
+        # a DPO training process (60-90 s under load); tests/test_dpo.py keeps the task's arithmetic fast
+        ("dpo_accuracy.py", 0)}
 
 
 # The smoke that runs as `python experiments/X.py --smoke` whatever in_process says: a cheap
