@@ -3,7 +3,7 @@ compiles a training step). The first step's loss against transformers' models (t
 --init-from one tiny Llama, the reference --ref-from another: tests/fixtures/dpo_tiny); with the
 policy as its own reference the first loss is ln 2 for several betas; 8x1, 2x4, FSDP and a
 context axis agree over 10 steps; DPO learns a rule (experiments/dpo_accuracy.py's set): held-out
-accuracy above 0.9; a resumed run equals the uninterrupted one bit for bit."""
+accuracy above 0.9; a resumed run equals the uninterrupted one bit for bit; --ref-from a checkpoint."""
 
 import importlib.util
 import json
@@ -103,6 +103,9 @@ def test_resume_is_bit_for_bit(tmp_path, rule_data):
     assert main([*args, "--steps", "3", "--ckpt-dir", ck, "--metrics", str(part)]) == 0
     assert main([*args, "--ckpt-dir", ck, "--resume", "--metrics", str(part)]) == 0
     assert read_losses(part) == read_losses(whole)
+    # --ref-from a checkpoint folder: the trained policy as its own reference starts at ln 2
+    again = run(tmp_path, "ref_ckpt", *args, "--steps", "1", "--init-from", ck, "--ref-from", ck)
+    assert abs(again[0]["loss"] - math.log(2)) < 1e-6 and abs(read_losses(whole)[-1] - math.log(2)) > 0.01
 
 
 def test_dpo_learns_a_rule(tmp_path, rule_data):
