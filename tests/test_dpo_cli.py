@@ -81,13 +81,15 @@ def rule_data(tmp_path_factory):
 
 def test_meshes_agree_over_10_steps(tmp_path, rule_data):
     folder, exp = rule_data
-    args = exp.train_args(str(folder), steps=10, eval_every=0, n_train=64, n_eval=16)
+    # plain SGD: Adam would hide a gradient off by a constant factor (a context axis's shares counted once, not n times)
+    args = [*exp.train_args(str(folder), steps=10, eval_every=0, n_train=64, n_eval=16), "--optimizer", "sgd", "--lr",
+            "0.5", "--clip-norm", "0"]
     losses = {}
     for mesh in (["--mesh", "8x1"], ["--mesh", "2x4"], ["--mesh", "2x4", "--fsdp"], ["--mesh", "data=2,context=4"]):
         got = run(tmp_path, "_".join(mesh).replace("-", "").replace("=", ""), *args, *mesh)
         losses[" ".join(mesh)] = [r["loss"] for r in got if "loss" in r]
     first = losses["--mesh 8x1"]
-    assert len(first) == 10 and first[-1] < first[0] - 0.05  # it trains: the agreement is not of constants
+    assert len(first) == 10 and min(first[1:]) < first[0] - 0.05  # it trains: the agreement is not of constants
     for name, curve in losses.items():
         np.testing.assert_allclose(curve, first, rtol=1e-5, err_msg=name)
 
