@@ -83,7 +83,7 @@ def test_meshes_agree_over_10_steps(tmp_path, rule_data):
     folder, exp = rule_data
     # plain SGD: Adam would hide a gradient off by a constant factor (a context axis's shares counted once, not n times)
     args = [*exp.train_args(str(folder), steps=10, eval_every=0, n_train=64, n_eval=16), "--optimizer", "sgd", "--lr",
-            "0.5", "--clip-norm", "0"]
+            "0.2", "--clip-norm", "0"]  # (at 0.5 the loss climbs back to 1.02 by step 10, round-off grown to 1.2e-5)
     losses = {}
     for mesh in (["--mesh", "8x1"], ["--mesh", "2x4"], ["--mesh", "2x4", "--fsdp"], ["--mesh", "data=2,context=4"]):
         got = run(tmp_path, "_".join(mesh).replace("-", "").replace("=", ""), *args, *mesh)
