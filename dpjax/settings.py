@@ -100,6 +100,12 @@ def _packing():
     return packing
 
 
+def _variants():
+    from dpjax.tasks.dpo import VARIANTS
+
+    return VARIANTS
+
+
 def _opt(default, help: str, **kw):
     return field(default=default, metadata={"help": help, **kw})
 
@@ -163,11 +169,23 @@ class Settings:
     chat_template: str | None = MODEL(None, "with chat data, a jinja chat template file to render the rows with "
                                             "instead of the model's own (its tokenizer folder's chat_template.jinja "
                                             "or tokenizer_config.json's chat_template)")
-    eval_data: str | None = MODEL(None, "with chat data, held-out conversations for the eval loss on answers: "
-                                        "chat:PATH. Default: --eval-fraction of --data held out")
-    eval_fraction: float | None = MODEL(None, "with chat data, the fraction of its conversations held out (seeded "
+    eval_data: str | None = MODEL(None, "with chat data or preference pairs, held-out data like --data: chat:PATH "
+                                        "(the eval loss on answers) or pref:PATH (the eval loss and accuracy on "
+                                        "pairs). Default: --eval-fraction of --data held out")
+    eval_fraction: float | None = MODEL(None, "with chat data or pairs, the fraction of its rows held out (seeded "
                                               "by --seed) for the eval loss on answers. Default: 0.05 (at least "
                                               "one), unless --eval-data is given")
+    # Preference pairs (--data pref:PATH, --task dpo; dpjax.tasks.dpo, docs/preferences.md)
+    dpo_loss: str = MODEL("sigmoid", lambda: "with preference pairs, the loss: " + "; ".join(
+        f"{v.name}: {v.about}" for v in _variants().values()), choices=lambda: tuple(_variants()))
+    dpo_beta: float = MODEL(0.1, "with preference pairs, beta: how far the policy may move from the reference "
+                                 "(SimPO: the reward's scale, about 2)")
+    simpo_gamma: float = MODEL(0.5, "with --dpo-loss simpo, the target reward margin gamma")
+    ref_logps: str = MODEL("precompute", "with preference pairs, the reference's log-probs: precompute (every "
+                                         "pair's, once before training, with the starting weights or --ref-from's: "
+                                         "no second copy of the model)", choices=("precompute",))
+    ref_from: str | None = MODEL(None, "with preference pairs, the reference model: hf:DIR or a checkpoint folder "
+                                       "of the same shape. Default: the starting weights (--init-from's)")
     vocab_size: int | None = MODEL(None, "the vocabulary of a token file (--data FILE.bin); default 256 (bytes)")
     token_dtype: str = MODEL("auto", "the ids' type in a token file; auto: uint32 if the file name says u32 or "
                                     "uint32, else uint16", choices=("auto", "uint16", "uint32"))

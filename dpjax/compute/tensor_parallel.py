@@ -312,12 +312,12 @@ def vocab_parallel_embed(tokens_BdxT, embed_VmxD, par: Parallel = DENSE):
     return par.g(e_BdxTxD)
 
 
-def vocab_parallel_cross_entropy(logits_BdxTxVm, targets_BdxT, par: Parallel = DENSE, weights_BdxT=None):
-    """Mean softmax cross-entropy of logits split by vocabulary, without gathering them:
-    loss = log sum_v exp(z_v - m) - (z_target - m), with m the global maximum (from the
-    shards' maxima), the sum of exponentials and the target logit each assembled by g.
-    The gradient w.r.t. this shard's logits is softmax - onehot on its slice.
-    weights_BdxT: each target's weight in the mean (`dpjax.tasks.sft`), float32."""
+def vocab_parallel_nll(logits_BdxTxVm, targets_BdxT, par: Parallel = DENSE):
+    """Each target's softmax cross-entropy (-log p), float32 B x T, from logits split by
+    vocabulary, without gathering them: log sum_v exp(z_v - m) - (z_target - m), with m the
+    global maximum (from the shards' maxima), the sum of exponentials and the target logit
+    each assembled by g. The gradient w.r.t. this shard's logits is softmax - onehot on its
+    slice. Every model rank holds the same values (a task sums them per sequence: `dpjax.tasks.dpo`)."""
     assert logits_BdxTxVm.shape[:-1] == targets_BdxT.shape, (logits_BdxTxVm.shape, targets_BdxT.shape)
     z_BdxTxVm = logits_BdxTxVm.astype(jnp.float32)
     m_BdxT = lax.stop_gradient(z_BdxTxVm.max(-1))
@@ -327,7 +327,13 @@ def vocab_parallel_cross_entropy(logits_BdxTxVm, targets_BdxT, par: Parallel = D
     sumexp_BdxT = par.g(jnp.exp(z_BdxTxVm).sum(-1))
     local, inside = _local_ids(targets_BdxT, z_BdxTxVm.shape[-1], par)
     picked_BdxT = jnp.where(inside, jnp.take_along_axis(z_BdxTxVm, local[..., None], axis=-1)[..., 0], 0.0)
-    nll_BdxT = jnp.log(sumexp_BdxT) - par.g(picked_BdxT)
+    return jnp.log(sumexp_BdxT) - par.g(picked_BdxT)
+
+
+def vocab_parallel_cross_entropy(logits_BdxTxVm, targets_BdxT, par: Parallel = DENSE, weights_BdxT=None):
+    """Mean softmax cross-entropy of logits split by vocabulary (`vocab_parallel_nll`'s mean).
+    weights_BdxT: each target's weight in the mean (`dpjax.tasks.sft`), float32."""
+    nll_BdxT = vocab_parallel_nll(logits_BdxTxVm, targets_BdxT, par)
     return nll_BdxT.mean() if weights_BdxT is None else (nll_BdxT * weights_BdxT.astype(jnp.float32)).mean()
 
 

@@ -18,6 +18,7 @@ from dpjax.models import MODELS
 from dpjax.models.base import Decoder
 
 CHAT = "chat:"  # --data chat:PATH: conversations (dpjax.data.chat)
+PREF = "pref:"  # --data pref:PATH: preference pairs (dpjax.data.pref, --task dpo)
 
 
 def check_task(s, model, mesh) -> None:
@@ -37,6 +38,11 @@ def check_task(s, model, mesh) -> None:
 def check_chat(s) -> None:
     """Chat data (--data chat:PATH) trains --task sft, with a tokenizer that has character
     offsets and a template; the chat flags that name files apply to it only."""
+    if s.data.startswith(PREF) or s.task == "dpo":
+        return check_pref(s)
+    given = [f"--{k.replace('_', '-')}" for k in ("ref_from",) if getattr(s, k) is not None]
+    if given:
+        raise UserError(f"{', '.join(given)} applies to preference pairs (--data pref:FILE.jsonl), not --data {s.data}")
     chat = s.data.startswith(CHAT)
     if not chat:
         given = [f"--{k.replace('_', '-')}" for k in ("chat_template", "eval_data", "eval_fraction")
@@ -49,10 +55,15 @@ def check_chat(s) -> None:
     if s.task != "sft":
         raise UserError(f"--task {s.task} trains on every token of a text; --data {s.data} is conversations, "
                          "trained on their answers: leave --task out (chat data is --task sft)")
+    _check_rendered(s, CHAT)
+
+
+def _check_rendered(s, prefix: str) -> None:
+    """What chat and preference data both need: a held-out set like --data, the model's tokenizer and template."""
     if s.eval_data is not None and s.eval_fraction is not None:
         raise UserError("--eval-data and --eval-fraction both say what is held out for evaluation: give one")
-    if s.eval_data is not None and not s.eval_data.startswith(CHAT):
-        raise UserError(f"--eval-data {s.eval_data}: held-out conversations are chat:PATH, like --data")
+    if s.eval_data is not None and not s.eval_data.startswith(prefix):
+        raise UserError(f"--eval-data {s.eval_data}: held-out data is {prefix}PATH, like --data")
     if s.eval_fraction is not None and not 0 < s.eval_fraction < 1:
         raise UserError(f"--eval-fraction is between 0 and 1, got {s.eval_fraction}")
     if s.tokenizer is None and not (s.init_from or "").startswith("hf:"):
@@ -63,3 +74,28 @@ def check_chat(s) -> None:
                          "tokenizer.json (its folder, with the chat template)")
     if s.chat_template is not None and not os.path.isfile(s.chat_template):
         raise UserError(f"--chat-template {s.chat_template}: no such file")
+
+
+def check_pref(s) -> None:
+    """Preference pairs (--data pref:PATH) train --task dpo against a reference that exists."""
+    from dpjax.tasks.dpo import VARIANTS
+
+    if not s.data.startswith(PREF):
+        raise UserError(f"--task dpo trains on preference pairs: give --data pref:FILE.jsonl (--data {s.data} is not)")
+    if not s.data[len(PREF):]:
+        raise UserError("--data pref:PATH names a FILE.jsonl of preference pairs or a folder of them")
+    if s.task != "dpo":
+        raise UserError(f"--data {s.data} is preference pairs, trained by --task dpo; --task {s.task} is not that: "
+                         "leave --task out")
+    if s.dpo_loss not in VARIANTS:
+        raise UserError(f"unknown --dpo-loss {s.dpo_loss!r}; choose one of {', '.join(VARIANTS)}")
+    if not s.dpo_beta > 0:
+        raise UserError(f"--dpo-beta is positive, got {s.dpo_beta}")
+    if s.ref_from is not None:
+        if not VARIANTS[s.dpo_loss].reference:
+            raise UserError(f"--dpo-loss {s.dpo_loss} needs no reference model; leave --ref-from out")
+        path = s.ref_from[len("hf:"):] if s.ref_from.startswith("hf:") else s.ref_from
+        if not os.path.isdir(path):
+            raise UserError(f"--ref-from {s.ref_from}: no such folder (the reference model: hf:DIR of a HuggingFace "
+                             "model, or a checkpoint folder)")
+    _check_rendered(s, PREF)

@@ -41,8 +41,8 @@ def for_plan(plan: Plan, donate: bool = True, clock=None) -> TrainStep:
     abstract = jax.eval_shape(lambda k: plan.policy.store(layout.store(model.init(k))), jax.random.key(0))
     if layout.pipeline is None:
         task = TASKS[plan.task]  # what the step optimises (dpjax.tasks): lm's loss is the model's own
-        stats = task.loss_and_stats(model) if model.has_stats else None
-        return build(task.loss(model), plan, abstract_params=abstract, donate=donate, clock=clock,
+        stats = task.loss_and_stats(model, plan.settings) if model.has_stats or task.reports else None
+        return build(task.loss(model, plan.settings), plan, abstract_params=abstract, donate=donate, clock=clock,
                      loss_and_stats=stats)
     staged = pipeline_staged.for_model(model, layout, plan.exchange.algorithm)
     return build(staged.loss, plan, abstract_params=abstract, donate=donate, value_and_grad=staged.value_and_grad,

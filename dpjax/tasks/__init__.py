@@ -5,36 +5,46 @@ task needs, and the step builder (`dpjax.step`) takes any of them.
     sft   next-token prediction weighted per target (answer-only fine-tuning): the batch is
           {"tokens": B x T+1 int32, "weights": B x T float32}, packed rows with "segment_ids"
           and "positions" too (B x T int32: `sft.py`)
+    dpo   preference pairs against a reference (DPO, IPO, hinge, SimPO): the batch is
+          {"tokens": the chosen rows, "rejected", "masks", "ref"} (`dpo.py`)
 
 A task's batch is a pytree whose leaves all have the rows first (B; A x B for the train
 step's micro-batches): the data axes split every leaf alike, the micro-batches scan over
-every leaf alike. `tokens(batch)` is the token ids whichever task made it.
+every leaf alike. `tokens(batch)` is the token ids whichever task made it (a pair's: its
+chosen row). A task's loss may read the run's settings (`loss(model, settings)`; None for
+research code's plans): dpo's variant and beta.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from typing import Callable
 
 from dpjax.registry import Registry
-from dpjax.tasks import lm, sft
+from dpjax.tasks import dpo, lm, sft
 
 
 @dataclasses.dataclass(frozen=True)
 class Task:
-    """A registered task: `loss(model) -> loss_fn(params, batch, par)`, and the loss with
-    the model's own statistics (a mixture's router figures) when the model has them."""
+    """A registered task: `loss(model, settings) -> loss_fn(params, batch, par)`, and the
+    loss with statistics: the model's own (a mixture's router figures) when it has them, or
+    the task's (`reports`: dpo's rewards and accuracy, in every metrics row)."""
 
     name: str
-    loss: Callable[[Any], Callable]
-    loss_and_stats: Callable[[Any], Callable]
+    loss: Callable[..., Callable]
+    loss_and_stats: Callable[..., Callable]
     about: str = ""
+    reports: bool = False
 
 
 TASKS: Registry[Task] = Registry("task")
 TASKS.register(Task("lm", lm.loss, lm.loss_and_stats, "next-token prediction on every token (pretraining)"))
 TASKS.register(Task("sft", sft.loss, sft.loss_and_stats,
                     "next-token prediction on the answers only (chat / instruction fine-tuning)"))
+
+TASKS.register(Task("dpo", dpo.loss, dpo.loss_and_stats,
+                    "preference pairs (--data pref:FILE.jsonl) against a reference: DPO and its variants "
+                    "(--dpo-loss)", reports=True))
 
 
 def tokens(batch):

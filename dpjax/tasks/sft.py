@@ -25,7 +25,7 @@ from dpjax.compute import tensor_parallel as tp
 from dpjax.compute.tensor_parallel import DENSE, Parallel
 
 
-def loss_and_stats(model):
+def loss_and_stats(model, settings=None):
     """(loss, the model's statistics or None) of the weighted next-token cross-entropy."""
 
     def fn(params, batch, par: Parallel = DENSE):
@@ -44,6 +44,6 @@ def loss_and_stats(model):
     return fn
 
 
-def loss(model):
+def loss(model, settings=None):
     sft = loss_and_stats(model)
     return lambda params, batch, par=DENSE: sft(params, batch, par)[0]

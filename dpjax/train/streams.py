@@ -64,7 +64,7 @@ class Data:
     train: object
     val: object
     tokenizer: object  # what decodes the ids (None: shown as ids)
-    chat: Chat | None = None
+    chat: Chat | None = None  # or a preference run's pairs (dpjax.train.preference.Pref)
     rows: int | None = None  # the rows a batch of --batch-size examples fills (--pack's); None: one a row
 
 
@@ -79,6 +79,10 @@ def streams(cfg, model, rows_multiple: int = 1) -> Data:
 
     if cfg.data.startswith("chat:"):
         return _chat_streams(cfg, model, rows_multiple)
+    if cfg.data.startswith("pref:"):  # preference pairs, --task dpo (dpjax.train.preference)
+        from dpjax.train import preference
+
+        return Data(*preference.streams(cfg, model, tokenizer_folder(cfg)))
     if cfg.task != "lm":
         raise UsageError(f"--task {cfg.task} trains on conversations' answers: give --data chat:FILE.jsonl "
                          f"(--data {cfg.data} is text)")

@@ -78,6 +78,10 @@ class Trainer:
         self.record = self._resume_record(user)
         self._say_exchange()
         self._init_state()
+        if cfg.task == "dpo":  # the reference's log-probs, from the starting weights: before a restore
+            from dpjax.train import preference
+
+            preference.reference(self)
         self.start, self.cursor, self.resumed = 0, 0, {}
         checkpoints = Checkpoints(cfg)
         checkpoints.restore(self)
