@@ -56,11 +56,19 @@ class LlamaConfig:
                 raise UserError(f"Llama {name} must be positive, got {getattr(self, name)}")
         if self.rope_theta <= 0 or self.norm_eps <= 0:
             raise UserError(f"Llama rope_theta and norm_eps must be positive, got {self.rope_theta}, {self.norm_eps}")
+        self.check_heads()
+        if self.n_heads % self.n_kv_heads:
+            raise UserError(f"Llama n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}")
+
+    @property
+    def head_width(self) -> int:
+        """K, each attention head's width: d_model / n_heads (a family may set its own)."""
+        return self.d_model // self.n_heads
+
+    def check_heads(self) -> None:
         if self.d_model % self.n_heads or (self.d_model // self.n_heads) % 2:
             raise UserError(f"Llama d_model={self.d_model} must split into n_heads={self.n_heads} heads of an even "
                             "width (rotary positions rotate pairs)")
-        if self.n_heads % self.n_kv_heads:
-            raise UserError(f"Llama n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}")
 
 
 # Named shapes (`--preset`): Meta's published configurations (the Hub's config.json). The
@@ -141,9 +149,13 @@ class Llama(Decoder):
     def kv_heads(self) -> int:
         return self.config.n_kv_heads
 
+    @property
+    def head_dim(self) -> int:
+        return self.config.head_width
+
     def init(self, key):
         c = self.config
-        D, F, H, Y, K, L = c.d_model, c.d_ff, c.n_heads, c.n_kv_heads, c.d_model // c.n_heads, c.n_layers
+        D, F, H, Y, K, L = c.d_model, c.d_ff, c.n_heads, c.n_kv_heads, c.head_width, c.n_layers
         std = 0.02  # HuggingFace's initializer_range
         keys = jax.random.split(key, 2 + 6 * L)
 
@@ -179,22 +191,31 @@ class Llama(Decoder):
         Ym x K: Y/n split heads, or the one replicated head its queries share), rotated
         to `positions_BdxT`."""
         c, n = self.config, par.size()
-        H, Y, K = c.n_heads, c.n_kv_heads, c.d_model // c.n_heads
+        H, Y, K = c.n_heads, c.n_kv_heads, c.head_width
         replicated = a["wkv_LsxDx2xYmxK"].shape[2] == Y and n > 1 and Y % n != 0
         assert a["wq_LsxDxHmxK"].shape == (c.d_model, H // n, K) and a["wkv_LsxDx2xYmxK"].shape[:2] == (
             c.d_model, 2), (a["wq_LsxDxHmxK"].shape, a["wkv_LsxDx2xYmxK"].shape, n)  # this device's heads
         hf_BdxTxD = par.f(h_BdxTxD)
-        q_BdxTxHmxK = par.policy.einsum("btd,dhk->bthk", hf_BdxTxD, a["wq_LsxDxHmxK"])
+        q_BdxTxHmxK = self.queries(a, hf_BdxTxD, par)
         if replicated:  # every rank computes the Y heads; f sums the ranks' partial cotangents of them
-            kv_Bdx2xTxYxK = par.f(par.policy.einsum("btd,diyk->bityk", h_BdxTxD, a["wkv_LsxDx2xYmxK"]))
+            kv_Bdx2xTxYxK = par.f(self.keys_values(a, h_BdxTxD, par))
             kv_Bdx2xTxYmxK = lax.dynamic_slice_in_dim(kv_Bdx2xTxYxK, par.rank() * Y // n, 1, axis=3)
         else:
-            kv_Bdx2xTxYmxK = par.policy.einsum("btd,diyk->bityk", hf_BdxTxD, a["wkv_LsxDx2xYmxK"])
+            kv_Bdx2xTxYmxK = self.keys_values(a, hf_BdxTxD, par)
         sin_TxK, cos_TxK = rope_table(c.seq_len, K, c.rope_theta, c.rope_scaling)
         sin_BdxTxK, cos_BdxTxK = jnp.asarray(sin_TxK)[positions_BdxT], jnp.asarray(cos_TxK)[positions_BdxT]
         q_BdxTxHmxK = rotate(q_BdxTxHmxK, sin_BdxTxK, cos_BdxTxK)
         k_BdxTxYmxK = rotate(kv_Bdx2xTxYmxK[:, 0], sin_BdxTxK, cos_BdxTxK)
         return q_BdxTxHmxK, k_BdxTxYmxK, kv_Bdx2xTxYmxK[:, 1]
+
+    def queries(self, a, h_BdxTxD, par: Parallel = DENSE):
+        """The queries of the heads `a` holds, before rotation: Bd x T x Hm x K (a family
+        adds what its projection has: Qwen2's biases, Qwen3's per-head norms)."""
+        return par.policy.einsum("btd,dhk->bthk", h_BdxTxD, a["wq_LsxDxHmxK"])
+
+    def keys_values(self, a, h_BdxTxD, par: Parallel = DENSE):
+        """The keys and values of the heads `a` holds, before rotation: Bd x 2 x T x Y' x K."""
+        return par.policy.einsum("btd,diyk->bityk", h_BdxTxD, a["wkv_LsxDx2xYmxK"])
 
     def layer(self, blk, x_BdxTxD, par: Parallel = DENSE, positions_BdxT=None):
         """One block; `blk` is one layer of the stack (its leaves without the leading L).
@@ -239,7 +260,7 @@ class Llama(Decoder):
     def flops_per_token(self) -> float:
         """Training FLOPs per token: 6 x matmul parameters + attention (Kaplan et al. 2020)."""
         c = self.config
-        K = c.d_model // c.n_heads
+        K = c.head_width
         attn = c.d_model * (2 * c.n_heads * K + 2 * c.n_kv_heads * K)
         matmul = c.n_layers * (attn + 3 * c.d_model * c.d_ff) + c.vocab_size * c.d_model  # + the output head
         return 6 * matmul + 3 * c.n_layers * 4 * c.seq_len * c.d_model

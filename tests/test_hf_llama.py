@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dpjax.hf import llama as names
+from dpjax.hf import layouts as names
 from dpjax.hf.load import load_params, model_from_hf
 from dpjax.sharding import make_layout
 

@@ -1,6 +1,6 @@
 """`python -m dpjax.hf import DIR --out CKPT` / `python -m dpjax.hf export CKPT --out DIR`.
 
-import: a HuggingFace Llama folder (config.json, safetensors: one file or shards and
+import: a HuggingFace folder of a supported family (config.json, safetensors: one file or shards and
 their index) -> a dpjax checkpoint (parameters, float32, step 0), read on a mesh
 (--mesh, default every device on `model` where it divides: each device reads its own
 block from the memory-mapped files). export: a dpjax checkpoint (an import's, or a
@@ -50,13 +50,14 @@ def do_export(ckpt: str, out: str, dtype: str | None, shard_mb: float, overwrite
 
 def _export(ckpt: str, out: str, dtype: str | None, shard_mb: float) -> str:
     from dpjax.hf import identity
+    from dpjax.hf.family import FAMILIES
     from dpjax.hf.writer import export
     from dpjax.hf.source import default_mesh, model_of, params_of
     from dpjax.sharding import make_layout
 
     model, _, record = model_of(ckpt)
-    if model.name != "llama":
-        raise UserError(f"{ckpt} holds a {model.name} model; the HuggingFace export writes llama")
+    if model.name not in FAMILIES:
+        raise UserError(f"{ckpt} holds a {model.name} model; the HuggingFace export writes {', '.join(FAMILIES)}")
     origin = identity.origin(ckpt, record)  # the imported model: its config, tokenizer, template
     layout = make_layout(model, default_mesh(model))
     params = params_of(ckpt, model, layout, record)
@@ -76,7 +77,7 @@ def _export(ckpt: str, out: str, dtype: str | None, shard_mb: float) -> str:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m dpjax.hf", description=__doc__.split("\n\n")[1])
     sub = p.add_subparsers(dest="command", required=True)
-    i = sub.add_parser("import", help="a HuggingFace Llama folder -> a dpjax checkpoint")
+    i = sub.add_parser("import", help="a HuggingFace folder -> a dpjax checkpoint")
     i.add_argument("folder")
     i.add_argument("--out", required=True, help="the dpjax checkpoint folder to write")
     i.add_argument("--mesh", help="read onto this mesh (default: every device on model where it divides)")

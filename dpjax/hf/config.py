@@ -1,14 +1,15 @@
-"""A Llama's config.json as both transformers lines write it, read into dpjax's LlamaConfig
-and written back.
+"""config.json as both transformers lines write it, read into the dpjax config of its
+family (`dpjax.hf.family`) and written back.
 
 transformers 4.x writes the rotary base and its scaling at the top level (`rope_theta`,
 `rope_scaling: {"rope_type": ..., "factor": ...}` or null; older files say `type`); 5.x
 writes one `rope_parameters` ({"rope_theta", "rope_type", the scaling's fields}). Every
-key either sets a LlamaConfig field (`FIELDS`, the rope keys), must hold the value dpjax
-computes (`MUST_BE`: refused otherwise), or is on `NEUTRAL`, the keys that do not change
-the numbers (ids, bookkeeping); any other key is refused, so that a field which changes
-the numbers is never skipped in silence. An export writes the layout its source had
-(5.x's when it had none), so the file never holds both.
+key either sets a config field (the family's `fields`, the rope keys), must hold the value
+dpjax computes (the family's `must_be`, `COMMON_MUST_BE`: refused otherwise), or is on
+`NEUTRAL` or the family's `neutral`, the keys that do not change the numbers (ids,
+bookkeeping); any other key is refused, so that a field which changes the numbers is
+never skipped in silence. An export writes the layout its source had (5.x's when it had
+none), so the file never holds both.
 """
 
 from __future__ import annotations
@@ -17,55 +18,57 @@ import dataclasses
 
 from dpjax.compute.rope import ROPE_TYPES, RopeScaling
 from dpjax.errors import UserError
+from dpjax.hf.family import FAMILIES, Family, of_config, of_hub
 from dpjax.hf.files import HFError
 
-# dpjax LlamaConfig field <- config.json key (and its default when the file has none)
-FIELDS = {"vocab_size": ("vocab_size", None), "d_model": ("hidden_size", None),
-          "n_layers": ("num_hidden_layers", None), "n_heads": ("num_attention_heads", None),
-          "n_kv_heads": ("num_key_value_heads", None), "d_ff": ("intermediate_size", None),
-          "norm_eps": ("rms_norm_eps", 1e-6), "tie_embeddings": ("tie_word_embeddings", False)}
 # the rotary keys (either layout); max_position_embeddings: a run's default seq_len and dynamic's n0
 ROPE = ("rope_parameters", "rope_scaling", "rope_theta", "max_position_embeddings", "partial_rotary_factor")
-# keys dpjax reads only to refuse another value than the one it computes (head_dim: checked against D / H)
-MUST_BE = {"model_type": "llama", "hidden_act": "silu", "attention_bias": False, "mlp_bias": False,
-           "attention_dropout": 0.0, "partial_rotary_factor": 1.0}
-# keys that do not change the numbers dpjax computes, and why
+# keys every family reads only to refuse another value than the one dpjax computes
+COMMON_MUST_BE = {"partial_rotary_factor": 1.0}
+# keys that do not change the numbers dpjax computes, for every family, and why
 NEUTRAL = {
-    "architectures": "the class transformers builds (model_type names the family)",
+    "architectures": "the class transformers builds (the family's name)", "model_type": "the family's name",
     "transformers_version": "the writer's version", "torch_dtype": "the files' dtype (read for export)",
     "dtype": "the files' dtype (read for export)", "_name_or_path": "where it was loaded from",
     "bos_token_id": "token ids: generation reads them", "eos_token_id": "token ids: generation reads them",
     "pad_token_id": "token ids: generation reads them", "initializer_range": "random initialisation only",
-    "use_cache": "inference caching", "pretraining_tp": "transformers 4.x splits matmuls into slices (the same sums)",
-    "output_attentions": "what transformers returns", "output_hidden_states": "what transformers returns",
-    "return_dict": "what transformers returns", "tokenizer_class": "the tokenizer's class",
+    "use_cache": "inference caching", "output_attentions": "what transformers returns",
+    "output_hidden_states": "what transformers returns", "return_dict": "what transformers returns",
+    "tokenizer_class": "the tokenizer's class",
 }
 _ROPE_KEYS = {"rope_type", "type", "rope_theta", "factor"} | {f.name for f in dataclasses.fields(RopeScaling)}
 
 
-def known_keys() -> set[str]:
-    """Every top-level key the reader accounts for (read, checked or neutral)."""
-    return {k for k, _ in FIELDS.values()} | set(ROPE) | set(MUST_BE) | {"head_dim"} | set(NEUTRAL)
+def known_keys(family: Family | None = None) -> set[str]:
+    """Every top-level key the reader accounts for (read, checked or neutral) in `family`'s
+    config.json (default: the Llama's)."""
+    f = family or FAMILIES["llama"]
+    return ({k for k, _ in f.fields.values()} | set(ROPE) | set(COMMON_MUST_BE) | set(f.must_be) | {"head_dim"}
+            | {"layer_types"} | set(NEUTRAL) | set(f.neutral))
 
 
 def config_from_hub(hub: dict, where: str) -> dict:
-    """dpjax LlamaConfig fields from a config.json of either layout; a key dpjax does not
-    compute, or does not know, is refused in one line naming it."""
-    if hub.get("model_type") != "llama":
-        raise HFError(f"{where}: model_type {hub.get('model_type')!r}; dpjax imports llama")
-    unknown = sorted(set(hub) - known_keys())
+    """The dpjax config fields of the family config.json names, from either layout; a key
+    dpjax does not compute, or does not know, is refused in one line naming it."""
+    f = of_hub(hub, where)
+    unknown = sorted(set(hub) - known_keys(f))
     if unknown:
-        raise HFError(f"{where}: config.json key(s) {', '.join(unknown)} not known to dpjax (it reads "
-                      "every key that changes the numbers; docs/hf.md lists them)")
-    problems = [f"{k} {hub[k]!r} (dpjax computes {v!r})" for k, v in MUST_BE.items() if k in hub
+        raise HFError(f"{where}: config.json key(s) {', '.join(unknown)} not known to dpjax's {f.architecture} (it "
+                      "reads every key that changes the numbers; docs/hf.md lists them)")
+    must_be = {**COMMON_MUST_BE, **f.must_be}
+    problems = [f"{k} {hub[k]!r} (dpjax computes {v!r})" for k, v in must_be.items() if k in hub
                 and hub[k] is not None and hub[k] != v]
-    if hub.get("head_dim") not in (None, hub["hidden_size"] // hub["num_attention_heads"]):
+    if "head_dim" not in {k for k, _ in f.fields.values()} and hub.get("head_dim") not in (
+            None, hub["hidden_size"] // hub["num_attention_heads"]):
         problems.append(f"head_dim {hub['head_dim']} other than hidden_size / num_attention_heads")
+    other = sorted(set(hub.get("layer_types") or ()) - set(f.layer_types))
+    if other:
+        problems.append(f"layer_types {', '.join(other)} (dpjax computes {', '.join(f.layer_types)})")
     if problems:
-        raise HFError(f"{where}: dpjax's Llama does not compute {'; '.join(problems)}")
-    fields = {ours: hub.get(key, default) for ours, (key, default) in FIELDS.items()}
+        raise HFError(f"{where}: dpjax's {f.architecture} does not compute {'; '.join(problems)}")
+    fields = {ours: hub.get(key, default) for ours, (key, default) in f.fields.items()}
     fields["n_kv_heads"] = fields["n_kv_heads"] or fields["n_heads"]
-    missing = [FIELDS[k][0] for k, v in fields.items() if v is None]
+    missing = [f.fields[k][0] for k, v in fields.items() if v is None]
     if missing:
         raise HFError(f"{where}: config.json has no {', '.join(missing)}")
     theta, scaling = rope_from_hub(hub, where)
@@ -85,7 +88,7 @@ def rope_from_hub(hub: dict, where: str) -> tuple[float, RopeScaling | None]:
     kind = params.pop("rope_type", None) or params.pop("type", None) or "default"
     params.pop("type", None)
     if params.get("partial_rotary_factor", 1.0) != 1.0:
-        raise HFError(f"{where}: dpjax's Llama does not compute partial_rotary_factor {params['partial_rotary_factor']}"
+        raise HFError(f"{where}: dpjax does not compute partial_rotary_factor {params['partial_rotary_factor']}"
                       " (it rotates whole heads)")
     params.pop("partial_rotary_factor", None)
     if kind == "default":
@@ -121,15 +124,14 @@ def _same(a: dict, b: dict) -> bool:
 
 
 def config_to_hub(config, dtype: str, base: dict | None = None) -> dict:
-    """A config.json for dpjax's Llama `config` in `base`'s layout (the imported file,
-    whose other keys, token ids among them, are kept), or 5.x's when there is none.
-    The rope keys of `base` are kept as written when they read as `config`'s."""
-    base = dict(base or {})
+    """A config.json for the dpjax `config` (of a family's model) in `base`'s layout (the
+    imported file, whose other keys, token ids among them, are kept), or 5.x's when there
+    is none. The rope keys of `base` are kept as written when they read as `config`'s."""
+    base, f = dict(base or {}), of_config(config)
     old = "rope_parameters" not in base and ("rope_theta" in base or "rope_scaling" in base)
-    hub = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
-           "attention_bias": False, "mlp_bias": False, **base}
-    hub.update({key: getattr(config, ours) for ours, (key, _) in FIELDS.items()})
-    hub.update(head_dim=config.d_model // config.n_heads)
+    hub = {"architectures": [f.architecture], "model_type": f.model_type, **f.must_be, **base}
+    hub.update({key: getattr(config, ours) for ours, (key, _) in f.fields.items()})
+    hub.update(head_dim=config.head_width)
     hub["torch_dtype" if "torch_dtype" in base else "dtype"] = dtype
     s = config.rope_scaling
     hub.setdefault("max_position_embeddings", s.max_position_embeddings if s and s.max_position_embeddings

@@ -16,7 +16,8 @@ import os
 import shutil
 from dataclasses import dataclass
 
-from dpjax.hf.config import FIELDS, config_to_hub
+from dpjax.hf.config import config_to_hub
+from dpjax.hf.family import of_model
 from dpjax.hf.load import CONFIG, HF_PREFIX, read_config
 
 # The files of a Hub folder that say how to talk to the model (transformers' and vLLM's)
@@ -79,12 +80,12 @@ def hub_config(model, dtype: str, base: dict | None) -> dict:
     """config.json for `model` in `dtype`: the imported `base` with only what differs
     changed (the model's own fields where they differ, the dtype where it does), every
     other key (token ids, max_position_embeddings, rope) as it was; without a base, the
-    config dpjax's Llama describes."""
+    config the dpjax model describes."""
     made = config_to_hub(model.config, dtype, base)  # base's layout; its rope keys as written when unchanged
     if base is None:
         return made
     out = dict(base)  # max_position_embeddings stays: a run's --seq-len is its window, not the model's reach
-    model_keys = {key for key, _ in FIELDS.values()} | {"head_dim"}
+    model_keys = {key for key, _ in of_model(model.name).fields.values()} | {"head_dim"}
     out.update({k: made[k] for k in model_keys if k in base and base[k] != made[k]})
     for k in ("rope_parameters", "rope_scaling", "rope_theta"):  # one layout, the model's rope
         if k in made:

@@ -1,4 +1,4 @@
-"""A HuggingFace Llama folder -> dpjax's Llama and its parameters, placed on a layout.
+"""A HuggingFace folder -> the dpjax model of its family and its parameters, placed on a layout.
 
 Each device's block of each parameter is read from the memory-mapped safetensors and
 put on its device (`jax.make_array_from_callback`): for a sharded layout no whole
@@ -15,8 +15,9 @@ import os
 import jax
 import numpy as np
 
-from dpjax.hf import llama as names
+from dpjax.hf import layouts
 from dpjax.hf.config import config_from_hub
+from dpjax.hf.family import FAMILIES, of_hub
 from dpjax.hf.files import HFError, Tensors
 
 CONFIG = "config.json"
@@ -32,44 +33,35 @@ def read_config(folder: str) -> dict:
 
 
 def model_from_hf(folder: str, seq_len: int | None = None):
-    """(dpjax Llama, the folder's config.json). seq_len: the longest sequence the run
-    needs (default: the config's max_position_embeddings)."""
+    """(the dpjax model of its family, the folder's config.json). seq_len: the longest
+    sequence the run needs (default: the config's max_position_embeddings)."""
     from dpjax.models import get_model
 
     hub = read_config(folder)
     fields = config_from_hub(hub, folder)
-    return get_model("llama", seq_len=seq_len or hub.get("max_position_embeddings", 2048), **fields), hub
+    seq_len = seq_len or hub.get("max_position_embeddings", 2048)
+    return get_model(of_hub(hub, folder).name, seq_len=seq_len, **fields), hub
 
 
 def _slices(idx: tuple, shape: tuple) -> tuple:
     return tuple(slice(*s.indices(n)[:2]) for s, n in zip(idx, shape))
 
 
-def _expected(key: tuple, c) -> list[tuple]:
-    """The Hub shapes of leaf `key`'s tensors (one layer's, for stacked leaves)."""
-    D, F, V, K = c.d_model, c.d_ff, c.vocab_size, c.d_model // c.n_heads
-    return {"embed_VmxD": [(V, D)], "unembed_VmxD": [(V, D)], "scale_D": [(D,)], "scale_LsxD": [(D,)],
-            "wq_LsxDxHmxK": [(c.n_heads * K, D)], "wkv_LsxDx2xYmxK": [(c.n_kv_heads * K, D)] * 2,
-            "wo_LsxHmxKxD": [(D, c.n_heads * K)], "wgate_LsxDxFm": [(F, D)], "wup_LsxDxFm": [(F, D)],
-            "wdown_LsxFmxD": [(D, F)]}[key[-1]]
-
-
 def load_params(folder: str, model, layout, dtype=np.float32):
     """The parameters of `model` (made by `model_from_hf(folder)`) read from `folder`'s
     safetensors, each a global array in `layout`'s sharding, in `dtype`."""
-    tensors, c = Tensors(folder), model.config
+    tensors, c, family = Tensors(folder), model.config, FAMILIES[model.name]
     abstract = jax.eval_shape(model.init, jax.random.key(0))
     V = layout.pipeline.virtual_stages if layout.pipeline is not None else 1
     shardings = layout.shardings()
     used = set()
 
     def hub_of(key, i):
-        hub = [tensors[n] for n in ((names.OUTER[key],) if i is None else
-                                    [f"model.layers.{i}." + n for n in names.LAYER[key]])]
-        for t, want, n in zip(hub, _expected(key, c), range(3)):
+        named = [family.outer[key]] if i is None else family.layer_names(key, i)
+        hub = [tensors[n] for n in named]
+        for t, want, n in zip(hub, layouts.hub_shapes(key, c), named):
             if t.shape != want:
-                raise HFError(f"{folder}: {list(names.LAYER.get(key, [names.OUTER.get(key)]))[n]} has shape "
-                              f"{t.shape}, config.json says {want}")
+                raise HFError(f"{folder}: {n} has shape {t.shape}, config.json says {want}")
         return hub
 
     def place(path, leaf):
@@ -80,7 +72,7 @@ def load_params(folder: str, model, layout, dtype=np.float32):
         if stacked:
             for i in range(c.n_layers):
                 hub_of(key, i)
-                used.update(f"model.layers.{i}." + n for n in names.LAYER[key])
+                used.update(family.layer_names(key, i))
             stored = leaf.shape if V == 1 else (V, leaf.shape[0] // V, *leaf.shape[1:])
 
             def block(idx):
@@ -91,12 +83,12 @@ def load_params(folder: str, model, layout, dtype=np.float32):
                     rest = idx[2:]
                 else:
                     layers, rest = range(idx[0].start, idx[0].stop), idx[1:]
-                out = np.stack([names.read_layer_block(key, hub_of(key, i), rest, c.d_model // c.n_heads)
+                out = np.stack([layouts.read_layer_block(key, hub_of(key, i), rest, c.head_width)
                                 for i in layers]).astype(dtype)
                 return out.reshape(tuple(s.stop - s.start for s in idx))
             return place_blocks(stored, sharding, block)
         hub = hub_of(key, None)[0]
-        used.add(names.OUTER[key])
+        used.add(family.outer[key])
         return place_blocks(leaf.shape, sharding, lambda idx: np.asarray(hub[_slices(idx, leaf.shape)]).astype(dtype))
 
     params = jax.tree_util.tree_map_with_path(place, abstract)
@@ -104,7 +96,7 @@ def load_params(folder: str, model, layout, dtype=np.float32):
                (c.tie_embeddings and n == "lm_head.weight")}  # buffers, and a tied head written out
     left = sorted(set(tensors.names()) - used - ignored)
     if left:
-        raise HFError(f"{folder}: tensors dpjax's Llama has no place for: {', '.join(left[:5])}"
+        raise HFError(f"{folder}: tensors dpjax's {family.architecture} has no place for: {', '.join(left[:5])}"
                       + (f" and {len(left) - 5} more" if len(left) > 5 else ""))
     return params
 

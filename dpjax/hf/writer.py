@@ -1,4 +1,4 @@
-"""dpjax's Llama parameters -> a HuggingFace folder (safetensors shards, index, config.json),
+"""A dpjax model's parameters -> a HuggingFace folder of its family (safetensors shards, index, config.json),
 and the dpjax checkpoints `python -m dpjax.hf` reads and writes.
 
 Export fetches one layer of one leaf at a time to the host (a training run's arrays are
@@ -19,7 +19,8 @@ import jax
 import numpy as np
 
 from dpjax.hf import identity
-from dpjax.hf import llama as names
+from dpjax.hf import layouts
+from dpjax.hf.family import of_model
 from dpjax.hf.files import DTYPES, INDEX, SINGLE, HFError, write_folder
 from dpjax.hf.load import CONFIG
 
@@ -29,10 +30,11 @@ DEFAULT_SHARD_BYTES = 5 * 2**30  # transformers' save_pretrained default, 5 GB
 
 def hub_names(model) -> list[tuple[str, tuple, int | None]]:
     """(Hub name, dpjax leaf key, layer or None) in the order the Hub writes them."""
-    c, out = model.config, [("model.embed_tokens.weight", ("embed_VmxD",), None)]
+    c, family = model.config, of_model(model.name)
+    out = [("model.embed_tokens.weight", ("embed_VmxD",), None)]
     for i in range(c.n_layers):
-        for key, hub in names.LAYER.items():
-            out += [(f"model.layers.{i}." + n, key, i) for n in hub]
+        for key in family.layer:
+            out += [(n, key, i) for n in family.layer_names(key, i)]
     out.append(("model.norm.weight", ("norm", "scale_D"), None))
     if not c.tie_embeddings:
         out.append(("lm_head.weight", ("unembed_VmxD",), None))
@@ -60,7 +62,7 @@ def _is_weights(name: str) -> bool:
 
 def export(params, model, folder: str, *, dtype: str = "float32", base_config: dict | None = None,
            max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> list[str]:
-    """Writes `params` (dpjax's Llama tree, any sharding, the layer stack L x ...) to
+    """Writes `params` (a dpjax model's tree, any sharding, the layer stack L x ...) to
     `folder` in the Hub's layout, config.json from `base_config` (the imported one)
     changed only where the model differs; returns the files written. Weight files of an
     earlier export there that this one does not write are removed (a loader would read a
@@ -71,11 +73,11 @@ def export(params, model, folder: str, *, dtype: str = "float32", base_config: d
         raise HFError(f"export dtype {dtype!r}: choose one of {', '.join(TORCH_DTYPES)}")
     np_dtype = DTYPES[TORCH_DTYPES[dtype]]
     os.makedirs(folder, exist_ok=True)
-    table = {hub: (key, i) for hub, key, i in hub_names(model)}
+    table, family = {hub: (key, i) for hub, key, i in hub_names(model)}, of_model(model.name)
     cache = {}  # the last (leaf, layer) fetched: k_proj and v_proj come from one wkv layer
 
     def leaf(key):
-        tree = params[model.LAYERS] if key in names.LAYER else params
+        tree = params[model.LAYERS] if key in family.layer else params
         for k in key:
             tree = tree[k]
         return tree
@@ -85,13 +87,14 @@ def export(params, model, folder: str, *, dtype: str = "float32", base_config: d
         if (key, i) not in cache:
             cache.clear()
             value = leaf(key) if i is None else leaf(key)[i]
-            cache[(key, i)] = names.hub_tensors(key, np.asarray(jax.device_get(value)), i)
+            named = [family.outer[key]] if i is None else family.layer_names(key, i)
+            cache[(key, i)] = layouts.hub_tensors(key, np.asarray(jax.device_get(value)), named)
         return cache[(key, i)][hub]
 
     def spec(hub):
         key, i = table[hub]
-        shape = leaf(key).shape if i is None else leaf(key).shape[1:]
-        return np_dtype, _hub_shape(key, shape, model.config)[hub.rsplit(".", 2)[-2] == "v_proj"]
+        named = [family.outer[key]] if i is None else family.layer_names(key, i)
+        return np_dtype, layouts.hub_shapes(key, model.config)[named.index(hub)]
 
     files = write_folder(folder, list(table), spec, fetch, max_shard_bytes)
     for stale in sorted(set(filter(_is_weights, os.listdir(folder))) - set(files)):
@@ -99,20 +102,6 @@ def export(params, model, folder: str, *, dtype: str = "float32", base_config: d
     with open(os.path.join(folder, CONFIG), "w") as f:
         json.dump(identity.hub_config(model, dtype, base_config), f, indent=2)
     return [*files, CONFIG]
-
-
-def _hub_shape(key, shape, c) -> tuple:
-    """The Hub shape(s) of one layer of leaf `key` (a pair: k_proj's, v_proj's)."""
-    name = key[-1]
-    if name == "wq_LsxDxHmxK":
-        shape = (shape[1] * shape[2], shape[0])
-    elif name == "wkv_LsxDx2xYmxK":
-        shape = (shape[2] * shape[3], shape[0])
-    elif name == "wo_LsxHmxKxD":
-        shape = (shape[2], shape[0] * shape[1])
-    elif len(shape) == 2 and name not in ("embed_VmxD", "unembed_VmxD"):
-        shape = shape[::-1]
-    return (shape, shape)
 
 
 def save_checkpoint(folder: str, params, model, hub_config: dict | None, dtype: str,
