@@ -126,6 +126,9 @@ class Decoder(ByteModel, abc.ABC):
     CONTEXT = True  # its loss splits each sequence over a context axis (dpjax.compute.context)
     LAYERS = "blocks"
     stat_names: tuple = ()  # the statistics each layer reports through `layer_stats`, summed over the stack
+    # True: its layers differ by their place in the stack (Gemma's local and global ones): the
+    # stack runner hands `layer` each one's index in the whole model, `layer(blk, x, par, index=i)`
+    INDEXED_LAYERS = False
 
     @property
     def has_stats(self) -> bool:
@@ -192,7 +195,10 @@ class Decoder(ByteModel, abc.ABC):
         stack_L, path = params[self.LAYERS], (self.LAYERS,)
         # dpjax.compute.stack: scanned, rematerialised by the policy, FSDP gathering one layer at a time
         if not self.has_stats:
-            return self.head(outer, stack.run(self.layer, stack_L, x_BdxTxD, par, path=path), par), None
+            index_L = jnp.arange(self.config.n_layers) if self.INDEXED_LAYERS else None
+            return self.head(outer, stack.run(self.layer, stack_L, x_BdxTxD, par, path=path, index_L=index_L),
+                             par), None
+        assert not self.INDEXED_LAYERS, "a decoder with statistics whose layers read their index"
         no_stats = jnp.zeros(len(self.stat_names), jnp.float32)
         x_BdxTxD, stat_totals = stack.run(self._summed, stack_L, (x_BdxTxD, no_stats), par, path=path)
         return self.head(outer, x_BdxTxD, par), stat_totals / self.config.n_layers

@@ -28,7 +28,7 @@ def read_layer_block(key: tuple, hub: list, idx: tuple, K: int) -> np.ndarray:
     """One layer's block of leaf `key` at `idx` (slices of the leaf's per-layer shape),
     from the memory-mapped Hub tensors `hub`; only the rows and columns inside are read."""
     name = key[-1]
-    if name in ("scale_LsxD", "scale_LsxK"):
+    if name in ("scale_LsxD", "qnorm_LsxK", "knorm_LsxK"):
         return np.asarray(hub[0][idx[0]])
     if name == "wq_LsxDxHmxK":  # ours[d, h, k] = q[h*K + k, d]
         d, h, k = idx
@@ -75,7 +75,8 @@ def hub_shapes(key: tuple, c) -> list[tuple]:
     dpjax config `c` implies."""
     D, F, V, K = c.d_model, c.d_ff, c.vocab_size, c.head_width
     return {"embed_VmxD": [(V, D)], "unembed_VmxD": [(V, D)], "scale_D": [(D,)], "scale_LsxD": [(D,)],
-            "scale_LsxK": [(K,)], "wq_LsxDxHmxK": [(c.n_heads * K, D)], "bq_LsxHmxK": [(c.n_heads * K,)],
+            "qnorm_LsxK": [(K,)], "knorm_LsxK": [(K,)], "wq_LsxDxHmxK": [(c.n_heads * K, D)],
+            "bq_LsxHmxK": [(c.n_heads * K,)],
             "wkv_LsxDx2xYmxK": [(c.n_kv_heads * K, D)] * 2, "bkv_Lsx2xYmxK": [(c.n_kv_heads * K,)] * 2,
             "wo_LsxHmxKxD": [(D, c.n_heads * K)], "wgate_LsxDxFm": [(F, D)], "wup_LsxDxFm": [(F, D)],
             "wdown_LsxFmxD": [(D, F)]}[key[-1]]
