@@ -53,6 +53,7 @@ class ByteModel:
     has_stats = False  # True: `loss_and_stats` returns statistics the train step reports (a router's)
     experts = 0  # E > 0: a mixture of E experts, which an `expert` axis splits
     head_dim: int | None = None  # the attention heads' width (the compute policy's kernel choice)
+    attention_softcap: float = 0.0  # > 0: its attention scores are soft-capped (Gemma 2): no cuDNN kernel
     SPECS: dict  # (each model's own) its one sharding table: leaf name -> PartitionSpec over `model`
 
     def __init__(self, config):

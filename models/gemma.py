@@ -177,6 +177,10 @@ class Gemma(Decoder):
     def kv_heads(self) -> int:
         return self.config.n_kv_heads
 
+    @property
+    def attention_softcap(self) -> float:
+        return self.config.attn_softcap
+
     def init(self, key):
         c = self.config
         D, F, H, Y, K, L = c.d_model, c.d_ff, c.n_heads, c.n_kv_heads, c.head_dim, c.n_layers

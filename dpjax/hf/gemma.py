@@ -105,7 +105,8 @@ def _write(config, hub: dict, base: dict, gemma3: bool) -> dict:
         hub["layer_types"] = kinds(config.sliding_window_pattern, config.n_layers)
     if "sliding_window_pattern" in base:
         hub["sliding_window_pattern"] = config.sliding_window_pattern
-    hub.setdefault("tie_word_embeddings", True)
+    if not base:  # a model from scratch: say it ties (4.57 leaves the default out)
+        hub["tie_word_embeddings"] = True
     if not gemma3:
         return hub  # one rotation: the common writer's keys
     if base and _ropes(base, True, "") == _ropes({**hub, "rope_local_base_freq": config.rope_local_theta}, True, "") \
