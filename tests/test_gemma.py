@@ -2,7 +2,7 @@
 Gemma2ForCausalLM / Gemma3ForCausalLM, and sharded against themselves.
 
 tests/fixtures/gemma{2,3}_tiny were made by tests/fixtures/make_mistral_gemma_fixtures.py:
-tiny random models saved by transformers 5 (local windows of 6 positions, shorter than
+tiny random models saved by transformers 5 (local windows of 4 positions, shorter than
 every prompt; Gemma 2 soft-capped at 2 and 3; Gemma 3's global layers on another rotary
 base, linearly scaled, and 2 local layers to a global one over 4 layers) with greedy
 continuations of three prompts and last-position log-probs; config.4x.json is the same
@@ -27,7 +27,7 @@ NAMES = ("gemma2", "gemma3")
 
 @pytest.mark.parametrize("name", NAMES)
 def test_greedy_and_log_probs_match_transformers(name):
-    matches_transformers(name, window=6, sliding_window=64)
+    matches_transformers(name, window=4, sliding_window=64)
 
 
 @pytest.mark.parametrize("name", NAMES)
