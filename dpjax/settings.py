@@ -94,6 +94,12 @@ def _chat():
     return chat
 
 
+def _packing():
+    from dpjax.data import packing
+
+    return packing
+
+
 def _opt(default, help: str, **kw):
     return field(default=default, metadata={"help": help, **kw})
 
@@ -150,6 +156,10 @@ class Settings:
                           choices=lambda: _chat().TRUNCATE)
     no_answer: str = MODEL("skip", "with chat data, a row without an answer to train on: skip it (counted) or "
                                    "refuse the data (one line naming the row)", choices=lambda: _chat().NO_ANSWER)
+    pack: str = MODEL("none", "with chat data, several conversations in one row of --seq-len + 1 tokens, each "
+                              "attending only to itself with its own positions: first_fit or best_fit (decreasing), "
+                              "or none (one a row). --batch-size still counts conversations",
+                      choices=lambda: tuple(_packing().METHODS))
     chat_template: str | None = MODEL(None, "with chat data, a jinja chat template file to render the rows with "
                                             "instead of the model's own (its tokenizer folder's chat_template.jinja "
                                             "or tokenizer_config.json's chat_template)")

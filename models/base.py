@@ -13,12 +13,21 @@ the loss, the logits, the pipeline's pieces, the forward over the stack
 (`dpjax.compute.stack`), the context split and the memory estimate come from here. A
 block whose layers report statistics (a mixture's router) declares their names in
 `stat_names` and gives `layer_stats`; the forward then carries their sum beside x.
+
+Packed rows (several examples in one row: `dpjax.data.packing`) reach a decoder as one
+optional argument, `segments` (`dpjax.compute.attention.Segments`: per-token segment ids
+and positions within each example), last in `forward`, `embed`, `layer` and `layer_stats`:
+`layer(blk, x, par, segments=None)`. `embed` reads the positions (a learned position
+table), `layer` passes them to rope and the segment ids to its attention core, which
+attends only within a segment. A family overriding `layer` passes `segments` on; None is
+the unpacked model, traced exactly as before.
 """
 
 from __future__ import annotations
 
 import abc
 from dataclasses import asdict
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -156,16 +165,18 @@ class Decoder(ByteModel, abc.ABC):
         """The parameters: a dict whose `LAYERS` entry holds the stacked layers."""
 
     @abc.abstractmethod
-    def embed(self, params, tokens_BdxT, par: Parallel = DENSE):
-        """Bd x T x D: the first stage's work."""
+    def embed(self, params, tokens_BdxT, par: Parallel = DENSE, segments=None):
+        """Bd x T x D: the first stage's work. `segments` (`dpjax.compute.attention.Segments`,
+        packed rows; None: one sequence a row): each token's position within its example."""
 
     @abc.abstractmethod
-    def layer(self, blk, x_BdxTxD, par: Parallel = DENSE):
-        """One block (`blk`: one layer of the stack, its leaves without the leading L): x -> x."""
+    def layer(self, blk, x_BdxTxD, par: Parallel = DENSE, segments=None):
+        """One block (`blk`: one layer of the stack, its leaves without the leading L): x -> x.
+        `segments`: packed rows' segment ids and positions, which its attention masks by."""
 
-    def layer_stats(self, blk, x_BdxTxD, par: Parallel = DENSE):
+    def layer_stats(self, blk, x_BdxTxD, par: Parallel = DENSE, segments=None):
         """(x after the block, its statistics: one scalar for each of `stat_names`)."""
-        return self.layer(blk, x_BdxTxD, par), ()
+        return self.layer(blk, x_BdxTxD, par, segments), ()
 
     @abc.abstractmethod
     def head(self, params, x_BdxTxD, par: Parallel = DENSE):
@@ -183,36 +194,43 @@ class Decoder(ByteModel, abc.ABC):
         """Vocabulary-parallel cross-entropy of the head's logits: the full logits are never gathered."""
         return tp.vocab_parallel_cross_entropy(self.head(params, x_BdxTxD, par), targets_BdxT, par)
 
-    def _summed(self, blk, carry, par: Parallel = DENSE):
+    def _summed(self, blk, carry, par: Parallel = DENSE, segments=None):
         x_BdxTxD, stat_totals = carry
-        x_BdxTxD, stats = self.layer_stats(blk, x_BdxTxD, par)
+        x_BdxTxD, stats = self.layer_stats(blk, x_BdxTxD, par, segments)
         return x_BdxTxD, stat_totals + jnp.stack(stats)
 
-    def forward(self, params, tokens_BdxT, par: Parallel = DENSE):
+    def forward(self, params, tokens_BdxT, par: Parallel = DENSE, segments=None):
         """(this shard's logits, Bd x T x Vm (all of them when dense; with a context axis,
-        of this device's chunks), the layers' statistics averaged over them, or None)."""
+        of this device's chunks), the layers' statistics averaged over them, or None).
+        `segments`: packed rows (`dpjax.compute.attention.Segments`, split like the tokens);
+        None traces the model exactly as it was before packing existed."""
         outer = {k: par.use(v, k) for k, v in params.items() if k != self.LAYERS}
-        x_BdxTxD = self.embed(outer, tokens_BdxT, par)
         stack_L, path = params[self.LAYERS], (self.LAYERS,)
+        layer, summed = self.layer, self._summed
+        if segments is None:
+            x_BdxTxD = self.embed(outer, tokens_BdxT, par)
+        else:  # each layer reads the same segments (the scan closes over them)
+            x_BdxTxD = self.embed(outer, tokens_BdxT, par, segments)
+            layer, summed = partial(self.layer, segments=segments), partial(self._summed, segments=segments)
         # dpjax.compute.stack: scanned, rematerialised by the policy, FSDP gathering one layer at a time
         if not self.has_stats:
             index_L = jnp.arange(self.config.n_layers) if self.INDEXED_LAYERS else None
-            return self.head(outer, stack.run(self.layer, stack_L, x_BdxTxD, par, path=path, index_L=index_L),
+            return self.head(outer, stack.run(layer, stack_L, x_BdxTxD, par, path=path, index_L=index_L),
                              par), None
         assert not self.INDEXED_LAYERS, "a decoder with statistics whose layers read their index"
         no_stats = jnp.zeros(len(self.stat_names), jnp.float32)
-        x_BdxTxD, stat_totals = stack.run(self._summed, stack_L, (x_BdxTxD, no_stats), par, path=path)
+        x_BdxTxD, stat_totals = stack.run(summed, stack_L, (x_BdxTxD, no_stats), par, path=path)
         return self.head(outer, x_BdxTxD, par), stat_totals / self.config.n_layers
 
-    def logits(self, params, tokens_BdxT, par: Parallel = DENSE):
+    def logits(self, params, tokens_BdxT, par: Parallel = DENSE, segments=None):
         """This shard's slice of the logits, Bd x T x Vm (all of them when dense); with a
         context axis `tokens_BdxT` are this device's chunks (`context.split`)."""
-        return self.forward(params, tokens_BdxT, par)[0]
+        return self.forward(params, tokens_BdxT, par, segments)[0]
 
-    def apply(self, params, tokens_BdxT, par: Parallel = DENSE):
+    def apply(self, params, tokens_BdxT, par: Parallel = DENSE, segments=None):
         """The full logits (dense; with a model axis, gathered: for inspection, not training;
         with a context axis, of this device's tokens, `context.split`'s)."""
-        logits = self.logits(params, tokens_BdxT, par)
+        logits = self.logits(params, tokens_BdxT, par, segments)
         if par.model_axis is None:
             return logits
         return jnp.moveaxis(collectives.all_gather(jnp.moveaxis(logits, -1, 0), par.model_axis), 0, -1)

@@ -143,11 +143,6 @@ def norm(x, w, eps: float):
     return (normed * (1.0 + w.astype(jnp.float32))).astype(x.dtype)
 
 
-def soft_cap(z, cap: float):
-    """cap * tanh(z / cap): z squashed smoothly into (-cap, cap); 0: z as it is."""
-    return z if not cap else cap * jnp.tanh(z / cap)
-
-
 class Gemma(Decoder):
     """Gemma 2 / Gemma 3 text decoder blocks (see the module docstring); the loss, the
     forward over the stack and the pipeline's pieces are the `Decoder`'s."""
@@ -305,7 +300,7 @@ class Gemma(Decoder):
         c = self.config
         x_BdxTxD = norm(x_BdxTxD, params["norm"]["scale_D"], c.norm_eps).astype(jnp.float32)
         logits = tp.column_parallel(x_BdxTxD, params["embed_VmxD"].T.astype(jnp.float32), None, par)
-        return soft_cap(logits, c.final_softcap)
+        return attention.soft_cap(logits, c.final_softcap)
 
     def mlp_values(self, tokens: int, split: int) -> dict:
         """As the Llama's: the gated MLP's extra half counted as width (F -> 1.5 F)."""

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -163,31 +164,39 @@ class GPT(Decoder):
             "ln_f": {"scale_D": jnp.ones((D,)), "bias_D": jnp.zeros((D,))},
         }
 
-    def embed(self, params, tokens_BdxT, par: Parallel = DENSE):
-        """Token plus position embeddings (the first stage's work): Bd x T x D."""
+    def embed(self, params, tokens_BdxT, par: Parallel = DENSE, segments=None):
+        """Token plus position embeddings (the first stage's work): Bd x T x D. With packed
+        rows (`segments`) each token's position is its place in its own example."""
         c, T = self.config, tokens_BdxT.shape[1]
         assert T <= c.seq_len and params["embed_VmxD"].shape == (c.vocab_size // par.size(), c.d_model), (
             tokens_BdxT.shape, params["embed_VmxD"].shape, par.size())  # this device's blocks
         embed_VmxD, pos_TxD = par.policy.cast((params["embed_VmxD"], params["pos_TxD"]))
+        if segments is not None:  # already this device's tokens' (split like them over a context axis)
+            pos_TcxD = pos_TxD[segments.positions_BxT]
         # with a context axis this device's tokens are chunks of the sequence: their global positions
-        pos_TcxD = pos_TxD[context.positions(T, par)] if context.active(par) else pos_TxD[:T]
+        else:
+            pos_TcxD = pos_TxD[context.positions(T, par)] if context.active(par) else pos_TxD[:T]
         return tp.vocab_parallel_embed(tokens_BdxT, embed_VmxD, par) + pos_TcxD
 
-    def layer(self, blk, x_BdxTxD, par: Parallel = DENSE):
+    def layer(self, blk, x_BdxTxD, par: Parallel = DENSE, segments=None):
         """One pre-LN transformer block; `blk` is one layer of the stack (its leaves without
         the leading L: `w1_LsxDxFm` is D x Fm here)."""
-        return self.layer_stats(blk, x_BdxTxD, par)[0]
+        return self.layer_stats(blk, x_BdxTxD, par, segments)[0]
 
-    def layer_stats(self, blk, x_BdxTxD, par: Parallel = DENSE):
+    def layer_stats(self, blk, x_BdxTxD, par: Parallel = DENSE, segments=None):
         """(the block's output, its MLP's statistics: a mixture's balance loss, z loss and
-        share of choices dropped; none for the dense MLP)."""
+        share of choices dropped; none for the dense MLP). `segments`: packed rows, whose
+        attention stays within each example."""
         a, c, n = blk["attn"], self.config, par.size()
         D, H = c.d_model, c.n_heads
         assert x_BdxTxD.shape[-1] == D and a["wqkv_LsxDx3xHmxK"].shape == (D, 3, H // n, D // H), (
             x_BdxTxD.shape, a["wqkv_LsxDx3xHmxK"].shape, n)  # this device's heads
         h_BdxTxD = layer_norm(x_BdxTxD, blk["ln1"]["scale_LsxD"], blk["ln1"]["bias_LsxD"])
+        core = context.kernel(par)
+        if segments is not None:
+            core = partial(core, segment_ids_BxT=segments.segment_ids_BxT)
         x_BdxTxD = x_BdxTxD + tp.head_parallel_attention(h_BdxTxD, a["wqkv_LsxDx3xHmxK"], a["wo_LsxHmxKxD"],
-                                                         context.kernel(par), par)
+                                                         core, par)
         h_BdxTxD = layer_norm(x_BdxTxD, blk["ln2"]["scale_LsxD"], blk["ln2"]["bias_LsxD"])
         y_BdxTxD, stats = self.mlp(blk["mlp"], h_BdxTxD, par)
         return x_BdxTxD + y_BdxTxD, stats

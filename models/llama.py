@@ -150,6 +150,11 @@ class Llama(Decoder):
         return self.config.n_kv_heads
 
     @property
+    def window(self) -> int | None:
+        """The sliding window of every layer's attention (a family's: `dpjax.models.mistral`); None: none."""
+        return None
+
+    @property
     def head_dim(self) -> int:
         return self.config.head_width
 
@@ -178,9 +183,9 @@ class Llama(Decoder):
             params["unembed_VmxD"] = std * jax.random.normal(keys[1], (c.vocab_size, D))
         return params
 
-    def embed(self, params, tokens_BdxT, par: Parallel = DENSE):
+    def embed(self, params, tokens_BdxT, par: Parallel = DENSE, segments=None):
         """The token embeddings (the first stage's work): Bd x T x D; positions enter in
-        each layer's attention."""
+        each layer's attention (packed rows' too: `segments` is read by `layer`)."""
         c = self.config
         assert params["embed_VmxD"].shape == (c.vocab_size // par.size(), c.d_model), (
             params["embed_VmxD"].shape, par.size())  # this device's block
@@ -217,22 +222,27 @@ class Llama(Decoder):
         """The keys and values of the heads `a` holds, before rotation: Bd x 2 x T x Y' x K."""
         return par.policy.einsum("btd,diyk->bityk", h_BdxTxD, a["wkv_LsxDx2xYmxK"])
 
-    def layer(self, blk, x_BdxTxD, par: Parallel = DENSE, positions_BdxT=None):
+    def layer(self, blk, x_BdxTxD, par: Parallel = DENSE, segments=None):
         """One block; `blk` is one layer of the stack (its leaves without the leading L).
-        positions_BdxT: each token's position (default 0 .. T-1; with a context axis, the
-        global positions of this device's chunks, `context.positions`)."""
+        Each token is rotated to its position: 0 .. T-1 (with a context axis, the global
+        positions of this device's chunks, `context.positions`), or with packed rows
+        (`segments`) its position within its own example, whose tokens alone it attends to."""
         a, c = blk["attn"], self.config
         B, T = x_BdxTxD.shape[:2]
-        if positions_BdxT is None:
-            positions_BdxT = jnp.broadcast_to(context.positions(T, par), (B, T))
+        if segments is None:
+            positions_BdxT, masks = jnp.broadcast_to(context.positions(T, par), (B, T)), {}
+        else:
+            positions_BdxT, masks = segments.positions_BxT, {"segment_ids_BxT": segments.segment_ids_BxT}
+        if self.window is not None:  # a sliding window (Mistral's)
+            masks["window"] = self.window
         h_BdxTxD = rms_norm(x_BdxTxD, blk["attn_norm"]["scale_LsxD"], c.norm_eps)
         q_BdxTxHmxK, k_BdxTxYmxK, v_BdxTxYmxK = self.project(a, h_BdxTxD, positions_BdxT, par)
         if context.active(par):  # the Y heads travel round the ring / are gathered; each block repeats them
-            o_BdxTxHmxK = context.kernel(par)(q_BdxTxHmxK, k_BdxTxYmxK, v_BdxTxYmxK)
+            o_BdxTxHmxK = context.kernel(par)(q_BdxTxHmxK, k_BdxTxYmxK, v_BdxTxYmxK, **masks)
         else:  # each K/V head repeated to the query heads it serves on this rank
             Hm = q_BdxTxHmxK.shape[2]
             o_BdxTxHmxK = attention.causal(q_BdxTxHmxK, context.shared(k_BdxTxYmxK, Hm),
-                                           context.shared(v_BdxTxYmxK, Hm), par.policy.attention)
+                                           context.shared(v_BdxTxYmxK, Hm), par.policy.attention, **masks)
         x_BdxTxD = x_BdxTxD + par.g(par.policy.einsum("bthk,hkd->btd", o_BdxTxHmxK, a["wo_LsxHmxKxD"]))
         return x_BdxTxD + self.mlp(blk, x_BdxTxD, par)
 

@@ -27,6 +27,14 @@ second ring carrying dK / dV home (the same bytes as the forward); the backward 
 all-gather is a reduce-scatter. Blocks are computed with the scores written out in
 float32 (`dpjax.compute.attention.naive`'s math), whatever the policy's kernel.
 
+Packed rows (`dpjax.compute.attention`'s segment ids) and sliding windows: the ring
+sends each block's segment ids beside its K/V (B x T/C int32 a hop) and the all-gather
+gathers them; every block is then masked by `attention.allowed` at the keys' global
+positions (causal, same segment, within the window), and the half blocks causality
+skips stay skipped. Without them the program is the one above, op for op. Soft-capped
+scores (`softcap`, Gemma 2's) are capped in every block before the mask, as the local
+kernels cap them.
+
 Grouped-query attention (`dpjax.models.llama`: Y K/V heads serving H query heads) passes
 the Y heads; each block repeats them to the H where it computes (`shared`).
 
@@ -48,7 +56,7 @@ import numpy as np
 from jax import lax
 
 from dpjax import collectives
-from dpjax.compute.attention import kernel as local_kernel
+from dpjax.compute.attention import allowed, kernel as local_kernel, soft_cap
 from dpjax.collectives._common import axis_size, index, shift_perm
 from dpjax.collectives.cost import Schedule
 from dpjax.collectives.p2p import send
@@ -96,12 +104,17 @@ def positions(T_local: int, par):
 
 
 def kernel(par) -> Callable:
-    """The attention core `(q, k, v) -> out` (B x T/C x H x K each) a layer calls: the
-    policy's local kernel, or, with a context axis, the policy's context attention."""
+    """The attention core `(q, k, v, segment_ids_BxT=None, window=None) -> out` (B x T/C x
+    H x K each; this device's segment ids, B x T/C) a layer calls: the policy's local
+    kernel, or, with a context axis, the policy's context attention."""
     if not active(par):
         return local_kernel(par.policy.attention)
     algorithm = CONTEXT_ATTENTIONS[par.policy.context_attention]
-    return lambda q, k, v: algorithm.attend(q, k, v, par.context_axis)
+
+    def core(q, k, v, segment_ids_BxT=None, window=None, softcap=None):
+        return algorithm.attend(q, k, v, par.context_axis, segment_ids_BxT=segment_ids_BxT, window=window,
+                                softcap=softcap)
+    return core
 
 
 # ---------------------------------------------------------------------------------------
@@ -119,10 +132,10 @@ def shared(kv_BxTxYxK, H: int):
     return kv_BxTxYxK if Y == H else jnp.repeat(kv_BxTxYxK, H // Y, axis=2)
 
 
-def _scores(q_BxTxHxK, k_BxTxYxK):
+def _scores(q_BxTxHxK, k_BxTxYxK, softcap=None):
     K = q_BxTxHxK.shape[-1]
     k_BxTxHxK = shared(k_BxTxYxK, q_BxTxHxK.shape[2])
-    return jnp.einsum("bqhk,bthk->bhqt", q_BxTxHxK, k_BxTxHxK).astype(jnp.float32) / math.sqrt(K)
+    return soft_cap(jnp.einsum("bqhk,bthk->bhqt", q_BxTxHxK, k_BxTxHxK).astype(jnp.float32) / math.sqrt(K), softcap)
 
 
 def _first(s_BxHxTxT, v_BxTxYxK):
@@ -156,46 +169,87 @@ def _set_rows(stats, part, lo: int):
     return tuple(lax.dynamic_update_slice_in_dim(x, p, lo, axis=1 if x.ndim == 4 else 2) for x, p in zip(stats, part))
 
 
-def _masked(q_BxTxHxK, k_BxTxYxK, pos_q, pos_k):
-    s_BxHxTxT = _scores(q_BxTxHxK, k_BxTxYxK)
-    return jnp.where(pos_q[:, None] >= pos_k[None, :], s_BxHxTxT, jnp.finfo(jnp.float32).min)
+def _masked(q_BxTxHxK, k_BxTxYxK, pos_q, pos_k, seg_q=None, seg_k=None, window=None, softcap=None):
+    s_BxHxTxT = _scores(q_BxTxHxK, k_BxTxYxK, softcap)
+    if seg_q is None and window is None:
+        return jnp.where(pos_q[:, None] >= pos_k[None, :], s_BxHxTxT, jnp.finfo(jnp.float32).min)
+    return jnp.where(allowed(pos_q, pos_k, seg_q, seg_k, window), s_BxHxTxT, jnp.finfo(jnp.float32).min)
 
 
-def ring(q_BxTcxHxK, k_BxTcxYxK, v_BxTcxYxK, axis):
+def ring(q_BxTcxHxK, k_BxTcxYxK, v_BxTcxYxK, axis, segment_ids_BxT=None, window: int | None = None,
+         softcap: float | None = None):
     """Causal attention of this device's queries (chunks i and 2C-1-i) to the whole
     sequence, the K/V blocks passed round the ring (see the module docstring). Y K/V heads
-    may serve the H query heads (Y divides H): the ring carries the Y (`shared`)."""
+    may serve the H query heads (Y divides H): the ring carries the Y (`shared`).
+    segment_ids_BxT (this device's, B x Tc) travel round the ring beside their K/V block;
+    a block's keys are masked by segment and `window` (`dpjax.compute.attention.allowed`)
+    at their global positions. A block's half that causality masks whole stays skipped."""
     B, Tc, H, K = q_BxTcxHxK.shape
     Y = k_BxTcxYxK.shape[2]
     assert k_BxTcxYxK.shape == v_BxTcxYxK.shape == (B, Tc, Y, K) and H % Y == 0 and Tc % 2 == 0, (
         q_BxTcxHxK.shape, k_BxTcxYxK.shape)
     C, i, c = axis_size(axis, "ring attention"), index(axis), Tc // 2
-    pos = chunk_positions(Tc * C, C, i)
-    stats = _first(_masked(q_BxTcxHxK, k_BxTcxYxK, pos, pos), v_BxTcxYxK)  # my own block, causal
-    kv_2xBxTcxYxK = jnp.stack([k_BxTcxYxK, v_BxTcxYxK])
-    ahead = send(kv_2xBxTcxYxK, axis, shift_perm(C), name="kv") if C > 1 else None
+    pos, seg_BxTc = chunk_positions(Tc * C, C, i), segment_ids_BxT
+    masked = seg_BxTc is not None or window is not None
+    if seg_BxTc is not None:
+        assert seg_BxTc.shape == (B, Tc), (seg_BxTc.shape, q_BxTcxHxK.shape)
+    # my own block, causal (and by segment, window): a row always sees itself
+    stats = _first(_masked(q_BxTcxHxK, k_BxTcxYxK, pos, pos, seg_BxTc, seg_BxTc, window, softcap), v_BxTcxYxK)
+    block = jnp.stack([k_BxTcxYxK, v_BxTcxYxK])  # 2 x B x Tc x Y x K, with segments (it, B x Tc ids)
+    if seg_BxTc is not None:
+        block = (block, seg_BxTc)
+    ahead = _pass(block, axis, C) if C > 1 else None
 
-    def earlier(stats, kv):  # from device j < i: all my queries see its first chunk (chunk j) whole
+    def parts(blk):  # (K/V, their segment ids or None, the sending device j)
+        if not masked:
+            return blk, None, None
+        kv, j = blk
+        return (kv[0], kv[1], j) if seg_BxTc is not None else (kv, None, j)
+
+    def earlier(stats, blk):  # from device j < i: all my queries see its first chunk (chunk j) whole
+        kv, seg_k, j = parts(blk)
         k_BxTxYxK, v_BxTxYxK = kv[0][:, :c], kv[1][:, :c]
-        return _fold(stats, _scores(q_BxTcxHxK, k_BxTxYxK), v_BxTxYxK)
+        if not masked:
+            return _fold(stats, _scores(q_BxTcxHxK, k_BxTxYxK, softcap), v_BxTxYxK)
+        s_BxHxTcxc = _masked(q_BxTcxHxK, k_BxTxYxK, pos, j * c + jnp.arange(c), seg_BxTc,
+                             None if seg_k is None else seg_k[:, :c], window, softcap)
+        return _fold(stats, s_BxHxTcxc, v_BxTxYxK)
 
-    def later(stats, kv):  # from device j > i: my second chunk (2C-1-i) sees both of its chunks
-        part = _fold(_rows(stats, c, Tc), _scores(q_BxTcxHxK[:, c:], kv[0]), kv[1])
+    def later(stats, blk):  # from device j > i: my second chunk (2C-1-i) sees both of its chunks
+        kv, seg_k, j = parts(blk)
+        mine = _rows(stats, c, Tc)  # before the scores: the unmasked program's order, op for op
+        if not masked:
+            s_BxHxcxTc = _scores(q_BxTcxHxK[:, c:], kv[0], softcap)
+        else:
+            s_BxHxcxTc = _masked(q_BxTcxHxK[:, c:], kv[0], pos[c:], chunk_positions(Tc * C, C, j),
+                                 None if seg_BxTc is None else seg_BxTc[:, c:], seg_k, window, softcap)
+        part = _fold(mine, s_BxHxcxTc, kv[1])
         return _set_rows(stats, part, c)
 
     for s in range(1, C):
-        kv_2xBxTcxYxK = ahead  # the block of device (i - s) mod C
+        block = ahead  # the block of device (i - s) mod C
         if s < C - 1:
-            ahead = send(kv_2xBxTcxYxK, axis, shift_perm(C), name="kv")  # in flight while this block computes
-        stats = lax.cond((i - s) % C < i, earlier, later, stats, kv_2xBxTcxYxK)
+            ahead = _pass(block, axis, C)  # in flight while this block computes
+        j = (i - s) % C
+        stats = lax.cond(j < i, earlier, later, stats, (block, j) if masked else block)
     o_BxTcxHxK, _, l_BxHxTc = stats
     return (o_BxTcxHxK / jnp.swapaxes(l_BxHxTc, 1, 2)[..., None]).astype(q_BxTcxHxK.dtype)
 
 
-def allgather(q_BxTcxHxK, k_BxTcxYxK, v_BxTcxYxK, axis):
+def _pass(block, axis, C: int):
+    """One hop round the ring: the K/V block, and its segment ids when it has them."""
+    if isinstance(block, tuple):
+        kv, seg = block
+        return send(kv, axis, shift_perm(C), name="kv"), send(seg, axis, shift_perm(C), name="segments")
+    return send(block, axis, shift_perm(C), name="kv")
+
+
+def allgather(q_BxTcxHxK, k_BxTcxYxK, v_BxTcxYxK, axis, segment_ids_BxT=None, window: int | None = None,
+              softcap: float | None = None):
     """Causal attention of this device's queries to all T keys, gathered over the axis
     (dpjax's all-gather), masked by global positions. The Y K/V heads are gathered and
-    then repeated to the H query heads (`shared`)."""
+    then repeated to the H query heads (`shared`). segment_ids_BxT (this device's, B x Tc)
+    are gathered beside them, and the keys masked by segment and `window` too."""
     B, Tc, H, K = q_BxTcxHxK.shape
     Y = k_BxTcxYxK.shape[2]
     assert k_BxTcxYxK.shape == v_BxTcxYxK.shape == (B, Tc, Y, K) and H % Y == 0, (q_BxTcxHxK.shape,
@@ -204,8 +258,12 @@ def allgather(q_BxTcxHxK, k_BxTcxYxK, v_BxTcxYxK, axis):
     kv_Tcx2xBxYxK = jnp.moveaxis(jnp.stack([k_BxTcxYxK, v_BxTcxYxK]), 2, 0)
     kv_Tx2xBxYxK = collectives.all_gather(kv_Tcx2xBxYxK, axis)  # in device order: layout_order's positions
     k_BxTxYxK, v_BxTxYxK = jnp.moveaxis(kv_Tx2xBxYxK, 0, 2)
+    seg_k_BxT = None
+    if segment_ids_BxT is not None:
+        assert segment_ids_BxT.shape == (B, Tc), (segment_ids_BxT.shape, q_BxTcxHxK.shape)
+        seg_k_BxT = collectives.all_gather(segment_ids_BxT.T, axis).T  # the keys' ids, in the same order
     s_BxHxTcxT = _masked(q_BxTcxHxK, k_BxTxYxK, chunk_positions(Tc * C, C, index(axis)),
-                         jnp.asarray(layout_order(Tc * C, C)))
+                         jnp.asarray(layout_order(Tc * C, C)), segment_ids_BxT, seg_k_BxT, window, softcap)
     p_BxHxTcxT = jax.nn.softmax(s_BxHxTcxT, axis=-1).astype(v_BxTxYxK.dtype)
     return jnp.einsum("bhqt,bthk->bqhk", p_BxHxTcxT, shared(v_BxTxYxK, H))
 
@@ -216,9 +274,10 @@ def allgather(q_BxTcxHxK, k_BxTcxYxK, v_BxTcxYxK, axis):
 
 @dataclass(frozen=True)
 class ContextAttention:
-    """One context attention: attend(q, k, v, axis) inside a shard_map over the context
-    axis, and cost(C, kv_bytes) -> `Schedule` of one forward pass of one layer (kv_bytes:
-    a device's own K and V together); the backward pass sends as much again."""
+    """One context attention: attend(q, k, v, axis, segment_ids_BxT=None, window=None)
+    inside a shard_map over the context axis, and cost(C, kv_bytes) -> `Schedule` of one
+    forward pass of one layer (kv_bytes: a device's own K and V together); the backward
+    pass sends as much again."""
 
     name: str
     attend: Callable

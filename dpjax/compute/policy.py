@@ -132,10 +132,11 @@ def remat_candidates(platform: str) -> tuple[str, ...]:
     return ("dots", "full") if platform in ("gpu", "cuda") else REMATS
 
 
-def cudnn_refusal(dtype: str, head_dim: int | None, platform: str, softcap: float = 0.0) -> str | None:
+def cudnn_refusal(dtype: str, head_dim: int | None, platform: str, packed: bool = False,
+                  softcap: float = 0.0) -> str | None:
     """Why cuDNN's flash attention cannot run here (None: it can): a GPU, bf16 / fp16
-    compute, a head width that is a multiple of 8 and at most 256, scores not soft-capped
-    (`softcap`: Gemma 2's; the fused kernel has no tanh between its two matmuls)."""
+    compute, a head width that is a multiple of 8 and at most 256, rows not packed, scores
+    not soft-capped (`softcap`: Gemma 2's; the fused kernel has no tanh between its matmuls)."""
     if softcap:
         return f"cuDNN flash attention cannot soft-cap the attention scores (this model caps them at {softcap:g})"
     if platform not in ("gpu", "cuda"):
@@ -144,6 +145,9 @@ def cudnn_refusal(dtype: str, head_dim: int | None, platform: str, softcap: floa
         return f"cuDNN flash attention computes in bfloat16 or float16 (--dtype is {dtype})"
     if head_dim is not None and (head_dim % 8 or head_dim > 256):
         return f"cuDNN flash attention needs a head width that is a multiple of 8 and at most 256 (it is {head_dim})"
+    if packed:  # dpjax.compute.attention: what JAX's public API gives cuDNN for a segment mask
+        return ("packed rows (--pack) need a document mask, which jax.nn.dot_product_attention hands cuDNN only "
+                "as a dense T x T bias (its packed-segment form is not public API) and dpjax has not run on a GPU")
     return None
 
 
@@ -165,7 +169,7 @@ def fp8_refusal(platform: str, devices=None) -> str | None:
 def resolve(dtype: str = "auto", param_dtype: str = "float32", remat: str = "none", attention: str = "auto",
             *, platform: str | None = None, head_dim: int | None = None, scan: bool = True,
             context_attention: str = "ring", expert_alltoall: str = "pairwise",
-            softcap: float = 0.0) -> tuple[Policy, list]:
+            packed: bool = False, softcap: float = 0.0) -> tuple[Policy, list]:
     """(the policy, notes): `auto` resolved for `platform` (default: JAX's backend);
     dtype auto: bfloat16 on GPU / TPU, float32 on CPU; attention auto: cudnn where it
     can run, else xla, with a note saying why not on a GPU. remat `auto` is the
@@ -182,12 +186,12 @@ def resolve(dtype: str = "auto", param_dtype: str = "float32", remat: str = "non
         if not accelerated(platform):
             notes.append("dtype fp8: XLA:CPU emulates the float8 dots (a GPU's arithmetic, not its speed)")
     if attention == "auto":
-        why = cudnn_refusal(dtype, head_dim, platform, softcap)
+        why = cudnn_refusal(dtype, head_dim, platform, packed, softcap)
         attention = "cudnn" if why is None else "xla"
         if why is not None and platform in ("gpu", "cuda"):
             notes.append(f"attention: XLA's kernel, not cuDNN flash: {why}")
     elif attention == "cudnn":
-        why = cudnn_refusal(dtype, head_dim, platform, softcap)
+        why = cudnn_refusal(dtype, head_dim, platform, packed, softcap)
         if why is not None:
             raise ValueError(f"--attention cudnn: {why}; use --attention xla")
     return Policy(dtype, param_dtype, "none" if remat == "auto" else remat, attention, scan, context_attention,

@@ -327,7 +327,7 @@ def main(argv=None) -> int:
     p.add_argument("--loss-on", choices=LOSS_ON, default="assistant")
     p.add_argument("--truncate", choices=TRUNCATE, default="right")
     p.add_argument("--no-answer", choices=NO_ANSWER, default="skip", help="rows without an answer: skip or refuse")
-    p.add_argument("--pack", choices=tuple(METHODS), default="first-fit")
+    p.add_argument("--pack", choices=tuple(METHODS), default="first_fit")
     args = p.parse_args(argv)
     try:
         fmt = ChatFormat(args.model, args.chat_template)

@@ -81,7 +81,7 @@ def one_per_row(lengths, capacity: int) -> list[list[int]]:
     return [[i] for i in range(len(lengths))]
 
 
-METHODS = {"first-fit": first_fit, "best-fit": best_fit, "none": one_per_row}
+METHODS = {"first_fit": first_fit, "best_fit": best_fit, "none": one_per_row}
 
 
 @dataclass(frozen=True)
@@ -100,9 +100,9 @@ class Packed:
         return float((self.segment_ids > 0).sum() / max(1, self.segment_ids.size))
 
 
-def pack(examples, seq_len: int, method: str = "first-fit", pad_id: int = 0, num_rows: int | None = None) -> Packed:
+def pack(examples, seq_len: int, method: str = "first_fit", pad_id: int = 0, num_rows: int | None = None) -> Packed:
     """`examples` (each with int32 `tokens` and a bool `loss_mask` of the same length, at most seq_len + 1
-    tokens) in rows of seq_len + 1 tokens, placed by `method` (first-fit, best-fit or none). num_rows: that
+    tokens) in rows of seq_len + 1 tokens, placed by `method` (first_fit, best_fit or none). num_rows: that
     many rows, the ones past the packing all padding (a batch of a fixed shape: one compiled step)."""
     if method not in METHODS:
         raise DataError(f"packing {method!r}: one of {', '.join(METHODS)}")

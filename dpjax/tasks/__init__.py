@@ -3,7 +3,8 @@ task needs, and the step builder (`dpjax.step`) takes any of them.
 
     lm    next-token prediction on every token (pretraining): the batch is tokens, B x T+1
     sft   next-token prediction weighted per target (answer-only fine-tuning): the batch is
-          {"tokens": B x T+1 int32, "weights": B x T float32} (`sft.py`)
+          {"tokens": B x T+1 int32, "weights": B x T float32}, packed rows with "segment_ids"
+          and "positions" too (B x T int32: `sft.py`)
 
 A task's batch is a pytree whose leaves all have the rows first (B; A x B for the train
 step's micro-batches): the data axes split every leaf alike, the micro-batches scan over
