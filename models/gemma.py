@@ -232,9 +232,9 @@ class Gemma(Decoder):
         else:
             kv_Bdx2xTxYmxK = par.policy.einsum("btd,diyk->bityk", hf_BdxTxD, a["wkv_LsxDx2xYmxK"])
         k_BdxTxYmxK, v_BdxTxYmxK = kv_Bdx2xTxYmxK[:, 0], kv_Bdx2xTxYmxK[:, 1]
-        if c.qk_norm:
-            q_BdxTxHmxK = norm(q_BdxTxHmxK, a["qnorm_LsxK"], c.norm_eps)
-            k_BdxTxYmxK = norm(k_BdxTxYmxK, a["knorm_LsxK"], c.norm_eps)
+        if c.qk_norm:  # replicated scales applied to this rank's heads only: f sums their gradient over model
+            q_BdxTxHmxK = norm(q_BdxTxHmxK, par.f(a["qnorm_LsxK"]), c.norm_eps)
+            k_BdxTxYmxK = norm(k_BdxTxYmxK, par.f(a["knorm_LsxK"]), c.norm_eps)
         sin_BdxTxK, cos_BdxTxK = self._rope(positions_BdxT, local)
         q_BdxTxHmxK = rotate(q_BdxTxHmxK, sin_BdxTxK, cos_BdxTxK)
         scale = math.sqrt(K / c.query_pre_attn_scalar)  # the kernels divide by sqrt(K)

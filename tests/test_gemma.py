@@ -79,10 +79,11 @@ def test_what_is_not_computed_is_refused_in_one_line(change, named):
     assert "\n" not in str(e.value) and str(e.value).startswith("DIR: ")
 
 
-def test_layer_index_reaches_each_layer_in_a_scan_and_a_pipeline_stage():
+@pytest.mark.slow  # three compiles; the fast set's Gemma 3 fixture (local, local, global, local) needs the index too
+def test_layer_index_reaches_each_layer_in_a_scan():
     """The stack runner hands each layer its global index (the static table of local and
     global layers is read at it): a model whose layers are all made global differs from
-    the fixture's mix, and the scanned forward equals the unrolled one (scan off)."""
+    the mix, and the scanned forward equals the unrolled one (scan off)."""
     import dataclasses
 
     from dpjax.compute.policy import Policy
@@ -92,11 +93,11 @@ def test_layer_index_reaches_each_layer_in_a_scan_and_a_pipeline_stage():
                       d_ff=32, vocab_size=64, sliding_window=3, sliding_window_pattern=3)
     params = model.init(jax.random.key(0))
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, 64, (2, 16)), jnp.int32)
-    scanned = model.apply(params, tokens)
-    unrolled = model.apply(params, tokens, Parallel(policy=Policy(scan=False)))
+    scanned = jax.jit(model.apply)(params, tokens)
+    unrolled = jax.jit(lambda p, t: model.apply(p, t, Parallel(policy=Policy(scan=False))))(params, tokens)
     np.testing.assert_allclose(scanned, unrolled, rtol=1e-5, atol=1e-5)
     every_global = type(model)(dataclasses.replace(model.config, sliding_window_pattern=1))
-    assert np.abs(np.asarray(every_global.apply(params, tokens) - scanned)).max() > 1e-3
+    assert np.abs(np.asarray(jax.jit(every_global.apply)(params, tokens) - scanned)).max() > 1e-3
 
 
 @pytest.mark.slow  # a 2x4 layout's placement and an export, each family (~10 s)
