@@ -83,9 +83,13 @@ PRESETS = {
                       rope_theta=500000.0, tie_embeddings=True, rope_scaling=_LLAMA32_ROPE),
     "llama3-8b": dict(vocab_size=128256, d_model=4096, n_layers=32, n_heads=32, n_kv_heads=8, d_ff=14336,
                       rope_theta=500000.0),
+    # Llama 3.1 8B: Llama 3 8B's shape, its rope stretched for 128K (llama3 scaling, factor 8 over 8192)
+    "llama3.1-8b": dict(vocab_size=128256, d_model=4096, n_layers=32, n_heads=32, n_kv_heads=8, d_ff=14336,
+                        rope_theta=500000.0, rope_scaling={**_LLAMA32_ROPE, "factor": 8.0}),
     "llama2-7b": dict(vocab_size=32000, d_model=4096, n_layers=32, n_heads=32, n_kv_heads=32, d_ff=11008,
                       norm_eps=1e-5),
 }
+PRESETS.update({"llama3.2-1b": PRESETS["llama3-1b"], "llama3.2-3b": PRESETS["llama3-3b"]})  # the Hub's names
 
 
 def rms_norm(x, scale, eps: float):

@@ -13,7 +13,7 @@
 `python -m dpjax.hf import DIR --out CKPT` and `python -m dpjax.hf export CKPT --out DIR`.
 """
 
-from dpjax.hf import gemma, llama, mistral  # noqa: F401  (each family's module registers it)
+from dpjax.hf import gemma, llama, mistral, qwen  # noqa: F401  (each family's module registers it)
 from dpjax.hf.writer import export, save_checkpoint
 from dpjax.hf.files import HFError, Tensors
 from dpjax.hf.load import load_params, model_from_hf

@@ -7,7 +7,9 @@ block from the memory-mapped files). export: a dpjax checkpoint (an import's, or
 training run's --ckpt-dir, from any mesh) -> a HuggingFace folder in the Hub's layout,
 with the imported model's config.json (changed only where the model differs), tokenizer,
 chat template and generation config; an existing export is replaced only with
---overwrite. User errors: one line, exit 2.
+--overwrite. verify: dpjax against transformers on a folder (greedy continuations,
+last-position log-probs, round trip), printed as a markdown card (`dpjax.hf.verify`).
+User errors: one line, exit 2.
 """
 
 from __future__ import annotations
@@ -89,11 +91,22 @@ def main(argv=None) -> int:
     e.add_argument("--shard-mb", type=float, default=5 * 1024, help="largest safetensors file in MiB (default 5 GiB)")
     e.add_argument("--overwrite", action="store_true", help="replace the files of a folder that is not empty "
                                                             "(default: refuse)")
+    v = sub.add_parser("verify", help="dpjax against HuggingFace transformers on a folder: a card")
+    v.add_argument("folder")
+    v.add_argument("--expected", help="transformers' saved outputs (a fixture's expected.json) instead of running it")
+    v.add_argument("--train", default="", help="meshes to train 5 steps on from the folder and compare, e.g. 2x4,8x1")
+    v.add_argument("--name", help="the folder's name on the card (default: its path)")
     args = p.parse_args(argv)
     guard_flagged()  # devices simulated with XLA_FLAGS: guard their collectives before JAX starts
     try:
         if args.command == "import":
             line = do_import(args.folder, args.out, args.mesh)
+        elif args.command == "verify":
+            from dpjax.hf.verify import verify
+
+            line, ok = verify(args.folder, args.expected, tuple(filter(None, args.train.split(","))), name=args.name)
+            print(line, end="")
+            return 0 if ok else 1
         else:
             line = do_export(args.ckpt, args.out, args.dtype, args.shard_mb, args.overwrite)
     except UserError as e:
@@ -104,7 +117,7 @@ def main(argv=None) -> int:
     except OSError as e:  # a read-only --out, a full disk: one line, like a user error
         if os.environ.get("DPJAX_DEBUG"):
             raise
-        print(f"error: {os_error_line(e, args.out)}", file=sys.stderr)
+        print(f"error: {os_error_line(e, getattr(args, 'out', args.folder))}", file=sys.stderr)
         return 2
     print(line)
     return 0
