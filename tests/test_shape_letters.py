@@ -27,14 +27,14 @@ MODEL_MATH = ("models/", "dpjax/compute/tensor_parallel.py", "dpjax/nn/", "dpjax
               "dpjax/sharding.py", "dpjax/hf/", "dpjax/generate/", "dpjax/compute/fp8.py",
               "dpjax/compute/policy.py")  # fp8 and the policy: the projections
 # hf: the Hub's names of the model's leaves
-ATTENTION = ("dpjax/compute/context.py", "models/gpt.py", "models/llama.py", "models/qwen.py",
+ATTENTION = ("dpjax/compute/context.py", "models/gpt.py", "models/llama.py", "models/qwen.py", "models/gemma.py",
              "dpjax/compute/tensor_parallel.py", "dpjax/nn/", "dpjax/compute/attention.py", "dpjax/hf/",
              "dpjax/generate/")
 HOMES = {
     "B": "*", "T": "*", "P": "*", "N": "*",
     "D": MODEL_MATH, "F": MODEL_MATH, "L": MODEL_MATH,
-    "H": ATTENTION, "K": ATTENTION, "Y": ("dpjax/compute/context.py", "models/llama.py", "models/qwen.py", "dpjax/hf/",
-                                                 "dpjax/generate/"),
+    "H": ATTENTION, "K": ATTENTION, "Y": ("dpjax/compute/context.py", "models/llama.py", "models/qwen.py",
+                                                 "models/gemma.py", "dpjax/hf/", "dpjax/generate/"),
     "O": ("dpjax/generate/",),
     "V": ("models/", "dpjax/compute/tensor_parallel.py", "dpjax/nn/", "dpjax/hf/", "dpjax/generate/",
           "dpjax/tasks/"),  # tasks: a task's loss of the vocabulary-parallel logits
