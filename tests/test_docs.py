@@ -206,7 +206,8 @@ def test_the_docs_extra_and_ci_build_the_site():
     assert any(d.startswith("mkdocs-material") for d in extras["dev"])
     assert "mkdocs build --strict" in (ROOT / ".ci/run").read_text()
     nav = (ROOT / "mkdocs.yml").read_text()
-    assert sorted(p.name for p in (ROOT / "docs").glob("*.md")) == sorted(set(re.findall(r"(\w[\w-]*\.md)", nav)))
+    # rglob: the pages under docs/ and its folders (docs/models/: a card a family)
+    assert sorted(p.name for p in (ROOT / "docs").rglob("*.md")) == sorted(set(re.findall(r"(\w[\w-]*\.md)", nav)))
 
 
 assert os.environ.get("XLA_FLAGS") and dpjax  # conftest: 8 simulated devices before JAX

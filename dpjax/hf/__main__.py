@@ -117,7 +117,7 @@ def main(argv=None) -> int:
     except OSError as e:  # a read-only --out, a full disk: one line, like a user error
         if os.environ.get("DPJAX_DEBUG"):
             raise
-        print(f"error: {os_error_line(e, getattr(args, 'out', args.folder))}", file=sys.stderr)
+        print(f"error: {os_error_line(e, args.folder if args.command == 'verify' else args.out)}", file=sys.stderr)
         return 2
     print(line)
     return 0
