@@ -17,14 +17,14 @@ from __future__ import annotations
 import dataclasses
 
 from dpjax.errors import UserError
-from dpjax.models import gpt, llama, mixtral, mlp, qwen
+from dpjax.models import gemma, gpt, llama, mistral, mixtral, mlp, qwen
 from dpjax.models.base import ByteModel, Decoder
 from dpjax.models.gpt import GPT, GPTConfig
 from dpjax.models.llama import Llama, LlamaConfig
 from dpjax.models.mlp import MLP, MLPConfig
 from dpjax.models.registry import MODELS, Entry, Model, register, registered, unregister
 
-REGISTERED_BY = (gpt, llama, mixtral, mlp, qwen)  # importing a model's module registers it
+REGISTERED_BY = (gpt, llama, mistral, gemma, mixtral, mlp, qwen)  # importing a model's module registers it
 # Set by the data, not chosen per model; rope scaling comes with a checkpoint or a preset
 # (a structure, not one number a flag could give).
 _NOT_OPTIONS = ("vocab_size", "seq_len", "rope_scaling")

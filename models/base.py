@@ -69,6 +69,7 @@ class ByteModel:
     has_stats = False  # True: `loss_and_stats` returns statistics the train step reports (a router's)
     experts = 0  # E > 0: a mixture of E experts, which an `expert` axis splits
     head_dim: int | None = None  # the attention heads' width (the compute policy's kernel choice)
+    attention_softcap: float = 0.0  # > 0: its attention scores are soft-capped (Gemma 2): no cuDNN kernel
     SPECS: dict  # (each model's own) its one sharding table: leaf name -> PartitionSpec over `model`
 
     def __init__(self, config):
@@ -153,7 +154,13 @@ class Decoder(ByteModel, abc.ABC):
 
     CONTEXT = True  # its loss splits each sequence over a context axis (dpjax.compute.context)
     LAYERS = "blocks"
+    # its layers take their attention core from `attention(par, segments)`, so `dpjax.generate`
+    # decodes with the KV cache; False: generation recomputes the sequence so far each token
+    CACHED = True
     stat_names: tuple = ()  # the statistics each layer reports through `layer_stats`, summed over the stack
+    # True: its layers differ by their place in the stack (Gemma's local and global ones): the
+    # stack runner hands `layer` each one's index in the whole model, `layer(blk, x, par, index=i)`
+    INDEXED_LAYERS = False
 
     @property
     def has_stats(self) -> bool:
@@ -250,7 +257,10 @@ class Decoder(ByteModel, abc.ABC):
             layer, summed = partial(self.layer, segments=segments), partial(self._summed, segments=segments)
         # dpjax.compute.stack: scanned, rematerialised by the policy, FSDP gathering one layer at a time
         if not self.has_stats:
-            return self.head(outer, stack.run(layer, stack_L, x_BdxTxD, par, path=path), par), None
+            index_L = jnp.arange(self.config.n_layers) if self.INDEXED_LAYERS else None
+            return self.head(outer, stack.run(layer, stack_L, x_BdxTxD, par, path=path, index_L=index_L),
+                             par), None
+        assert not self.INDEXED_LAYERS, "a decoder with statistics whose layers read their index"
         no_stats = jnp.zeros(len(self.stat_names), jnp.float32)
         x_BdxTxD, stat_totals = stack.run(summed, stack_L, (x_BdxTxD, no_stats), par, path=path)
         return self.head(outer, x_BdxTxD, par), stat_totals / self.config.n_layers

@@ -154,6 +154,11 @@ class Llama(Decoder):
         return self.config.n_kv_heads
 
     @property
+    def window(self) -> int | None:
+        """The sliding window of every layer's attention (a family's: `dpjax.models.mistral`); None: none."""
+        return None
+
+    @property
     def head_dim(self) -> int:
         return self.config.head_width
 
@@ -241,7 +246,7 @@ class Llama(Decoder):
         h_BdxTxD = rms_norm(x_BdxTxD, blk["attn_norm"]["scale_LsxD"], c.norm_eps)
         q_BdxTxHmxK, k_BdxTxYmxK, v_BdxTxYmxK = self.project(a, h_BdxTxD, positions_BdxT, par)
         # the Y heads: a context axis's ring carries them, the local kernel and the KV cache repeat them
-        o_BdxTxHmxK = self.attention(par, segments)(q_BdxTxHmxK, k_BdxTxYmxK, v_BdxTxYmxK)
+        o_BdxTxHmxK = self.attention(par, segments)(q_BdxTxHmxK, k_BdxTxYmxK, v_BdxTxYmxK, window=self.window)
         return x_BdxTxD + par.g(par.policy.einsum("bthk,hkd->btd", o_BdxTxHmxK, a["wo_LsxHmxKxD"]))
 
     def mlp(self, blk, x_BdxTxD, par: Parallel = DENSE):

@@ -27,6 +27,7 @@ class Model(Protocol):
     has_stats: bool  # `loss_and_stats` gives statistics the train step reports (a mixture's router)
     experts: int  # E > 0: a mixture of E experts, which an `expert` axis splits
     head_dim: int | None  # the attention heads' width (the compute policy's kernel choice); None: no attention
+    attention_softcap: float  # > 0: its attention scores are soft-capped (the kernel choice: not cuDNN's)
 
     def init(self, key) -> Any:
         """The parameters: a dict of arrays, each leaf named for a SPECS entry."""
@@ -60,7 +61,8 @@ class Model(Protocol):
 
     # With LAYERS (a `Decoder`), the pipeline's pieces and the context lines read too:
     # embed(params, tokens, par), layer(blk, x, par), head_loss(params, x, targets, par),
-    # kv_heads (the K/V heads a context axis's ring carries).
+    # kv_heads (the K/V heads a context axis's ring carries), INDEXED_LAYERS (`layer` takes index=: the
+    # layer's place in the whole stack, which the stack runner and a pipeline's stages hand it).
 
 
 @dataclasses.dataclass(frozen=True)

@@ -28,7 +28,8 @@ MODEL_MATH = ("models/", "dpjax/compute/tensor_parallel.py", "dpjax/nn/", "dpjax
               "dpjax/compute/policy.py")  # fp8 and the policy: the projections
 # hf: the Hub's names of the model's leaves
 ATTENTION = ("dpjax/compute/context.py", "models/base.py", "models/gpt.py", "models/llama.py", "models/qwen.py",
-             "models/lora.py", "dpjax/compute/tensor_parallel.py", "dpjax/nn/", "dpjax/compute/attention.py",
+             "models/gemma.py", "models/lora.py", "dpjax/compute/tensor_parallel.py", "dpjax/nn/",
+             "dpjax/compute/attention.py",
              "dpjax/hf/",
              "dpjax/generate/")
 HOMES = {
@@ -36,7 +37,7 @@ HOMES = {
     "D": MODEL_MATH, "F": MODEL_MATH, "L": MODEL_MATH,
     "H": ATTENTION, "K": ATTENTION,
     "Y": ("dpjax/compute/context.py", "models/base.py", "models/llama.py", "models/qwen.py", "models/lora.py",
-          "dpjax/hf/", "dpjax/generate/"),
+          "models/gemma.py", "dpjax/hf/", "dpjax/generate/"),
     "O": ("dpjax/generate/",),
     "V": ("models/", "dpjax/compute/tensor_parallel.py", "dpjax/nn/", "dpjax/hf/", "dpjax/generate/",
           "dpjax/tasks/"),  # tasks: a task's loss of the vocabulary-parallel logits

@@ -23,6 +23,11 @@ What a sequence's mask needs beyond causality, and the layer signature that carr
     window       an int w (static): a query at position p sees keys at p-w+1 .. p only
                  (sliding-window attention: Mistral, Gemma's local layers; Beltagy et al.,
                  "Longformer", 2020). None: every earlier key.
+    softcap      a float c (static): the scores soft-capped, c tanh(s / c), before the mask
+                 (Gemma 2's attn_logit_softcapping; Gemma Team, "Gemma 2", 2024). None or
+                 0: as they are. XLA's fused kernel has no place for the tanh: with a cap,
+                 `xla` computes the naive form; `cudnn` is refused (the plan never picks
+                 it for a capped model: `dpjax.compute.policy.cudnn_refusal`).
 
 `Segments` carries the per-token part through a model: its `segment_ids_BxT` and
 `positions_BxT` (each token's position within its own example, 0 at its start: what a
@@ -84,13 +89,21 @@ def _check_window(window) -> None:
         raise ValueError(f"attention window {window!r}: a positive int (the keys p-window+1 .. p)")
 
 
-def naive(q_BxTxHxK, k_BxTxHxK, v_BxTxHxK, segment_ids_BxT=None, window: int | None = None):
+def soft_cap(s, cap: float | None):
+    """cap * tanh(s / cap): scores squashed smoothly into (-cap, cap); None or 0: s."""
+    return s if not cap else cap * jnp.tanh(s / cap)
+
+
+def naive(q_BxTxHxK, k_BxTxHxK, v_BxTxHxK, segment_ids_BxT=None, window: int | None = None,
+          softcap: float | None = None):
     """Softmax(Q K^T / sqrt(K) + causal mask) V with the scores written out; the mask's
     value is float32's most negative number and the softmax is taken in float32. With
-    `segment_ids_BxT` or `window` the mask is `allowed`'s (causal, same segment, in the window)."""
+    `segment_ids_BxT` or `window` the mask is `allowed`'s (causal, same segment, in the window);
+    with `softcap` the scores are capped first."""
     B, T, H, K = q_BxTxHxK.shape
     assert k_BxTxHxK.shape == v_BxTxHxK.shape == (B, T, H, K), (q_BxTxHxK.shape, k_BxTxHxK.shape, v_BxTxHxK.shape)
     s_BxHxTxT = jnp.einsum("bqhk,bthk->bhqt", q_BxTxHxK, k_BxTxHxK).astype(jnp.float32) / math.sqrt(K)
+    s_BxHxTxT = soft_cap(s_BxHxTxT, softcap)
     if segment_ids_BxT is None and window is None:
         ok = jnp.tril(jnp.ones((T, T), bool))
     else:
@@ -102,14 +115,16 @@ def naive(q_BxTxHxK, k_BxTxHxK, v_BxTxHxK, segment_ids_BxT=None, window: int | N
 
 
 def causal(q_BxTxHxK, k_BxTxHxK, v_BxTxHxK, kernel: str = "naive", *, segment_ids_BxT=None,
-           window: int | None = None):
+           window: int | None = None, softcap: float | None = None):
     """Causal attention with the named `kernel` (one of `ATTENTIONS`), its output named
-    for remat; `segment_ids_BxT` and `window` as the module docstring says."""
+    for remat; `segment_ids_BxT`, `window` and `softcap` as the module docstring says."""
     if kernel not in ATTENTIONS:
         raise ValueError(f"attention kernel {kernel!r}: expected one of {', '.join(ATTENTIONS)}")
     _check_window(window)
-    if kernel == "naive":
-        out = naive(q_BxTxHxK, k_BxTxHxK, v_BxTxHxK, segment_ids_BxT, window)
+    if softcap and kernel == "cudnn":
+        raise ValueError(f"attention softcap {softcap}: cuDNN's fused kernel cannot soft-cap the scores")
+    if kernel == "naive" or softcap:  # xla's fused kernel has no tanh between its matmuls: the naive form
+        out = naive(q_BxTxHxK, k_BxTxHxK, v_BxTxHxK, segment_ids_BxT, window, softcap)
     elif segment_ids_BxT is None and window is None:
         out = jax.nn.dot_product_attention(q_BxTxHxK, k_BxTxHxK, v_BxTxHxK, is_causal=True, implementation=kernel)
     else:
@@ -124,8 +139,9 @@ def causal(q_BxTxHxK, k_BxTxHxK, v_BxTxHxK, kernel: str = "naive", *, segment_id
 
 
 def kernel(name: str):
-    """`causal` with its kernel fixed: a `core(q, k, v, segment_ids_BxT=None, window=None)`
+    """`causal` with its kernel fixed: a `core(q, k, v, segment_ids_BxT=None, window=None, softcap=None)`
     for `tensor_parallel.head_parallel_attention` and the models' layers."""
-    def core(q_BxTxHxK, k_BxTxHxK, v_BxTxHxK, segment_ids_BxT=None, window=None):
-        return causal(q_BxTxHxK, k_BxTxHxK, v_BxTxHxK, name, segment_ids_BxT=segment_ids_BxT, window=window)
+    def core(q_BxTxHxK, k_BxTxHxK, v_BxTxHxK, segment_ids_BxT=None, window=None, softcap=None):
+        return causal(q_BxTxHxK, k_BxTxHxK, v_BxTxHxK, name, segment_ids_BxT=segment_ids_BxT, window=window,
+                      softcap=softcap)
     return core

@@ -31,7 +31,9 @@ Packed rows (`dpjax.compute.attention`'s segment ids) and sliding windows: the r
 sends each block's segment ids beside its K/V (B x T/C int32 a hop) and the all-gather
 gathers them; every block is then masked by `attention.allowed` at the keys' global
 positions (causal, same segment, within the window), and the half blocks causality
-skips stay skipped. Without them the program is the one above, op for op.
+skips stay skipped. Without them the program is the one above, op for op. Soft-capped
+scores (`softcap`, Gemma 2's) are capped in every block before the mask, as the local
+kernels cap them.
 
 Grouped-query attention (`dpjax.models.llama`: Y K/V heads serving H query heads) passes
 the Y heads; each block repeats them to the H where it computes (`shared`).
@@ -54,7 +56,7 @@ import numpy as np
 from jax import lax
 
 from dpjax import collectives
-from dpjax.compute.attention import allowed, kernel as local_kernel
+from dpjax.compute.attention import allowed, kernel as local_kernel, soft_cap
 from dpjax.collectives._common import axis_size, index, shift_perm
 from dpjax.collectives.cost import Schedule
 from dpjax.collectives.p2p import send
@@ -109,8 +111,9 @@ def kernel(par) -> Callable:
         return local_kernel(par.policy.attention)
     algorithm = CONTEXT_ATTENTIONS[par.policy.context_attention]
 
-    def core(q, k, v, segment_ids_BxT=None, window=None):
-        return algorithm.attend(q, k, v, par.context_axis, segment_ids_BxT=segment_ids_BxT, window=window)
+    def core(q, k, v, segment_ids_BxT=None, window=None, softcap=None):
+        return algorithm.attend(q, k, v, par.context_axis, segment_ids_BxT=segment_ids_BxT, window=window,
+                                softcap=softcap)
     return core
 
 
@@ -129,10 +132,10 @@ def shared(kv_BxTxYxK, H: int):
     return kv_BxTxYxK if Y == H else jnp.repeat(kv_BxTxYxK, H // Y, axis=2)
 
 
-def _scores(q_BxTxHxK, k_BxTxYxK):
+def _scores(q_BxTxHxK, k_BxTxYxK, softcap=None):
     K = q_BxTxHxK.shape[-1]
     k_BxTxHxK = shared(k_BxTxYxK, q_BxTxHxK.shape[2])
-    return jnp.einsum("bqhk,bthk->bhqt", q_BxTxHxK, k_BxTxHxK).astype(jnp.float32) / math.sqrt(K)
+    return soft_cap(jnp.einsum("bqhk,bthk->bhqt", q_BxTxHxK, k_BxTxHxK).astype(jnp.float32) / math.sqrt(K), softcap)
 
 
 def _first(s_BxHxTxT, v_BxTxYxK):
@@ -166,14 +169,15 @@ def _set_rows(stats, part, lo: int):
     return tuple(lax.dynamic_update_slice_in_dim(x, p, lo, axis=1 if x.ndim == 4 else 2) for x, p in zip(stats, part))
 
 
-def _masked(q_BxTxHxK, k_BxTxYxK, pos_q, pos_k, seg_q=None, seg_k=None, window=None):
-    s_BxHxTxT = _scores(q_BxTxHxK, k_BxTxYxK)
+def _masked(q_BxTxHxK, k_BxTxYxK, pos_q, pos_k, seg_q=None, seg_k=None, window=None, softcap=None):
+    s_BxHxTxT = _scores(q_BxTxHxK, k_BxTxYxK, softcap)
     if seg_q is None and window is None:
         return jnp.where(pos_q[:, None] >= pos_k[None, :], s_BxHxTxT, jnp.finfo(jnp.float32).min)
     return jnp.where(allowed(pos_q, pos_k, seg_q, seg_k, window), s_BxHxTxT, jnp.finfo(jnp.float32).min)
 
 
-def ring(q_BxTcxHxK, k_BxTcxYxK, v_BxTcxYxK, axis, segment_ids_BxT=None, window: int | None = None):
+def ring(q_BxTcxHxK, k_BxTcxYxK, v_BxTcxYxK, axis, segment_ids_BxT=None, window: int | None = None,
+         softcap: float | None = None):
     """Causal attention of this device's queries (chunks i and 2C-1-i) to the whole
     sequence, the K/V blocks passed round the ring (see the module docstring). Y K/V heads
     may serve the H query heads (Y divides H): the ring carries the Y (`shared`).
@@ -190,7 +194,7 @@ def ring(q_BxTcxHxK, k_BxTcxYxK, v_BxTcxYxK, axis, segment_ids_BxT=None, window:
     if seg_BxTc is not None:
         assert seg_BxTc.shape == (B, Tc), (seg_BxTc.shape, q_BxTcxHxK.shape)
     # my own block, causal (and by segment, window): a row always sees itself
-    stats = _first(_masked(q_BxTcxHxK, k_BxTcxYxK, pos, pos, seg_BxTc, seg_BxTc, window), v_BxTcxYxK)
+    stats = _first(_masked(q_BxTcxHxK, k_BxTcxYxK, pos, pos, seg_BxTc, seg_BxTc, window, softcap), v_BxTcxYxK)
     block = jnp.stack([k_BxTcxYxK, v_BxTcxYxK])  # 2 x B x Tc x Y x K, with segments (it, B x Tc ids)
     if seg_BxTc is not None:
         block = (block, seg_BxTc)
@@ -206,19 +210,19 @@ def ring(q_BxTcxHxK, k_BxTcxYxK, v_BxTcxYxK, axis, segment_ids_BxT=None, window:
         kv, seg_k, j = parts(blk)
         k_BxTxYxK, v_BxTxYxK = kv[0][:, :c], kv[1][:, :c]
         if not masked:
-            return _fold(stats, _scores(q_BxTcxHxK, k_BxTxYxK), v_BxTxYxK)
+            return _fold(stats, _scores(q_BxTcxHxK, k_BxTxYxK, softcap), v_BxTxYxK)
         s_BxHxTcxT2 = _masked(q_BxTcxHxK, k_BxTxYxK, pos, j * c + jnp.arange(c), seg_BxTc,
-                             None if seg_k is None else seg_k[:, :c], window)
+                             None if seg_k is None else seg_k[:, :c], window, softcap)
         return _fold(stats, s_BxHxTcxT2, v_BxTxYxK)
 
     def later(stats, blk):  # from device j > i: my second chunk (2C-1-i) sees both of its chunks
         kv, seg_k, j = parts(blk)
         mine = _rows(stats, c, Tc)  # before the scores: the unmasked program's order, op for op
         if not masked:
-            s_BxHxT2xTc = _scores(q_BxTcxHxK[:, c:], kv[0])
+            s_BxHxT2xTc = _scores(q_BxTcxHxK[:, c:], kv[0], softcap)
         else:
             s_BxHxT2xTc = _masked(q_BxTcxHxK[:, c:], kv[0], pos[c:], chunk_positions(Tc * C, C, j),
-                                 None if seg_BxTc is None else seg_BxTc[:, c:], seg_k, window)
+                                 None if seg_BxTc is None else seg_BxTc[:, c:], seg_k, window, softcap)
         part = _fold(mine, s_BxHxT2xTc, kv[1])
         return _set_rows(stats, part, c)
 
@@ -240,7 +244,8 @@ def _pass(block, axis, C: int):
     return send(block, axis, shift_perm(C), name="kv")
 
 
-def allgather(q_BxTcxHxK, k_BxTcxYxK, v_BxTcxYxK, axis, segment_ids_BxT=None, window: int | None = None):
+def allgather(q_BxTcxHxK, k_BxTcxYxK, v_BxTcxYxK, axis, segment_ids_BxT=None, window: int | None = None,
+              softcap: float | None = None):
     """Causal attention of this device's queries to all T keys, gathered over the axis
     (dpjax's all-gather), masked by global positions. The Y K/V heads are gathered and
     then repeated to the H query heads (`shared`). segment_ids_BxT (this device's, B x Tc)
@@ -258,7 +263,7 @@ def allgather(q_BxTcxHxK, k_BxTcxYxK, v_BxTcxYxK, axis, segment_ids_BxT=None, wi
         assert segment_ids_BxT.shape == (B, Tc), (segment_ids_BxT.shape, q_BxTcxHxK.shape)
         seg_k_BxT = collectives.all_gather(segment_ids_BxT.T, axis).T  # the keys' ids, in the same order
     s_BxHxTcxT = _masked(q_BxTcxHxK, k_BxTxYxK, chunk_positions(Tc * C, C, index(axis)),
-                         jnp.asarray(layout_order(Tc * C, C)), segment_ids_BxT, seg_k_BxT, window)
+                         jnp.asarray(layout_order(Tc * C, C)), segment_ids_BxT, seg_k_BxT, window, softcap)
     p_BxHxTcxT = jax.nn.softmax(s_BxHxTcxT, axis=-1).astype(v_BxTxYxK.dtype)
     return jnp.einsum("bhqt,bthk->bqhk", p_BxHxTcxT, shared(v_BxTxYxK, H))
 

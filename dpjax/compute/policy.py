@@ -132,9 +132,13 @@ def remat_candidates(platform: str) -> tuple[str, ...]:
     return ("dots", "full") if platform in ("gpu", "cuda") else REMATS
 
 
-def cudnn_refusal(dtype: str, head_dim: int | None, platform: str, packed: bool = False) -> str | None:
+def cudnn_refusal(dtype: str, head_dim: int | None, platform: str, packed: bool = False,
+                  softcap: float = 0.0) -> str | None:
     """Why cuDNN's flash attention cannot run here (None: it can): a GPU, bf16 / fp16
-    compute, a head width that is a multiple of 8 and at most 256, rows not packed."""
+    compute, a head width that is a multiple of 8 and at most 256, rows not packed, scores
+    not soft-capped (`softcap`: Gemma 2's; the fused kernel has no tanh between its matmuls)."""
+    if softcap:
+        return f"cuDNN flash attention cannot soft-cap the attention scores (this model caps them at {softcap:g})"
     if platform not in ("gpu", "cuda"):
         return f"cuDNN attention needs an NVIDIA GPU (this run is on {platform})"
     if dtype not in ("bfloat16", "float16", "fp8"):  # fp8 leaves attention in bfloat16
@@ -165,7 +169,7 @@ def fp8_refusal(platform: str, devices=None) -> str | None:
 def resolve(dtype: str = "auto", param_dtype: str = "float32", remat: str = "none", attention: str = "auto",
             *, platform: str | None = None, head_dim: int | None = None, scan: bool = True,
             context_attention: str = "ring", expert_alltoall: str = "pairwise",
-            packed: bool = False) -> tuple[Policy, list]:
+            packed: bool = False, softcap: float = 0.0) -> tuple[Policy, list]:
     """(the policy, notes): `auto` resolved for `platform` (default: JAX's backend);
     dtype auto: bfloat16 on GPU / TPU, float32 on CPU; attention auto: cudnn where it
     can run, else xla, with a note saying why not on a GPU. remat `auto` is the
@@ -182,12 +186,12 @@ def resolve(dtype: str = "auto", param_dtype: str = "float32", remat: str = "non
         if not accelerated(platform):
             notes.append("dtype fp8: XLA:CPU emulates the float8 dots (a GPU's arithmetic, not its speed)")
     if attention == "auto":
-        why = cudnn_refusal(dtype, head_dim, platform, packed)
+        why = cudnn_refusal(dtype, head_dim, platform, packed, softcap)
         attention = "cudnn" if why is None else "xla"
         if why is not None and platform in ("gpu", "cuda"):
             notes.append(f"attention: XLA's kernel, not cuDNN flash: {why}")
     elif attention == "cudnn":
-        why = cudnn_refusal(dtype, head_dim, platform, packed)
+        why = cudnn_refusal(dtype, head_dim, platform, packed, softcap)
         if why is not None:
             raise ValueError(f"--attention cudnn: {why}; use --attention xla")
     return Policy(dtype, param_dtype, "none" if remat == "auto" else remat, attention, scan, context_attention,

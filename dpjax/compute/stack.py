@@ -34,25 +34,29 @@ def depth(stack_L) -> int:
     return sizes.pop()
 
 
-def run(layer, stack_L, x, par: Parallel = DENSE, *, path: tuple = ()):
+def run(layer, stack_L, x, par: Parallel = DENSE, *, path: tuple = (), index_L=None):
     """x through every layer of `stack_L` in order: `layer(w, x, par) -> x` with `w` one
     layer's leaves (without the L axis). `path`: where the stack sits in the full
     parameter tree (the key of FSDP's gather dimensions and probes, e.g. ("blocks",)).
-    Returns x after the last layer, in the dtype the layers keep it in."""
+    `index_L`: each layer's index in the whole model (L ints; a pipeline stage's layers
+    are not 0 .. L-1), for layers that differ by it (`Decoder.INDEXED_LAYERS`): then
+    `layer(w, x, par, index=i)`, i traced inside the scan. Returns x after the last
+    layer, in the dtype the layers keep it in."""
     L = depth(stack_L)
     probes_L = par.layer_probes(path)
 
-    def one(x, w, probes):
-        return layer(par.gather_layer(w, path, probes), x, par)
+    def one(x, w, probes, i):
+        w = par.gather_layer(w, path, probes)
+        return layer(w, x, par) if i is None else layer(w, x, par, index=i)
 
     one = par.policy.checkpoint(one)
     if par.policy.scan:
         def body(x, xs):
-            w, probes = xs
-            return one(x, w, probes), None
-        x, _ = lax.scan(body, x, (stack_L, probes_L))
+            w, probes, i = xs
+            return one(x, w, probes, i), None
+        x, _ = lax.scan(body, x, (stack_L, probes_L, index_L))
         return x
     for i in range(L):
         at = lambda t: None if t is None else jax.tree.map(lambda v: v[i], t)  # noqa: E731
-        x = one(x, at(stack_L), at(probes_L))
+        x = one(x, at(stack_L), at(probes_L), at(index_L))
     return x

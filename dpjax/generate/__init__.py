@@ -58,7 +58,8 @@ def generate(model, params, prompt_BxT, max_new_tokens: int, sampling: Sampling 
     prompt_BxT = np.asarray(prompt_BxT, np.int32)
     B, T = prompt_BxT.shape
     check_length(model, T, max_new_tokens)
-    make = _cached_step if model.LAYERS is not None else _window_step  # a Decoder (a stack of layers) caches
+    # a Decoder (a stack of layers) whose layers take the cache's attention core caches
+    make = _cached_step if model.LAYERS is not None and model.CACHED else _window_step
     step = make(model, T + max_new_tokens)
     key = jax.random.key(sampling.seed)
     state = step.start(params, jnp.asarray(prompt_BxT), B)

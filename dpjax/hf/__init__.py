@@ -14,7 +14,7 @@
 `python -m dpjax.hf import DIR --out CKPT` and `python -m dpjax.hf export CKPT --out DIR`.
 """
 
-from dpjax.hf import llama, mixtral, qwen  # noqa: F401  (each family's module registers it)
+from dpjax.hf import gemma, llama, mistral, mixtral, qwen  # noqa: F401  (each family's module registers it)
 from dpjax.hf.writer import export, save_checkpoint
 from dpjax.hf.files import HFError, Tensors
 from dpjax.hf.load import load_params, model_from_hf

@@ -44,7 +44,7 @@ def known_keys(family: Family | None = None) -> set[str]:
     config.json (default: the Llama's)."""
     f = family or FAMILIES["llama"]
     return ({k for k, _ in f.fields.values()} | set(ROPE) | set(COMMON_MUST_BE) | set(f.must_be) | {"head_dim"}
-            | {"layer_types"} | set(NEUTRAL) | set(f.neutral))
+            | {"layer_types"} | set(NEUTRAL) | set(f.neutral) | set(f.reads))
 
 
 def config_from_hub(hub: dict, where: str) -> dict:
@@ -71,6 +71,8 @@ def config_from_hub(hub: dict, where: str) -> dict:
     missing = [f.fields[k][0] for k, v in fields.items() if v is None]
     if missing:
         raise HFError(f"{where}: config.json has no {', '.join(missing)}")
+    if f.read is not None:
+        return f.read(hub, fields, where)
     theta, scaling = rope_from_hub(hub, where)
     return {**fields, "rope_theta": theta, "rope_scaling": scaling}
 
@@ -136,6 +138,14 @@ def config_to_hub(config, dtype: str, base: dict | None = None) -> dict:
     s = config.rope_scaling
     hub.setdefault("max_position_embeddings", s.max_position_embeddings if s and s.max_position_embeddings
                    else config.seq_len)
+    hub = _rope_keys(hub, config, base, old)
+    return hub if f.write is None else f.write(config, hub, base)  # what is not one key a field
+
+
+def _rope_keys(hub: dict, config, base: dict, old: bool) -> dict:
+    """`hub` with `config`'s rope keys: `base`'s when they read as `config`'s, else written
+    in `base`'s layout (`old`: 4.x's)."""
+    s = config.rope_scaling
     if base and _rope_unchanged(base, config):
         return hub
     scaling = None if s is None else {"rope_type": s.type, **{k: v for k, v in s.fields().items()

@@ -23,6 +23,7 @@ refused in one line naming it and the supported ones.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 from dpjax.hf.files import HFError
 from dpjax.registry import Registry
@@ -45,6 +46,13 @@ class Family:
     neutral: dict = field(default_factory=dict)  # this family's keys that do not change the numbers -> why
     layer_types: tuple = ("full_attention",)  # the values `layer_types` (5.x) may hold
     outer: dict = field(default_factory=lambda: dict(OUTER))  # outer leaf path -> Hub name
+    # What is not one key a field (a null that means "none", Gemma's layer pattern and rope per
+    # layer kind): read(hub, fields, where) -> the config's fields, in place of the rope reading
+    # (`config.rope_from_hub`); write(config, hub, base) -> config.json, after the common
+    # writing; `reads`: the top-level keys these two read and write
+    read: Callable | None = None
+    write: Callable | None = None
+    reads: tuple = ()
 
     def layer_names(self, key: tuple, i: int, experts: int = 0) -> list[str]:
         """Leaf `key`'s Hub names in layer i; a name with `{e}` stands for one tensor per

@@ -23,8 +23,8 @@ one program for all stages keeps every collective in step. The embedding and the
 are masked the same way on the stages that do not own them. Everything crossing a stage
 boundary is in the two sends; the parameters never move.
 
-`pieces`: embed(shared, tokens_BxT) -> x_BxTxD, chunk(chunk_params_L, x) -> x (one chunk:
-its leaves carry the chunk's layers on the leading axis) and loss(shared, y, targets_BxT)
+`pieces`: embed(shared, tokens_BxT) -> x_BxTxD, chunk(chunk_params_L, x, r) -> x (chunk r of
+this stage: its leaves carry the chunk's layers on the leading axis) and loss(shared, y, targets_BxT)
 -> mean loss of a micro-batch. `shared` holds the parameters outside the layers (the
 embedding, tied to the head, and the final norm), the same on every stage.
 """
@@ -142,7 +142,7 @@ def _slots(tt: Timetable, pieces: Pieces, shared, chunks_GxL, batch_MxBxT1, s, x
         m, r, ok = tt.forward(t, s)
         tokens, targets = micro(m)
         x = jnp.where(first(r), pieces.embed(shared, tokens), c["recv_x"])
-        y = pieces.chunk(chunk(r), x)
+        y = pieces.chunk(chunk(r), x, r)
         assert x.shape == y.shape == x_spec.shape, (x.shape, y.shape, x_spec.shape)
         done = ok & last(r)
         if grad:
@@ -159,7 +159,8 @@ def _slots(tt: Timetable, pieces: Pieces, shared, chunks_GxL, batch_MxBxT1, s, x
         m, r, ok = tt.backward(t, s)
         tokens, _ = micro(m)
         dy = jnp.where(last(r), _get(c["seeds"], m % tt.seed_slots), c["recv_dx"])
-        _, chunk_vjp = jax.vjp(pieces.chunk, chunk(r), _get(c["stash"], tt.stash_slot(m, r, s)))
+        _, chunk_vjp = jax.vjp(lambda w, x: pieces.chunk(w, x, r), chunk(r),
+                               _get(c["stash"], tt.stash_slot(m, r, s)))
         d_chunk, dx = chunk_vjp(dy)
         assert dy.shape == dx.shape == x_spec.shape, (dy.shape, dx.shape, x_spec.shape)
         c["d_chunks"] = jax.tree.map(lambda a, g: a.at[r].add(jnp.where(ok, g, jnp.zeros_like(g))),

@@ -22,6 +22,8 @@ import dataclasses
 from typing import Callable, NamedTuple
 
 import jax
+import jax.numpy as jnp
+from jax import lax
 
 from dpjax import collectives, fusion
 from dpjax.compute import context, stack
@@ -51,7 +53,7 @@ def for_model(model, layout, algorithm: str = "ring") -> Staged:
     algorithm = _stage_algorithm(algorithm)
 
     def prepare(params, batch_BdxT1, par):
-        return _prepare(model, M, V, params, batch_BdxT1, par)
+        return _prepare(model, M, V, params, batch_BdxT1, par, S)
 
     def loss(params, batch_BdxT1, par):
         pieces, shared, chunks_GxL, batch_MxBxT1, _ = prepare(params, batch_BdxT1, par)
@@ -81,7 +83,7 @@ def for_model(model, layout, algorithm: str = "ring") -> Staged:
     return Staged(loss, value_and_grad, schedule, tt)
 
 
-def _prepare(model, M: int, V: int, params, batch_BdxT1, par):
+def _prepare(model, M: int, V: int, params, batch_BdxT1, par, S: int = 1):
     """What `engine.run` takes from one device's parameters and rows: (pieces, shared,
     chunks_GxL, the M micro-batches, the FSDP gather's VJP or None). The FSDP-split
     parameters are gathered here once (the pieces then use them as they are), the stage's
@@ -103,13 +105,22 @@ def _prepare(model, M: int, V: int, params, batch_BdxT1, par):
     # with a context axis each device embeds, runs and scores its own chunks of every sequence
     # (`dpjax.compute.context.split`: the identity without one); the stages send those
     pieces = engine.Pieces(embed=lambda sh, tok: model.embed(sh, context.split(tok, dense), dense),
-                           chunk=_chunk_fn(model, dense),
+                           chunk=_chunk_fn(model, dense, S, V),
                            loss=lambda sh, y, tgt: model.head_loss(sh, y, context.split(tgt, dense), dense))
     return pieces, shared, chunks_GxL, batch_BdxT1.reshape(M, B // M, T1), unshard
 
 
-def _chunk_fn(model, par):
-    """chunk(chunk_L, x) -> x: a chunk's layers run by the one stack runner."""
-    def chunk(chunk_L, x_BxTxD):  # a chunk's layers, gathered already, by the one stack runner
-        return stack.run(model.layer, chunk_L, x_BxTxD, par)
+def _chunk_fn(model, par, S: int, V: int):
+    """chunk(chunk_L, x, r) -> x: chunk r's layers run by the one stack runner. A model
+    whose layers differ by their index (`INDEXED_LAYERS`) gets each one's in the whole
+    model: chunk r of stage s holds layers (r S + s) n .. (r S + s + 1) n - 1 (n = L / SV;
+    `dpjax.pipeline.store` keeps the stack V x L/V, `stage` splitting the second axis)."""
+    L = model.config.n_layers
+
+    def chunk(chunk_L, x_BxTxD, r):  # a chunk's layers, gathered already, by the one stack runner
+        if not model.INDEXED_LAYERS:
+            return stack.run(model.layer, chunk_L, x_BxTxD, par)
+        n = L // (S * V)
+        first = (r * S + lax.axis_index(STAGE)) * n if S > 1 else r * n
+        return stack.run(model.layer, chunk_L, x_BxTxD, par, index_L=first + jnp.arange(n))
     return chunk

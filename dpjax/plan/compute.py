@@ -38,7 +38,8 @@ def compute_policy(s: Settings, model, platform: str) -> tuple[Policy, list]:
     try:
         return P.resolve(s.dtype, s.param_dtype, s.remat, attention, platform=platform, head_dim=head_dim,
                          scan=not s.layer_loop, context_attention=s.context_attention,
-                         expert_alltoall=s.expert_alltoall, packed=s.pack != "none")
+                         expert_alltoall=s.expert_alltoall, packed=s.pack != "none",
+                         softcap=0.0 if model is None else model.attention_softcap)
     except ValueError as e:
         raise UsageError(str(e)) from None
 

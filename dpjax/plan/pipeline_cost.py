@@ -30,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -140,7 +141,8 @@ def plain_flops(model, microbatches: int, rows: int) -> float:
     value_and_grad = program_flops(jax.jit(jax.value_and_grad(model.loss)).lower(params, micro))
 
     def layers(stack, x_BxTxD):  # the one stack runner (scanned: the HLO count reads the loop's trip count)
-        return stack_runner.run(model.layer, stack, x_BxTxD)
+        index_L = jnp.arange(stack_runner.depth(stack)) if model.INDEXED_LAYERS else None
+        return stack_runner.run(model.layer, stack, x_BxTxD, index_L=index_L)
 
     x = jax.ShapeDtypeStruct((rows, T, model.config.d_model), np.float32)
     forward = program_flops(jax.jit(layers).lower(params[model.LAYERS], x))
