@@ -34,11 +34,11 @@ def group_advantages(rewards_N, group_size: int, scale: bool = True, eps: float 
     completions), over the group's standard deviation (G - 1 in its denominator) + eps."""
     N = rewards_N.shape[0]
     assert group_size > 1 and N % group_size == 0, (N, group_size)  # dpjax.plan refuses G = 1 (no baseline)
-    r_PxG = rewards_N.astype(jnp.float32).reshape(N // group_size, group_size)
-    centred_PxG = r_PxG - r_PxG.mean(axis=1, keepdims=True)
+    grouped = rewards_N.astype(jnp.float32).reshape(N // group_size, group_size)  # prompts x group_size
+    centred = grouped - grouped.mean(axis=1, keepdims=True)
     if scale:
-        centred_PxG = centred_PxG / (r_PxG.std(axis=1, ddof=1, keepdims=True) + eps)
-    return centred_PxG.reshape(N)
+        centred = centred / (grouped.std(axis=1, ddof=1, keepdims=True) + eps)
+    return centred.reshape(N)
 
 
 def kl_k3(logp_NxT, ref_logp_NxT):
