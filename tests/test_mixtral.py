@@ -89,8 +89,8 @@ def test_import_then_export_gives_every_tensor_back_bit_for_bit(imported, tmp_pa
     for name in want:
         assert got[name].dtype == want[name].dtype and np.array_equal(got[name], want[name]), name
     written = json.load(open(tmp_path / "config.json"))
-    assert {k: written[k] for k in hub if k not in ("dtype", "head_dim")} == {
-        k: v for k, v in hub.items() if k not in ("dtype", "head_dim")}
+    # every key as imported, a null head_dim (Mixtral) too
+    assert {k: written[k] for k in hub if k != "dtype"} == {k: v for k, v in hub.items() if k != "dtype"}
 
 
 def tokens(path) -> str:

@@ -159,7 +159,8 @@ def _one_error_line(capsys):
     (["--mesh", "3x3"], "'3x3' needs 9 devices (8 devices available)"),
     (["--mesh", "data=2,modle=4"], "names an unknown axis 'modle' (did you mean model?)"),
     (["--mesh", "8x1", "--batch-size", "12"], "--batch-size 12 is not divisible by the 8 data-parallel ranks"),
-    (["--model", "resnet"], "unknown model 'resnet'; choose one of gpt, llama, mlp"),
+    (["--model", "resnet"], "unknown model 'resnet'; choose one of llama, gemma2, gemma3, gpt, mistral, qwen2, "
+                            "qwen3, mixtral, qwen3_moe, mlp"),
     (["--allreduce", "nccl"], "unknown --allreduce algorithm 'nccl'; choose one of"),
     (["--allreduce", "hierarchical", "--mesh", "8x1"], "needs a node axis"),
     (["--seq-len", "200000"], "this run needs about"),  # the plan's memory estimate refuses it first

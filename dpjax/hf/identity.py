@@ -86,7 +86,11 @@ def hub_config(model, dtype: str, base: dict | None) -> dict:
         return made
     out = dict(base)  # max_position_embeddings stays: a run's --seq-len is its window, not the model's reach
     model_keys = {key for key, _ in of_model(model.name).fields.values()} | {"head_dim"}
-    out.update({k: made[k] for k in model_keys if k in base and base[k] != made[k]})
+    # a null head_dim (Mixtral's config) reads as hidden_size / num_attention_heads: kept null when it is that
+    default_head = base.get("head_dim") is None and made.get("head_dim") == (
+        base.get("hidden_size", 0) // max(1, base.get("num_attention_heads", 1)))
+    out.update({k: made[k] for k in model_keys if k in base and base[k] != made[k]
+                and not (k == "head_dim" and default_head)})
     for k in ("rope_parameters", "rope_scaling", "rope_theta"):  # one layout, the model's rope
         if k in made:
             out[k] = made[k]
