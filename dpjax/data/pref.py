@@ -24,6 +24,7 @@ import numpy as np
 
 from dpjax.data import DataError
 from dpjax.data.chat import Example, fit, rows
+from dpjax.data.sft import EpochOrder
 
 KEYS = ("prompt", "chosen", "rejected")
 
@@ -105,23 +106,12 @@ class PairStream:
                 self.masks_Nx2xT1[i, side, :len(ex.tokens)] = ex.loss_mask
         self.masks_Nx2xT1[:, :, 0] = False  # nothing predicts the first token
         self.ref_Nx2 = np.zeros((len(pairs), 2), np.float32)
-        self._orders: dict[int, np.ndarray] = {}
+        self._ids = EpochOrder(len(pairs), seed)  # the examples' seeded order, as the sft stream reads them
 
     def set_reference(self, ref_Nx2) -> None:
         ref_Nx2 = np.asarray(ref_Nx2, np.float32)
         assert ref_Nx2.shape == self.ref_Nx2.shape, (ref_Nx2.shape, self.ref_Nx2.shape)
         self.ref_Nx2 = ref_Nx2
-
-    def _ids(self, positions: np.ndarray) -> np.ndarray:
-        epochs = positions // self.num_examples
-        out = np.empty_like(positions)
-        for epoch in np.unique(epochs):
-            if epoch not in self._orders:
-                self._orders = {int(epoch): np.random.default_rng((self.seed, int(epoch))).permutation(
-                    self.num_examples)}
-            sel = epochs == epoch
-            out[sel] = self._orders[int(epoch)][positions[sel] % self.num_examples]
-        return out
 
     def _rows(self, ids: np.ndarray) -> dict:
         tokens = self.tokens_Nx2xT1[ids]

@@ -27,6 +27,26 @@ from dpjax.data import DataError
 from dpjax.data.packing import METHODS, Packed, pack, shift
 
 
+class EpochOrder:
+    """The example read at each stream position: epoch e (positions e*n .. (e+1)*n - 1)
+    reads the n examples in a permutation seeded by (seed, e), the same in every process
+    and on every resume. Called on an array of positions; the newest epoch's order is kept."""
+
+    def __init__(self, n: int, seed: int):
+        self.n, self.seed = n, seed
+        self._orders: dict[int, np.ndarray] = {}
+
+    def __call__(self, positions: np.ndarray) -> np.ndarray:
+        epochs = positions // self.n
+        out = np.empty_like(positions)
+        for epoch in np.unique(epochs):
+            if epoch not in self._orders:
+                self._orders = {int(epoch): np.random.default_rng((self.seed, int(epoch))).permutation(self.n)}
+            sel = epochs == epoch
+            out[sel] = self._orders[int(epoch)][positions[sel] % self.n]
+        return out
+
+
 class ExampleStream:
     def __init__(self, examples, seq_len: int, seed: int = 0, window: int = 1, pad_id: int = 0):
         if not examples:
@@ -45,19 +65,8 @@ class ExampleStream:
         self.counts_NxT1[:, 0] = False  # nothing predicts the first token
         self.num_examples = n
         self.window_rows = window  # the rows a window fills (the N / n's N is window_rows x seq_len)
-        self._orders: dict[int, np.ndarray] = {}
+        self._example_ids = EpochOrder(n, seed)
         self._scale: tuple[int, float] | None = None  # (window start, its N / n): one count a window, not a read
-
-    def _example_ids(self, positions: np.ndarray) -> np.ndarray:
-        epochs = positions // self.num_examples
-        out = np.empty_like(positions)
-        for epoch in np.unique(epochs):
-            if epoch not in self._orders:
-                self._orders = {int(epoch): np.random.default_rng((self.seed, int(epoch))).permutation(
-                    self.num_examples)}
-            sel = epochs == epoch
-            out[sel] = self._orders[int(epoch)][positions[sel] % self.num_examples]
-        return out
 
     def scale(self, cursor: int) -> float:
         """N / n of the window holding `cursor` (0.0 when it holds no answer token)."""
