@@ -44,19 +44,12 @@ class Pref:
                 f"rows {r['truncated']:,} truncated, {r['dropped']:,} dropped (an answer past --seq-len)")
 
 
-def streams(cfg, model, folder: str) -> tuple:
-    """(train stream, held-out stream, tokenizer, Pref) of --data pref:PATH, read with the template
-    and tokenizer.json of `folder` (`dpjax.train.streams` makes them its `Data`)."""
+def streams(cfg, fmt, folder: str) -> tuple:
+    """(train stream, held-out stream, tokenizer, Pref) of --data pref:PATH, read with `fmt`, the
+    template and tokenizer.json of `folder` (`dpjax.train.streams` makes both, and its `Data` of these)."""
     from dpjax.data import chat as chat_data
     from dpjax.data import pref
     from dpjax.data.tokenizer import HF
-    from dpjax.plan import UsageError
-
-    fmt = chat_data.ChatFormat(folder, cfg.chat_template)
-    ids, vocab = fmt.tok.get_vocab_size(with_added_tokens=True), model.config.vocab_size
-    if ids > vocab:
-        raise UsageError(f"the tokenizer in {folder} has {ids:,} ids, more than the model's vocabulary of {vocab:,}: "
-                         "give the model's own tokenizer")
 
     def load(spec):
         return pref.load(spec[len(PREF):], fmt, cfg.seq_len, cfg.truncate)

@@ -82,7 +82,8 @@ def streams(cfg, model, rows_multiple: int = 1) -> Data:
     if cfg.data.startswith("pref:"):  # preference pairs, --task dpo (dpjax.train.preference)
         from dpjax.train import preference
 
-        return Data(*preference.streams(cfg, model, tokenizer_folder(cfg)))
+        folder = tokenizer_folder(cfg)
+        return Data(*preference.streams(cfg, chat_format(cfg, model, folder), folder))
     if cfg.task != "lm":
         raise UsageError(f"--task {cfg.task} trains on conversations' answers: give --data chat:FILE.jsonl "
                          f"(--data {cfg.data} is text)")
@@ -111,6 +112,20 @@ def _pairs(examples) -> list:
     return [(ex.tokens, ex.loss_mask) for ex in examples]
 
 
+def chat_format(cfg, model, folder: str):
+    """The chat template (or --chat-template) and tokenizer of `folder`, which conversations and
+    preference pairs are read with; a tokenizer with more ids than the model's vocabulary is refused."""
+    from dpjax.data import chat as chat_data
+    from dpjax.plan import UsageError
+
+    fmt = chat_data.ChatFormat(folder, cfg.chat_template)
+    ids, vocab = fmt.tok.get_vocab_size(with_added_tokens=True), model.config.vocab_size
+    if ids > vocab:
+        raise UsageError(f"the tokenizer in {folder} has {ids:,} ids, more than the model's vocabulary of {vocab:,}: "
+                         "give the model's own tokenizer")
+    return fmt
+
+
 def _chat_streams(cfg, model, rows_multiple: int = 1) -> Data:
     from dpjax.data import chat as chat_data
     from dpjax.data.sft import ExampleStream, PackedStream
@@ -118,11 +133,7 @@ def _chat_streams(cfg, model, rows_multiple: int = 1) -> Data:
     from dpjax.plan import UsageError
 
     folder = tokenizer_folder(cfg)
-    fmt = chat_data.ChatFormat(folder, cfg.chat_template)
-    ids, vocab = fmt.tok.get_vocab_size(with_added_tokens=True), model.config.vocab_size
-    if ids > vocab:
-        raise UsageError(f"the tokenizer in {folder} has {ids:,} ids, more than the model's vocabulary of {vocab:,}: "
-                         "give the model's own tokenizer")
+    fmt = chat_format(cfg, model, folder)
 
     def load(spec):
         return chat_data.load(spec[len("chat:"):], fmt, cfg.seq_len, cfg.loss_on, cfg.truncate, cfg.no_answer)
