@@ -46,6 +46,7 @@ from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import dpjax  # noqa: E402
+import tiers  # noqa: E402  (tests/tiers.py: which tests CI runs beyond the README's command)
 
 # The 8 devices above are simulated through XLA_FLAGS, so their collectives get dpjax's guards by this
 # explicit call (dpjax/collectives/cpu_runtime.py; `import dpjax` applies none): before JAX starts its CPU
@@ -217,3 +218,15 @@ def pytest_runtest_protocol(item, nextitem):
            "worker": os.environ.get("PYTEST_XDIST_WORKER")}
     with open(_COSTS, "a") as fh:
         fh.write(json.dumps(rec) + "\n")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Mark the extended tier (tests/tiers.py): the README's command runs without it, CI with it."""
+    for item in items:
+        if tiers.extended(item.nodeid):
+            item.add_marker(pytest.mark.extended)
+    whole_files = not config.option.keyword and not any("::" in a for a in config.args)
+    stale = tiers.stale([item.nodeid for item in items]) if whole_files else []
+    if stale:
+        raise pytest.UsageError(f"tests/tiers.py: {', '.join(stale)} match no collected test; "
+                                "rename the pattern with its test")
