@@ -32,15 +32,15 @@ def examples(n=90, seed=1):
     return out
 
 
-def losses(mesh, packed: bool, *extra):
+def losses(mesh, packed: bool, *extra, deal=1):
     settings = parse_args([*MODEL, "--mesh", mesh, *extra])
     plan = resolve(settings, jax.devices()[:mesh_size(mesh)])
     step, passes = S.for_plan(plan), settings.backward_passes
     if packed:
-        stream = PackedStream(examples(), SEQ, 0, window=B * passes, batch_size=B, steps=STEPS,
+        stream = PackedStream(examples(), SEQ, 0, window=B * passes, deal_steps=deal, batch_size=B, steps=STEPS,
                               multiple=dp_size(plan.mesh))
     else:
-        stream = ExampleStream(examples(), SEQ, 0, window=B * passes)
+        stream = ExampleStream(examples(), SEQ, 0, window=B * passes, deal_steps=deal)
     params, opt = step.init(S.init_params(plan.model, plan.layout, jax.random.key(0), plan.policy))
     out = []
     for i in range(STEPS):
@@ -50,30 +50,34 @@ def losses(mesh, packed: bool, *extra):
     return out, (stream.rows if packed else B)
 
 
-@pytest.mark.parametrize("mesh,extra", [("2x4", ()),
-                                         pytest.param("8x1", (), marks=pytest.mark.slow),
-                                         pytest.param("data=4,model=2", ("--fsdp",), marks=pytest.mark.slow),
-                                         pytest.param("4x2", ("--backward-passes", "2"), marks=pytest.mark.slow),
-                                         pytest.param("data=2,context=2", (), marks=pytest.mark.slow)])
-def test_packed_and_unpacked_runs_give_the_same_losses(mesh, extra):
+@pytest.mark.parametrize("mesh,extra,deal", [("2x4", (), 1),
+                                              pytest.param("8x1", (), None, marks=pytest.mark.slow),
+                                              pytest.param("data=4,model=2", ("--fsdp",), None, marks=pytest.mark.slow),
+                                              pytest.param("4x2", ("--backward-passes", "2"), 3,
+                                                           marks=pytest.mark.slow),
+                                              pytest.param("data=2,context=2", (), 1, marks=pytest.mark.slow)])
+def test_packed_and_unpacked_runs_give_the_same_losses(mesh, extra, deal):
     """Ten SGD steps: the same answer-token mean of the same examples each step, so the same
     losses to float32 round-off, while the packed batch has fewer rows (its 16 examples of
-    3-20 tokens fill about 6 rows of 33)."""
-    unpacked, _ = losses(mesh, False, *extra)
-    packed, rows = losses(mesh, True, *extra)
+    3-20 tokens fill about 6 rows of 33); read in the seeded order (deal 1) or with each group
+    of steps' examples dealt among them (--pack-window: 3 steps, or None: the epoch's 5), the
+    unpacked run dealt alike."""
+    unpacked, _ = losses(mesh, False, *extra, deal=deal)
+    packed, rows = losses(mesh, True, *extra, deal=deal)
     assert rows < B
     np.testing.assert_allclose(packed, unpacked, rtol=1e-5)
     assert unpacked[-1] < unpacked[0]  # it trains: the equality is not of two runs that do nothing
 
 
-def test_the_packed_rows_hold_the_window_and_are_fixed():
-    """Each window's examples (its micro-batches together) in R rows a micro-batch, R the
+@pytest.mark.parametrize("deal", [1, 3])
+def test_the_packed_rows_hold_the_window_and_are_fixed(deal):
+    """Each window's examples (its micro-batches together; dealt among 3 windows or not) in R rows a micro-batch, R the
     most any window of the run needs (packed again here, window by window) over the passes,
     rounded up to the data axes; the weights sum to the window's slots (N / n each of n
     answer targets), and the efficiency is real tokens over slots."""
     exs, passes, steps = examples(), 2, 7
-    stream = PackedStream(exs, SEQ, 0, window=B * passes, batch_size=B, steps=steps, multiple=4)
-    plain = ExampleStream(exs, SEQ, 0, window=B * passes)
+    stream = PackedStream(exs, SEQ, 0, window=B * passes, deal_steps=deal, batch_size=B, steps=steps, multiple=4)
+    plain = ExampleStream(exs, SEQ, 0, window=B * passes, deal_steps=deal)
     lengths = np.array([len(ids) for ids, _ in exs])
     most, real = 0, 0
     for w in range(steps):
