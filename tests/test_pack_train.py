@@ -114,6 +114,12 @@ def test_pack_refusals_are_one_line(tmp_path):
     with pytest.raises(UserError) as e:
         check(parse_args(["--data", "stdlib", "--pack", "first_fit"]))
     assert "--pack first_fit applies to chat data" in str(e.value) and "\n" not in str(e.value)
+    with pytest.raises(UserError) as e:
+        check(parse_args(["--data", "stdlib", "--pack-window", "4"]))
+    assert "--pack-window applies to chat data" in str(e.value) and "\n" not in str(e.value)
+    with pytest.raises(UserError) as e:
+        check(parse_args(["--data", "stdlib", "--pack-window", "0"]))
+    assert "--pack-window must be at least 1, got 0" in str(e.value)
     from dpjax.compute.policy import resolve as policy
 
     with pytest.raises(ValueError) as e:
