@@ -152,3 +152,50 @@ def test_pack_when_no_two_conversations_fit_a_row_is_one_line_and_writes_nothing
     assert err.startswith("error: --pack best_fit: no two conversations fit in a row of --seq-len 12") and (
         len(err.splitlines()) == 1), err
     assert os.listdir(out) == []
+
+
+@pytest.mark.slow
+def test_a_packed_run_resumes_bit_for_bit_records_its_packing_and_equals_unpacked_dealt_alike(tmp_path, capsys):
+    """As a user runs it (`dpjax.train.main`, 4x2, 2 micro-batches, answers of 2 to 12 words): a
+    packed run with the default --pack-window (an epoch's steps) stopped at step 3 and resumed to 6 gives the
+    straight run's losses exactly (the dealt order is a function of the seed and the position); its chat line
+    and run record give the packing; and an unpacked run given the same --pack-window reads the same
+    conversations each step: the same losses within 1e-5."""
+    import json
+    import os
+
+    from conftest import assert_resumes_bit_for_bit, read_losses
+
+    from dpjax.train import main
+
+    chatml = os.path.join(os.path.dirname(__file__), "fixtures", "chat_tiny", "chatml")
+    rng = np.random.default_rng(0)
+    words = "the a of to and in is it you that was for on are with as be this have from".split()
+    data = tmp_path / "c.jsonl"
+    data.write_text("".join(json.dumps({"messages": [
+        {"role": "user", "content": " ".join(rng.choice(words, 3))},
+        {"role": "assistant", "content": " ".join(rng.choice(words, int(rng.integers(2, 13))))}]}) + "\n"
+        for _ in range(120)))
+    args = ["--model", "llama", "--d-model", "32", "--n-layers", "1", "--n-heads", "4", "--n-kv-heads", "2",
+            "--d-ff", "64", "--tokenizer", chatml, "--data", f"chat:{data}", "--seq-len", "96", "--batch-size", "8",
+            "--mesh", "4x2", "--backward-passes", "2", "--optimizer", "sgd", "--lr", "0.5", "--clip-norm", "0",
+            "--eval-every", "0", "--sample-tokens", "0"]
+    packed = [*args, "--pack", "best_fit"]
+    assert_resumes_bit_for_bit(packed, tmp_path)
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("chat data: "))
+    with open(tmp_path / "m.jsonl") as f:
+        record = json.loads(f.readline())["record"]["data"]["chat"]
+    p = record["packing"]
+    epoch = record["examples"] // 16  # an epoch's steps: the conversations trained on over a window of 2 x 8
+    assert p["method"] == "best_fit" and p["window_steps"] == epoch and p["conversations_per_batch"] == 8
+    assert p["rows_per_batch"] % 4 == 0 and p["rows_per_batch"] < 8  # the 4 data devices divide them; fewer than 8
+    # real tokens / slots: a step's tokens in rows over its rows (the record rounds them to 2 and 4 places)
+    assert p["efficiency"] > 0.8 and p["efficiency"] == pytest.approx(p["rows_of_tokens"] / p["rows_per_batch"],
+                                                                      abs=0.005 / p["rows_per_batch"] + 1e-4)
+    assert f"the conversations of {epoch} steps dealt" in line and f"{p['efficiency']:.1%} of the slots" in line
+    unpacked = tmp_path / "u.jsonl"
+    assert main([*args, "--pack-window", str(epoch), "--steps", "6", "--metrics", str(unpacked)]) == 0
+    np.testing.assert_allclose(read_losses(unpacked), read_losses(tmp_path / "s.jsonl"), rtol=1e-5)
+    plain = tmp_path / "p.jsonl"  # the seeded order (no --pack-window): other conversations a step
+    assert main([*args, "--steps", "6", "--metrics", str(plain)]) == 0
+    assert read_losses(plain) != read_losses(unpacked)
