@@ -166,6 +166,12 @@ class Settings:
                               "attending only to itself with its own positions: first_fit or best_fit (decreasing), "
                               "or none (one a row). --batch-size still counts conversations",
                       choices=lambda: tuple(_packing().METHODS))
+    pack_window: int | None = MODEL(None, "with chat data, deal the conversations of this many consecutive steps "
+                                          "among them so that each step holds nearly the same tokens (still "
+                                          "--batch-size conversations each): the packed rows a step needs are the "
+                                          "mean's, not the heaviest step's. Default: an epoch's steps with --pack, 1 "
+                                          "(the seeded order as it is) without; give the same value to an unpacked "
+                                          "run to read the same conversations each step")
     chat_template: str | None = MODEL(None, "with chat data, a jinja chat template file to render the rows with "
                                             "instead of the model's own (its tokenizer folder's chat_template.jinja "
                                             "or tokenizer_config.json's chat_template)")

@@ -1,26 +1,33 @@
-"""Packing in training (--pack): how full the rows are on chat-like lengths, and answer
+"""Packing in training (--pack): how full a step's rows are on chat-like lengths, and answer
 tokens/s packed against unpacked, measured side by side in one process.
 
-1. Efficiency. Conversation lengths drawn log-normal like a chat set's (median 400 tokens,
-   sigma 0.9, numpy seed 0; the tail cut to a row of --seq-len + 1 = 2,049). For each
-   --batch-size (conversations a step), `dpjax.data.sft.PackedStream` packs every step
-   window of a --steps run (first_fit and best_fit decreasing) into its fixed R rows a step
-   (the most any window needs, rounded up to the 8 data devices): real tokens / slots
-   computed, against one conversation a row and against packing the whole set at once.
-2. Speed. A small Llama trained with `--task sft` on 8 simulated devices (8x1) on the same
-   kind of lengths scaled to --train-seq-len: the unpacked step (--batch-size rows) and
-   the packed step (R rows) are both built, then timed in alternation (A B A B ...) on the
-   same windows, so that the shared machine's load falls on both alike. The answer tokens
-   a step trains on are the same for both (the same conversations); answer tokens/s is
-   their count over the median step time. Their losses are printed side by side too.
+1. Efficiency, per step. Conversation lengths drawn like a chat set's (no data set can be
+   downloaded here, so drawn: numpy seed 0): `lognormal` (median 300 tokens, sigma 1.0: mean
+   about 490, a long tail cut to a row of --seq-len + 1 = 2,049) and `mix` (60% single-turn
+   instructions, median 150, sigma 0.7; 40% multi-turn conversations, median 900, sigma 0.8).
+   For each --batch-size (conversations a step) and count of data devices (which the rows
+   are rounded up to: they split them), `dpjax.data.sft.PackedStream` packs every step of a
+   --steps run into its fixed R rows a step (the most any step needs): the steps read in the
+   seeded order (--pack-window 1) or with an epoch's steps' conversations dealt among them
+   (the default, `dpjax.data.balance`), first_fit and best_fit decreasing. Beside it: the
+   bound no fixed-row packer can pass (a step's tokens, in rows, over the least multiple of
+   the data devices that holds them), one conversation a row, and the whole set packed at once.
+2. Speed. A small Llama trained with `--task sft` on 8 simulated devices (8x1) on lengths
+   like `lognormal`'s scaled to --train-seq-len: the unpacked step (--batch-size rows), the
+   packed step on the seeded order and the packed step dealt are built, then timed in
+   alternation (A B C A B C ...), so that the shared machine's load falls on all alike.
+   Answer tokens/s is a run's answer tokens a step (mean) over its median step time. The
+   unpacked run reads the dealt order, so its losses equal the dealt packed run's.
 
-    python experiments/pack_throughput.py            # the RESULTS.md figures
-    python experiments/pack_throughput.py --smoke    # tiny, seconds
+    python experiments/pack_throughput.py              # the RESULTS.md figures
+    python experiments/pack_throughput.py --smoke      # tiny, seconds
+    python experiments/pack_throughput.py --no-speed   # part 1 only (numpy: no compile)
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import sys
 import time
@@ -43,27 +50,33 @@ from dpjax.train import parse_args as train_args  # noqa: E402
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--conversations", type=int, default=4000)
-    p.add_argument("--median", type=float, default=400.0, help="median conversation length, tokens")
+    p.add_argument("--conversations", type=int, default=20000)
     p.add_argument("--seq-len", type=int, default=2048, help="part 1's rows: --seq-len + 1 tokens")
-    p.add_argument("--batch-sizes", default="16,64,256", help="part 1: conversations a step")
-    p.add_argument("--steps", type=int, default=100, help="part 1: the run's steps (windows packed)")
+    p.add_argument("--batch-sizes", default="64,256", help="part 1: conversations a step")
+    p.add_argument("--data-devices", default="1,8", help="part 1: what the rows a step are rounded up to")
+    p.add_argument("--steps", type=int, default=300, help="part 1: the run's steps (windows packed)")
     p.add_argument("--train-seq-len", type=int, default=256, help="part 2's rows (lengths scaled to them)")
     p.add_argument("--train-batch", type=int, default=32, help="part 2: conversations a step")
-    p.add_argument("--timed", type=int, default=6, help="part 2: timed steps of each, after one warm-up each")
+    p.add_argument("--timed", type=int, default=8, help="part 2: timed steps of each, after one warm-up each")
     p.add_argument("--mesh", default="8x1")
-    _bench.add_smoke(p, "200 conversations, rows of 257, one batch size; part 2: rows of 64, 2 timed steps")
+    p.add_argument("--no-speed", action="store_true", help="part 1 only")
+    _bench.add_smoke(p, "1,000 conversations, rows of 257, batch 16, 20 steps; part 2: rows of 64, 2 timed steps")
     args = p.parse_args(argv)
     if args.smoke:
-        args.conversations, args.seq_len, args.batch_sizes, args.steps = 200, 256, "16", 5
+        args.conversations, args.seq_len, args.batch_sizes, args.steps = 1000, 256, "16", 20
         args.train_seq_len, args.train_batch, args.timed = 64, 16, 2
     return args
 
 
-def lengths(n: int, median: float, row: int, seed: int = 0) -> np.ndarray:
-    """Log-normal lengths like a chat set's (sigma 0.9), at least 3 tokens, the tail cut to a row."""
+def lengths(kind: str, n: int, row: int, scale: float = 1.0, seed: int = 0) -> np.ndarray:
+    """Chat-like lengths (the module's docstring), scaled by `scale`, at least 3 tokens, the tail cut to a row."""
     rng = np.random.default_rng(seed)
-    return np.clip(np.rint(rng.lognormal(np.log(median), 0.9, n)).astype(int) + 2, 3, row)
+    if kind == "lognormal":
+        drawn = rng.lognormal(np.log(300), 1.0, n)
+    else:  # mix
+        single = rng.random(n) < 0.6
+        drawn = np.where(single, rng.lognormal(np.log(150), 0.7, n), rng.lognormal(np.log(900), 0.8, n))
+    return np.clip(np.rint(drawn * scale).astype(int), 3, row)
 
 
 def examples(ls: np.ndarray, vocab: int, seed: int = 1):
@@ -73,43 +86,60 @@ def examples(ls: np.ndarray, vocab: int, seed: int = 1):
 
 
 def efficiency(args) -> list[dict]:
-    row = args.seq_len + 1
-    ls = lengths(args.conversations, args.median, row)
-    exs = examples(ls, 256)
-    whole = len(packing.first_fit(ls.tolist(), row))
-    out = [{"batch_size": "whole set", "method": "first_fit", "rows": whole, "efficiency": ls.sum() / (whole * row),
-            "unpacked": ls.sum() / (len(ls) * row)}]
-    for b in (int(x) for x in args.batch_sizes.split(",")):
-        for method in ("first_fit", "best_fit"):
-            st = PackedStream(exs, args.seq_len, 0, window=b, batch_size=b, method=method, steps=args.steps,
-                              multiple=8)
-            out.append({"batch_size": b, "method": method, "rows": st.rows, "efficiency": st.efficiency,
-                        "unpacked": st.unpacked_efficiency})
+    row, out = args.seq_len + 1, []
+    scale = args.seq_len / 2048  # the smoke's shorter rows keep the lengths' shape
+    for kind in ("lognormal", "mix"):
+        ls = lengths(kind, args.conversations, row, scale)
+        exs = [(np.ones(n, np.int32), np.arange(n) >= n // 2) for n in ls]  # part 1 reads lengths only
+        whole = len(packing.first_fit(ls.tolist(), row))
+        out.append({"lengths": kind, "batch_size": "whole set", "devices": "", "order": "", "method": "first_fit",
+                    "rows": whole, "tokens_rows": ls.sum() / row, "bound": ls.sum() / (whole * row),
+                    "efficiency": ls.sum() / (whole * row), "unpacked": ls.sum() / (len(ls) * row),
+                    "median": float(np.median(ls)), "mean": float(ls.mean())})
+        for b in (int(x) for x in args.batch_sizes.split(",")):
+            for m in (int(x) for x in args.data_devices.split(",")):
+                for deal in (1, None):
+                    for method in ("first_fit", "best_fit"):
+                        st = PackedStream(exs, args.seq_len, 0, window=b, deal_steps=deal, batch_size=b,
+                                          method=method, steps=args.steps, multiple=m)
+                        fits = math.ceil(st.rows_of_tokens / m) * m
+                        out.append({"lengths": kind, "batch_size": b, "devices": m,
+                                    "order": f"dealt ({st.deal_steps})" if deal is None else "seeded",
+                                    "method": method, "rows": st.rows, "tokens_rows": st.rows_of_tokens,
+                                    "bound": st.rows_of_tokens / fits, "efficiency": st.efficiency,
+                                    "unpacked": st.unpacked_efficiency})
     return out
 
 
-def build(args, packed: bool, exs):
+def build(args, name: str, exs):
+    """One of the three runs: unpacked (the dealt order, one conversation a row), packed on the seeded order,
+    packed dealt."""
     s = train_args(["--model", "llama", "--d-model", "64", "--n-layers", "2", "--n-heads", "4", "--n-kv-heads", "2",
                     "--d-ff", "128", "--vocab-size", "256", "--seq-len", str(args.train_seq_len), "--data",
                     "synthetic", "--task", "sft", "--batch-size", str(args.train_batch), "--mesh", args.mesh,
                     "--optimizer", "adamw", "--lr", "1e-3"])
     plan = resolve(s, jax.devices()[:mesh_size(args.mesh)])
     step = S.for_plan(plan)
-    B, steps = args.train_batch, args.timed + 1
-    stream = (PackedStream(exs, args.train_seq_len, 0, window=B, batch_size=B, steps=steps,
+    B, steps, packed = args.train_batch, args.timed + 1, name != "unpacked"
+    deal = 1 if name == "packed, seeded order" else None
+    stream = (PackedStream(exs, args.train_seq_len, 0, window=B, deal_steps=deal, batch_size=B, steps=steps,
                            multiple=dp_size(plan.mesh)) if packed
-              else ExampleStream(exs, args.train_seq_len, 0, window=B))
+              else ExampleStream(exs, args.train_seq_len, 0, window=B, deal_steps=deal))
     params, opt = step.init(S.init_params(plan.model, plan.layout, jax.random.key(0), plan.policy))
-    return {"plan": plan, "step": step, "stream": stream, "params": params, "opt": opt, "times": [], "losses": [],
-            "rows": stream.rows if packed else B, "packed": packed}
+    return {"name": name, "plan": plan, "step": step, "stream": stream, "params": params, "opt": opt, "times": [],
+            "losses": [], "answers": [], "rows": stream.rows if packed else B, "packed": packed,
+            "efficiency": stream.efficiency if packed else None}
 
 
-def speed(args) -> dict:
-    ls = lengths(1000, args.median * args.train_seq_len / 2048, args.train_seq_len + 1)
+RUNS = ("unpacked", "packed, seeded order", "packed, dealt")
+
+
+def speed(args) -> list[dict]:
+    ls = lengths("lognormal", 1000, args.train_seq_len + 1, args.train_seq_len / 2048)
     exs = examples(ls, 256)
-    runs = [build(args, False, exs), build(args, True, exs)]
-    B, answers = args.train_batch, []
-    for i in range(args.timed + 1):  # step 0 compiles; A B A B ... on the same windows
+    runs = [build(args, name, exs) for name in RUNS]
+    B = args.train_batch
+    for i in range(args.timed + 1):  # step 0 compiles; A B C A B C ... on the same steps
         for r in runs:
             rows = r["rows"] if r["packed"] else None
             batch = S.put_batch(r["stream"], i * B, B, r["plan"].mesh, passes=1, rows=rows)
@@ -118,37 +148,42 @@ def speed(args) -> dict:
             loss = float(loss)
             if i:
                 r["times"].append(time.perf_counter() - t)
+                ids = r["stream"]._example_ids(np.arange(i * B, (i + 1) * B))
+                r["answers"].append(int(r["stream"].counts_NxT1[ids].sum()))
             r["losses"].append(loss)
-        ids = runs[0]["stream"]._example_ids(np.arange(i * B, (i + 1) * B))
-        answers.append(int(runs[0]["stream"].counts_NxT1[ids].sum()))
-    per_step = statistics.mean(answers[1:])
-    out = {"answer_tokens_per_step": per_step, "packed_efficiency": runs[1]["stream"].efficiency}
     for r in runs:
-        name = "packed" if r["packed"] else "unpacked"
-        med = statistics.median(r["times"])
-        out[name] = {"rows": r["rows"], "median_step_s": med, "answer_tokens_per_s": per_step / med,
-                     "losses": r["losses"]}
-    return out
+        r["median_step_s"] = statistics.median(r["times"])
+        r["answer_tokens_per_s"] = statistics.mean(r["answers"]) / r["median_step_s"]
+    return runs
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
     print(f"machine: {_bench.machine()}; load average at start {_bench.load_avg():.1f}")
-    print("| batch (conversations) | rule | rows a step | real tokens / slots | one a row |")
-    print("|---|---|---:|---:|---:|")
+    print("| lengths | batch (conversations) | data devices | order | rule | rows a step | a step's tokens, rows "
+          "| bound | real tokens / slots | one a row |")
+    print("|---|---|---:|---|---|---:|---:|---:|---:|---:|")
     for r in efficiency(args):
-        print(f"| {r['batch_size']} | {r['method']} | {r['rows']:,} | {r['efficiency']:.2%} | {r['unpacked']:.2%} |")
-    got = speed(args)
-    print(f"\nanswer tokens a step: {got['answer_tokens_per_step']:,.0f} (mean); packed efficiency "
-          f"{got['packed_efficiency']:.2%}")
-    print("| run | rows a step | median step s | answer tokens/s |")
-    print("|---|---:|---:|---:|")
-    for name in ("unpacked", "packed"):
-        g = got[name]
-        print(f"| {name} | {g['rows']} | {g['median_step_s']:.3f} | {g['answer_tokens_per_s']:,.0f} |")
-    print("losses unpacked:", [round(x, 5) for x in got["unpacked"]["losses"]])
-    print("losses packed:  ", [round(x, 5) for x in got["packed"]["losses"]])
-    print(f"speed-up: {got['packed']['answer_tokens_per_s'] / got['unpacked']['answer_tokens_per_s']:.2f}x")
+        if r["batch_size"] == "whole set":
+            print(f"| {r['lengths']} (median {r['median']:.0f}, mean {r['mean']:.0f}) | whole set | | | first_fit | "
+                  f"{r['rows']:,} | {r['tokens_rows']:,.1f} | | {r['efficiency']:.2%} | {r['unpacked']:.2%} |")
+            continue
+        print(f"| {r['lengths']} | {r['batch_size']} | {r['devices']} | {r['order']} | {r['method']} | {r['rows']:,} | "
+              f"{r['tokens_rows']:.2f} | {r['bound']:.2%} | {r['efficiency']:.2%} | {r['unpacked']:.2%} |")
+    if args.no_speed:
+        return 0
+    runs = speed(args)
+    print("\n| run | rows a step | real tokens / slots | median step s | answer tokens a step | answer tokens/s |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for r in runs:
+        eff = "" if r["efficiency"] is None else f"{r['efficiency']:.2%}"
+        print(f"| {r['name']} | {r['rows']} | {eff} | {r['median_step_s']:.3f} | {statistics.mean(r['answers']):,.0f} "
+              f"| {r['answer_tokens_per_s']:,.0f} |")
+    for r in runs:
+        print(f"losses {r['name']}:", [round(x, 5) for x in r["losses"]])
+    base = runs[0]["answer_tokens_per_s"]
+    print("speed-up over unpacked: " + ", ".join(f"{r['name']} {r['answer_tokens_per_s'] / base:.2f}x"
+                                                 for r in runs[1:]))
     return 0
 
 

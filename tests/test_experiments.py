@@ -40,6 +40,7 @@ MODES = {
     "elastic.py": [[], ["--commit-cost"], ["--restart"]],
     "dtype_curves.py": [[], ["--dtypes", "bfloat16", "fp8"]],
     "gpu_yardstick.py": [[], ["--fp8"], ["--remats", "auto,none", "--hlo"]],
+    "pack_throughput.py": [[], ["--no-speed"]],  # the efficiency part alone: numpy, no compile (fast)
 }
 # The slowest smoke runs (20-60 s each on 2 shared cores: each compiles a dozen or more
 # training steps); the fast set keeps one run of each script.

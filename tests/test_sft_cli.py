@@ -152,6 +152,11 @@ def test_bad_chat_input_is_one_line_and_writes_nothing(chat_file, tmp_path, caps
     args[args.index(CHATML)] = str(bare)
     assert "chat template" in run_error(args, capsys)
     assert "--task lm" in run_error([*tiny(chat_file, "--task", "lm"), *writes], capsys)
+    tool = {"messages": [{"role": "tool", "content": "42"}, {"role": "assistant", "content": "ok"}]}
+    raises = write_rows(tmp_path / "t.jsonl", conversations(1) + [tool])
+    template = os.path.join(FIXTURES, "chat_tiny", "plain", "chat_template.jinja")  # raise_exception on a tool turn
+    err = run_error([*tiny(raises, "--chat-template", template), *writes], capsys)
+    assert "t.jsonl:2" in err and "Unknown role: tool" in err, err
     assert "give --data chat:" in run_error(["--model", "llama", "--vocab-size", "64", "--data", "synthetic",
                                               "--task", "sft", "--seq-len", "16", *writes], capsys)
     model = tmp_path / "model"  # llama_tiny's weights (320 ids) with the chat tokenizer (360)

@@ -6,8 +6,10 @@ of them count in the loss (an answer's), as the rows of `dpjax.tasks.sft`'s batc
 
 An example is (ids, mask): `mask[i]` says whether token i is one the model is trained to
 produce. A row holds one example from its start, padded with `pad_id` (weight 0). Examples
-are read in a seeded order, epoch after epoch, as the other streams read their windows.
-`PackedStream` (--pack) places a window's examples several to a row instead.
+are read in a seeded order, epoch after epoch, as the other streams read their windows;
+with `deal_steps` W > 1 (--pack-window) the examples of each W steps are dealt among them
+so that the steps hold nearly equal tokens (`dpjax.data.balance`). `PackedStream` (--pack)
+places a window's examples several to a row instead.
 
 The weights make the step's mean the mean over answer tokens of the whole step
 (`dpjax.tasks.sft`): the `window` examples a step reads (--batch-size x the micro-batches;
@@ -24,6 +26,7 @@ import math
 import numpy as np
 
 from dpjax.data import DataError
+from dpjax.data.balance import BalancedOrder
 from dpjax.data.packing import METHODS, Packed, pack, shift
 
 
@@ -48,7 +51,8 @@ class EpochOrder:
 
 
 class ExampleStream:
-    def __init__(self, examples, seq_len: int, seed: int = 0, window: int = 1, pad_id: int = 0):
+    def __init__(self, examples, seq_len: int, seed: int = 0, window: int = 1, pad_id: int = 0,
+                 deal_steps: int | None = 1):
         if not examples:
             raise DataError("no examples to train on")
         self.seq_len, self.seed, self.window, self.pad_id = seq_len, seed, window, pad_id
@@ -65,7 +69,13 @@ class ExampleStream:
         self.counts_NxT1[:, 0] = False  # nothing predicts the first token
         self.num_examples = n
         self.window_rows = window  # the rows a window fills (the N / n's N is window_rows x seq_len)
+        self.lengths_N = np.array([len(ids) for ids, _ in examples], np.int64)
+        # deal_steps W > 1: each group of W steps' conversations dealt among them (dpjax.data.balance);
+        # None: an epoch's steps (the set's whole windows)
+        self.deal_steps = max(1, n // window) if deal_steps is None else deal_steps
         self._example_ids = EpochOrder(n, seed)
+        if self.deal_steps > 1:
+            self._example_ids = BalancedOrder(self._example_ids, self.lengths_N, window, self.deal_steps, seed)
         self._scale: tuple[int, float] | None = None  # (window start, its N / n): one count a window, not a read
 
     def scale(self, cursor: int) -> float:
@@ -99,7 +109,8 @@ class PackedStream(ExampleStream):
 
     for the micro-batch starting at example `cursor`: micro-batch k of a window holds rows
     k R .. (k+1) R - 1 of the window's packing. A step reads exactly the examples it reads
-    unpacked, so its answer-token mean is the same (`dpjax.tasks.sft`).
+    unpacked (an ExampleStream of the same deal_steps), so its answer-token mean is the same
+    (`dpjax.tasks.sft`).
 
     R is fixed for the run so that the step compiles once: the seeded order is known, so
     the constructor packs every window of the run's `steps` steps (the examples' lengths
@@ -107,20 +118,22 @@ class PackedStream(ExampleStream):
     rows any window needs, divides them over the passes and rounds up to a multiple of
     `multiple` (the data axes' devices, which split the rows); a window needing fewer gets
     rows of padding (segment 0, weight 0). A resumed run of the same --steps gets the same
-    R. Packing a whole window rather than each micro-batch alone fills the rows better
+    R. With `deal_steps` (--pack-window: an epoch's steps by default on the command line) the
+    windows hold nearly equal tokens, so that the heaviest sets R no higher than the mean
+    needs. Packing a whole window rather than each micro-batch alone fills the rows better
     (more examples to choose from) and changes nothing in the step's loss, a sum over the
     window. `efficiency` is the run's real tokens / the slots it computes; `unpacked_efficiency`
     what one example a row would fill."""
 
-    def __init__(self, examples, seq_len: int, seed: int = 0, window: int = 1, pad_id: int = 0, *,
-                 batch_size: int, method: str = "first_fit", steps: int = 1, multiple: int = 1):
-        super().__init__(examples, seq_len, seed, window, pad_id)
+    def __init__(self, examples, seq_len: int, seed: int = 0, window: int = 1, pad_id: int = 0,
+                 deal_steps: int | None = 1, *, batch_size: int, method: str = "first_fit", steps: int = 1,
+                 multiple: int = 1):
+        super().__init__(examples, seq_len, seed, window, pad_id, deal_steps)
         if method not in METHODS:
             raise DataError(f"packing {method!r}: one of {', '.join(METHODS)}")
         if window % batch_size:
             raise DataError(f"a window of {window} examples is not whole micro-batches of {batch_size}")
         self.batch_size, self.method, self.passes = batch_size, method, window // batch_size
-        self.lengths_N = np.array([len(ids) for ids, _ in examples], np.int64)
         capacity, most, real = seq_len + 1, 0, 0
         for w in range(steps):
             lengths = self.lengths_N[self._example_ids(np.arange(w * window, (w + 1) * window, dtype=np.int64))]
@@ -130,6 +143,7 @@ class PackedStream(ExampleStream):
         self.window_rows = self.passes * self.rows
         self.efficiency = real / (steps * self.window_rows * capacity)
         self.unpacked_efficiency = real / (steps * window * capacity)
+        self.rows_of_tokens = real / (steps * self.passes * capacity)  # a micro-batch's tokens in rows, mean
         self._packed: tuple[int, Packed] | None = None  # (window start, its packing): put_batch reads it in pieces
 
     def _window(self, start: int) -> dict:
@@ -155,4 +169,5 @@ class PackedStream(ExampleStream):
     def describe(self) -> dict:
         """What the run record keeps of the packing."""
         return {"method": self.method, "rows_per_batch": self.rows, "conversations_per_batch": self.batch_size,
+                "window_steps": self.deal_steps, "rows_of_tokens": round(self.rows_of_tokens, 2),
                 "efficiency": round(self.efficiency, 4), "unpacked_efficiency": round(self.unpacked_efficiency, 4)}

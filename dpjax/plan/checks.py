@@ -22,7 +22,7 @@ def flag(name: str) -> str:
 
 
 _AT_LEAST_1 = ("steps", "batch_size", "seq_len", "backward_passes", "ckpt_every", "eval_batches", "timeline_steps",
-               "autotune_samples")
+               "autotune_samples", "pack_window")
 _NOT_NEGATIVE = ("eval_every", "warmup_steps", "weight_decay", "clip_norm", "lr", "min_lr")
 
 

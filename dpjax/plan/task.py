@@ -45,7 +45,7 @@ def check_chat(s) -> None:
         raise UserError(f"{', '.join(given)} applies to preference pairs (--data pref:FILE.jsonl), not --data {s.data}")
     chat = s.data.startswith(CHAT)
     if not chat:
-        given = [f"--{k.replace('_', '-')}" for k in ("chat_template", "eval_data", "eval_fraction")
+        given = [f"--{k.replace('_', '-')}" for k in ("chat_template", "eval_data", "eval_fraction", "pack_window")
                  if getattr(s, k) is not None] + ([f"--pack {s.pack}"] if s.pack != "none" else [])
         if given:
             raise UserError(f"{', '.join(given)} applies to chat data (--data chat:FILE.jsonl), not --data {s.data}")

@@ -51,8 +51,11 @@ def _packing_line(r) -> str:
     p = r.get("packing")
     if p is None:
         return ""
-    return (f"; packed {p['method']}: {p['conversations_per_batch']:,} conversations in {p['rows_per_batch']:,} rows a "
-            f"micro-batch, {p['efficiency']:.1%} of the slots real tokens (one a row: {p['unpacked_efficiency']:.1%})")
+    dealt = f" (the conversations of {p['window_steps']:,} steps dealt to even their tokens)" if (
+        p["window_steps"] > 1) else ""
+    return (f"; packed {p['method']}{dealt}: {p['conversations_per_batch']:,} conversations in "
+            f"{p['rows_per_batch']:,} rows a micro-batch, their tokens {p['rows_of_tokens']:,} rows on average: "
+            f"{p['efficiency']:.1%} of the slots real tokens (one a row: {p['unpacked_efficiency']:.1%})")
 
 
 def _answers(examples) -> int:
@@ -149,16 +152,18 @@ def _chat_streams(cfg, model, rows_multiple: int = 1) -> Data:
     # a step reads --batch-size x --backward-passes conversations from a cursor that moves by that much
     # (and resumes where it stopped): each step's window is normalised by its own answer tokens
     window = cfg.batch_size * cfg.backward_passes
+    # --pack-window: the steps whose conversations are dealt among them (dpjax.data.balance); None: an epoch's
+    deal = cfg.pack_window if cfg.pack_window is not None else (None if cfg.pack != "none" else 1)
     if cfg.pack == "none":
-        train_stream, rows = ExampleStream(_pairs(train), cfg.seq_len, cfg.seed, window=window), None
+        train_stream, rows = ExampleStream(_pairs(train), cfg.seq_len, cfg.seed, window=window, deal_steps=deal), None
     else:  # the evaluation reads one conversation a row: its answer-token mean is the same either way
         shortest = min(len(ex.tokens) for ex in train)
         if 2 * shortest > cfg.seq_len + 1:
             raise UsageError(f"--pack {cfg.pack}: no two conversations fit in a row of --seq-len {cfg.seq_len} + 1 "
                              f"tokens (the shortest has {shortest}" + (", after --truncate" if counts.truncated else "")
                              + "): raise --seq-len or leave --pack out")
-        train_stream = PackedStream(_pairs(train), cfg.seq_len, cfg.seed, window=window, batch_size=cfg.batch_size,
-                                    method=cfg.pack, steps=cfg.steps, multiple=rows_multiple)
+        train_stream = PackedStream(_pairs(train), cfg.seq_len, cfg.seed, window=window, deal_steps=deal,
+                                    batch_size=cfg.batch_size, method=cfg.pack, steps=cfg.steps, multiple=rows_multiple)
         chat.packing, rows = train_stream.describe(), train_stream.rows
     val_stream = ExampleStream(_pairs(held_out), cfg.seq_len, cfg.seed, window=cfg.batch_size)
     return Data(train_stream, val_stream, HF(fmt.tok, os.path.join(folder, "tokenizer.json")), chat, rows)
