@@ -73,13 +73,15 @@ def logps_program(plan):
     from jax.sharding import PartitionSpec as P
 
     from dpjax.mesh import data_axes
-    from dpjax.tasks.dpo import pair_logps
+    from dpjax.tasks.dpo import pair_logps, reference_logps, reference_of
 
     layout, model = plan.layout, plan.model
     par = dataclasses.replace(layout.parallel(), policy=plan.policy)
     rows = data_axes(layout.mesh) or None
 
-    def body(params, batch):
+    def body(params, batch):  # LoRA: the base with the adapters off (dpjax.tasks.dpo.reference_of)
+        if reference_of(model) is not None:
+            return reference_logps(model, params, batch, par)
         return pair_logps(model, params, batch, par)[0]
 
     return jax.jit(jax.shard_map(body, mesh=layout.mesh, in_specs=(layout.specs, P(rows)), out_specs=P(rows),
@@ -112,12 +114,13 @@ def reference_logps(plan, params, stream, batch_size: int):
 
 def reference(trainer) -> None:
     """Sets the streams' reference log-probs (--ref-logps precompute) from the starting
-    parameters (`trainer.params`, before a checkpoint is restored) or --ref-from's; nothing
-    for a variant without a reference (SimPO)."""
+    parameters (`trainer.params`, before a checkpoint is restored) or --ref-from's (with
+    LoRA: their base, the adapters off); nothing for a variant without a reference (SimPO)
+    or with --ref-logps online (the step computes them)."""
     from dpjax.tasks.dpo import VARIANTS
 
     cfg, plan = trainer.cfg, trainer.plan
-    if not VARIANTS[cfg.dpo_loss].reference:
+    if not VARIANTS[cfg.dpo_loss].reference or cfg.ref_logps == "online":  # online: the step computes ρ
         return
     if cfg.ref_from:
         from dpjax.hf import params_of
