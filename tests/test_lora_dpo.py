@@ -3,7 +3,7 @@ off, read from the policy's own parameters (no second copy). Against transformer
 base model (tests/fixtures/dpo_tiny/expected.json, make_dpo_fixture.py): the reference with
 trained-looking adapters on equals the base's, precomputed on 2x4 with FSDP and online in the
 step; with PEFT's zero B the first loss is ln 2. The command line (online against precompute,
-first steps) is slow."""
+first steps, with LoRA and with a frozen copy) is slow."""
 
 import json
 import math
@@ -106,18 +106,44 @@ def test_first_loss_with_zero_b_is_ln2(tiny):
 
 
 @pytest.mark.slow
-def test_online_equals_precompute_on_the_command_line(tmp_path):
-    """--lora with --ref-logps online (ρ from the base inside each step) and precompute (once,
-    the adapters off) on 2x4 with FSDP: the first loss is ln 2 within 1e-6 and the losses of
-    the first steps agree within 1e-6."""
-    args = ["--init-from", f"hf:{POLICY}", "--data", f"pref:{PAIRS}", "--eval-data", f"pref:{PAIRS}", "--lora",
-            "r=4,alpha=8", "--mesh", "2x4", "--fsdp", "--batch-size", "4", "--seq-len", str(SEQ), "--steps", "3",
-            "--lr", "1e-2", "--progress", "none", "--sample-tokens", "0"]
-    losses = {}
+@pytest.mark.parametrize("lora", [True, False], ids=["lora", "copy"])
+def test_online_equals_precompute_on_the_command_line(tmp_path, lora):
+    """--ref-logps online (with --lora: ρ from the base inside each step; without: a frozen
+    copy split like the policy, ρ computed each step) against precompute (once, before
+    training) on 2x4 with FSDP: the first loss is ln 2 within 1e-6 (the policy starts as its
+    reference), and the train and held-out losses of the first steps agree within 1e-6."""
+    args = ["--init-from", f"hf:{POLICY}", "--data", f"pref:{PAIRS}", "--eval-data", f"pref:{PAIRS}", "--mesh",
+            "2x4", "--fsdp", "--batch-size", "4", "--seq-len", str(SEQ), "--steps", "3", "--eval-every", "3",
+            "--eval-batches", "1", "--lr", "1e-2", "--progress", "none", "--sample-tokens", "0",
+            *(["--lora", "r=4,alpha=8"] if lora else [])]
+    rows = {}
     for how in ("online", "precompute"):
         metrics = tmp_path / f"{how}.jsonl"
         assert main([*args, "--ref-logps", how, "--metrics", str(metrics)]) == 0
-        losses[how] = read_losses(metrics)
-    assert abs(losses["online"][0] - math.log(2)) < 1e-6
-    assert losses["online"][-1] < losses["online"][0]  # the adapters learn the preferences
-    np.testing.assert_allclose(losses["online"], losses["precompute"], rtol=1e-6, atol=1e-6)
+        rows[how] = [json.loads(line) for line in open(metrics)][1:]
+        assert read_losses(metrics)[-1] < read_losses(metrics)[0]  # it learns the preferences
+    first = [r["loss"] for r in rows["online"] if "loss" in r][0]
+    assert abs(first - math.log(2)) < 1e-6
+    for key in ("loss", "eval_loss", "margin"):
+        got, want = ([r[key] for r in rows[how] if key in r] for how in ("online", "precompute"))
+        assert len(got) == len(want) > 0, key
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6, err_msg=key)
+
+
+def test_plan_counts_the_reference_copy_only_without_lora():
+    """The planner's memory (what --dry-run prints): --ref-logps online without LoRA holds a
+    frozen copy as large as the parameters; with LoRA the reference is the base itself (no
+    second copy), and precompute holds none."""
+    from dpjax.plan import resolve
+    from dpjax.train.cli import parse_args
+
+    def memory(*args):
+        s = parse_args(["--init-from", f"hf:{POLICY}", "--data", f"pref:{PAIRS}", "--mesh", "2x4", "--fsdp",
+                        "--batch-size", "8", "--seq-len", str(SEQ), *args])
+        return resolve(s, jax.devices()[:8]).memory
+
+    copy, lora, precompute = (memory("--ref-logps", "online"), memory("--ref-logps", "online", "--lora", "r=4"),
+                              memory("--ref-logps", "precompute"))
+    assert copy["reference"] == copy["params"] > 0
+    assert copy["total"] == precompute["total"] + copy["params"]
+    assert lora["reference"] == precompute["reference"] == 0

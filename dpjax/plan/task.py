@@ -91,10 +91,7 @@ def check_pref(s) -> None:
         raise UserError(f"unknown --dpo-loss {s.dpo_loss!r}; choose one of {', '.join(VARIANTS)}")
     if not s.dpo_beta > 0:
         raise UserError(f"--dpo-beta is positive, got {s.dpo_beta}")
-    if s.ref_logps == "online" and not (s.lora or s.adapter):
-        raise UserError("--ref-logps online without --lora is not built yet (it needs a frozen copy of the model "
-                        "beside the policy); use --ref-logps precompute, or --lora (the reference: the base)")
-    if s.ref_logps == "online" and s.ref_from is not None:
+    if s.ref_logps == "online" and s.ref_from is not None and (s.lora or s.adapter):
         raise UserError(f"--ref-from {s.ref_from} with --ref-logps online: with --lora the reference is the "
                         "policy's own base (adapters off); use --ref-logps precompute for another reference model")
     if s.ref_from is not None:

@@ -91,7 +91,9 @@ class Options:
     variant: str = "sigmoid"
     beta: float = 0.1
     gamma: float = 0.5
-    online: bool = False  # --ref-logps online: ρ computed in the step (else the batch's, precomputed)
+    # --ref-logps online with LoRA: ρ computed in the step from the base; else the batch's ρ
+    # (precomputed, or filled each step by the run's frozen copy: dpjax.train.preference.Online)
+    online: bool = False
 
     @classmethod
     def of(cls, settings) -> "Options":
@@ -174,8 +176,8 @@ def loss_and_stats(model, settings=None):
     def fn(params, batch, par: Parallel = DENSE):
         pi_Bdx2, len_Bdx2 = pair_logps(model, params, batch, par)
         ref_Bdx2 = batch["ref"].astype(jnp.float32)
-        if options.online and VARIANTS[options.variant].reference:
-            ref_Bdx2 = reference_logps(model, params, batch, par)
+        if options.online and VARIANTS[options.variant].reference and reference_of(model) is not None:
+            ref_Bdx2 = reference_logps(model, params, batch, par)  # LoRA: the base inside the step
         losses_Bd, figures = pair_losses(pi_Bdx2, ref_Bdx2, len_Bdx2, options)
         return losses_Bd.mean(), {k: v.mean() for k, v in figures.items()}
 
