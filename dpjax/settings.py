@@ -189,7 +189,9 @@ class Settings:
     simpo_gamma: float = MODEL(0.5, "with --dpo-loss simpo, the target reward margin gamma")
     ref_logps: str = MODEL("precompute", "with preference pairs, the reference's log-probs: precompute (every "
                                          "pair's, once before training, with the starting weights or --ref-from's: "
-                                         "no second copy of the model)", choices=("precompute",))
+                                         "no second copy of the model); online (in each step: with --lora the base "
+                                         "with the adapters off, no copy; else a frozen copy split like the "
+                                         "policy)", choices=("precompute", "online"))
     ref_from: str | None = MODEL(None, "with preference pairs, the reference model: hf:DIR or a checkpoint folder "
                                        "of the same shape. Default: the starting weights (--init-from's)")
     vocab_size: int | None = MODEL(None, "the vocabulary of a token file (--data FILE.bin); default 256 (bytes)")

@@ -43,10 +43,14 @@ def _stage_algorithm(algorithm: str) -> str:
     return "ring" if collectives.registry.nested(algorithm) else algorithm
 
 
-def for_model(model, layout, algorithm: str = "ring") -> Staged:
+def for_model(model, layout, algorithm: str = "ring", split=None) -> Staged:
     """The pipelined loss and gradient of `model` (its `LAYERS` stack split over `stage`,
     `embed`, `layer` and `head_loss` pieces) on `layout` (which carries the `Pipeline`);
-    `algorithm`: dpjax's allreduce for the shared leaves' gradient over `stage`."""
+    `algorithm`: dpjax's allreduce for the shared leaves' gradient over `stage`. split:
+    LoRA's `dpjax.models.lora.Split` (its trained part inside the layer stack: the
+    adapters); value_and_grad then gives the gradient of that part only, the frozen rest
+    a constant of each chunk, embedding and head (never differentiated, nothing summed
+    over `stage`)."""
     pipe, S = layout.pipeline, layout.mesh.shape[STAGE]
     tt = timetable(pipe, S)
     M, V, key = tt.microbatches, tt.chunks, model.LAYERS
@@ -64,6 +68,8 @@ def for_model(model, layout, algorithm: str = "ring") -> Staged:
         return engine.run(tt, pieces, shared, chunks_GxL, batch_MxBxT1, axis=STAGE, unroll=pipe.unroll)
 
     def value_and_grad(params, batch_BdxT1, par):
+        if split is not None:
+            return _trained_value_and_grad(model, M, V, S, tt, split, pipe.unroll, params, batch_BdxT1, par)
         pieces, shared, chunks_GxL, batch_MxBxT1, unshard = prepare(params, batch_BdxT1, par)
         loss, d_shared, d_chunks = engine.run(tt, pieces, shared, chunks_GxL, batch_MxBxT1, axis=STAGE,
                                               unroll=pipe.unroll)
@@ -81,6 +87,36 @@ def for_model(model, layout, algorithm: str = "ring") -> Staged:
         return loss, {**fusion.unpack(plan, summed), key: grads[key]}
 
     return Staged(loss, value_and_grad, schedule, tt)
+
+
+def _trained_value_and_grad(model, M: int, V: int, S: int, tt, split, unroll: bool, params, batch_BdxT1, par):
+    """(loss, gradient of `split.trained(params)`): the schedule differentiates the trained
+    leaves of each chunk only (LoRA's adapters, every one stacked on the layer axis); the
+    frozen base enters each chunk, the embedding and the head as a constant. Under FSDP the
+    frozen part is gathered without a VJP (no reduce-scatter of a gradient it never gets)."""
+    key = model.LAYERS
+    trained, frozen = split.trained(params), split.frozen(params)
+    unshard = None
+    if par.gather_dims is not None:
+        dims = par.gather_dims
+        trained, unshard = jax.vjp(dataclasses.replace(par, gather_dims=split.trained(dims)).use, trained)
+        frozen = dataclasses.replace(par, gather_dims=split.frozen(dims)).use(frozen)
+    dense = dataclasses.replace(par, gather_dims=None)
+    whole, shared, frozen_GxL, batch_MxBxT1, _ = _prepare(model, M, V, frozen, batch_BdxT1, dense, S)
+    trained_GxL = jax.tree.map(lambda w: w[None] if V == 1 else w, trained)
+
+    def chunk(w, x, r):  # the chunk's adapters joined to its frozen base layers
+        base = jax.tree.map(lambda c: c[r], frozen_GxL)
+        return whole.chunk(split.join(w, {key: base})[key], x, r)
+
+    # nothing outside the layers is trained: the engine differentiates an empty `shared`
+    pieces = engine.Pieces(embed=lambda _, tok: whole.embed(shared, tok), chunk=chunk,
+                           loss=lambda _, y, tgt: whole.loss(shared, y, tgt))
+    loss, _, d_GxL = engine.run(tt, pieces, {}, trained_GxL, batch_MxBxT1, axis=STAGE, unroll=unroll)
+    grads = jax.tree.map(lambda g: g[0] if V == 1 else g, d_GxL)
+    if unshard is not None:
+        (grads,) = unshard(grads)
+    return loss, grads
 
 
 def _prepare(model, M: int, V: int, params, batch_BdxT1, par, S: int = 1):

@@ -44,6 +44,14 @@ def compute_policy(s: Settings, model, platform: str) -> tuple[Policy, list]:
         raise UsageError(str(e)) from None
 
 
+def _reference_copy(s, split) -> bool:
+    """Whether a preference run holds a frozen copy of the parameters (--ref-logps online
+    without LoRA; with LoRA the reference is the base itself: `dpjax.tasks.dpo.reference_of`)."""
+    from dpjax.tasks.dpo import VARIANTS
+
+    return s.task == "dpo" and s.ref_logps == "online" and split is None and VARIANTS[s.dpo_loss].reference
+
+
 def check_memory(plan):
     """Estimates the bytes each device needs (its shards of the parameters and of the
     optimizer / rule state, the activations one micro-batch keeps for the backward
@@ -70,7 +78,8 @@ def check_memory(plan):
     candidates = remat_candidates(platform) if s.remat == "auto" else (plan.policy.remat,)
     for remat in candidates:
         policy = dataclasses.replace(plan.policy, remat=remat)
-        need = estimate(plan.model, plan.layout, plan.global_batch, plan.exchange.compression, policy, platform)
+        need = estimate(plan.model, plan.layout, plan.global_batch, plan.exchange.compression, policy, platform,
+                        reference=_reference_copy(s, plan.split))
         if have is None or need["total"] <= have:
             break
     plan = dataclasses.replace(plan, policy=policy, memory={**need, "device": have, "device_total": device["total"],

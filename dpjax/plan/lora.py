@@ -32,9 +32,6 @@ def trained_split(model, layout, exchange: Exchange):
 
     if not isinstance(model, Lora):
         return None
-    if layout.pipeline is not None:
-        raise UsageError("--lora on a stage axis is not built yet (the pipeline's schedule differentiates every "
-                         "parameter of a stage); use data, model and FSDP axes")
     if sharded.applies(layout, exchange.compression):
         raise UsageError(f"--lora with --fsdp and --compression {exchange.compression}: FSDP's error feedback "
                          "mirrors every parameter; compress without --fsdp, or FSDP without error feedback")

@@ -12,7 +12,8 @@ import jax
 from dpjax.mesh import CONTEXT, MODEL, dp_size
 
 
-def estimate(model, layout, global_batch: int, compression=None, policy=None, platform: str | None = None) -> dict:
+def estimate(model, layout, global_batch: int, compression=None, policy=None, platform: str | None = None,
+             reference: bool = False) -> dict:
     """Bytes per device of a run of `model` laid out by `layout` with `global_batch`
     sequences per backward pass: {'params', 'state', 'grads', 'error', 'activations', 'total'}.
     The parameters are exact (each device's shards); the optimizer state is taken as two
@@ -26,7 +27,9 @@ def estimate(model, layout, global_batch: int, compression=None, policy=None, pl
     float32 reference), split by the model axis and the context axis. `platform`: where it runs (default
     JAX's backend): XLA:CPU computes bfloat16 in float32, so on CPU a value is 4 bytes.
     A LoRA model (`dpjax.models.lora`): state and gradients of the adapters only, the
-    frozen base counted once, in the compute dtype it is kept in."""
+    frozen base counted once, in the compute dtype it is kept in. reference: a preference
+    run's frozen copy of the parameters (--ref-logps online without LoRA,
+    `dpjax.train.preference.Online`), split like them: 'reference', as many bytes again."""
     from dpjax.compute.policy import Policy, accelerated
     from dpjax.models.lora import Lora, Split
 
@@ -50,8 +53,9 @@ def estimate(model, layout, global_batch: int, compression=None, policy=None, pl
     context = layout.mesh.shape.get(CONTEXT, 1)  # a device holds 1/context of each sequence's tokens
     activations = model.activation_bytes(rows, remat=policy.remat, attention=policy.attention, width=width,
                                          split=split, **({"context": context} if context > 1 else {}))
+    copy = params if reference else 0
     return {"params": params, "state": state, "grads": grads, "error": error, "activations": activations,
-            "total": params + state + grads + error + activations}
+            "reference": copy, "total": params + state + grads + error + activations + copy}
 
 
 def _error_bytes(layout, stored, params: int, compression) -> int:

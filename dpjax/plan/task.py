@@ -91,6 +91,9 @@ def check_pref(s) -> None:
         raise UserError(f"unknown --dpo-loss {s.dpo_loss!r}; choose one of {', '.join(VARIANTS)}")
     if not s.dpo_beta > 0:
         raise UserError(f"--dpo-beta is positive, got {s.dpo_beta}")
+    if s.ref_logps == "online" and s.ref_from is not None and (s.lora or s.adapter):
+        raise UserError(f"--ref-from {s.ref_from} with --ref-logps online: with --lora the reference is the "
+                        "policy's own base (adapters off); use --ref-logps precompute for another reference model")
     if s.ref_from is not None:
         if not VARIANTS[s.dpo_loss].reference:
             raise UserError(f"--dpo-loss {s.dpo_loss} needs no reference model; leave --ref-from out")

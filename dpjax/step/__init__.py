@@ -44,7 +44,7 @@ def for_plan(plan: Plan, donate: bool = True, clock=None) -> TrainStep:
         stats = task.loss_and_stats(model, plan.settings) if model.has_stats or task.reports else None
         return build(task.loss(model, plan.settings), plan, abstract_params=abstract, donate=donate, clock=clock,
                      loss_and_stats=stats)
-    staged = pipeline_staged.for_model(model, layout, plan.exchange.algorithm)
+    staged = pipeline_staged.for_model(model, layout, plan.exchange.algorithm, split=plan.split)
     return build(staged.loss, plan, abstract_params=abstract, donate=donate, value_and_grad=staged.value_and_grad,
                  clock=clock)
 

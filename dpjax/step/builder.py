@@ -116,7 +116,6 @@ def build(loss_fn, plan: Plan, *, abstract_params, donate: bool = True, value_an
     # the "loss" the rule passes through is then (loss, stats); FSDP through random-k takes
     # its own local gradient (`local_grad`): its steps leave the figures to the `stats` program
     step_stats = loss_and_stats is not None and not sharded.applies(layout, exchange.compression)
-    assert plan.split is None or not (step_stats or value_and_grad), "dpjax.plan: LoRA on a Llama, no stage axis"
     if step_stats:
         assert value_and_grad is None, "dpjax.plan refuses experts beside a stage axis"
         value_and_grad = jax.value_and_grad(loss_and_stats, has_aux=True)
@@ -125,11 +124,18 @@ def build(loss_fn, plan: Plan, *, abstract_params, donate: bool = True, value_an
     def grad_fn(frozen):
         """The worker's gradient, of the trained parameters only (LoRA's adapters, `plan.split`:
         the frozen base beside them is a constant of the loss, never differentiated, so nothing
-        of it is computed, exchanged or updated)."""
+        of it is computed, exchanged or updated). A pipeline's value_and_grad, built with the
+        split (`dpjax.pipeline.staged`), gives that part's gradient from the whole tree."""
         if plan.split is None:
             return worker_grad(plan, *local_grad(loss_fn, plan, par, value_and_grad))
-        trained_loss = lambda t, b, par: loss_fn(plan.split.join(t, frozen), b, par)  # noqa: E731
-        return worker_grad(plan, *local_grad(trained_loss, plan, par, None))
+        join = plan.split.join
+        trained_loss = lambda t, b, par: loss_fn(join(t, frozen), b, par)  # noqa: E731
+        trained_vag = None
+        if step_stats:  # the figures beside the loss (a task's: dpo's rewards), the adapters' gradient
+            trained_vag = jax.value_and_grad(lambda t, b, par: loss_and_stats(join(t, frozen), b, par), has_aux=True)
+        elif value_and_grad is not None:
+            trained_vag = lambda t, b, par: value_and_grad(join(t, frozen), b, par)  # noqa: E731
+        return worker_grad(plan, *local_grad(trained_loss, plan, par, trained_vag))
 
     bodies = _Bodies(plan, held, par, grad_fn, loss_fn, loss_and_stats, step_stats)
     smap = _smapper(plan, held, clock)

@@ -91,12 +91,15 @@ class Options:
     variant: str = "sigmoid"
     beta: float = 0.1
     gamma: float = 0.5
+    # --ref-logps online with LoRA: ρ computed in the step from the base; else the batch's ρ
+    # (precomputed, or filled each step by the run's frozen copy: dpjax.train.preference.Online)
+    online: bool = False
 
     @classmethod
     def of(cls, settings) -> "Options":
         if settings is None:
             return cls()
-        return cls(settings.dpo_loss, settings.dpo_beta, settings.simpo_gamma)
+        return cls(settings.dpo_loss, settings.dpo_beta, settings.simpo_gamma, settings.ref_logps == "online")
 
 
 def _whole(x_2Bd, par: Parallel):
@@ -130,6 +133,29 @@ def pair_logps(model, params, batch, par: Parallel = DENSE):
     return sums_2Bd.reshape(2, Bd).T, lens_2Bd.reshape(2, Bd).T
 
 
+def reference_of(model):
+    """(the reference's model, params -> the reference's parameters, par -> its Parallel):
+    a LoRA model's base with the adapters off (`dpjax.models.lora.Split.frozen`: the same
+    arrays as the policy's base, no copy); None for a model without adapters."""
+    from dpjax.models.lora import Lora, Split
+
+    if not isinstance(model, Lora):
+        return None
+    split = Split(model.LAYERS)
+
+    def parallel(par: Parallel) -> Parallel:  # FSDP gathers the base's leaves only
+        return par if par.gather_dims is None else dataclasses.replace(par, gather_dims=split.frozen(par.gather_dims))
+
+    return model.base, split.frozen, parallel
+
+
+def reference_logps(model, params, batch, par: Parallel = DENSE):
+    """ρ: B x 2 (chosen, rejected) answer log-prob sums by the reference: a LoRA model's
+    base with its adapters off (`reference_of`), never differentiated."""
+    base, frozen, parallel = reference_of(model)
+    return lax.stop_gradient(pair_logps(base, frozen(params), batch, parallel(par))[0])
+
+
 def pair_losses(pi_Bx2, ref_Bx2, len_Bx2, options: Options):
     """(per-pair loss B, the metrics' per-pair figures {name: B}) of one variant."""
     v = VARIANTS[options.variant]
@@ -149,7 +175,10 @@ def loss_and_stats(model, settings=None):
 
     def fn(params, batch, par: Parallel = DENSE):
         pi_Bdx2, len_Bdx2 = pair_logps(model, params, batch, par)
-        losses_Bd, figures = pair_losses(pi_Bdx2, batch["ref"].astype(jnp.float32), len_Bdx2, options)
+        ref_Bdx2 = batch["ref"].astype(jnp.float32)
+        if options.online and VARIANTS[options.variant].reference and reference_of(model) is not None:
+            ref_Bdx2 = reference_logps(model, params, batch, par)  # LoRA: the base inside the step
+        losses_Bd, figures = pair_losses(pi_Bdx2, ref_Bdx2, len_Bdx2, options)
         return losses_Bd.mean(), {k: v.mean() for k, v in figures.items()}
 
     return fn

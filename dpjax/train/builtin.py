@@ -213,7 +213,7 @@ class Evaluation(Hook):
         from dpjax.step import put_batch
 
         cfg = trainer.cfg
-        return (put_batch(trainer.val_stream, i * cfg.batch_size, cfg.batch_size, trainer.mesh)
+        return (trainer.with_reference(put_batch(trainer.val_stream, i * cfg.batch_size, cfg.batch_size, trainer.mesh))
                 for i in range(cfg.eval_batches))
 
     def loss(self, trainer) -> float:

@@ -49,6 +49,8 @@ def plan_lines(plan) -> list[str]:
                  f"gradients {_gib(mem['grads'])}"]
         if mem["error"]:
             parts.append(f"error buffers {_gib(mem['error'])}")
+        if mem.get("reference"):  # --ref-logps online without LoRA: the reference's frozen copy
+            parts.append(f"reference copy {_gib(mem['reference'])}")
         parts.append(f"activations {_gib(mem['activations'])}")
         lines.append(f"memory per device: about {_gib(mem['total'])} ({', '.join(parts)}); a device has "
                      + _usable(mem))

@@ -73,13 +73,15 @@ def logps_program(plan):
     from jax.sharding import PartitionSpec as P
 
     from dpjax.mesh import data_axes
-    from dpjax.tasks.dpo import pair_logps
+    from dpjax.tasks.dpo import pair_logps, reference_logps, reference_of
 
     layout, model = plan.layout, plan.model
     par = dataclasses.replace(layout.parallel(), policy=plan.policy)
     rows = data_axes(layout.mesh) or None
 
-    def body(params, batch):
+    def body(params, batch):  # LoRA: the base with the adapters off (dpjax.tasks.dpo.reference_of)
+        if reference_of(model) is not None:
+            return reference_logps(model, params, batch, par)
         return pair_logps(model, params, batch, par)[0]
 
     return jax.jit(jax.shard_map(body, mesh=layout.mesh, in_specs=(layout.specs, P(rows)), out_specs=P(rows),
@@ -112,13 +114,17 @@ def reference_logps(plan, params, stream, batch_size: int):
 
 def reference(trainer) -> None:
     """Sets the streams' reference log-probs (--ref-logps precompute) from the starting
-    parameters (`trainer.params`, before a checkpoint is restored) or --ref-from's; nothing
-    for a variant without a reference (SimPO)."""
+    parameters (`trainer.params`, before a checkpoint is restored) or --ref-from's (with
+    LoRA: their base, the adapters off); nothing for a variant without a reference (SimPO)
+    or with --ref-logps online (the step computes them)."""
     from dpjax.tasks.dpo import VARIANTS
 
+    from dpjax.tasks.dpo import reference_of
+
     cfg, plan = trainer.cfg, trainer.plan
-    if not VARIANTS[cfg.dpo_loss].reference:
-        return
+    online = cfg.ref_logps == "online"
+    if not VARIANTS[cfg.dpo_loss].reference or (online and reference_of(trainer.model) is not None):
+        return  # SimPO has none; LoRA online: the step computes ρ from the base (dpjax.tasks.dpo)
     if cfg.ref_from:
         from dpjax.hf import params_of
 
@@ -127,7 +133,48 @@ def reference(trainer) -> None:
     else:
         params = trainer.step.consensus(trainer.params)
         what = "the starting weights"
+    if online:
+        trainer.online_reference = Online(plan, params)
+        trainer.say(f"the reference: a frozen copy of {what}, split like the policy; its log-probs computed each step")
+        return
     for stream in (trainer.train_stream, trainer.val_stream):
         stream.set_reference(reference_logps(plan, params, stream, cfg.batch_size))
     trainer.say(f"reference log-probs of {trainer.train_stream.num_examples + trainer.val_stream.num_examples:,} "
                 f"pairs computed with {what}")
+
+
+class Online:
+    """--ref-logps online without LoRA: a frozen copy of the reference's parameters, laid
+    out (FSDP-split) like the policy's, and a batch -> the batch with its pairs' ρ computed
+    by that copy (`logps_program`'s computation, the train batch's A micro-batches one after
+    another). A resumed run copies the same starting weights again before its restore."""
+
+    def __init__(self, plan, params):
+        import jax
+        from jax.sharding import PartitionSpec as P
+
+        from dpjax.mesh import data_axes
+        from dpjax.tasks.dpo import pair_logps
+
+        layout = plan.layout
+        # a copy: the step donates the policy's buffers, which consensus may return as they are
+        self.params = jax.jit(lambda p: jax.tree.map(jax.numpy.copy, p), out_shardings=layout.shardings())(params)
+        par = dataclasses.replace(layout.parallel(), policy=plan.policy)
+        rows = data_axes(layout.mesh) or None
+
+        def one(params, batch):
+            return pair_logps(plan.model, params, batch, par)[0]
+
+        def passes(params, batch_A):
+            return jax.lax.map(lambda b: one(params, b), batch_A)
+
+        def program(body, spec):
+            return jax.jit(jax.shard_map(body, mesh=layout.mesh, in_specs=(layout.specs, spec), out_specs=spec,
+                                         check_vma=False))
+
+        self.eval_logps, self.train_logps = program(one, P(rows)), program(passes, P(None, rows))
+
+    def __call__(self, batch):
+        """`batch` (A x B x ... for a train step, B x ... for evaluation) with its "ref" computed."""
+        logps = self.train_logps if batch["tokens"].ndim == 3 else self.eval_logps
+        return {**batch, "ref": logps(self.params, batch)}

@@ -78,6 +78,7 @@ class Trainer:
         self.record = self._resume_record(user)
         self._say_exchange()
         self._init_state()
+        self.online_reference = None  # --ref-logps online without LoRA: dpjax.train.preference.Online
         if cfg.task == "dpo":  # the reference's log-probs, from the starting weights: before a restore
             from dpjax.train import preference
 
@@ -220,7 +221,12 @@ class Trainer:
         b = put_batch(self.train_stream, self.cursor, self.cfg.batch_size, self.mesh, passes=self.cfg.backward_passes,
                       rows=self.rows)
         self.cursor += self.cfg.batch_size * self.cfg.backward_passes
-        return b
+        return self.with_reference(b)
+
+    def with_reference(self, batch):
+        """A preference batch with its reference log-probs from the frozen copy (--ref-logps
+        online without LoRA); any other batch as it is."""
+        return batch if self.online_reference is None else self.online_reference(batch)
 
     def run(self, hooks=()) -> dict:
         """Trains to --steps (or a stop) with the built-in hooks and `hooks` (each a
