@@ -26,7 +26,7 @@ import lm1b_models as models
 
 config = types.SimpleNamespace(
     vocab_size=64, batch_size=16, per_device_batch_size=2, max_target_length=16, num_layers=2, qkv_dim=32, emb_dim=32,
-    mlp_dim=64, num_heads=4, dropout_rate=0.1, attention_dropout_rate=0.1, learning_rate=0.01, warmup_steps=5,
+    mlp_dim=64, num_heads=8, dropout_rate=0.1, attention_dropout_rate=0.1, learning_rate=0.01, warmup_steps=5,
     weight_decay=0.1, label_smoothing=0.0, seed=0, logits_via_embedding=False,
     mesh_axes=['data', 'fsdp', 'tensor'], data_sharding=['data'],
     logical_axis_rules=[['mlp', 'tensor'], ['vocab', 'tensor'], ['embed', 'fsdp'], ['heads', 'tensor']])

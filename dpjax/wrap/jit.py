@@ -38,7 +38,7 @@ from jax.sharding import PartitionSpec as P
 
 from dpjax.errors import UserError
 from dpjax.mesh import NOT_DATA, spec_axes
-from dpjax.wrap import annotations, call
+from dpjax.wrap import annotations, call, draws
 from dpjax.wrap.wrapper import shard_step
 
 
@@ -156,7 +156,7 @@ class Jitted:
         outs = _specs(self.out_shardings, "out_shardings", self.name)
         out_data = jax.tree.map(lambda s: P() if s is None else annotations.renamed(annotations.only(s, data), axes),
                                 outs, is_leaf=_is_leaf)
-        fn = _constrained(self.fn, outs, data)
+        fn = _drawn(_constrained(self.fn, outs, data))
         return shard_step(fn, mesh, tuple(batch), in_specs=tuple(in_specs), out_specs=out_data,
                           **self.options)
 
@@ -187,6 +187,16 @@ def _model_axis(step: str, mesh, entries) -> dict:
     if "model" in mesh.axis_names:  # a `model` axis of one device makes way: a data axis of size 1
         return {found[0]: "model", "model": found[0]}
     return {found[0]: "model"}
+
+
+def _drawn(fn):
+    """fn with its dropout masks drawn as jax.jit draws them, each device its rows of the global
+    batch's mask (`dpjax.wrap.draws`)."""
+    @functools.wraps(fn)
+    def step(*args, **kwargs):
+        with draws.drawing():
+            return fn(*args, **kwargs)
+    return step
 
 
 def _constrained(fn, outs, data: set):
