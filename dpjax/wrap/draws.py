@@ -46,7 +46,9 @@ _ONE_F32 = np.array(1.0, np.float32).view(np.uint32)  # the exponent of 1.0: flo
 def _key_words(key):
     """The two uint32 words of a single threefry key (typed or raw), else None."""
     if jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key):
-        if key.shape or str(jax.random.key_impl(key)) != str(jax.random.key_impl(jax.random.key(0, impl="threefry2x32"))):
+        # the default's impl is made here, not at import: a key then would start JAX before simulate_cpu_devices
+        default = jax.config.jax_default_prng_impl == "threefry2x32"
+        if key.shape or not default or str(jax.random.key_impl(key)) != str(jax.random.key_impl(jax.random.key(0))):
             return None
         return jax.random.key_data(key)
     raw = jnp.asarray(key)
