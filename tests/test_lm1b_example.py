@@ -90,10 +90,10 @@ def test_data_and_tensor_on_4x2_split_as_annotated_equals_one_device(one_device)
     got = run("lm1b_distributed", (4, 1, 2))
     assert_same(got, one_device)
     block = got[0].params["decoder"]["encoderdecoderblock_0"]
-    kernel = block["MlpBlock_0"]["Dense_0"]["kernel"]  # ('embed', 'mlp'): mlp -> tensor, dpjax's model axis
-    assert kernel.sharding.spec == P(None, "model") and kernel.addressable_shards[0].data.shape == (32, 32)
+    kernel = block["MlpBlock_0"]["Dense_0"]["kernel"]  # ('embed', 'mlp'): mlp -> tensor, read as the model axis
+    assert kernel.sharding.spec == P(None, "tensor") and kernel.addressable_shards[0].data.shape == (32, 32)
     embedding = got[0].params["decoder"]["Embed_0"]["embedding"]  # ('vocab', 'embed'): vocab -> tensor
-    assert embedding.sharding.spec == P("model") and embedding.addressable_shards[0].data.shape == (32, 32)
+    assert embedding.sharding.spec == P("tensor") and embedding.addressable_shards[0].data.shape == (32, 32)
     assert block["SelfAttention_0"]["query"]["kernel"].sharding.spec == P()  # ('embed', 'kv'): no rule for kv
 
 
@@ -104,4 +104,4 @@ def test_lm1b_default_mesh_fsdp_over_every_device_equals_one_device(one_device):
     got = run("lm1b_distributed", (1, -1, 1))
     assert_same(got, one_device)
     kernel = got[0].params["decoder"]["encoderdecoderblock_0"]["MlpBlock_0"]["Dense_0"]["kernel"]
-    assert kernel.addressable_shards[0].data.shape == (4, 64)  # embed -> fsdp: 32 rows over 8 devices
+    assert kernel.sharding.spec == P("fsdp") and kernel.addressable_shards[0].data.shape == (4, 64)  # embed -> fsdp

@@ -99,11 +99,13 @@ class Jitted:
         self.options = options
         self.name = getattr(fn, "__name__", type(fn).__name__)
         self.step = None
+        self.user_mesh = None  # the mesh in the user's names where the step's were read from the shardings
 
     def __call__(self, *args, **kwargs):
         if self.step is None:
             self.step = self._build(args, kwargs)
-        return self.step(*args, **kwargs)
+        out = self.step(*args, **kwargs)
+        return _on(self.user_mesh, out) if self.user_mesh is not None else out
 
     def _mesh_of(self, args):
         if self._mesh is not None:
@@ -138,6 +140,7 @@ class Jitted:
         if axes is None:  # the roles of the user's axis names, read from the shardings
             axes = _model_axis(self.name, mesh, [(sig.argname(p), e) for p, e in zip(positions, ins)])
             self.options = {**self.options, "axes": axes}
+            self.user_mesh = mesh if axes else None
         data = {a for a in mesh.axis_names if axes.get(a, a) not in NOT_DATA}  # in the user's names
         in_specs, batch = [None] * (max(positions, default=-1) + 1), []
         splits = {a for a in data if mesh.shape[a] > 1}  # a data axis of one device splits nothing
@@ -159,6 +162,18 @@ class Jitted:
         fn = _drawn(_constrained(self.fn, outs, data))
         return shard_step(fn, mesh, tuple(batch), in_specs=tuple(in_specs), out_specs=out_data,
                           **self.options)
+
+
+def _on(mesh, out):
+    """The step's outputs on `mesh`, the same devices in the user's axis names (no copy: each
+    array's blocks as they are), so that they pass back into jax.jit's shardings."""
+    def one(x):
+        if not isinstance(x, jax.Array) or not isinstance(x.sharding, NamedSharding) or x.sharding.mesh == mesh:
+            return x
+        names = dict(zip(x.sharding.mesh.axis_names, mesh.axis_names))
+        sharding = NamedSharding(mesh, annotations.renamed(x.sharding.spec, names))
+        return jax.make_array_from_single_device_arrays(x.shape, sharding, [s.data for s in x.addressable_shards])
+    return jax.tree.map(one, out)
 
 
 def _split_beyond_rows(entry) -> set:

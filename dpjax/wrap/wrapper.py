@@ -41,6 +41,7 @@ what would not be parallel (nothing split over the data axes; one CPU device).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import jax
@@ -236,7 +237,10 @@ class ShardedStep:
                                                                  sharding=NamedSharding(mesh, s))
                                             for x, s in zip(a.leaves, a.specs)])
         try:
-            return self._programs[key](*jax.device_put(a.leaves, [NamedSharding(mesh, s) for s in a.specs]))
+            # a mesh renamed by `axes` is the context mesh while the step runs: the user's own
+            # (`jax.set_mesh` around the call) names other axes, which shard_map refuses
+            with jax.set_mesh(mesh) if self._renamed else contextlib.nullcontext():
+                return self._programs[key](*jax.device_put(a.leaves, [NamedSharding(mesh, s) for s in a.specs]))
         except UserError:
             raise
         except (TypeError, ValueError, NameError) as e:  # JAX's error while tracing: which parameter, laid how
