@@ -159,7 +159,7 @@ class Jitted:
         outs = _specs(self.out_shardings, "out_shardings", self.name)
         out_data = jax.tree.map(lambda s: P() if s is None else annotations.renamed(annotations.only(s, data), axes),
                                 outs, is_leaf=_is_leaf)
-        fn = _drawn(_constrained(self.fn, outs, data))
+        fn = _drawn(_constrained(self.fn, outs))
         return shard_step(fn, mesh, tuple(batch), in_specs=tuple(in_specs), out_specs=out_data,
                           **self.options)
 
@@ -214,10 +214,12 @@ def _drawn(fn):
     return step
 
 
-def _constrained(fn, outs, data: set):
+def _constrained(fn, outs):
     """fn with each output's layout over the model axes constrained as `outs` says (the data
-    axes are dpjax's: `dpjax.wrap.constraints` drops them inside the step)."""
-    model = lambda s: s is not None and any(a not in data for a in spec_axes(s))  # noqa: E731
+    axes are dpjax's: `dpjax.wrap.constraints` drops them inside the step), as jax.jit's
+    out_shardings do: one that names no model axis is whole over them (GSPMD would otherwise
+    choose); None leaves the output to GSPMD."""
+    model = lambda s: s is not None  # noqa: E731
     if not any(model(s) for s in jax.tree.leaves(outs, is_leaf=_is_leaf)):
         return fn
 
