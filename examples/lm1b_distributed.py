@@ -6,7 +6,7 @@ marked `dpjax` (the import, the sums over the global batch, the optimizer wrappe
 """
 
 
-import dpjax; dpjax.simulate_cpu_devices(8)                                       # dpjax: 8 CPU devices on a laptop
+import dpjax; dpjax.simulate_cpu_devices(8)  # noqa: E401,E702  dpjax: 8 CPU devices on a laptop
 import types
 
 import jax
