@@ -226,3 +226,62 @@ def test_reference_check_passes_an_nnx_step_and_leaves_one_update(mesh_of, regre
     dpjax.shard_step(nnx_step, mesh_of("8x1", 8), batch_argnums=(2, 3), check="reference")(model, optimizer, x, y)
     np.testing.assert_allclose(model.kernel[...], plain.kernel[...], rtol=1e-6, atol=1e-7)
     assert int(optimizer.step[...]) == 1
+
+
+@pytest.fixture(scope="module")
+def lm1b_mesh():
+    """lm1b's axis names, 4 data x 2 tensor."""
+    return jax.sharding.Mesh(np.array(jax.devices()[:8]).reshape(4, 1, 2), ("data", "fsdp", "tensor"))
+
+
+def test_copies_differing_along_an_axis_the_optimizer_left_out_name_it(regression):
+    """lm1b's default data/fsdp/tensor mesh under shard_step: `fsdp` splits the batch too, and
+    DistributedOptimizer averages over 'data' alone; the error names fsdp and the axis_name."""
+    params, x, y = regression
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]).reshape(2, 4, 1), ("data", "fsdp", "tensor"))
+    tx = dpjax.DistributedOptimizer(optax.sgd(0.1))
+
+    def step(params, opt, x):
+        grads = jax.grad(lambda p: jnp.mean((x @ p["w"]) ** 2))(params)
+        updates, opt = tx.update(grads, opt, params)
+        return optax.apply_updates(params, updates), opt
+
+    with pytest.raises(dpjax.UserError) as e:
+        dpjax.shard_step(step, mesh, batch_argnums=2)(params, tx.init(params), x)
+    assert "\n" not in str(e.value) and str(e.value).endswith(
+        "its copies agree along 'data' and differ along 'fsdp', which splits the batch too (every axis but 'model', "
+        "'stage' and 'context' does): the gradients were averaged over 'data' alone, DistributedOptimizer's default "
+        "axis_name; average over every data axis: dpjax.DistributedOptimizer(tx, axis_name=('data', 'fsdp'))")
+
+
+def _constrained_step(constrain, mesh, dense=False):
+    def step(w, x):
+        h = nn.Dense(6).apply({"params": {"kernel": w, "bias": jnp.zeros(6)}}, x) if dense else x @ w
+        h = constrain(h, NamedSharding(mesh, P("data", "tensor")))  # flax's guide's form, lm1b's names
+        return w * 0.5, dpjax.global_sum(jnp.sum(h ** 2))
+    return step
+
+
+def test_a_named_sharding_constraint_bound_early_is_one_line_naming_it(lm1b_mesh, dense=False):
+    """`tensor` splits the state (read as the model axis); a constraint called as
+    jax.lax.with_sharding_constraint with a NamedSharding of the user's mesh is read inside the
+    step; one imported before the trace is JAX's own, refused in one line naming where and the fix
+    (not a parameter, not model_axes="explicit")."""
+    from jax.lax import with_sharding_constraint
+
+    w = np.arange(24, dtype=np.float32).reshape(4, 6) / 10
+    x = np.random.default_rng(0).standard_normal((8, 4)).astype(np.float32)
+    shardings = dict(in_shardings=(NamedSharding(lm1b_mesh, P(None, "tensor")), NamedSharding(lm1b_mesh, P("data"))),
+                     out_shardings=(NamedSharding(lm1b_mesh, P(None, "tensor")), None))
+    want = jax.jit(_constrained_step(lambda h, s: h, lm1b_mesh, dense))(w, x)
+    with jax.set_mesh(lm1b_mesh):  # the user's mesh in context, as lm1b's loop may have it
+        got = dpjax.jit(_constrained_step(lambda h, s: jax.lax.with_sharding_constraint(h, s), lm1b_mesh, dense),
+                        **shardings)(w, x)
+        np.testing.assert_allclose(got[1], want[1], rtol=1e-6)
+        assert got[0].sharding.spec == P(None, "tensor") and got[0].sharding.mesh == lm1b_mesh  # the user's names
+        with pytest.raises(dpjax.UserError) as e:
+            dpjax.jit(_constrained_step(with_sharding_constraint, lm1b_mesh, dense), **shardings)(w, x)
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith("step: ") and "call it as jax.lax.with_sharding_constraint" in msg
+    assert "bias" not in msg and "model_axes" not in msg  # no parameter blamed, no layout advised
+    assert msg.endswith("or write None for the data axes (P(None, 'model') for P('data', 'model'))")

@@ -234,6 +234,14 @@ def explain(step: str, error: Exception, leaves, meta, mesh, layout: str, traced
                 f"holds its own block, as in_specs and the parameters' sharding say); {early}: call it as "
                 "jax.lax.with_sharding_constraint (it is passed over here: a GSPMD hint has nothing to constrain), "
                 "or remove it")
+    if "should match the mesh of sharding" in str(error):  # a NamedSharding of the user's mesh, used inside
+        at = re.search(r"passed to (\S+?)\.? This error occurs at source:\s*(.+)$", str(error), re.S)
+        where = f" ({at.group(1)} at {at.group(2).strip()})" if at else ""
+        return (f"{step}: a NamedSharding of the user's mesh reached an operation inside the step{where}, whose mesh "
+                f"is the step's {dict(mesh.shape)} with its data axes manual: a sharding constraint bound before the "
+                "trace (from jax.lax import with_sharding_constraint) is JAX's own; call it as "
+                "jax.lax.with_sharding_constraint, which shard_step reads, or pass it a PartitionSpec with None for "
+                "the data axes")
     return traced_error(step, error, leaves, meta, mesh, layout) if traced else None
 
 

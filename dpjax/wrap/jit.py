@@ -38,7 +38,7 @@ from jax.sharding import PartitionSpec as P
 
 from dpjax.errors import UserError
 from dpjax.mesh import NOT_DATA, spec_axes
-from dpjax.wrap import annotations, call
+from dpjax.wrap import annotations, call, draws
 from dpjax.wrap.wrapper import shard_step
 
 
@@ -99,11 +99,13 @@ class Jitted:
         self.options = options
         self.name = getattr(fn, "__name__", type(fn).__name__)
         self.step = None
+        self.user_mesh = None  # the mesh in the user's names where the step's were read from the shardings
 
     def __call__(self, *args, **kwargs):
         if self.step is None:
             self.step = self._build(args, kwargs)
-        return self.step(*args, **kwargs)
+        out = self.step(*args, **kwargs)
+        return _on(self.user_mesh, out) if self.user_mesh is not None else out
 
     def _mesh_of(self, args):
         if self._mesh is not None:
@@ -123,8 +125,6 @@ class Jitted:
         if isinstance(mesh, str) or mesh is None:
             from dpjax.mesh import make_mesh
             mesh = make_mesh(mesh or f"{jax.device_count()}x1")
-        axes = self.options["axes"] or {}
-        data = {a for a in mesh.axis_names if axes.get(a, a) not in NOT_DATA}  # in the user's names
         sig = call.Signature(self.fn, self.options["static_argnums"], self.options["static_argnames"])
         if sig.sig is not None:  # a keyword argument for a positional parameter is covered too (unlike jax.jit)
             args = sig.sig.bind_partial(*args, **kwargs).args
@@ -136,32 +136,90 @@ class Jitted:
             raise UserError(f"{self.name}: in_shardings has {len(ins) if isinstance(ins, (tuple, list)) else 1} "
                             f"entries for {len(positions)} positional arguments (the static ones left out); give "
                             "one for each, as jax.jit asks")
+        axes = self.options["axes"]
+        if axes is None:  # the roles of the user's axis names, read from the shardings
+            axes = _model_axis(self.name, mesh, [(sig.argname(p), e) for p, e in zip(positions, ins)])
+            self.options = {**self.options, "axes": axes}
+            self.user_mesh = mesh if axes else None
+        data = {a for a in mesh.axis_names if axes.get(a, a) not in NOT_DATA}  # in the user's names
         in_specs, batch = [None] * (max(positions, default=-1) + 1), []
+        splits = {a for a in data if mesh.shape[a] > 1}  # a data axis of one device splits nothing
         for pos, entry in zip(positions, ins):
-            specs = [s for s in jax.tree.leaves(entry, is_leaf=_is_leaf) if s is not None]
-            rows = [s for s in specs if any(a in data for a in spec_axes(s))]
-            for s in rows:
-                if any(a in data for e in tuple(s)[1:] for a in spec_axes(P(e))):
-                    raise UserError(f"{self.name}: in_shardings for argument {sig.argname(pos)} splits a dimension "
-                                    f"other than the first over a data axis ({s}); dpjax.jit splits a batch by "
-                                    "rows over the data axes and keeps the state whole over them: shard "
-                                    "parameters over the data axes (FSDP) with dpjax.shard_step's in_specs")
-            if rows:
+            over = sorted(_split_beyond_rows(entry) & splits)
+            if over:
+                raise UserError(f"{self.name}: in_shardings for argument {sig.argname(pos)} splits a dimension "
+                                f"other than the first over {over[0]!r}, which a batch is split over too; dpjax.jit "
+                                "splits a batch by rows over the data axes and keeps the state whole over them: "
+                                "shard parameters over the data axes (FSDP) with dpjax.shard_step's in_specs")
+            if any(a in splits for s in jax.tree.leaves(entry, is_leaf=_is_leaf) if s is not None
+                   for a in spec_axes(s)):
                 batch.append(pos)
             in_specs[pos] = entry if _is_leaf(entry) else jax.tree.map(  # None inside a tree: as shard_step's P()
                 lambda s: P() if s is None else s, entry, is_leaf=_is_leaf)
         outs = _specs(self.out_shardings, "out_shardings", self.name)
         out_data = jax.tree.map(lambda s: P() if s is None else annotations.renamed(annotations.only(s, data), axes),
                                 outs, is_leaf=_is_leaf)
-        fn = _constrained(self.fn, outs, data)
+        fn = _drawn(_constrained(self.fn, outs))
         return shard_step(fn, mesh, tuple(batch), in_specs=tuple(in_specs), out_specs=out_data,
                           **self.options)
 
 
-def _constrained(fn, outs, data: set):
+def _on(mesh, out):
+    """The step's outputs on `mesh`, the same devices in the user's axis names (no copy: each
+    array's blocks as they are), so that they pass back into jax.jit's shardings."""
+    def one(x):
+        if not isinstance(x, jax.Array) or not isinstance(x.sharding, NamedSharding) or x.sharding.mesh == mesh:
+            return x
+        names = dict(zip(x.sharding.mesh.axis_names, mesh.axis_names))
+        sharding = NamedSharding(mesh, annotations.renamed(x.sharding.spec, names))
+        return jax.make_array_from_single_device_arrays(x.shape, sharding, [s.data for s in x.addressable_shards])
+    return jax.tree.map(one, out)
+
+
+def _split_beyond_rows(entry) -> set:
+    """The mesh axes `entry` (an argument's shardings) splits a dimension other than the first over."""
+    return {a for s in jax.tree.leaves(entry, is_leaf=_is_leaf) if s is not None
+            for e in tuple(s)[1:] for a in spec_axes(P(e))}
+
+
+def _model_axis(step: str, mesh, entries) -> dict:
+    """`axes` for shard_step, read from jax.jit's shardings where the mesh's names do not say it:
+    an axis that splits the state (an argument with a parameter split beyond its first dimension:
+    lm1b's `tensor` and `fsdp`) and no batch is a model axis (GSPMD lays the model out over it, as
+    under jax.jit), so it is mapped to dpjax's `model`. entries: (argument name, its shardings)
+    for each argument in_shardings covers."""
+    named = lambda e: {a for s in jax.tree.leaves(e, is_leaf=_is_leaf) if s is not None for a in spec_axes(s)}  # noqa: E731
+    state = set().union(*[named(e) for _, e in entries if _split_beyond_rows(e)])
+    rows = set().union(*[named(e) for _, e in entries if not _split_beyond_rows(e)])
+    found = [a for a in mesh.axis_names if a in state - rows and a not in NOT_DATA and mesh.shape[a] > 1]
+    if not found:
+        return {}
+    if len(found) > 1 or mesh.shape.get("model", 1) > 1:
+        names = found + (["model"] if mesh.shape.get("model", 1) > 1 else [])
+        raise UserError(f"{step}: in_shardings split the state over {', '.join(map(repr, names))} of the mesh "
+                        f"{dict(mesh.shape)}, and no batch over them; dpjax.jit lays the model out over one such "
+                        "axis: make the others of size 1")
+    if "model" in mesh.axis_names:  # a `model` axis of one device makes way: a data axis of size 1
+        return {found[0]: "model", "model": found[0]}
+    return {found[0]: "model"}
+
+
+def _drawn(fn):
+    """fn with its dropout masks drawn as jax.jit draws them, each device its rows of the global
+    batch's mask (`dpjax.wrap.draws`)."""
+    @functools.wraps(fn)
+    def step(*args, **kwargs):
+        with draws.drawing():
+            return fn(*args, **kwargs)
+    return step
+
+
+def _constrained(fn, outs):
     """fn with each output's layout over the model axes constrained as `outs` says (the data
-    axes are dpjax's: `dpjax.wrap.constraints` drops them inside the step)."""
-    model = lambda s: s is not None and any(a not in data for a in spec_axes(s))  # noqa: E731
+    axes are dpjax's: `dpjax.wrap.constraints` drops them inside the step), as jax.jit's
+    out_shardings do: one that names no model axis is whole over them (GSPMD would otherwise
+    choose); None leaves the output to GSPMD."""
+    model = lambda s: s is not None  # noqa: E731
     if not any(model(s) for s in jax.tree.leaves(outs, is_leaf=_is_leaf)):
         return fn
 

@@ -41,6 +41,7 @@ what would not be parallel (nothing split over the data axes; one CPU device).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import jax
@@ -75,6 +76,14 @@ MODEL_HINT = ("the copies differ along 'model': a value computed from a weight s
               "dpjax.compute.tensor_parallel.reduce_from_model(x) (a psum whose gradient is right here) and pass the "
               "layer's input through dpjax.compute.tensor_parallel.copy_to_model, or use dpjax.nn's parallel layers, "
               "which do both")
+
+
+# Copies that agree along `data` and differ along another data axis (lm1b's `fsdp`): the
+# average was taken over `data` alone, DistributedOptimizer's default where the mesh has one.
+PARTIAL_HINT = ("its copies agree along 'data' and differ along {along}, which splits the batch too (every axis but "
+                "'model', 'stage' and 'context' does): the gradients were averaged over 'data' alone, "
+                "DistributedOptimizer's default axis_name; average over every data axis: "
+                "dpjax.DistributedOptimizer(tx, axis_name={all})")
 
 
 def shard_step(fn=None, mesh=None, batch_argnums=None, *, donate_argnums=(), in_specs=None, out_specs=P(),
@@ -228,7 +237,10 @@ class ShardedStep:
                                                                  sharding=NamedSharding(mesh, s))
                                             for x, s in zip(a.leaves, a.specs)])
         try:
-            return self._programs[key](*jax.device_put(a.leaves, [NamedSharding(mesh, s) for s in a.specs]))
+            # a mesh renamed by `axes` is the context mesh while the step runs: the user's own
+            # (`jax.set_mesh` around the call) names other axes, which shard_map refuses
+            with jax.set_mesh(mesh) if self._renamed else contextlib.nullcontext():
+                return self._programs[key](*jax.device_put(a.leaves, [NamedSharding(mesh, s) for s in a.specs]))
         except UserError:
             raise
         except (TypeError, ValueError, NameError) as e:  # JAX's error while tracing: which parameter, laid how
@@ -252,14 +264,22 @@ class ShardedStep:
         named.update({m.name: x for m, x in zip(a.meta, new_state)})
         named = {k: v for k, v in named.items() if only is None or k in only}
         kinds = {m.name: m.kind for m in a.meta[:a.k]}
+        mesh = self.mesh
+        data = ("data",) * ("data" in mesh.axis_names) + tuple(a for a in data_axes(mesh) if mesh.shape[a] > 1)
         self._replicas(named, where=f"{self.__name__}: ",
-                       hint=lambda name, along: _hint(kinds.get(name, "output"), along, name))
+                       hint=lambda name, along: _hint(kinds.get(name, "output"), along, name, data))
 
 
-def _hint(kind: str, along: tuple = ("data",), name: str = "") -> str:
-    """The advice for a leaf of this kind whose copies differ along the mesh axes `along`."""
+def _hint(kind: str, along: tuple = ("data",), name: str = "", data: tuple = ("data",)) -> str:
+    """The advice for a leaf of this kind whose copies differ along the mesh axes `along` (data:
+    the mesh's data axes)."""
     if "model" in along and kind != "BatchStat":
         return MODEL_HINT
+    if along and data[:1] == ("data",) and "data" not in along and (kind in ("Param", "output")
+                                                                     or kind.startswith("Opt")):
+        every = tuple(dict.fromkeys(a for a in data[1:]))  # the data axes that split the batch
+        return PARTIAL_HINT.format(along=" and ".join(map(repr, along)),
+                                   all=repr(every[0]) if len(every) == 1 else every)
     axes = [a for a in along if a != "model"] or ["data"]
     text = HINTS["Opt"] if kind.startswith("Opt") else HINTS.get(kind, "")
     text = HINTS["per_rank"] if "/".join(per_rank.FIELDS) in name else text
