@@ -34,7 +34,7 @@ from jax import lax
 
 from dpjax import scopes
 from dpjax.collectives import grouped
-from dpjax.collectives._common import axis_size
+from dpjax.collectives.ranks import axis_size
 from dpjax.compression import feedback, sharded, shards
 from dpjax.compression.grammar import Spec, check, parse, summable
 from dpjax.mesh import as_axes, axis_arg

@@ -84,7 +84,7 @@ def _reduce(x, serr, axis_name, segments, algorithm):
     """(the mean over the axis of every rank's C(x) through the n servers, this rank's
     worker residual x - C(x), its new server-error buffer) for the flat bucket x."""
     from dpjax.collectives import all_gather, all_to_all
-    from dpjax.collectives._common import axis_size, index
+    from dpjax.collectives.ranks import axis_size, index
 
     n = axis_size(axis_name, "1-bit compressed allreduce")
     cs = chunks(segments, n)

@@ -1,7 +1,7 @@
 """int8 and int4: a ring allreduce of quantised values, requantised at every hop, with
 error feedback.
 
-Each rank's flat bucket is cut into the ring's n chunks (`_common.as_chunks`). A message
+Each rank's flat bucket is cut into the ring's n chunks (`ranks.as_chunks`). A message
 is one chunk of c values quantised in blocks of BLOCK values: q = round(x / 2^k) in
 [-L, L] with 2^k the smallest power of two such that L 2^k >= max|x| in the block
 (L = 127 for int8, 7 for int4: symmetric, so zero is exact), sent as c int8 values
@@ -92,7 +92,7 @@ def decode_bits(msg, c: int, bits: int, dtype=jnp.float32):
 def ring_mean(x, axis_name, bits: int):
     """(the mean of the flat x over the axis, this rank's error: what its roundings
     removed), by a ring of quantised messages (see the module docstring)."""
-    from dpjax.collectives._common import axis_size
+    from dpjax.collectives.ranks import axis_size
 
     n = axis_size(axis_name, f"int{bits} compression")
     with scopes.collective("allreduce", algorithm=f"int{bits}-ring", axis=axis_name, n=n,
@@ -101,7 +101,7 @@ def ring_mean(x, axis_name, bits: int):
 
 
 def _ring(x, axis_name, bits: int, n: int):
-    from dpjax.collectives._common import as_chunks, index, permute, row, shift_perm
+    from dpjax.collectives.ranks import as_chunks, index, permute, row, shift_perm
 
     rows, undo = as_chunks(x, n)
     c = rows.shape[1]

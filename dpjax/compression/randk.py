@@ -50,7 +50,7 @@ def shard_indices(key, n: int, c: int, k: int):
 
 def _reduce_scatter(rows_IxN, axis_name, spec, key, algorithm):
     from dpjax.collectives import reduce_scatter
-    from dpjax.collectives._common import axis_size, index
+    from dpjax.collectives.ranks import axis_size, index
 
     n, c = rows_IxN.shape
     assert n == axis_size(axis_name, "random-k reduce-scatter"), (rows_IxN.shape, axis_name)

@@ -109,7 +109,7 @@ def compressed(g, state: State, dims, axis, spec, algorithm: str, fusion_mb: flo
     the method of `spec`; the new error buffer): one compressed reduce-scatter, error fed
     back. `exchange.Exchange.reduce_scatter_mean` runs it, counting the exchanges and
     choosing the exact start steps (`exact`)."""
-    from dpjax.collectives._common import axis_size
+    from dpjax.collectives.ranks import axis_size
 
     n = axis_size(axis, "FSDP's compressed reduce-scatter")
     leaves, tree = jax.tree.flatten(g)

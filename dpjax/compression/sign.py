@@ -53,7 +53,7 @@ def decode(msg, like, segments=None):
 
 def _reduce(x, axis_name, spec, key, segments, allreduce):
     from dpjax.collectives import all_gather
-    from dpjax.collectives._common import axis_size
+    from dpjax.collectives.ranks import axis_size
 
     n = axis_size(axis_name, "sign compression")
     msg = encode(x, segments)

@@ -39,7 +39,7 @@ def decode(msg, like, k: int):
 
 def _reduce(x, axis_name, spec, key, segments, allreduce):
     from dpjax.collectives import all_gather
-    from dpjax.collectives._common import axis_size
+    from dpjax.collectives.ranks import axis_size
 
     n, k = axis_size(axis_name, "top-k compression"), count(x.shape[0], spec.number)
     msg = encode(x, k)

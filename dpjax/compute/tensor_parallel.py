@@ -42,7 +42,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from dpjax import collectives
-from dpjax.collectives._common import Subgroups, axis_size
+from dpjax.collectives.ranks import Subgroups, axis_size
 from dpjax.collectives.ops import finish, on_wire
 from dpjax.compute.policy import Policy
 from dpjax.mesh import bound
