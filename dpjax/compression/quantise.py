@@ -25,6 +25,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from dpjax import links, scopes
+from dpjax.collectives.ranks import as_chunks, axis_size, index, permute, row, shift_perm
 from dpjax.compression import _wire
 from dpjax.compression.feedback import per_bucket, per_bucket_bytes
 from dpjax.compression.registry import Method, register
@@ -92,8 +93,6 @@ def decode_bits(msg, c: int, bits: int, dtype=jnp.float32):
 def ring_mean(x, axis_name, bits: int):
     """(the mean of the flat x over the axis, this rank's error: what its roundings
     removed), by a ring of quantised messages (see the module docstring)."""
-    from dpjax.collectives.ranks import axis_size
-
     n = axis_size(axis_name, f"int{bits} compression")
     with scopes.collective("allreduce", algorithm=f"int{bits}-ring", axis=axis_name, n=n,
                            bytes=x.size * x.dtype.itemsize):  # a timeline names its steps (dpjax.scopes)
@@ -101,8 +100,6 @@ def ring_mean(x, axis_name, bits: int):
 
 
 def _ring(x, axis_name, bits: int, n: int):
-    from dpjax.collectives.ranks import as_chunks, index, permute, row, shift_perm
-
     rows, undo = as_chunks(x, n)
     c = rows.shape[1]
     assert rows.shape == (n, c), (rows.shape, n, c)
