@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any
 
 import jax
+import optax
+from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from dpjax.collectives.registry import nested
@@ -22,8 +23,11 @@ from dpjax.compression import sharded
 from dpjax.compression.accounting import ratio
 from dpjax.compression.exchange import Exchange  # the plan builds it (resolve, per_shard); dpjax.step reads it
 from dpjax.compute.policy import Policy
+from dpjax.links import AxisLink
 from dpjax.mesh import as_axes, data_axes, dp_size
 from dpjax.models import get_model
+from dpjax.models.base import Decoder
+from dpjax.models.lora import Split
 from dpjax.optim import ADAM_B1, ADAM_B2, ADAM_EPS, LR_SCHEDULES, OptimizerConfig
 from dpjax.pipeline import check_batch
 from dpjax.plan.axes import check_context, check_expert, links_of, mesh_of, pipeline_of
@@ -35,7 +39,7 @@ from dpjax.plan.task import check_task
 from dpjax.plan.workers import shards_of, workers_of
 from dpjax.settings import Settings
 from dpjax.sharding import Layout, make_layout
-from dpjax.updates import make_rule, parse_update
+from dpjax.updates import UpdateRule, UpdateSpec, make_rule, parse_update
 from dpjax.updates.registry import Optimizer, get
 
 
@@ -50,24 +54,25 @@ class Plan:
     dpjax model (None for research code's own loss); autotune: the knobs set to `auto`.
     """
 
-    mesh: Any
-    layout: Any
-    rule: Any
+    mesh: Mesh
+    layout: Layout
+    rule: UpdateRule
     exchange: Exchange = Exchange()
     passes: int = 1
-    links: tuple = ()
+    links: tuple[AxisLink, ...] = ()
     global_batch: int | None = None
-    model: Any = None
-    opt: Any = None
-    update: Any = None  # the parsed --update (dpjax.updates.UpdateSpec)
-    autotune: tuple = ()
+    model: Decoder | None = None
+    opt: OptimizerConfig | None = None
+    update: UpdateSpec | None = None  # the parsed --update
+    autotune: tuple[str, ...] = ()
     settings: Settings | None = None
-    optimizer: Any = None  # an optax transformation given instead of `opt`
+    optimizer: optax.GradientTransformation | None = None  # an optax transformation given instead of `opt`
     tensor_parallel: bool = True
     policy: Policy = Policy()  # the compute policy: dtype, remat, attention kernel, scan (dpjax.compute.policy)
-    notes: tuple = ()  # one-line remarks the run prints once (e.g. why not cuDNN attention)
-    memory: dict | None = None  # the planner's estimate per device (dpjax.plan.memory.estimate) and what a device has
-    split: Any = None  # LoRA (dpjax.models.lora.Split): the trained part of the parameters; None: all of them
+    notes: tuple[str, ...] = ()  # one-line remarks the run prints once (e.g. why not cuDNN attention)
+    # the planner's estimate per device (dpjax.plan.memory.estimate: bytes by part) and what a device has
+    memory: dict[str, int | float | str | None] | None = None
+    split: Split | None = None  # LoRA (dpjax.models.lora.Split): the trained part of the parameters; None: all of them
 
     @property
     def task(self) -> str:
