@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import ast
+import functools
 import pathlib
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -48,10 +49,16 @@ def sources():
             yield ".".join([name, *(parts[:-1] if init else parts)]), path, init
 
 
+@functools.lru_cache(maxsize=None)
+def parsed(path: pathlib.Path) -> ast.Module:
+    """Each file read and parsed once for every rule (the tests share it)."""
+    return ast.parse(path.read_text(), str(path))
+
+
 def imported_names(module: str, path: pathlib.Path, init: bool):
     """(line, dotted name) of everything the module imports, anywhere in its source."""
     package = module if init else module.rpartition(".")[0]
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    for node in ast.walk(parsed(path)):
         if isinstance(node, ast.Import):
             for a in node.names:
                 yield node.lineno, a.name
@@ -113,7 +120,7 @@ NOT_YET = {
 def local_imports(path: pathlib.Path) -> list[tuple[int, str]]:
     """(line, module) of each import inside a function of `path`."""
     out = set()
-    for fn in ast.walk(ast.parse(path.read_text(), str(path))):
+    for fn in ast.walk(parsed(path)):
         if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
             for node in ast.walk(fn):
                 if isinstance(node, ast.Import):
