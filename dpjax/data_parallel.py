@@ -28,7 +28,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from dpjax import collectives
-from dpjax.collectives._common import axis_size
+from dpjax.collectives.ranks import axis_size
 from dpjax.compression import check as check_compression
 from dpjax.compression.exchange import Exchange
 from dpjax.fusion import pack, plan_buckets, unpack

@@ -39,7 +39,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from dpjax import collectives
-from dpjax.collectives._common import axis_size
+from dpjax.collectives.ranks import axis_size
 from dpjax.compute import tensor_parallel as tp
 from dpjax.compute.tensor_parallel import DENSE, Parallel
 from dpjax.models import moe_dropless

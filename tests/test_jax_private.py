@@ -59,9 +59,9 @@ THROUGH_OBJECTS = {
                                                              "module_context.new_channel()"),
     "jax._src.interpreters.mlir.LoweringRuleEntry.rule": ("collectives/cpu_runtime.py", "current.rule"),
     "jax._src.interpreters.mlir.LoweringRuleEntry.inline": ("collectives/cpu_runtime.py", "current.inline"),
-    "jax._src.distributed.global_state.num_processes": ("distributed/__init__.py", "joined.num_processes"),
-    "jax._src.clusters.ClusterEnv.is_env_present": ("distributed/__init__.py", "env.is_env_present()"),
-    "jax._src.clusters.ClusterEnv.opt_in_only_method": ("distributed/__init__.py", "env.opt_in_only_method"),
+    "jax._src.distributed.global_state.num_processes": ("distributed/processes.py", "joined.num_processes"),
+    "jax._src.clusters.ClusterEnv.is_env_present": ("distributed/join.py", "env.is_env_present()"),
+    "jax._src.clusters.ClusterEnv.opt_in_only_method": ("distributed/join.py", "env.opt_in_only_method"),
 }
 
 

@@ -1,7 +1,7 @@
 """Adding a collective algorithm is one file and one registration.
 
 A toy algorithm written here, a ring run backwards (every rank sends to rank - 1 with
-the one point-to-point helper, `_common.permute`), is registered with its cost formula
+the one point-to-point helper, `ranks.permute`), is registered with its cost formula
 for the duration of each test, and is then found by the collectives' dispatch (against
 `lax.psum` and `lax.pmean`), by the cost model (against the compiled program's own
 collective-permutes), by `allreduce_gradients` and `DistributedOptimizer`, and by the
@@ -24,7 +24,7 @@ from jax.sharding import PartitionSpec as P
 
 from dpjax import collectives as C
 from dpjax.collectives import cost, registry
-from dpjax.collectives._common import as_chunks, axis_size, index, permute, row, shift_perm
+from dpjax.collectives.ranks import as_chunks, axis_size, index, permute, row, shift_perm
 from dpjax.collectives.ops import combine
 from dpjax.data_parallel import DistributedOptimizer, allreduce_gradients
 

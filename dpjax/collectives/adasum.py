@@ -49,7 +49,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from dpjax.collectives._common import as_chunks, axis_size, index, permute
+from dpjax.collectives.ranks import as_chunks, axis_size, index, permute
 from dpjax.collectives import butterfly
 from dpjax.collectives.butterfly import doubling_rows, fold, halving_rows, pow2_below, unfold
 from dpjax.collectives.cost import Schedule, ceil_log2, no_model

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from dpjax.collectives._common import axis_size, index, permute, row, shift_perm, split_dim0
+from dpjax.collectives.ranks import axis_size, index, permute, row, shift_perm, split_dim0
 from dpjax.collectives.cost import Schedule, ceil_log2, no_model
 from dpjax.collectives.registry import Algorithm, register
 from dpjax.collectives.ring import rows_in_rank_order

@@ -29,7 +29,7 @@ import math
 import jax.numpy as jnp
 from jax import lax
 
-from dpjax.collectives._common import as_chunks, axis_size, index, permute, split_dim0
+from dpjax.collectives.ranks import as_chunks, axis_size, index, permute, split_dim0
 from dpjax.collectives.cost import Schedule, ceil_log2, no_model
 from dpjax.collectives.ops import combine
 from dpjax.collectives.registry import Algorithm, register

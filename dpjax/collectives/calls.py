@@ -18,7 +18,7 @@ from jax import lax
 from dpjax import distributed, links, scopes
 from dpjax.collectives import adasum, ops, registry, uneven
 from dpjax.collectives import groups as process_sets
-from dpjax.collectives._common import axis_size, split_dim0
+from dpjax.collectives.ranks import axis_size, split_dim0
 
 ALGORITHMS = registry.Names("allreduce")
 REDUCE_SCATTER_ALGORITHMS = registry.Names("reduce_scatter")

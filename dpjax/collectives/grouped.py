@@ -29,7 +29,7 @@ import numpy as np
 
 from dpjax import scopes
 from dpjax.collectives import calls
-from dpjax.collectives._common import axis_size
+from dpjax.collectives.ranks import axis_size
 from dpjax.collectives.ops import finish, on_wire
 from dpjax.fusion import pack, plan_buckets, unpack
 

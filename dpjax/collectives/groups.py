@@ -3,7 +3,7 @@
 `groups=[[0, 2, 4], [1, 3]]`: each group runs the chosen algorithm among its own
 members exactly as over an axis of its size, its i-th listed member acting as rank i
 (so `root=0` is each group's first member). The algorithms address ranks only through
-`_common.index` / `permute`, which a `Subgroups` view maps onto the members: every
+`ranks.index` / `permute`, which a `Subgroups` view maps onto the members: every
 step of all the groups of one size is one `ppermute` whose pairs stay inside groups.
 Groups of different sizes run one after another, one pass per size, and each rank
 keeps its own group's result; a rank in no group keeps its input (allreduce,
@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from dpjax.collectives._common import Subgroups
+from dpjax.collectives.ranks import Subgroups
 
 
 def check_groups(groups, n: int, what: str, *, partition: bool) -> tuple[tuple[int, ...], ...]:

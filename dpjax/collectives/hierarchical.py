@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 
 from dpjax.collectives import calls, ring
-from dpjax.collectives._common import as_chunks, axis_size, split_dim0
+from dpjax.collectives.ranks import as_chunks, axis_size, split_dim0
 from dpjax.collectives.cost import Schedule, no_model
 from dpjax.collectives.registry import Algorithm, register
 

@@ -23,6 +23,8 @@ Horovod scales them in double, so beyond 2^24 float32 can differ).
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -88,7 +90,18 @@ def finish(x, op: str, n: int, postscale_factor: float = 1.0):
     return x / jnp.asarray(n, x.dtype)
 
 
-def on_wire(method, x, reduce):
+class Wire(Protocol):
+    """A cast a value travels in (`dpjax.compression`'s casts: bf16, fp16, ...), as the
+    collectives see it without importing compression."""
+
+    def compresses(self, dtype) -> bool: ...
+
+    def encode(self, x): ...
+
+    def decode(self, y, like): ...
+
+
+def on_wire(method: Wire | None, x, reduce):
     """reduce(x) with x encoded by the wire `method` on the way and decoded after (a
     `dpjax.compression` cast, resolved by the caller: collectives never import
     compression); reduce(x) as it is for no method, or a dtype the method leaves alone

@@ -2,7 +2,7 @@
 
 A pipeline passes activations to the next stage and gradients to the previous one; that
 is no collective over the whole axis, but it is sent the way every collective's steps
-are: through the one point-to-point helper (`_common.permute`). So an emulated slow link
+are: through the one point-to-point helper (`ranks.permute`). So an emulated slow link
 charges it (`dpjax.links`: the call waits for its wire, Hockney's alpha-beta: latency +
 bytes / bandwidth), and the compiled program names it
 `dpjax:send(name=activations,axis=stage,n=S,bytes=B)` (`dpjax.scopes`), which a timeline
@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 
 from dpjax import links, scopes
-from dpjax.collectives._common import axis_size, permute
+from dpjax.collectives.ranks import axis_size, permute
 
 
 def send(x, axis_name, pairs, *, name: str = "send"):

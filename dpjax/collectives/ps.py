@@ -24,7 +24,7 @@ import math
 
 import jax.numpy as jnp
 
-from dpjax.collectives._common import as_chunks, axis_size, index, permute, row
+from dpjax.collectives.ranks import as_chunks, axis_size, index, permute, row
 from dpjax.collectives.cost import Schedule, no_model
 from dpjax.collectives.ops import combine
 from dpjax.collectives.registry import Algorithm, register

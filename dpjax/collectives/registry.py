@@ -13,7 +13,7 @@ The primitive functions take the local block inside `shard_map` and the axis
 (`x, axis_name, *, op=` for the reductions, `root=` for broadcast), and are called by
 the public calls after those have checked the arguments and put a tuple of axes in the
 mesh's order (unless `nested_axes`: "hierarchical" reads (outer, inner) as two levels);
-over process sets (`groups=`) they run unchanged on a `_common.Subgroups` view of the
+over process sets (`groups=`) they run unchanged on a `ranks.Subgroups` view of the
 axis, unless the algorithm says `groups=False` (XLA's own collectives cannot address a
 subset).
 

@@ -32,7 +32,7 @@ import math
 import jax.numpy as jnp
 from jax import lax
 
-from dpjax.collectives._common import as_chunks, axis_size, index, permute, row, shift_perm, split_dim0
+from dpjax.collectives.ranks import as_chunks, axis_size, index, permute, row, shift_perm, split_dim0
 from dpjax.collectives.cost import Schedule, no_model
 from dpjax.collectives.ops import combine
 from dpjax.collectives.registry import Algorithm, register

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from dpjax.collectives._common import axis_size, index, permute
+from dpjax.collectives.ranks import axis_size, index, permute
 from dpjax.collectives.cost import Schedule, ceil_log2, no_model
 from dpjax.collectives.ops import combine
 from dpjax.collectives.registry import Algorithm, register

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from dpjax import links
-from dpjax.collectives._common import axis_size
+from dpjax.collectives.ranks import axis_size
 from dpjax.collectives.cost import Schedule, no_model
 from dpjax.collectives.registry import Algorithm, names, register
 

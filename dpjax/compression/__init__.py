@@ -12,8 +12,7 @@ name as `compression=` to `allreduce_gradients`, `DistributedOptimizer`,
 
 from dpjax.compression import casts, onebit, powersgd, quantise, randk, sign, topk
 from dpjax.compression.grammar import Spec, check, parse, stateful, summable
-from dpjax.compression.registry import (NONE, Compressions, Method, names, register, registered,
-                                        unregister)
+from dpjax.compression.registry import NONE, Compressions, Method, names, register, registered, unregister
 
 REGISTERED_BY = (casts, sign, quantise, powersgd, topk, randk, onebit)  # importing a method's module registers it
 COMPRESSIONS = Compressions()

@@ -107,8 +107,6 @@ def optimizer_warning(plan) -> str | None:
     """One line when the compression is known to misbehave with the inner optimizer: a
     biased compressor with error feedback (`Method.under_adam`) under AdamW, naming the
     alternatives. None otherwise (1-bit Adam compresses after the variance is frozen)."""
-    from dpjax.compression import parse
-
     spec = parse(plan.exchange.compression)
     opt = plan.opt
     if spec is None or not spec.ef or not spec.method.under_adam or getattr(opt, "name", None) != "adamw":

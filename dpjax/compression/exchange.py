@@ -28,15 +28,15 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any
 
 from jax import lax
 
 from dpjax import scopes
 from dpjax.collectives import grouped
-from dpjax.collectives._common import axis_size
+from dpjax.collectives.ranks import axis_size
 from dpjax.compression import feedback, sharded, shards
 from dpjax.compression.grammar import Spec, check, parse, summable
+from dpjax.compression.shards import Shards
 from dpjax.mesh import as_axes, axis_arg
 
 # The defaults of a run's exchange (and the autotune's baseline for a knob set to `auto`)
@@ -58,10 +58,10 @@ class Exchange:
 
     algorithm: str = DEFAULT_ALGORITHM
     fusion_mb: float = DEFAULT_FUSION_MB
-    compression: Any = None
-    options: dict = field(default_factory=dict)
-    compress_axes: tuple | None = None
-    shards: Any = None
+    compression: str | Spec | None = None
+    options: dict[str, object] = field(default_factory=dict)
+    compress_axes: tuple[str, ...] | None = None
+    shards: Shards | None = None
 
     @classmethod
     def of(cls, exchange: "Exchange | None" = None, **allreduce) -> "Exchange":

@@ -24,6 +24,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 from dpjax.collectives import calls, cost
 from dpjax.compression.grammar import parse
@@ -47,8 +48,6 @@ def init(compression, params) -> State:
 def specs(compression, param_specs) -> State:
     """PartitionSpecs of `State` for parameters laid out by `param_specs`: the error as
     the parameter, the method's state as it says (`Method.state_specs`)."""
-    from jax.sharding import PartitionSpec as P
-
     spec = parse(compression)
     own = spec.method.state_specs(param_specs, spec) if spec.method.state_specs else ()
     return State(P(), param_specs if spec.ef else (), own)

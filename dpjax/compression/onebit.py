@@ -43,6 +43,9 @@ import math
 import jax
 import jax.numpy as jnp
 
+from dpjax.collectives import all_gather, all_to_all
+from dpjax.collectives import allreduce as one
+from dpjax.collectives.ranks import axis_size, index
 from dpjax.compression import sign
 from dpjax.compression.feedback import floating, per_bucket_bytes
 from dpjax.compression.registry import Method, register
@@ -83,9 +86,6 @@ def _offsets(segments):
 def _reduce(x, serr, axis_name, segments, algorithm):
     """(the mean over the axis of every rank's C(x) through the n servers, this rank's
     worker residual x - C(x), its new server-error buffer) for the flat bucket x."""
-    from dpjax.collectives import all_gather, all_to_all
-    from dpjax.collectives._common import axis_size, index
-
     n = axis_size(axis_name, "1-bit compressed allreduce")
     cs = chunks(segments, n)
     rows_IxN = to_rows(x, segments, n)
@@ -109,8 +109,6 @@ def _reduce(x, serr, axis_name, segments, algorithm):
 def exchange(tree, serr, axis_name, spec, t, allreduce):
     """`Method.exchange`: the tree fused into buckets as the allreduce packs it, each
     bucket through `_reduce`; integer buckets travel exactly (and keep no error)."""
-    from dpjax.collectives import allreduce as one
-
     plan = plan_buckets(tree, allreduce.get("fusion_mb", 64) * 2**20, classes_of(tree))
     means, resids, serrs = [], [], []
     for bucket, buf, se in zip(plan.buckets, pack(plan, tree), pack(plan, serr)):

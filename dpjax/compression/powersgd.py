@@ -28,9 +28,10 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from dpjax.collectives import grouped
+from dpjax.compression.feedback import allreduce_bytes
 from dpjax.compression.registry import Method, register
+from dpjax.fusion import plan_buckets
 from dpjax.mesh import spec_axes
-
 
 MIN_RATE = 2  # torch's min_compression_rate: smaller savings are not worth the two extra exchanges
 
@@ -110,9 +111,6 @@ def exchange(tree, Qs, axis_name, spec, t, allreduce):
 
 def wire_bytes(shapes, n, spec, allreduce):
     """Three fused allreduces: the exact tensors, every P (a R), every Q (b R)."""
-    from dpjax.compression.feedback import allreduce_bytes
-    from dpjax.fusion import plan_buckets
-
     R = spec.number
     low = [s for s in shapes if compressed(s, jnp.float32, R)]
     parts = ([s for s in shapes if not compressed(s, jnp.float32, R)], [(matrix_view(s)[0], R) for s in low],

@@ -1,7 +1,7 @@
 """int8 and int4: a ring allreduce of quantised values, requantised at every hop, with
 error feedback.
 
-Each rank's flat bucket is cut into the ring's n chunks (`_common.as_chunks`). A message
+Each rank's flat bucket is cut into the ring's n chunks (`ranks.as_chunks`). A message
 is one chunk of c values quantised in blocks of BLOCK values: q = round(x / 2^k) in
 [-L, L] with 2^k the smallest power of two such that L 2^k >= max|x| in the block
 (L = 127 for int8, 7 for int4: symmetric, so zero is exact), sent as c int8 values
@@ -25,6 +25,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from dpjax import links, scopes
+from dpjax.collectives.ranks import as_chunks, axis_size, index, permute, row, shift_perm
 from dpjax.compression import _wire
 from dpjax.compression.feedback import per_bucket, per_bucket_bytes
 from dpjax.compression.registry import Method, register
@@ -92,8 +93,6 @@ def decode_bits(msg, c: int, bits: int, dtype=jnp.float32):
 def ring_mean(x, axis_name, bits: int):
     """(the mean of the flat x over the axis, this rank's error: what its roundings
     removed), by a ring of quantised messages (see the module docstring)."""
-    from dpjax.collectives._common import axis_size
-
     n = axis_size(axis_name, f"int{bits} compression")
     with scopes.collective("allreduce", algorithm=f"int{bits}-ring", axis=axis_name, n=n,
                            bytes=x.size * x.dtype.itemsize):  # a timeline names its steps (dpjax.scopes)
@@ -101,8 +100,6 @@ def ring_mean(x, axis_name, bits: int):
 
 
 def _ring(x, axis_name, bits: int, n: int):
-    from dpjax.collectives._common import as_chunks, index, permute, row, shift_perm
-
     rows, undo = as_chunks(x, n)
     c = rows.shape[1]
     assert rows.shape == (n, c), (rows.shape, n, c)

@@ -20,6 +20,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from dpjax.collectives import allreduce as one
+from dpjax.collectives import cost, reduce_scatter
+from dpjax.collectives.ranks import axis_size, index
 from dpjax.compression.feedback import allreduce_bytes, per_bucket, per_bucket_bytes
 from dpjax.compression.registry import Method, register
 from dpjax.compression.topk import count
@@ -31,8 +34,6 @@ def indices(key, d: int, k: int):
 
 
 def _reduce(x, axis_name, spec, key, segments, allreduce):
-    from dpjax.collectives import allreduce as one
-
     idx = indices(key, x.shape[0], count(x.shape[0], spec.number))
     opts = {k: v for k, v in allreduce.items() if k != "fusion_mb"}
     total = one(x[idx], axis_name, op="mean", **opts)
@@ -49,9 +50,6 @@ def shard_indices(key, n: int, c: int, k: int):
 
 
 def _reduce_scatter(rows_IxN, axis_name, spec, key, algorithm):
-    from dpjax.collectives import reduce_scatter
-    from dpjax.collectives._common import axis_size, index
-
     n, c = rows_IxN.shape
     assert n == axis_size(axis_name, "random-k reduce-scatter"), (rows_IxN.shape, axis_name)
     k = count(c, spec.number)
@@ -66,8 +64,6 @@ def _reduce_scatter(rows_IxN, axis_name, spec, key, algorithm):
 
 
 def _reduce_scatter_bytes(c, n, spec, algorithm):
-    from dpjax.collectives import cost
-
     return cost.schedule(algorithm, n, n * count(c, spec.number), 4, primitive="reduce_scatter").total_bytes
 
 

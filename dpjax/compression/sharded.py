@@ -35,6 +35,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from dpjax.collectives import allreduce, cost, reduce_scatter
+from dpjax.collectives.ranks import axis_size
 from dpjax.compression.feedback import State
 from dpjax.compression.grammar import parse
 from dpjax.mesh import as_axes, axis_arg, is_spec
@@ -82,7 +84,6 @@ def init(compression, params, dims, n: int) -> State:
 def specs(compression, param_specs, axes) -> State:
     """The state's PartitionSpecs: an error buffer per device, its leading axis over the
     data `axes`, the rest laid out as the parameter but whole over the data axes."""
-
     def one(spec):
         keep = [tuple(a for a in as_axes(e) if a not in axes) for e in spec]
         return P(axis_arg(axes), *[axis_arg(e) if e else None for e in keep])
@@ -94,8 +95,6 @@ def specs(compression, param_specs, axes) -> State:
 def exact(g, dims, axis, algorithm: str):
     """FSDP's exact reduction of full local gradients `g`: the mean reduce-scattered onto
     each device's shard (a replicated tensor: allreduced), as `gather_param`'s backward."""
-    from dpjax.collectives import allreduce, reduce_scatter
-
     def one(x, d):
         if d < 0:
             return allreduce(x, axis, algorithm=algorithm, op="mean")
@@ -109,8 +108,6 @@ def compressed(g, state: State, dims, axis, spec, algorithm: str, fusion_mb: flo
     the method of `spec`; the new error buffer): one compressed reduce-scatter, error fed
     back. `exchange.Exchange.reduce_scatter_mean` runs it, counting the exchanges and
     choosing the exact start steps (`exact`)."""
-    from dpjax.collectives._common import axis_size
-
     n = axis_size(axis, "FSDP's compressed reduce-scatter")
     leaves, tree = jax.tree.flatten(g)
     ds = tree.flatten_up_to(dims)
@@ -143,8 +140,6 @@ def wire_bytes(shapes, dims, n: int, compression, *, algorithm: str = "ring", fu
     """What the busiest device sends for one exchange of tensors of the gathered `shapes`
     (dims: the dimension split over the n data ranks, -1: replicated), compressed
     (compression None: FSDP's exact reduce-scatters). The compiled program sends this."""
-    from dpjax.collectives import cost
-
     spec = parse(compression)
     total, small = 0, []
     for s, d in zip(shapes, dims):

@@ -36,9 +36,10 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from dpjax.wrap import per_rank
-from dpjax.compression import powersgd
+from dpjax.collectives import all_gather
+from dpjax.compression import feedback, powersgd
 from dpjax.mesh import axis_arg
+from dpjax.wrap import per_rank
 
 
 @dataclass(frozen=True)
@@ -46,7 +47,6 @@ class Shards:
     """Where the per-shard form cuts: `axes`, the data axes inside a worker (mesh order),
     `size` devices along them; `slot`, every mesh axis but the workers' (a device's state
     differs along each)."""
-
     axes: tuple
     size: int
     slot: tuple
@@ -89,8 +89,6 @@ def _unsplit(blocks_J, shape):
 def join(shards, like, sh: Shards):
     """Every tensor of `like` from the site's shards of it (`shards`, this device's): one
     exact all-gather over `sh.axes` per dtype, inside the site."""
-    from dpjax.collectives import all_gather
-
     leaves, treedef = jax.tree.flatten(shards)
     shapes = [x.shape for x in jax.tree.leaves(like)]
     out = [None] * len(leaves)
@@ -130,8 +128,6 @@ def _unslotted(tree):
 def init(compression, params, sh: Shards):
     """`feedback.init` for the shards of `params` (run inside or outside the shard_map:
     only the shapes are read), each error buffer and method state with its slot."""
-    from dpjax.compression import feedback
-
     zeros = jax.tree.map(lambda x: jnp.zeros(shard_shape(x.shape, sh.size), x.dtype), params)
     st = feedback.init(compression, zeros)
     return st._replace(error=_slotted(st.error), method=_slotted(st.method))
@@ -139,8 +135,6 @@ def init(compression, params, sh: Shards):
 
 def specs(compression, param_specs, sh: Shards):
     """Every error buffer and method state leaf on its slot (`Shards.slot`)."""
-    from dpjax.compression import feedback
-
     st = feedback.specs(compression, param_specs)
     on_slot = lambda tree: jax.tree.map(lambda _: P(sh.slot or None), tree,  # noqa: E731
                                         is_leaf=lambda x: isinstance(x, P))

@@ -18,6 +18,8 @@ import math
 import jax.numpy as jnp
 import numpy as np
 
+from dpjax.collectives import all_gather
+from dpjax.collectives.ranks import axis_size
 from dpjax.compression import _wire
 from dpjax.compression.feedback import per_bucket, per_bucket_bytes
 from dpjax.compression.registry import Method, register
@@ -52,9 +54,6 @@ def decode(msg, like, segments=None):
 
 
 def _reduce(x, axis_name, spec, key, segments, allreduce):
-    from dpjax.collectives import all_gather
-    from dpjax.collectives._common import axis_size
-
     n = axis_size(axis_name, "sign compression")
     msg = encode(x, segments)
     mine = decode(msg, x, segments)

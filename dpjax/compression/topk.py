@@ -16,6 +16,8 @@ import math
 import jax.numpy as jnp
 from jax import lax
 
+from dpjax.collectives import all_gather
+from dpjax.collectives.ranks import axis_size
 from dpjax.compression import _wire
 from dpjax.compression.feedback import per_bucket, per_bucket_bytes
 from dpjax.compression.registry import Method, register
@@ -38,9 +40,6 @@ def decode(msg, like, k: int):
 
 
 def _reduce(x, axis_name, spec, key, segments, allreduce):
-    from dpjax.collectives import all_gather
-    from dpjax.collectives._common import axis_size
-
     n, k = axis_size(axis_name, "top-k compression"), count(x.shape[0], spec.number)
     msg = encode(x, k)
     every = all_gather(msg, axis_name, algorithm="ring").reshape(n, -1)

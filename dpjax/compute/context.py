@@ -57,7 +57,7 @@ from jax import lax
 
 from dpjax import collectives
 from dpjax.compute.attention import allowed, kernel as local_kernel, soft_cap
-from dpjax.collectives._common import axis_size, index, shift_perm
+from dpjax.collectives.ranks import axis_size, index, shift_perm
 from dpjax.collectives.cost import Schedule
 from dpjax.collectives.p2p import send
 from dpjax.registry import Registry

@@ -35,17 +35,23 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Any
+from typing import Union
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
 from dpjax import collectives
-from dpjax.collectives._common import Subgroups, axis_size
-from dpjax.collectives.ops import finish, on_wire
+from dpjax.collectives.ranks import Subgroups, axis_size
+from dpjax.collectives.ops import Wire, finish, on_wire
 from dpjax.compute.policy import Policy
 from dpjax.mesh import bound
+
+# A mesh axis (or axes) a collective runs over: a name, a tuple of names, or groups along one.
+Axis = Union[str, tuple[str, ...], Subgroups]
+# A pytree like the parameters: nested dicts (and lists) whose leaves are arrays, or ints
+# (gather_dims: the dimension each leaf is split along, -1 replicated).
+Tree = Union[dict[str, "Tree"], list["Tree"], tuple["Tree", ...], jax.Array, int]
 
 
 def _active(axis) -> bool:
@@ -184,18 +190,18 @@ class Parallel:
     split over `data_axis` (-1: replicated). `use` gathers a subtree just before use.
     """
 
-    model_axis: Any = None
+    model_axis: Axis | None = None
     algorithm: str = "ring"
-    data_axis: Any = None
-    gather_dims: Any = None
+    data_axis: Axis | None = None
+    gather_dims: Tree | None = None
     fsdp_algorithm: str = "ring"
-    fsdp_wire: Any = None  # the compression method FSDP's gradients travel in, None: as they are
+    fsdp_wire: Wire | None = None  # the compression method FSDP's gradients travel in, None: as they are
     # FSDP through a compression with error feedback (dpjax.compression.sharded): zero arrays
     # shaped like the gathered parameters, which receive each device's unreduced gradient
-    probes: Any = None
+    probes: Tree | None = None
     policy: Policy = Policy()  # the compute dtype, remat, attention kernel and scan (dpjax.compute.stack runs by it)
-    context_axis: Any = None  # the axis each sequence is split over (dpjax.compute.context), None: whole sequences
-    expert_axis: Any = None  # the axis a mixture of experts' experts are split over (dpjax.models.moe), None: all here
+    context_axis: Axis | None = None  # each sequence split over it (dpjax.compute.context), None: whole sequences
+    expert_axis: Axis | None = None  # the experts split over it (dpjax.models.moe), None: all here
 
     def _gather(self, x, d, probe):
         if probe is not None:

@@ -29,8 +29,8 @@ import sys
 
 import numpy as np
 
-from dpjax.data import TOKEN_SUFFIX, DataError, corpus_files, load_corpus, tokenize_file
-from dpjax.data import token_file
+from dpjax.data import TOKEN_SUFFIX, DataError, corpus_files, load_corpus, text_chunks, token_file, tokenize_file
+from dpjax.data.tokenizer import for_corpus
 from dpjax.errors import UserError, os_error_line
 
 BYTE_VOCAB = 256
@@ -95,9 +95,6 @@ def prepare_tokens(sources: list[str], out: str, tokenizer: str, dtype: str = "a
     (a tokenizer.json, a SentencePiece .model, or bpe:N, trained on them and saved beside
     `out`) to `out`, `workers` processes (default: one a core) tokenizing the files.
     Returns (tokens, vocabulary, dtype, the tokenizer's file)."""
-    from dpjax.data import text_chunks
-    from dpjax.data.tokenizer import for_corpus
-
     bpe = out[:-len(TOKEN_SUFFIX)] + ".tokenizer.json" if tokenizer.startswith("bpe:") else None
     _check_out(out, overwrite, [bpe] if bpe else [])
     tok = for_corpus(tokenizer, (c for s in sources for c in text_chunks(s)))

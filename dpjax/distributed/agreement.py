@@ -4,11 +4,14 @@
 from __future__ import annotations
 
 import os
+import time
+
+import jax
+from jax._src import distributed as jax_distributed
 
 
 def agree(what: str, fingerprint: str, timeout_s: float | None = None) -> None:
     """Checks that every process is about to make the same collective call.
-
     Called by every dpjax collective while it is traced (the first call of each
     compiled program), with a one-line description of what it will exchange (shape,
     dtype, axis, algorithm, op, root, groups, sizes). Processes that trace different
@@ -20,10 +23,7 @@ def agree(what: str, fingerprint: str, timeout_s: float | None = None) -> None:
     a process that never arrives is a TimeoutError naming the call after `timeout_s`
     (DPJAX_COLLECTIVE_TIMEOUT, default 300 s). One process: nothing to check.
     """
-    import time
 
-    import jax
-    from jax._src import distributed as jax_distributed
 
     client = jax_distributed.global_state.client
     if jax.process_count() == 1 or client is None:

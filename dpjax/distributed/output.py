@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import re
+import tempfile
 import threading
 
 # What a healthy process's libraries print (gloo's connection report, glog INFO / WARNING
@@ -26,14 +27,11 @@ CHAINED = re.compile(r"^(During handling of the above exception|The above except
 def log_dir(who: str, port) -> str:
     """Where a launch's rank logs go: the temporary folder's dpjax-<who>-<port> (one per
     launch or agent, as its coordinator or rendezvous port is)."""
-    import tempfile
-
     return os.path.join(tempfile.gettempdir(), f"dpjax-{who}-{port}-logs")
 
 
 class RankOutput:
     """One stream of one rank: `line(text)` logs it and shows it (or not) on `out`."""
-
     def __init__(self, rank: int, out, lock: threading.Lock, log_dir: str, verbose: bool = False):
         self.rank, self.out, self.lock, self.verbose = rank, out, lock, verbose
         self.log_path = os.path.join(log_dir, f"rank{rank}.log")

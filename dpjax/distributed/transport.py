@@ -36,7 +36,13 @@ import sys
 from dataclasses import dataclass
 from typing import Callable
 
+import jax
 import numpy as np
+from jax import lax
+from jax._src import distributed as jax_distributed
+from jax.experimental import multihost_utils
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 ENV = "DPJAX_COLLECTIVES"  # how dpjax.launch passes --collectives to its processes
 MPI_LIB = "MPITRAMPOLINE_LIB"
@@ -63,7 +69,7 @@ def _mpi_missing() -> str | None:
         return f"--collectives mpi needs MPITrampoline's library, and {MPI_LIB} is not set: {MPIWRAPPER_HOW}"
     if not os.path.isfile(lib):
         return f"--collectives mpi: {MPI_LIB}={lib} is not a file: {MPIWRAPPER_HOW}"
-    from jax._src.lib import _jax
+    from jax._src.lib import _jax  # only for MPI: jaxlib's native module, whose name may move between releases
 
     if not hasattr(_jax, "make_mpi_collectives"):
         return "--collectives mpi: this jaxlib has no MPI collectives; use --collectives gloo"
@@ -76,7 +82,7 @@ _MADE: list = []  # the MPI collectives JAX made for this process's CPU backend
 def _mpi_start() -> None:
     """Before `jax.distributed` starts: keep the MPI collectives object JAX makes for the
     CPU backend, so that the exit handler can finalize MPI itself (quirk 3)."""
-    from jax._src.lib import _jax
+    from jax._src.lib import _jax  # only for MPI (see _mpi_missing)
 
     make = _jax.make_mpi_collectives
     if getattr(make, "dpjax_keeps", False):
@@ -93,8 +99,6 @@ def _mpi_start() -> None:
 
 def _mpi_ready(mesh) -> None:
     if mesh is None:  # the world's clique, before any large buffer
-        from jax.experimental import multihost_utils
-
         multihost_utils.process_allgather(np.zeros(1, np.float32))
     else:
         _warm_cliques(mesh)
@@ -110,11 +114,6 @@ def _warm_cliques(mesh) -> None:
     and the other collectives over those axes use the same ones). Tiny programs run
     their collectives on the calling thread; every process runs the same sequence, as
     MPI_Comm_split needs."""
-    import jax
-    from jax import lax
-    from jax.sharding import NamedSharding
-    from jax.sharding import PartitionSpec as P
-
     names = tuple(mesh.axis_names)
     spec = P(names)
     x = jax.make_array_from_callback((mesh.size,), NamedSharding(mesh, spec), lambda idx: np.zeros(1, np.float32))
@@ -133,8 +132,6 @@ _EXIT: list = []
 def _finalize_and_leave() -> None:
     """Quirk 3: runs before JAX's MPI_Finalize handler (registered earlier) and ends the
     process before the communicators are freed after MPI_Finalize."""
-    from jax._src import distributed as jax_distributed
-
     sys.stdout.flush()
     sys.stderr.flush()
     jax_distributed.shutdown()  # every process reaches its exit before any finalizes

@@ -12,7 +12,7 @@ from jax import lax
 
 from dpjax import collectives as C
 from dpjax.collectives import uneven
-from dpjax.collectives._common import axis_size
+from dpjax.collectives.ranks import axis_size
 from dpjax.collectives.ops import on_wire
 from dpjax.compression import summable
 from dpjax.horovod.compression import Compression

@@ -6,7 +6,7 @@ from __future__ import annotations
 import optax
 
 from dpjax import data_parallel
-from dpjax.collectives._common import axis_size
+from dpjax.collectives.ranks import axis_size
 from dpjax.horovod.collectives import Adasum, Average
 from dpjax.horovod.compression import Compression
 from dpjax.horovod.ranks import global_process_set, set_groups, world_axis

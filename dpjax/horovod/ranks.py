@@ -15,7 +15,7 @@ import jax
 from jax import lax
 
 from dpjax import distributed
-from dpjax.collectives._common import Subgroups, axis_size, index
+from dpjax.collectives.ranks import Subgroups, axis_size, index
 from dpjax.mesh import bound, data_axes
 
 

@@ -5,7 +5,7 @@ two ranks whose `node` coordinates differ) travels over a link with that latency
 bandwidth. On one machine every link is fast, so the program runs as it always does
 and computes exactly the same values; only time changes. Every dpjax collective (and
 every pipeline send, `collectives.p2p.send`) is a sequence of point-to-point steps
-(`collectives._common.permute`); while a step is traced the emulator notes, for each
+(`collectives.ranks.permute`); while a step is traced the emulator notes, for each
 step whose pairs cross a linked axis, the latency and the
 bytes the busiest device sends over it (Hockney's alpha-beta model, as
 `collectives.cost` computes for whole algorithms). When the collective has been traced,

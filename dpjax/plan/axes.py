@@ -1,10 +1,21 @@
-"""The plan's checks of the axes that split a sequence (`context`) and a mixture's experts
-(`expert`): part of `dpjax.plan`, made once the mesh is known. Each refusal is one line
-saying what to change."""
+"""The plan's axes: the mesh the settings name, what runs on its named axes (the pipeline
+on `stage`, emulated slow links on theirs), and the checks of the axes that split a
+sequence (`context`) and a mixture's experts (`expert`). Part of `dpjax.plan`, made once
+the devices are known. Each refusal is one line saying what to change."""
 
 from __future__ import annotations
 
-from dpjax.plan.checks import UsageError
+import jax
+
+from dpjax.collectives.registry import nested
+from dpjax.compression import stateful
+from dpjax.compression.exchange import Exchange
+from dpjax.links import parse_link
+from dpjax.mesh import CONTEXT, EXPERT, STAGE, make_mesh
+from dpjax.models.registry import MODELS
+from dpjax.pipeline import SCHEDULES, Pipeline
+from dpjax.pipeline import check as check_pipeline
+from dpjax.plan.checks import UsageError, flag
 from dpjax.settings import Settings
 
 
@@ -15,10 +26,6 @@ def check_context(s: Settings, model, mesh) -> None:
     stage axes (a pipeline's stages send each device's chunks, `dpjax.pipeline.staged`),
     not with an allreduce that reads two axes as levels (the gradient's mean spans the
     context axis too)."""
-    from dpjax.collectives.registry import nested
-    from dpjax.mesh import CONTEXT
-    from dpjax.models.registry import MODELS
-
     C = mesh.shape.get(CONTEXT, 1)
     if C == 1:
         return
@@ -52,9 +59,6 @@ def check_expert(s: Settings, model, mesh, update, workers: tuple = ()) -> None:
     bucket then differs between replicas), --compress-axes' per-shard form (it splits a
     worker's gradient over its other data axes as if it were the same on each), and a
     stage or context axis beside it (none of these is built for experts yet)."""
-    from dpjax.compression import stateful
-    from dpjax.mesh import CONTEXT, EXPERT, STAGE
-
     n = mesh.shape.get(EXPERT, 1)
     E = model.experts
     if E and (STAGE in mesh.axis_names or mesh.shape.get(CONTEXT, 1) > 1):
@@ -84,3 +88,37 @@ def check_expert(s: Settings, model, mesh, update, workers: tuple = ()) -> None:
         raise UsageError(f"{where} with --compress-axes {s.compress_axes}: the per-shard exchange splits a worker's "
                          f"gradient over the expert axis as if its devices held the same experts; add "
                          f"--compress-whole")
+
+
+def mesh_of(s: Settings, devices=None):
+    """The mesh settings `s` name on `devices` (default: every device; no --mesh: all data)."""
+    devs = list(jax.devices() if devices is None else devices)
+    return make_mesh(s.mesh or f"{len(devs)}x1", devs)
+
+
+def pipeline_of(s: Settings, model, mesh, workers, exchange: Exchange):
+    """The pipeline a stage axis runs (its schedule, micro-batches and chunks), or None;
+    the pipeline's flags without a stage axis are refused."""
+    given = [flag(n) for n in ("schedule", "microbatches", "virtual_stages") if getattr(s, n) is not None]
+    if STAGE not in mesh.axis_names:
+        if given:
+            raise UsageError(f"{', '.join(given)} needs a stage axis: name one in --mesh, e.g. "
+                             f"--mesh stage=2,data={max(1, mesh.size // 2)}")
+        return None
+    schedule = s.schedule or "1f1b"  # a chunked schedule (interleaved) defaults to 2 chunks a stage
+    chunks = s.virtual_stages or (2 if SCHEDULES[schedule].virtual_stages else 1)
+    pipeline = check_pipeline(model, mesh, Pipeline(schedule, s.microbatches, chunks))
+    if s.fsdp and not workers and stateful(exchange.compression):
+        raise UsageError(f"--fsdp with --compression {s.compression} and a stage axis: the pipeline gathers the "
+                         "stage's parameters itself; compress only between sites (--workers node "
+                         "--compress-axes node)")
+    return pipeline
+
+
+def links_of(s: Settings, mesh) -> tuple:
+    """The emulated slow links, each on an axis the mesh has."""
+    links = tuple(parse_link(text) for text in s.link or ())
+    for link in links:
+        if link.axis not in mesh.axis_names:
+            raise UsageError(f"--link {link}: mesh {dict(mesh.shape)} has no axis {link.axis!r}")
+    return links

@@ -8,9 +8,22 @@ import dataclasses
 import math
 import os
 
+from dpjax import compression
+from dpjax.collectives import ALGORITHMS, ALL_TO_ALL_ALGORITHMS, REDUCE_SCATTER_ALGORITHMS
+from dpjax.collectives.registry import nested
+from dpjax.compute.context import CONTEXT_ATTENTIONS
+from dpjax.compute.policy import ATTENTIONS, DTYPES, PARAM_DTYPES, REMATS
+from dpjax.data.tokenizer import vocab_of
+from dpjax.distributed import COLLECTIVES, transport
 from dpjax.errors import UserError
+from dpjax.hf import model_of
+from dpjax.models import MODELS, model_options, presets
+from dpjax.optim import LR_SCALINGS, LR_SCHEDULES, OPTIMIZERS
+from dpjax.pipeline import SCHEDULES
 from dpjax.plan.task import CHAT, PREF, check_chat
 from dpjax.settings import Settings
+from dpjax.updates import parse_update
+from dpjax.updates.onebit_adam import default_compression
 
 
 class UsageError(UserError):
@@ -34,8 +47,6 @@ def settled(s: Settings) -> Settings:
         task = "sft" if s.data.startswith(CHAT) else "dpo" if s.data.startswith(PREF) else "lm"
         s = dataclasses.replace(s, task=task)
     if s.optimizer == "onebit_adam" and s.compression in (None, "none"):
-        from dpjax.updates.onebit_adam import default_compression
-
         return dataclasses.replace(s, compression=default_compression(s.steps))
     return s
 
@@ -66,8 +77,6 @@ def _one_of(what, value, known) -> None:
 
 def _check_model(s: Settings) -> None:
     """The model, and that its options are its own (--init-from brings its own model)."""
-    from dpjax.models import MODELS, model_options
-
     _one_of("model", s.model, MODELS)
     if s.init_from is not None and s.model == Settings.model:
         return  # the checkpoint names its model: model_choice holds the flags given to it once it is read
@@ -81,11 +90,6 @@ def _check_model(s: Settings) -> None:
 
 def _check_choices(s: Settings) -> None:
     """Each flag that names a registry's entry names one it has."""
-    from dpjax.collectives import ALGORITHMS, ALL_TO_ALL_ALGORITHMS
-    from dpjax.compute.context import CONTEXT_ATTENTIONS
-    from dpjax.compute.policy import ATTENTIONS, DTYPES, PARAM_DTYPES, REMATS
-    from dpjax.optim import LR_SCALINGS, OPTIMIZERS
-
     _one_of("--optimizer", s.optimizer, OPTIMIZERS)
     _one_of("--lr-scaling", s.lr_scaling, LR_SCALINGS)
     _check_lr_schedule(s)
@@ -103,8 +107,6 @@ def _check_choices(s: Settings) -> None:
 def _check_lr_schedule(s: Settings) -> None:
     """The schedule is one the registry has, its decay options go with a decay, and wsd's
     decay fits after the warm-up."""
-    from dpjax.optim import LR_SCHEDULES
-
     _one_of("--lr-schedule", s.lr_schedule, LR_SCHEDULES)
     shape = LR_SCHEDULES[s.lr_schedule]
     given = [flag(k) for k in ("min_lr", "decay_steps") if getattr(s, k) != getattr(Settings, k)]
@@ -126,8 +128,6 @@ def _check_lr_schedule(s: Settings) -> None:
 def _check_compression(s: Settings) -> None:
     """--compression parses, fits FSDP's reduce-scatter where it runs there, and 1-bit
     Adam's options go with 1-bit Adam."""
-    from dpjax import compression
-
     try:
         spec = compression.parse(s.compression)
     except ValueError as e:
@@ -150,11 +150,6 @@ def _check_compression(s: Settings) -> None:
 
 def _check_exchange(s: Settings) -> None:
     """The schedule, the transport between processes and the algorithms each layout needs."""
-    from dpjax.collectives import REDUCE_SCATTER_ALGORITHMS
-    from dpjax.collectives.registry import nested
-    from dpjax.distributed import COLLECTIVES, transport
-    from dpjax.pipeline import SCHEDULES
-
     if s.schedule is not None:
         _one_of("--schedule", s.schedule, SCHEDULES)
     collectives = transport.chosen(s.collectives)
@@ -189,9 +184,6 @@ def _check_numbers(s: Settings) -> None:
 def _check_run(s: Settings) -> None:
     """What the run resumes from, its schedule's chunks, its rule, its data and what it
     records."""
-    from dpjax.pipeline import SCHEDULES
-    from dpjax.updates import parse_update
-
     if s.resume and not (s.ckpt_dir or s.commit_dir):
         raise UsageError("--resume needs --ckpt-dir (or --commit-dir)")
     chunked = [name for name, sched in SCHEDULES.items() if sched.virtual_stages]
@@ -208,17 +200,11 @@ def _check_run(s: Settings) -> None:
 def model_choice(s: Settings) -> tuple[str, dict]:
     """The model a run builds and its config fields: --preset's shape (and vocabulary,
     unless --vocab-size is given), then the options given, which override it."""
-    from dpjax.models import presets
-
     vocab = s.vocab_size
     if vocab is None and s.tokenizer is not None and s.init_from is None:
-        from dpjax.data.tokenizer import vocab_of
-
         vocab = vocab_of(s.tokenizer)
     given = {"seq_len": s.seq_len, "vocab_size": vocab, **s.model_options}
     if s.init_from is not None:  # (after JAX starts: a dpjax checkpoint's record is read by orbax)
-        from dpjax.hf import model_of
-
         model, _, _ = model_of(s.init_from, s.seq_len)
         _agree(s, model, vocab)
         return model.name, dataclasses.asdict(model.config)
@@ -237,8 +223,6 @@ def _agree(s: Settings, model, vocab) -> None:
     """Flags that name the model beside --init-from (--model, --preset, --vocab-size, the
     model's options) are accepted when they say what the checkpoint holds; one that
     disagrees is refused, naming it and the checkpoint's value."""
-    from dpjax.models import presets
-
     c, wrong = dataclasses.asdict(model.config), []
     if s.model not in (Settings.model, model.name):
         wrong.append(f"--model {s.model} (it holds {model.name})")
@@ -284,9 +268,7 @@ def _check_finite(s: Settings) -> None:
 def _check_onebit_adam(s: Settings, spec) -> None:
     """1-bit Adam (`dpjax.updates.onebit_adam`) is its own synchronous exchange between
     workers: it needs a method with error feedback and S >= 1 exact warm-up steps."""
-    from dpjax.updates import parse_update
 
-    from dpjax.updates.onebit_adam import default_compression
 
     example = f"e.g. --compression {default_compression(s.steps)}, the default for {s.steps} steps"
     if spec is None or not spec.method.stateful:
@@ -311,8 +293,6 @@ def _check_data(s: Settings) -> None:
     tokens = s.data.endswith(".bin")  # dpjax.data.TOKEN_SUFFIX
     check_chat(s)
     if s.tokenizer is not None:
-        from dpjax.data.tokenizer import vocab_of
-
         if tokens or s.data == "synthetic":
             raise UsageError(f"--tokenizer tokenizes text; --data {s.data} is {'ids' if tokens else 'synthetic'} "
                              "already (python -m dpjax.data.prepare --tokenizer makes a token file from text)")

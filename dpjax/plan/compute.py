@@ -7,8 +7,11 @@ from __future__ import annotations
 import dataclasses
 
 from dpjax.compression.exchange import DEFAULT_ALGORITHM, DEFAULT_FUSION_MB  # noqa: F401  (the autotune's baseline)
-from dpjax.plan.checks import UsageError
+from dpjax.compute import policy as P
 from dpjax.compute.policy import Policy, accelerated, remat_candidates
+from dpjax.plan.checks import UsageError
+from dpjax.plan.memory import estimate, parse_size, preallocation_note
+from dpjax.plan.usable import usable_memory
 from dpjax.settings import Settings
 
 
@@ -29,8 +32,6 @@ def default_allreduce(platform: str) -> str:
 def compute_policy(s: Settings, model, platform: str) -> tuple[Policy, list]:
     """(the compute policy of `s` on `platform`, notes to print once). remat auto stays
     `none` here; `check_memory` chooses it."""
-    from dpjax.compute import policy as P
-
     head_dim = None if model is None else model.head_dim
     attention = s.attention
     if attention == "auto" and not P.accelerated(platform):
@@ -63,8 +64,6 @@ def check_memory(plan):
     model, s = plan.model, plan.settings
     if model is None or s is None:
         return plan
-    from dpjax.plan.memory import estimate, parse_size
-    from dpjax.plan.usable import usable_memory
 
     platform = target_platform(s, plan.mesh)
     given = None
@@ -95,8 +94,6 @@ def memory_refusal(plan) -> str | None:
     """The one line of a run that does not fit (what it needs by part, what a device has,
     what to change), or None when it fits or nothing is known of the device. On a GPU
     without --device-memory it says what JAX's preallocation leaves."""
-    from dpjax.plan.memory import preallocation_note
-
     if plan.memory is None or plan.memory["device"] is None or plan.memory["total"] <= plan.memory["device"]:
         return None
     s = plan.settings

@@ -7,6 +7,8 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from dpjax.distributed import transport
+from dpjax.mesh import NOT_DATA, STAGE, mesh_size, parse_mesh_spec
 from dpjax.plan.checks import UsageError
 from dpjax.settings import Settings
 
@@ -14,9 +16,6 @@ from dpjax.settings import Settings
 def devices_per_process(s: Settings, processes: int) -> int | None:
     """How many devices each of `processes` processes contributes to the mesh (None:
     every device it has); the mesh must share out equally."""
-    from dpjax.distributed import transport
-    from dpjax.mesh import mesh_size
-
     want = mesh_size(s.mesh) if s.mesh else None
     if want is not None and want % processes:
         raise UsageError(f"--mesh {s.mesh} has {want} devices, which {processes} processes cannot share equally")
@@ -34,8 +33,6 @@ def fit_mesh(s: Settings, devices: int) -> Settings:
     hosts): the outermost data axis takes what the other axes leave; every other setting,
     the global batch included, is kept (resolve then checks that this size can hold it).
     A spec with a -1 already takes what there is."""
-    from dpjax.mesh import NOT_DATA, mesh_size, parse_mesh_spec
-
     if not s.mesh or mesh_size(s.mesh) is None or mesh_size(s.mesh) == devices:
         return s
     names, sizes = parse_mesh_spec(s.mesh, mesh_size(s.mesh))
@@ -50,8 +47,6 @@ def fit_mesh(s: Settings, devices: int) -> Settings:
 
 def _data_ranks(spec: str) -> tuple[int, int | None]:
     """(data-parallel ranks, pipeline stages or None) of an explicit mesh spec."""
-    from dpjax.mesh import NOT_DATA, STAGE, mesh_size, parse_mesh_spec
-
     names, sizes = parse_mesh_spec(spec, mesh_size(spec))
     return math.prod(v for n, v in zip(names, sizes) if n not in NOT_DATA), dict(zip(names, sizes)).get(STAGE)
 

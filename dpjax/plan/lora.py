@@ -4,18 +4,21 @@ adapters, `dpjax.models.lora`), and the part of its parameters the update rule i
 
 from __future__ import annotations
 
+from dpjax.compression import sharded
 from dpjax.compression.exchange import Exchange
+from dpjax.hf.adapter import adapters_of, read_config
+from dpjax.models import lora
+from dpjax.models.lora import Lora, Split
 from dpjax.plan.checks import UsageError
 from dpjax.settings import Settings
+
+
 def lora_model(s: Settings, model):
     """`model` with the adapters --lora asks for, or --adapter's folder holds (its settings
     when --lora is not given)."""
-    from dpjax.models import lora
-
     text = s.lora
     if s.adapter is None:
         return lora.wrap(model, text)
-    from dpjax.hf.adapter import adapters_of, read_config
 
     if s.init_from is None:
         raise UsageError(f"--adapter {s.adapter} is put on a base model: give that with --init-from hf:DIR")
@@ -27,9 +30,6 @@ def lora_model(s: Settings, model):
 def trained_split(model, layout, exchange: Exchange):
     """The trained part of a LoRA model's parameters and the frozen rest (`dpjax.models.lora.Split`),
     or None: every parameter trained."""
-    from dpjax.compression import sharded
-    from dpjax.models.lora import Lora, Split
-
     if not isinstance(model, Lora):
         return None
     if sharded.applies(layout, exchange.compression):

@@ -9,7 +9,10 @@ import re
 
 import jax
 
+from dpjax.compression import parse, sharded
+from dpjax.compute.policy import Policy, accelerated
 from dpjax.mesh import CONTEXT, MODEL, dp_size
+from dpjax.models.lora import Lora, Split
 
 
 def estimate(model, layout, global_batch: int, compression=None, policy=None, platform: str | None = None,
@@ -30,9 +33,6 @@ def estimate(model, layout, global_batch: int, compression=None, policy=None, pl
     frozen base counted once, in the compute dtype it is kept in. reference: a preference
     run's frozen copy of the parameters (--ref-logps online without LoRA,
     `dpjax.train.preference.Online`), split like them: 'reference', as many bytes again."""
-    from dpjax.compute.policy import Policy, accelerated
-    from dpjax.models.lora import Lora, Split
-
     policy = policy or Policy()
     platform = platform or jax.default_backend()
     stored = jax.eval_shape(lambda k: policy.store(layout.store(model.init(k))), jax.random.key(0))
@@ -59,8 +59,6 @@ def estimate(model, layout, global_batch: int, compression=None, policy=None, pl
 
 
 def _error_bytes(layout, stored, params: int, compression) -> int:
-    from dpjax.compression import parse, sharded
-
     spec = parse(compression)
     if spec is None or not spec.method.stateful or not spec.ef:
         return 0
@@ -112,8 +110,6 @@ def device_memory(mesh) -> int | None:
     """What one device of `mesh` can hold: the accelerator's limit, or on CPU the host's
     physical memory less the runtime's own, shared by this process's devices (None if
     unknown)."""
-    import jax
-
     dev = next(d for d in mesh.devices.flat if d.process_index == jax.process_index())  # stats are local only
     stats = dev.memory_stats() if hasattr(dev, "memory_stats") else None
     if stats and stats.get("bytes_limit"):

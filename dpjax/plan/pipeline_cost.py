@@ -38,7 +38,8 @@ from jax.sharding import PartitionSpec as P
 from dpjax.compute import stack as stack_runner
 from dpjax.hlo import Module
 from dpjax.mesh import data_axes, make_mesh
-from dpjax.pipeline import Pipeline, bubble_formula
+from dpjax.pipeline import Pipeline, bubble_formula, staged
+from dpjax.sharding import make_layout
 
 
 def program_flops(lowered) -> float:
@@ -63,9 +64,6 @@ def _batch(mesh, rows: int, seq_len: int, lead=()):
 def gradient_flops(model, mesh, pipe: Pipeline, rows: int) -> float:
     """FLOPs of one device's pipeline schedule (its ticks: loss and this stage's gradients)
     on a global batch of `rows` sequences, ticks unrolled."""
-    from dpjax.pipeline import staged
-    from dpjax.sharding import make_layout
-
     layout = make_layout(model, mesh, pipeline=dataclasses.replace(pipe, unroll=True))
     st = staged.for_model(model, layout)
     par = layout.parallel()

@@ -16,6 +16,7 @@ from dpjax.errors import UserError
 from dpjax.mesh import STAGE
 from dpjax.models import MODELS
 from dpjax.models.base import Decoder
+from dpjax.tasks.dpo import VARIANTS
 
 CHAT = "chat:"  # --data chat:PATH: conversations (dpjax.data.chat)
 PREF = "pref:"  # --data pref:PATH: preference pairs (dpjax.data.pref, --task dpo)
@@ -78,8 +79,6 @@ def _check_rendered(s, prefix: str) -> None:
 
 def check_pref(s) -> None:
     """Preference pairs (--data pref:PATH) train --task dpo against a reference that exists."""
-    from dpjax.tasks.dpo import VARIANTS
-
     if not s.data.startswith(PREF):
         raise UserError(f"--task dpo trains on preference pairs: give --data pref:FILE.jsonl (--data {s.data} is not)")
     if not s.data[len(PREF):]:

@@ -20,7 +20,10 @@ from __future__ import annotations
 
 import os
 
+import jax
+
 from dpjax.plan.checks import UsageError
+from dpjax.plan.memory import device_memory
 
 DEFAULT_FRACTION = 0.75  # JAX's GPU default
 NAMES = ("XLA_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_MEM_FRACTION")  # the new name first, as jaxlib reads them
@@ -56,9 +59,7 @@ def usable_memory(platform: str, mesh, given: int | None, environ=None) -> dict:
             return {"usable": int(fraction * given), "total": given, "fraction": fraction,
                     "source": f"{fraction:g} of --device-memory: {why}"}
         return {"usable": given, "total": given, "fraction": 1.0, "source": "--device-memory"}
-    import jax
 
-    from dpjax.plan.memory import device_memory
 
     dev = next(d for d in mesh.devices.flat if d.process_index == jax.process_index())
     stats = dev.memory_stats() if hasattr(dev, "memory_stats") else None

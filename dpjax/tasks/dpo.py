@@ -40,7 +40,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from dpjax import collectives
-from dpjax.collectives._common import axis_size
+from dpjax.collectives.ranks import axis_size
 from dpjax.compute import context
 from dpjax.compute import tensor_parallel as tp
 from dpjax.compute.tensor_parallel import DENSE, Parallel

@@ -48,10 +48,17 @@ def compiled_text(fn, *args, **kwargs) -> str:
     """The compiled HLO of jitted `fn` at these arguments (arrays or ShapeDtypeStructs).
     After a call with the same shapes and shardings this is JAX's cached executable:
     its op names are the ones a profile of those calls records."""
+
+    shapes = abstract((args, kwargs))
+    return fn.lower(*shapes[0], **shapes[1]).compile().as_text()
+
+
+def abstract(tree):
+    """The abstract values (shape, dtype, sharding) of a tree of arrays: what a compiled
+    program is looked up by, kept once the arrays themselves are donated."""
     import jax
 
-    abstract = jax.tree.map(_abstract, (args, kwargs))
-    return fn.lower(*abstract[0], **abstract[1]).compile().as_text()
+    return jax.tree.map(_abstract, tree)
 
 
 def _abstract(x):

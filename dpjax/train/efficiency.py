@@ -71,13 +71,11 @@ def compiled_figures(fn, *args) -> dict:
     'flops_unknown' saying which), and the 'memory' it needs at most (arguments + outputs +
     temporaries - donated aliases; None if unknown). After a call with the same shapes and
     shardings this reads JAX's cached executable (no compile)."""
-    import jax
 
     from dpjax.hlo import Module
-    from dpjax.timeline.program import _abstract
+    from dpjax.timeline.program import abstract
 
-    abstract = jax.tree.map(_abstract, args)
-    compiled = fn.lower(*abstract).compile()
+    compiled = fn.lower(*abstract(args)).compile()
     flops = Module(compiled.as_text()).flops()
     memory = None
     mem = compiled.memory_analysis()

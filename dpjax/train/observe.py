@@ -84,11 +84,9 @@ def recorder(cfg):
 def shapes(args):
     """The abstract values (shape, dtype, sharding) of a step's arguments: what its
     compiled program is looked up by, kept once the arrays themselves are donated."""
-    import jax
+    from dpjax.timeline.program import abstract
 
-    from dpjax.timeline.program import _abstract
-
-    return jax.tree.map(_abstract, args)
+    return abstract(args)
 
 
 def write_timeline(recorder, path: str, step, args, write, steps, say) -> None:

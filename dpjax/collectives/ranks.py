@@ -1,4 +1,8 @@
-"""Helpers shared by the collective algorithms (called inside `shard_map`).
+"""How a collective addresses its ranks, and the chunking every algorithm shares (inside `shard_map`).
+
+Public to the packages above (compression, compute, tasks, horovod, models): they size and
+number their ranks with the same `axis_size` / `index` the algorithms use, and so inherit its
+one-line error outside a mesh context and its `Subgroups` view.
 
 An algorithm addresses its ranks only through `axis_size`, `index` and `permute`. Over
 a mesh axis (or a tuple of axes) they are `lax.axis_size`, `lax.axis_index` and
