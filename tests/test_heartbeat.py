@@ -26,7 +26,11 @@ def test_each_clock_is_held_to_its_own_limit():
     assert judge(0.5, saving, t0 - 100, HANG, START, now=t0 + 29) is None
     assert judge(0.5, saving, t0 - 100, HANG, START, now=t0 + 31)[1] == "busy for 31 s with a save"
     # a stopped process's thread beats no more: its file's age is the hang, busy or not
-    assert judge(2.5, saving, t0 - 100, HANG, START, now=t0 + 3)[1] == "no heartbeat for 2 s"
+    assert judge(2.5, saving, t0 - 100, HANG, START, now=t0 + 3, stopped=True)[1] == "no heartbeat for 2 s"
+    # a running one's thread may be silent in a call that holds the interpreter: not a hang in a save ...
+    assert judge(9.0, saving, t0 - 100, HANG, START, now=t0 + 9) is None
+    # ... and when stepping, its steps' clock
+    assert judge(9.0, stepping, t0 - 100, HANG, START, now=t0 + 9)[1] == "no step for 9 s since its last step"
     starting = {"dispatched": None, "t": t0}  # before its first step: the start's limit
     assert judge(0.5, starting, t0, HANG, START, now=t0 + 29) is None
     assert judge(None, {}, t0, HANG, START, now=t0 + 31)[1] == "no heartbeat for 31 s since its start"

@@ -146,11 +146,11 @@ class Workers:
         no beat, or no step outside a busy phase, for longer than its limit); None if not.
         With the default limits (post_mortem: it is stopped) always."""
         now, (age, beat) = time.time(), self.heartbeat(i)
-        verdict = heartbeat.judge(age, beat, self.started, hang_timeout, start_timeout, now)
+        state = process_state(self.procs[i].pid)
+        verdict = heartbeat.judge(age, beat, self.started, hang_timeout, start_timeout, now, stopped=state == "T")
         if verdict is None:
             return None
         silent, what = verdict
-        state = process_state(self.procs[i].pid)
         why = " (stopped: SIGSTOP)" if state == "T" else f" (state {state})" if state else ""
         at = f" after step {beat['dispatched']}" if beat.get("dispatched") is not None else ""
         return {"rank": self.first + i, "how": f"hung: {what}{at}{why}", "hang": True, "stopped": state == "T",

@@ -4,8 +4,9 @@ Two questions, two clocks, one file (rewritten atomically, JSON):
 
     alive   is the process running at all? A thread of its own rewrites the file every
             `EVERY_S`, whatever the training loop is doing (a step, an orbax save, an
-            evaluation's compile): a file older than --hang-timeout is a process that is
-            stopped (SIGSTOP), frozen, or starved of the CPU for that long.
+            evaluation's compile): a stopped process (SIGSTOP, the kernel's state T) whose
+            file is older than --hang-timeout has hung. (A running one's thread can be
+            silent too, in a call that holds the interpreter: the clock below judges it.)
     t       is it making progress? The loop stamps it at every step it dispatches. Between
             steps a part of the run may be `busy` (the hooks after a step: a checkpoint save,
             an evaluation; the run's end: the last commit, the checkpoints' close), named in
@@ -99,15 +100,19 @@ def read(path: str):
         return None, {}
 
 
-def judge(age, beat: dict, started: float, hang_timeout: float, start_timeout: float, now: float | None = None):
+def judge(age, beat: dict, started: float, hang_timeout: float, start_timeout: float, now: float | None = None,
+          stopped: bool = False):
     """The agent's verdict on one process: None while it is well, else (seconds silent,
     what passed its limit, in words). `age`: of the file (None: none yet); `started`:
-    when the agent started the process."""
+    when the agent started the process; `stopped`: the kernel says it is (SIGSTOP)."""
     now = time.time() if now is None else now
     if age is None:
         silent = now - started
         return (silent, f"no heartbeat for {silent:.0f} s since its start") if silent > start_timeout else None
-    if age > hang_timeout:  # the thread has not run: stopped, frozen, starved
+    if age > hang_timeout and stopped:
+        # Stopped, and for that long (its thread's last beat). A running process whose thread
+        # is silent is in a call that holds the interpreter (jax.distributed's shutdown
+        # barrier held one 10 s on a loaded machine): its steps' clocks judge it, below.
         return age, f"no heartbeat for {age:.0f} s"
     if beat.get("busy"):
         silent = now - beat["busy_since"]
