@@ -103,3 +103,18 @@ def test_an_agent_whose_loop_is_held_up_keeps_its_host(tmp_path):
     finally:
         agent.leaving.set()
         server.shutdown()
+
+
+def test_a_full_folder_is_no_failure_of_the_run(tmp_path):
+    """The heartbeat shares the commits' tmpfs, which the soak fills: a write that fails
+    leaves the file to age (the agent judges its age), it raises nothing."""
+    path = tmp_path / "gone" / "hb"  # a folder that is not there: every write fails
+    beat = heartbeat.Heartbeat(str(path), every=0.05)
+    try:
+        beat.step(1)
+        beat.busy("a save")
+        beat.idle()
+        time.sleep(0.2)
+        assert heartbeat.read(str(path)) == (None, {})
+    finally:
+        beat.close()

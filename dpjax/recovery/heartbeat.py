@@ -45,19 +45,21 @@ class Heartbeat:
 
     def _beat(self) -> None:
         while not self.stopped.wait(self.every):
-            try:
-                self.write()
-            except OSError:  # a full or vanished folder: the agent sees the file age and judges
-                pass
+            self.write()
 
     def write(self) -> None:
+        """The file rewritten; a full or vanished folder (the heartbeat shares the commits'
+        tmpfs) is no failure of the run: the file ages and the agent judges by its age."""
         with self.lock:  # the loop's thread and the beat's: one writer at a time (one .tmp)
             beat = {**self.fields(), "dispatched": self.dispatched, "t": self.t, "alive": time.time(),
                     "busy": self.busy_with, "busy_since": self.busy_since}
             tmp = f"{self.path}.tmp"
-            with open(tmp, "w") as fh:
-                json.dump(beat, fh)
-            os.replace(tmp, self.path)
+            try:
+                with open(tmp, "w") as fh:
+                    json.dump(beat, fh)
+                os.replace(tmp, self.path)
+            except OSError:
+                pass
 
     def step(self, dispatched: int) -> None:
         """Progress: step `dispatched` is dispatched (its predecessors done)."""
@@ -69,14 +71,12 @@ class Heartbeat:
         """From now until the next `step` (or `idle`), the run is busy with `what`."""
         if self.busy_with is None:
             self.busy_since = time.time()
-        self.busy_with = what
-        self.write()
+        self.busy_with = what  # the thread writes it within `every` (no write per step here)
 
     def idle(self) -> None:
         """No longer busy: the progress clock starts again from now."""
         if self.busy_with is not None:
             self.busy_with, self.busy_since, self.t = None, None, time.time()
-            self.write()
 
     @contextlib.contextmanager
     def busy_in(self, what: str):
