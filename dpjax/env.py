@@ -39,6 +39,9 @@ VARS: dict[str, Var] = {v.name: v for v in (
         "(the latency-hiding scheduler) to XLA_FLAGS"),
     Var("DPJAX_FAULT", "no fault", "faults to inject for a test of recovery, e.g. `rank=2,step=30,kind=kill` "
         "(kinds kill, hang, raise; `forever`, `host`, `wipe`): see `dpjax/recovery/fault.py`"),
+    Var("DPJAX_FAULT_ARM", "no fault", "a folder: a process that finds `kill-in-write-<its pid>` there when it "
+        "writes a commit file cuts the file to half and SIGKILLs itself before the rename (a death in a commit's "
+        "write): see `dpjax/recovery/fault.py`", "`experiments/chaos.py`"),
     Var("DPJAX_COLLECTIVE_TIMEOUT", "300", "seconds a process waits for the others to agree on a collective call "
         "(shape, dtype, op, ...) across processes before it stops with one line"),
     Var("DPJAX_INIT_TIMEOUT", "300", "seconds `dpjax.distributed.initialize` waits for every process to join"),
@@ -69,8 +72,8 @@ VARS: dict[str, Var] = {v.name: v for v in (
         "`dpjax.agent`"),
     Var("DPJAX_DEVICES_PER_PROCESS", "the mesh as given", "devices each process has: the mesh is resized for "
         "processes x this", "`dpjax.agent`"),
-    Var("DPJAX_HEARTBEAT", "no heartbeat", "the file the training loop rewrites after every step (the agent's "
-        "hang check)", "`dpjax.agent`"),
+    Var("DPJAX_HEARTBEAT", "no heartbeat", "the file a thread of the process rewrites every second and the "
+        "training loop at every step (the agent's hang check: `dpjax/recovery/heartbeat.py`)", "`dpjax.agent`"),
     Var("DPJAX_COMMIT_DIR", "no commits", "the commit root when `--commit-dir` is not given", "`dpjax.agent`"),
     Var("DPJAX_LAST_FAILURE", "none", "JSON: what ended the previous attempt, when, and how far it got",
         "`dpjax.agent`"),

@@ -17,6 +17,14 @@ def _kill(pid, sig=signal.SIGKILL) -> None:
         pass
 
 
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except (OSError, IndexError):
+        return False
+
+
 def inject(job, kind: str, rng: random.Random) -> str:
     """Strikes; what was done, in words."""
     ranks = job.ranks()
@@ -40,17 +48,22 @@ def inject(job, kind: str, rng: random.Random) -> str:
         _kill(ranks[2 + rng.randrange(2)], signal.SIGSTOP)
         return f"rank {victim % 2} SIGKILL and a rank of h1 SIGSTOP at once"
     if kind == "in-commit":
-        deadline = time.time() + 30
-        while time.time() < deadline:
-            for tmp in glob.glob(os.path.join(job.root, "*", "*", "r*", ".s*.tmp*")):
-                pid = int(tmp.rsplit(".tmp", 1)[1].split(".")[0])
-                if pid in ranks.values():
-                    _kill(pid)
-                    return f"rank {next(r for r, p in ranks.items() if p == pid)} SIGKILL while writing " \
-                           f"{os.path.relpath(tmp, job.root)}"
-            time.sleep(0.0005)
-        _kill(ranks[victim])
-        return f"no write caught in 30 s: rank {victim} SIGKILL"
+        # armed (dpjax.recovery.fault.in_write): the rank dies in its next commit file's write,
+        # the file half written under its temporary name
+        pid = ranks[victim]
+        armed = os.path.join(job.arm, f"kill-in-write-{pid}")
+        with open(armed, "w"):
+            pass
+        deadline = time.time() + 60
+        while time.time() < deadline and _alive(pid):
+            time.sleep(0.02)
+        with open(armed) as fh:
+            torn = fh.read()
+        os.remove(armed)
+        if not torn:
+            _kill(pid)
+            return f"no commit written in 60 s: rank {victim} SIGKILL"
+        return f"rank {victim} SIGKILL while writing {os.path.relpath(torn, job.root)} (half of it written)"
     if kind == "corrupt":
         files = sorted(glob.glob(os.path.join(job.root, "*", "own", f"r{victim}", "s*.bin")))
         if files:

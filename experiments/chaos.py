@@ -4,8 +4,9 @@ trains while a seeded schedule injects one fault every `--every` steps, at a ran
 of a random step, from:
 
     kill        SIGKILL of a rank
-    in-commit   SIGKILL of the process writing a commit file (own or neighbour copy), caught
-                in the write: its temporary file (`.<name>.tmp<pid>...`) seen and its pid killed
+    in-commit   SIGKILL of a rank in its next commit file's write (own or neighbour copy): armed
+                through DPJAX_FAULT_ARM (dpjax.recovery.fault.in_write), it cuts the temporary
+                file to half and kills itself before the rename
     hang        SIGSTOP of a rank (the agent's --hang-timeout finds it)
     host        SIGKILL of host h1's agent (its processes die with it); started again 1 s later
     corrupt     one byte flipped in the newest commit file of a rank, then a rank killed (so
@@ -71,12 +72,13 @@ class Job:
 
         self.tmp, self.tag, self.port = tmp, uuid.uuid4().hex, free_port()
         self.metrics, self.root = os.path.join(tmp, "m.jsonl"), os.path.join(tmp, "commits")
-        self.env = {**_bench.checkout_env(), "DPJAX_CHAOS": self.tag}
+        self.arm = os.path.join(tmp, "arm")  # where a rank is armed to die in a commit's write
+        os.makedirs(self.arm, exist_ok=True)
+        self.env = {**_bench.checkout_env(), "DPJAX_CHAOS": self.tag, "DPJAX_FAULT_ARM": self.arm}
         self.env.pop("XLA_FLAGS", None)
         self.cmd = [sys.executable, "-m", "dpjax.agent", "--nnodes", "2:2", "--nproc-per-node", "2", "--rdzv",
                     f"127.0.0.1:{self.port}", "--devices-per-process", "2", "--commit-dir", self.root,
-                    "--max-restarts", "1000", "--hang-timeout", str(hang_timeout), "--rdzv-wait", "120",
-                    "--start-timeout", "1800"]  # a loaded 2-core machine compiled the first round for over 600 s
+                    "--max-restarts", "1000", "--hang-timeout", str(hang_timeout), "--rdzv-wait", "120"]
         self.train = [sys.executable, "-m", "dpjax.train", *train, "--metrics", self.metrics,
                       "--ckpt-dir", os.path.join(tmp, "ckpt")]
         self.agents = {}
@@ -271,9 +273,9 @@ def main(argv=None):
     p.add_argument("--seed", type=int, default=0, help="the schedule's seed (the job's is dpjax.train's default)")
     p.add_argument("--max-lost-steps", type=int, default=1, help="the job's --max-lost-steps")
     p.add_argument("--ckpt-every", type=int, default=50, help="the job's --ckpt-every (truncate's targets)")
-    # 10 s was too short on a 2-core machine at load 30: the 4 processes' orbax saves (every
-    # --ckpt-every steps, no heartbeat meanwhile) took longer, and the undisturbed run restarted
-    p.add_argument("--hang-timeout", type=float, default=60.0, help="the agents' --hang-timeout")
+    # a save or an evaluation is no longer held to it (dpjax.recovery.heartbeat: busy between
+    # steps), only a step or a stopped process's silence: 20 s leaves a loaded machine's step room
+    p.add_argument("--hang-timeout", type=float, default=20.0, help="the agents' --hang-timeout")
     p.add_argument("--recover-s", type=float, default=300.0, help="the longest wait for a restart to train again")
     p.add_argument("--tmpfs-mb", type=int, default=64, help="the commit folder's tmpfs (the full disk's)")
     p.add_argument("--data", default=None, help="a text file; None: 300 kB of the stdlib corpus")

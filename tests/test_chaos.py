@@ -30,3 +30,33 @@ def test_every_kind_of_fault_once_and_nothing_lost(capsys):
     for kind in ("kill", "in-commit", "hang", "host", "corrupt", "truncate", "double"):
         assert kind in table, out
         assert int(table[kind].split("|")[3]) >= 1, table[kind]  # it was a failure the agents restarted from
+
+
+def test_an_armed_rank_dies_in_its_commit_write_leaving_it_torn(tmp_path, monkeypatch):
+    """The soak's in-commit fault (dpjax.recovery.fault.in_write): armed through a file, the
+    writer cuts its temporary file to half and SIGKILLs itself before the rename."""
+    import signal
+
+    from dpjax.recovery import fault
+    from dpjax.recovery.file_format import write_file
+
+    class Killed(BaseException):
+        pass
+
+    seen = {}
+
+    def kill(pid, sig):  # what a real SIGKILL would find at that moment
+        folder = tmp_path / "c"
+        seen.update(pid=pid, sig=sig, files={f: os.path.getsize(folder / f) for f in os.listdir(folder)})
+        raise Killed
+
+    monkeypatch.setattr(fault.os, "kill", kill)
+    monkeypatch.setenv(fault.ARM, str(tmp_path))
+    assert write_file(str(tmp_path / "c"), "s000000001_w4.bin", 2, lambda fh: fh.write(b"x" * 1000))[1] == 1000
+    (tmp_path / f"kill-in-write-{os.getpid()}").touch()
+    with pytest.raises(Killed):
+        write_file(str(tmp_path / "c"), "s000000002_w4.bin", 2, lambda fh: fh.write(b"y" * 1000))
+    assert seen["pid"] == os.getpid() and seen["sig"] == signal.SIGKILL
+    (torn,) = [f for f in seen["files"] if f.startswith(".s000000002_w4.bin.tmp")]
+    assert seen["files"] == {"s000000001_w4.bin": 1000, torn: 500}  # half written, never renamed into place
+    assert (tmp_path / f"kill-in-write-{os.getpid()}").read_text().endswith(torn)

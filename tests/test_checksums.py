@@ -190,3 +190,29 @@ def test_verify_as_a_process(saved, tmp_path):
     assert r.stdout.strip().endswith("a restore uses step 1"), r.stdout
     with pytest.raises(dpjax.errors.UserError, match="holds no commits"):
         verify(str(root / "h0"))
+
+
+def test_no_good_checkpoint_ends_a_fresh_resume_but_not_an_agents_restart(saved, tmp_path, capfd, monkeypatch):
+    """Every checkpoint corrupt (the chaos soak cut the only one in half): --resume by hand
+    is one line; an agent's restart says it and goes on to the job's commits (restarting
+    ended every round with exit 2, and the agents gave up)."""
+    from dpjax.recovery.checkpoint import NoneGood
+    from dpjax.settings import Settings
+    from dpjax.train.checkpoints import Checkpoints
+
+    root = _copy(saved, tmp_path, "ckpt")
+    for step in (1, 2):
+        _flip(root / str(step) / "state" / "_METADATA", 10)
+
+    class Trainer:  # what Checkpoints.restore reads of a trainer; a load would fail here
+        record = None
+
+        def state(self):
+            return _state(_arrays(0))
+
+    part = Checkpoints(Settings(ckpt_dir=str(root), resume=True))
+    with pytest.raises(NoneGood, match="no good checkpoint is left"):
+        part.restore(Trainer())
+    monkeypatch.setenv("DPJAX_RESTART", "1")
+    Checkpoints(Settings(ckpt_dir=str(root))).restore(Trainer())
+    assert "the restart restores the job's commits" in capfd.readouterr().err

@@ -158,8 +158,8 @@ def test_a_hung_rank_is_detected_and_the_run_recovers(corpus, straight, tmp_path
     assert codes == [0, 0], errs
     for err in errs:  # both agents name the stopped rank as the cause, not the ranks waiting for it
         line = next(s for s in err.splitlines() if "round 2 (restart 1" in s)
-        assert "after rank 2 on host h1 failed: hung: no step for" in line and "(stopped: SIGSTOP)" in line
-        silent = float(line.split("no step for ")[1].split(" s")[0])
+        assert "after rank 2 on host h1 failed: hung: no heartbeat for" in line and "(stopped: SIGSTOP)" in line
+        silent = float(line.split("no heartbeat for ")[1].split(" s")[0])
         assert silent <= hang + 5  # detected within --hang-timeout + 5 s of its last step
     assert read_losses(metrics) == straight
 
@@ -213,7 +213,7 @@ def _done_line(err):
     ("kill", "killed by signal SIGKILL", ()),
     # stopped while the processes finish; a timeout that the end's evaluation (compiled then) fits in, on a loaded
     # machine: a process silent longer before its last commit is taken for hung (a restart finds nothing left)
-    ("hang", "hung: no step for", ("--hang-timeout", "20")),
+    ("hang", "hung: no heartbeat for", ("--hang-timeout", "20")),
 ])
 def test_a_failure_after_the_end_ends_the_job_with_0_and_one_line(corpus, straight, tmp_path, kind, how, agent_args):
     codes, errs, _, metrics, _ = run_agents(tmp_path, tiny(corpus), fault=f"rank=2,step=end,kind={kind}",

@@ -7,8 +7,10 @@ The agents meet at a rendezvous (`rendezvous.py`: a TCP service the first agent 
 can listen on HOST:PORT runs), agree on the job's membership (at least MIN hosts, at most
 MAX), and each starts its host's K processes with the job's `jax.distributed` settings
 (coordinator on the first host, process count and ids) and the elastic ones
-(`env.py`). On any failure (a process that exits abnormally, one whose heartbeat is
-older than --hang-timeout, a host whose agent falls silent) every agent stops its
+(`env.py`). On any failure (a process that exits abnormally, one stopped or without a
+step for --hang-timeout, or busy between steps -- a save, an evaluation -- for
+--start-timeout: `dpjax.recovery.heartbeat`; a host whose agent is silent for
+--host-timeout) every agent stops its
 processes and the job starts again at the size that is left, or at the same size when
 the failed host can start again; the training loop restores the newest step every
 process committed (`dpjax.recovery.commit`), so at most about one step of work is lost. More

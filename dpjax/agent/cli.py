@@ -36,9 +36,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="where the agents meet; the first agent that can listen there runs the rendezvous")
     p.add_argument("--max-restarts", type=int, default=3, metavar="N", help="failures survived before giving up")
     p.add_argument("--hang-timeout", type=float, default=60.0, metavar="S",
-                   help="a process with no step for this many seconds has hung")
-    p.add_argument("--start-timeout", type=float, default=600.0, metavar="S",
-                   help="a process with no first step (start, compile, restore) for this many seconds has hung")
+                   help="a process with no step for this many seconds, or whose heartbeat (a thread of its own, "
+                        "every second) is this old, has hung")
+    p.add_argument("--start-timeout", type=float, default=1800.0, metavar="S",
+                   help="a process with no first step (start, compile, restore) for this many seconds, or busy "
+                        "between steps (a checkpoint's save, an evaluation, the run's end) this long, has hung")
+    p.add_argument("--host-timeout", type=float, default=10.0, metavar="S",
+                   help="an agent not heard from for this many seconds has lost its host (each agent says it is "
+                        "alive from a thread of its own, every second)")
     p.add_argument("--host-id", default=socket.gethostname(),
                    help="this host's name (unique among the agents; its commits' folder)")
     p.add_argument("--commit-dir", default=None,
@@ -59,9 +64,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args, command: list[str]) -> int:
     from dpjax.agent.supervisor import Agent
 
-    if args.nproc_per_node < 1 or args.max_restarts < 0 or args.hang_timeout <= 0:
-        print("dpjax.agent: --nproc-per-node must be >= 1, --max-restarts >= 0, --hang-timeout > 0",
-              file=sys.stderr)
+    if args.nproc_per_node < 1 or args.max_restarts < 0 or min(args.hang_timeout, args.start_timeout,
+                                                                  args.host_timeout) <= 0:
+        print("dpjax.agent: --nproc-per-node must be >= 1, --max-restarts >= 0, --hang-timeout, --start-timeout "
+              "and --host-timeout > 0", file=sys.stderr)
         return 2
     if args.commit_dir is not None:
         return Agent(args, command).run()

@@ -31,7 +31,9 @@ import socketserver
 import threading
 import time
 
-LOST_AFTER_S = 3.0
+# An agent's own thread says it lives every second (supervisor.ALIVE_S); 3 s of silence was
+# seen from a live agent on a 2-core machine at load 40, so the default is --host-timeout 10
+LOST_AFTER_S = 10.0
 
 
 class State:

@@ -9,6 +9,7 @@ import math
 import os
 import signal
 import sys
+import threading
 import time
 
 from dpjax import distributed
@@ -20,6 +21,7 @@ from dpjax.distributed.output import log_dir
 
 POLL_S = 0.1  # how often the processes are looked at
 ASK_S = 0.25  # how often the rendezvous is asked how the round goes
+ALIVE_S = 1.0  # how often the agent's own thread says it is alive (the rendezvous's --host-timeout)
 
 
 class RendezvousLost(ConnectionError):
@@ -52,6 +54,7 @@ class Agent:
         self.rhost, self.rport = args.rdzv.rsplit(":", 1)[0], int(args.rdzv.rsplit(":", 1)[1])
         self.server = None
         self.stopped = None
+        self.leaving = threading.Event()
         self.settings, self.skipped = False, []  # the command's dpjax.train settings (parsed when first needed)
 
     def say(self, text: str) -> None:
@@ -71,7 +74,7 @@ class Agent:
         if self.server is None:
             mn, mx = self.a.nnodes
             state = rdzv.State(mn, mx, self.a.max_restarts, last_call=self.a.rdzv_last_call,
-                               first_wait=self.a.rdzv_wait)
+                               first_wait=self.a.rdzv_wait, lost_after=self.a.host_timeout)
             self.server = rdzv.serve(self.rhost, self.rport, state)
 
     def env(self, view: dict) -> dict:
@@ -102,8 +105,19 @@ class Agent:
             env[ENV["devices"]] = str(a.devices_per_process)
         return env
 
+    def _alive(self) -> None:
+        """A thread's: tells the rendezvous this agent lives every ALIVE_S, whatever its
+        loop is doing (starting or stopping processes, parsing the command's settings,
+        waiting for a dead process's last lines): silence means a lost host, not a busy one."""
+        while not self.leaving.wait(ALIVE_S):
+            try:
+                rdzv.request(self.rhost, self.rport, {"op": "poll", "host": self.host}, timeout=ALIVE_S)
+            except (OSError, ValueError):
+                pass  # the loop's own requests find out whether the rendezvous is lost
+
     def run(self) -> int:
         self._serve()
+        threading.Thread(target=self._alive, daemon=True, name="dpjax-agent-alive").start()
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, self._on_signal)
         addr = rdzv.local_address(self.rhost, self.rport)
@@ -175,6 +189,7 @@ class Agent:
         try:
             while True:
                 if self.stopped is not None:
+                    self.leaving.set()  # its beats stop first: after "leave" it is gone
                     self.ask("leave")
                     raise KeyboardInterrupt
                 result = w.check(a.hang_timeout, a.start_timeout)

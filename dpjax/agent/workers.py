@@ -11,7 +11,6 @@ a consequence, and is named as one.
 from __future__ import annotations
 
 import ctypes
-import json
 import os
 import re
 import signal
@@ -21,6 +20,7 @@ import threading
 import time
 
 from dpjax import distributed
+from dpjax.recovery import heartbeat
 from dpjax.recovery.env import ENV
 from dpjax.distributed.output import RankOutput
 
@@ -97,12 +97,7 @@ class Workers:
 
     def heartbeat(self, i: int):
         """(age in seconds, what the heartbeat says) of local process i; (None, {}) before its first."""
-        try:
-            with open(self.heartbeats[i]) as fh:
-                beat = json.load(fh)
-            return time.time() - os.path.getmtime(self.heartbeats[i]), beat
-        except (OSError, ValueError):
-            return None, {}
+        return heartbeat.read(self.heartbeats[i])
 
     def completed(self) -> int | None:
         """The furthest step whose state any of these processes had on its host."""
@@ -141,20 +136,25 @@ class Workers:
             return min(dead, key=lambda f: (not f["signal"], f["echo"], f["rank"]))
         if all(c == 0 for c in codes):
             return "done"
-        hung = [self._hang(i) for i in range(self.k) if codes[i] is None]
-        hung = [h for h in hung if h["age"] > (hang_timeout if h["beat"] else start_timeout)]
+        hung = [self._hang(i, hang_timeout, start_timeout) for i in range(self.k) if codes[i] is None]
+        hung = [h for h in hung if h is not None]
         # the stopped one first: the others went silent waiting for it in a collective
         return min(hung, key=lambda h: (not h["stopped"], h["silent_since"])) if hung else None
 
-    def _hang(self, i: int) -> dict:
+    def _hang(self, i: int, hang_timeout: float = -1.0, start_timeout: float = -1.0) -> dict | None:
+        """Local process i as a hang when its heartbeat says it is one (`heartbeat.judge`:
+        no beat, or no step outside a busy phase, for longer than its limit); None if not.
+        With the default limits (post_mortem: it is stopped) always."""
         now, (age, beat) = time.time(), self.heartbeat(i)
-        since = "its last step" if age is not None else "its start"
-        age = age if age is not None else now - self.started
         state = process_state(self.procs[i].pid)
+        verdict = heartbeat.judge(age, beat, self.started, hang_timeout, start_timeout, now, stopped=state == "T")
+        if verdict is None:
+            return None
+        silent, what = verdict
         why = " (stopped: SIGSTOP)" if state == "T" else f" (state {state})" if state else ""
         at = f" after step {beat['dispatched']}" if beat.get("dispatched") is not None else ""
-        return {"rank": self.first + i, "how": f"hung: no step for {age:.0f} s since {since}{at}{why}", "hang": True,
-                "stopped": state == "T", "silent_since": now - age, "t": now, "age": age, "beat": bool(beat)}
+        return {"rank": self.first + i, "how": f"hung: {what}{at}{why}", "hang": True, "stopped": state == "T",
+                "silent_since": now - silent, "t": now}
 
     def post_mortem(self) -> list:
         """What this host's processes died of, or are stopped by, when the round failed

@@ -48,6 +48,10 @@ class Unreadable(CheckpointError):
     """A step orbax could not read."""
 
 
+class NoneGood(CheckpointError):
+    """Every checkpoint in the folder is corrupt (each fails its checksums)."""
+
+
 class Checkpointer:
     def __init__(self, directory: str, max_to_keep: int = 3):
         import orbax.checkpoint as ocp
@@ -213,7 +217,7 @@ class Checkpointer:
             if want is not None and len(out) >= want:
                 break
         if not out and corrupt:
-            raise CheckpointError(f"{corrupt[0]}; no good checkpoint is left in {self.directory} "
+            raise NoneGood(f"{corrupt[0]}; no good checkpoint is left in {self.directory} "
                                   f"({len(corrupt)} corrupt: python -m dpjax.recovery verify lists them)")
         for line in corrupt:
             print(f"dpjax.recovery: {line}; passed over", file=sys.stderr, flush=True)

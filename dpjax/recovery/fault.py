@@ -20,6 +20,13 @@ moments after the last step, for what a failure at a run's end does (docs/recove
     DPJAX_FAULT="rank=2,step=end,kind=hang"           when every process has committed the last
                                                       step and said so (the job is over)
 
+A commit's write is struck from outside (experiments/chaos.py) through a folder:
+
+    DPJAX_FAULT_ARM=DIR       a process that finds DIR/kill-in-write-<its pid> when it writes a
+                              commit file cuts that file to half its bytes (torn, never
+                              renamed into place), writes its name into the arming file and
+                              SIGKILLs itself: killed during a commit's write, every time
+
 `once` (the default) fires only in the first attempt of a job (DPJAX_RESTART, set by
 `dpjax.agent`, is 0 or unset), so the restarted job runs through. Several faults are separated by ';'.
 """
@@ -119,6 +126,24 @@ def fire(fault: Fault) -> None:
             pass
         os.killpg(os.getpgid(0), signal.SIGKILL)
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+ARM = "DPJAX_FAULT_ARM"
+
+
+def in_write(fh) -> None:
+    """Called by a commit file's write once its bytes are in the temporary file, before the
+    rename: dies there, the file torn, when armed (`DPJAX_FAULT_ARM`)."""
+    folder = os.environ.get(ARM)
+    if not folder:
+        return
+    armed = os.path.join(folder, f"kill-in-write-{os.getpid()}")
+    if os.path.exists(armed):
+        fh.flush()
+        fh.truncate(fh.tell() // 2)
+        with open(armed, "w") as out:
+            out.write(fh.name)
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _group_members(group: int) -> list[int]:

@@ -29,6 +29,8 @@ import zlib
 
 import numpy as np
 
+from dpjax.recovery import fault
+
 from dpjax.errors import UserError
 
 MAGIC = b"DPJC2"  # DPJC1 files (no checksums) are refused as not of this version
@@ -201,6 +203,7 @@ def write_file(folder: str, name: str, keep: int, fill) -> tuple[str, int]:
     try:
         with open(tmp, "r+b" if os.path.exists(tmp) else "wb") as fh:
             fill(fh)
+            fault.in_write(fh)  # an injected death in the write (DPJAX_FAULT_ARM): the rename never comes
             fh.truncate()
             size = fh.tell()
     except BaseException:

@@ -174,12 +174,27 @@ class Commits(Hook):
     def __init__(self, elastic):
         self.elastic = elastic
 
+    def before(self, loop, step: int) -> None:
+        if self.elastic is not None:
+            self.elastic.busy(None)  # stepping again: the agent's --hang-timeout holds
+
     def dispatched(self, loop, flight) -> None:
         if self.elastic is not None:
             self.elastic.after_step(loop.trainer, flight.step_i + 1, loop.write, loop.in_flight)
 
+    def after(self, loop, step: int) -> None:
+        # the hooks after this one (a checkpoint's save, an evaluation, a run's own) may take
+        # longer than a step: busy, held to the agent's --start-timeout (dpjax.recovery.heartbeat)
+        if self.elastic is not None:
+            self.elastic.busy(f"the work after step {step} (a checkpoint, an evaluation)")
+
+    def end(self, loop) -> None:
+        if self.elastic is not None:
+            self.elastic.busy("the run's end (the last evaluation, checkpoint and commit)")
+
     def close(self, loop) -> None:
         if self.elastic is not None:
+            self.elastic.busy("the run's end (the last commit)")
             self.elastic.close()
 
 

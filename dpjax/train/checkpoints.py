@@ -5,8 +5,10 @@ starts (`restore`), and saves every --ckpt-every steps, at the last step and at 
 from __future__ import annotations
 
 import os
+import sys
 
-from dpjax.recovery.checkpoint import Checkpointer
+from dpjax.recovery.checkpoint import Checkpointer, NoneGood
+from dpjax.recovery.env import restart_number
 from dpjax.train import nonfinite, record, resume
 from dpjax.train.hooks import Hook
 
@@ -35,7 +37,16 @@ class Checkpoints(Hook):
             return
         abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
                                 trainer.state())
-        state, saved = self.ckpt.restore(abstract, expect=trainer.record)
+        try:
+            state, saved = self.ckpt.restore(abstract, expect=trainer.record)
+        except NoneGood as e:
+            if restart_number() == 0:
+                raise
+            # an agent's restart: the job's commits hold its state (dpjax.train.elastic restores
+            # them next); a corrupt checkpoint must not end a job that lost a rank (the chaos soak:
+            # the only checkpoint cut in half, every restart ended with exit 2)
+            print(f"dpjax.recovery: {e}; the restart restores the job's commits", file=sys.stderr, flush=True)
+            return
         trainer.load_state(state, saved["step"], saved["cursor"])
         trainer.resumed = saved
         self.saved = [saved["step"]]  # good as far as is known: a non-finite loss at this step sets it aside

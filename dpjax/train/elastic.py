@@ -24,6 +24,7 @@ import traceback
 IMPORTED = time.time()  # about when this process started (the restart's breakdown)
 
 from dpjax.recovery import fault as faults  # noqa: E402
+from dpjax.recovery.heartbeat import Heartbeat  # noqa: E402
 from dpjax.recovery.env import ENV, restart_number  # noqa: E402
 
 
@@ -86,7 +87,7 @@ class Elastic:
         from dpjax.recovery.interval import AutoInterval
         from dpjax.train.loop import MAX_IN_FLIGHT
 
-        self.cfg, self.committer, self.heartbeat_path = trainer.cfg, committer, heartbeat
+        self.cfg, self.committer = trainer.cfg, committer
         self.faults = faults.for_process(jax.process_index())
         self.restored, self.reported = None, False
         every = trainer.cfg.commit_every
@@ -98,8 +99,10 @@ class Elastic:
         self.last_t = None  # when the last iteration ended (the auto interval times each)
         self.announced, self.gaps = False, {}  # the gap decided at each commit not yet finished
         self.finished, self.first_done_at = 0, None  # steps whose results the loop has; the restart's first step
-        self.beaten = False  # whether this process has written a heartbeat
+        self.beaten = False  # whether this process's first step is done (its progress clock runs)
         self.marks: dict = {}  # how far the run's end has come, in every heartbeat from then on (`close`)
+        # the agent's hang check (dpjax.recovery.heartbeat): a thread's beats, the loop's progress
+        self.beat = Heartbeat(heartbeat, self._beat_fields) if heartbeat else None
 
     def first_commit(self, start: int) -> int:
         """The step of the first commit from `start`: under auto, once the interval has
@@ -167,7 +170,7 @@ class Elastic:
                 c.flush()  # the last commit's figures land in the last row
         if c is not None:
             self._measure(done, began, write, in_flight, finished)
-        if not self.beaten and in_flight and self.heartbeat_path:
+        if not self.beaten and in_flight and self.beat is not None:
             # the first heartbeat once this process's first step is done, which takes every process
             # (its collectives): until then --start-timeout applies, not --hang-timeout, so that a
             # process whose peers are still starting or restoring is not taken for hung
@@ -249,15 +252,26 @@ class Elastic:
             if jax.process_index() == 0:
                 print(self.auto.line(), flush=True)
 
+    def _beat_fields(self) -> dict:
+        # the furthest step done (its state committed, or its results in the loop's hands): a
+        # failure loses the steps from the restored commit to this one (steps_lost)
+        completed = max(self.finished, self.committer.completed) if self.committer is not None else None
+        return {"completed": completed, **self.marks}
+
     def heartbeat(self, done: int) -> None:
-        if self.heartbeat_path:
-            # the furthest step done (its state committed, or its results in the loop's hands): a
-            # failure loses the steps from the restored commit to this one (steps_lost)
-            completed = max(self.finished, self.committer.completed) if self.committer is not None else None
-            tmp = f"{self.heartbeat_path}.tmp"
-            with open(tmp, "w") as fh:
-                json.dump({"dispatched": done, "completed": completed, "t": time.time(), **self.marks}, fh)
-            os.replace(tmp, self.heartbeat_path)
+        """Step `done` dispatched: progress once the first step is done (before, the
+        start's limit holds: its peers may still be compiling or restoring)."""
+        if self.beat is not None:
+            if self.beaten:
+                self.beat.step(done)
+            else:
+                self.beat.write()
+
+    def busy(self, what: str | None) -> None:
+        """Between steps: the run is busy with `what` (a save, an evaluation, its end), held
+        to the agent's --start-timeout rather than --hang-timeout; None: stepping again."""
+        if self.beat is not None:
+            self.beat.busy(what) if what else self.beat.idle()
 
     def report(self, trainer, write) -> None:
         """The restart's account: size, mesh, where the state came from, steps and seconds lost."""
@@ -313,7 +327,8 @@ class Elastic:
 
     def mark(self, **marks) -> None:
         self.marks.update(marks)
-        self.heartbeat(self.cfg.steps)
+        if self.beat is not None:
+            self.beat.write()
 
     def _at_end(self, moment: str) -> None:
         if moment in self.faults:  # DPJAX_FAULT's step=committed / step=end
