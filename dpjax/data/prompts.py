@@ -55,6 +55,7 @@ class Prompts:
 
     format: ChatFormat
     prompts: list
+    reward: object = None  # --reward's function (dpjax.train.reward.Reward), imported with the prompts' reading
 
     @property
     def held_out(self) -> list:

@@ -31,6 +31,7 @@ import time
 
 import numpy as np
 
+from dpjax.data.sft import EpochOrder
 from dpjax.train.hooks import Hook
 
 
@@ -52,9 +53,12 @@ def streams(cfg, model) -> tuple:
     from dpjax.data.tokenizer import HF
     from dpjax.train.streams import chat_format, tokenizer_folder
 
+    from dpjax.train.reward import Reward
+
+    reward = Reward(cfg.reward)  # a spec that does not import: refused before anything compiles
     folder = tokenizer_folder(cfg)
     fmt = chat_format(cfg, model, folder)
-    prompts = prompt_data.Prompts(fmt, prompt_data.load(cfg.prompts, fmt, cfg.seq_len, cfg.max_completion))
+    prompts = prompt_data.Prompts(fmt, prompt_data.load(cfg.prompts, fmt, cfg.seq_len, cfg.max_completion), reward)
     return RolloutStream(cfg.seq_len), None, HF(fmt.tok, os.path.join(folder, "tokenizer.json")), prompts
 
 
@@ -138,15 +142,11 @@ class Rollouts(Hook):
     reward and the time split into every step's row."""
 
     def __init__(self, trainer):
-        from dpjax.train.reward import Reward
-
         cfg = trainer.cfg
         self.trainer, self.cfg = trainer, cfg
-        self.reward = Reward(cfg.reward)
+        self.reward = trainer.chat.reward
         self.prompts = trainer.chat.prompts
         self.per_batch = cfg.batch_size // cfg.group_size
-        from dpjax.data.sft import EpochOrder
-
         self.order = EpochOrder(len(self.prompts), cfg.seed)
         fmt = trainer.chat.format
         self.eos = np.asarray([i for i in (fmt.tok.token_to_id(t) for t in fmt.stops) if i is not None], np.int32)
