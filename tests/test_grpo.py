@@ -91,13 +91,14 @@ def test_the_same_seed_samples_the_same_completions_on_every_mesh(llama, mesh_of
 
 
 BASE = ["--task", "grpo", "--tokenizer", SUMS, "--vocab-size", "16", "--model", "llama", "--d-model", "16",
-        "--n-layers", "1", "--n-heads", "2", "--n-kv-heads", "2", "--seq-len", "8", "--max-completion", "2", "--batch-size", "8",
-        "--steps", "1", "--progress", "none"]
+        "--n-layers", "1", "--n-heads", "2", "--n-kv-heads", "2", "--seq-len", "8", "--max-completion", "2",
+        "--batch-size", "8", "--steps", "1", "--progress", "none"]
 
 
 @pytest.mark.parametrize("args, says", [
     (["--reward", "x:y"], "give --prompts FILE.jsonl"),
-    (["--prompts", "{prompts}", "--reward", f"{SUMS}/reward.py:reward", "--group-size", "1"], "a group of one"),
+    (["--prompts", "{prompts}", "--reward", f"{SUMS}/reward.py:reward", "--group-size", "1"],
+     "a group of one"),
     (["--prompts", "{prompts}", "--reward", "no_such_module_here:reward"], "cannot import no_such_module_here"),
     (["--prompts", "{prompts}", "--reward", f"{SUMS}/reward.py:nothing"], "has no function 'nothing'"),
 ])
