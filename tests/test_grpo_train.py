@@ -74,7 +74,7 @@ def test_a_broken_reward_stops_in_one_line(tmp_path, reward, says):
     cmd = [sys.executable, "-m", "dpjax.train", "--task", "grpo", "--prompts", str(prompts), "--reward",
            f"{SUMS}/reward.py:{reward}", "--tokenizer", SUMS, "--vocab-size", "16", "--model", "llama",
            "--d-model", "16", "--n-layers", "1", "--n-heads", "2", "--n-kv-heads", "2", "--seq-len", "8",
-           "--max-completion", "2", "--group-size", "2", "--batch-size", "8", "--mesh", "2x4", "--steps", "2",
+           "--max-completion", "2", "--group-size", "2", "--batch-size", "8", "--mesh", "4x2", "--steps", "2",
            "--progress", "none", "--metrics", str(metrics)]
     r = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": ROOT}, timeout=600)
     assert r.returncode == 2, r.stderr[-2000:]
