@@ -37,9 +37,9 @@ def write_prompts(path: str, digits: int = 5) -> str:
     return path
 
 
-def train_args(folder: str, steps: int, mesh: str = "2x4", seed: int = 0) -> list[str]:
+def train_args(folder: str, steps: int, mesh: str = "2x4", seed: int = 0, digits: int = 5) -> list[str]:
     """`python -m dpjax.train` arguments of the run (its prompts written into `folder`)."""
-    prompts = write_prompts(os.path.join(folder, "sums.jsonl"))
+    prompts = write_prompts(os.path.join(folder, "sums.jsonl"), digits)
     return ["--task", "grpo", "--prompts", prompts, "--reward", REWARD, "--group-size", "8", "--batch-size", "64",
             "--max-completion", "2", "--tokenizer", FIXTURE, "--vocab-size", "16", "--model", "llama",
             "--d-model", "32", "--n-layers", "2", "--n-heads", "4", "--n-kv-heads", "2", "--d-ff", "64",
