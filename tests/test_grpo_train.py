@@ -40,10 +40,10 @@ def rows(path):
 def test_learns_the_sums_from_reward_alone(tmp_path):
     exp = experiment()
     metrics = tmp_path / "m.jsonl"
-    assert main([*exp.train_args(str(tmp_path), steps=300), "--metrics", str(metrics)]) == 0
+    assert main([*exp.train_args(str(tmp_path), steps=200), "--metrics", str(metrics)]) == 0
     reward = [r["reward"] for r in rows(metrics)]
-    assert sum(reward[:10]) / 10 < 0.1, reward[:10]
-    assert sum(reward[-10:]) / 10 >= 0.8, reward[-10:]
+    assert len(reward) == 200 and sum(reward[:10]) / 10 < 0.1, reward[:10]
+    assert sum(reward[-50:]) / 50 >= 0.8, reward[-50:]  # each step's 256 completions sampled at temperature 1
     row = rows(metrics)[0]
     assert row["generate_time"] > 0 and row["score_time"] > 0 and row["train_time"] == row["step_time"]
 
