@@ -46,18 +46,14 @@ class RolloutStream:
         return {k: v[rows] for k, v in self.arrays.items()}
 
 
-def streams(cfg, model) -> tuple:
-    """(train stream, validation stream: none, tokenizer, the prompts' Prompts) of --prompts,
-    read with the model's tokenizer and template (`dpjax.train.streams`)."""
+def streams(cfg, fmt, folder: str) -> tuple:
+    """(train stream, validation stream: none, tokenizer, the prompts' Prompts) of --prompts, read
+    with `fmt`, the template and tokenizer.json of `folder` (`dpjax.train.streams` makes both)."""
     from dpjax.data import prompts as prompt_data
     from dpjax.data.tokenizer import HF
-    from dpjax.train.streams import chat_format, tokenizer_folder
-
     from dpjax.train.reward import Reward
 
     reward = Reward(cfg.reward)  # a spec that does not import: refused before anything compiles
-    folder = tokenizer_folder(cfg)
-    fmt = chat_format(cfg, model, folder)
     prompts = prompt_data.Prompts(fmt, prompt_data.load(cfg.prompts, fmt, cfg.seq_len, cfg.max_completion), reward)
     return RolloutStream(cfg.seq_len), None, HF(fmt.tok, os.path.join(folder, "tokenizer.json")), prompts
 
