@@ -8,7 +8,7 @@ mesh: each step samples G = 8 completions of 32 prompts (the 25 in a seeded orde
 epoch) with the KV-cache generator on the trainer's own parameters, scores them, and takes the
 clipped policy-gradient step (AdamW, lr 1e-2) with the KL term (--kl-coef 0.01) to the starting
 weights. The mean reward of each step's completions, sampled at
-temperature 1, rises from about 0.01 to above 0.8; each row's time split (generate / score /
+temperature 1, rises from about 0.04 to above 0.8; each row's time split (generate / score /
 train) is summed at the end.
 
     python experiments/grpo_sum.py --plot experiments/plots/grpo_sum.png --json experiments/plots/grpo_sum.json
