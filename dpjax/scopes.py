@@ -40,7 +40,7 @@ import re
 import jax
 
 PHASES = ("forward_backward", "exchange", "optimizer", "loss")
-HOST_PHASES = ("data", "dispatch", "host_wait", "checkpoint", "eval")
+HOST_PHASES = ("data", "dispatch", "host_wait", "checkpoint", "eval", "generate", "score")  # the last two: GRPO
 COLLECTIVES = ("allreduce", "reduce_scatter", "all_gather", "broadcast", "all_to_all", "send")
 
 _TOKEN = re.compile(r"dpjax:(\w+)(?:\(([^()]*)\))?")

@@ -150,7 +150,8 @@ class Settings:
                                         "SentencePiece .model (both need the hf extra), or bpe:N (a byte-level BPE "
                                         "of N ids trained on the corpus first). Default: bytes (256 ids)")
     task: str | None = MODEL(None, lambda: "what the step optimises: " + "; ".join(
-        f"{t.name}: {t.about}" for t in _tasks().values()) + ". Default: sft for --data chat:PATH, else lm",
+        f"{t.name}: {t.about}" for t in _tasks().values())
+        + ". Default: sft for --data chat:PATH, grpo with --prompts, else lm",
                              choices=lambda: tuple(_tasks()))
     # Chat data (--data chat:PATH; dpjax.data.chat)
     loss_on: str = MODEL("assistant", "with chat data, which tokens the loss counts: assistant (each assistant "
@@ -194,6 +195,21 @@ class Settings:
                                          "policy)", choices=("precompute", "online"))
     ref_from: str | None = MODEL(None, "with preference pairs, the reference model: hf:DIR or a checkpoint folder "
                                        "of the same shape. Default: the starting weights (--init-from's)")
+    # Rewards (--task grpo; dpjax.tasks.grpo, dpjax.train.rollout, docs/preferences.md)
+    prompts: str | None = MODEL(None, "with --task grpo, the prompts: FILE.jsonl (or a folder of them) of "
+                                      "{\"prompt\": text or messages} rows (messages: the chat template applies)")
+    reward: str | None = MODEL(None, "with --task grpo, the reward: module:function or path/to/file.py:function, "
+                                     "called as function(prompt, completion[, row]) -> float")
+    group_size: int = MODEL(8, "with --task grpo, completions sampled per prompt (at least 2: each completion's "
+                               "advantage is its reward against its group's); --batch-size counts completions")
+    max_completion: int = MODEL(32, "with --task grpo, new tokens a completion has at most (the prompt and these "
+                                    "fit --seq-len)")
+    temperature: float = MODEL(1.0, "with --task grpo, the sampling temperature of the completions")
+    kl_coef: float = MODEL(0.04, "with --task grpo, the weight of the KL term to the reference (the starting "
+                                 "weights); 0: no reference")
+    clip_eps: float = MODEL(0.2, "with --task grpo, the clip range of the probability ratio (PPO's epsilon)")
+    grpo_updates: int = MODEL(1, "with --task grpo, optimizer steps on each generation batch (each --steps step is "
+                                 "one; the completions are sampled and scored once every this many)")
     vocab_size: int | None = MODEL(None, "the vocabulary of a token file (--data FILE.bin); default 256 (bytes)")
     token_dtype: str = MODEL("auto", "the ids' type in a token file; auto: uint32 if the file name says u32 or "
                                     "uint32, else uint16", choices=("auto", "uint16", "uint32"))

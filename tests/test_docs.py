@@ -192,6 +192,7 @@ def test_commands_parse_and_plan(command, tmp_path, monkeypatch, capsys):
         (tmp_path / name).write_bytes(bytes(range(256)) * 64)
     (tmp_path / "my_texts").mkdir()
     (tmp_path / "my_texts/a.txt").write_text("hello world\n" * 100)
+    (tmp_path / "prompts.jsonl").write_text('{"prompt": "2+3="}\n')  # docs/preferences.md's GRPO
     monkeypatch.setenv("DPJAX_XLA_FLAGS", "0")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

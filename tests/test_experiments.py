@@ -74,7 +74,9 @@ SLOW = {("bench_train.py", 1), ("bench_train.py", 2), ("staleness.py", 1), ("wan
         # two Llama sft steps compiled (60 CPU-s); tests/test_pack_train.py keeps packed == unpacked fast
         ("pack_throughput.py", 0),
         # a DPO training process (60-90 s under load); tests/test_dpo.py keeps the task's arithmetic fast
-        ("dpo_accuracy.py", 0)}
+        ("dpo_accuracy.py", 0),
+        # a GRPO training process (60-120 s under load); tests/test_grpo.py keeps the loop's parts fast
+        ("grpo_sum.py", 0)}
 
 
 # The smoke that runs as `python experiments/X.py --smoke` whatever in_process says: a cheap

@@ -44,7 +44,8 @@ def settled(s: Settings) -> Settings:
     --compression runs 1-bit Adam's default for its --steps
     (`dpjax.updates.onebit_adam.default_compression`). `check` and `resolve` see these."""
     if s.task is None:  # chat data trains on its answers; anything else on every token
-        task = "sft" if s.data.startswith(CHAT) else "dpo" if s.data.startswith(PREF) else "lm"
+        task = ("sft" if s.data.startswith(CHAT) else "dpo" if s.data.startswith(PREF) else
+                "grpo" if s.prompts is not None else "lm")
         s = dataclasses.replace(s, task=task)
     if s.optimizer == "onebit_adam" and s.compression in (None, "none"):
         return dataclasses.replace(s, compression=default_compression(s.steps))

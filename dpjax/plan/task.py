@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 
 from dpjax.errors import UserError
-from dpjax.mesh import STAGE
+from dpjax.mesh import CONTEXT, STAGE
 from dpjax.models import MODELS
 from dpjax.models.base import Decoder
 from dpjax.tasks.dpo import VARIANTS
@@ -31,6 +31,9 @@ def check_task(s, model, mesh) -> None:
     if mesh.shape.get(STAGE, 1) > 1:
         raise UserError(f"--task {s.task} on a stage axis is not built yet (the pipeline's micro-batches carry "
                         "tokens only); use the data, model, context or FSDP axes")
+    if s.task == "grpo" and mesh.shape.get(CONTEXT, 1) > 1:
+        raise UserError("--task grpo on a context axis is not built yet (the old and reference log-probs are "
+                        "computed whole per sequence); use the data, model or FSDP axes")
     if model.experts:
         raise UserError(f"--task {s.task} with --experts is not built yet (the router's losses are not weighted "
                         "per answer token)")
@@ -41,7 +44,9 @@ def check_chat(s) -> None:
     offsets and a template; the chat flags that name files apply to it only."""
     if s.data.startswith(PREF) or s.task == "dpo":
         return check_pref(s)
-    given = [f"--{k.replace('_', '-')}" for k in ("ref_from",) if getattr(s, k) is not None]
+    if s.task == "grpo" or s.prompts is not None:
+        return check_grpo(s)
+    given = [f"--{k.replace('_', '-')}" for k in ("ref_from", "reward") if getattr(s, k) is not None]
     if given:
         raise UserError(f"{', '.join(given)} applies to preference pairs (--data pref:FILE.jsonl), not --data {s.data}")
     chat = s.data.startswith(CHAT)
@@ -101,3 +106,40 @@ def check_pref(s) -> None:
             raise UserError(f"--ref-from {s.ref_from}: no such folder (the reference model: hf:DIR of a HuggingFace "
                              "model, or a checkpoint folder)")
     _check_rendered(s, PREF)
+
+
+def check_grpo(s) -> None:
+    """--task grpo samples completions of --prompts, scored by --reward, in groups of two or more."""
+    if s.task != "grpo":
+        raise UserError(f"--prompts are for --task grpo (completions sampled and rewarded); --task {s.task} is not "
+                        "that: leave --task out")
+    if s.prompts is None:
+        raise UserError("--task grpo samples completions of prompts: give --prompts FILE.jsonl (rows "
+                        "{\"prompt\": ...})")
+    if not os.path.exists(s.prompts):
+        raise UserError(f"--prompts {s.prompts}: no such file or folder")
+    if s.reward is None or ":" not in s.reward or not s.reward.rsplit(":", 1)[1]:
+        raise UserError(f"--task grpo scores completions with --reward module:function (or path/to/file.py:function)"
+                        f"{'' if s.reward is None else f', got {s.reward!r}'}")
+    if s.group_size < 2:
+        raise UserError(f"--group-size {s.group_size}: a completion's advantage is its reward against the mean of "
+                        "its group; a group of one has no baseline (give 2 or more)")
+    if s.batch_size % s.group_size:
+        raise UserError(f"--batch-size {s.batch_size} counts completions: a multiple of --group-size {s.group_size}")
+    for name, value, ok in (("--max-completion", s.max_completion, s.max_completion >= 1),
+                            ("--grpo-updates", s.grpo_updates, s.grpo_updates >= 1),
+                            ("--temperature", s.temperature, s.temperature > 0),
+                            ("--clip-eps", s.clip_eps, 0 < s.clip_eps < 1), ("--kl-coef", s.kl_coef, s.kl_coef >= 0)):
+        if not ok:
+            raise UserError(f"{name} {value} is out of range (--max-completion and --grpo-updates at least 1, "
+                            "--temperature > 0, 0 < --clip-eps < 1, --kl-coef >= 0)")
+    if s.backward_passes != 1:
+        raise UserError("--task grpo with --backward-passes is not built yet: raise --batch-size instead")
+    given = [f"--{k.replace('_', '-')}" for k in ("eval_data", "eval_fraction", "ref_from")
+             if getattr(s, k) is not None]
+    if given:
+        raise UserError(f"{', '.join(given)} does not apply to --task grpo (no held-out loss: the metrics rows "
+                        "carry the reward)")
+    if s.data != "stdlib":
+        raise UserError(f"--task grpo reads --prompts, not --data {s.data}: leave --data out")
+    _check_rendered(s, "")

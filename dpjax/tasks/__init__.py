@@ -7,6 +7,8 @@ task needs, and the step builder (`dpjax.step`) takes any of them.
           and "positions" too (B x T int32: `sft.py`)
     dpo   preference pairs against a reference (DPO, IPO, hinge, SimPO): the batch is
           {"tokens": the chosen rows, "rejected", "masks", "ref"} (`dpo.py`)
+    grpo  sampled completions and their group advantages, the clipped objective with a KL
+          term: {"tokens", "weights", "adv", "ref", "old"} (`grpo.py`; `dpjax.train.rollout`)
 
 A task's batch is a pytree whose leaves all have the rows first (B; A x B for the train
 step's micro-batches): the data axes split every leaf alike, the micro-batches scan over
@@ -21,7 +23,7 @@ import dataclasses
 from typing import Callable
 
 from dpjax.registry import Registry
-from dpjax.tasks import dpo, lm, sft
+from dpjax.tasks import dpo, grpo, lm, sft
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,6 +47,10 @@ TASKS.register(Task("sft", sft.loss, sft.loss_and_stats,
 TASKS.register(Task("dpo", dpo.loss, dpo.loss_and_stats,
                     "preference pairs (--data pref:FILE.jsonl) against a reference: DPO and its variants "
                     "(--dpo-loss)", reports=True))
+
+TASKS.register(Task("grpo", grpo.loss, grpo.loss_and_stats,
+                    "rewards of sampled completions (--prompts FILE.jsonl --reward module:function): GRPO's clipped "
+                    "objective with group-normalised advantages and a KL term", reports=True))
 
 
 def tokens(batch):

@@ -16,15 +16,34 @@ with a KL penalty to the reference (the k3 estimator, Schulman 2020, always >= 0
 averaged over each completion's tokens, then over the completions (the paper's mean of means;
 aggregate="token": over every completion token of the batch at once, as DAPO does).
 
-Pure functions of arrays (jax.numpy), no model and no generation: the loop that samples the
-groups with the KV-cache generator, scores them and calls these is not built yet.
+The functions below are pure functions of arrays (jax.numpy); `loss_and_stats` is the task
+`--task grpo` registers: the loop that samples the groups with the KV-cache generator, scores
+them and computes the old and reference log-probs is `dpjax.train.rollout`. Its batch, every
+leaf with the completions first (N = prompts x G rows, T = --seq-len targets):
+
+    tokens   N x T+1 int32   prompt, completion, padding
+    weights  N x T   f32     mask x T / |completion|: a completion token's share of its row's mean
+    adv      N       f32     the group-normalised advantages
+    ref      N x T   f32     the reference's log-probs of the targets (with --kl-coef > 0)
+    old      N x T   f32     the sampling policy's (with --grpo-updates > 1; else the current
+                             log-probs, stopped: the ratio is 1 and its gradient A's)
+
+Each device's loss is the plain mean over its slots of weight x l_t: the step's averages
+over the data axes' devices make it the mean over the completions of each one's token mean
+("sequence" below), the same on every mesh and with no count exchanged.
 Shapes: N completions (N = P prompts x G), T completion tokens, mask N x T (1: a completion
 token, 0: padding).
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax.numpy as jnp
+from jax import lax
+
+from dpjax.compute import tensor_parallel as tp
+from dpjax.compute.tensor_parallel import DENSE, Parallel
 
 AGGREGATES = ("sequence", "token")
 
@@ -74,3 +93,46 @@ def objective(logp_NxT, old_logp_NxT, ref_logp_NxT, adv_N, mask_NxT, clip_eps: f
     n = jnp.maximum(mask.sum(), 1.0)
     return loss, {"kl": (kl_k3(logp_NxT, ref_logp_NxT) * mask).sum() / n,
                   "clip_fraction": (clipped_NxT * mask).sum() / n}
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """What a GRPO run sets (--clip-eps, --kl-coef)."""
+
+    clip_eps: float = 0.2
+    kl_coef: float = 0.04
+
+    @classmethod
+    def of(cls, settings) -> "Options":
+        return cls() if settings is None else cls(settings.clip_eps, settings.kl_coef)
+
+
+def token_logps(model, params, tokens_BdxT1, par: Parallel = DENSE):
+    """Bd x T log-probs of each row's targets (tokens[:, 1:]) given the tokens before them,
+    the vocabulary parallel over `model` (every model rank holds them whole)."""
+    logits_BdxTxVm, aux = model.forward(params, tokens_BdxT1[:, :-1], par)
+    assert aux is None, "dpjax.plan refuses --task grpo with experts"
+    return -tp.vocab_parallel_nll(logits_BdxTxVm, tokens_BdxT1[:, 1:], par)
+
+
+def loss_and_stats(model, settings=None):
+    """(the clipped objective with the KL term on this device's rows, {kl, clip_fraction})."""
+    options = Options.of(settings)
+
+    def fn(params, batch, par: Parallel = DENSE):
+        logp_BdxT = token_logps(model, params, batch["tokens"], par)
+        w_BdxT, adv_Bd = batch["weights"], batch["adv"]
+        assert w_BdxT.shape == logp_BdxT.shape and adv_Bd.shape == logp_BdxT.shape[:1], (w_BdxT.shape, adv_Bd.shape)
+        old_BdxT = batch["old"] if "old" in batch else lax.stop_gradient(logp_BdxT)
+        ref_BdxT = batch["ref"] if "ref" in batch else lax.stop_gradient(logp_BdxT)  # --kl-coef 0
+        loss_BdxT, clipped_BdxT = token_losses(logp_BdxT, old_BdxT, ref_BdxT, adv_Bd, options.clip_eps, None,
+                                               options.kl_coef)
+        return (loss_BdxT * w_BdxT).mean(), {"kl": lax.stop_gradient(kl_k3(logp_BdxT, ref_BdxT) * w_BdxT).mean(),
+                                             "clip_fraction": (clipped_BdxT * w_BdxT).mean()}
+
+    return fn
+
+
+def loss(model, settings=None):
+    grpo = loss_and_stats(model, settings)
+    return lambda params, batch, par=DENSE: grpo(params, batch, par)[0]

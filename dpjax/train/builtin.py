@@ -207,6 +207,8 @@ class Evaluation(Hook):
 
     def after(self, loop, step: int) -> None:
         cfg = loop.trainer.cfg
+        if loop.trainer.val_stream is None:  # --task grpo: no held-out loss (its rows carry the reward)
+            return
         if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.steps:
             loop.drain()
             with loop.phase("eval"):
@@ -214,7 +216,8 @@ class Evaluation(Hook):
             loop.reset_clock()  # evaluating is not the next step's time
 
     def end(self, loop) -> None:
-        if self.at != loop.done:  # a hook's stop at an --eval-every step evaluated it already
+        # a hook's stop at an --eval-every step evaluated it already; --task grpo has nothing held out
+        if self.at != loop.done and loop.trainer.val_stream is not None:
             self.record(loop, loop.done)
 
     def record(self, loop, step: int) -> None:
@@ -303,6 +306,7 @@ class Parts:
     commits: Commits
     autotune: Autotune
     recorder: object = None  # --timeline's Recorder (observe.recorder), None without
+    rollouts: object = None  # --task grpo's generate-score loop (rollout.Rollouts), None without
 
     def hooks(self, figures, own=()) -> list:
         """Every hook of a run, in the order its events need: the interrupt's handler first
@@ -310,5 +314,6 @@ class Parts:
         after the step's figures, the evaluation and checkpoint after the run's own hooks,
         the timeline's step closed after them."""
         timeline = [Timeline(self.recorder, self.autotune)] if self.recorder is not None else []
-        return [Interrupt(self.checkpoints), self.autotune, NonFiniteStop(self.checkpoints), figures, Metrics(),
-                Progress(), self.commits, *own, Evaluation(), self.checkpoints, *timeline, Sample()]
+        rollouts = [self.rollouts] if self.rollouts is not None else []  # its start before the metrics file opens
+        return [Interrupt(self.checkpoints), self.autotune, NonFiniteStop(self.checkpoints), *rollouts, figures,
+                Metrics(), Progress(), self.commits, *own, Evaluation(), self.checkpoints, *timeline, Sample()]

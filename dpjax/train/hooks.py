@@ -28,6 +28,7 @@ What a hook may use of `loop` (`dpjax.train.loop.Loop`), and nothing else:
     loop.isolate(program=None, **tags)
                         from `before`: this step runs alone to its end (with `program`
                         instead of the trainer's step; `tags` into its row)
+    loop.tag(**fields)  from `before`: fields into this step's metrics row
     loop.phase(name)    a host phase on the timeline (a context manager)
     loop.reset_clock()  what the hook just spent is not the next step's step_time
     loop.done           steps dispatched so far;  loop.stopping, loop.interrupted

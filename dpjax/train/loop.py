@@ -77,6 +77,10 @@ class Loop:
         while self.in_flight:
             self._retire()
 
+    def tag(self, **fields) -> None:
+        """From a hook's `before`: `fields` go into this step's metrics row (a GRPO batch's reward)."""
+        self.tags.update(fields)
+
     def isolate(self, program=None, **tags) -> None:
         """From a hook's `before`: this step runs alone, waited for to its end before the
         next is dispatched (an autotune trial, a profiled step), with `program` (a

@@ -82,6 +82,11 @@ def streams(cfg, model, rows_multiple: int = 1) -> Data:
 
     if cfg.data.startswith("chat:"):
         return _chat_streams(cfg, model, rows_multiple)
+    if cfg.task == "grpo":  # prompts to sample completions of (dpjax.train.rollout)
+        from dpjax.train import rollout
+
+        folder = tokenizer_folder(cfg)
+        return Data(*rollout.streams(cfg, chat_format(cfg, model, folder), folder))
     if cfg.data.startswith("pref:"):  # preference pairs, --task dpo (dpjax.train.preference)
         from dpjax.train import preference
 

@@ -83,6 +83,10 @@ class Trainer:
             from dpjax.train import preference
 
             preference.reference(self)
+        elif cfg.task == "grpo":  # the reference: a frozen copy of the starting weights, before a restore
+            from dpjax.train import rollout
+
+            rollout.reference(self)
         self.start, self.cursor, self.resumed = 0, 0, {}
         checkpoints = Checkpoints(cfg)
         checkpoints.restore(self)
@@ -93,7 +97,7 @@ class Trainer:
         resume.fresh_or_refuse(self)  # before anything is written: --resume that found nothing is an error
         checkpoints.open(self)
         self.parts = builtin.Parts(checkpoints, commits, builtin.Autotune(tuning.plan_search(self)),
-                                   observe.recorder(cfg))
+                                   observe.recorder(cfg), rollouts=grpo_rollouts(self))
         if self.start >= cfg.steps:
             from dpjax.plan import UsageError
 
@@ -234,6 +238,15 @@ class Trainer:
         from dpjax.train.loop import run_loop
 
         return run_loop(self, hooks)
+
+
+def grpo_rollouts(trainer):
+    """--task grpo's generate-score loop (`dpjax.train.rollout`), None for another task."""
+    if trainer.cfg.task != "grpo":
+        return None
+    from dpjax.train.rollout import Rollouts
+
+    return Rollouts(trainer)
 
 
 def run(cfg: Settings, hooks=()) -> dict:

@@ -1,0 +1,72 @@
+"""`python -m dpjax.train --task grpo` as a user runs it (slow: each run compiles generation and a
+training step). A reward that raises or returns NaN stops the run in one line naming the prompt's
+row, with nothing written (a process each); a run resumed from a checkpoint at a generation batch's
+start equals the uninterrupted run bit for bit. (The learning run is experiments/grpo_sum.py's,
+RESULTS.md; a test of it is not here yet: under pytest seed 0 took another path, 0.62.)"""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from dpjax.train import main
+
+pytestmark = pytest.mark.slow
+
+HERE = os.path.dirname(__file__)
+ROOT = os.path.dirname(HERE)
+SUMS = os.path.join(HERE, "fixtures", "grpo_sum")
+
+
+def experiment():
+    sys.path.insert(0, os.path.join(ROOT, "experiments"))  # its _bench
+    try:
+        spec = importlib.util.spec_from_file_location("grpo_sum", os.path.join(ROOT, "experiments", "grpo_sum.py"))
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.pop(0)
+    return module
+
+
+def rows(path):
+    with open(path) as f:
+        return [r for r in map(json.loads, f) if "reward" in r]
+
+
+def test_resume_is_bit_for_bit(tmp_path):
+    """4 steps, 2 updates a generation batch (the old log-probs path): 2 steps and a checkpoint, then --resume."""
+    exp = experiment()
+    args = [*exp.train_args(str(tmp_path), steps=4, mesh="4x2"), "--grpo-updates", "2"]
+    whole, part, ck = tmp_path / "whole.jsonl", tmp_path / "part.jsonl", str(tmp_path / "ck")
+    assert main([*args, "--metrics", str(whole)]) == 0
+    assert main([*args, "--steps", "2", "--ckpt-dir", ck, "--metrics", str(part)]) == 0
+    assert main([*args, "--ckpt-dir", ck, "--resume", "--metrics", str(part)]) == 0
+    keys = ("step", "loss", "reward", "kl", "clip_fraction")
+    got = {r["step"]: [r[k] for k in keys] for r in rows(part)}
+    want = {r["step"]: [r[k] for k in keys] for r in rows(whole)}
+    assert got == want and len(want) == 4
+    assert want[2][2] == want[1][2] and want[3][2] != want[2][2]  # a batch a pair of steps
+
+
+@pytest.mark.parametrize("reward, says", [("raises", "raised ValueError: no answer key for this prompt on the "
+                                                      "prompt of {prompts}:3"),
+                                          ("nan", "returned nan on the prompt of {prompts}:2")])
+def test_a_broken_reward_stops_in_one_line(tmp_path, reward, says):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "1+2="}\n{"prompt": "2+2=", "bad": true}\n{"prompt": "2+3="}\n'
+                       '{"prompt": "1+1="}\n')
+    metrics = tmp_path / "m.jsonl"
+    cmd = [sys.executable, "-m", "dpjax.train", "--task", "grpo", "--prompts", str(prompts), "--reward",
+           f"{SUMS}/reward.py:{reward}", "--tokenizer", SUMS, "--vocab-size", "16", "--model", "llama",
+           "--d-model", "16", "--n-layers", "1", "--n-heads", "2", "--n-kv-heads", "2", "--seq-len", "8",
+           "--max-completion", "2", "--group-size", "2", "--batch-size", "8", "--mesh", "4x2", "--steps", "2",
+           "--progress", "none", "--metrics", str(metrics)]
+    r = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": ROOT}, timeout=600)
+    assert r.returncode == 2, r.stderr[-2000:]
+    err = r.stderr.strip().splitlines()
+    assert len(err) == 1 and says.format(prompts=prompts) in err[0], err
+    assert not metrics.exists()
