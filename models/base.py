@@ -202,23 +202,23 @@ class Decoder(ByteModel, abc.ABC):
 
     def attention(self, par: Parallel = DENSE, segments=None) -> Callable:
         """The attention core a layer calls, `core(q_BdxTxHmxK, k_BdxTxYmxK, v_BdxTxYmxK,
-        window=None) -> o_BdxTxHmxK`: this rank's Hm query heads, the Ym K/V heads they read
-        (each serving Hm/Ym of them, in order; Y = H without grouped-query attention), and
-        the layer's sliding window (its query at p sees keys p-window+1 .. p; None: all
-        before it). Training: the policy's kernel, or a context axis's (which carries the Y
-        heads round its ring and repeats them itself), masked by packed rows' segment ids;
-        decoding (`segments` a `Decoding`): the KV cache's attention."""
+        window=None, softcap=None) -> o_BdxTxHmxK`: this rank's Hm query heads, the Ym K/V
+        heads they read (each serving Hm/Ym of them, in order; Y = H without grouped-query
+        attention), the layer's sliding window (its query at p sees keys p-window+1 .. p;
+        None: all before it) and its scores' soft cap (Gemma 2's; None: none). Training:
+        the policy's kernel, or a context axis's (which carries the Y heads round its ring
+        and repeats them itself), masked by packed rows' segment ids; decoding (`segments`
+        a `Decoding`): the KV cache's attention, whose window may be traced."""
         if isinstance(segments, Decoding) and segments.attend is not None:
             return segments.attend
         kernel = context.kernel(par)
         masks = {} if segments is None else {"segment_ids_BxT": segments.segment_ids_BxT}
 
-        def core(q_BdxTxHmxK, k_BdxTxYmxK, v_BdxTxYmxK, window: int | None = None):
+        def core(q_BdxTxHmxK, k_BdxTxYmxK, v_BdxTxYmxK, window: int | None = None, softcap: float | None = None):
             if not context.active(par):  # each K/V head repeated to the query heads it serves on this rank
                 Hm = q_BdxTxHmxK.shape[2]
                 k_BdxTxYmxK, v_BdxTxYmxK = context.shared(k_BdxTxYmxK, Hm), context.shared(v_BdxTxYmxK, Hm)
-            return kernel(q_BdxTxHmxK, k_BdxTxYmxK, v_BdxTxYmxK, **masks, **(
-                {} if window is None else {"window": window}))
+            return kernel(q_BdxTxHmxK, k_BdxTxYmxK, v_BdxTxYmxK, **masks, window=window, softcap=softcap)
         return core
 
     @abc.abstractmethod

@@ -29,7 +29,8 @@ stages hand theirs, `dpjax.pipeline.staged`). The index is traced inside the sca
 layer picks its rotary tables with `jnp.where` and its attention with `lax.cond` between
 the windowed and the full form (each with a static window: the kernels' masks are static);
 one branch runs. A stored leaf was the other choice, but an optimizer would train it
-(weight decay moves every leaf).
+(weight decay moves every leaf). Decoding with the KV cache (`dpjax.generate.cache`, which
+hands the index too) needs no branch: the cache's mask takes the window traced.
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ from dpjax.compute import tensor_parallel as tp
 from dpjax.compute.rope import RopeScaling
 from dpjax.compute.tensor_parallel import DENSE, Parallel
 from dpjax.errors import UserError
-from dpjax.models.base import Decoder, dense_mlp_values
+from dpjax.models.base import Decoder, Decoding, dense_mlp_values
 from dpjax.models.llama import Llama, rope_table, rotate
 from dpjax.models.registry import Entry, register
 
@@ -149,9 +150,6 @@ class Gemma(Decoder):
 
     name = "gemma"  # abstract: Gemma2 and Gemma3 register
     INDEXED_LAYERS = True  # local and global layers: `layer` reads its global index (module docstring)
-    # generation recomputes the sequence each token: the layer picks its window by a lax.cond on its
-    # index, which the KV cache's core (it keeps the written K/V) cannot run inside yet
-    CACHED = False
     SPECS = {
         "embed_VmxD": P("model", None),  # vocabulary-parallel, and the tied output head
         "scale_D": P(), "scale_LsxD": P("stage", None),  # the norms
@@ -244,30 +242,25 @@ class Gemma(Decoder):
         return q_BdxTxHmxK * jnp.asarray(scale, q_BdxTxHmxK.dtype), rotate(k_BdxTxYmxK, sin_BdxTxK,
                                                                            cos_BdxTxK), v_BdxTxYmxK
 
-    def attend(self, q_BdxTxHmxK, k_BdxTxYmxK, v_BdxTxYmxK, local, par: Parallel = DENSE, masks=None):
-        """The attention core of the layer's kind: the sliding window on a local layer,
-        full causal attention on a global one (`lax.cond`: one of the two runs), the
-        scores soft-capped (Gemma 2)."""
-        c, masks = self.config, dict(masks or {})
-        if c.attn_softcap:
-            masks["softcap"] = c.attn_softcap
-        if context.active(par):  # the Y heads travel round the ring / are gathered; each block repeats them
-            core = context.kernel(par)
+    def attend(self, q_BdxTxHmxK, k_BdxTxYmxK, v_BdxTxYmxK, local, par: Parallel = DENSE, segments=None):
+        """The attention core (`Decoder.attention`: the training kernel, a context axis's,
+        or the KV cache's) with the layer kind's window, the scores soft-capped (Gemma 2).
+        Training: `lax.cond` between the windowed and the full form (the kernels' masks are
+        static; one branch runs). Decoding: the cache's mask reads the window traced (a
+        full layer's is the whole context), so the core that writes the cache runs once,
+        outside any branch."""
+        c = self.config
+        core = self.attention(par, segments)
 
-            def run(window):
-                return core(q_BdxTxHmxK, k_BdxTxYmxK, v_BdxTxYmxK, window=window, **masks)
-        else:  # each K/V head repeated to the query heads it serves on this rank
-            Hm = q_BdxTxHmxK.shape[2]
-            k_BdxTxHmxK, v_BdxTxHmxK = context.shared(k_BdxTxYmxK, Hm), context.shared(v_BdxTxYmxK, Hm)
-
-            def run(window):
-                return attention.causal(q_BdxTxHmxK, k_BdxTxHmxK, v_BdxTxHmxK, par.policy.attention,
-                                        window=window, **masks)
+        def run(window):
+            return core(q_BdxTxHmxK, k_BdxTxYmxK, v_BdxTxYmxK, window=window, softcap=c.attn_softcap or None)
         kinds = set(c.local_layers().tolist())
         if kinds == {True}:
             return run(c.sliding_window)
         if kinds == {False}:
             return run(None)
+        if isinstance(segments, Decoding):
+            return run(jnp.where(local, c.sliding_window, c.seq_len))  # every key p - seq_len < k <= p: all
         return lax.cond(local, lambda: run(c.sliding_window), lambda: run(None))
 
     def layer(self, blk, x_BdxTxD, par: Parallel = DENSE, segments=None, *, index=None):
@@ -277,14 +270,12 @@ class Gemma(Decoder):
         a, c = blk["attn"], self.config
         assert index is not None, "Gemma's layers read their index (stack.run's index_L)"
         B, T = x_BdxTxD.shape[:2]
-        if segments is None:
-            positions_BdxT, masks = jnp.broadcast_to(context.positions(T, par), (B, T)), {}
-        else:
-            positions_BdxT, masks = segments.positions_BxT, {"segment_ids_BxT": segments.segment_ids_BxT}
+        positions_BdxT = jnp.broadcast_to(context.positions(T, par), (B, T)) if segments is None else \
+            segments.positions_BxT
         local = jnp.asarray(c.local_layers())[index]
         h_BdxTxD = norm(x_BdxTxD, blk["attn_norm"]["scale_LsxD"], c.norm_eps)
         q_BdxTxHmxK, k_BdxTxYmxK, v_BdxTxYmxK = self.project(a, h_BdxTxD, positions_BdxT, local, par)
-        o_BdxTxHmxK = self.attend(q_BdxTxHmxK, k_BdxTxYmxK, v_BdxTxYmxK, local, par, masks)
+        o_BdxTxHmxK = self.attend(q_BdxTxHmxK, k_BdxTxYmxK, v_BdxTxYmxK, local, par, segments)
         o_BdxTxD = par.g(par.policy.einsum("bthk,hkd->btd", o_BdxTxHmxK, a["wo_LsxHmxKxD"]))
         x_BdxTxD = x_BdxTxD + norm(o_BdxTxD, blk["attn_post_norm"]["scale_LsxD"], c.norm_eps)
         return x_BdxTxD + norm(self.mlp(blk, x_BdxTxD, par), blk["mlp_post_norm"]["scale_LsxD"], c.norm_eps)

@@ -7,9 +7,9 @@ the Llama's (`dpjax.models.llama`): the same parameter tree, weight names and la
 only the attention's mask differs, in every attention path (the local kernels and the
 context axis's ring and all-gather: `dpjax.compute.attention`).
 
-Generation: `dpjax.generate` decodes a Mistral without the Llama's KV cache (whose mask
-has no window): the whole sequence so far each token, through this model's windowed
-forward (`generate._window_step`), so a continuation longer than the window is right.
+Generation: `dpjax.generate` decodes a Mistral with the KV cache, the window in the
+cache's mask (the layers' attention core comes from `Decoder.attention`), so a continuation
+longer than the window is right (tests/test_mistral.py: transformers' greedy output).
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_mistral import folder, matches_transformers, round_trip, train_losses
+from test_mistral import cached_matches_transformers, folder, matches_transformers, round_trip, train_losses
 
 from dpjax.hf.config import config_from_hub, config_to_hub, known_keys
 from dpjax.hf.family import of_hub
@@ -28,6 +28,13 @@ NAMES = ("gemma2", "gemma3")
 @pytest.mark.parametrize("name", NAMES)
 def test_greedy_and_log_probs_match_transformers(name):
     matches_transformers(name, window=4, sliding_window=64)
+
+
+@pytest.mark.slow  # a prefill's compile for each of 3 prompt lengths and a step's, a family
+@pytest.mark.parametrize("name", NAMES)
+def test_greedy_through_the_kv_cache_matches_transformers(name):
+    """Local layers' windows of 4 in the cache's mask, global layers' full, over prompts of 6 to 20."""
+    cached_matches_transformers(name)
 
 
 @pytest.mark.parametrize("name", NAMES)

@@ -4,7 +4,10 @@ core from: the training kernel, or the cache's while decoding) gives the windowe
 forward's logits through the cache (a prompt of 5, then a token a step to 8: positions
 past the window). The windowed full forward is checked against numpy's masks in
 tests/test_pack_attention.py; the GPT's cache in tests/test_generate_checkpoint.py, the
-plain Llama's in tests/test_generate.py."""
+plain Llama's in tests/test_generate.py. A Gemma (local and global layers, the window picked
+by each layer's index inside the scan, soft-capped scores) through the cache equals its
+full forward too; tests/test_gemma.py checks its cached greedy output against transformers'.
+"""
 
 import jax
 import jax.numpy as jnp
@@ -58,3 +61,15 @@ def test_a_windowed_llama_cache_equals_its_full_forward():
     params = random_params(windowed, 4)
     full_windowed = np.asarray(jax.jit(windowed.apply)(params, IDS))
     _close(cached_logits(windowed, params, IDS, 5), full_windowed)
+
+
+def test_a_gemma_cache_equals_its_full_forward():
+    """A local then a global layer (window 3: the cache's mask takes the window the layer
+    picks by its traced index; the full forward branches by lax.cond), Gemma 3's q/k norms
+    and Gemma 2's soft-capped scores at once (a cap of 1: the scores of 0.3-wide random
+    weights reach it), grouped-query heads."""
+    gemma = get_model("gemma3", vocab_size=256, seq_len=16, d_model=16, n_layers=2, n_heads=4, n_kv_heads=2,
+                      head_dim=8, d_ff=32, sliding_window=3, sliding_window_pattern=2, attn_softcap=1.0)
+    assert gemma.config.local_layers().tolist() == [True, False]
+    params = random_params(gemma, 5)
+    _close(cached_logits(gemma, params, IDS, 5), np.asarray(jax.jit(gemma.apply)(params, IDS)))

@@ -84,6 +84,25 @@ def matches_transformers(name: str, window: int, **unwindowed) -> None:
     assert np.abs(full - np.asarray(want["logprobs"])).max(axis=1).min() > 1e-2  # each long prompt's
 
 
+def cached_matches_transformers(name: str) -> None:
+    """`dpjax.generate.generate` (the KV cache: the prompt in one pass, then a token a step,
+    each layer's window in the cache's mask) continues each of the fixture's prompts, all
+    longer than the window, as transformers' generate(do_sample=False) did, and its first
+    new token's log-probs are the saved ones within 1e-4. Every prompt decodes to the same
+    length, so the step compiles once."""
+    from dpjax.generate import generate
+
+    want, path = expected(name), folder(name)
+    model, hub = model_from_hf(path)
+    params = load_params(path, model, make_layout(model, one_device()))
+    length = max(map(len, want["prompts"])) + want["new_tokens"]
+    for prompt, greedy, logprobs in zip(want["prompts"], want["greedy"], want["logprobs"]):
+        new, first = generate(model, params, np.asarray([prompt]), length - len(prompt), eos=[hub["eos_token_id"]],
+                              logprobs=True)
+        assert new[0, :len(greedy)].tolist() == greedy
+        np.testing.assert_allclose(first[0], logprobs, rtol=0, atol=1e-4)
+
+
 def round_trip(name: str, tmp_path) -> None:
     """Import then export (from the parameters placed on a 2x4 layout, through dpjax's
     export): every tensor back with the same bytes, config.json as it was."""
@@ -146,6 +165,11 @@ def test_config_both_layouts_read_as_one_and_every_key_is_known():
     full = config_from_hub({**new, "sliding_window": None}, "null")
     assert full["sliding_window"] == 0 and get_model("mistral", seq_len=64, **full).window is None
     assert config_to_hub(get_model("mistral", seq_len=64, **full).config, "float32", new)["sliding_window"] is None
+
+
+@pytest.mark.slow  # a prefill's compile for each of 3 prompt lengths and a step's
+def test_greedy_through_the_kv_cache_matches_transformers():
+    cached_matches_transformers("mistral")
 
 
 @pytest.mark.slow  # a 2x4 layout's placement and an export (~5 s)

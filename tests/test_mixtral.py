@@ -5,7 +5,8 @@ with transformers 5.24's MixtralForCausalLM and Qwen3MoeForCausalLM (2 layers, 8
 experts, top 2, random norms; Qwen3-MoE's gates not renormalised, its head_dim 16 = 2 x
 hidden / heads) and hold transformers' greedy generate(do_sample=False) continuations of
 3 prompts and their last-position log-probs: the suite needs neither transformers nor
-torch. dpjax's mixture is dropless here (`--moe dropless`, the families' default), as
+torch. config.4x.json is the same model saved by transformers 4.57, whose outputs the
+script found equal. dpjax's mixture is dropless here (`--moe dropless`, the families' default), as
 transformers' is.
 """
 
@@ -91,6 +92,37 @@ def test_import_then_export_gives_every_tensor_back_bit_for_bit(imported, tmp_pa
     written = json.load(open(tmp_path / "config.json"))
     # every key as imported, a null head_dim (Mixtral) too
     assert {k: written[k] for k in hub if k != "dtype"} == {k: v for k, v in hub.items() if k != "dtype"}
+
+
+@pytest.mark.parametrize("family", list(FIXTURES))
+def test_config_both_layouts_read_as_one_and_write_back(family):
+    """transformers 5's config.json and 4.57's (config.4x.json: top-level rope_theta, and
+    Qwen3-MoE's experts as num_experts, not num_local_experts) give one dpjax config, every
+    key known; each is written back as it was (the 4.x names kept), and a changed expert
+    count in its own layout; both names at once, disagreeing, is one line."""
+    import dataclasses
+
+    from dpjax.hf.config import config_from_hub, known_keys
+    from dpjax.hf.family import of_hub
+    from dpjax.hf.files import HFError
+    from dpjax.hf.identity import hub_config
+    from dpjax.models import get_model
+
+    new, old = (json.load(open(os.path.join(FIXTURES[family], f))) for f in ("config.json", "config.4x.json"))
+    for hub in (new, old):
+        assert sorted(set(hub) - known_keys(of_hub(hub, "x"))) == []
+    fields = config_from_hub(new, "new")
+    assert fields == config_from_hub(old, "old") and fields["experts"] == 8
+    model = get_model(family, seq_len=64, **fields)
+    changed = type(model)(dataclasses.replace(model.config, experts=4))
+    for hub in (new, old):  # what an export writes
+        assert hub_config(model, "float32", hub) == hub
+        out = hub_config(changed, "float32", hub)
+        assert set(out) == set(hub) and config_from_hub(out, "out")["experts"] == 4
+    if family == "qwen3_moe":
+        with pytest.raises(HFError, match="num_local_experts 8 beside num_experts 4") as e:
+            config_from_hub({**new, "num_experts": 4}, "DIR")
+        assert "\n" not in str(e.value)
 
 
 def tokens(path) -> str:

@@ -120,8 +120,9 @@ def test_verify_without_transformers_says_so_in_one_line(monkeypatch):
 @pytest.mark.slow  # two training runs' compiles (about 100 s each on a loaded 2-core machine)
 @pytest.mark.parametrize("family", FAMILIES_HERE)
 def test_five_steps_on_2x4_fall_and_equal_8x1(family):
-    """5 AdamW steps from the checkpoint on data=2,model=4 (heads, their biases and norms
-    split or replicated over model) and on data=8: finite, falling losses, equal within 1e-5."""
+    """The card's 5 steps (Nesterov momentum) from the checkpoint on data=2,model=4 (heads, their
+    biases and norms split or replicated over model) and on data=8: finite, falling losses,
+    equal within 1e-5."""
     tp, dp = (verify.train_losses(folder(family), mesh) for mesh in ("2x4", "8x1"))
     assert len(tp) == 5 and np.isfinite(tp).all() and all(b < a for a, b in zip(tp, tp[1:])), tp
     np.testing.assert_allclose(tp, dp, rtol=0, atol=1e-5)

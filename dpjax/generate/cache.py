@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from dpjax.compute.attention import allowed
+from dpjax.compute.attention import allowed, soft_cap
 from dpjax.models.base import Decoding
 
 K_CACHE, V_CACHE = "k_LxBxOxYxK", "v_LxBxOxYxK"
@@ -35,17 +35,20 @@ def empty(model, B: int, length: int, dtype=jnp.float32) -> dict:
     return {K_CACHE: jnp.zeros(shape, dtype), V_CACHE: jnp.zeros(shape, dtype)}
 
 
-def attend(q_BxTxHxK, k_BxOxYxK, v_BxOxYxK, start, window: int | None = None):
+def attend(q_BxTxHxK, k_BxOxYxK, v_BxOxYxK, start, window=None, softcap: float | None = None):
     """Queries at positions start .. start+T-1 over the cached keys 0 .. O-1: each sees the
     keys at or before its own position (the later places of the cache are not written yet)
     and, with a window w, only the last w of them (p-w+1 .. p). Softmax(Q K^T / sqrt(K)) V,
-    the scores in float32 as `dpjax.compute.attention.naive`'s; K/V head y serves query
-    heads y*H/Y .. (y+1)*H/Y-1."""
+    the scores in float32 and soft-capped by `softcap` before the mask, as
+    `dpjax.compute.attention.naive`'s; K/V head y serves query heads y*H/Y .. (y+1)*H/Y-1.
+    The window may be traced (an int32 scalar: Gemma's layer picks its own by its index
+    inside the scan; the training kernels need it static, the mask here does not)."""
     B, T, H, K = q_BxTxHxK.shape
     O, Y = k_BxOxYxK.shape[1], k_BxOxYxK.shape[2]
     assert k_BxOxYxK.shape == v_BxOxYxK.shape == (B, O, Y, K) and H % Y == 0, (q_BxTxHxK.shape, k_BxOxYxK.shape)
     k_BxOxHxK, v_BxOxHxK = (jnp.repeat(a, H // Y, axis=2) for a in (k_BxOxYxK, v_BxOxYxK))
-    s_BxHxTxO = jnp.einsum("bthk,bohk->bhto", q_BxTxHxK, k_BxOxHxK).astype(jnp.float32) / math.sqrt(K)
+    s_BxHxTxO = soft_cap(jnp.einsum("bthk,bohk->bhto", q_BxTxHxK, k_BxOxHxK).astype(jnp.float32) / math.sqrt(K),
+                         softcap)
     ok_1x1xTxO = allowed(start + jnp.arange(T), jnp.arange(O), window=window)
     s_BxHxTxO = jnp.where(ok_1x1xTxO, s_BxHxTxO, jnp.finfo(jnp.float32).min)
     p_BxHxTxO = jax.nn.softmax(s_BxHxTxO, axis=-1).astype(v_BxOxHxK.dtype)
@@ -61,11 +64,11 @@ class _LayerCache:
         self.k, self.v, self.start = k_BxOxYxK, v_BxOxYxK, start
         self.written = None
 
-    def __call__(self, q_BxTxHxK, k_BxTxYxK, v_BxTxYxK, window: int | None = None):
+    def __call__(self, q_BxTxHxK, k_BxTxYxK, v_BxTxYxK, window=None, softcap: float | None = None):
         k = lax.dynamic_update_slice(self.k, k_BxTxYxK.astype(self.k.dtype), (0, self.start, 0, 0))
         v = lax.dynamic_update_slice(self.v, v_BxTxYxK.astype(self.v.dtype), (0, self.start, 0, 0))
         self.written = (k, v)
-        return attend(q_BxTxHxK, k, v, self.start, window).astype(q_BxTxHxK.dtype)
+        return attend(q_BxTxHxK, k, v, self.start, window, softcap).astype(q_BxTxHxK.dtype)
 
 
 def forward(model, params, tokens_BxT, start, cache):
@@ -76,13 +79,15 @@ def forward(model, params, tokens_BxT, start, cache):
     x_BxTxD = model.embed(params, tokens_BxT, segments=Decoding(None, positions_BxT))
 
     def layer(x_BxTxD, xs):
-        blk, k_BxOxYxK, v_BxOxYxK = xs
+        blk, k_BxOxYxK, v_BxOxYxK, i = xs
         core = _LayerCache(k_BxOxYxK, v_BxOxYxK, start)
-        x_BxTxD = model.layer(blk, x_BxTxD, segments=Decoding(None, positions_BxT, core))
+        index = {} if i is None else {"index": i}  # layers that differ by their place (Gemma's local, global)
+        x_BxTxD = model.layer(blk, x_BxTxD, segments=Decoding(None, positions_BxT, core), **index)
         if core.written is None:  # a bug of the family's: its layer computes attention some other way
             raise NotImplementedError(f"model {model.name!r}: its layer does not take its attention core from "
                                       "Decoder.attention(par, segments), so it cannot decode with the KV cache")
         return x_BxTxD, core.written
 
-    x_BxTxD, (k, v) = lax.scan(layer, x_BxTxD, (params[model.LAYERS], cache[K_CACHE], cache[V_CACHE]))
+    index_L = jnp.arange(model.config.n_layers) if model.INDEXED_LAYERS else None
+    x_BxTxD, (k, v) = lax.scan(layer, x_BxTxD, (params[model.LAYERS], cache[K_CACHE], cache[V_CACHE], index_L))
     return model.head(params, x_BxTxD), {K_CACHE: k, V_CACHE: v}

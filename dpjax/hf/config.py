@@ -44,7 +44,7 @@ def known_keys(family: Family | None = None) -> set[str]:
     config.json (default: the Llama's)."""
     f = family or FAMILIES["llama"]
     return ({k for k, _ in f.fields.values()} | set(ROPE) | set(COMMON_MUST_BE) | set(f.must_be) | {"head_dim"}
-            | {"layer_types"} | set(NEUTRAL) | set(f.neutral) | set(f.reads))
+            | {"layer_types"} | set(NEUTRAL) | set(f.neutral) | set(f.reads) | set(f.older.values()))
 
 
 def config_from_hub(hub: dict, where: str) -> dict:
@@ -61,12 +61,14 @@ def config_from_hub(hub: dict, where: str) -> dict:
     if "head_dim" not in {k for k, _ in f.fields.values()} and hub.get("head_dim") not in (
             None, hub["hidden_size"] // hub["num_attention_heads"]):
         problems.append(f"head_dim {hub['head_dim']} other than hidden_size / num_attention_heads")
+    problems += [f"{new} {hub[new]!r} beside {old} {hub[old]!r}" for new, old in f.older.items()
+                 if new in hub and old in hub and hub[new] != hub[old]]  # one value, under either name
     other = sorted(set(hub.get("layer_types") or ()) - set(f.layer_types))
     if other:
         problems.append(f"layer_types {', '.join(other)} (dpjax computes {', '.join(f.layer_types)})")
     if problems:
         raise HFError(f"{where}: dpjax's {f.architecture} does not compute {'; '.join(problems)}")
-    fields = {ours: hub.get(key, default) for ours, (key, default) in f.fields.items()}
+    fields = {ours: hub.get(f.key_in(key, hub), default) for ours, (key, default) in f.fields.items()}
     fields["n_kv_heads"] = fields["n_kv_heads"] or fields["n_heads"]
     missing = [f.fields[k][0] for k, v in fields.items() if v is None]
     if missing:
@@ -132,7 +134,7 @@ def config_to_hub(config, dtype: str, base: dict | None = None) -> dict:
     base, f = dict(base or {}), of_config(config)
     old = "rope_parameters" not in base and ("rope_theta" in base or "rope_scaling" in base)
     hub = {"architectures": [f.architecture], "model_type": f.model_type, **f.must_be, **base}
-    hub.update({key: getattr(config, ours) for ours, (key, _) in f.fields.items()})
+    hub.update({f.key_in(key, base): getattr(config, ours) for ours, (key, _) in f.fields.items()})
     hub.update(head_dim=config.head_width)
     hub["torch_dtype" if "torch_dtype" in base else "dtype"] = dtype
     s = config.rope_scaling

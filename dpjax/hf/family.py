@@ -53,6 +53,14 @@ class Family:
     read: Callable | None = None
     write: Callable | None = None
     reads: tuple = ()
+    # a field's 5.x key -> the name transformers 4.x wrote it under (Qwen3-MoE's num_local_experts was
+    # num_experts): read when the file has the older name only, and written back under the name it had
+    older: dict = field(default_factory=dict)
+
+    def key_in(self, key: str, hub: dict) -> str:
+        """Config key `key` as the file `hub` names it: its 4.x name when the file has that one only."""
+        old = self.older.get(key)
+        return old if old is not None and old in hub and key not in hub else key
 
     def layer_names(self, key: tuple, i: int, experts: int = 0) -> list[str]:
         """Leaf `key`'s Hub names in layer i; a name with `{e}` stands for one tensor per

@@ -85,7 +85,8 @@ def hub_config(model, dtype: str, base: dict | None) -> dict:
     if base is None:
         return made
     out = dict(base)  # max_position_embeddings stays: a run's --seq-len is its window, not the model's reach
-    model_keys = {key for key, _ in of_model(model.name).fields.values()} | {"head_dim"}
+    family = of_model(model.name)
+    model_keys = {family.key_in(key, base) for key, _ in family.fields.values()} | {"head_dim"}
     # a null head_dim (Mixtral's config) reads as hidden_size / num_attention_heads: kept null when it is that
     default_head = base.get("head_dim") is None and made.get("head_dim") == (
         base.get("hidden_size", 0) // max(1, base.get("num_attention_heads", 1)))

@@ -28,7 +28,7 @@ MIXTRAL = register(Family(
            ("mlp", "wup_LsxXexDxF"): ("block_sparse_moe.experts.{e}.w3.weight",)}))
 
 # Qwen3-MoE: Qwen3's attention; every layer a mixture (decoder_sparse_step 1, no mlp_only_layers), so the
-# dense MLP's width (intermediate_size) is never used. transformers 4.x names the experts num_experts (not read).
+# dense MLP's width (intermediate_size) is never used. transformers 4.x names the experts num_experts.
 QWEN3_MOE = register(Family(
     name="qwen3_moe", architecture="Qwen3MoeForCausalLM", model_type="qwen3_moe",
     fields={**qwen.QWEN3.fields, **MIXTURE, "d_ff": ("moe_intermediate_size", None),
@@ -40,4 +40,5 @@ QWEN3_MOE = register(Family(
            ("mlp", "router_LsxDxX"): ("mlp.gate.weight",),
            ("mlp", "wgate_LsxXexDxF"): ("mlp.experts.{e}.gate_proj.weight",),
            ("mlp", "wup_LsxXexDxF"): ("mlp.experts.{e}.up_proj.weight",),
-           ("mlp", "wdown_LsxXexFxD"): ("mlp.experts.{e}.down_proj.weight",)}))
+           ("mlp", "wdown_LsxXexFxD"): ("mlp.experts.{e}.down_proj.weight",)},
+    older={"num_local_experts": "num_experts"}))
