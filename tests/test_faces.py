@@ -111,7 +111,6 @@ NOT_YET = {
     "dpjax/horovod/__init__.py": 75,
     "dpjax/links/__init__.py": 46,
     "dpjax/pipeline/__init__.py": 133,
-    "dpjax/tasks/__init__.py": 55,
     "dpjax/timeline/__init__.py": 50,
     "models/__init__.py": 66,
 }

@@ -13,6 +13,7 @@ from dpjax.plan.checks import UsageError
 from dpjax.plan.memory import estimate, parse_size, preallocation_note
 from dpjax.plan.usable import usable_memory
 from dpjax.settings import Settings
+from dpjax.tasks.dpo import VARIANTS
 
 
 def target_platform(s: Settings, mesh) -> str:
@@ -48,8 +49,6 @@ def compute_policy(s: Settings, model, platform: str) -> tuple[Policy, list]:
 def _reference_copy(s, split) -> bool:
     """Whether a preference run holds a frozen copy of the parameters (--ref-logps online
     without LoRA; with LoRA the reference is the base itself: `dpjax.tasks.dpo.reference_of`)."""
-    from dpjax.tasks.dpo import VARIANTS
-
     return s.task == "dpo" and s.ref_logps == "online" and split is None and VARIANTS[s.dpo_loss].reference
 
 
