@@ -250,8 +250,9 @@ def test_copies_differing_along_an_axis_the_optimizer_left_out_name_it(regressio
         dpjax.shard_step(step, mesh, batch_argnums=2)(params, tx.init(params), x)
     assert "\n" not in str(e.value) and str(e.value).endswith(
         "its copies agree along 'data' and differ along 'fsdp', which splits the batch too (every axis but 'model', "
-        "'stage' and 'context' does): the gradients were averaged over 'data' alone, DistributedOptimizer's default "
-        "axis_name; average over every data axis: dpjax.DistributedOptimizer(tx, axis_name=('data', 'fsdp'))")
+        "'stage' and 'context' does): it was averaged over 'data' alone (DistributedOptimizer's default axis_name); "
+        "average it inside the step (jax.lax.pmean(x, 'fsdp')), or give the optimizer every data axis: "
+        "dpjax.DistributedOptimizer(tx, axis_name=('data', 'fsdp'))")
 
 
 def _constrained_step(constrain, mesh, dense=False):

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+from dpjax.errors import UserError
 from dpjax import collectives, compression, pipeline
 from dpjax.updates.sync import sync
 from dpjax.collectives import cost, ring
@@ -46,14 +47,14 @@ TOY_SCHEDULE = pipeline.Schedule("toy-gpipe", gpipe.timetable, bubble=lambda S, 
 
 @dataclasses.dataclass(frozen=True)
 class ToyConfig(MLPConfig):
-    temperature: float = 1.0  # a float option: the command line must parse it as one
+    softness: float = 1.0  # a float option: the command line must parse it as one
 
 
 class Toy(MLP):
-    """The byte MLP with its logits divided by a temperature."""
+    """The byte MLP with its logits divided by a softness."""
 
     def apply(self, params, tokens_BxT, par=DENSE):
-        return super().apply(params, tokens_BxT, par) / self.config.temperature
+        return super().apply(params, tokens_BxT, par) / self.config.softness
 
 
 TOY_MODEL = models.Entry("toy-mlp", Toy, ToyConfig)
@@ -76,10 +77,10 @@ def _plan(*flags):
 def test_the_cli_offers_every_toy():
     with toys():
         text = build_parser().format_help()
-        for name in ("toy-ring", "toy-bf16", "toy-gpipe", "toy-mlp", "--temperature"):
+        for name in ("toy-ring", "toy-bf16", "toy-gpipe", "toy-mlp", "--softness"):
             assert name in text, name
     text = build_parser().format_help()
-    for name in ("toy-ring", "toy-bf16", "toy-gpipe", "toy-mlp", "--temperature"):
+    for name in ("toy-ring", "toy-bf16", "toy-gpipe", "toy-mlp", "--softness"):
         assert name not in text, name
 
 
@@ -114,16 +115,29 @@ def test_a_toy_schedule_is_planned_and_costed():
 
 def test_a_toy_model_is_parsed_with_its_own_types_planned_and_costed():
     with toys():
-        s = parse_args(["--model", "toy-mlp", "--seq-len", "8", "--batch-size", "16", "--temperature", "2.5"])
-        assert s.model_options == {"temperature": 2.5} and isinstance(s.model_options["temperature"], float)
+        s = parse_args(["--model", "toy-mlp", "--seq-len", "8", "--batch-size", "16", "--softness", "2.5"])
+        assert s.model_options == {"softness": 2.5} and isinstance(s.model_options["softness"], float)
         plan = resolve(s, jax.devices()[:8])
-        assert isinstance(plan.model, Toy) and plan.model.config.temperature == 2.5
+        assert isinstance(plan.model, Toy) and plan.model.config.softness == 2.5
         assert plan.model.flops_per_token() == MLP(MLPConfig(seq_len=8)).flops_per_token()
         params = plan.model.init(jax.random.key(0))
         batch = jnp.zeros((2, 9), jnp.int32)
-        hot = Toy(ToyConfig(seq_len=8, temperature=2.5)).loss(params, batch)
-        assert hot != MLP(MLPConfig(seq_len=8)).loss(params, batch)  # the temperature is used
-    with pytest.raises(ArgumentError, match="unknown flag --temperature"):  # gone with its model
-        parse_args(["--model", "toy-mlp", "--temperature", "2.5"])
+        hot = Toy(ToyConfig(seq_len=8, softness=2.5)).loss(params, batch)
+        assert hot != MLP(MLPConfig(seq_len=8)).loss(params, batch)  # the softness is used
+    with pytest.raises(ArgumentError, match="unknown flag --softness"):  # gone with its model
+        parse_args(["--model", "toy-mlp", "--softness", "2.5"])
     assert "toy-mlp" not in models.MODELS
 
+
+
+@dataclasses.dataclass(frozen=True)
+class ClashConfig(MLPConfig):
+    temperature: float = 1.0  # also the run's --temperature (GRPO's sampling)
+
+
+def test_a_model_option_named_like_a_run_setting_is_one_line():
+    with models.registered(models.Entry("toy-clash", Toy, ClashConfig)):
+        with pytest.raises(UserError, match="toy-clash: its config field 'temperature' has the name of the run's "
+                                            "setting --temperature; rename the field"):
+            build_parser()
+    build_parser()  # gone with its model

@@ -42,7 +42,8 @@ HOMES = {
     "V": ("models/", "dpjax/compute/tensor_parallel.py", "dpjax/nn/", "dpjax/hf/", "dpjax/generate/",
           "dpjax/tasks/"),  # tasks: a task's loss of the vocabulary-parallel logits
     "E": ("models/mlp.py",), "C": ("models/mlp.py",),
-    "A": ("dpjax/step/",), "M": ("dpjax/pipeline/", "dpjax/step/"),
+    "A": ("dpjax/step/", "dpjax/train/preference.py"),  # preference: the reference over micro-batches
+    "M": ("dpjax/pipeline/", "dpjax/step/"),
     "S": ("dpjax/pipeline/", "dpjax/compute/stack.py", "dpjax/sharding.py", "dpjax/step/"),
     "G": ("dpjax/pipeline/",),
     "W": ("dpjax/updates/", "dpjax/step/"), "R": ("dpjax/updates/",),

@@ -133,7 +133,11 @@ def build_parser() -> argparse.ArgumentParser:
     for model, opts in model_options().items():
         for name, default in opts.items():  # an option two models share is one flag
             owners.setdefault(name, {})[model] = default
+    taken = {f.name for f in dataclasses.fields(Settings)}
     for name, defaults in owners.items():
+        if name in taken:  # argparse would stop every command line with a conflict traceback
+            raise UserError(f"model {', '.join(defaults)}: its config field {name!r} has the name of the run's "
+                            f"setting {flag(name)}; rename the field")
         same = len(set(map(str, defaults.values()))) == 1
         default = next(iter(defaults.values())) if same else ", ".join(f"{m} {d}" for m, d in defaults.items())
         g.add_argument(flag(name), type=_switch if types[name] is bool else types[name], default=argparse.SUPPRESS,

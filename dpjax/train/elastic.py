@@ -1,8 +1,8 @@
 """The training loop's side of surviving failures: commits, heartbeat, injected faults,
 and the restart's account of itself.
 
-    fit(settings)           the mesh and micro-batches for the devices this job has now (an
-                            elastic restart on fewer hosts): dpjax.plan.fit_devices
+    restart.fit(settings)   (dpjax.train.restart) the mesh and micro-batches for the devices this
+                            job has now (an elastic restart on fewer hosts), and the kept programs
     attach(trainer)         the Committer (dpjax.recovery.commit); on a restart (DPJAX_RESTART > 0,
                             set by dpjax.agent) or --resume, the newest step every shard
                             committed, laid out for this plan
@@ -25,11 +25,8 @@ IMPORTED = time.time()  # about when this process started (the restart's breakdo
 
 from dpjax.recovery import fault as faults  # noqa: E402
 from dpjax.recovery.heartbeat import Heartbeat  # noqa: E402
-from dpjax.recovery.env import ENV, restart_number  # noqa: E402
-
-
-def _env(name: str, default=None):
-    return os.environ.get(ENV[name]) or default
+from dpjax.recovery.env import restart_number  # noqa: E402
+from dpjax.train.restart import env as _env, micro_batches  # noqa: E402
 
 
 def _say(line: str) -> None:
@@ -38,46 +35,6 @@ def _say(line: str) -> None:
 
     if jax.process_index() == 0:
         print(line, flush=True)
-
-
-def fit(cfg):
-    """cfg for the devices the job has now, when the agent says how many each process has
-    (DPJAX_DEVICES_PER_PROCESS): the mesh resized, the global batch kept in adjusted
-    micro-batches (dpjax.plan.fit_devices); unchanged otherwise."""
-    from dpjax.distributed import launched_processes
-    from dpjax.plan import fit_devices
-
-    per_process = _env("devices")
-    if not per_process or not cfg.mesh:
-        return cfg
-    return fit_devices(cfg, int(per_process) * launched_processes())
-
-
-NOT_IN_PROGRAMS = ("steps", "resume", "metrics", "tensorboard", "progress", "ckpt_dir", "ckpt_every", "commit_dir",
-                   "commit_every", "max_lost_steps", "on_full_disk", "eval_every", "overwrite")
-
-
-def programs(cfg):
-    """The run's compiled programs kept beside its commits (`dpjax.recovery.programs`), so that a
-    restart loads them instead of tracing and compiling; None without a commit folder."""
-    root = cfg.commit_dir or _env("commit_dir")
-    if root is None:
-        return None
-    import dataclasses
-
-    from dpjax.recovery.programs import Programs
-
-    # every setting but those no program depends on (a --resume of a plain run loads them too)
-    run = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in NOT_IN_PROGRAMS}
-    return Programs(os.path.join(os.path.abspath(root), _env("host", "local"), "programs"), run)
-
-
-def micro_batches(cfg, mesh) -> dict:
-    """How the global batch is cut on this mesh (what a restart at another size changes)."""
-    from dpjax.mesh import dp_size
-
-    return {"global_batch": cfg.batch_size * cfg.backward_passes, "backward_passes": cfg.backward_passes,
-            "batch_per_pass": cfg.batch_size, "per_device": cfg.batch_size // dp_size(mesh)}
 
 
 class Elastic:

@@ -100,8 +100,8 @@ def sample(model, params, prompts, group: int, max_new: int, temperature: float,
         by_length.setdefault(len(p.ids), []).append(k)
     out = [None] * (len(prompts) * group)
     for length, ks in sorted(by_length.items()):
-        prompt_BxL = np.repeat(np.stack([prompts[k].ids for k in ks]), group, axis=0)
-        new_BxN = generate(model, params, prompt_BxL, max_new, Sampling(temperature, 1.0, _seed(*seed, length)), eos)
+        prompt_BxT = np.repeat(np.stack([prompts[k].ids for k in ks]), group, axis=0)
+        new_BxN = generate(model, params, prompt_BxT, max_new, Sampling(temperature, 1.0, _seed(*seed, length)), eos)
         for r, k in enumerate(ks):
             for g in range(group):
                 c = new_BxN[r * group + g]

@@ -20,7 +20,7 @@ from dpjax import distributed
 from dpjax.recovery.checkpoint import compression_split
 from dpjax.plan import check, devices_per_process, resolve, settled, warnings
 from dpjax.settings import Settings
-from dpjax.train import builtin, elastic, hardware, observe, record, resume, tuning
+from dpjax.train import builtin, elastic, hardware, observe, record, restart, resume, tuning
 from dpjax.train.checkpoints import Checkpoints
 from dpjax.train.streams import streams
 
@@ -57,9 +57,9 @@ class Trainer:
         user = cfg  # what must match on resume is what the user asked, whatever the size now
         # under dpjax.agent: mesh and micro-batches for the hosts there are now; what the plan fills in (1-bit Adam's
         # default compression) in the settings the record and the checkpoint see
-        self.cfg = cfg = settled(elastic.fit(cfg))
+        self.cfg = cfg = settled(restart.fit(cfg))
         # where commits are: compiled programs a restart loads (before any compile)
-        self.programs = elastic.programs(cfg)
+        self.programs = restart.programs(cfg)
         self.plan = plan = resolve(cfg, setup_devices(cfg))
         distributed.ready(plan.mesh)  # the transport's communicators for this mesh (MPI: see transport.py)
         from dpjax.train.autotune import Setting
@@ -262,7 +262,7 @@ def dry_run(cfg: Settings) -> int:
     from dpjax.train.plan_table import plan_lines
 
     check(cfg)
-    plan = resolve(elastic.fit(cfg), setup_devices(cfg))
+    plan = resolve(restart.fit(cfg), setup_devices(cfg))
     for line in plan_lines(plan):
         print(line)
     refusal = memory_refusal(plan)

@@ -81,9 +81,9 @@ MODEL_HINT = ("the copies differ along 'model': a value computed from a weight s
 # Copies that agree along `data` and differ along another data axis (lm1b's `fsdp`): the
 # average was taken over `data` alone, DistributedOptimizer's default where the mesh has one.
 PARTIAL_HINT = ("its copies agree along 'data' and differ along {along}, which splits the batch too (every axis but "
-                "'model', 'stage' and 'context' does): the gradients were averaged over 'data' alone, "
-                "DistributedOptimizer's default axis_name; average over every data axis: "
-                "dpjax.DistributedOptimizer(tx, axis_name={all})")
+                "'model', 'stage' and 'context' does): it was averaged over 'data' alone (DistributedOptimizer's "
+                "default axis_name); average it inside the step (jax.lax.pmean(x, {missing})), or give the optimizer "
+                "every data axis: dpjax.DistributedOptimizer(tx, axis_name={all})")
 
 
 def shard_step(fn=None, mesh=None, batch_argnums=None, *, donate_argnums=(), in_specs=None, out_specs=P(),
@@ -279,7 +279,8 @@ def _hint(kind: str, along: tuple = ("data",), name: str = "", data: tuple = ("d
                                                                      or kind.startswith("Opt")):
         every = tuple(dict.fromkeys(a for a in data[1:]))  # the data axes that split the batch
         return PARTIAL_HINT.format(along=" and ".join(map(repr, along)),
-                                   all=repr(every[0]) if len(every) == 1 else every)
+                                   all=repr(every[0]) if len(every) == 1 else every,
+                                   missing=repr(along[0]) if len(along) == 1 else repr(tuple(along)))
     axes = [a for a in along if a != "model"] or ["data"]
     text = HINTS["Opt"] if kind.startswith("Opt") else HINTS.get(kind, "")
     text = HINTS["per_rank"] if "/".join(per_rank.FIELDS) in name else text
