@@ -282,12 +282,12 @@ def test_golden_losses_of_the_default_model():
 
 def test_a_bug_of_ours_keeps_its_traceback(corpus, monkeypatch):
     """Only user errors become one line: a ValueError from inside the library is raised."""
-    from dpjax import step
+    from dpjax.step import entry
 
     def broken(*args, **kwargs):
         raise ValueError("an internal inconsistency")
 
-    monkeypatch.setattr(step, "build", broken)
+    monkeypatch.setattr(entry, "build", broken)  # where the trainer's steps are built (dpjax.step.for_plan)
     with pytest.raises(ValueError, match="an internal inconsistency"):
         main(tiny(corpus, "--mesh", "8x1", "--steps", "2"))
 
