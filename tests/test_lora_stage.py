@@ -16,6 +16,8 @@ from dpjax.optim import OptimizerConfig
 from dpjax.pipeline import Pipeline
 from dpjax.sharding import make_layout
 
+from test_lora_step import start  # fresh parameters with B not zero
+
 MOMENTUM = OptimizerConfig(name="momentum", lr=0.5, clip_norm=0.0)
 SPLIT = Split("blocks")
 STEPS = 3
@@ -24,14 +26,6 @@ STEPS = 3
 def lora_llama():
     base = get_model("llama", seq_len=8, d_model=32, n_layers=4, n_heads=4, n_kv_heads=2, d_ff=48, vocab_size=64)
     return Lora(base, LoraConfig(r=4, alpha=8.0))
-
-
-def start(model):
-    """Fresh parameters with B not zero (PEFT's zero B would leave A without a gradient)."""
-    params = jax.jit(model.init)(jax.random.key(0))
-    return jax.tree_util.tree_map_with_path(
-        lambda p, x: x + 0.05 * jax.random.normal(jax.random.key(len(str(p))), x.shape) if "_B_" in str(p[-1]) else x,
-        params)
 
 
 def batches():
