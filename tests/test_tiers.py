@@ -19,6 +19,14 @@ def test_a_pattern_or_id_naming_no_test_of_a_collected_file_is_stale(monkeypatch
     assert tiers.stale(renamed) == ["tests/test_a.py::test_sweep[*-n2-*", "tests/test_a.py::test_heavy"]
     # test_b.py was not collected (a run of one file): its id is not judged
     assert "tests/test_b.py::test_x" not in tiers.stale(renamed)
+    monkeypatch.setattr(tiers, "QUICK", {"tests/test_a.py::test_cheap": 0.1})
+    assert tiers.stale(here) == ["tests/test_a.py::test_cheap"]
+
+
+def test_a_cheap_test_of_a_whole_file_pattern_comes_back_to_quick(monkeypatch):
+    heavy, cheap = "tests/test_train.py::test_heavy", "tests/test_train.py::test_refusal"
+    monkeypatch.setattr(tiers, "QUICK", {cheap: 0.1})
+    assert tiers.extended(heavy) and tiers.extended(cheap) is None
 
 
 def test_extended_says_why_and_quick_is_none(monkeypatch):

@@ -10,20 +10,20 @@ The suite has three tiers:
   `.ci/run` runs them after the quick tier: the two together are the whole fast suite.
 - slow (`-m slow`, decorated in place): long runs that neither the README nor CI runs.
 
-A test is extended when its node id matches a pattern below (fnmatch, on the id pytest prints;
-each pattern says what the quick tier still runs of the same behaviour) or is one of the ids in
-tiers_measured.py (each test measured over THRESHOLD CPU seconds, the cheapest case of every test
-function kept quick). A pattern or id that names no test of a collected file stops the session, so
-a renamed test cannot drift between the tiers unnoticed. The CPU seconds are what
-`DPJAX_TEST_COSTS=FILE` (conftest.py) records: other work on the machine inflates a test's wall
-time, not the CPU it burns.
+A test is extended when its node id matches a pattern below (fnmatch, on the id pytest prints; each
+pattern says what the quick tier still runs of the same behaviour) and is not one of the ids
+measured cheap (QUICK in tiers_measured.py), or is one of the ids in MEASURED there (each test
+measured over THRESHOLD CPU seconds, the cheapest case of every test function kept quick). A pattern
+or id that names no test of a collected file stops the session, so a renamed test cannot drift
+between the tiers unnoticed. The CPU seconds are what `DPJAX_TEST_COSTS=FILE` (conftest.py)
+records: other work on the machine inflates a test's wall time, not the CPU it burns.
 """
 
 from __future__ import annotations
 
 from fnmatch import fnmatchcase
 
-from tiers_measured import MEASURED, THRESHOLD  # noqa: F401  (generated: see tiers_measured.py)
+from tiers_measured import MEASURED, QUICK, THRESHOLD  # noqa: F401  (generated: see tiers_measured.py)
 
 # Wider sweeps of the collectives' harness (tests/collectives_harness.py), by mesh: the quick tier
 # keeps axis sizes 1, 3 (odd), 6 (even, not a power of two) and 8 (a power of two), the tuple meshes,
@@ -32,8 +32,8 @@ _FLAT = ("data2", "data4", "data5", "data7")
 _HIER = ("node4_data2", "node1_data8", "node8_data1", "node2_data3")
 _SWEPT = ("test_collectives", "test_ops")
 # Whole files of process runs, resumes and layout-against-layout training (each test starts processes or
-# compiles several training steps), left to CI until each of their tests is measured and the cheap ones
-# can come back: the quick tier tests the same modules through their unit tests.
+# compiles several training steps), left to CI but for their tests measured cheap (QUICK in
+# tiers_measured.py: unit tests, refusals, arithmetic), which come back to the quick tier.
 _RUNS = """pipeline train context timeline_gpu compression_shards launchers launchers_failures agent commit
 commit_every commit_stage elastic elastic_sizes multiprocess max_lost_steps full_disk chaos_disk
 policy onebit_adam sft_cli dpo_cli grpo_train hf_llama generate_checkpoint lm1b_example
@@ -56,6 +56,8 @@ PATTERNS: list[tuple[str, str]] = [
 
 def extended(nodeid: str) -> str | None:
     """Why `nodeid` is in the extended tier (its pattern, or its measured CPU seconds), or None."""
+    if nodeid in QUICK:
+        return None
     if nodeid in MEASURED:
         return f"{MEASURED[nodeid]} CPU-s"
     return next((p for p, _ in PATTERNS if fnmatchcase(nodeid, p)), None)
@@ -67,4 +69,4 @@ def stale(nodeids: list[str]) -> list[str]:
     given = set(nodeids)
     return [p for p, _ in PATTERNS
             if p.split("::", 1)[0] in files and not any(fnmatchcase(n, p) for n in nodeids)] + [
-        n for n in MEASURED if n.split("::", 1)[0] in files and n not in given]
+        n for n in (*MEASURED, *QUICK) if n.split("::", 1)[0] in files and n not in given]
