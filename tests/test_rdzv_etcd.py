@@ -130,6 +130,21 @@ def test_a_dead_agents_lease_expires_and_its_host_is_lost(cluster):
     clients["h1"].close()
 
 
+@needs_etcd
+def test_an_endpoint_of_several_that_does_not_answer_is_passed_over(cluster):
+    from dpjax.agent.rendezvous import free_port
+    from dpjax.agent.rendezvous_etcd import EtcdRendezvous
+
+    dead = f"127.0.0.1:{free_port()}"
+    client = EtcdRendezvous(f"etcd://{dead},{','.join(cluster.endpoints)}/partial", "h0", 10.0)
+    assert client.unanswered == [f"{dead} ([Errno 111] Connection refused)"]
+    client.start(lambda clock: _state(1, 1, clock))
+    assert client.request(_join("h0", 50))["members"] == ["h0"]
+    client.etcd.current = 0  # the silent one first: the request goes on to the next
+    assert client.request({"op": "poll", "host": "h0"})["state"] == "running" and client.etcd.current == 1
+    client.close()
+
+
 def _agents(tmp, spec, command, hosts=2, extra=()):
     cmd = [sys.executable, "-m", "dpjax.agent", "--nnodes", "1:2", "--nproc-per-node", "1", "--rdzv", spec,
            "--rdzv-wait", "60", *extra]

@@ -97,6 +97,7 @@ class EtcdRendezvous:
         if not ok:  # the command line's mistake, or no cluster running: nothing is started
             raise UserError(f"no etcd endpoint of --rdzv {spec} answers: {'; '.join(bad)}")
         self.unanswered = bad  # a lost member is survivable; the agent says which
+        self.etcd.current = endpoints.index(ok[0])  # not the silent one first at every request
 
     def start(self, make_state) -> None:
         """`make_state(clock)`: a new state machine, for a job that has none stored yet."""
