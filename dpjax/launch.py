@@ -238,8 +238,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Run a command in N processes on this host, joined by jax.distributed "
                     "(gloo or MPI on CPU, NCCL on GPU). Example: python -m dpjax.launch -n 2 "
                     "-- python -m dpjax.train --mesh 2x2x2. With --nnodes MIN:MAX --nproc-per-node K --rdzv "
-                    "HOST:PORT [--max-restarts N] [--hang-timeout S] it is one host's supervising agent instead, "
-                    "restarting the job on any failure (python -m dpjax.agent --help)",
+                    "HOST:PORT|etcd://H1:P,H2:P,H3:P [--max-restarts N] [--hang-timeout S] it is one host's "
+                    "supervising agent instead, restarting the job on any failure (python -m dpjax.agent --help)",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("-n", "--nproc", type=int, default=2, help="processes to start")
     p.add_argument("--devices-per-process", type=int,

@@ -134,7 +134,7 @@ def _vars(words, tmp):
     return [re.sub(r"\$(\w+)", lambda m: values[m.group(1)], w) for w in words]
 
 
-EXTERNAL = {"git", "cmake", "cd", "export", "scontrol", "head", "mkdocs", "apt-get"}
+EXTERNAL = {"git", "cmake", "cd", "export", "scontrol", "head", "mkdocs", "apt-get", "etcd"}
 LAUNCHERS = {"srun", "mpirun", "mpiexec"}  # other hosts and devices: the command is parsed, not planned
 
 

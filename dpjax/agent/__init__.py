@@ -4,10 +4,12 @@
         --max-restarts N --hang-timeout S -- python -m dpjax.train --mesh 4x2 ...
 
 The agents meet at a rendezvous (`rendezvous.py`: a TCP service the first agent that
-can listen on HOST:PORT runs), agree on the job's membership (at least MIN hosts, at most
-MAX), and each starts its host's K processes with the job's `jax.distributed` settings
-(coordinator on the first host, process count and ids) and the elastic ones
-(`env.py`). On any failure (a process that exits abnormally, one stopped or without a
+can listen on HOST:PORT runs; or, with --rdzv etcd://H1:P,H2:P,H3:P[/JOB], the same state
+kept in an etcd cluster, which survives any one host: `rendezvous_etcd.py`), agree on
+the job's membership (at least MIN hosts, at most MAX), and each starts its host's K
+processes with the job's `jax.distributed` settings (coordinator on the first host,
+process count and ids) and the elastic ones (`env.py`). On any failure (a process that
+exits abnormally, one stopped or without a
 step for --hang-timeout, or busy between steps -- a save, an evaluation -- for
 --start-timeout: `dpjax.recovery.heartbeat`; a host whose agent is silent for
 --host-timeout) every agent stops its
@@ -19,7 +21,8 @@ after every process committed the last step is after the job's end: exit 0, one 
 saying what failed (`rendezvous.py`; a restart that finds the last step committed ends
 the same way).
 
-Files: `rendezvous.py` (membership, rounds), `workers.py` (this host's processes:
+Files: `rendezvous.py` (membership, rounds), `rendezvous_etcd.py` and `etcd_v3.py` (the
+same in etcd, and the client that speaks to it), `workers.py` (this host's processes:
 start, watch, stop), `supervisor.py` (the agent's loop), `sizes.py` (which size a restart
 runs at: sizes that cannot hold the run are skipped), `cli.py` (the command line),
 `env.py` (what a process is told).

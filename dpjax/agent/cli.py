@@ -9,6 +9,8 @@ import socket
 import sys
 import tempfile
 
+from dpjax.errors import UserError
+
 
 def _nnodes(text: str) -> tuple[int, int]:
     lo, _, hi = text.partition(":")
@@ -22,9 +24,17 @@ def _nnodes(text: str) -> tuple[int, int]:
 
 
 def _rdzv(text: str) -> str:
+    if text.startswith("etcd://"):
+        from dpjax.agent.rendezvous_etcd import parse
+
+        try:
+            parse(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+        return text
     host, _, port = text.rpartition(":")
     if not host or not port.isdigit():
-        raise argparse.ArgumentTypeError(f"expected HOST:PORT, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected HOST:PORT or etcd://HOST:PORT,HOST:PORT,...[/JOB], got {text!r}")
     return text
 
 
@@ -33,7 +43,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="hosts the job runs on: at least MIN (fewer ends it), at most MAX (more wait for a restart)")
     p.add_argument("--nproc-per-node", type=int, default=1, metavar="K", help="processes this agent runs")
     p.add_argument("--rdzv", type=_rdzv, default="127.0.0.1:29400", metavar="HOST:PORT",
-                   help="where the agents meet; the first agent that can listen there runs the rendezvous")
+                   help="where the agents meet; the first agent that can listen there runs the rendezvous. Or "
+                        "etcd://H1:P,H2:P,H3:P[/JOB]: an etcd cluster keeps it (it survives any one host; JOB "
+                        "names the job, default dpjax)")
     p.add_argument("--max-restarts", type=int, default=3, metavar="N", help="failures survived before giving up")
     p.add_argument("--hang-timeout", type=float, default=60.0, metavar="S",
                    help="a process with no step for this many seconds, or whose heartbeat (a thread of its own, "
@@ -69,12 +81,17 @@ def run(args, command: list[str]) -> int:
         print("dpjax.agent: --nproc-per-node must be >= 1, --max-restarts >= 0, --hang-timeout, --start-timeout "
               "and --host-timeout > 0", file=sys.stderr)
         return 2
-    if args.commit_dir is not None:
-        return Agent(args, command).run()
-    shm = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
-    args.commit_dir = os.path.join(shm, f"dpjax-{args.rdzv.rsplit(':', 1)[1]}")
     try:
-        return Agent(args, command).run()
+        agent = Agent(args, command)  # an etcd rendezvous none of whose endpoints answers: one line, nothing started
+    except UserError as e:
+        print(f"dpjax.agent: {e}", file=sys.stderr, flush=True)
+        return 2
+    if args.commit_dir is not None:
+        return agent.run()
+    shm = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
+    args.commit_dir = os.path.join(shm, f"dpjax-{agent.rdzv.tag}")
+    try:
+        return agent.run()
     finally:
         remove_own(args.commit_dir, args.host_id)
 

@@ -211,3 +211,46 @@ def free_port(addr: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((addr, 0))
         return s.getsockname()[1]
+
+
+class TcpRendezvous:
+    """The built-in rendezvous as an agent uses it: the service on HOST:PORT (run by the
+    first agent that can listen there) and requests to it. The etcd one
+    (`rendezvous_etcd.EtcdRendezvous`) has the same face."""
+
+    def __init__(self, spec: str, host: str):
+        self.where, self.host = spec, host
+        self.addr, self.port = spec.rsplit(":", 1)[0], int(spec.rsplit(":", 1)[1])
+        self.tag = str(self.port)  # names the agent's default commit and log folders
+        self.server, self.unanswered = None, []
+
+    def start(self, make_state) -> None:
+        """Runs the service here if no other agent does; `make_state(clock)` makes its state."""
+        if self.server is None:
+            self.server = serve(self.addr, self.port, make_state(time.monotonic))
+
+    def request(self, req: dict, timeout: float = 5.0) -> dict:
+        return request(self.addr, self.port, req, timeout)
+
+    def beat(self, timeout: float) -> None:
+        """Says this agent lives (its silence is a lost host)."""
+        self.request({"op": "poll", "host": self.host}, timeout)
+
+    def local_address(self) -> str:
+        return local_address(self.addr, self.port)
+
+    def close(self, linger: float = 0.5) -> None:
+        if self.server is not None:
+            time.sleep(linger)  # the others hear how it ended before the service goes
+            self.server.shutdown()
+
+
+def connect(spec: str, host: str, lost_after: float):
+    """The rendezvous `--rdzv` names: `etcd://H1:P,H2:P,...[/JOB]` (`rendezvous_etcd`), or
+    HOST:PORT (the built-in service). An etcd cluster none of whose endpoints answers is
+    a UserError (one line, before anything starts)."""
+    if spec.startswith("etcd://"):
+        from dpjax.agent.rendezvous_etcd import EtcdRendezvous
+
+        return EtcdRendezvous(spec, host, lost_after)
+    return TcpRendezvous(spec, host)

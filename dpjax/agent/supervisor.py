@@ -51,8 +51,8 @@ class Agent:
     def __init__(self, args, command):
         self.a, self.command = args, command
         self.host = args.host_id
-        self.rhost, self.rport = args.rdzv.rsplit(":", 1)[0], int(args.rdzv.rsplit(":", 1)[1])
-        self.server = None
+        # built-in (HOST:PORT) or etcd (etcd://...): an etcd cluster that does not answer is a UserError here
+        self.rdzv = rdzv.connect(args.rdzv, self.host, args.host_timeout)
         self.stopped = None
         self.leaving = threading.Event()
         self.settings, self.skipped = False, []  # the command's dpjax.train settings (parsed when first needed)
@@ -61,21 +61,22 @@ class Agent:
         print(f"dpjax.agent[{self.host}]: {text}", file=sys.stderr, flush=True)
 
     def ask(self, op: str, **kw) -> dict:
-        """A request to the rendezvous, tried for a few seconds (it may be starting)."""
-        for _ in range(40):
+        """A request to the rendezvous, tried for about 10 s (it may be starting)."""
+        deadline = time.monotonic() + 10.0
+        while time.monotonic() < deadline:
             try:
-                return rdzv.request(self.rhost, self.rport, {"op": op, "host": self.host, **kw})
+                return self.rdzv.request({"op": op, "host": self.host, **kw})
             except OSError:
                 time.sleep(0.25)
         raise RendezvousLost(f"the rendezvous at {self.a.rdzv} cannot be reached (its host is lost, or it "
                              "finished); stopping this host's processes")
 
     def _serve(self) -> None:
-        if self.server is None:
-            mn, mx = self.a.nnodes
-            state = rdzv.State(mn, mx, self.a.max_restarts, last_call=self.a.rdzv_last_call,
-                               first_wait=self.a.rdzv_wait, lost_after=self.a.host_timeout)
-            self.server = rdzv.serve(self.rhost, self.rport, state)
+        mn, mx, a = *self.a.nnodes, self.a
+        self.rdzv.start(lambda clock: rdzv.State(mn, mx, a.max_restarts, last_call=a.rdzv_last_call,
+                                                 first_wait=a.rdzv_wait, lost_after=a.host_timeout, clock=clock))
+        for line in self.rdzv.unanswered:
+            self.say(f"etcd endpoint {line} does not answer; going on with the others")
 
     def env(self, view: dict) -> dict:
         a = self.a
@@ -111,7 +112,7 @@ class Agent:
         waiting for a dead process's last lines): silence means a lost host, not a busy one."""
         while not self.leaving.wait(ALIVE_S):
             try:
-                rdzv.request(self.rhost, self.rport, {"op": "poll", "host": self.host}, timeout=ALIVE_S)
+                self.rdzv.beat(ALIVE_S)
             except (OSError, ValueError):
                 pass  # the loop's own requests find out whether the rendezvous is lost
 
@@ -120,7 +121,7 @@ class Agent:
         threading.Thread(target=self._alive, daemon=True, name="dpjax-agent-alive").start()
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, self._on_signal)
-        addr = rdzv.local_address(self.rhost, self.rport)
+        addr = self.rdzv.local_address()
         completed, my_round = None, 0
         try:
             while True:
@@ -150,9 +151,8 @@ class Agent:
             self.say(f"giving up: {e}; no process left running")
             return 1
         finally:
-            if self.server is not None:
-                time.sleep(2 * ASK_S)  # the others hear how it ended before the service goes
-                self.server.shutdown()
+            self.leaving.set()
+            self.rdzv.close()  # the built-in's host waits for the others to hear how it ended
 
     def _size(self, view: dict) -> dict:
         """The round's view with the processes per host that hold the run (`sizes`): the
@@ -183,7 +183,7 @@ class Agent:
         a = self.a
         w = Workers(self.command, self.env(view), view["first_rank"], view["nproc"],
                     os.path.join(a.commit_dir, "heartbeat", self.host), self.host,
-                    log_dir=os.path.join(log_dir("agent", self.rport), self.host), verbose=a.verbose)
+                    log_dir=os.path.join(log_dir("agent", self.rdzv.tag), self.host), verbose=a.verbose)
         self.workers = w
         asked, reported, told = 0.0, False, {}
         try:
@@ -236,10 +236,10 @@ class Agent:
             return (f"done: the job had trained and committed every step when {failure_line(last)}; round "
                     f"{view['round']} found nothing left to train")
         try:
-            now = rdzv.request(self.rhost, self.rport, {"op": "poll", "host": self.host})
+            now = self.rdzv.request({"op": "poll", "host": self.host})
             if now["after_end"]:
                 time.sleep(3 * ASK_S)
-                now = rdzv.request(self.rhost, self.rport, {"op": "poll", "host": self.host})
+                now = self.rdzv.request({"op": "poll", "host": self.host})
         except OSError:  # the rendezvous's host finished first
             now = {"after_end": []}
         line = f"done: the job finished in round {view['round']}"
