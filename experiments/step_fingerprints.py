@@ -12,9 +12,9 @@ the Trainer makes (a tiny model's, made by the step's own init) and an abstract 
 runs). Two texts are hashed:
 
 - the lowered StableHLO (what dpjax asks XLA to compile), without source locations;
-- the compiled HLO after XLA's passes, with every `metadata={...}` removed: metadata names the
-  Python file and line each operation was traced from, which moves when code moves, while the
-  program does not.
+- the compiled HLO after XLA's passes, with every `metadata={...}` and the tables of source files,
+  functions and stack frames removed: they name the Python file and line each operation was
+  traced from, which moves when code moves, while the program does not.
 
 A difference names the layout and the first differing line of each text, so a refactor's
 `--compare` says where its program changed.
@@ -61,6 +61,14 @@ LAYOUTS: dict[str, list[str]] = {
 }
 SMOKE = {"2x4": LAYOUTS["2x4"]}
 _METADATA = re.compile(r",? metadata=\{[^{}]*\}")
+# The compiled text's tables of where the code sits: the files, functions and lines traced from
+_SOURCE_TABLES = ("FileNames", "FunctionNames", "FileLocations", "StackFrames")
+
+
+def program(compiled_text: str) -> str:
+    """The compiled HLO without what names the Python source: each op's metadata and the tables."""
+    blocks = _METADATA.sub("", compiled_text).split("\n\n")
+    return "\n\n".join(b for b in blocks if b.split("\n", 1)[0].strip() not in _SOURCE_TABLES)
 
 
 def texts(argv: list[str]) -> tuple[str, str]:
@@ -73,7 +81,7 @@ def texts(argv: list[str]) -> tuple[str, str]:
     batch = jax.ShapeDtypeStruct((plan.passes, plan.global_batch, plan.model.config.seq_len + 1), "int32",
                                  sharding=NamedSharding(plan.mesh, P(None, data_axes(plan.mesh) or None)))
     lowered = step.train.lower(params, state, batch)
-    return lowered.as_text(), _METADATA.sub("", lowered.compile().as_text())
+    return lowered.as_text(), program(lowered.compile().as_text())
 
 
 def digest(text: str) -> str:

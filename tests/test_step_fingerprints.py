@@ -23,6 +23,14 @@ def test_metadata_is_stripped_and_nothing_else():
     assert F.digest(other) != F.digest(here)
 
 
+def test_the_source_tables_are_dropped_and_the_program_kept():
+    text = (HLO.replace("LINE", "10") + "\nFileNames\n1 \"/a/models/gpt.py\"\n\nENTRY %main {\n  ROOT %r = f32[] "
+            "constant(0)\n}\n\nStackFrames\n1 {file_location_id=1 parent_frame_id=1}\n")
+    kept = F.program(text)
+    assert "gpt.py" not in kept and "StackFrames" not in kept and "ROOT %r = f32[] constant(0)" in kept
+    assert F.program(text.replace("/a/models", "/b/models")) == kept
+
+
 def test_compare_names_each_moved_layout_and_text():
     before = {"8x1": {"argv": "--mesh 8x1", "lowered": "a", "compiled": "b"},
               "2x4": {"argv": "--mesh 2x4", "lowered": "c", "compiled": "d"}}
