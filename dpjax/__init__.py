@@ -42,6 +42,12 @@ Scalars are words, not letters: `delay` (delayed:T), `tau` (async:TAU), `period`
 (sparse:P), `virtual_stages` (V in the papers' bubble formulas).
 """
 
+import importlib
+import importlib.abc
+import importlib.util
+import os
+import sys
+
 from dpjax import interrupt
 
 interrupt.while_starting()  # `python -m dpjax.<tool>`: a Ctrl-C while this package imports is one line, status 130
@@ -55,11 +61,6 @@ def _models_beside_the_package():
     a `dpjax/` folder found on sys.path hides setuptools' package-dir mapping. Then the one
     name `dpjax.models` is mapped to the `models/` beside this package, nothing else (the
     clone's tests/ and experiments/ stay outside it)."""
-    import importlib.abc
-    import importlib.util
-    import os
-    import sys
-
     here = os.path.dirname(os.path.abspath(__file__))
     top = os.path.join(os.path.dirname(here), "models")
     if os.path.isdir(os.path.join(here, "models")) or not os.path.isfile(os.path.join(top, "__init__.py")):
@@ -143,7 +144,5 @@ def __getattr__(name: str):
     """`dpjax.nn` (the tensor-parallel flax layers) after a plain `import dpjax`, loaded
     when first used: `import dpjax` itself does not import flax."""
     if name == "nn":
-        import importlib
-
         return importlib.import_module("dpjax.nn")
     raise AttributeError(f"module 'dpjax' has no attribute {name!r}")

@@ -1,11 +1,12 @@
-"""Every `DPJAX_*` environment variable dpjax (or its test suite) reads: one table.
+"""Every `DPJAX_*` environment variable dpjax (or its test suite, or an experiment) reads: one table.
 
 Each entry says what the variable means, what unset means, and who sets it when it is not
 the user (dpjax.launch and dpjax.agent pass some to the processes they start). The docs'
 table (docs/environment.md) is this one, rendered by `markdown()`; tests/test_env.py checks
-that every `DPJAX_*` name in dpjax's source is here, that each entry is still read
-somewhere, and that the page shows the table as it is. A new variable joins the table
-first: `value(name)` refuses a name that is not in it.
+that every `DPJAX_*` name in the source (dpjax's, its models', tests/conftest.py's and the
+experiments') is here, that each entry is still read somewhere, and that the page shows
+the table as it is. A new variable joins the table first: `value(name)` refuses a name
+that is not in it.
 
     python -c "from dpjax import env; print(env.markdown(), end='')"    the docs' table
 """
@@ -79,9 +80,11 @@ VARS: dict[str, Var] = {v.name: v for v in (
         "`dpjax.agent`"),
     Var("DPJAX_AGENT_PID", "none", "the host's agent: a process whose host is lost takes it down too",
         "`dpjax.agent`"),
-    # the test suite's
+    # the test suite's and the experiments'
     Var("DPJAX_TEST_COSTS", "nothing written", "a file: `pytest` appends each test's wall and CPU seconds to it "
         "as JSON lines (tests/conftest.py)"),
+    Var("DPJAX_CHAOS", "not a chaos run", "a tag on every process of one chaos run: the script finds its own "
+        "training processes (and no other run's) by it in `/proc/PID/environ`", "`experiments/chaos.py`"),
 )}
 
 

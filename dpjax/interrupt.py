@@ -22,6 +22,7 @@ Two things stood in the way (issue 36):
 from __future__ import annotations
 
 import os
+import signal
 import sys
 
 STATUS = 130  # 128 + SIGINT, what a shell reports for a Ctrl-C
@@ -100,8 +101,6 @@ def _on_sigint_while_starting(signum, frame):
 def while_starting() -> None:
     """While `python -m dpjax.<tool>` imports its packages: a Ctrl-C ends the process at
     once (nothing has begun), and an uncaught KeyboardInterrupt is one line, status 130."""
-    import signal
-
     tool = _starting()
     if tool is None or signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
         return  # e.g. started with SIGINT ignored (a background job of a script): left as it is
@@ -119,8 +118,6 @@ def while_starting() -> None:
 def started() -> None:
     """The package is imported: Ctrl-C raises KeyboardInterrupt again (the tool's own
     handling takes it from here)."""
-    import signal
-
     if signal.getsignal(signal.SIGINT) is _on_sigint_while_starting:
         signal.signal(signal.SIGINT, raise_on_sigint)
         quiet_dropped()

@@ -36,6 +36,7 @@ import threading
 import time
 
 from dpjax import distributed
+from dpjax.agent.cli import main as agent_main
 from dpjax.distributed import transport
 from dpjax.distributed.output import NOISE, RankOutput, log_dir
 
@@ -275,7 +276,6 @@ def main(argv=None) -> int:
             build_parser().error(f"{local[0]} is for processes without an agent; under the agent "
                                  f"({', '.join(a for a in ours if a.split('=')[0] in AGENT_FLAGS)}) give "
                                  "--nproc-per-node K and --nnodes MIN:MAX --rdzv HOST:PORT instead")
-        from dpjax.agent.cli import main as agent_main
 
         return agent_main(argv)
     p = build_parser()

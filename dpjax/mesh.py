@@ -20,7 +20,10 @@ import math
 import os
 import re
 
+import jax
 import numpy as np
+from jax import lax
+from jax.sharding import Mesh, PartitionSpec
 
 from dpjax import env
 from dpjax.errors import UserError
@@ -119,9 +122,6 @@ def make_mesh(spec: str, devices=None):
     `devices` defaults to every device of every process; the spec must use exactly
     that many (pass `jax.devices()[:k]` for a mesh over a subset).
     """
-    import jax
-    from jax.sharding import Mesh
-
     devs = list(jax.devices() if devices is None else devices)
     names, sizes = parse_mesh_spec(spec, len(devs))
     devs.sort(key=lambda d: (d.process_index, d.id))
@@ -165,8 +165,6 @@ def as_axes(axis_name) -> tuple[str, ...]:
 
 def is_spec(x) -> bool:
     """Whether `x` is a PartitionSpec (the leaf of a tree of specs)."""
-    from jax.sharding import PartitionSpec  # importing dpjax.mesh does not import JAX
-
     return isinstance(x, PartitionSpec)
 
 
@@ -180,8 +178,6 @@ def bound(axis) -> bool:
     code runs: inside a shard_map over it (or a vmap naming it). Elsewhere (one device,
     `jax.jit` under `jax.set_mesh`) arrays are whole, and a collective over the axis would
     fail deep inside JAX with `NameError: unbound axis name`."""
-    from jax import lax  # importing dpjax.mesh does not import JAX
-
     names = as_axes(axis)
     try:
         for name in names:
@@ -195,8 +191,6 @@ def spanning(axes) -> tuple[str, ...]:
     """The names among `axes` whose size is more than 1 where the code runs (inside a
     shard_map over them): a collective over the others moves nothing, yet XLA keeps an
     all-reduce of one participant in the program (a kernel and a sync on a GPU)."""
-    from jax import lax  # importing dpjax.mesh does not import JAX
-
     return tuple(a for a in as_axes(axes) if lax.axis_size(a) > 1)
 
 

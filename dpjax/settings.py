@@ -9,101 +9,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-
-def _models():
-    from dpjax.models import MODELS
-
-    return MODELS
-
-
-def _presets():
-    from dpjax.models import presets
-
-    return presets()
-
-
-def _optimizers():
-    from dpjax.optim import OPTIMIZERS
-
-    return OPTIMIZERS
-
-
-def _lr_schedules():
-    from dpjax.optim import LR_SCHEDULES
-
-    return tuple(LR_SCHEDULES)
-
-
-def _lr_schedules_help():
-    from dpjax.optim import describe_schedules
-
-    return f"the learning rate after --warmup-steps: {describe_schedules()}. Default: constant"
-
-
-def _algorithms():
-    from dpjax.collectives import ALGORITHMS
-
-    return tuple(ALGORITHMS)
-
-
-def _compressions():
-    from dpjax import compression
-
-    return compression.names()
-
-
-def _schedules():
-    from dpjax.pipeline import SCHEDULES
-
-    return SCHEDULES
-
-
-def _updates_help():
-    from dpjax.updates import HELP
-
-    return HELP
-
-
-def _collectives():
-    from dpjax.distributed import COLLECTIVES
-
-    return tuple(COLLECTIVES)
-
-
-def _context_attentions():
-    from dpjax.compute.context import CONTEXT_ATTENTIONS
-
-    return tuple(CONTEXT_ATTENTIONS)
-
-
-def _all_to_alls():
-    from dpjax.collectives import ALL_TO_ALL_ALGORITHMS
-
-    return tuple(ALL_TO_ALL_ALGORITHMS)
-
-
-def _tasks():
-    from dpjax.tasks import TASKS
-
-    return TASKS
-
-
-def _chat():
-    from dpjax.data import chat
-
-    return chat
-
-
-def _packing():
-    from dpjax.data import packing
-
-    return packing
-
-
-def _variants():
-    from dpjax.tasks.dpo import VARIANTS
-
-    return VARIANTS
+# The registries whose names the flags offer, read when --help or a check asks (a lambda
+# each, below): a model or task registered after this import still shows.
+from dpjax import collectives, compression, distributed, models, optim, pipeline, tasks, updates
+from dpjax.compute import context
+from dpjax.data import chat, packing
+from dpjax.tasks import dpo
 
 
 def _opt(default, help: str, **kw):
@@ -138,9 +49,10 @@ class Settings:
     mesh: str | None = MESH(None, "device mesh: '8' or '8x1' (data x model), '2x2x2' (node x data x model), "
                                   "'data=2,model=4'; one -1 takes the remaining devices. Default: every device "
                                   "on data")
-    model: str = MODEL("gpt", lambda: f"the model: {', '.join(_models())}")
-    preset: str | None = MODEL(None, lambda: f"a named model shape: {', '.join(_presets())} (sets --model and its "
-                                            "options, and --vocab-size unless given; options given override it)")
+    model: str = MODEL("gpt", lambda: f"the model: {', '.join(models.MODELS)}")
+    preset: str | None = MODEL(None, lambda: f"a named model shape: {', '.join(models.presets())} (sets --model "
+                                            "and its options, and --vocab-size unless given; options given override "
+                                            "it)")
     data: str = MODEL("stdlib", "'stdlib' (the Python standard library's source), a text file, a folder of text "
                                "files, 'synthetic' (random tokens), a file of token ids ending in .bin (uint16 "
                                "or uint32, as nanoGPT and llm.c write them; needs --vocab-size), or chat:PATH "
@@ -150,23 +62,23 @@ class Settings:
                                         "SentencePiece .model (both need the hf extra), or bpe:N (a byte-level BPE "
                                         "of N ids trained on the corpus first). Default: bytes (256 ids)")
     task: str | None = MODEL(None, lambda: "what the step optimises: " + "; ".join(
-        f"{t.name}: {t.about}" for t in _tasks().values())
+        f"{t.name}: {t.about}" for t in tasks.TASKS.values())
         + ". Default: sft for --data chat:PATH, grpo with --prompts, else lm",
-                             choices=lambda: tuple(_tasks()))
+                             choices=lambda: tuple(tasks.TASKS))
     # Chat data (--data chat:PATH; dpjax.data.chat)
     loss_on: str = MODEL("assistant", "with chat data, which tokens the loss counts: assistant (each assistant "
                                       "turn's answer and its end-of-turn token), completion (what follows the "
                                       "prompt of prompt/completion rows), all (every token)",
-                         choices=lambda: _chat().LOSS_ON)
+                         choices=lambda: chat.LOSS_ON)
     truncate: str = MODEL("right", "with chat data, a conversation longer than --seq-len + 1 tokens: right (keep "
                                    "its start), left (keep its end) or drop it; counted in the run record",
-                          choices=lambda: _chat().TRUNCATE)
+                          choices=lambda: chat.TRUNCATE)
     no_answer: str = MODEL("skip", "with chat data, a row without an answer to train on: skip it (counted) or "
-                                   "refuse the data (one line naming the row)", choices=lambda: _chat().NO_ANSWER)
+                                   "refuse the data (one line naming the row)", choices=lambda: chat.NO_ANSWER)
     pack: str = MODEL("none", "with chat data, several conversations in one row of --seq-len + 1 tokens, each "
                               "attending only to itself with its own positions: first_fit or best_fit (decreasing), "
                               "or none (one a row). --batch-size still counts conversations",
-                      choices=lambda: tuple(_packing().METHODS))
+                      choices=lambda: tuple(packing.METHODS))
     pack_window: int | None = MODEL(None, "with chat data, deal the conversations of this many consecutive steps "
                                           "among them so that each step holds nearly the same tokens (still "
                                           "--batch-size conversations each): the packed rows a step needs are the "
@@ -184,7 +96,7 @@ class Settings:
                                               "one), unless --eval-data is given")
     # Preference pairs (--data pref:PATH, --task dpo; dpjax.tasks.dpo, docs/preferences.md)
     dpo_loss: str = MODEL("sigmoid", lambda: "with preference pairs, the loss: " + "; ".join(
-        f"{v.name}: {v.about}" for v in _variants().values()), choices=lambda: tuple(_variants()))
+        f"{v.name}: {v.about}" for v in dpo.VARIANTS.values()), choices=lambda: tuple(dpo.VARIANTS))
     dpo_beta: float = MODEL(0.1, "with preference pairs, beta: how far the policy may move from the reference "
                                  "(SimPO: the reward's scale, about 2)")
     simpo_gamma: float = MODEL(0.5, "with --dpo-loss simpo, the target reward margin gamma")
@@ -217,13 +129,15 @@ class Settings:
     batch_size: int = OPTIM(32, "global batch in sequences (with chat data: conversations, one a row) per "
                                      "backward pass, split over the data axes")
     seq_len: int = MODEL(128, "tokens (bytes) per sequence")
-    optimizer: str = OPTIM("adamw", lambda: f"the inner optimizer: {', '.join(_optimizers())} (momentum: Nesterov, "
+    optimizer: str = OPTIM("adamw", lambda: f"the inner optimizer: {', '.join(optim.OPTIMIZERS)} (momentum: Nesterov, "
                                            "0.9)")
     lr: float = OPTIM(3e-3, "learning rate (before any scaling)")
     lr_scaling: str = OPTIM("none", "linear: lr * global batch / 256 (Goyal et al. 2017)", choices=("none", "linear"))
     warmup_steps: int = OPTIM(0, "steps of linear learning-rate warmup (from 0; with --lr-scaling linear from --lr "
                                  "to the scaled rate, Goyal et al.'s gradual warmup)")
-    lr_schedule: str = OPTIM("constant", lambda: _lr_schedules_help(), choices=lambda: _lr_schedules())
+    lr_schedule: str = OPTIM("constant", lambda: "the learning rate after --warmup-steps: "
+                             f"{optim.describe_schedules()}. Default: constant",
+                             choices=lambda: tuple(optim.LR_SCHEDULES))
     min_lr: float = OPTIM(0.0, "the rate a decaying --lr-schedule ends at (as given: not scaled by --lr-scaling)")
     decay_steps: int | None = OPTIM(None, "steps of a decaying --lr-schedule's decay. Default: every step after "
                                           "warm-up, or the last fifth of --steps for one that decays at the end "
@@ -258,7 +172,7 @@ class Settings:
                                            "With --dry-run on a machine without a GPU the plan is made for GPUs "
                                            "(bf16, cuDNN attention where eligible): plan a GPU job from a laptop. "
                                            "Default: what a device here has")
-    update: str = MESH("sync", lambda: _updates_help())
+    update: str = MESH("sync", lambda: updates.HELP)
     workers: str | None = MESH(None, "the data axes the update rule's workers span, e.g. 'node' (one worker per "
                                      "node: synchronous data parallelism inside it, the rule between nodes). "
                                      "Default: every data axis for delayed/sparse/async (each rank a worker), "
@@ -267,19 +181,20 @@ class Settings:
     link: list | None = EXCHANGE(None, "emulate a slow link on a mesh axis, e.g. 'node=183ms,23mbit' (repeatable): "
                                    "every collective crossing that axis waits for its alpha-beta time; values are "
                                    "unchanged, only time", action="append")
-    allreduce: str | None = EXCHANGE(None, lambda: f"gradient allreduce algorithm: {', '.join(_algorithms())}; or "
-                                               "auto: each is timed on the first steps of the run and the fastest kept "
+    allreduce: str | None = EXCHANGE(None, lambda: "gradient allreduce algorithm: "
+                                               f"{', '.join(collectives.ALGORITHMS)}; or auto: each is timed on "
+                                               "the first steps of the run and the fastest kept "
                                                "(recorded in the metrics and the checkpoint; a resumed run keeps "
                                                "it). Default: psum (XLA's own: NCCL) on GPU and TPU, ring on CPU")
     tp_allreduce: str = EXCHANGE("ring", lambda: "allreduce over the model axis inside tensor-parallel layers: "
-                                           f"{', '.join(a for a in _algorithms() if a != 'hierarchical')}")
+                                           f"{', '.join(a for a in collectives.ALGORITHMS if a != 'hierarchical')}")
     fsdp: bool = MESH(False, "fully sharded data parallelism (ZeRO-3) inside each worker: parameters and "
                              "optimizer state split over the data axes too, all-gathered just before use, "
                              "gradients reduce-scattered (with the --allreduce algorithm)")
     fusion_mb: float | str = EXCHANGE(64.0, "tensor-fusion bucket cap in MiB (0: one allreduce per tensor); 'auto': "
                                         "timed on the first steps like --allreduce auto", type="mib")
     compression: str = EXCHANGE("none", lambda: "how gradients (and the rule's exchanges) travel on the wire: none, "
-                                            f"{', '.join(_compressions())}; name[:N][,ef=0][,start=S], e.g. "
+                                            f"{', '.join(compression.names())}; name[:N][,ef=0][,start=S], e.g. "
                                             "powersgd:4,start=100 (N: PowerSGD's rank, top-k's / random-k's "
                                             "fraction; ef=0: no error feedback; start: exact exchanges first). "
                                             "A method with error feedback compresses the exchange between workers "
@@ -295,12 +210,13 @@ class Settings:
     context_attention: str = MESH("ring", "with a context axis (--mesh data=2,context=4: each sequence split over "
                                           "it, device i holding chunks i and 2C-1-i of 2C): ring (K/V blocks passed "
                                           "round the axis, blockwise softmax) or allgather (K/V gathered, attended "
-                                          "locally)", choices=lambda: _context_attentions())
+                                          "locally)", choices=lambda: tuple(context.CONTEXT_ATTENTIONS))
     expert_alltoall: str = MESH("pairwise", lambda: "with an expert axis (--mesh data=2,expert=4 --experts 8): the "
                                                   "all-to-all a mixture of experts dispatches tokens to their experts' "
-                                                  f"devices and combines them back by: {', '.join(_all_to_alls())} "
+                                                  "devices and combines them back by: "
+                                                  f"{', '.join(collectives.ALL_TO_ALL_ALGORITHMS)} "
                                                   "(xla: lax.all_to_all, the baseline)",
-                                choices=lambda: _all_to_alls())
+                                choices=lambda: tuple(collectives.ALL_TO_ALL_ALGORITHMS))
     backward_passes: int = MESH(1, "micro-batches per step: gradients accumulated over this many backward "
                                    "passes, exchanged once")
     microbatches: int | None = MESH(None, "with a stage axis: micro-batches each data-parallel replica's batch is "
@@ -309,7 +225,7 @@ class Settings:
                                       "gpipe: all forwards, then all backwards; 1f1b: one forward, one backward, "
                                       "memory bounded by the stages; interleaved: 1f1b over --virtual-stages "
                                       "chunks per stage). Default: 1f1b",
-                                choices=lambda: tuple(_schedules()))
+                                choices=lambda: tuple(pipeline.SCHEDULES))
     virtual_stages: int | None = MESH(None, "with --schedule interleaved: chunks of layers per stage, visited "
                                             "round robin (bubble (S-1)/(V*M+S-1)). Default: 2")
     seed: int = MODEL(0, "seed for initialisation, data order and async's staleness")
@@ -375,5 +291,5 @@ class Settings:
                                          "(JAX's MPI collectives through MPItrampoline: needs MPITRAMPOLINE_LIB, see "
                                          "the README's 'Running on a cluster'); GPUs use NCCL whatever this says. "
                                          "Default: dpjax.launch --collectives' choice (DPJAX_COLLECTIVES), else gloo",
-                            choices=lambda: _collectives())
+                            choices=lambda: tuple(distributed.COLLECTIVES))
     model_options: dict = field(default_factory=dict)  # from --d-model etc.: {option: value}

@@ -4,7 +4,9 @@ pyproject.toml bounds jax from above (`<0.12`: 0.10.2 here, 0.11.2 on the GPU ma
 new version is admitted once this test passes on it. What the source names is read from its
 AST (no module is imported): every `from jax._src... import X [as Y]`, every attribute chain
 on such a name (the method a call ends in left off), and `getattr`/`hasattr` with a constant
-name; `getattr` with a computed name is allowed once, over `cpu_runtime.CHANNEL_PRIMITIVES`."""
+name; `getattr` with a computed name is allowed once, over `cpu_runtime.CHANNEL_PRIMITIVES`.
+Beside them, ON_COMPILED: the private attributes read on a compiled program (jax.stages'
+public `Compiled`), walked on one."""
 
 from __future__ import annotations
 
@@ -62,6 +64,14 @@ THROUGH_OBJECTS = {
     "jax._src.distributed.global_state.num_processes": ("distributed/processes.py", "joined.num_processes"),
     "jax._src.clusters.ClusterEnv.is_env_present": ("distributed/join.py", "env.is_env_present()"),
     "jax._src.clusters.ClusterEnv.opt_in_only_method": ("distributed/join.py", "env.opt_in_only_method"),
+}
+
+# Private attributes of what jax.jit(...).lower(...).compile() returns (a public object, so
+# not named through jax._src): the chain each module reads, checked to be in its source and
+# walked on a compiled program of the installed jax.
+ON_COMPILED = {
+    "_executable._unloaded_executable.device_list": ("recovery/programs.py", "the devices a kept program runs on, "
+                                                     "in its device assignment's order"),
 }
 
 
@@ -133,6 +143,16 @@ def test_the_private_names_in_the_source_are_the_listed_ones():
                                      + "; gone: " + str(sorted(set(RELIED_ON) - found)))
     for name, (path, text) in THROUGH_OBJECTS.items():
         assert text in (ROOT / "dpjax" / path).read_text(), (name, path, text)
+
+
+def test_the_compiled_programs_private_attributes_exist():
+    compiled = jax.jit(lambda x: x + 1).lower(jax.ShapeDtypeStruct((2,), "float32")).compile()
+    for chain, (path, _) in ON_COMPILED.items():
+        assert f"compiled.{chain}" in (ROOT / "dpjax" / path).read_text(), (chain, path)
+        obj = compiled
+        for attr in chain.split("."):
+            obj = getattr(obj, attr)
+        assert [d.id for d in obj] == [jax.devices()[0].id]  # a plain jit runs on the default device
 
 
 @pytest.mark.parametrize("name", [*RELIED_ON, *THROUGH_OBJECTS])

@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import socket
 import sys
 import tempfile
 
+from dpjax.agent.rendezvous_etcd import parse
+from dpjax.agent.supervisor import Agent
 from dpjax.errors import UserError
 
 
@@ -25,8 +28,6 @@ def _nnodes(text: str) -> tuple[int, int]:
 
 def _rdzv(text: str) -> str:
     if text.startswith("etcd://"):
-        from dpjax.agent.rendezvous_etcd import parse
-
         try:
             parse(text)
         except ValueError as e:
@@ -74,8 +75,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args, command: list[str]) -> int:
-    from dpjax.agent.supervisor import Agent
-
     if args.nproc_per_node < 1 or args.max_restarts < 0 or min(args.hang_timeout, args.start_timeout,
                                                                   args.host_timeout) <= 0:
         print("dpjax.agent: --nproc-per-node must be >= 1, --max-restarts >= 0, --hang-timeout, --start-timeout "
@@ -100,8 +99,6 @@ def remove_own(root: str, host: str) -> None:
     """At the agent's exit, what it kept in the folder it chose itself (/dev/shm: memory):
     its host's commits and programs, its heartbeats; the folder with them once no other
     host's (an agent of the same job on this machine) is left in it."""
-    import shutil
-
     for path in (os.path.join(root, host), os.path.join(root, "heartbeat", host)):
         shutil.rmtree(path, ignore_errors=True)
     shared, heartbeats = {"heartbeat", "jit-cache"}, os.path.join(root, "heartbeat")  # the job's, not a host's

@@ -30,6 +30,7 @@ import socket
 import socketserver
 import threading
 import time
+from dpjax.agent.rendezvous_etcd import EtcdRendezvous
 
 # An agent's own thread says it lives every second (supervisor.ALIVE_S); 3 s of silence was
 # seen from a live agent on a 2-core machine at load 40, so the default is --host-timeout 10
@@ -250,7 +251,5 @@ def connect(spec: str, host: str, lost_after: float):
     HOST:PORT (the built-in service). An etcd cluster none of whose endpoints answers is
     a UserError (one line, before anything starts)."""
     if spec.startswith("etcd://"):
-        from dpjax.agent.rendezvous_etcd import EtcdRendezvous
-
         return EtcdRendezvous(spec, host, lost_after)
     return TcpRendezvous(spec, host)

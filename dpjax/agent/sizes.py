@@ -13,6 +13,8 @@ with every process.
 from __future__ import annotations
 
 from dpjax.errors import UserError
+from dpjax.plan import fit_devices
+from dpjax.train.cli import parse_args
 
 
 class NoSize(UserError):
@@ -24,8 +26,6 @@ def train_settings(command: list[str]):
     another command or flags that do not parse (its processes will say what is wrong)."""
     for i, word in enumerate(command[:-1]):
         if word == "-m" and command[i + 1] in ("dpjax.train", "dpjax.train.cli"):
-            from dpjax.train.cli import parse_args
-
             try:
                 return parse_args(command[i + 2:])
             except (SystemExit, UserError):
@@ -36,8 +36,6 @@ def train_settings(command: list[str]):
 def choose(settings, hosts: int, nproc: int, devices_per_process: int | None) -> tuple[int, list[str]]:
     """(processes per host, the sizes skipped with why) for a round of `hosts` hosts that
     can run up to `nproc` processes each. Raises NoSize when no size holds the run."""
-    from dpjax.plan import fit_devices
-
     if settings is None or not devices_per_process:
         return nproc, []
     skipped = []

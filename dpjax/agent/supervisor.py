@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import signal
 import sys
 import threading
@@ -99,8 +100,6 @@ class Agent:
             env[ENV["failure"]] = json.dumps({"line": failure_line(f), "t": first, "completed": last["completed"],
                                               "restarted": time.time(), "skipped": self.skipped})
         if a.devices_per_process:
-            import re
-
             flags = re.sub(r"--xla_force_host_platform_device_count=\S*", "", env.get("XLA_FLAGS", ""))
             env["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={a.devices_per_process}".strip()
             env[ENV["devices"]] = str(a.devices_per_process)

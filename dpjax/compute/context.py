@@ -57,7 +57,9 @@ from jax import lax
 
 from dpjax import collectives
 from dpjax.compute.attention import allowed, kernel as local_kernel, soft_cap
+from dpjax.compute.tensor_parallel import _active
 from dpjax.collectives.ranks import axis_size, index, shift_perm
+from dpjax.collectives import cost as collective_cost
 from dpjax.collectives.cost import Schedule
 from dpjax.collectives.p2p import send
 from dpjax.registry import Registry
@@ -78,8 +80,6 @@ def layout_order(T: int, C: int) -> np.ndarray:
 
 def active(par) -> bool:
     """Whether `par` (a `dpjax.compute.tensor_parallel.Parallel`) splits sequences over a context axis here."""
-    from dpjax.compute.tensor_parallel import _active
-
     return _active(getattr(par, "context_axis", None))
 
 
@@ -289,9 +289,7 @@ def _ring_cost(C: int, kv_bytes: int) -> Schedule:
 
 
 def _allgather_cost(C: int, kv_bytes: int) -> Schedule:
-    from dpjax.collectives.cost import schedule
-
-    return schedule("ring", C, C * kv_bytes // 4, 4, primitive="all_gather")
+    return collective_cost.schedule("ring", C, C * kv_bytes // 4, 4, primitive="all_gather")
 
 
 def bound_bytes(C: int, kv_bytes: int) -> int:

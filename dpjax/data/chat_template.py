@@ -39,8 +39,7 @@ class _Raised(Exception):
 
 
 def _jinja():
-    try:
-        import jinja2
+    try:  # an optional dependency (the [hf] extra): each `import jinja2.x` binds jinja2 itself too
         import jinja2.ext
         import jinja2.sandbox
     except ImportError:

@@ -14,6 +14,8 @@ from __future__ import annotations
 import json
 import os
 
+import numpy as np
+
 from dpjax.errors import UserError
 
 FORMAT = "dpjax token file"
@@ -46,8 +48,6 @@ def read_meta(path: str) -> dict | None:
 
 def check_fits(path: str, meta: dict, size: int, given: str) -> None:
     """The file's size is the described count of ids, and a --token-dtype given agrees."""
-    import numpy as np
-
     if given not in ("auto", meta["dtype"]):
         raise TokenFileError(f"--token-dtype {given}, but {sidecar(path)} says {path} holds {meta['dtype']} ids; "
                              "drop --token-dtype")

@@ -83,7 +83,7 @@ class SentencePiece:
 
 
 def _sentencepiece(spec: str, path: str) -> SentencePiece:
-    try:
+    try:  # an optional dependency (the [hf] extra), imported when a SentencePiece model is read
         import sentencepiece
     except ImportError:
         raise TokenizerError("a SentencePiece model needs the sentencepiece package: pip install 'dpjax[hf]' "
@@ -98,7 +98,7 @@ def _sentencepiece(spec: str, path: str) -> SentencePiece:
 
 
 def _package():
-    try:
+    try:  # an optional dependency (the [hf] extra), imported when a tokenizer.json is read
         import tokenizers
     except ImportError:
         raise TokenizerError("a tokenizer.json or bpe:N needs HuggingFace's tokenizers: pip install 'dpjax[hf]' "

@@ -17,8 +17,18 @@ import json
 import os
 import sys
 
+import jax
+import numpy as np
+
 from dpjax.collectives.cpu_runtime import guard_flagged
-from dpjax.errors import UserError
+from dpjax.errors import UserError, os_error_line
+from dpjax.generate import Sampling, check_length, generate
+from dpjax.generate.source import eos_ids, open_source, tokenizer_of
+from dpjax.hf import params_of
+from dpjax.hf.adapter import read_config as adapter_config
+from dpjax.hf.source import default_mesh
+from dpjax.models.lora import Lora
+from dpjax.sharding import make_layout
 
 
 def _ids(text: str) -> list[int]:
@@ -32,11 +42,6 @@ def _ids(text: str) -> list[int]:
 
 
 def run(args) -> dict:
-    import numpy as np
-
-    from dpjax.generate import Sampling, check_length, generate
-    from dpjax.generate.source import eos_ids, open_source, tokenizer_of
-
     if args.max_new_tokens < 1 or args.temperature < 0 or not 0 < args.top_p <= 1 or args.logprobs < 0:
         raise UserError("--max-new-tokens must be at least 1, --temperature at least 0, --top-p in (0, 1], "
                         "--logprobs at least 0")
@@ -86,17 +91,8 @@ def run(args) -> dict:
 def _weights(args, model, record):
     """(the model, its parameters on the mesh): with LoRA adapters (--adapter, or a LoRA run's
     checkpoint) the base with them merged in (base + alpha/r B A), as an export --merge writes it."""
-    import jax
-
-    from dpjax.hf import params_of
-    from dpjax.hf.source import default_mesh
-    from dpjax.models.lora import Lora
-    from dpjax.sharding import make_layout
-
     if args.adapter is not None:
-        from dpjax.hf.adapter import read_config
-
-        model = model if isinstance(model, Lora) else Lora(model, read_config(args.adapter).lora)
+        model = model if isinstance(model, Lora) else Lora(model, adapter_config(args.adapter).lora)
     mesh = default_mesh(model, args.mesh)
     params = params_of(args.init_from, model, make_layout(model, mesh), record, adapter=args.adapter)
     if not isinstance(model, Lora):
@@ -105,10 +101,6 @@ def _weights(args, model, record):
 
 
 def _save(path: str, logp_V) -> None:
-    import numpy as np
-
-    from dpjax.errors import os_error_line
-
     try:
         with open(path, "wb") as f:
             np.save(f, logp_V.astype(np.float32))

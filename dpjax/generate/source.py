@@ -19,7 +19,12 @@ import os
 
 import jax
 
+from dpjax.data.tokenizer import Bytes, load
 from dpjax.errors import UserError
+from dpjax.hf import model_of
+from dpjax.hf.identity import origin
+from dpjax.hf.load import HF_PREFIX
+from dpjax.models.lora import Lora
 
 TOKENIZER_JSON, SENTENCEPIECE = "tokenizer.json", "tokenizer.model"
 GENERATION_CONFIG = "generation_config.json"
@@ -44,18 +49,12 @@ class Source:
     def model_for(self, length: int):
         """The model to run `length` positions (at most `context`): rebuilt at that seq_len
         where its parameters do not depend on it, else as saved."""
-        from dpjax.hf import model_of
-
         if not _length_free(self.model) or length == self.model.config.seq_len:
             return self.model
         return model_of(self.spec, seq_len=length)[0]
 
 
 def open_source(spec: str) -> Source:
-    from dpjax.hf import model_of
-    from dpjax.hf.identity import origin
-    from dpjax.hf.load import HF_PREFIX
-
     model, hub, record = model_of(spec)
     if spec.startswith(HF_PREFIX):
         return Source(spec, model, hub, None, spec[len(HF_PREFIX):])
@@ -67,8 +66,6 @@ def _length_free(model) -> bool:
     """True when the model's parameters have the same shapes at any seq_len (no table of
     positions): compared by shape only (`jax.eval_shape`), nothing computed. A LoRA model's
     adapters never depend on it: its base decides."""
-    from dpjax.models.lora import Lora
-
     if isinstance(model, Lora):
         return _length_free(model.base)
     other = dataclasses.replace(model.config, seq_len=model.config.seq_len + 1)
@@ -84,8 +81,6 @@ def tokenizer_of(source: Source, given: str | None):
     (Gemma's no dummy prefix, the special tokens whole), which the raw `sentencepiece`
     package does not apply, so its ids would not be the model's
     (tests/fixtures/make_sentencepiece_tokenizer_fixtures.py shows them differ)."""
-    from dpjax.data.tokenizer import Bytes, load
-
     if given:
         return load(given)
     if source.folder and os.path.isfile(os.path.join(source.folder, TOKENIZER_JSON)):

@@ -18,16 +18,23 @@ import argparse
 import os
 import sys
 
+import jax
+
 from dpjax.collectives.cpu_runtime import guard_flagged
 from dpjax.errors import UserError, os_error_line
+from dpjax.hf import identity
+from dpjax.hf.adapter import export as export_adapter
+from dpjax.hf.family import FAMILIES
+from dpjax.hf.files import DTYPES
+from dpjax.hf.load import model_from_hf
+from dpjax.hf.source import default_mesh, model_of, params_of
+from dpjax.hf.verify import verify
+from dpjax.hf.writer import TORCH_DTYPES, check_out, export, save_checkpoint
+from dpjax.models.lora import Lora
+from dpjax.sharding import make_layout
 
 
 def do_import(folder: str, out: str, mesh_spec: str | None) -> str:
-    from dpjax.hf.writer import save_checkpoint
-    from dpjax.hf.load import model_from_hf
-    from dpjax.hf.source import default_mesh, params_of
-    from dpjax.sharding import make_layout
-
     model, hub = model_from_hf(folder)
     if os.path.isdir(out) and os.listdir(out):
         raise UserError(f"{out} exists and is not empty; pass a new folder")
@@ -41,8 +48,6 @@ def do_import(folder: str, out: str, mesh_spec: str | None) -> str:
 def do_export(ckpt: str, out: str, dtype: str | None, shard_mb: float, overwrite: bool = False,
               lora: str | None = None) -> str:
     """lora: for a LoRA run's checkpoint, "adapter" (PEFT's files) or "merge" (full weights, base + alpha/r B A)."""
-    from dpjax.hf.writer import check_out
-
     made = check_out(out, overwrite)
     try:
         return _export(ckpt, out, dtype, shard_mb, lora)
@@ -53,12 +58,6 @@ def do_export(ckpt: str, out: str, dtype: str | None, shard_mb: float, overwrite
 
 
 def _export(ckpt: str, out: str, dtype: str | None, shard_mb: float, lora: str | None = None) -> str:
-    from dpjax.hf import identity
-    from dpjax.hf.family import FAMILIES
-    from dpjax.hf.writer import export
-    from dpjax.hf.source import default_mesh, model_of, params_of
-    from dpjax.sharding import make_layout
-
     model, _, record = model_of(ckpt)
     if model.name not in FAMILIES:
         raise UserError(f"{ckpt} holds a {model.name} model; the HuggingFace export writes {', '.join(FAMILIES)}")
@@ -68,10 +67,6 @@ def _export(ckpt: str, out: str, dtype: str | None, shard_mb: float, lora: str |
     dtype = dtype or (record.get("hf") or {}).get("dtype") or (origin and origin.dtype) or "float32"
     model, params, adapter = _lora_export(ckpt, model, params, lora)
     if adapter:
-        from dpjax.hf.adapter import export as export_adapter
-        from dpjax.hf.files import DTYPES
-        from dpjax.hf.writer import TORCH_DTYPES
-
         base = origin and (origin.folder or origin.missing)  # PEFT's base_model_name_or_path
         files = export_adapter(params, model, out, dtype=DTYPES[TORCH_DTYPES[dtype]], base=base or None)
         return f"{out}: {', '.join(files)} ({dtype}): a PEFT adapter of {base or 'its base model'}"
@@ -90,10 +85,6 @@ def _export(ckpt: str, out: str, dtype: str | None, shard_mb: float, lora: str |
 def _lora_export(ckpt: str, model, params, how: str | None):
     """(the model and parameters to write, whether as an adapter): a LoRA checkpoint's
     adapters (--adapter), or its base with them merged (--merge)."""
-    import jax
-
-    from dpjax.models.lora import Lora
-
     if not isinstance(model, Lora):
         if how:
             raise UserError(f"{ckpt} holds no LoRA adapters (a run without --lora): export it without --{how}")
@@ -137,8 +128,6 @@ def main(argv=None) -> int:
         if args.command == "import":
             line = do_import(args.folder, args.out, args.mesh)
         elif args.command == "verify":
-            from dpjax.hf.verify import verify
-
             line, ok = verify(args.folder, args.expected, tuple(filter(None, args.train.split(","))), name=args.name)
             print(line, end="")
             return 0 if ok else 1

@@ -21,6 +21,7 @@ import jax
 import numpy as np
 
 from dpjax.hf.files import HFError, _entry, read_header, write_file
+from dpjax.models.lora import LoraConfig, a_key, b_key, targets_of
 
 CONFIG = "adapter_config.json"
 WEIGHTS = "adapter_model.safetensors"
@@ -40,8 +41,6 @@ class AdapterConfig:
     """adapter_config.json as dpjax reads it: the LoRA settings and the base model's name."""
 
     def __init__(self, folder: str, raw: dict):
-        from dpjax.models.lora import LoraConfig, targets_of
-
         self.folder, self.raw = folder, raw
         for key, default in _DEFAULTS.items():
             value = raw.get(key)
@@ -96,8 +95,6 @@ def check_base(adapter: AdapterConfig, source: str | None) -> None:
 def adapters_of(folder: str, model, source: str | None = None) -> dict:
     """The PEFT adapter in `folder` as `model`'s adapter tree (`dpjax.models.lora.Lora`: its
     targets, r and alpha must be the file's), float32 numpy arrays stacked over the layers."""
-    from dpjax.models.lora import a_key, b_key
-
     adapter = read_config(folder)
     check_base(adapter, source)
     if (adapter.lora.r, adapter.lora.alpha, adapter.lora.targets) != (model.lora.r, model.lora.alpha,
@@ -132,8 +129,6 @@ def export(params, model, folder: str, *, dtype=np.float32, base: str | None = N
     """`model`'s adapters in `params` (any sharding) -> a PEFT adapter folder, the tensors in
     numpy `dtype`; `base`: the base model's name or folder (PEFT's base_model_name_or_path).
     Returns the files written."""
-    from dpjax.models.lora import a_key, b_key
-
     np_dtype, c = np.dtype(dtype), model.lora
     adapters = jax.device_get(params[model.LAYERS]["lora"])
     tensors = {}

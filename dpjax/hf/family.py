@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from dpjax.hf.files import HFError
+from dpjax.models import MODELS
 from dpjax.registry import Registry
 
 # Outer (not stacked) leaves: the same Hub names for every family here
@@ -101,8 +102,6 @@ def of_model(name: str) -> Family:
 
 def of_config(config) -> Family:
     """The family whose dpjax model takes `config` (a config dataclass)."""
-    from dpjax.models import MODELS
-
     for f in FAMILIES.values():
         if MODELS[f.name].config is type(config):
             return f

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from dpjax.hf.config import config_to_hub
 from dpjax.hf.family import of_model
 from dpjax.hf.load import CONFIG, HF_PREFIX, read_config
+from dpjax.hf.source import read_record
+from dpjax.recovery.checkpoint import RUN_FILE
 
 # The files of a Hub folder that say how to talk to the model (transformers' and vLLM's)
 FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
@@ -43,8 +45,6 @@ class Origin:
 
 
 def _run_file(folder: str) -> dict:
-    from dpjax.recovery.checkpoint import RUN_FILE
-
     try:
         with open(os.path.join(folder, RUN_FILE)) as fh:
             return json.load(fh)
@@ -71,8 +71,6 @@ def origin(ckpt: str, record: dict | None, depth: int = 4) -> Origin | None:
         return Origin(read_config(folder), folder)
     if not os.path.isdir(source):
         return Origin(None, None, source)
-    from dpjax.hf.source import read_record
-
     return origin(source, read_record(source), depth - 1)
 
 

@@ -19,6 +19,7 @@ from dpjax.hf import layouts
 from dpjax.hf.config import config_from_hub
 from dpjax.hf.family import FAMILIES, of_hub
 from dpjax.hf.files import HFError, Tensors
+from dpjax.models import get_model
 
 CONFIG = "config.json"
 HF_PREFIX = "hf:"
@@ -35,8 +36,6 @@ def read_config(folder: str) -> dict:
 def model_from_hf(folder: str, seq_len: int | None = None):
     """(the dpjax model of its family, the folder's config.json). seq_len: the longest
     sequence the run needs (default: the config's max_position_embeddings)."""
-    from dpjax.models import get_model
-
     hub = read_config(folder)
     fields = config_from_hub(hub, folder)
     seq_len = seq_len or hub.get("max_position_embeddings", 2048)

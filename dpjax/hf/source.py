@@ -6,13 +6,17 @@ read onto a layout. `--init-from` (train), `python -m dpjax.generate` and export
 from __future__ import annotations
 
 import dataclasses
-import logging
 import os
 
 import jax
 
+from dpjax.hf.adapter import adapters_of
 from dpjax.hf.files import HFError
 from dpjax.hf.load import HF_PREFIX, load_params, model_from_hf
+from dpjax.mesh import make_mesh
+from dpjax.models import get_model
+from dpjax.models.lora import Lora, LoraConfig, Split
+from dpjax.recovery.checkpoint import CheckpointError, Checkpointer
 
 
 def is_hf(source: str) -> bool:
@@ -28,9 +32,6 @@ def model_of(source: str, seq_len: int | None = None):
     fields = {k: v for k, v in record["model"].items() if k not in ("model", "virtual_stages")}
     if seq_len:
         fields["seq_len"] = seq_len
-    from dpjax.models import get_model
-    from dpjax.models.lora import Lora, LoraConfig
-
     lora = fields.pop("lora", None)  # a LoRA run's checkpoint: the base and its adapters
     model = get_model(record["model"]["model"], **fields)
     if lora is not None:
@@ -41,8 +42,6 @@ def model_of(source: str, seq_len: int | None = None):
 def default_mesh(model, spec: str | None = None):
     """The mesh `spec` names, or every device here on `model` (as many as divide the
     heads, the MLP width and the vocabulary): each device reads and holds its block."""
-    from dpjax.mesh import make_mesh
-
     if spec is not None:
         return make_mesh(spec)
     n = len(jax.devices())
@@ -52,8 +51,6 @@ def default_mesh(model, spec: str | None = None):
 
 
 def read_record(folder: str) -> dict:
-    from dpjax.recovery.checkpoint import Checkpointer
-
     if not os.path.isdir(folder):
         raise HFError(f"{folder}: no such checkpoint folder (a HuggingFace folder is given as hf:{folder})")
     return Checkpointer(folder).read_record()
@@ -63,12 +60,8 @@ def params_of(source: str, model, layout, record: dict | None = None, adapter: s
     """`source`'s parameters in `layout`'s sharding (float32). A LoRA model's
     (`dpjax.models.lora`) from a source without adapters: the base's, with the PEFT adapter
     in folder `adapter` or fresh ones (drawn from `seed`)."""
-    from dpjax.models.lora import Lora, Split
-
     if isinstance(model, Lora) and (adapter or is_hf(source) or "lora" not in (
             record or read_record(source))["model"]):
-        from dpjax.hf.adapter import adapters_of
-
         split = Split(model.LAYERS)
         base = params_of(source, model.base, dataclasses.replace(layout, specs=split.frozen(layout.specs)), record)
         fresh = adapters_of(adapter, model, source) if adapter else jax.jit(model.init_adapters)(
@@ -76,10 +69,6 @@ def params_of(source: str, model, layout, record: dict | None = None, adapter: s
         return split.join(jax.device_put(fresh, split.trained(layout.shardings())), base)
     if is_hf(source):
         return load_params(source[len(HF_PREFIX):], model, layout)
-    import orbax.checkpoint as ocp
-
-    from dpjax.recovery.checkpoint import CheckpointError, Checkpointer
-
     ckpt = Checkpointer(source)
     step = ckpt.newest_good()  # checked against its checksums: a corrupt newest one is named and passed over
     record = record or ckpt.read_record(step)
@@ -92,11 +81,9 @@ def params_of(source: str, model, layout, record: dict | None = None, adapter: s
     target = layout.shardings() if V == 1 and stored_v == 1 else None
     if target is not None:
         saved = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), saved, target)
-    _check_shapes(source, model, os.path.join(ckpt.directory, str(step), "state"), saved)
+    _check_shapes(source, model, ckpt.stored_metadata(step, "params"), saved)
     try:
-        item = {"params": saved}
-        state = ckpt._manager.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
-            item, restore_args=ocp.checkpoint_utils.construct_restore_args(item), partial_restore=True))).state
+        state = ckpt.restore_part(step, {"params": saved})
     except Exception as e:  # orbax raises many kinds; all mean the same to a user
         raise CheckpointError(f"{source}: its parameters cannot be read as {model.name} "
                               f"({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''})") from None
@@ -107,23 +94,12 @@ def params_of(source: str, model, layout, record: dict | None = None, adapter: s
     return params
 
 
-def _check_shapes(source: str, model, state_dir: str, want) -> None:
+def _check_shapes(source: str, model, stored, want) -> None:
     """One line when the stored parameters' shapes are not those of the model the record
     describes (orbax would refuse too, but its reading threads then print their own
     tracebacks as the process exits): the first leaf that differs, both shapes."""
-    import orbax.checkpoint as ocp
-
-    from dpjax.recovery.checkpoint import CheckpointError
-
-    absl = logging.getLogger("absl")
-    level = absl.level
-    absl.setLevel(logging.ERROR)  # orbax warns that a step's own metadata file is absent (dpjax writes none)
-    try:
-        stored = ocp.StandardCheckpointer().metadata(state_dir).item_metadata["params"]
-    except Exception:  # no metadata to compare (an older layout): the restore below says what is wrong
+    if stored is None:  # no metadata to compare (an older layout): the restore says what is wrong
         return
-    finally:
-        absl.setLevel(level)
     have = {jax.tree_util.keystr(p): tuple(x.shape) for p, x in jax.tree_util.tree_leaves_with_path(stored)}
     for path, x in jax.tree_util.tree_leaves_with_path(want):
         key = jax.tree_util.keystr(path)

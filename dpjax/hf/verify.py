@@ -16,11 +16,22 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 import tempfile
 
+import jax
 import numpy as np
 
 from dpjax.errors import UserError
+from dpjax.hf.config import config_from_hub
+from dpjax.hf.family import of_hub
+from dpjax.hf.files import Tensors
+from dpjax.hf.identity import Origin
+from dpjax.hf.load import load_params, model_from_hf, read_config
+from dpjax.hf.writer import export
+from dpjax.mesh import make_mesh
+from dpjax.sharding import make_layout
 
 NEW_TOKENS = 10
 PROMPT_LENGTHS = (6, 11, 20)
@@ -40,11 +51,6 @@ def eos_ids(hub: dict) -> set[int]:
 
 
 def _one_device_layout(model):
-    import jax
-
-    from dpjax.mesh import make_mesh
-    from dpjax.sharding import make_layout
-
     return make_layout(model, make_mesh("1x1", jax.devices()[:1]))
 
 
@@ -52,10 +58,6 @@ def dpjax_outputs(folder: str, prompts: list[list[int]], new_tokens: int = NEW_T
     """dpjax's greedy continuations (stopping after an eos id, as transformers does) and
     last-position log-probs: the full forward of the padded batch at each step (causal:
     the padding never reaches a real position), no cache, one compile."""
-    import jax
-
-    from dpjax.hf.load import load_params, model_from_hf
-
     T = max(len(p) for p in prompts) + new_tokens
     model, hub = model_from_hf(folder, seq_len=T)
     params = load_params(folder, model, _one_device_layout(model))
@@ -78,9 +80,12 @@ def dpjax_outputs(folder: str, prompts: list[list[int]], new_tokens: int = NEW_T
 
 def transformers_outputs(folder: str, prompts: list[list[int]], new_tokens: int = NEW_TOKENS) -> dict:
     """transformers' own: generate(do_sample=False) and the forward's last-position log-probs."""
-    import torch
-    import transformers
-
+    try:  # the reference, never a dependency of dpjax: imported only when asked to compare against it
+        import transformers  # first: without it, torch's slow import is not needed
+        import torch
+    except ImportError:
+        raise UserError("verify compares against HuggingFace transformers, which is not installed here "
+                        "(pip install transformers torch), or pass --expected FILE") from None
     model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     eos = sorted(eos_ids(json.load(open(os.path.join(folder, "config.json")))))
     greedy, logprobs = [], []
@@ -99,11 +104,6 @@ def transformers_outputs(folder: str, prompts: list[list[int]], new_tokens: int 
 def round_trip(folder: str) -> dict:
     """Import then export (in the folder's dtype): the tensors that came back with the
     same bytes, of how many, and whether config.json came back unchanged."""
-    from dpjax.hf.files import Tensors
-    from dpjax.hf.identity import Origin
-    from dpjax.hf.load import load_params, model_from_hf, read_config
-    from dpjax.hf.writer import export
-
     model, hub = model_from_hf(folder)
     params = load_params(folder, model, _one_device_layout(model))
     with tempfile.TemporaryDirectory() as out:
@@ -128,11 +128,6 @@ def train_losses(folder: str, mesh: str, steps: int = 5, lr: float = 0.1) -> lis
     round-off of 2e-8 moves it by lr * 0.007, so its losses part by ~1e-5 on an element
     drawn by chance (the Llama fixture: 1.8e-5 after 5 steps, from one K/V weight whose
     gradient is 1.6e-7), and they compare the gradients less (its update is nearly sign(g))."""
-    import subprocess
-    import sys
-
-    from dpjax.hf.load import read_config
-
     vocab = read_config(folder)["vocab_size"]
     phrase = np.random.default_rng(0).integers(0, vocab, 16)
     wide = vocab > 2**16  # uint32 ids, which the file's name says
@@ -157,9 +152,6 @@ def card(folder: str, ours: dict, theirs: dict, trip: dict, new_tokens: int, tra
          name: str | None = None) -> tuple[str, bool]:
     """(the verification card, markdown: what was compared, against what, and the figures;
     whether every comparison is within its bound)."""
-    from dpjax.hf.family import of_hub
-    from dpjax.hf.load import read_config
-
     hub = read_config(folder)
     family = of_hub(hub, folder)
     equal = sum(a == b for a, b in zip(ours["greedy"], theirs["greedy"]))
@@ -182,8 +174,6 @@ def card(folder: str, ours: dict, theirs: dict, trip: dict, new_tokens: int, tra
     older = os.path.join(folder, "config.4x.json")  # a fixture's: the same model saved by transformers 4.x
     same_4x = None
     if os.path.isfile(older):
-        from dpjax.hf.config import config_from_hub
-
         same_4x = config_from_hub(json.load(open(older)), older) == config_from_hub(hub, folder)
         lines.append(f"| config.json as transformers 4.x writes it (`config.4x.json`) | the 5.x config.json | "
                      f"{'the same dpjax config' if same_4x else 'another dpjax config'} |")
@@ -209,9 +199,6 @@ def verify(folder: str, expected: str | None = None, train: tuple = (), new_toke
            name: str | None = None) -> tuple[str, bool]:
     """(the card, whether every comparison passed). `expected`: saved reference outputs
     (prompts, greedy, logprobs, made_by) in place of running transformers."""
-    from dpjax.hf.load import read_config
-
-
     hub = read_config(folder)
     if expected is not None:
         saved = json.load(open(expected))
@@ -219,12 +206,6 @@ def verify(folder: str, expected: str | None = None, train: tuple = (), new_toke
         theirs = {"greedy": saved["greedy"], "logprobs": saved["logprobs"],
                   "by": saved.get("made_by", expected).split(", ", 1)[-1].split(", torch")[0]}
     else:
-        try:
-            import transformers  # noqa: F401  (first: without it, torch's slow import is not needed)
-            import torch  # noqa: F401
-        except ImportError:
-            raise UserError("verify compares against HuggingFace transformers, which is not installed here "
-                            "(pip install transformers torch), or pass --expected FILE") from None
         bos = hub.get("bos_token_id")
         prompts = default_prompts(hub["vocab_size"], bos if isinstance(bos, int) else None)
         theirs = transformers_outputs(folder, prompts, new_tokens)

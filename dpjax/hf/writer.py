@@ -13,6 +13,7 @@ is not replaced unless asked (`check_out`); asked, the shards of the earlier one
 
 from __future__ import annotations
 
+import json
 import os
 
 import jax
@@ -23,6 +24,7 @@ from dpjax.hf import layouts
 from dpjax.hf.family import of_model
 from dpjax.hf.files import DTYPES, INDEX, SINGLE, HFError, write_folder
 from dpjax.hf.load import CONFIG
+from dpjax.recovery.checkpoint import Checkpointer
 
 TORCH_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
 DEFAULT_SHARD_BYTES = 5 * 2**30  # transformers' save_pretrained default, 5 GB
@@ -67,8 +69,6 @@ def export(params, model, folder: str, *, dtype: str = "float32", base_config: d
     changed only where the model differs; returns the files written. Weight files of an
     earlier export there that this one does not write are removed (a loader would read a
     stale model.safetensors beside a new index)."""
-    import json
-
     if dtype not in TORCH_DTYPES:
         raise HFError(f"export dtype {dtype!r}: choose one of {', '.join(TORCH_DTYPES)}")
     np_dtype = DTYPES[TORCH_DTYPES[dtype]]
@@ -109,8 +109,6 @@ def save_checkpoint(folder: str, params, model, hub_config: dict | None, dtype: 
     """A dpjax checkpoint of imported parameters (step 0, parameters only), its record
     naming the model (what --init-from and export rebuild it from), the Hub config and
     the Hub folder `source` (whose tokenizer export copies)."""
-    from dpjax.recovery.checkpoint import Checkpointer
-
     ckpt = Checkpointer(folder)
     hf = {"config": hub_config or {}, "dtype": dtype, "folder": os.path.abspath(source) if source else None}
     ckpt.save(0, {"params": params}, {"model": model.describe(), "step": 0, "hf": hf})

@@ -8,6 +8,7 @@ import argparse
 import sys
 
 from dpjax.errors import UserError
+from dpjax.recovery.verify import verify
 
 
 def main(argv=None) -> int:
@@ -16,7 +17,6 @@ def main(argv=None) -> int:
     v = sub.add_parser("verify", help="check a --commit-dir or a --ckpt-dir against its checksums")
     v.add_argument("dir")
     args = p.parse_args(argv)
-    from dpjax.recovery.verify import verify
 
     try:
         lines, code = verify(args.dir)

@@ -25,7 +25,11 @@ import re
 import sys
 import threading
 
+import jax
+
+from dpjax.compression import parse
 from dpjax.errors import UserError
+from dpjax.mesh import NOT_DATA
 from dpjax.recovery import sums
 
 CKPT_FIELDS_THAT_MUST_MATCH = ("model", "optimizer")
@@ -54,6 +58,8 @@ class NoneGood(CheckpointError):
 
 class Checkpointer:
     def __init__(self, directory: str, max_to_keep: int = 3):
+        # here, not at the top: orbax's import takes seconds, and `import dpjax` (whose
+        # dpjax.hf names this module) should not pay it before a checkpoint is opened
         import orbax.checkpoint as ocp
 
         self._ocp = ocp
@@ -84,8 +90,6 @@ class Checkpointer:
             self._manager.delete(step)
 
     def save(self, step: int, state, record: dict) -> None:
-        import jax
-
         ocp = self._ocp
         self._settle()
         self._saving = step
@@ -171,6 +175,29 @@ class Checkpointer:
         except Exception as e:
             raise Unreadable(self._unreadable(step, e)) from None
         return out.state, record
+
+    def restore_part(self, step: int, part: dict) -> dict:
+        """The part of `step`'s saved state that `part` names (a sub-tree of abstract arrays
+        with their shardings), the rest left on disk: `--init-from`'s parameters without the
+        optimizer state. Raises what orbax raises."""
+        ocp = self._ocp
+        part_args = ocp.args.PyTreeRestore(part, restore_args=ocp.checkpoint_utils.construct_restore_args(part),
+                                           partial_restore=True)
+        return self._manager.restore(step, args=ocp.args.Composite(state=part_args)).state
+
+    def stored_metadata(self, step: int, key: str):
+        """The metadata (shapes, dtypes) of `step`'s saved state under `key`, read without
+        its arrays; None where the step has none (an older layout)."""
+        absl = logging.getLogger("absl")
+        level = absl.level
+        absl.setLevel(logging.ERROR)  # orbax warns that a step's own metadata file is absent (dpjax writes none)
+        try:
+            state = os.path.join(self.directory, str(step), "state")
+            return self._ocp.StandardCheckpointer().metadata(state).item_metadata[key]
+        except Exception:
+            return None
+        finally:
+            absl.setLevel(level)
 
     def close(self) -> None:
         """Waits for the last save and its seal. A refused write is said once: closing
@@ -276,9 +303,6 @@ def compression_split(compression, mesh, fsdp: bool = False, shards=None) -> dic
     model and stage sizes for a method with state of its own (PowerSGD's Q, one per
     shard); under FSDP with error feedback, every axis (one full-size buffer a device);
     in the per-shard form (`shards`), the axes of its slots (a device's own shard)."""
-    from dpjax.compression import parse
-    from dpjax.mesh import NOT_DATA
-
     spec = parse(compression)
     if spec is None:
         return {}

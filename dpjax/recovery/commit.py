@@ -55,13 +55,14 @@ import sys
 import threading
 import time
 
+import jax
 import numpy as np
 
 from dpjax.recovery.file_format import CommitError, check_file, crc, header, raw, trailer
 from dpjax.recovery.file_format import name as _name
 from dpjax.recovery.file_format import parse_name as _parse_name
 from dpjax.recovery.file_format import write_file
-from dpjax.recovery.peer import PeerError
+from dpjax.recovery.peer import PeerError, Peers, recv_into_file
 from dpjax.recovery.place import LocalFile, RemoteFile, place
 from dpjax.recovery.stage import Stager
 
@@ -88,8 +89,6 @@ class Committer:
 
     def __init__(self, root: str, host: str, rank: int, world: int, per_host: int = 1, client=None,
                  keep: int = 2, fresh: bool = True, coordinator: str | None = None):
-        from dpjax.recovery.peer import Peers
-
         self.root, self.host, self.rank, self.world, self.keep, self.client = root, host, rank, world, keep, client
         self.own = os.path.join(root, host, "own", f"r{rank}")
         self.neighbour = (rank + per_host) % world if world > 1 else None
@@ -160,8 +159,6 @@ class Committer:
                 self._queue.task_done()
 
     def _write(self, step, snapshot, meta, losses, ready):
-        import jax
-
         if ready is not None:
             jax.block_until_ready(ready)
         t0 = time.perf_counter()  # the step is done: the commit's own time starts
@@ -201,8 +198,6 @@ class Committer:
 
     def _store(self, sender: int, name: str, size: int, sock) -> None:
         """A neighbour's commit arriving (the peer server's thread): into this host's folder."""
-        from dpjax.recovery.peer import recv_into_file
-
         if _parse_name(name) is None:
             raise CommitError(f"{name!r} is not a commit's name")
         folder = os.path.join(self.root, self.host, "peer", f"r{sender}")

@@ -22,11 +22,13 @@ from __future__ import annotations
 
 import contextlib
 import json
+import mmap
 import os
 import struct
 import threading
 import zlib
 
+import ml_dtypes
 import numpy as np
 
 from dpjax.recovery import fault
@@ -146,8 +148,6 @@ def check(blob) -> dict:
 
 def dtype_of(name: str) -> np.dtype:
     """A dtype by its name, bfloat16 and float8 included (ml_dtypes': no JAX import)."""
-    import ml_dtypes
-
     try:
         return np.dtype(name)
     except TypeError:
@@ -167,8 +167,6 @@ def read(path: str) -> bytearray:
 def mapped(path: str):
     """A file's bytes, mapped read-only: a restore reads the pages of the pieces it
     places and no others (on tmpfs the mapping is the file's own pages: no copy)."""
-    import mmap
-
     with open(path, "rb") as fh:
         if os.fstat(fh.fileno()).st_size == 0:  # mmap refuses an empty file
             return memoryview(b"")

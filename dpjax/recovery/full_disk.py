@@ -15,6 +15,11 @@ commit kept, which the line names. The default, `stop`, ends the run with one li
 
 from __future__ import annotations
 
+import contextlib
+import os
+
+from dpjax.recovery.file_format import name
+
 WAIT_MS = 60_000  # as dpjax.recovery.commit's: a process that does not answer within this is gone
 
 
@@ -39,11 +44,6 @@ def agree(client, attempt: str, step: int, rank: int, world: int, refused, writt
 def drop(committer, step: int) -> None:
     """Removes this process's commit of `step` (its own file and the neighbour copy its host
     holds), written here while another process's write of it was refused."""
-    import contextlib
-    import os
-
-    from dpjax.recovery.file_format import name
-
     for folder in (committer.own, committer.peer):
         if folder:
             with contextlib.suppress(FileNotFoundError):

@@ -9,8 +9,10 @@ chooses the step and the files; this module only lays them out.
 
 from __future__ import annotations
 
+import jax
 import numpy as np
 
+from dpjax.recovery.checkpoint import check_compatible
 from dpjax.recovery.file_format import MAGIC, CommitError, decode, dtype_of, header_size, mapped, read_header
 
 
@@ -49,10 +51,6 @@ def place(template, files, expect=None):
     """The committed state laid out like `template`'s arrays: each device's block is cut
     from the pieces that overlap it, so no global array is put together on the host and a file none of whose pieces this
     process's devices hold is not read. files: each old rank's `LocalFile` / `RemoteFile`."""
-    import jax
-
-    from dpjax.recovery.checkpoint import check_compatible
-
     leaves, treedef = jax.tree.flatten(template)
     meta0 = files[0].meta
     if expect is not None:

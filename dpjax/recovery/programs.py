@@ -27,6 +27,10 @@ import pickle
 import sys
 import threading
 
+import jax
+import jaxlib
+from jax.experimental import serialize_executable
+
 
 _from_cache = threading.local()  # this thread's count of JAX persistent-cache hits
 
@@ -38,8 +42,6 @@ def _count_cache_hits(event: str, **kwargs) -> None:
 
 @functools.cache
 def _listen() -> None:
-    import jax
-
     jax.monitoring.register_event_listener(_count_cache_hits)
 
 
@@ -57,9 +59,6 @@ def _sources() -> str:
 
 
 def _environment() -> dict:
-    import jax
-    import jaxlib
-
     return {"jax": jax.__version__, "jaxlib": jaxlib.__version__, "python": sys.version,
             "xla_flags": os.environ.get("XLA_FLAGS", ""), "dpjax": _sources(),
             "config": sorted((k, repr(v)) for k, v in jax.config.values.items()),
@@ -69,8 +68,6 @@ def _environment() -> dict:
 
 def _signature(args) -> str:
     """What the compiled program depends on in its arguments."""
-    import jax
-
     def leaf(x):
         sharding = getattr(x, "sharding", None)
         spec = getattr(sharding, "spec", None)
@@ -93,8 +90,6 @@ class Programs:
     program that came from it is not kept (JAX's monitoring events say so)."""
 
     def __init__(self, folder: str, run):
-        import jax
-
         jax.config.update("jax_enable_compilation_cache", False)
         _listen()
         self.folder, self.run = folder, run
@@ -112,9 +107,6 @@ class Programs:
         return os.path.join(self.folder, f"{name}-{digest}.bin")
 
     def load(self, path: str):
-        import jax
-        from jax.experimental import serialize_executable
-
         try:
             with open(path, "rb") as fh:
                 blob, in_tree, out_tree, device_ids = pickle.load(fh)
@@ -131,8 +123,6 @@ class Programs:
         return compiled
 
     def store(self, path: str, compiled) -> None:
-        from jax.experimental import serialize_executable
-
         self.compiled += 1
         try:
             # the devices it runs on, in its device assignment's order (a program on a
@@ -166,8 +156,6 @@ class Kept:
 
     def compiled(self, *args):
         """The executable for these arguments (arrays or ShapeDtypeStructs)."""
-        import jax
-
         leaves, tree = jax.tree.flatten(args)
         quick = (tree, tuple((getattr(x, "shape", None), getattr(x, "dtype", type(x)), getattr(x, "sharding", None),
                               getattr(x, "weak_type", None)) for x in leaves))

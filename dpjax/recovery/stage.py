@@ -29,6 +29,9 @@ thread writes); Check-N-Run and Gemini (SOSP '23) overlap the copy with the next
 
 from __future__ import annotations
 
+import jax
+import jax.numpy as jnp
+
 # Host memory kinds, the best first: pinned memory is what a DMA engine copies into at full speed.
 HOST_KINDS = ("pinned_host", "unpinned_host")
 
@@ -55,9 +58,6 @@ class Stager:
         self.staged = 0  # copies made
 
     def _compile(self, state):
-        import jax
-        import jax.numpy as jnp
-
         if self.kind == "best":
             leaves = jax.tree.leaves(state)
             self.kind = host_kind(next(iter(leaves[0].devices()))) if leaves else None
@@ -78,8 +78,6 @@ class Stager:
         if spare is None or self._reuse is None or self.reuses is False:
             out = self._fresh(state)
         else:
-            import jax
-
             out = self._reuse(spare, state)
             if self.reuses is None:  # seen once: a backend that ignores the donation keeps the spare alive
                 self.reuses = all(x.is_deleted() for x in jax.tree.leaves(spare))

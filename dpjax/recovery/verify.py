@@ -14,6 +14,9 @@ from __future__ import annotations
 import os
 
 from dpjax.errors import UserError
+from dpjax.recovery import sums
+from dpjax.recovery.commit import inventory
+from dpjax.recovery.file_format import CommitError, check_file
 
 
 def _steps(folder: str) -> list:
@@ -23,8 +26,6 @@ def _steps(folder: str) -> list:
 
 
 def checkpoints(folder: str) -> tuple[list, int]:
-    from dpjax.recovery import sums
-
     lines, good = [], []
     steps = _steps(folder)
     for step in steps:
@@ -37,8 +38,6 @@ def checkpoints(folder: str) -> tuple[list, int]:
 
 
 def commits(folder: str, files: list) -> tuple[list, int]:
-    from dpjax.recovery.file_format import CommitError, check_file
-
     lines, held = [], {}  # (step, world) -> old ranks with a good copy
     for old, step, world, rel in files:
         held.setdefault((step, world), set())
@@ -71,8 +70,6 @@ def _code(newest, good: list) -> int:
 
 def verify(folder: str) -> tuple[list, int]:
     """(the lines to print, the exit code) for a folder of commits or checkpoints."""
-    from dpjax.recovery.commit import inventory
-
     if not os.path.isdir(folder):
         raise UserError(f"{folder} is not a folder")
     if _steps(folder):

@@ -44,6 +44,7 @@ from dpjax.collectives.ranks import axis_size
 from dpjax.compute import context
 from dpjax.compute import tensor_parallel as tp
 from dpjax.compute.tensor_parallel import DENSE, Parallel
+from dpjax.models.lora import Lora, Split
 from dpjax.registry import Registry
 
 
@@ -137,8 +138,6 @@ def reference_of(model):
     """(the reference's model, params -> the reference's parameters, par -> its Parallel):
     a LoRA model's base with the adapters off (`dpjax.models.lora.Split.frozen`: the same
     arrays as the policy's base, no copy); None for a model without adapters."""
-    from dpjax.models.lora import Lora, Split
-
     if not isinstance(model, Lora):
         return None
     split = Split(model.LAYERS)

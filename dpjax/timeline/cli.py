@@ -10,6 +10,7 @@ import sys
 from dpjax.errors import UserError
 from dpjax.timeline import capture
 from dpjax.timeline.builder import build
+from dpjax.timeline.plot import plot  # (it imports matplotlib when a picture is asked for)
 from dpjax.timeline.recorder import save
 from dpjax.timeline.summary import load, render, summarize
 
@@ -48,8 +49,6 @@ def main(argv=None) -> int:
         return _refuse(e)
     print(render(summary))
     if args.png:
-        from dpjax.timeline.plot import plot  # matplotlib only when asked
-
         plot(data, summary, args.png)
         print(f"wrote {args.png}")
     return 0

@@ -21,7 +21,7 @@ SPLIT_COLOURS = {"compute": "#4c72b0", "comm": "#333333", "wait": "#d62728", "ga
 def plot(data: dict, summary, out: str, step=None) -> None:
     """Draws the picture of `data` (the timeline's trace) and `summary` into the file `out`:
     step `step` (default: a middle one, warm) on top, the per-device split below."""
-    try:
+    try:  # an optional dependency (the [plot] extra), imported when a picture is asked for
         import matplotlib
 
         matplotlib.use("Agg")

@@ -12,6 +12,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+import jax
+
 from dpjax.timeline.spans import is_collective
 
 _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%(?P<name>[^\s=]+)\s*=\s*.*?\s(?P<opcode>[a-z][\w\-]*)\((?P<rest>.*)$")
@@ -56,14 +58,10 @@ def compiled_text(fn, *args, **kwargs) -> str:
 def abstract(tree):
     """The abstract values (shape, dtype, sharding) of a tree of arrays: what a compiled
     program is looked up by, kept once the arrays themselves are donated."""
-    import jax
-
     return jax.tree.map(_abstract, tree)
 
 
 def _abstract(x):
-    import jax
-
     if hasattr(x, "shape") and hasattr(x, "dtype"):
         return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None))
     return x

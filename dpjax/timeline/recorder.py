@@ -22,6 +22,8 @@ import json
 import shutil
 import tempfile
 
+import jax
+
 from dpjax import scopes
 from dpjax.timeline import capture
 from dpjax.timeline.builder import build
@@ -56,8 +58,6 @@ class Recorder:
 
     def start(self) -> None:
         """Starts profiling (`jax.profiler`, into a temporary folder)."""
-        import jax
-
         self._dir = self._dir or tempfile.mkdtemp(prefix="dpjax-timeline-")
         if self._before is None:  # a kept folder may hold earlier captures: not ours to read
             self._before = set(self._captures())
@@ -67,8 +67,6 @@ class Recorder:
         self._active = True
 
     def stop(self) -> None:
-        import jax
-
         self._active = False
         jax.profiler.stop_trace()
 
@@ -94,7 +92,6 @@ class Recorder:
     def _annotate(self, text: str):
         if not self._active:
             return contextlib.nullcontext()
-        import jax
 
         return jax.profiler.TraceAnnotation(text)
 

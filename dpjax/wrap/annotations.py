@@ -52,7 +52,7 @@ def _annotation(var):
 
 def spec_of(var) -> P:
     """The PartitionSpec of an nnx.Variable's annotation, whatever its form (P() if none)."""
-    from flax.nnx import spmd
+    from flax.nnx import spmd  # here: `import dpjax` does not import flax (an NNX Variable's caller has)
 
     found = _annotation(var)
     if isinstance(found, NamedSharding):
@@ -82,7 +82,7 @@ def box_specs(tree, mesh_axes, unmapped: list | None = None) -> list | None:
     rule in force maps (flax then leaves the parameter whole, silently: `warn_model_unsplit`)."""
     if not any(_is_box(x) for x in jax.tree.leaves(tree, is_leaf=_is_box)):
         return None
-    from flax import linen as nn
+    from flax import linen as nn  # here: `import dpjax` does not import flax (only a tree of its boxes needs it)
 
     def one(x):
         if not _is_box(x):

@@ -131,8 +131,7 @@ class Reader:
         """A Leaf for each array of the NNX state, in the order of jax.tree.flatten(state), and the graph."""
         if not nodes:
             return [], []
-        from flax import nnx
-
+        nnx = flax_nnx()  # loaded: the nodes are its objects
         graph = list(nnx.iter_graph(nodes))  # walked once for all three
         self.explicit_hint |= any(type(node).__module__.startswith("dpjax.nn") for _, node in graph)
         averages = {path for path, node in graph if isinstance(node, nnx.metrics.Average)}

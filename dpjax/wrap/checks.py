@@ -47,7 +47,7 @@ def check_flax_biases(step: str, graph, mesh, name, pspec) -> None:
 
     graph: (path, node) pairs of the step's NNX arguments (`nnx.iter_graph`); name(path):
     the layer's name in messages; pspec(variable): the PartitionSpec its annotation gives."""
-    from flax import nnx
+    from flax import nnx  # here: `import dpjax` does not import flax (an NNX graph's caller has)
 
     for path, node in graph:
         if not isinstance(node, (nnx.Linear, nnx.Conv)) or getattr(node, "bias", None) is None:

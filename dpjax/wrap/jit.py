@@ -33,11 +33,12 @@ from __future__ import annotations
 import functools
 
 import jax
+from jax._src import mesh as mesh_lib  # a legacy `with mesh:` is kept there alone (tests/test_jax_private.py)
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from dpjax.errors import UserError
-from dpjax.mesh import NOT_DATA, spec_axes
+from dpjax.mesh import NOT_DATA, make_mesh, spec_axes
 from dpjax.wrap import annotations, call, draws
 from dpjax.wrap.wrapper import shard_step
 
@@ -67,7 +68,6 @@ def _context_mesh():
     mesh = jax.sharding.get_mesh()
     if isinstance(mesh, Mesh) and mesh.size:
         return mesh
-    from jax._src import mesh as mesh_lib  # `with mesh:` is kept there alone
 
     mesh = mesh_lib.thread_resources.env.physical_mesh
     return mesh if mesh.size else None
@@ -123,7 +123,6 @@ class Jitted:
     def _build(self, args, kwargs):
         mesh = self._mesh_of(args)
         if isinstance(mesh, str) or mesh is None:
-            from dpjax.mesh import make_mesh
             mesh = make_mesh(mesh or f"{jax.device_count()}x1")
         sig = call.Signature(self.fn, self.options["static_argnums"], self.options["static_argnames"])
         if sig.sig is not None:  # a keyword argument for a positional parameter is covered too (unlike jax.jit)

@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -157,7 +158,6 @@ def _raw(x):
 
 def _host(x) -> np.ndarray:
     if jax.process_count() > 1:  # the hashes of every process's devices
-        from jax.experimental import multihost_utils
         return np.asarray(multihost_utils.process_allgather(x, tiled=True))
     return np.asarray(x)
 
