@@ -36,7 +36,8 @@ def test_learns_the_sums_from_reward_alone(tmp_path):
 def test_resume_is_bit_for_bit(tmp_path):
     """4 steps, 2 updates a generation batch (the old log-probs path): 2 steps and a checkpoint, then --resume."""
     exp = experiment("grpo_sum")
-    args = [*exp.train_args(str(tmp_path), steps=4, mesh="4x2"), "--grpo-updates", "2"]
+    # --decay-steps: the cosine's length, else --steps (the interrupted run's 2 would be another schedule)
+    args = [*exp.train_args(str(tmp_path), steps=4, mesh="4x2"), "--grpo-updates", "2", "--decay-steps", "4"]
     whole, part, ck = tmp_path / "whole.jsonl", tmp_path / "part.jsonl", str(tmp_path / "ck")
     assert main([*args, "--metrics", str(whole)]) == 0
     assert main([*args, "--steps", "2", "--ckpt-dir", ck, "--metrics", str(part)]) == 0
