@@ -33,6 +33,19 @@ def checkout_env(environ=None) -> dict:
     env = dict(os.environ if environ is None else environ)
     env["PYTHONPATH"] = os.pathsep.join([ROOT, env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     return env
+
+
+def train(args: list[str], metrics: str, timeout: float = 3600) -> None:
+    """`python -m dpjax.train ARGS --metrics METRICS` as a child process on this checkout's dpjax
+    (from the checkout's root), as the RESULTS.md runs of a task are made; its last line of
+    output printed. A failed run raises with the command and the tail of its stderr."""
+    cmd = [sys.executable, "-m", "dpjax.train", *args, "--metrics", metrics]
+    r = subprocess.run(cmd, capture_output=True, text=True, env=checkout_env(), cwd=ROOT, timeout=timeout)
+    if r.returncode:
+        raise RuntimeError(f"{' '.join(cmd)} exited {r.returncode}: {r.stderr[-2000:]}")
+    print(r.stdout.strip().splitlines()[-1], flush=True)
+
+
 median = statistics.median
 
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -89,12 +88,7 @@ def curves(metrics: str) -> dict:
 
 def run(args, folder: str) -> dict:
     metrics = os.path.join(folder, "metrics.jsonl")
-    cmd = [sys.executable, "-m", "dpjax.train", *train_args(folder, args.steps, args.eval_every), "--metrics",
-           metrics]
-    r = subprocess.run(cmd, capture_output=True, text=True, env=_bench.checkout_env(), cwd=ROOT, timeout=3600)
-    if r.returncode:
-        raise RuntimeError(f"{' '.join(cmd)} exited {r.returncode}: {r.stderr[-2000:]}")
-    print(r.stdout.strip().splitlines()[-1], flush=True)
+    _bench.train(train_args(folder, args.steps, args.eval_every), metrics)
     return curves(metrics)
 
 

@@ -230,8 +230,8 @@ class Lora(Decoder):
         return {**{k: v for k, v in params.items() if k != self.LAYERS}, self.LAYERS: merged}
 
     # the Decoder's pieces: the base's, on merged weights
-    def embed(self, params, tokens_BdxT, par: Parallel = DENSE):
-        return self.base.embed(params, tokens_BdxT, par)
+    def embed(self, params, tokens_BdxT, par: Parallel = DENSE, segments=None):
+        return self.base.embed(params, tokens_BdxT, par, segments)  # segments: the KV cache's positions, packing's
 
     def layer(self, blk, x_BdxTxD, par: Parallel = DENSE, *args, **kwargs):
         return self.base.layer(self.merged_layer(blk, par), x_BdxTxD, par, *args, **kwargs)

@@ -5,13 +5,13 @@ policy as its own reference the first loss is ln 2 for several betas; 8x1, 2x4, 
 context axis agree over 10 steps; DPO learns a rule (experiments/dpo_accuracy.py's set): held-out
 accuracy above 0.9; a resumed run equals the uninterrupted one bit for bit; --ref-from a checkpoint."""
 
-import importlib.util
 import json
 import math
 import os
 
 import numpy as np
 import pytest
+from _experiment_runs import experiment, rows
 from conftest import read_losses
 
 from dpjax.train import main
@@ -24,25 +24,6 @@ POLICY, REFERENCE = os.path.join(FIXTURE, "policy"), os.path.join(FIXTURE, "refe
 PAIRS = os.path.join(FIXTURE, "pairs.jsonl")
 EXPECTED = json.load(open(os.path.join(FIXTURE, "expected.json")))
 SEQ = 48
-
-
-def experiment():
-    spec = importlib.util.spec_from_file_location("dpo_accuracy", os.path.join(HERE, "..", "experiments",
-                                                                               "dpo_accuracy.py"))
-    module = importlib.util.module_from_spec(spec)
-    import sys
-
-    sys.path.insert(0, os.path.join(HERE, "..", "experiments"))  # its _bench
-    try:
-        spec.loader.exec_module(module)
-    finally:
-        sys.path.pop(0)
-    return module
-
-
-def rows(path):
-    with open(path) as f:
-        return [json.loads(line) for line in f][1:]  # the run record first
 
 
 def run(tmp_path, name, *args) -> list[dict]:
@@ -76,7 +57,7 @@ def test_policy_as_reference_first_loss_is_ln2(tmp_path):
 @pytest.fixture(scope="module")
 def rule_data(tmp_path_factory):
     folder = tmp_path_factory.mktemp("pref")
-    return folder, experiment()
+    return folder, experiment("dpo_accuracy")
 
 
 def test_meshes_agree_over_10_steps(tmp_path, rule_data):

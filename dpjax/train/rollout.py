@@ -10,8 +10,9 @@ batch:
     score     each completion (up to its end-of-turn token) decoded and given to --reward
               (`dpjax.train.reward`), the advantages normalised within each group
               (`dpjax.tasks.grpo.group_advantages`), and the log-probs of the completions'
-              tokens under the reference (the starting weights, frozen: --kl-coef > 0) and under
-              the sampling policy (with --grpo-updates > 1), by a program sharded like the step
+              tokens under the reference (the starting weights, frozen: --kl-coef > 0; with --lora
+              the base, adapters off) and under the sampling policy (with --grpo-updates > 1), by a
+              program sharded like the step
 
 and that batch (`dpjax.tasks.grpo`'s rows) is what the next --grpo-updates steps train on.
 Every metrics row carries the batch's mean `reward` and the time split: `generate_time`,
@@ -58,31 +59,43 @@ def streams(cfg, fmt, folder: str) -> tuple:
     return RolloutStream(cfg.seq_len), None, HF(fmt.tok, os.path.join(folder, "tokenizer.json")), prompts
 
 
-def logps_program(plan):
+def logps_program(plan, base: bool = False):
     """logps(params, tokens_NxT1) -> N x T log-probs of each row's targets, the rows split over
-    the data axes as the step splits them; params laid out by the plan's layout (the consensus form)."""
+    the data axes as the step splits them; params laid out by the plan's layout (the consensus form).
+    base: a LoRA model's base with the adapters off (`dpjax.tasks.dpo.reference_of`), as DPO's."""
     import jax
     from jax.sharding import PartitionSpec as P
 
     from dpjax.mesh import data_axes
+    from dpjax.tasks.dpo import reference_of
     from dpjax.tasks.grpo import token_logps
 
     layout, model = plan.layout, plan.model
     par = dataclasses.replace(layout.parallel(), policy=plan.policy)
     rows = data_axes(layout.mesh) or None
-    return jax.jit(jax.shard_map(lambda params, t: token_logps(model, params, t, par), mesh=layout.mesh,
-                                 in_specs=(layout.specs, P(rows)), out_specs=P(rows), check_vma=False))
+
+    def body(params, tokens):
+        if not base:
+            return token_logps(model, params, tokens, par)
+        reference, frozen, parallel = reference_of(model)
+        return token_logps(reference, frozen(params), tokens, parallel(par))
+
+    return jax.jit(jax.shard_map(body, mesh=layout.mesh, in_specs=(layout.specs, P(rows)), out_specs=P(rows),
+                                 check_vma=False))
 
 
 def reference(trainer) -> None:
     """The reference's parameters: a copy of the starting ones (before a checkpoint is restored,
     so that a resumed run's reference is the uninterrupted run's), laid out like the policy; none
-    with --kl-coef 0. A copy: the step donates the parameters it updates."""
+    with --kl-coef 0, and none with --lora (the reference is the base with the adapters off, read
+    from the policy's own parameters: `Rollouts`). A copy: the step donates the parameters it updates."""
     import jax
     import jax.numpy as jnp
 
+    from dpjax.tasks.dpo import reference_of
+
     trainer.ref_params = None
-    if trainer.cfg.kl_coef > 0:
+    if trainer.cfg.kl_coef > 0 and reference_of(trainer.model) is None:
         trainer.ref_params = jax.jit(lambda p: jax.tree.map(jnp.copy, p))(trainer.step.consensus(trainer.params))
 
 
@@ -147,6 +160,9 @@ class Rollouts(Hook):
         fmt = trainer.chat.format
         self.eos = np.asarray([i for i in (fmt.tok.token_to_id(t) for t in fmt.stops) if i is not None], np.int32)
         self.logps = logps_program(trainer.plan)
+        # --lora: the reference's log-probs from the base inside the policy's parameters (no copy)
+        self.base_logps = logps_program(trainer.plan, base=True) if cfg.kl_coef > 0 and trainer.ref_params is None \
+            else None
         self.figures: dict = {}
 
     def start(self, loop) -> None:
@@ -203,11 +219,13 @@ class Rollouts(Hook):
         out["adv"] = np.asarray(group_advantages(jnp.asarray(rewards_N), cfg.group_size), np.float32)
         tokens = put_batch(_Tokens(out["tokens"]), 0, len(completions), trainer.mesh)["tokens"]
 
-        def logps(p):
-            return np.asarray(multihost_utils.process_allgather(self.logps(p, tokens), tiled=True), np.float32)
+        def logps(program, p):
+            return np.asarray(multihost_utils.process_allgather(program(p, tokens), tiled=True), np.float32)
 
         if trainer.ref_params is not None:
-            out["ref"] = logps(trainer.ref_params)
+            out["ref"] = logps(self.logps, trainer.ref_params)
+        elif self.base_logps is not None:
+            out["ref"] = logps(self.base_logps, params)
         if cfg.grpo_updates > 1:
-            out["old"] = logps(params)
+            out["old"] = logps(self.logps, params)
         return out
