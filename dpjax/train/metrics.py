@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+from typing import Protocol
 
 from dpjax.errors import UserError
 
@@ -45,7 +46,8 @@ class JsonLines:
     lost run may have written): every step has one row, however often the run resumed."""
 
     def __init__(self, path: str, append: bool, resumed_at: int | None = None):
-        self.path, self.loss_steps, self.fh = path, set(), None
+        self.path, self.fh = path, None
+        self.loss_steps: set[int] = set()
         with self._refused("opened"):
             if append and resumed_at is not None and os.path.isfile(path):
                 self._keep_until(path, resumed_at)
@@ -156,10 +158,18 @@ class WandB:
         self.run.finish()
 
 
+class Writer(Protocol):
+    """What a writer of rows has (JsonLines, TensorBoard, WandB)."""
+
+    def write(self, row: dict) -> None: ...
+
+    def close(self) -> None: ...
+
+
 class Writers:
     """Every writer a run asked for, written to and closed together."""
 
-    def __init__(self, writers: list):
+    def __init__(self, writers: list[Writer]):
         self.writers = writers
 
     def write(self, row: dict) -> None:
@@ -178,7 +188,7 @@ def open_writers(metrics: str | None, tensorboard: str | None, append: bool = Fa
                  resumed_at: int | None = None, wandb: str | None = None) -> Writers:
     """The writers of `--metrics FILE`, `--tensorboard DIR` and `--wandb PROJECT` (any may be
     None); `resumed_at`: see `JsonLines`."""
-    out = []
+    out: list[Writer] = []
     if tensorboard:
         out.append(TensorBoard(tensorboard))
     if wandb:

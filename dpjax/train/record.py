@@ -26,7 +26,7 @@ class ConfigError(UserError):
 def versions() -> dict:
     from importlib.metadata import PackageNotFoundError, version
 
-    out = {"python": sys.version.split()[0]}
+    out: dict[str, str | None] = {"python": sys.version.split()[0]}
     for name in PACKAGES:
         try:
             out[name] = version(name)

@@ -40,9 +40,11 @@ class RolloutStream:
     of the batch reads the same rows (the cursor is not a position in it)."""
 
     def __init__(self, seq_len: int):
-        self.seq_len, self.arrays = seq_len, None
+        self.seq_len = seq_len
+        self.arrays: dict[str, np.ndarray] | None = None  # the batch's rows, set by each generation
 
     def batch(self, cursor: int, batch_size: int, rows: slice = slice(None)) -> dict:
+        assert self.arrays is not None, "a generation fills the batch before a step reads it"
         return {k: v[rows] for k, v in self.arrays.items()}
 
 
@@ -90,7 +92,7 @@ def _seed(seed: int, batch: int, length: int) -> int:
     return int(np.random.default_rng((seed, batch, length)).integers(2**31))
 
 
-def sample(model, params, prompts, group: int, max_new: int, temperature: float, seed: int, eos) -> list:
+def sample(model, params, prompts, group: int, max_new: int, temperature: float, seed: tuple[int, int], eos) -> list:
     """The completions (int32 ids, each up to and including its first `eos` id) of each prompt,
     `group` a prompt, prompt after prompt. Rows of one prompt length are sampled in one call."""
     from dpjax.generate import Sampling, generate
