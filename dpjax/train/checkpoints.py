@@ -7,6 +7,8 @@ from __future__ import annotations
 import os
 import sys
 
+import jax
+
 from dpjax.recovery.checkpoint import Checkpointer, NoneGood
 from dpjax.recovery.env import restart_number
 from dpjax.train import nonfinite, record, resume
@@ -23,8 +25,6 @@ class Checkpoints(Hook):
 
     def restore(self, trainer) -> None:
         """The newest checkpoint in --ckpt-dir into `trainer` (nothing there: a fresh start)."""
-        import jax
-
         cfg = self.cfg
         if not cfg.ckpt_dir or not os.path.isdir(cfg.ckpt_dir):  # the folder is made when the run is sure to start
             return
@@ -53,8 +53,6 @@ class Checkpoints(Hook):
 
     def open(self, trainer) -> None:
         """--ckpt-dir's Checkpointer (the folder made now, not for a refusal) and its run.json."""
-        import jax
-
         if not self.cfg.ckpt_dir:
             return
         self.ckpt = self.ckpt or Checkpointer(self.cfg.ckpt_dir)

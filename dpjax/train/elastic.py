@@ -20,6 +20,10 @@ import os
 import sys
 import time
 import traceback
+import threading
+
+import jax
+from jax._src import distributed as jax_distributed
 
 IMPORTED = time.time()  # about when this process started (the restart's breakdown)
 
@@ -27,23 +31,21 @@ from dpjax.recovery import fault as faults  # noqa: E402
 from dpjax.recovery.heartbeat import Heartbeat  # noqa: E402
 from dpjax.recovery.env import restart_number  # noqa: E402
 from dpjax.train.restart import env as _env, micro_batches  # noqa: E402
+from dpjax.recovery import full_disk  # noqa: E402
+from dpjax.recovery.commit import Committer, WAIT_MS  # noqa: E402
+from dpjax.recovery.interval import AutoInterval  # noqa: E402
+from dpjax.train.loop import MAX_IN_FLIGHT  # noqa: E402
+from dpjax.train.metrics import open_writers  # noqa: E402
 
 
 def _say(line: str) -> None:
     """What changed is always said (process 0), whatever --progress is: a restart is news."""
-    import jax
-
     if jax.process_index() == 0:
         print(line, flush=True)
 
 
 class Elastic:
     def __init__(self, trainer, committer, heartbeat: str | None):
-        import jax
-
-        from dpjax.recovery.interval import AutoInterval
-        from dpjax.train.loop import MAX_IN_FLIGHT
-
         self.cfg, self.committer = trainer.cfg, committer
         self.faults = faults.for_process(jax.process_index())
         self.restored, self.reported = None, False
@@ -79,8 +81,6 @@ class Elastic:
     def _gap(self, done: int) -> int:
         """At a commit under --commit-every auto: the gap to the next one, decided by
         process 0 (every process must commit the same steps) and read by the others."""
-        import jax
-
         if self.every is not None and self.auto is None:
             return self.every
         key = f"dpjax/commit/every/{_env('restart', '0')}/{done}"
@@ -90,8 +90,6 @@ class Elastic:
             if client is not None and jax.process_count() > 1:
                 client.key_value_set(key, str(gap))
         else:
-            from dpjax.recovery.commit import WAIT_MS
-
             gap = int(client.blocking_key_value_get(key, WAIT_MS))
         return gap
 
@@ -142,10 +140,6 @@ class Elastic:
     def _full_disk(self, done: int) -> bool:
         """--on-full-disk skip-commits: whether any process's previous commit met a full disk;
         if so it is skipped on every process (dpjax.recovery.full_disk), and said."""
-        import jax
-
-        from dpjax.recovery import full_disk
-
         c = self.committer
         who = full_disk.agree(c.client, _env("restart", "0"), done, jax.process_index(), jax.process_count(),
                               c.refused, c.written)
@@ -168,8 +162,6 @@ class Elastic:
 
     def _stamp_first(self, loss) -> None:
         """When the first step after a restore is done (a thread waits for its loss)."""
-        import threading
-
         def wait():
             loss.block_until_ready()
             self.first_done_at = time.time()
@@ -202,8 +194,6 @@ class Elastic:
             self.auto.tick(now - self.last_t, busy=self.committer.busy or bool(finished), began=began)
         self.last_t = now
         if self.auto is not None and began and self.auto.settled and not self.announced:
-            import jax
-
             self.announced = True
             write({"step": done, "commit_every": self.auto.describe()})
             if jax.process_index() == 0:
@@ -232,8 +222,6 @@ class Elastic:
 
     def report(self, trainer, write) -> None:
         """The restart's account: size, mesh, where the state came from, steps and seconds lost."""
-        import jax
-
         self.reported = True
         r, failure = self.restored, json.loads(_env("failure", "{}"))
         row = {"event": "restart", "attempt": int(_env("restart", "0")), "processes": jax.process_count(),
@@ -295,13 +283,9 @@ class Elastic:
         """An agent's restart whose restored state is at --steps: the job had trained and
         committed every step when it failed, so every process ends it, exit 0 (--resume by
         hand is refused, in `Trainer`), after the commit's rows, a restart row, the marks."""
-        import jax
-
         cfg, failure = self.cfg, json.loads(_env("failure", "{}"))
         step = self.restored["step"] if self.restored else trainer.start
         if jax.process_index() == 0 and (cfg.metrics or cfg.tensorboard):
-            from dpjax.train.metrics import open_writers
-
             writers = open_writers(cfg.metrics, cfg.tensorboard, append=True, resumed_at=trainer.start)
             if self.restored:
                 self._commit_rows(writers.write)
@@ -330,11 +314,6 @@ def _exit_now(kind, value, tb):
 def attach(trainer) -> Elastic | None:
     """The run's Elastic (the Commits hook owns it) (None when nothing elastic is asked for); restores the newest
     complete commit on a restart."""
-    import jax
-    from jax._src import distributed as jax_distributed
-
-    from dpjax.recovery.commit import Committer
-
     cfg, restart = trainer.cfg, restart_number()
     root = cfg.commit_dir or _env("commit_dir")
     heartbeat = _env("heartbeat")

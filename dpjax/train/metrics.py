@@ -112,7 +112,7 @@ class TensorBoard:
     """Event files in `logdir`, one scalar per number of a row (tensorboardX)."""
 
     def __init__(self, logdir: str):
-        try:
+        try:  # an optional dependency (dpjax[tensorboard]): imported only for --tensorboard
             from tensorboardX import SummaryWriter
         except ImportError:
             raise MissingPackage("--tensorboard needs tensorboardX: pip install tensorboardX "
@@ -137,7 +137,7 @@ class WandB:
     row's numbers logged at the row's step under the TensorBoard writer's group names."""
 
     def __init__(self, project: str):
-        try:
+        try:  # an optional dependency (dpjax[wandb]): imported only for --wandb
             import wandb
         except ImportError:
             raise MissingPackage("--wandb needs wandb: pip install wandb (or pip install 'dpjax[wandb]')") from None

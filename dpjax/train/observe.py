@@ -7,9 +7,14 @@ from __future__ import annotations
 
 import os
 
+import jax
+
 from dpjax.train.comm_bytes import CommBytes
 from dpjax.train.efficiency import Efficiency
 from dpjax.train.hooks import Hook
+from dpjax.compression import accounting
+from dpjax.timeline import Recorder, summarize
+from dpjax.timeline.program import abstract
 
 
 class Figures(Hook):
@@ -56,13 +61,9 @@ class CompressionRatio:
     exchange, `compression.accounting`): 1.0 before a start step, the method's after."""
 
     def __init__(self, plan):
-        from dpjax.compression import accounting
-
         self.plan, self.whole = plan, accounting.ratio(plan)
 
     def __call__(self, step_i: int) -> float:
-        from dpjax.compression import accounting
-
         return accounting.ratio_at(self.plan, step_i, self.whole)
 
 
@@ -71,10 +72,6 @@ def recorder(cfg):
     --profile-dir trace kept in a folder of its rank when there are several."""
     if not cfg.timeline:
         return None
-    import jax
-
-    from dpjax.timeline import Recorder
-
     keep = cfg.profile_dir
     if keep and jax.process_count() > 1:
         keep = os.path.join(keep, f"rank{jax.process_index()}")
@@ -84,18 +81,12 @@ def recorder(cfg):
 def shapes(args):
     """The abstract values (shape, dtype, sharding) of a step's arguments: what its
     compiled program is looked up by, kept once the arrays themselves are donated."""
-    from dpjax.timeline.program import abstract
-
     return abstract(args)
 
 
 def write_timeline(recorder, path: str, step, args, write, steps, say) -> None:
     """The profiled steps' timeline to `path` (each process its own, named by rank); their
     comm_fraction to the metrics; one line saying where it went."""
-    import jax
-
-    from dpjax.timeline import summarize
-
     recorder.stop()
     if jax.process_count() > 1:  # each process profiles its own devices
         path = os.path.join(os.path.dirname(path), f"rank{jax.process_index()}-{os.path.basename(path)}")

@@ -30,9 +30,20 @@ import os
 import time
 
 import numpy as np
+import jax
+import jax.numpy as jnp
+from jax.experimental import multihost_utils
+from jax.sharding import PartitionSpec as P
 
 from dpjax.data.sft import EpochOrder
 from dpjax.train.hooks import Hook
+from dpjax.data import prompts as prompt_data
+from dpjax.data.tokenizer import HF
+from dpjax.generate import Sampling, generate
+from dpjax.mesh import data_axes
+from dpjax.step import put_batch
+from dpjax.tasks.grpo import token_logps, group_advantages
+from dpjax.train.reward import Reward
 
 
 class RolloutStream:
@@ -51,10 +62,6 @@ class RolloutStream:
 def streams(cfg, fmt, folder: str) -> tuple:
     """(train stream, validation stream: none, tokenizer, the prompts' Prompts) of --prompts, read
     with `fmt`, the template and tokenizer.json of `folder` (`dpjax.train.streams` makes both)."""
-    from dpjax.data import prompts as prompt_data
-    from dpjax.data.tokenizer import HF
-    from dpjax.train.reward import Reward
-
     reward = Reward(cfg.reward)  # a spec that does not import: refused before anything compiles
     prompts = prompt_data.Prompts(fmt, prompt_data.load(cfg.prompts, fmt, cfg.seq_len, cfg.max_completion), reward)
     return RolloutStream(cfg.seq_len), None, HF(fmt.tok, os.path.join(folder, "tokenizer.json")), prompts
@@ -63,12 +70,6 @@ def streams(cfg, fmt, folder: str) -> tuple:
 def logps_program(plan):
     """logps(params, tokens_NxT1) -> N x T log-probs of each row's targets, the rows split over
     the data axes as the step splits them; params laid out by the plan's layout (the consensus form)."""
-    import jax
-    from jax.sharding import PartitionSpec as P
-
-    from dpjax.mesh import data_axes
-    from dpjax.tasks.grpo import token_logps
-
     layout, model = plan.layout, plan.model
     par = dataclasses.replace(layout.parallel(), policy=plan.policy)
     rows = data_axes(layout.mesh) or None
@@ -80,9 +81,6 @@ def reference(trainer) -> None:
     """The reference's parameters: a copy of the starting ones (before a checkpoint is restored,
     so that a resumed run's reference is the uninterrupted run's), laid out like the policy; none
     with --kl-coef 0. A copy: the step donates the parameters it updates."""
-    import jax
-    import jax.numpy as jnp
-
     trainer.ref_params = None
     if trainer.cfg.kl_coef > 0:
         trainer.ref_params = jax.jit(lambda p: jax.tree.map(jnp.copy, p))(trainer.step.consensus(trainer.params))
@@ -95,8 +93,6 @@ def _seed(seed: int, batch: int, length: int) -> int:
 def sample(model, params, prompts, group: int, max_new: int, temperature: float, seed: tuple[int, int], eos) -> list:
     """The completions (int32 ids, each up to and including its first `eos` id) of each prompt,
     `group` a prompt, prompt after prompt. Rows of one prompt length are sampled in one call."""
-    from dpjax.generate import Sampling, generate
-
     by_length: dict = {}
     for k, p in enumerate(prompts):
         by_length.setdefault(len(p.ids), []).append(k)
@@ -194,12 +190,6 @@ class Rollouts(Hook):
     def _batch(self, prompts, completions, rewards_N, params) -> dict:
         """The task's batch as numpy: rows, advantages, and the reference's and the sampling
         policy's log-probs where the run needs them (`dpjax.tasks.grpo`)."""
-        import jax.numpy as jnp
-        from jax.experimental import multihost_utils
-
-        from dpjax.step import put_batch
-        from dpjax.tasks.grpo import group_advantages
-
         cfg, trainer = self.cfg, self.trainer
         out = rows(prompts, completions, cfg.group_size, cfg.seq_len)
         out["adv"] = np.asarray(group_advantages(jnp.asarray(rewards_N), cfg.group_size), np.float32)
