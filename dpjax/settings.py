@@ -264,9 +264,9 @@ class Settings:
                                      "Default: every data axis for delayed/sparse/async (each rank a worker), "
                                      "none for sync. With --fsdp the parameters are split over the other data "
                                      "axes: '--workers node --fsdp' with sync is hybrid sharding (HSDP)")
-    link: list[str] | None = EXCHANGE(None, "emulate a slow link on a mesh axis, e.g. 'node=183ms,23mbit' (repeatable): "
-                                   "every collective crossing that axis waits for its alpha-beta time; values are "
-                                   "unchanged, only time", action="append")
+    link: list[str] | None = EXCHANGE(None, "emulate a slow link on a mesh axis, e.g. 'node=183ms,23mbit' "
+                                             "(repeatable): every collective crossing that axis waits for its "
+                                             "alpha-beta time; values are unchanged, only time", action="append")
     allreduce: str | None = EXCHANGE(None, lambda: f"gradient allreduce algorithm: {', '.join(_algorithms())}; or "
                                                "auto: each is timed on the first steps of the run and the fastest kept "
                                                "(recorded in the metrics and the checkpoint; a resumed run keeps "

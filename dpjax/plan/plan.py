@@ -35,6 +35,7 @@ from dpjax.plan.checks import UsageError, check, model_choice, settled
 from dpjax.plan.compute import DEFAULT_FUSION_MB, check_memory, compute_policy, default_allreduce, target_platform
 from dpjax.plan.fit import fit_devices
 from dpjax.plan.lora import lora_model, trained_split
+from dpjax.plan.memory import Estimate
 from dpjax.plan.task import check_task
 from dpjax.plan.workers import shards_of, workers_of
 from dpjax.settings import Settings
@@ -71,7 +72,7 @@ class Plan:
     policy: Policy = Policy()  # the compute policy: dtype, remat, attention kernel, scan (dpjax.compute.policy)
     notes: tuple[str, ...] = ()  # one-line remarks the run prints once (e.g. why not cuDNN attention)
     # the planner's estimate per device (dpjax.plan.memory.estimate: bytes by part) and what a device has
-    memory: dict[str, int | float | str | None] | None = None
+    memory: Estimate | None = None
     split: Split | None = None  # LoRA (dpjax.models.lora.Split): the trained part of the parameters; None: all of them
 
     @property

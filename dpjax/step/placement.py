@@ -61,8 +61,12 @@ def put_batch(stream, cursor: int, global_batch: int, mesh, passes: int | None =
     first = block(next(iter(sharding.addressable_devices_indices_map(shape).values())))
     if not isinstance(first, dict):
         return jax.make_array_from_callback(shape, sharding, block)
-    return {k: jax.make_array_from_callback((*lead, *v.shape[len(lead):]), sharding,
-                                            lambda idx, k=k: block(idx)[k]) for k, v in first.items()}
+
+    def part(k):  # the callback of the leaf `k`
+        return lambda idx: block(idx)[k]
+
+    return {k: jax.make_array_from_callback((*lead, *v.shape[len(lead):]), sharding, part(k))
+            for k, v in first.items()}
 
 
 def _stacked(batches):

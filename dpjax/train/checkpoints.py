@@ -21,7 +21,8 @@ class Checkpoints(Hook):
     included); closed at the end, and one whose state gave a NaN set aside then."""
 
     def __init__(self, cfg):
-        self.cfg, self.ckpt, self.saved, self.set_aside = cfg, None, [], []
+        self.cfg, self.saved, self.set_aside = cfg, [], []
+        self.ckpt: Checkpointer | None = None  # --ckpt-dir's, once opened
 
     def restore(self, trainer) -> None:
         """The newest checkpoint in --ckpt-dir into `trainer` (nothing there: a fresh start)."""
@@ -65,6 +66,7 @@ class Checkpoints(Hook):
         if not nonfinite.finite((trainer.params, trainer.opt_state)):
             raise nonfinite.stop(f"the update of step {step_done} turned the parameters or optimizer state NaN "
                                  "or Inf (not saved)", step_done, self.cfg, self.saved)
+        assert self.ckpt is not None, "a checkpoint is saved only with --ckpt-dir (after_step)"
         self.ckpt.save(step_done, trainer.state(), {**trainer.record, "step": step_done, "cursor": trainer.cursor})
         self.saved.append(step_done)
 

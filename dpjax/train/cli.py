@@ -14,6 +14,7 @@ import difflib
 import os
 import re
 import sys
+from typing import Callable
 
 import jax
 
@@ -127,13 +128,15 @@ def build_parser() -> argparse.ArgumentParser:
         elif f.metadata.get("action") == "append":
             g.add_argument(flag(f.name), action="append", default=f.default, help=help_, metavar="AXIS=LAT,BW")
         else:
-            kind = {"int": int, "int | None": int, "float": float, "float | None": float, "mib": _mib}.get(
-                f.metadata.get("type") or str(f.type), str)
+            kinds: dict[str, Callable[[str], object]] = {"int": int, "int | None": int, "float": float,
+                                                         "float | None": float, "mib": _mib}
+            kind = kinds.get(f.metadata.get("type") or str(f.type), str)
             g.add_argument(flag(f.name), type=kind, default=f.default, help=help_,
                            choices=_resolved(f.metadata.get("choices")))
     g = p.add_argument_group("model options (each belongs to one model; an option the chosen --model does "
                              "not have is an error)")
-    types, owners = option_types(), {}  # each option parses as its config field's type
+    types = option_types()  # each option parses as its config field's type
+    owners: dict[str, dict[str, object]] = {}
     for model, opts in model_options().items():
         for name, default in opts.items():  # an option two models share is one flag
             owners.setdefault(name, {})[model] = default

@@ -62,8 +62,9 @@ def peak_tflops(device_kind: str, dtype: str = "float32") -> float | None:
     is measured against the bf16 peak: an fp8 run's MFU then reads as its speed-up over
     bf16 (only its projections are fp8; against fp8's own peak, twice bf16's on Hopper)."""
     dtype = "bfloat16" if dtype == "fp8" else dtype
-
-    if dtype == "float32" and jax.config.jax_default_matmul_precision in ("highest", "float32", "fp32"):
+    # jax's stubs do not list its config's options (read through jax.config's __getattr__)
+    precision = jax.config.jax_default_matmul_precision  # type: ignore[attr-defined]
+    if dtype == "float32" and precision in ("highest", "float32", "fp32"):
         return None
     return device_peaks(device_kind).get(dtype)
 
@@ -106,7 +107,7 @@ class Efficiency:
         self.local = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
         self.model_flops = model.flops_per_token() * tokens_per_step / self.devices  # per device per step
         self.peak = peak if peak is not None else peak_tflops(self.local[0].device_kind, dtype)
-        self._compiled = {}
+        self._compiled: dict[int, dict] = {}  # id(step) -> its program's figures
 
     def _program(self, step, args) -> dict:
         if id(step) not in self._compiled:

@@ -48,16 +48,20 @@ class Elastic:
     def __init__(self, trainer, committer, heartbeat: str | None):
         self.cfg, self.committer = trainer.cfg, committer
         self.faults = faults.for_process(jax.process_index())
-        self.restored, self.reported = None, False
+        # the commit restored (its step, cursor, sources, when), None: a start from the beginning
+        self.restored: dict | None = None
+        self.reported = False
         every = trainer.cfg.commit_every
         # auto: a commit's device copy shows in the loop's iterations up to MAX_IN_FLIGHT later
         auto = str(every) == "auto"
         self.auto = AutoInterval(lag=MAX_IN_FLIGHT + 1, max_lost=trainer.cfg.max_lost_steps) if auto else None
         self.every = None if self.auto else int(every)
         self.next_commit = self.first_commit(trainer.start)
-        self.last_t = None  # when the last iteration ended (the auto interval times each)
-        self.announced, self.gaps = False, {}  # the gap decided at each commit not yet finished
-        self.finished, self.first_done_at = 0, None  # steps whose results the loop has; the restart's first step
+        self.last_t: float | None = None  # when the last iteration ended (the auto interval times each)
+        self.announced = False
+        self.gaps: dict[int, int] = {}  # the gap decided at each commit not yet finished
+        self.finished = 0  # steps whose results the loop has
+        self.first_done_at: float | None = None  # when the restart's first step was done
         self.beaten = False  # whether this process's first step is done (its progress clock runs)
         self.marks: dict = {}  # how far the run's end has come, in every heartbeat from then on (`close`)
         # the agent's hang check (dpjax.recovery.heartbeat): a thread's beats, the loop's progress
@@ -66,23 +70,25 @@ class Elastic:
     def first_commit(self, start: int) -> int:
         """The step of the first commit from `start`: under auto, once the interval has
         timed its first iterations (the first iteration has none before it to be timed from)."""
-        if self.auto is None:
+        if self.every is not None:  # a fixed interval (None: auto)
             return start + self.every
+        assert self.auto is not None
         cap = self.auto.cap()  # --max-lost-steps: a failure before the first commit loses the steps from the start
         return start + (self.auto.first + 1 if cap is None else min(self.auto.first + 1, cap))
 
     def _due(self, done: int) -> bool:
         if done == self.cfg.steps:  # the last step is always committed
             return True
-        if self.auto is None:
+        if self.every is not None:
             return done % self.every == 0
         return done >= self.next_commit
 
     def _gap(self, done: int) -> int:
         """At a commit under --commit-every auto: the gap to the next one, decided by
         process 0 (every process must commit the same steps) and read by the others."""
-        if self.every is not None and self.auto is None:
+        if self.every is not None:
             return self.every
+        assert self.auto is not None
         key = f"dpjax/commit/every/{_env('restart', '0')}/{done}"
         client = getattr(self.committer, "client", None)
         if jax.process_index() == 0 or client is None:
@@ -155,6 +161,7 @@ class Elastic:
         """The rows of the restored commit's steps that the lost job may not have written
         (the metrics writer skips a step it holds)."""
         r, per_step = self.restored, self.cfg.batch_size * self.cfg.backward_passes
+        assert r is not None  # called once a commit is restored
         for step, loss in sorted(r.get("losses", {}).items(), key=lambda kv: int(kv[0])):
             # step s (1-based) read from cursor(commit) - (commit - s + 1) steps' batches
             cursor = r["cursor"] - (r["step"] - int(step) + 1) * per_step
@@ -224,6 +231,7 @@ class Elastic:
         """The restart's account: size, mesh, where the state came from, steps and seconds lost."""
         self.reported = True
         r, failure = self.restored, json.loads(_env("failure", "{}"))
+        assert r is not None and self.first_done_at is not None  # called after the first step of a restore
         row = {"event": "restart", "attempt": int(_env("restart", "0")), "processes": jax.process_count(),
                "devices": jax.device_count(), "mesh": dict(trainer.mesh.shape), "restored_step": r["step"],
                "from": r["sources"], "commit_every": r.get("commit_every"),

@@ -28,7 +28,9 @@ class Figures(Hook):
         # the peak of the dtype the matmuls run in (bf16's is twice TF32's: the H200 summary said MFU 91.6% for 46%)
         self.efficiency = Efficiency(trainer.model, trainer.mesh, tokens_per_step, cfg.peak_tflops,
                                      trainer.plan.policy.dtype)
-        self.tokens_per_step, self.shapes, self.programs = tokens_per_step, {}, {}
+        self.tokens_per_step = tokens_per_step
+        self.shapes: dict[int, object] = {}  # id(program) -> its argument shapes
+        self.programs: dict[int, object] = {}  # step index -> the program that ran it (its figures, later)
         plan = trainer.plan
         self.comm_bytes = CommBytes(plan)
         self.compression_ratio = CompressionRatio(plan) if plan.exchange.compression else None

@@ -37,16 +37,16 @@ class Pref:
     """What a run's preference data is; shaped like `streams.Chat` where the end's sample
     reads it (`format`, `held_out[0].where`: a held-out pair's prompt)."""
 
-    format: object  # dpjax.data.chat.ChatFormat
-    counts: object  # dpjax.data.pref.Counts of --data
+    format: chat_data.ChatFormat
+    counts: pref.Counts  # of --data
     train: list
     held_out: list
-    eval_counts: object = None
+    eval_counts: pref.Counts | None = None
 
     def record(self) -> dict:
         c = self.counts
-        out = {"rows": c.rows, "pairs": len(self.train), "truncated": c.truncated, "dropped": c.dropped,
-               "held_out": len(self.held_out)}
+        out: dict[str, object] = {"rows": c.rows, "pairs": len(self.train), "truncated": c.truncated,
+                                  "dropped": c.dropped, "held_out": len(self.held_out)}
         if self.eval_counts is not None:
             out["eval"] = {"rows": self.eval_counts.rows, "dropped": self.eval_counts.dropped}
         return {"pref": out}

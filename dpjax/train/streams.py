@@ -25,19 +25,20 @@ class Chat:
     """What a run's chat data is: its format (template, tokenizer), what reading it counted,
     and the held-out conversations (the eval loss, the end's sample)."""
 
-    format: object  # dpjax.data.chat.ChatFormat
-    counts: object  # dpjax.data.chat.Counts of --data
+    format: chat_data.ChatFormat
+    counts: chat_data.Counts  # of --data
     train: list
     held_out: list
-    eval_counts: object = None  # the Counts of --eval-data, when given
+    eval_counts: chat_data.Counts | None = None  # of --eval-data, when given
     packing: dict | None = None  # --pack: `dpjax.data.sft.PackedStream.describe()`
 
     def record(self) -> dict:
         """The run record's "data": what was read, skipped, cut, and the answer tokens trained on."""
         c = self.counts
-        out = {"rows": c.rows, "examples": len(self.train), "skipped_no_answer": c.no_answer, "truncated": c.truncated,
-               "dropped_long": c.dropped_long, "answer_tokens": _answers(self.train), "held_out": len(self.held_out),
-               "held_out_answer_tokens": _answers(self.held_out)}
+        out: dict[str, object] = {
+            "rows": c.rows, "examples": len(self.train), "skipped_no_answer": c.no_answer, "truncated": c.truncated,
+            "dropped_long": c.dropped_long, "answer_tokens": _answers(self.train), "held_out": len(self.held_out),
+            "held_out_answer_tokens": _answers(self.held_out)}
         if self.eval_counts is not None:
             e = self.eval_counts
             out["eval"] = {"rows": e.rows, "skipped_no_answer": e.no_answer, "truncated": e.truncated,

@@ -69,14 +69,16 @@ class Trainer:
         self.programs = restart.programs(cfg)
         self.plan = plan = resolve(cfg, setup_devices(cfg))
         distributed.ready(plan.mesh)  # the transport's communicators for this mesh (MPI: see transport.py)
-        self.mesh, self.model, self.layout, self.opt = plan.mesh, plan.model, plan.layout, plan.opt
+        model, opt = plan.model, plan.opt
+        assert model is not None and opt is not None  # resolved from settings: a dpjax model and its optimizer
+        self.mesh, self.model, self.layout, self.opt = plan.mesh, model, plan.layout, opt
         self._say_plan()
         data = streams(cfg, self.model, rows_multiple=dp_size(self.mesh))  # packed rows split over the data axes
         self.train_stream, self.val_stream, self.tokenizer, self.chat = data.train, data.val, data.tokenizer, data.chat
         self.rows = data.rows  # the rows a batch of --batch-size examples fills (--pack), None: one a row
         if self.chat is not None:
             self.say(self.chat.line())  # what was read, skipped, cut: before the compile's wait
-        self._steps = {}
+        self._steps: dict[Setting, S.TrainStep] = {}  # one a setting the autotune tries
         self.use(Setting(plan.exchange.algorithm, plan.exchange.fusion_mb))
         self.record = self._resume_record(user)
         self._say_exchange()
@@ -86,7 +88,8 @@ class Trainer:
             preference.reference(self)
         elif cfg.task == "grpo":  # the reference: a frozen copy of the starting weights, before a restore
             rollout.reference(self)
-        self.start, self.cursor, self.resumed = 0, 0, {}
+        self.start, self.cursor = 0, 0
+        self.resumed: dict = {}  # the restored checkpoint's metadata (step, cursor, ...), if any
         checkpoints = Checkpoints(cfg)
         checkpoints.restore(self)
         self.run_record = record.build(cfg, plan)  # the first metrics row, and run.json beside the checkpoints
