@@ -25,7 +25,7 @@ from dpjax.settings import Settings
 from dpjax.train import builtin, elastic, hardware, observe, record, restart, resume, tuning, preference, rollout
 from dpjax.train.checkpoints import Checkpoints
 from dpjax.train.streams import streams
-from dpjax.collectives.cpu_runtime import simulate_cpu_devices
+from dpjax.collectives.cpu_runtime import simulate_cpu_devices  # and the guards their collectives need
 from dpjax.compression import accounting
 from dpjax.hf import params_of
 from dpjax.mesh import mesh_size, recommended_xla_flags, dp_size
