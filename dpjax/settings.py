@@ -178,9 +178,9 @@ class Settings:
                                      "Default: every data axis for delayed/sparse/async (each rank a worker), "
                                      "none for sync. With --fsdp the parameters are split over the other data "
                                      "axes: '--workers node --fsdp' with sync is hybrid sharding (HSDP)")
-    link: list | None = EXCHANGE(None, "emulate a slow link on a mesh axis, e.g. 'node=183ms,23mbit' (repeatable): "
-                                   "every collective crossing that axis waits for its alpha-beta time; values are "
-                                   "unchanged, only time", action="append")
+    link: list[str] | None = EXCHANGE(None, "emulate a slow link on a mesh axis, e.g. 'node=183ms,23mbit' "
+                                             "(repeatable): every collective crossing that axis waits for its "
+                                             "alpha-beta time; values are unchanged, only time", action="append")
     allreduce: str | None = EXCHANGE(None, lambda: "gradient allreduce algorithm: "
                                                f"{', '.join(collectives.ALGORITHMS)}; or auto: each is timed on "
                                                "the first steps of the run and the fastest kept "
@@ -292,4 +292,4 @@ class Settings:
                                          "the README's 'Running on a cluster'); GPUs use NCCL whatever this says. "
                                          "Default: dpjax.launch --collectives' choice (DPJAX_COLLECTIVES), else gloo",
                             choices=lambda: tuple(distributed.COLLECTIVES))
-    model_options: dict = field(default_factory=dict)  # from --d-model etc.: {option: value}
+    model_options: dict[str, object] = field(default_factory=dict)  # from --d-model etc.: {option: value}

@@ -66,11 +66,20 @@ class ByteModel:
     name = "model"
     CONTEXT = False  # True: its loss splits each sequence over a context axis (dpjax.compute.context)
     LAYERS: str | None = None  # the key of its stacked layers, which a pipeline divides over `stage`
-    has_stats = False  # True: `loss_and_stats` returns statistics the train step reports (a router's)
     experts = 0  # E > 0: a mixture of E experts, which an `expert` axis splits
-    head_dim: int | None = None  # the attention heads' width (the compute policy's kernel choice)
     attention_softcap: float = 0.0  # > 0: its attention scores are soft-capped (Gemma 2): no cuDNN kernel
     SPECS: dict  # (each model's own) its one sharding table: leaf name -> PartitionSpec over `model`
+    apply: Callable[..., jax.Array]  # (each model's own) apply(params, tokens_BdxT, par) -> logits Bd x T x V
+
+    @property
+    def has_stats(self) -> bool:
+        """True: `loss_and_stats` returns statistics the train step reports (a router's)."""
+        return False
+
+    @property
+    def head_dim(self) -> int | None:
+        """The attention heads' width (the compute policy's kernel choice), None: no attention."""
+        return None
 
     def __init__(self, config):
         self.config = config

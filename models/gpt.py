@@ -97,6 +97,10 @@ class DenseMLP:
         h_BdxTxFm = jax.nn.gelu(tp.column_parallel(h_BdxTxD, m["w1_LsxDxFm"], m["b1_LsxFm"], par))
         return tp.row_parallel(h_BdxTxFm, m["w2_LsxFmxD"], m["b2_LsxD"], par), ()
 
+    def add_loss(self, loss, stats):
+        """The loss as it is: a dense MLP reports no statistics (`moe.Mixture.add_loss` adds its router's)."""
+        return loss
+
     def values(self, tokens: int, split: int) -> dict:
         """Its values per token for the memory estimate, F split over the model axis."""
         return dense_mlp_values(self.config.d_ff // split)

@@ -122,7 +122,7 @@ class SwiGLUMixture(moe.Mixture):
         return 3 * c.d_model * c.d_ff * c.top_k + c.d_model * c.experts
 
 
-class MoEBlocks:
+class MoEBlocks(Llama):
     """What a mixture adds to a Llama-like decoder (listed first among its bases): every
     block's MLP the mixture, whose router statistics the forward carries and the loss adds."""
 

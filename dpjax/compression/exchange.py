@@ -159,6 +159,7 @@ class Exchange:
         if not self.keeps_state(axis):
             return self.allreduce(tree, axis), state
         spec, allreduce = self.spec, self._allreduce()
+        assert spec is not None  # keeps_state: a method with error feedback
 
         def compressed():
             return feedback.compressed(tree, state, axis, spec, allreduce)
@@ -177,7 +178,7 @@ class Exchange:
         defaults to the exchange's own (`options["op"]`, e.g. "adasum"), else the mean."""
         axis_size(axis, "the gradient exchange")
         options = dict(self.options)
-        op = op or options.pop("op", "mean")
+        op = op or str(options.pop("op", "mean"))  # the options are the --compression grammar's values
         options.pop("op", None)
         with scopes.phase("exchange"):  # every exchange passes here (dpjax.scopes, dpjax.timeline)
             return grouped.allreduce(tree, axis, op=op, fusion_mb=self.fusion_mb,
@@ -191,6 +192,7 @@ class Exchange:
         the compression; the new state). The first `start` exchanges are FSDP's exact
         reduce-scatter."""
         spec, axis = self.spec, axis_arg(as_axes(axes))
+        assert spec is not None, "FSDP's compressed form is for an exchange with a compression"
 
         def compressed():
             return sharded.compressed(g, state, dims, axis, spec, self.algorithm, self.fusion_mb)

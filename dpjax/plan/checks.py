@@ -135,7 +135,7 @@ def _check_compression(s: Settings) -> None:
         raise UsageError(f"--compression: {e}") from None
     if (s.fsdp and spec is not None and spec.method.stateful and spec.method.reduce_scatter is None
             and s.compress_axes is None and s.workers is None):
-        linear = [n for n in compression.names() if compression.registry.get(n).reduce_scatter is not None]
+        linear = [n for n in compression.names() if (m := compression.registry.get(n)) and m.reduce_scatter is not None]
         raise UsageError(f"--compression {s.compression} cannot run inside FSDP's reduce-scatter, it is not linear: "
                          f"{spec.method.nonlinear}; compress only between sites (--workers node --compress-axes "
                          f"node, exact FSDP inside) or use a linear method ({', '.join(linear)})")

@@ -10,7 +10,7 @@ from dpjax.compression.exchange import DEFAULT_ALGORITHM, DEFAULT_FUSION_MB  # n
 from dpjax.compute import policy as P
 from dpjax.compute.policy import Policy, accelerated, remat_candidates
 from dpjax.plan.checks import UsageError
-from dpjax.plan.memory import estimate, parse_size, preallocation_note
+from dpjax.plan.memory import Estimate, estimate, parse_size, preallocation_note
 from dpjax.plan.usable import usable_memory
 from dpjax.settings import Settings
 from dpjax.tasks.dpo import VARIANTS
@@ -80,9 +80,9 @@ def check_memory(plan):
                         reference=_reference_copy(s, plan.split))
         if have is None or need["total"] <= have:
             break
-    plan = dataclasses.replace(plan, policy=policy, memory={**need, "device": have, "device_total": device["total"],
-                                                            "fraction": device["fraction"],
-                                                            "usable_from": device["source"]})
+    memory: Estimate = {**need, "device": have, "device_total": device["total"], "fraction": device["fraction"],
+                        "usable_from": device["source"]}
+    plan = dataclasses.replace(plan, policy=policy, memory=memory)
     refusal = memory_refusal(plan)
     if refusal and not s.dry_run:  # --dry-run prints the plan first, then refuses (dpjax.train.trainer.dry_run)
         raise UsageError(refusal)

@@ -33,9 +33,10 @@ def fit_mesh(s: Settings, devices: int) -> Settings:
     hosts): the outermost data axis takes what the other axes leave; every other setting,
     the global batch included, is kept (resolve then checks that this size can hold it).
     A spec with a -1 already takes what there is."""
-    if not s.mesh or mesh_size(s.mesh) is None or mesh_size(s.mesh) == devices:
+    size = mesh_size(s.mesh) if s.mesh else None
+    if not s.mesh or size is None or size == devices:
         return s
-    names, sizes = parse_mesh_spec(s.mesh, mesh_size(s.mesh))
+    names, sizes = parse_mesh_spec(s.mesh, size)
     outer = next((i for i, n in enumerate(names) if n not in NOT_DATA), None)
     others = math.prod(n for i, n in enumerate(sizes) if i != outer)
     if outer is None or devices % others:
@@ -47,7 +48,9 @@ def fit_mesh(s: Settings, devices: int) -> Settings:
 
 def _data_ranks(spec: str) -> tuple[int, int | None]:
     """(data-parallel ranks, pipeline stages or None) of an explicit mesh spec."""
-    names, sizes = parse_mesh_spec(spec, mesh_size(spec))
+    size = mesh_size(spec)
+    assert size is not None, f"{spec}: only a mesh of a known size is resized (fit_mesh)"
+    names, sizes = parse_mesh_spec(spec, size)
     return math.prod(v for n, v in zip(names, sizes) if n not in NOT_DATA), dict(zip(names, sizes)).get(STAGE)
 
 
@@ -62,7 +65,7 @@ def fit_devices(s: Settings, devices: int) -> Settings:
     an explicit mesh. Raises UsageError (one line, why) for a size that cannot hold the
     run."""
     fitted = fit_mesh(s, devices)
-    if fitted is s:
+    if fitted is s or not s.mesh or not fitted.mesh:  # fit_mesh resizes only an explicit mesh
         return s
     (was, _), (ranks, stages) = _data_ranks(s.mesh), _data_ranks(fitted.mesh)
     total, share = s.batch_size * s.backward_passes, s.batch_size / was

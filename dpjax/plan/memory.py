@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import os
 import re
+from typing import NotRequired, TypedDict
 
 import jax
 
@@ -15,8 +16,25 @@ from dpjax.mesh import CONTEXT, MODEL, dp_size
 from dpjax.models.lora import Lora, Split
 
 
+class Estimate(TypedDict):
+    """A device's bytes by part (`estimate`), and what a device has once the plan knows it
+    (`dpjax.plan.compute.check_memory`: `Plan.memory`)."""
+
+    params: int
+    state: int
+    grads: int
+    error: int
+    activations: int
+    reference: int  # the reference model's frozen copy (DPO's --ref-logps online without LoRA), else 0
+    total: int
+    device: NotRequired[int | None]  # what a device gives the run (None: unknown)
+    device_total: NotRequired[int | None]
+    fraction: NotRequired[float | None]
+    usable_from: NotRequired[str]  # where `device` comes from, in words
+
+
 def estimate(model, layout, global_batch: int, compression=None, policy=None, platform: str | None = None,
-             reference: bool = False) -> dict:
+             reference: bool = False) -> Estimate:
     """Bytes per device of a run of `model` laid out by `layout` with `global_batch`
     sequences per backward pass: {'params', 'state', 'grads', 'error', 'activations', 'total'}.
     The parameters are exact (each device's shards); the optimizer state is taken as two

@@ -99,10 +99,12 @@ def measure_bubble(model, stages: int, pipe: Pipeline, rows: int) -> dict:
     (`ends_flops`; `ends_share`: their part of a slot's FLOPs)."""
     mesh = make_mesh(f"stage={stages}", jax.devices()[:stages])
     pipe = pipe.resolved(stages)
+    M, V = pipe.microbatches, pipe.virtual_stages
+    assert M is not None  # resolved: one a stage unless given
     executed = gradient_flops(model, mesh, pipe, rows)
     one = with_layers(model, model.config.n_layers // stages)
     useful = gradient_flops(one, one_stage_mesh(), pipe, rows)
-    M, V, b = pipe.microbatches, pipe.virtual_stages, rows // pipe.microbatches
+    b = rows // M
     ends = ends_flops(one, b)
     # every chunk slot carries the head and the embedding (masked but in the slots of a
     # micro-batch's first and last chunk): V - 1 more of them a micro-batch than needed

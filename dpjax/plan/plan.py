@@ -35,6 +35,7 @@ from dpjax.plan.checks import UsageError, check, model_choice, settled
 from dpjax.plan.compute import DEFAULT_FUSION_MB, check_memory, compute_policy, default_allreduce, target_platform
 from dpjax.plan.fit import fit_devices
 from dpjax.plan.lora import lora_model, trained_split
+from dpjax.plan.memory import Estimate
 from dpjax.plan.task import check_task
 from dpjax.plan.workers import shards_of, workers_of
 from dpjax.settings import Settings
@@ -71,7 +72,7 @@ class Plan:
     policy: Policy = Policy()  # the compute policy: dtype, remat, attention kernel, scan (dpjax.compute.policy)
     notes: tuple[str, ...] = ()  # one-line remarks the run prints once (e.g. why not cuDNN attention)
     # the planner's estimate per device (dpjax.plan.memory.estimate: bytes by part) and what a device has
-    memory: dict[str, int | float | str | None] | None = None
+    memory: Estimate | None = None
     split: Split | None = None  # LoRA (dpjax.models.lora.Split): the trained part of the parameters; None: all of them
 
     @property
@@ -94,12 +95,14 @@ class Plan:
         """The same run with another allreduce algorithm and fusion cap (the autotune's
         candidates): the FSDP gathers and the rule's exchanges follow the algorithm."""
         exchange = dataclasses.replace(self.exchange, algorithm=algorithm, fusion_mb=float(fusion_mb))
+        assert self.settings is not None, "the autotune plans again from the run's settings"
         return resolve(self.settings, mesh=self.mesh, model=self.model, optimizer=self.optimizer, exchange=exchange,
                        tensor_parallel=self.tensor_parallel)
 
     def for_devices(self, devices) -> "Plan":
         """The same settings planned again for another set of devices: an explicit mesh is
         resized and the global batch kept, in more or fewer micro-batches (`fit_devices`)."""
+        assert self.settings is not None, "an elastic restart plans again from the run's settings"
         settings = fit_devices(self.settings, len(devices))
         # the exchange keeps what was chosen (an autotune's algorithm and fusion), but its per-shard
         # form is cut by the new mesh: a site that lost devices holds fewer shards (and error buffers)
@@ -122,10 +125,11 @@ class Plan:
             out["memory_estimate"] = dict(self.memory)
         if lay.pipeline is not None:
             out["pipeline"] = dataclasses.asdict(lay.pipeline)
-        if self.exchange.compression is not None and self.model is not None:
+        model, spec = self.model, sharded.parse(self.exchange.compression)
+        if self.exchange.compression is not None and model is not None:
             out["compression_ratio"] = ratio(self)
-            if sharded.applies(lay, self.exchange.compression) and sharded.parse(self.exchange.compression).ef:
-                abstract = jax.eval_shape(lambda k: lay.store(self.model.init(k)), jax.random.key(0))
+            if sharded.applies(lay, self.exchange.compression) and spec is not None and spec.ef:
+                abstract = jax.eval_shape(lambda k: lay.store(model.init(k)), jax.random.key(0))
                 out["compression_error_buffer"] = {  # what FSDP saved on the parameters, spent again
                     "bytes_per_device": sharded.error_bytes(lay, abstract),
                     "mirrors": "each device's full local gradient, before FSDP's reduce-scatter"}

@@ -93,7 +93,7 @@ def parse(text: str) -> tuple[Fault, ...]:
     return tuple(out)
 
 
-def for_process(rank: int, env=None) -> dict[int, Fault]:
+def for_process(rank: int, env=None) -> dict[int | str, Fault]:
     """{step: fault} of this process in this attempt (empty when none applies); a step
     is steps done or one of AFTER_LAST."""
     env = os.environ if env is None else env

@@ -181,7 +181,8 @@ class _Held:
         pspecs, split = layout.specs, plan.split
         trained = (lambda t: t) if split is None else split.trained  # noqa: E731
         sspecs = rule.specs(trained(pspecs), jax.eval_shape(rule.init, trained(abstract_params)))
-        lead, stack = (), lambda tree: tree  # noqa: E731
+        lead: tuple[int, ...] = ()
+        stack = lambda tree: tree  # noqa: E731
         if rule.per_worker:
             lead = (layout.num_workers,)
             stack = lambda tree: jax.tree.map(lambda s: P(layout.workers or None, *s), tree,  # noqa: E731

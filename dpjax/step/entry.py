@@ -22,6 +22,7 @@ def for_plan(plan: Plan, donate: bool = True, clock=None) -> TrainStep:
     par)`, `init`): its own loss, or on a layout with a stage axis the pipeline's schedule
     in place of value_and_grad(model.loss)."""
     model, layout = plan.model, plan.layout
+    assert model is not None, "for_plan builds a dpjax model's steps (research code's own loss: dpjax.step.build)"
     abstract = jax.eval_shape(lambda k: plan.policy.store(layout.store(model.init(k))), jax.random.key(0))
     if layout.pipeline is None:
         task = TASKS[plan.task]  # what the step optimises (dpjax.tasks): lm's loss is the model's own

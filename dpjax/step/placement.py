@@ -39,7 +39,8 @@ def put_batch(stream, cursor: int, global_batch: int, mesh, passes: int | None =
     of `global_batch` examples fills when not one each (packed: `dpjax.data.sft.PackedStream`);
     the cursor still moves by examples."""
     R = global_batch if rows is None else rows
-    rows = data_axes(mesh) or None
+    axes = data_axes(mesh) or None
+    lead: tuple[int, ...]
     read = {}  # block index -> rows read: the callback runs once per device, not per block
 
     def once(key, fn):
@@ -47,25 +48,25 @@ def put_batch(stream, cursor: int, global_batch: int, mesh, passes: int | None =
             read[key] = fn()
         return read[key]
 
-    if passes is None:
-        spec, lead = P(rows), (R,)
+    spec, lead = (P(axes), (R,)) if passes is None else (P(None, axes), (passes, R))
 
-        def block(idx):
+    def block(idx):
+        if passes is None:
             return once(idx[0].indices(R), lambda: stream.batch(cursor, global_batch, rows=idx[0]))
-    else:
-        spec, lead = P(None, rows), (passes, R)
-
-        def block(idx):
-            return once((idx[0].indices(passes), idx[1].indices(R)), lambda: _stacked(
-                [stream.batch(cursor + k * global_batch, global_batch, rows=idx[1]) for k in range(passes)[idx[0]]]))
+        return once((idx[0].indices(passes), idx[1].indices(R)), lambda: _stacked(
+            [stream.batch(cursor + k * global_batch, global_batch, rows=idx[1]) for k in range(passes)[idx[0]]]))
 
     sharding = NamedSharding(mesh, spec)
     shape = (*lead, stream.seq_len + 1)
     first = block(next(iter(sharding.addressable_devices_indices_map(shape).values())))
     if not isinstance(first, dict):
         return jax.make_array_from_callback(shape, sharding, block)
-    return {k: jax.make_array_from_callback((*lead, *v.shape[len(lead):]), sharding,
-                                            lambda idx, k=k: block(idx)[k]) for k, v in first.items()}
+
+    def part(k):  # the callback of the leaf `k`
+        return lambda idx: block(idx)[k]
+
+    return {k: jax.make_array_from_callback((*lead, *v.shape[len(lead):]), sharding, part(k))
+            for k, v in first.items()}
 
 
 def _stacked(batches):

@@ -92,7 +92,9 @@ class Halving:
         self.per_round, self.round, self.passes = per_round, 0, 0
         self.samples: dict = {c: [] for c in self.alive}  # seconds of each timed step
         self.by_pass: dict = defaultdict(dict)  # pass -> {candidate: seconds}
-        self.queue = deque((c, False, None) for c in self.alive if c not in compiled)
+        # (candidate, timed, the pass it belongs to: None for a compile's untimed first step)
+        self.queue: deque[tuple[object, bool, int | None]] = deque((c, False, None) for c in self.alive
+                                                                    if c not in compiled)
         if len(self.alive) > 1:
             self._fill()
 
@@ -214,7 +216,7 @@ class Tuner:
     def choice(self) -> Setting:
         return self.current
 
-    def gain(self) -> float | None:
+    def gain(self) -> float:
         """How much faster the choice ran than the starting setting: the product over the
         knobs of the paired ratio of the knob's starting value to its choice (1 where the
         starting value stayed)."""

@@ -31,17 +31,19 @@ import signal
 import sys
 import time
 
+import jax
+import numpy as np
+
 from dpjax import interrupt
 from dpjax.train import nonfinite, observe, resume, sample, tuning
 from dpjax.train.checkpoints import Checkpoints
 from dpjax.train.hooks import Hook
 from dpjax.train.metrics import open_writers
 from dpjax.train.progress import Progress as Bar
+from dpjax.step import put_batch
 
 
 def _main() -> bool:
-    import jax
-
     return jax.process_index() == 0
 
 
@@ -228,22 +230,16 @@ class Evaluation(Hook):
 
     @staticmethod
     def batches(trainer):
-        from dpjax.step import put_batch
-
         cfg = trainer.cfg
         return (trainer.with_reference(put_batch(trainer.val_stream, i * cfg.batch_size, cfg.batch_size, trainer.mesh))
                 for i in range(cfg.eval_batches))
 
     def loss(self, trainer) -> float:
-        import numpy as np
-
         return float(np.mean([float(trainer.step.evaluate(trainer.params, b)) for b in self.batches(trainer)]))
 
     def model_stats(self, trainer) -> dict:
         """The model's own figures on the validation batches (a mixture of experts' router
         losses and share of dropped choices: `dpjax.step`'s `stats`), {} for a model without."""
-        import numpy as np
-
         if trainer.step.stats is None:
             return {}
         got = [trainer.step.stats(trainer.params, b) for b in self.batches(trainer)]
@@ -268,8 +264,6 @@ class Timeline(Hook):
         loop.isolate()
         if i == self.window.start:
             loop.drain()
-            import jax
-
             jax.block_until_ready((trainer.params, trainer.opt_state))  # no earlier step's tail in the trace
             self.rec.start()
         self.host.enter_context(self.rec.step(step))  # the timeline numbers steps as the metrics do

@@ -7,6 +7,8 @@ from __future__ import annotations
 import os
 import sys
 
+import jax
+
 from dpjax.recovery.checkpoint import Checkpointer, NoneGood
 from dpjax.recovery.env import restart_number
 from dpjax.train import nonfinite, record, resume
@@ -19,12 +21,11 @@ class Checkpoints(Hook):
     included); closed at the end, and one whose state gave a NaN set aside then."""
 
     def __init__(self, cfg):
-        self.cfg, self.ckpt, self.saved, self.set_aside = cfg, None, [], []
+        self.cfg, self.saved, self.set_aside = cfg, [], []
+        self.ckpt: Checkpointer | None = None  # --ckpt-dir's, once opened
 
     def restore(self, trainer) -> None:
         """The newest checkpoint in --ckpt-dir into `trainer` (nothing there: a fresh start)."""
-        import jax
-
         cfg = self.cfg
         if not cfg.ckpt_dir or not os.path.isdir(cfg.ckpt_dir):  # the folder is made when the run is sure to start
             return
@@ -53,8 +54,6 @@ class Checkpoints(Hook):
 
     def open(self, trainer) -> None:
         """--ckpt-dir's Checkpointer (the folder made now, not for a refusal) and its run.json."""
-        import jax
-
         if not self.cfg.ckpt_dir:
             return
         self.ckpt = self.ckpt or Checkpointer(self.cfg.ckpt_dir)
@@ -67,6 +66,7 @@ class Checkpoints(Hook):
         if not nonfinite.finite((trainer.params, trainer.opt_state)):
             raise nonfinite.stop(f"the update of step {step_done} turned the parameters or optimizer state NaN "
                                  "or Inf (not saved)", step_done, self.cfg, self.saved)
+        assert self.ckpt is not None, "a checkpoint is saved only with --ckpt-dir (after_step)"
         self.ckpt.save(step_done, trainer.state(), {**trainer.record, "step": step_done, "cursor": trainer.cursor})
         self.saved.append(step_done)
 

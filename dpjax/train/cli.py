@@ -14,12 +14,19 @@ import difflib
 import os
 import re
 import sys
+from typing import Callable
+
+import jax
 
 from dpjax import distributed
 from dpjax.errors import UserError
 from dpjax.plan import flag
 from dpjax.settings import TOPICS, Settings
 from dpjax.train.efficiency import describe
+from dpjax.models import model_options, option_types
+from dpjax.train.record import load_config
+from dpjax.train.resume import interrupted
+from dpjax.train.trainer import dry_run, run
 
 DESCRIPTION = ("Train a byte-level GPT, a Llama-family model or an MLP on a device mesh, with data parallelism "
                "over the data axes (gradients averaged by dpjax's explicit collectives in fused buckets), "
@@ -108,8 +115,6 @@ class HelpFormatter(argparse.HelpFormatter):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from dpjax.models import model_options, option_types
-
     p = Parser(prog="python -m dpjax.train", description=DESCRIPTION, formatter_class=HelpFormatter)
     p.add_argument("--config", metavar="FILE", help="settings from a TOML or JSON file (Settings fields by name; a "
                    "run's record, run.json or its metrics file, repeats that run); flags given as well override it")
@@ -123,13 +128,15 @@ def build_parser() -> argparse.ArgumentParser:
         elif f.metadata.get("action") == "append":
             g.add_argument(flag(f.name), action="append", default=f.default, help=help_, metavar="AXIS=LAT,BW")
         else:
-            kind = {"int": int, "int | None": int, "float": float, "float | None": float, "mib": _mib}.get(
-                f.metadata.get("type") or str(f.type), str)
+            kinds: dict[str, Callable[[str], object]] = {"int": int, "int | None": int, "float": float,
+                                                         "float | None": float, "mib": _mib}
+            kind = kinds.get(f.metadata.get("type") or str(f.type), str)
             g.add_argument(flag(f.name), type=kind, default=f.default, help=help_,
                            choices=_resolved(f.metadata.get("choices")))
     g = p.add_argument_group("model options (each belongs to one model; an option the chosen --model does "
                              "not have is an error)")
-    types, owners = option_types(), {}  # each option parses as its config field's type
+    types = option_types()  # each option parses as its config field's type
+    owners: dict[str, dict[str, object]] = {}
     for model, opts in model_options().items():
         for name, default in opts.items():  # an option two models share is one flag
             owners.setdefault(name, {})[model] = default
@@ -149,8 +156,6 @@ def build_parser() -> argparse.ArgumentParser:
 def parse_args(argv=None) -> Settings:
     """The settings of a command line: the defaults, then a --config file's values, then
     the flags given. Raises ConfigError (one line) for a config file it cannot use."""
-    from dpjax.train.record import load_config
-
     parser = build_parser()
     config = parser.parse_known_args(argv)[0].config
     if config:
@@ -177,9 +182,6 @@ def main(argv=None) -> int:
     """The command line's exit status: 0 done, 2 a user error (one line), 130 interrupted
     by Ctrl-C in the loop. A Ctrl-C before the loop (starting, compiling) raises
     KeyboardInterrupt: `python -m dpjax.train` (`__main__`) makes it one line and 130."""
-    from dpjax.train.trainer import dry_run, run
-    from dpjax.train.resume import interrupted
-
     argv = sys.argv[1:] if argv is None else list(argv)
     try:
         settings = parse_args(argv)
@@ -191,8 +193,6 @@ def main(argv=None) -> int:
             raise
         print(f"error: {e}", file=sys.stderr)
         return distributed.leave_now(2)  # one process of several: not via the shutdown barrier
-    import jax
-
     if jax.process_index() == 0:  # one job, one summary (every process has the same)
         line = summary_line(summary)
         if summary["interrupted"]:  # where it saved and how to go on: the last thing the user reads

@@ -21,6 +21,11 @@ from __future__ import annotations
 
 import re
 
+from dpjax.collectives.cost import hlo_comm
+from dpjax.compression import accounting
+from dpjax.hlo import Module
+from dpjax.timeline import compiled_text
+
 # a marked cond: its op_name ends in the scope's cond (a cond nested in a marked
 # branch carries the outer name too, further up its op_name)
 _MARK = re.compile(r'op_name="[^"]*dpjax:(compression|average)\([^()"]*\)/cond"')
@@ -32,14 +37,10 @@ class StepBytes:
     compressed (else the exact) exchange, and averages (else skips sparse:P's average)."""
 
     def __init__(self, hlo_text: str):
-        from dpjax.hlo import Module
-
         self.module = Module(hlo_text)
         self._memo: dict = {}
 
     def at(self, compressed: bool, averaged: bool = True) -> int:
-        from dpjax.collectives.cost import hlo_comm
-
         key = (bool(compressed), bool(averaged))
         if key not in self._memo:
             take = {"compression": not compressed, "average": averaged}
@@ -58,8 +59,6 @@ class StepBytes:
 def averages_at(plan, step: int) -> bool:
     """Whether step `step` (0-based) runs the rule's exchange between workers: every step
     but under sparse:P, whose average ends every P-th step (`accounting.period`)."""
-    from dpjax.compression import accounting
-
     return (step + 1) % accounting.period(plan) == 0
 
 
@@ -72,11 +71,7 @@ class CommBytes:
         self._sent, self.plan = {}, plan
 
     def __call__(self, step, args, step_i: int = 0) -> int:
-        from dpjax.compression import accounting
-
         if id(step) not in self._sent:
-            from dpjax.timeline import compiled_text
-
             self._sent[id(step)] = StepBytes(compiled_text(step.train, *args))
         if self.plan is None:
             return self._sent[id(step)].at(True, True)

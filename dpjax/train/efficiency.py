@@ -20,6 +20,11 @@ on CPU there is no table entry, so MFU appears only when `--peak-tflops` is give
 
 from __future__ import annotations
 
+import jax
+
+from dpjax.hlo import Module
+from dpjax.timeline.program import abstract
+
 # The one table of device peaks (experiments/gpu_check.py reads it too), from the vendors'
 # data sheets, by a substring of `jax.Device.device_kind` (the first key found in it wins,
 # so the more specific names come first): dense (no structured sparsity) TFLOP/s by compute
@@ -56,11 +61,10 @@ def peak_tflops(device_kind: str, dtype: str = "float32") -> float | None:
     'highest' a float32 matmul is not TF32: no peak is claimed for it then. `--dtype fp8`
     is measured against the bf16 peak: an fp8 run's MFU then reads as its speed-up over
     bf16 (only its projections are fp8; against fp8's own peak, twice bf16's on Hopper)."""
-    import jax
-
     dtype = "bfloat16" if dtype == "fp8" else dtype
-
-    if dtype == "float32" and jax.config.jax_default_matmul_precision in ("highest", "float32", "fp32"):
+    # jax's stubs do not list its config's options (read through jax.config's __getattr__)
+    precision = jax.config.jax_default_matmul_precision  # type: ignore[attr-defined]
+    if dtype == "float32" and precision in ("highest", "float32", "fp32"):
         return None
     return device_peaks(device_kind).get(dtype)
 
@@ -71,9 +75,6 @@ def compiled_figures(fn, *args) -> dict:
     'flops_unknown' saying which), and the 'memory' it needs at most (arguments + outputs +
     temporaries - donated aliases; None if unknown). After a call with the same shapes and
     shardings this reads JAX's cached executable (no compile)."""
-
-    from dpjax.hlo import Module
-    from dpjax.timeline.program import abstract
 
     compiled = fn.lower(*abstract(args)).compile()
     flops = Module(compiled.as_text()).flops()
@@ -102,13 +103,11 @@ class Efficiency:
     per optimizer step; `peak`: dense TFLOP/s of one device (None: from the table)."""
 
     def __init__(self, model, mesh, tokens_per_step: int, peak: float | None = None, dtype: str = "float32"):
-        import jax
-
         self.devices = mesh.size
         self.local = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
         self.model_flops = model.flops_per_token() * tokens_per_step / self.devices  # per device per step
         self.peak = peak if peak is not None else peak_tflops(self.local[0].device_kind, dtype)
-        self._compiled = {}
+        self._compiled: dict[int, dict] = {}  # id(step) -> its program's figures
 
     def _program(self, step, args) -> dict:
         if id(step) not in self._compiled:

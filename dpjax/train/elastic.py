@@ -20,6 +20,10 @@ import os
 import sys
 import time
 import traceback
+import threading
+
+import jax
+from jax._src import distributed as jax_distributed
 
 IMPORTED = time.time()  # about when this process started (the restart's breakdown)
 
@@ -27,35 +31,37 @@ from dpjax.recovery import fault as faults  # noqa: E402
 from dpjax.recovery.heartbeat import Heartbeat  # noqa: E402
 from dpjax.recovery.env import restart_number  # noqa: E402
 from dpjax.train.restart import env as _env, micro_batches  # noqa: E402
+from dpjax.recovery import full_disk  # noqa: E402
+from dpjax.recovery.commit import Committer, WAIT_MS  # noqa: E402
+from dpjax.recovery.interval import AutoInterval  # noqa: E402
+from dpjax.train.loop import MAX_IN_FLIGHT  # noqa: E402
+from dpjax.train.metrics import open_writers  # noqa: E402
 
 
 def _say(line: str) -> None:
     """What changed is always said (process 0), whatever --progress is: a restart is news."""
-    import jax
-
     if jax.process_index() == 0:
         print(line, flush=True)
 
 
 class Elastic:
     def __init__(self, trainer, committer, heartbeat: str | None):
-        import jax
-
-        from dpjax.recovery.interval import AutoInterval
-        from dpjax.train.loop import MAX_IN_FLIGHT
-
         self.cfg, self.committer = trainer.cfg, committer
         self.faults = faults.for_process(jax.process_index())
-        self.restored, self.reported = None, False
+        # the commit restored (its step, cursor, sources, when), None: a start from the beginning
+        self.restored: dict | None = None
+        self.reported = False
         every = trainer.cfg.commit_every
         # auto: a commit's device copy shows in the loop's iterations up to MAX_IN_FLIGHT later
         auto = str(every) == "auto"
         self.auto = AutoInterval(lag=MAX_IN_FLIGHT + 1, max_lost=trainer.cfg.max_lost_steps) if auto else None
         self.every = None if self.auto else int(every)
         self.next_commit = self.first_commit(trainer.start)
-        self.last_t = None  # when the last iteration ended (the auto interval times each)
-        self.announced, self.gaps = False, {}  # the gap decided at each commit not yet finished
-        self.finished, self.first_done_at = 0, None  # steps whose results the loop has; the restart's first step
+        self.last_t: float | None = None  # when the last iteration ended (the auto interval times each)
+        self.announced = False
+        self.gaps: dict[int, int] = {}  # the gap decided at each commit not yet finished
+        self.finished = 0  # steps whose results the loop has
+        self.first_done_at: float | None = None  # when the restart's first step was done
         self.beaten = False  # whether this process's first step is done (its progress clock runs)
         self.marks: dict = {}  # how far the run's end has come, in every heartbeat from then on (`close`)
         # the agent's hang check (dpjax.recovery.heartbeat): a thread's beats, the loop's progress
@@ -64,25 +70,25 @@ class Elastic:
     def first_commit(self, start: int) -> int:
         """The step of the first commit from `start`: under auto, once the interval has
         timed its first iterations (the first iteration has none before it to be timed from)."""
-        if self.auto is None:
+        if self.every is not None:  # a fixed interval (None: auto)
             return start + self.every
+        assert self.auto is not None
         cap = self.auto.cap()  # --max-lost-steps: a failure before the first commit loses the steps from the start
         return start + (self.auto.first + 1 if cap is None else min(self.auto.first + 1, cap))
 
     def _due(self, done: int) -> bool:
         if done == self.cfg.steps:  # the last step is always committed
             return True
-        if self.auto is None:
+        if self.every is not None:
             return done % self.every == 0
         return done >= self.next_commit
 
     def _gap(self, done: int) -> int:
         """At a commit under --commit-every auto: the gap to the next one, decided by
         process 0 (every process must commit the same steps) and read by the others."""
-        import jax
-
-        if self.every is not None and self.auto is None:
+        if self.every is not None:
             return self.every
+        assert self.auto is not None
         key = f"dpjax/commit/every/{_env('restart', '0')}/{done}"
         client = getattr(self.committer, "client", None)
         if jax.process_index() == 0 or client is None:
@@ -90,8 +96,6 @@ class Elastic:
             if client is not None and jax.process_count() > 1:
                 client.key_value_set(key, str(gap))
         else:
-            from dpjax.recovery.commit import WAIT_MS
-
             gap = int(client.blocking_key_value_get(key, WAIT_MS))
         return gap
 
@@ -142,10 +146,6 @@ class Elastic:
     def _full_disk(self, done: int) -> bool:
         """--on-full-disk skip-commits: whether any process's previous commit met a full disk;
         if so it is skipped on every process (dpjax.recovery.full_disk), and said."""
-        import jax
-
-        from dpjax.recovery import full_disk
-
         c = self.committer
         who = full_disk.agree(c.client, _env("restart", "0"), done, jax.process_index(), jax.process_count(),
                               c.refused, c.written)
@@ -161,6 +161,7 @@ class Elastic:
         """The rows of the restored commit's steps that the lost job may not have written
         (the metrics writer skips a step it holds)."""
         r, per_step = self.restored, self.cfg.batch_size * self.cfg.backward_passes
+        assert r is not None  # called once a commit is restored
         for step, loss in sorted(r.get("losses", {}).items(), key=lambda kv: int(kv[0])):
             # step s (1-based) read from cursor(commit) - (commit - s + 1) steps' batches
             cursor = r["cursor"] - (r["step"] - int(step) + 1) * per_step
@@ -168,8 +169,6 @@ class Elastic:
 
     def _stamp_first(self, loss) -> None:
         """When the first step after a restore is done (a thread waits for its loss)."""
-        import threading
-
         def wait():
             loss.block_until_ready()
             self.first_done_at = time.time()
@@ -202,8 +201,6 @@ class Elastic:
             self.auto.tick(now - self.last_t, busy=self.committer.busy or bool(finished), began=began)
         self.last_t = now
         if self.auto is not None and began and self.auto.settled and not self.announced:
-            import jax
-
             self.announced = True
             write({"step": done, "commit_every": self.auto.describe()})
             if jax.process_index() == 0:
@@ -232,10 +229,9 @@ class Elastic:
 
     def report(self, trainer, write) -> None:
         """The restart's account: size, mesh, where the state came from, steps and seconds lost."""
-        import jax
-
         self.reported = True
         r, failure = self.restored, json.loads(_env("failure", "{}"))
+        assert r is not None and self.first_done_at is not None  # called after the first step of a restore
         row = {"event": "restart", "attempt": int(_env("restart", "0")), "processes": jax.process_count(),
                "devices": jax.device_count(), "mesh": dict(trainer.mesh.shape), "restored_step": r["step"],
                "from": r["sources"], "commit_every": r.get("commit_every"),
@@ -295,13 +291,9 @@ class Elastic:
         """An agent's restart whose restored state is at --steps: the job had trained and
         committed every step when it failed, so every process ends it, exit 0 (--resume by
         hand is refused, in `Trainer`), after the commit's rows, a restart row, the marks."""
-        import jax
-
         cfg, failure = self.cfg, json.loads(_env("failure", "{}"))
         step = self.restored["step"] if self.restored else trainer.start
         if jax.process_index() == 0 and (cfg.metrics or cfg.tensorboard):
-            from dpjax.train.metrics import open_writers
-
             writers = open_writers(cfg.metrics, cfg.tensorboard, append=True, resumed_at=trainer.start)
             if self.restored:
                 self._commit_rows(writers.write)
@@ -330,11 +322,6 @@ def _exit_now(kind, value, tb):
 def attach(trainer) -> Elastic | None:
     """The run's Elastic (the Commits hook owns it) (None when nothing elastic is asked for); restores the newest
     complete commit on a restart."""
-    import jax
-    from jax._src import distributed as jax_distributed
-
-    from dpjax.recovery.commit import Committer
-
     cfg, restart = trainer.cfg, restart_number()
     root = cfg.commit_dir or _env("commit_dir")
     heartbeat = _env("heartbeat")

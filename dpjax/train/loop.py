@@ -10,6 +10,9 @@ import contextlib
 import time
 from typing import NamedTuple
 
+import jax
+import numpy as np
+
 from dpjax.train.hooks import Hooks
 from dpjax.train.observe import Figures
 
@@ -111,8 +114,6 @@ class Loop:
     def _iterate(self, step: int) -> None:
         """Step `step` (from 1): data -> step -> hooks. A step runs alone to its end when a
         hook asks (`alone`: autotune trials, profiled steps); else one stays in flight."""
-        import jax
-
         trainer = self.trainer
         self.program, self.alone, self.tags = None, False, {}  # before-hooks may isolate the step (`isolate`)
         self.hooks.before(self, step)
@@ -150,9 +151,6 @@ class Loop:
 
     def _retire(self) -> None:
         """The oldest step in flight: waits for its loss, then its row to the hooks."""
-        import jax
-        import numpy as np
-
         step_i, loss, extra, _ = self.in_flight.popleft()
         with self.phase("host_wait"):
             loss = float(loss)  # waits for the step

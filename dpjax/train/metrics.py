@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+from typing import Protocol
 
 from dpjax.errors import UserError
 
@@ -45,7 +46,8 @@ class JsonLines:
     lost run may have written): every step has one row, however often the run resumed."""
 
     def __init__(self, path: str, append: bool, resumed_at: int | None = None):
-        self.path, self.loss_steps, self.fh = path, set(), None
+        self.path, self.fh = path, None
+        self.loss_steps: set[int] = set()
         with self._refused("opened"):
             if append and resumed_at is not None and os.path.isfile(path):
                 self._keep_until(path, resumed_at)
@@ -110,7 +112,7 @@ class TensorBoard:
     """Event files in `logdir`, one scalar per number of a row (tensorboardX)."""
 
     def __init__(self, logdir: str):
-        try:
+        try:  # an optional dependency (dpjax[tensorboard]): imported only for --tensorboard
             from tensorboardX import SummaryWriter
         except ImportError:
             raise MissingPackage("--tensorboard needs tensorboardX: pip install tensorboardX "
@@ -135,7 +137,7 @@ class WandB:
     row's numbers logged at the row's step under the TensorBoard writer's group names."""
 
     def __init__(self, project: str):
-        try:
+        try:  # an optional dependency (dpjax[wandb]): imported only for --wandb
             import wandb
         except ImportError:
             raise MissingPackage("--wandb needs wandb: pip install wandb (or pip install 'dpjax[wandb]')") from None
@@ -156,10 +158,18 @@ class WandB:
         self.run.finish()
 
 
+class Writer(Protocol):
+    """What a writer of rows has (JsonLines, TensorBoard, WandB)."""
+
+    def write(self, row: dict) -> None: ...
+
+    def close(self) -> None: ...
+
+
 class Writers:
     """Every writer a run asked for, written to and closed together."""
 
-    def __init__(self, writers: list):
+    def __init__(self, writers: list[Writer]):
         self.writers = writers
 
     def write(self, row: dict) -> None:
@@ -178,7 +188,7 @@ def open_writers(metrics: str | None, tensorboard: str | None, append: bool = Fa
                  resumed_at: int | None = None, wandb: str | None = None) -> Writers:
     """The writers of `--metrics FILE`, `--tensorboard DIR` and `--wandb PROJECT` (any may be
     None); `resumed_at`: see `JsonLines`."""
-    out = []
+    out: list[Writer] = []
     if tensorboard:
         out.append(TensorBoard(tensorboard))
     if wandb:

@@ -18,6 +18,9 @@ from __future__ import annotations
 import functools
 import os
 
+import jax
+import jax.numpy as jnp
+
 from dpjax.errors import UserError
 
 SET_ASIDE = "nonfinite-{step}"
@@ -30,17 +33,11 @@ class NonFinite(UserError):
 
 @functools.cache
 def _all_finite():
-    import jax
-    import jax.numpy as jnp
-
     return jax.jit(lambda leaves: jnp.all(jnp.stack([jnp.isfinite(x).all() for x in leaves])))
 
 
 def finite(tree) -> bool:
     """Whether every float in `tree` (global arrays: parameters, optimizer state) is finite."""
-    import jax
-    import jax.numpy as jnp
-
     leaves = [x for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.inexact)]
     return not leaves or bool(_all_finite()(leaves))
 

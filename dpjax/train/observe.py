@@ -7,9 +7,14 @@ from __future__ import annotations
 
 import os
 
+import jax
+
 from dpjax.train.comm_bytes import CommBytes
 from dpjax.train.efficiency import Efficiency
 from dpjax.train.hooks import Hook
+from dpjax.compression import accounting
+from dpjax.timeline import Recorder, summarize
+from dpjax.timeline.program import abstract
 
 
 class Figures(Hook):
@@ -23,7 +28,9 @@ class Figures(Hook):
         # the peak of the dtype the matmuls run in (bf16's is twice TF32's: the H200 summary said MFU 91.6% for 46%)
         self.efficiency = Efficiency(trainer.model, trainer.mesh, tokens_per_step, cfg.peak_tflops,
                                      trainer.plan.policy.dtype)
-        self.tokens_per_step, self.shapes, self.programs = tokens_per_step, {}, {}
+        self.tokens_per_step = tokens_per_step
+        self.shapes: dict[int, object] = {}  # id(program) -> its argument shapes
+        self.programs: dict[int, object] = {}  # step index -> the program that ran it (its figures, later)
         plan = trainer.plan
         self.comm_bytes = CommBytes(plan)
         self.compression_ratio = CompressionRatio(plan) if plan.exchange.compression else None
@@ -56,13 +63,9 @@ class CompressionRatio:
     exchange, `compression.accounting`): 1.0 before a start step, the method's after."""
 
     def __init__(self, plan):
-        from dpjax.compression import accounting
-
         self.plan, self.whole = plan, accounting.ratio(plan)
 
     def __call__(self, step_i: int) -> float:
-        from dpjax.compression import accounting
-
         return accounting.ratio_at(self.plan, step_i, self.whole)
 
 
@@ -71,10 +74,6 @@ def recorder(cfg):
     --profile-dir trace kept in a folder of its rank when there are several."""
     if not cfg.timeline:
         return None
-    import jax
-
-    from dpjax.timeline import Recorder
-
     keep = cfg.profile_dir
     if keep and jax.process_count() > 1:
         keep = os.path.join(keep, f"rank{jax.process_index()}")
@@ -84,18 +83,12 @@ def recorder(cfg):
 def shapes(args):
     """The abstract values (shape, dtype, sharding) of a step's arguments: what its
     compiled program is looked up by, kept once the arrays themselves are donated."""
-    from dpjax.timeline.program import abstract
-
     return abstract(args)
 
 
 def write_timeline(recorder, path: str, step, args, write, steps, say) -> None:
     """The profiled steps' timeline to `path` (each process its own, named by rank); their
     comm_fraction to the metrics; one line saying where it went."""
-    import jax
-
-    from dpjax.timeline import summarize
-
     recorder.stop()
     if jax.process_count() > 1:  # each process profiles its own devices
         path = os.path.join(os.path.dirname(path), f"rank{jax.process_index()}-{os.path.basename(path)}")

@@ -3,6 +3,10 @@ must hold, part by part (`dpjax.plan.memory.estimate`), before anything is compi
 
 from __future__ import annotations
 
+from dpjax.compute import context
+from dpjax.mesh import CONTEXT, MODEL, dp_size, EXPERT
+from dpjax.plan import target_platform
+
 FP8 = (" (the layers' projection matmuls in float8 with per-tensor current scaling: e4m3 operands forward, e5m2 "
        "gradients backward, float32 accumulation; bfloat16 elsewhere)")
 
@@ -31,8 +35,6 @@ def plan_lines(plan) -> list[str]:
               f"pipeline ({lay.pipeline.schedule})" if lay.pipeline is not None else None,
               f"context-parallel ({pol.context_attention} attention)" if lay.context_axes else None,
               _experts(plan)]
-    from dpjax.plan import target_platform
-
     target = target_platform(plan.settings, plan.mesh) if plan.settings is not None else devices[0].platform
     lines = [f"mesh: {mesh} on {len(devices)} {devices[0].platform} device(s) ({devices[0].device_kind})"
              + (f", planned for {target} devices" if target != devices[0].platform else ""),
@@ -60,9 +62,6 @@ def plan_lines(plan) -> list[str]:
 def _context_lines(plan) -> list[str]:
     """With a context axis: how a sequence is split, and what its attention sends per
     layer and forward pass against the bound (`dpjax.compute.context.schedule`)."""
-    from dpjax.compute import context
-    from dpjax.mesh import CONTEXT, MODEL, dp_size
-
     C, model = plan.mesh.shape.get(CONTEXT, 1), plan.model
     if C == 1 or model is None or plan.global_batch is None:
         return []
@@ -81,8 +80,6 @@ def _context_lines(plan) -> list[str]:
 
 def _experts(plan) -> str | None:
     """With an expert axis: how the experts are split and moved."""
-    from dpjax.mesh import EXPERT
-
     if not plan.layout.expert_split or plan.model is None:
         return None
     c = plan.model.config

@@ -16,6 +16,19 @@ from __future__ import annotations
 import dataclasses
 import os
 
+import jax
+import numpy as np
+from jax.experimental import multihost_utils
+from jax.sharding import PartitionSpec as P
+
+from dpjax.data import chat as chat_data, pref
+from dpjax.data.tokenizer import HF
+from dpjax.hf import params_of
+from dpjax.mesh import data_axes
+from dpjax.step import put_batch
+from dpjax.tasks import dpo
+from dpjax.tasks.dpo import VARIANTS, reference_of, pair_logps
+
 PREF = "pref:"
 
 
@@ -24,16 +37,16 @@ class Pref:
     """What a run's preference data is; shaped like `streams.Chat` where the end's sample
     reads it (`format`, `held_out[0].where`: a held-out pair's prompt)."""
 
-    format: object  # dpjax.data.chat.ChatFormat
-    counts: object  # dpjax.data.pref.Counts of --data
+    format: chat_data.ChatFormat
+    counts: pref.Counts  # of --data
     train: list
     held_out: list
-    eval_counts: object = None
+    eval_counts: pref.Counts | None = None
 
     def record(self) -> dict:
         c = self.counts
-        out = {"rows": c.rows, "pairs": len(self.train), "truncated": c.truncated, "dropped": c.dropped,
-               "held_out": len(self.held_out)}
+        out: dict[str, object] = {"rows": c.rows, "pairs": len(self.train), "truncated": c.truncated,
+                                  "dropped": c.dropped, "held_out": len(self.held_out)}
         if self.eval_counts is not None:
             out["eval"] = {"rows": self.eval_counts.rows, "dropped": self.eval_counts.dropped}
         return {"pref": out}
@@ -47,10 +60,6 @@ class Pref:
 def streams(cfg, fmt, folder: str) -> tuple:
     """(train stream, held-out stream, tokenizer, Pref) of --data pref:PATH, read with `fmt`, the
     template and tokenizer.json of `folder` (`dpjax.train.streams` makes both, and its `Data` of these)."""
-    from dpjax.data import chat as chat_data
-    from dpjax.data import pref
-    from dpjax.data.tokenizer import HF
-
     def load(spec):
         return pref.load(spec[len(PREF):], fmt, cfg.seq_len, cfg.truncate)
 
@@ -69,19 +78,13 @@ def logps_program(plan):
     """logps(params, batch) -> B x 2 sums of each pair's answer log-probs (chosen, rejected),
     the global batch split over the data axes like the step's; params laid out by the plan's
     layout (the step's consensus form)."""
-    import jax
-    from jax.sharding import PartitionSpec as P
-
-    from dpjax.mesh import data_axes
-    from dpjax.tasks.dpo import pair_logps, reference_logps, reference_of
-
     layout, model = plan.layout, plan.model
     par = dataclasses.replace(layout.parallel(), policy=plan.policy)
     rows = data_axes(layout.mesh) or None
 
     def body(params, batch):  # LoRA: the base with the adapters off (dpjax.tasks.dpo.reference_of)
         if reference_of(model) is not None:
-            return reference_logps(model, params, batch, par)
+            return dpo.reference_logps(model, params, batch, par)
         return pair_logps(model, params, batch, par)[0]
 
     return jax.jit(jax.shard_map(body, mesh=layout.mesh, in_specs=(layout.specs, P(rows)), out_specs=P(rows),
@@ -100,11 +103,6 @@ class _InOrder:
 
 def reference_logps(plan, params, stream, batch_size: int):
     """Every pair's reference log-probs (N x 2, numpy), `batch_size` pairs a call."""
-    import numpy as np
-    from jax.experimental import multihost_utils
-
-    from dpjax.step import put_batch
-
     program, out = logps_program(plan), []
     for start in range(0, stream.num_examples, batch_size):
         got = program(params, put_batch(_InOrder(stream), start, batch_size, plan.mesh))
@@ -117,17 +115,11 @@ def reference(trainer) -> None:
     parameters (`trainer.params`, before a checkpoint is restored) or --ref-from's (with
     LoRA: their base, the adapters off); nothing for a variant without a reference (SimPO)
     or with --ref-logps online (the step computes them)."""
-    from dpjax.tasks.dpo import VARIANTS
-
-    from dpjax.tasks.dpo import reference_of
-
     cfg, plan = trainer.cfg, trainer.plan
     online = cfg.ref_logps == "online"
     if not VARIANTS[cfg.dpo_loss].reference or (online and reference_of(trainer.model) is not None):
         return  # SimPO has none; LoRA online: the step computes ρ from the base (dpjax.tasks.dpo)
     if cfg.ref_from:
-        from dpjax.hf import params_of
-
         params = plan.policy.store(params_of(cfg.ref_from, trainer.model, trainer.layout))
         what = cfg.ref_from
     else:
@@ -150,12 +142,6 @@ class Online:
     another). A resumed run copies the same starting weights again before its restore."""
 
     def __init__(self, plan, params):
-        import jax
-        from jax.sharding import PartitionSpec as P
-
-        from dpjax.mesh import data_axes
-        from dpjax.tasks.dpo import pair_logps
-
         layout = plan.layout
         # a copy: the step donates the policy's buffers, which consensus may return as they are
         self.params = jax.jit(lambda p: jax.tree.map(jax.numpy.copy, p), out_shardings=layout.shardings())(params)

@@ -12,10 +12,16 @@ import json
 import os
 import subprocess
 import sys
+import tomllib
+from importlib.metadata import PackageNotFoundError, version
+
+import jax
+import yaml
 
 from dpjax.errors import UserError
 from dpjax.recovery.checkpoint import RUN_FILE
 from dpjax.settings import Settings
+from dpjax.models import model_options
 PACKAGES = ("jax", "jaxlib", "flax", "optax", "numpy", "orbax-checkpoint", "dpjax")
 
 
@@ -24,9 +30,7 @@ class ConfigError(UserError):
 
 
 def versions() -> dict:
-    from importlib.metadata import PackageNotFoundError, version
-
-    out = {"python": sys.version.split()[0]}
+    out: dict[str, str | None] = {"python": sys.version.split()[0]}
     for name in PACKAGES:
         try:
             out[name] = version(name)
@@ -53,8 +57,6 @@ def git_commit(folder: str | None = None) -> dict | None:
 
 def build(settings: Settings, plan) -> dict:
     """The record of a run of `settings` resolved to `plan`."""
-    import jax
-
     devices = list(plan.mesh.devices.flat)
     return {"settings": dataclasses.asdict(settings), "plan": plan.describe(),
             "devices": {"count": len(devices), "platform": devices[0].platform,
@@ -90,12 +92,8 @@ def _parse(path: str, text: str):
     first line, the record)."""
     kind = CONFIG_FORMATS.get(os.path.splitext(path)[1].lower(), "JSON")
     if kind == "YAML":
-        import yaml
-
         return yaml.safe_load(text)
     if kind == "TOML":
-        import tomllib
-
         return tomllib.loads(text)
     return json.loads(text.splitlines()[0] if path.endswith(".jsonl") else text)
 
@@ -105,8 +103,6 @@ def load_config(path: str) -> dict:
     (model options under `model_options`, or flat as `d_model = 64`), or a run record
     (`run.json`, or a metrics file's first line `{"record": ...}`), whose `settings`
     are taken. Unknown keys are an error."""
-    import yaml
-
     try:
         with open(path, "rb") as fh:
             raw = fh.read()
@@ -125,8 +121,6 @@ def load_config(path: str) -> dict:
 
 
 def _settings(data: dict, path: str) -> dict:
-    from dpjax.models import model_options
-
     fields = {f.name: str(f.type) for f in dataclasses.fields(Settings)}
     options = {o for opts in model_options().values() for o in opts}
     out, opts = {}, dict(data.get("model_options") or {})

@@ -24,6 +24,8 @@ import sys
 
 from dpjax.errors import UserError
 from dpjax.recovery.env import restart_number, under_agent
+from dpjax.distributed import launched_processes
+from dpjax.recovery.commit import inventory
 
 
 class NothingToResume(UserError):
@@ -75,8 +77,6 @@ def check_commit_dir(cfg) -> None:
     starts: a fresh run's Committer would remove the commits found there. With --overwrite
     every commit file there goes now (not only this process's: a restore takes the newest
     step every old rank committed, and an old run's could be newer than this run's)."""
-    from dpjax.recovery.commit import inventory
-
     if not cfg.commit_dir or not os.path.isdir(cfg.commit_dir):
         return
     found = inventory(cfg.commit_dir)
@@ -133,8 +133,6 @@ def resume_command(argv) -> str:
 def interrupted(cfg, saved: int | None, argv) -> str:
     """The end of an interrupted run's summary line: where it saved, and the command that
     continues it (in a launch of several processes: the launch, with --resume added)."""
-    from dpjax.distributed import launched_processes
-
     how = ("run the same launch with --resume added" if launched_processes() > 1
            else f"resume with: {resume_command(argv)}")
     if cfg.ckpt_dir and saved is not None:

@@ -36,6 +36,8 @@ def load(spec: str):
                 raise RewardError(f"--reward {spec}: no such file {where}")
             module_name = "dpjax_reward_" + os.path.splitext(os.path.basename(where))[0]
             found = importlib.util.spec_from_file_location(module_name, where)
+            if found is None or found.loader is None:  # Python imports a .py file, not a .txt or a folder
+                raise RewardError(f"--reward {spec}: {where} is not a Python file (path/to/rewards.py:function)")
             module = importlib.util.module_from_spec(found)
             sys.modules[module_name] = module  # dataclasses and pickling look the module up by name
             found.loader.exec_module(module)

@@ -31,9 +31,21 @@ import os
 import time
 
 import numpy as np
+import jax
+import jax.numpy as jnp
+from jax.experimental import multihost_utils
+from jax.sharding import PartitionSpec as P
 
 from dpjax.data.sft import EpochOrder
 from dpjax.train.hooks import Hook
+from dpjax.data import prompts as prompt_data
+from dpjax.data.tokenizer import HF
+from dpjax.generate import Sampling, generate
+from dpjax.mesh import data_axes
+from dpjax.step import put_batch
+from dpjax.tasks.dpo import reference_of
+from dpjax.tasks.grpo import group_advantages, token_logps
+from dpjax.train.reward import Reward
 
 
 class RolloutStream:
@@ -41,19 +53,17 @@ class RolloutStream:
     of the batch reads the same rows (the cursor is not a position in it)."""
 
     def __init__(self, seq_len: int):
-        self.seq_len, self.arrays = seq_len, None
+        self.seq_len = seq_len
+        self.arrays: dict[str, np.ndarray] | None = None  # the batch's rows, set by each generation
 
     def batch(self, cursor: int, batch_size: int, rows: slice = slice(None)) -> dict:
+        assert self.arrays is not None, "a generation fills the batch before a step reads it"
         return {k: v[rows] for k, v in self.arrays.items()}
 
 
 def streams(cfg, fmt, folder: str) -> tuple:
     """(train stream, validation stream: none, tokenizer, the prompts' Prompts) of --prompts, read
     with `fmt`, the template and tokenizer.json of `folder` (`dpjax.train.streams` makes both)."""
-    from dpjax.data import prompts as prompt_data
-    from dpjax.data.tokenizer import HF
-    from dpjax.train.reward import Reward
-
     reward = Reward(cfg.reward)  # a spec that does not import: refused before anything compiles
     prompts = prompt_data.Prompts(fmt, prompt_data.load(cfg.prompts, fmt, cfg.seq_len, cfg.max_completion), reward)
     return RolloutStream(cfg.seq_len), None, HF(fmt.tok, os.path.join(folder, "tokenizer.json")), prompts
@@ -63,13 +73,6 @@ def logps_program(plan, base: bool = False):
     """logps(params, tokens_NxT1) -> N x T log-probs of each row's targets, the rows split over
     the data axes as the step splits them; params laid out by the plan's layout (the consensus form).
     base: a LoRA model's base with the adapters off (`dpjax.tasks.dpo.reference_of`), as DPO's."""
-    import jax
-    from jax.sharding import PartitionSpec as P
-
-    from dpjax.mesh import data_axes
-    from dpjax.tasks.dpo import reference_of
-    from dpjax.tasks.grpo import token_logps
-
     layout, model = plan.layout, plan.model
     par = dataclasses.replace(layout.parallel(), policy=plan.policy)
     rows = data_axes(layout.mesh) or None
@@ -89,11 +92,6 @@ def reference(trainer) -> None:
     so that a resumed run's reference is the uninterrupted run's), laid out like the policy; none
     with --kl-coef 0, and none with --lora (the reference is the base with the adapters off, read
     from the policy's own parameters: `Rollouts`). A copy: the step donates the parameters it updates."""
-    import jax
-    import jax.numpy as jnp
-
-    from dpjax.tasks.dpo import reference_of
-
     trainer.ref_params = None
     if trainer.cfg.kl_coef > 0 and reference_of(trainer.model) is None:
         trainer.ref_params = jax.jit(lambda p: jax.tree.map(jnp.copy, p))(trainer.step.consensus(trainer.params))
@@ -103,11 +101,9 @@ def _seed(seed: int, batch: int, length: int) -> int:
     return int(np.random.default_rng((seed, batch, length)).integers(2**31))
 
 
-def sample(model, params, prompts, group: int, max_new: int, temperature: float, seed: int, eos) -> list:
+def sample(model, params, prompts, group: int, max_new: int, temperature: float, seed: tuple[int, int], eos) -> list:
     """The completions (int32 ids, each up to and including its first `eos` id) of each prompt,
     `group` a prompt, prompt after prompt. Rows of one prompt length are sampled in one call."""
-    from dpjax.generate import Sampling, generate
-
     by_length: dict = {}
     for k, p in enumerate(prompts):
         by_length.setdefault(len(p.ids), []).append(k)
@@ -208,12 +204,6 @@ class Rollouts(Hook):
     def _batch(self, prompts, completions, rewards_N, params) -> dict:
         """The task's batch as numpy: rows, advantages, and the reference's and the sampling
         policy's log-probs where the run needs them (`dpjax.tasks.grpo`)."""
-        import jax.numpy as jnp
-        from jax.experimental import multihost_utils
-
-        from dpjax.step import put_batch
-        from dpjax.tasks.grpo import group_advantages
-
         cfg, trainer = self.cfg, self.trainer
         out = rows(prompts, completions, cfg.group_size, cfg.seq_len)
         out["adv"] = np.asarray(group_advantages(jnp.asarray(rewards_N), cfg.group_size), np.float32)

@@ -6,16 +6,18 @@ data: a held-out conversation's prompt rendered by the chat template for generat
 
 from __future__ import annotations
 
+import jax
+import numpy as np
+
+from dpjax.data.chat import row_at
+from dpjax.generate import Sampling, generate
+
 PROMPT_TOKENS = 16
 
 
 def sample_line(trainer) -> str | None:
     """'sample: PROMPT|CONTINUATION', or None when this run prints none (--sample-tokens
     0, --progress none, several processes, a sequence too short to continue)."""
-    import jax
-
-    from dpjax.generate import Sampling, generate
-
     cfg, model = trainer.cfg, trainer.model
     if cfg.sample_tokens < 1 or cfg.progress == "none" or jax.process_count() > 1:
         return None
@@ -44,10 +46,6 @@ def sample_line(trainer) -> str | None:
 def _chat_prompt(chat):
     """(1 x P ids of the first held-out conversation's prompt as the template renders it for
     generation, the ids of the tokens that end an answer)."""
-    import numpy as np
-
-    from dpjax.data.chat import row_at
-
     where = chat.held_out[0].where
     ids, _ = chat.format.encode_text(chat.format.prompt(row_at(where), where))
     eos = [i for i in (chat.format.tok.token_to_id(t) for t in chat.format.stops) if i is not None]

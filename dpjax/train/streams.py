@@ -13,25 +13,32 @@ from __future__ import annotations
 import dataclasses
 import os
 
+from dpjax.data import make_streams, text_chunks, chat as chat_data
+from dpjax.data.sft import ExampleStream, PackedStream
+from dpjax.data.tokenizer import Bytes, for_corpus, for_model, HF
+from dpjax.plan import UsageError
+from dpjax.train import rollout, preference
+
 
 @dataclasses.dataclass
 class Chat:
     """What a run's chat data is: its format (template, tokenizer), what reading it counted,
     and the held-out conversations (the eval loss, the end's sample)."""
 
-    format: object  # dpjax.data.chat.ChatFormat
-    counts: object  # dpjax.data.chat.Counts of --data
+    format: chat_data.ChatFormat
+    counts: chat_data.Counts  # of --data
     train: list
     held_out: list
-    eval_counts: object = None  # the Counts of --eval-data, when given
+    eval_counts: chat_data.Counts | None = None  # of --eval-data, when given
     packing: dict | None = None  # --pack: `dpjax.data.sft.PackedStream.describe()`
 
     def record(self) -> dict:
         """The run record's "data": what was read, skipped, cut, and the answer tokens trained on."""
         c = self.counts
-        out = {"rows": c.rows, "examples": len(self.train), "skipped_no_answer": c.no_answer, "truncated": c.truncated,
-               "dropped_long": c.dropped_long, "answer_tokens": _answers(self.train), "held_out": len(self.held_out),
-               "held_out_answer_tokens": _answers(self.held_out)}
+        out: dict[str, object] = {
+            "rows": c.rows, "examples": len(self.train), "skipped_no_answer": c.no_answer, "truncated": c.truncated,
+            "dropped_long": c.dropped_long, "answer_tokens": _answers(self.train), "held_out": len(self.held_out),
+            "held_out_answer_tokens": _answers(self.held_out)}
         if self.eval_counts is not None:
             e = self.eval_counts
             out["eval"] = {"rows": e.rows, "skipped_no_answer": e.no_answer, "truncated": e.truncated,
@@ -76,20 +83,12 @@ def streams(cfg, model, rows_multiple: int = 1) -> Data:
     --tokenizer given (bpe:N is trained on the corpus here), bytes of text, or for a
     token file perhaps an --init-from folder's tokenizer. rows_multiple: what a packed
     batch's rows are rounded up to (the data axes' devices, which split them)."""
-    from dpjax.data import make_streams
-    from dpjax.data.tokenizer import Bytes, for_corpus, for_model
-    from dpjax.plan import UsageError
-
     if cfg.data.startswith("chat:"):
         return _chat_streams(cfg, model, rows_multiple)
     if cfg.task == "grpo":  # prompts to sample completions of (dpjax.train.rollout)
-        from dpjax.train import rollout
-
         folder = tokenizer_folder(cfg)
         return Data(*rollout.streams(cfg, chat_format(cfg, model, folder), folder))
     if cfg.data.startswith("pref:"):  # preference pairs, --task dpo (dpjax.train.preference)
-        from dpjax.train import preference
-
         folder = tokenizer_folder(cfg)
         return Data(*preference.streams(cfg, chat_format(cfg, model, folder), folder))
     if cfg.task != "lm":
@@ -97,8 +96,6 @@ def streams(cfg, model, rows_multiple: int = 1) -> Data:
                          f"(--data {cfg.data} is text)")
     given, vocab = None, model.config.vocab_size
     if cfg.tokenizer:
-        from dpjax.data import text_chunks
-
         given = for_corpus(cfg.tokenizer, text_chunks(cfg.data))
         if given.vocab_size > vocab:
             raise UsageError(f"--tokenizer {cfg.tokenizer} has {given.vocab_size} ids, the model {vocab}")
@@ -123,9 +120,6 @@ def _pairs(examples) -> list:
 def chat_format(cfg, model, folder: str):
     """The chat template (or --chat-template) and tokenizer of `folder`, which conversations and
     preference pairs are read with; a tokenizer with more ids than the model's vocabulary is refused."""
-    from dpjax.data import chat as chat_data
-    from dpjax.plan import UsageError
-
     fmt = chat_data.ChatFormat(folder, cfg.chat_template)
     ids, vocab = fmt.tok.get_vocab_size(with_added_tokens=True), model.config.vocab_size
     if ids > vocab:
@@ -135,11 +129,6 @@ def chat_format(cfg, model, folder: str):
 
 
 def _chat_streams(cfg, model, rows_multiple: int = 1) -> Data:
-    from dpjax.data import chat as chat_data
-    from dpjax.data.sft import ExampleStream, PackedStream
-    from dpjax.data.tokenizer import HF
-    from dpjax.plan import UsageError
-
     folder = tokenizer_folder(cfg)
     fmt = chat_format(cfg, model, folder)
 

@@ -16,28 +16,35 @@ from __future__ import annotations
 import dataclasses
 import sys
 
-from dpjax import distributed
+import jax
+
+from dpjax import distributed, step as S
 from dpjax.recovery.checkpoint import compression_split
-from dpjax.plan import check, devices_per_process, resolve, settled, warnings
+from dpjax.plan import check, devices_per_process, resolve, settled, warnings, UsageError, memory_refusal
 from dpjax.settings import Settings
-from dpjax.train import builtin, elastic, hardware, observe, record, restart, resume, tuning
+from dpjax.train import builtin, elastic, hardware, observe, record, restart, resume, tuning, preference, rollout
 from dpjax.train.checkpoints import Checkpoints
 from dpjax.train.streams import streams
+from dpjax.collectives.cpu_runtime import simulate_cpu_devices  # and the guards their collectives need
+from dpjax.compression import accounting
+from dpjax.hf import params_of
+from dpjax.mesh import mesh_size, recommended_xla_flags, dp_size
+from dpjax.step import put_batch
+from dpjax.train.autotune import Setting
+from dpjax.train.loop import run_loop
+from dpjax.train.plan_table import plan_lines, compiling_line
+from dpjax.train.rollout import Rollouts
+from dpjax.wrap.replicas import check_always, checked
 
 
 def setup_devices(cfg: Settings):
     """Starts jax.distributed if launched as one of several processes and simulates the
     CPU devices this process contributes to the mesh (before JAX starts); the devices
     the mesh is made of."""
-    from dpjax.collectives.cpu_runtime import simulate_cpu_devices  # and the guards their collectives need
-    from dpjax.mesh import mesh_size, recommended_xla_flags
-
     recommended_xla_flags()  # GPU: collectives overlapped with compute (before JAX starts; the user's flags win)
     distributed.initialize(collectives=cfg.collectives)
     per_process = devices_per_process(cfg, distributed.launched_processes())
     simulate_cpu_devices(per_process or 8)
-    import jax
-
     devices = jax.devices()
     distributed.ready()  # the transport's first collective, now that the devices are set
     want = mesh_size(cfg.mesh) if cfg.mesh else None
@@ -62,32 +69,27 @@ class Trainer:
         self.programs = restart.programs(cfg)
         self.plan = plan = resolve(cfg, setup_devices(cfg))
         distributed.ready(plan.mesh)  # the transport's communicators for this mesh (MPI: see transport.py)
-        from dpjax.train.autotune import Setting
-
-        self.mesh, self.model, self.layout, self.opt = plan.mesh, plan.model, plan.layout, plan.opt
+        model, opt = plan.model, plan.opt
+        assert model is not None and opt is not None  # resolved from settings: a dpjax model and its optimizer
+        self.mesh, self.model, self.layout, self.opt = plan.mesh, model, plan.layout, opt
         self._say_plan()
-        from dpjax.mesh import dp_size
-
         data = streams(cfg, self.model, rows_multiple=dp_size(self.mesh))  # packed rows split over the data axes
         self.train_stream, self.val_stream, self.tokenizer, self.chat = data.train, data.val, data.tokenizer, data.chat
         self.rows = data.rows  # the rows a batch of --batch-size examples fills (--pack), None: one a row
         if self.chat is not None:
             self.say(self.chat.line())  # what was read, skipped, cut: before the compile's wait
-        self._steps = {}
+        self._steps: dict[Setting, S.TrainStep] = {}  # one a setting the autotune tries
         self.use(Setting(plan.exchange.algorithm, plan.exchange.fusion_mb))
         self.record = self._resume_record(user)
         self._say_exchange()
         self._init_state()
         self.online_reference = None  # --ref-logps online without LoRA: dpjax.train.preference.Online
         if cfg.task == "dpo":  # the reference's log-probs, from the starting weights: before a restore
-            from dpjax.train import preference
-
             preference.reference(self)
         elif cfg.task == "grpo":  # the reference: a frozen copy of the starting weights, before a restore
-            from dpjax.train import rollout
-
             rollout.reference(self)
-        self.start, self.cursor, self.resumed = 0, 0, {}
+        self.start, self.cursor = 0, 0
+        self.resumed: dict = {}  # the restored checkpoint's metadata (step, cursor, ...), if any
         checkpoints = Checkpoints(cfg)
         checkpoints.restore(self)
         self.run_record = record.build(cfg, plan)  # the first metrics row, and run.json beside the checkpoints
@@ -99,8 +101,6 @@ class Trainer:
         self.parts = builtin.Parts(checkpoints, commits, builtin.Autotune(tuning.plan_search(self)),
                                    observe.recorder(cfg), rollouts=grpo_rollouts(self))
         if self.start >= cfg.steps:
-            from dpjax.plan import UsageError
-
             raise UsageError(f"the checkpoint is at step {self.start}, not before --steps {cfg.steps}; "
                              "ask for more steps")
 
@@ -109,8 +109,6 @@ class Trainer:
     def _say_plan(self) -> None:
         """The devices, the plan's notes (e.g. why the attention is not cuDNN's flash
         kernel), its warnings (process 0, to stderr)."""
-        import jax
-
         self.say(hardware.devices_line(list(self.mesh.devices.flat), jax.process_count()))
         for note in self.plan.notes:
             self.say(note)
@@ -140,9 +138,6 @@ class Trainer:
     def _say_exchange(self) -> None:
         """One line when the cost model says the compression cannot pay, or the method
         misbehaves under the optimizer; then what compiles, and how to stop it."""
-        from dpjax.compression import accounting
-        from dpjax.train.plan_table import compiling_line
-
         for warning in (accounting.warning(self.plan), accounting.optimizer_warning(self.plan)):
             if warning:
                 self.say(warning)
@@ -153,14 +148,8 @@ class Trainer:
         optimizer state, and the run's RNG state: nothing in the step draws from it yet (no
         dropout), but it is saved and restored with the rest so that stochastic steps
         resume exactly too."""
-        import jax
-
-        from dpjax import step as S
-
         cfg, plan, key = self.cfg, self.plan, jax.random.key(self.cfg.seed)
         if cfg.init_from:  # the optimizer state fresh
-            from dpjax.hf import params_of
-
             initial = plan.policy.store(params_of(cfg.init_from, self.model, self.layout, adapter=cfg.adapter,
                                                    seed=cfg.seed))
             self.say(f"initialised from {cfg.init_from} ({self.model.num_params(initial):,} parameters)")
@@ -175,9 +164,6 @@ class Trainer:
     def step_for(self, setting):
         """The steps with this allreduce algorithm and fusion cap, built once each."""
         if setting not in self._steps:
-            from dpjax import step as S
-            from dpjax.wrap.replicas import check_always, checked
-
             plan = self.plan
             if (setting.algorithm, setting.fusion_mb) != (plan.exchange.algorithm, plan.exchange.fusion_mb):
                 plan = plan.with_exchange(setting.algorithm, setting.fusion_mb)
@@ -205,23 +191,17 @@ class Trainer:
         self.start, self.cursor = step, cursor
 
     def say(self, line: str) -> None:
-        import jax
-
         if jax.process_index() == 0 and self.cfg.progress != "none":
             print(line, flush=True)
 
     def announce(self, line: str) -> None:
         """A line said whatever --progress is (process 0): how the run starts is news."""
-        import jax
-
         if jax.process_index() == 0:
             print(line, flush=True)
 
     # --- data ---
 
     def batch(self):
-        from dpjax.step import put_batch
-
         b = put_batch(self.train_stream, self.cursor, self.cfg.batch_size, self.mesh, passes=self.cfg.backward_passes,
                       rows=self.rows)
         self.cursor += self.cfg.batch_size * self.cfg.backward_passes
@@ -235,8 +215,6 @@ class Trainer:
     def run(self, hooks=()) -> dict:
         """Trains to --steps (or a stop) with the built-in hooks and `hooks` (each a
         `dpjax.train.Hook`: `dpjax.train.hooks`); returns the summary."""
-        from dpjax.train.loop import run_loop
-
         return run_loop(self, hooks)
 
 
@@ -244,8 +222,6 @@ def grpo_rollouts(trainer):
     """--task grpo's generate-score loop (`dpjax.train.rollout`), None for another task."""
     if trainer.cfg.task != "grpo":
         return None
-    from dpjax.train.rollout import Rollouts
-
     return Rollouts(trainer)
 
 
@@ -258,9 +234,6 @@ def run(cfg: Settings, hooks=()) -> dict:
 def dry_run(cfg: Settings) -> int:
     """--dry-run: the plan resolved on the devices here (or for --device-memory), printed,
     nothing compiled; 0 if it fits, 2 (and the one line saying why) if not."""
-    from dpjax.plan import UsageError, memory_refusal
-    from dpjax.train.plan_table import plan_lines
-
     check(cfg)
     plan = resolve(restart.fit(cfg), setup_devices(cfg))
     for line in plan_lines(plan):

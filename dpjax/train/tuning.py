@@ -3,17 +3,17 @@ what to search, and what to do with its choice."""
 
 from __future__ import annotations
 
+import jax
+
+from dpjax.collectives import ALGORITHMS, REDUCE_SCATTER_ALGORITHMS
+from dpjax.mesh import data_axes
+from dpjax.plan import UsageError
+from dpjax.train import autotune
+
 
 def plan_search(trainer):
     """The search the plan's autotune knobs ask for (None if none, or if the checkpoint
     resumed recorded a choice for them: that choice is kept)."""
-    import jax
-
-    from dpjax.train import autotune
-    from dpjax.collectives import ALGORITHMS, REDUCE_SCATTER_ALGORITHMS
-    from dpjax.mesh import data_axes
-    from dpjax.plan import UsageError
-
     plan, cfg = trainer.plan, trainer.cfg
     knobs, kept = plan.autotune, trainer.resumed.get("autotune")
     if not knobs:
