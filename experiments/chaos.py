@@ -144,7 +144,7 @@ def soak(tmp, args, faults, programs=None) -> dict:
     for host in (os.listdir(programs) if programs else []):
         if os.path.isdir(os.path.join(programs, host, "programs")):
             shutil.copytree(os.path.join(programs, host, "programs"), os.path.join(job.root, host, "programs"))
-    rng, log, t0 = random.Random(args.seed + 1), [], time.time()
+    rng, log, stalls, t0 = random.Random(args.seed + 1), [], [], time.time()
     job.start("h0")
     job.start("h1")
     try:
@@ -152,21 +152,23 @@ def soak(tmp, args, faults, programs=None) -> dict:
             if kind == "full" and not mounted:
                 log.append({"step": step, "kind": kind, "did": "skipped: no tmpfs could be mounted here"})
                 continue
-            while job.running() and job.step() < step:
-                time.sleep(0.05)
-            if not job.running():
+            got = wait(job, lambda s=step: job.step() >= s, args.recover_s)
+            if got != "ok":
+                stalls.append(f"before the fault at step {step}: {got}")
                 break
             time.sleep(rng.uniform(0, 0.3))  # a random moment within the step
-            before, at = len(job.restarts()), time.time()
+            before, at, reached = len(job.restarts()), time.time(), job.step()
             did = inject(job, kind, rng)
-            log.append({"step": job.step(), "kind": kind, "did": did, "t": at, "restarts_before": before})
-            print(f"step {log[-1]['step']}: {kind}: {did}", flush=True)
-            deadline = time.time() + args.recover_s
-            while job.running() and time.time() < deadline and kind != "full" and not did.startswith("skipped"):
-                if len(job.restarts()) > before and job.step() > job.restarts()[-1]["restored_step"] + 1:
-                    break
-                time.sleep(0.1)
-        codes = {h: a.wait(timeout=1800) for h, a in job.agents.items()}
+            log.append({"step": reached, "kind": kind, "did": did, "t": at, "restarts_before": before})
+            print(f"step {reached}: {kind}: {did}", flush=True)
+            if kind != "full" and not did.startswith("skipped"):
+                got = wait(job, lambda b=before, r=reached: recovered(job, b, r), args.recover_s)
+                if got != "ok":
+                    stalls.append(f"after the {kind} at step {reached}: {got}")
+                    if got != "ended":
+                        break
+        codes = {h: a.wait(timeout=1800) for h, a in job.agents.items()} if not stalls or "ended" in stalls[-1] \
+            else {h: a.poll() for h, a in job.agents.items()}  # a stalled job is not waited for: killed below
         arrays = final_arrays(job, args.steps)  # before the tmpfs goes
     finally:
         for a in job.agents.values():
@@ -174,8 +176,32 @@ def soak(tmp, args, faults, programs=None) -> dict:
                 a.kill()
         if mounted:
             subprocess.run(["umount", "-l", job.root], capture_output=True)
-    return {"log": log, "codes": codes, "seconds": time.time() - t0, "rows": job.rows(), "arrays": arrays,
-            "logs": _agent_logs(job)}
+    return {"log": log, "stalls": stalls, "codes": codes, "seconds": time.time() - t0, "rows": job.rows(),
+            "arrays": arrays, "logs": _agent_logs(job)}
+
+
+def wait(job: Job, until, limit: float, poll: float = 0.05) -> str:
+    """Waits until `until()` holds ("ok"), the job ends ("ended"), or it trains no new step for
+    `limit` seconds (a job stuck, or a restart that never trains again): said, not waited for."""
+    last, since = job.step(), time.time()
+    while not until():
+        if not job.running():
+            return "ended"
+        now, step = time.time(), job.step()
+        if step != last:
+            last, since = step, now
+        elif now - since > limit:
+            return f"no new step for {limit:g} s (the job at step {step})"
+        time.sleep(poll)
+    return "ok"
+
+
+def recovered(job: Job, before: int, reached: int) -> bool:
+    """Whether the job trains again after a fault struck at step `reached` with `before` restart
+    rows: a new restart row and a step after its first, or steps past any the lost job could
+    have had in flight (MAX_IN_FLIGHT 1: `reached` + 2) whether or not a restart row came."""
+    rows = job.restarts()
+    return (len(rows) > before and job.step() > rows[-1].get("restored_step", 0) + 1) or job.step() > reached + 2
 
 
 def _agent_logs(job: Job) -> str:
@@ -209,7 +235,7 @@ def final_arrays(job: Job, steps: int) -> dict:
 
 def check(run: dict, straight: dict, steps: int) -> list:
     """What must hold after the soak; [problem, ...] (empty: all held)."""
-    problems = []
+    problems = [f"the soak stopped waiting {s}" for s in run.get("stalls", []) if "ended" not in s]
     if set(run["codes"].values()) != {0}:
         problems.append(f"the agents exited {run['codes']}")
     torn = [r["torn"][:80] for r in run["rows"] if "torn" in r]
@@ -298,6 +324,8 @@ def main(argv=None):
     run = soak(os.path.join(out, "chaos"), args, faults, programs=os.path.join(out, "straight", "commits"))
     head, rows = table(run)
     print(_bench.markdown_table(head, rows))
+    for line in run["stalls"]:
+        print(f"# stopped injecting {line}; {len(run['log'])} of {len(faults)} faults injected", flush=True)
     detected = sum(run["logs"].count(m) for m in ("passed over", "cannot be written"))
     print(f"# chaos run {run['seconds']:.0f} s, undisturbed {straight['seconds']:.0f} s; lines naming a bad or "
           f"refused file: {detected}; load after: {_bench.load_avg():.1f}")

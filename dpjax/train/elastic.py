@@ -56,6 +56,7 @@ class Elastic:
         self.last_t = None  # when the last iteration ended (the auto interval times each)
         self.announced, self.gaps = False, {}  # the gap decided at each commit not yet finished
         self.finished, self.first_done_at = 0, None  # steps whose results the loop has; the restart's first step
+        self.first_step = None  # the thread that stamps first_done_at
         self.beaten = False  # whether this process's first step is done (its progress clock runs)
         self.marks: dict = {}  # how far the run's end has come, in every heartbeat from then on (`close`)
         # the agent's hang check (dpjax.recovery.heartbeat): a thread's beats, the loop's progress
@@ -174,7 +175,15 @@ class Elastic:
             loss.block_until_ready()
             self.first_done_at = time.time()
 
-        threading.Thread(target=wait, daemon=True, name="dpjax-first-step").start()
+        self.first_step = threading.Thread(target=wait, daemon=True, name="dpjax-first-step")
+        self.first_step.start()
+
+    def end(self, trainer, write) -> None:
+        """At the loop's end (its steps drained, the rows still open): the restart's row when no
+        step after the first wrote it (the first was the job's last, or its thread was late)."""
+        if self.restored is not None and not self.reported and self.first_step is not None:
+            self.first_step.join()
+            self.report(trainer, write)
 
     def _finished(self) -> list:
         """The commits finished since the last look, their seconds told to the auto interval."""
