@@ -399,5 +399,8 @@ def test_a_restart_whose_first_step_is_the_last_writes_its_restart_row(corpus, t
     (ev,) = [r for r in rows if r.get("event") == "restart"]
     assert ev["restored_step"] == 3 and ev["steps_lost"] == 0 and ev["failed"].startswith("rank 0 on host local")
     assert 2.0 <= ev["seconds_lost"] < 2.0 + (time.time() - t), ev
-    assert set(ev["breakdown"]) == {"start_import", "join_plan_init", "restore", "first_step"}
+    # wall and CPU seconds of each phase, the first step's ending when the row's seconds_lost does
+    assert set(ev["breakdown"]["wall"]) == set(ev["breakdown"]["cpu"]) == {
+        "start_import", "join", "plan", "init", "restore", "first_step"}
+    assert all(s >= 0 for s in ev["breakdown"]["cpu"].values()), ev["breakdown"]
     assert [r["step"] for r in rows if "loss" in r] == [1, 2, 3, 4] and read_losses(path) == want

@@ -21,12 +21,12 @@ import sys
 import time
 import traceback
 
-IMPORTED = time.time()  # about when this process started (the restart's breakdown)
-
 from dpjax.recovery import fault as faults  # noqa: E402
 from dpjax.recovery.heartbeat import Heartbeat  # noqa: E402
 from dpjax.recovery.env import restart_number  # noqa: E402
-from dpjax.train.restart import env as _env, micro_batches  # noqa: E402
+from dpjax.train.restart import breakdown, env as _env, micro_batches, stamp  # noqa: E402
+
+stamp("start_import")  # the process started, Python and JAX and dpjax imported (the restart's breakdown)
 
 
 def _say(line: str) -> None:
@@ -173,6 +173,7 @@ class Elastic:
 
         def wait():
             loss.block_until_ready()
+            stamp("first_step")  # before first_done_at, which lets after_step report
             self.first_done_at = time.time()
 
         self.first_step = threading.Thread(target=wait, daemon=True, name="dpjax-first-step")
@@ -256,12 +257,9 @@ class Elastic:
             row.update(failed=failure.get("line"), steps_lost=None if reached is None else max(0, reached - r["step"]),
                        restart_s=round(failure["restarted"] - failure["t"], 2),
                        seconds_lost=round(self.first_done_at - failure["t"], 2),
-                       # where the seconds went: processes started -> imports done -> joined,
-                       # planned, parameters made -> restored -> first step (compiled or from the cache) done
-                       breakdown={"start_import": round(IMPORTED - failure["restarted"], 2),
-                                  "join_plan_init": round(r["restoring_at"] - IMPORTED, 2),
-                                  "restore": round(r["restored_at"] - r["restoring_at"], 2),
-                                  "first_step": round(self.first_done_at - r["restored_at"], 2)})
+                       # where the seconds went: processes started -> imports done -> joined -> planned ->
+                       # parameters made -> restored -> first step (compiled or from the cache) done, wall and CPU
+                       breakdown=breakdown(failure["restarted"]))
         if trainer.programs is not None:  # compiled programs loaded from the run's folder / compiled again
             row["programs"] = {"loaded": trainer.programs.loaded, "compiled": trainer.programs.compiled}
         write(row)
@@ -363,14 +361,17 @@ def attach(trainer) -> Elastic | None:
     elastic = Elastic(trainer, committer, heartbeat)
     if committer is not None and (restart > 0 or cfg.resume):
         restoring_at = time.time()
+        stamp("init")
         got = committer.restore(trainer.state(), expect=trainer.record)
         if got is None and restart > 0:  # failed before the first commit: from the start, and said so
             elastic.restored = {"step": trainer.start, "cursor": trainer.cursor, "sources": {}, "commit_every": None,
                                 "restoring_at": restoring_at, "restored_at": time.time()}
+            stamp("restore")
         if got is not None and got[1]["step"] > trainer.start:  # newer than the orbax checkpoint
             state, meta = got
             trainer.load_state(state, meta["step"], meta["cursor"])
             elastic.restored = {**meta, "restoring_at": restoring_at, "restored_at": time.time()}
+            stamp("restore")
             elastic.next_commit = elastic.first_commit(trainer.start)
             _say(f"dpjax.elastic: restored step {meta['step']} from commits {meta['sources']} onto mesh "
                         f"{dict(trainer.mesh.shape)}")
