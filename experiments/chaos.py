@@ -67,7 +67,7 @@ def schedule(seed: int, steps: int, every: int, kinds) -> list:
 class Job:
     """Two agents of two processes each, the faults' targets."""
 
-    def __init__(self, tmp, train, hang_timeout: float):
+    def __init__(self, tmp, train, hang_timeout: float, spares: bool = False):
         from dpjax.agent.rendezvous import free_port
 
         self.tmp, self.tag, self.port = tmp, uuid.uuid4().hex, free_port()
@@ -78,7 +78,8 @@ class Job:
         self.env.pop("XLA_FLAGS", None)
         self.cmd = [sys.executable, "-m", "dpjax.agent", "--nnodes", "2:2", "--nproc-per-node", "2", "--rdzv",
                     f"127.0.0.1:{self.port}", "--devices-per-process", "2", "--commit-dir", self.root,
-                    "--max-restarts", "1000", "--hang-timeout", str(hang_timeout), "--rdzv-wait", "120"]
+                    "--max-restarts", "1000", "--hang-timeout", str(hang_timeout), "--rdzv-wait", "120",
+                    *(["--spares"] if spares else [])]
         self.train = [sys.executable, "-m", "dpjax.train", *train, "--metrics", self.metrics,
                       "--ckpt-dir", os.path.join(tmp, "ckpt")]
         self.agents = {}
@@ -139,7 +140,7 @@ def soak(tmp, args, faults, programs=None) -> dict:
     os.makedirs(tmp, exist_ok=True)
     train = [*MODEL, "--data", args.data, "--steps", str(args.steps), "--ckpt-every", str(args.ckpt_every),
              "--max-lost-steps", str(args.max_lost_steps), "--on-full-disk", "skip-commits"]
-    job = Job(tmp, train, args.hang_timeout)
+    job = Job(tmp, train, args.hang_timeout, spares=args.spares and bool(faults))
     mounted = _mount(job.root, args.tmpfs_mb) if faults else False
     for host in (os.listdir(programs) if programs else []):
         if os.path.isdir(os.path.join(programs, host, "programs")):
@@ -180,9 +181,10 @@ def soak(tmp, args, faults, programs=None) -> dict:
             "arrays": arrays, "logs": _agent_logs(job)}
 
 
-def wait(job: Job, until, limit: float, poll: float = 0.05) -> str:
+def wait(job: Job, until, limit: float, poll: float = 0.05, first: float = 1800.0) -> str:
     """Waits until `until()` holds ("ok"), the job ends ("ended"), or it trains no new step for
-    `limit` seconds (a job stuck, or a restart that never trains again): said, not waited for."""
+    `limit` seconds (a job stuck, or a restart that never trains again), `first` before its first
+    step (the start's imports and compiles: 5 minutes at load 40-50): said, not waited for."""
     last, since = job.step(), time.time()
     while not until():
         if not job.running():
@@ -190,8 +192,8 @@ def wait(job: Job, until, limit: float, poll: float = 0.05) -> str:
         now, step = time.time(), job.step()
         if step != last:
             last, since = step, now
-        elif now - since > limit:
-            return f"no new step for {limit:g} s (the job at step {step})"
+        elif now - since > (limit if step else first):
+            return f"no new step for {limit if step else first:g} s (the job at step {step})"
         time.sleep(poll)
     return "ok"
 
@@ -304,6 +306,7 @@ def main(argv=None):
     p.add_argument("--hang-timeout", type=float, default=20.0, help="the agents' --hang-timeout")
     p.add_argument("--recover-s", type=float, default=300.0, help="the longest wait for a restart to train again")
     p.add_argument("--tmpfs-mb", type=int, default=64, help="the commit folder's tmpfs (the full disk's)")
+    p.add_argument("--spares", action="store_true", help="the agents' --spares (the faulted job's)")
     p.add_argument("--data", default=None, help="a text file; None: 300 kB of the stdlib corpus")
     _bench.add_smoke(p, "30 steps, three faults: kill in a commit's write, a corrupted commit, two at once")
     args = p.parse_args(argv)

@@ -50,6 +50,8 @@ def test_the_soak_waits_for_a_stuck_job_a_bounded_time():
     assert not t.is_alive() and said == ["no new step for 0.3 s (the job at step 5)"]
     assert 0.3 <= time.time() - t0 < 5
     assert chaos.wait(_Job([], running=False), lambda: False, 60) == "ended"
+    # before its first step (imports, compiles) the start's limit: 5 minutes at load 40-50
+    assert chaos.wait(_Job([]), lambda: False, 0.1, first=0.5) == "no new step for 0.5 s (the job at step 0)"
     rows = [{"step": 5, "loss": 1.0}]
     job = _Job(rows)
     threading.Timer(0.2, lambda: rows.append({"step": 6, "loss": 1.0})).start()  # a new step: the clock restarts

@@ -28,7 +28,8 @@ def stamp(name: str) -> None:
 def breakdown(restarted: float) -> dict:
     """Where a restart's seconds went, from `restarted` (when the agent started the processes) to
     the first step's end: {"wall": {phase: s}, "cpu": {phase: s}} of the phases stamped."""
-    wall, cpu, last = {}, {}, (restarted, 0.0)  # the process's CPU clock starts at 0
+    # the process's CPU clock starts at 0; a spare's (dpjax.agent.spare) when it was handed the round
+    wall, cpu, last = {}, {}, (restarted, STAMPS.get("handed", (0.0, 0.0))[1])
     for name in PHASES:
         if name in STAMPS:
             (w, c), (w0, c0) = STAMPS[name], last
