@@ -96,16 +96,27 @@ class Job:
                 time.sleep(0.1)
 
     def ranks(self) -> dict:
-        """{rank: pid} of this job's training processes now."""
-        out = {}
+        """{rank: pid} of this job's training processes now: from their environment, or for a
+        spare (--spares: told its rank on stdin) from the pid its heartbeat file names."""
+        out, ours = {}, set()
         for env in glob.glob("/proc/[0-9]*/environ"):
             try:
                 with open(env, "rb") as fh:
                     kv = dict(x.split(b"=", 1) for x in fh.read().split(b"\0") if b"=" in x)
             except OSError:
                 continue
-            if kv.get(b"DPJAX_CHAOS") == self.tag.encode() and b"DPJAX_PROCESS_ID" in kv:
-                out[int(kv[b"DPJAX_PROCESS_ID"])] = int(env.split("/")[2])
+            if kv.get(b"DPJAX_CHAOS") == self.tag.encode():
+                ours.add(int(env.split("/")[2]))
+                if b"DPJAX_PROCESS_ID" in kv:
+                    out[int(kv[b"DPJAX_PROCESS_ID"])] = int(env.split("/")[2])
+        for path in glob.glob(os.path.join(self.root, "heartbeat", "*", "heartbeat-*[0-9]")):
+            try:
+                with open(path) as fh:
+                    pid = json.load(fh).get("pid")
+            except (OSError, ValueError):
+                continue
+            if pid in ours and pid not in out.values():
+                out.setdefault(int(path.rsplit("-", 1)[1]), pid)
         return out
 
     def rows(self) -> list:
