@@ -338,6 +338,10 @@ def main(argv=None):
     run = soak(os.path.join(out, "chaos"), args, faults, programs=os.path.join(out, "straight", "commits"))
     head, rows = table(run)
     print(_bench.markdown_table(head, rows))
+    for r in (r for r in run["rows"] if r.get("event") == "restart" and "breakdown" in r):
+        b = r["breakdown"]  # where each restart's seconds went, wall (CPU) per phase: kept after the folder goes
+        print(f"# restart {r['attempt']}: {r['seconds_lost']} s lost, agent {r['restart_s']} s, "
+              + ", ".join(f"{k} {b['wall'][k]} ({b['cpu'].get(k)})" for k in b["wall"]), flush=True)
     for line in run["stalls"]:
         print(f"# stopped injecting {line}; {len(run['log'])} of {len(faults)} faults injected", flush=True)
     detected = sum(run["logs"].count(m) for m in ("passed over", "cannot be written"))
