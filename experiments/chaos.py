@@ -67,7 +67,7 @@ def schedule(seed: int, steps: int, every: int, kinds) -> list:
 class Job:
     """Two agents of two processes each, the faults' targets."""
 
-    def __init__(self, tmp, train, hang_timeout: float):
+    def __init__(self, tmp, train, hang_timeout: float, spares: bool = False):
         from dpjax.agent.rendezvous import free_port
 
         self.tmp, self.tag, self.port = tmp, uuid.uuid4().hex, free_port()
@@ -78,7 +78,8 @@ class Job:
         self.env.pop("XLA_FLAGS", None)
         self.cmd = [sys.executable, "-m", "dpjax.agent", "--nnodes", "2:2", "--nproc-per-node", "2", "--rdzv",
                     f"127.0.0.1:{self.port}", "--devices-per-process", "2", "--commit-dir", self.root,
-                    "--max-restarts", "1000", "--hang-timeout", str(hang_timeout), "--rdzv-wait", "120"]
+                    "--max-restarts", "1000", "--hang-timeout", str(hang_timeout), "--rdzv-wait", "120",
+                    *(["--spares"] if spares else [])]
         self.train = [sys.executable, "-m", "dpjax.train", *train, "--metrics", self.metrics,
                       "--ckpt-dir", os.path.join(tmp, "ckpt")]
         self.agents = {}
@@ -95,16 +96,27 @@ class Job:
                 time.sleep(0.1)
 
     def ranks(self) -> dict:
-        """{rank: pid} of this job's training processes now."""
-        out = {}
+        """{rank: pid} of this job's training processes now: from their environment, or for a
+        spare (--spares: told its rank on stdin) from the pid its heartbeat file names."""
+        out, ours = {}, set()
         for env in glob.glob("/proc/[0-9]*/environ"):
             try:
                 with open(env, "rb") as fh:
                     kv = dict(x.split(b"=", 1) for x in fh.read().split(b"\0") if b"=" in x)
             except OSError:
                 continue
-            if kv.get(b"DPJAX_CHAOS") == self.tag.encode() and b"DPJAX_PROCESS_ID" in kv:
-                out[int(kv[b"DPJAX_PROCESS_ID"])] = int(env.split("/")[2])
+            if kv.get(b"DPJAX_CHAOS") == self.tag.encode():
+                ours.add(int(env.split("/")[2]))
+                if b"DPJAX_PROCESS_ID" in kv:
+                    out[int(kv[b"DPJAX_PROCESS_ID"])] = int(env.split("/")[2])
+        for path in glob.glob(os.path.join(self.root, "heartbeat", "*", "heartbeat-*[0-9]")):
+            try:
+                with open(path) as fh:
+                    pid = json.load(fh).get("pid")
+            except (OSError, ValueError):
+                continue
+            if pid in ours and pid not in out.values():
+                out.setdefault(int(path.rsplit("-", 1)[1]), pid)
         return out
 
     def rows(self) -> list:
@@ -139,12 +151,12 @@ def soak(tmp, args, faults, programs=None) -> dict:
     os.makedirs(tmp, exist_ok=True)
     train = [*MODEL, "--data", args.data, "--steps", str(args.steps), "--ckpt-every", str(args.ckpt_every),
              "--max-lost-steps", str(args.max_lost_steps), "--on-full-disk", "skip-commits"]
-    job = Job(tmp, train, args.hang_timeout)
+    job = Job(tmp, train, args.hang_timeout, spares=args.spares and bool(faults))
     mounted = _mount(job.root, args.tmpfs_mb) if faults else False
     for host in (os.listdir(programs) if programs else []):
         if os.path.isdir(os.path.join(programs, host, "programs")):
             shutil.copytree(os.path.join(programs, host, "programs"), os.path.join(job.root, host, "programs"))
-    rng, log, t0 = random.Random(args.seed + 1), [], time.time()
+    rng, log, stalls, t0 = random.Random(args.seed + 1), [], [], time.time()
     job.start("h0")
     job.start("h1")
     try:
@@ -152,21 +164,23 @@ def soak(tmp, args, faults, programs=None) -> dict:
             if kind == "full" and not mounted:
                 log.append({"step": step, "kind": kind, "did": "skipped: no tmpfs could be mounted here"})
                 continue
-            while job.running() and job.step() < step:
-                time.sleep(0.05)
-            if not job.running():
+            got = wait(job, lambda s=step: job.step() >= s, args.recover_s)
+            if got != "ok":
+                stalls.append(f"before the fault at step {step}: {got}")
                 break
             time.sleep(rng.uniform(0, 0.3))  # a random moment within the step
-            before, at = len(job.restarts()), time.time()
+            before, at, reached = len(job.restarts()), time.time(), job.step()
             did = inject(job, kind, rng)
-            log.append({"step": job.step(), "kind": kind, "did": did, "t": at, "restarts_before": before})
-            print(f"step {log[-1]['step']}: {kind}: {did}", flush=True)
-            deadline = time.time() + args.recover_s
-            while job.running() and time.time() < deadline and kind != "full" and not did.startswith("skipped"):
-                if len(job.restarts()) > before and job.step() > job.restarts()[-1]["restored_step"] + 1:
-                    break
-                time.sleep(0.1)
-        codes = {h: a.wait(timeout=1800) for h, a in job.agents.items()}
+            log.append({"step": reached, "kind": kind, "did": did, "t": at, "restarts_before": before})
+            print(f"step {reached}: {kind}: {did}", flush=True)
+            if kind != "full" and not did.startswith("skipped"):
+                got = wait(job, lambda b=before, r=reached: recovered(job, b, r), args.recover_s)
+                if got != "ok":
+                    stalls.append(f"after the {kind} at step {reached}: {got}")
+                    if got != "ended":
+                        break
+        codes = {h: a.wait(timeout=1800) for h, a in job.agents.items()} if not stalls or "ended" in stalls[-1] \
+            else {h: a.poll() for h, a in job.agents.items()}  # a stalled job is not waited for: killed below
         arrays = final_arrays(job, args.steps)  # before the tmpfs goes
     finally:
         for a in job.agents.values():
@@ -174,8 +188,33 @@ def soak(tmp, args, faults, programs=None) -> dict:
                 a.kill()
         if mounted:
             subprocess.run(["umount", "-l", job.root], capture_output=True)
-    return {"log": log, "codes": codes, "seconds": time.time() - t0, "rows": job.rows(), "arrays": arrays,
-            "logs": _agent_logs(job)}
+    return {"log": log, "stalls": stalls, "codes": codes, "seconds": time.time() - t0, "rows": job.rows(),
+            "arrays": arrays, "logs": _agent_logs(job)}
+
+
+def wait(job: Job, until, limit: float, poll: float = 0.05, first: float = 1800.0) -> str:
+    """Waits until `until()` holds ("ok"), the job ends ("ended"), or it trains no new step for
+    `limit` seconds (a job stuck, or a restart that never trains again), `first` before its first
+    step (the start's imports and compiles: 5 minutes at load 40-50): said, not waited for."""
+    last, since = job.step(), time.time()
+    while not until():
+        if not job.running():
+            return "ended"
+        now, step = time.time(), job.step()
+        if step != last:
+            last, since = step, now
+        elif now - since > (limit if step else first):
+            return f"no new step for {limit if step else first:g} s (the job at step {step})"
+        time.sleep(poll)
+    return "ok"
+
+
+def recovered(job: Job, before: int, reached: int) -> bool:
+    """Whether the job trains again after a fault struck at step `reached` with `before` restart
+    rows: a new restart row and a step after its first, or steps past any the lost job could
+    have had in flight (MAX_IN_FLIGHT 1: `reached` + 2) whether or not a restart row came."""
+    rows = job.restarts()
+    return (len(rows) > before and job.step() > rows[-1].get("restored_step", 0) + 1) or job.step() > reached + 2
 
 
 def _agent_logs(job: Job) -> str:
@@ -209,7 +248,7 @@ def final_arrays(job: Job, steps: int) -> dict:
 
 def check(run: dict, straight: dict, steps: int) -> list:
     """What must hold after the soak; [problem, ...] (empty: all held)."""
-    problems = []
+    problems = [f"the soak stopped waiting {s}" for s in run.get("stalls", []) if "ended" not in s]
     if set(run["codes"].values()) != {0}:
         problems.append(f"the agents exited {run['codes']}")
     torn = [r["torn"][:80] for r in run["rows"] if "torn" in r]
@@ -278,6 +317,7 @@ def main(argv=None):
     p.add_argument("--hang-timeout", type=float, default=20.0, help="the agents' --hang-timeout")
     p.add_argument("--recover-s", type=float, default=300.0, help="the longest wait for a restart to train again")
     p.add_argument("--tmpfs-mb", type=int, default=64, help="the commit folder's tmpfs (the full disk's)")
+    p.add_argument("--spares", action="store_true", help="the agents' --spares (the faulted job's)")
     p.add_argument("--data", default=None, help="a text file; None: 300 kB of the stdlib corpus")
     _bench.add_smoke(p, "30 steps, three faults: kill in a commit's write, a corrupted commit, two at once")
     args = p.parse_args(argv)
@@ -298,6 +338,12 @@ def main(argv=None):
     run = soak(os.path.join(out, "chaos"), args, faults, programs=os.path.join(out, "straight", "commits"))
     head, rows = table(run)
     print(_bench.markdown_table(head, rows))
+    for r in (r for r in run["rows"] if r.get("event") == "restart" and "breakdown" in r):
+        b = r["breakdown"]  # where each restart's seconds went, wall (CPU) per phase: kept after the folder goes
+        print(f"# restart {r['attempt']}: {r['seconds_lost']} s lost, agent {r['restart_s']} s, "
+              + ", ".join(f"{k} {b['wall'][k]} ({b['cpu'].get(k)})" for k in b["wall"]), flush=True)
+    for line in run["stalls"]:
+        print(f"# stopped injecting {line}; {len(run['log'])} of {len(faults)} faults injected", flush=True)
     detected = sum(run["logs"].count(m) for m in ("passed over", "cannot be written"))
     print(f"# chaos run {run['seconds']:.0f} s, undisturbed {straight['seconds']:.0f} s; lines naming a bad or "
           f"refused file: {detected}; load after: {_bench.load_avg():.1f}")

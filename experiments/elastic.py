@@ -93,8 +93,10 @@ def restart(args, out_dir):
     """The issue's restart, `--tries` times (see the module's text)."""
     from dpjax.agent.rendezvous import free_port
 
-    head = ["try", "seconds_lost", "start_import", "join_plan_init", "restore", "first_step", "steps_lost",
-            "programs loaded / compiled", "load"]
+    from dpjax.train.restart import PHASES
+
+    # each phase's wall seconds, then (its CPU seconds: on a loaded machine the wall ones grow with the load)
+    head = ["try", "seconds_lost", "agent", *PHASES, "steps_lost", "programs loaded / compiled", "load"]
     rows, train = [], ["--mesh", "4x2", "--batch-size", "16", "--seq-len", "64", "--steps", str(args.at + 5),
                        "--data", args.data, "--eval-every", "0"]
     for t in range(args.tries):
@@ -112,14 +114,20 @@ def restart(args, out_dir):
         with open(metrics) as fh:
             ev = next(r for r in map(json.loads, fh) if r.get("event") == "restart")
         b, progs = ev["breakdown"], ev.get("programs", {})
-        rows.append([t + 1, ev["seconds_lost"], b["start_import"], b["join_plan_init"], b["restore"], b["first_step"],
+        rows.append([t + 1, ev["seconds_lost"], ev["restart_s"], *(f"{b['wall'][p]} ({b['cpu'][p]})" for p in PHASES),
                      ev["steps_lost"], f"{progs.get('loaded', '-')} / {progs.get('compiled', '-')}",
                      f"{_bench.load_avg():.1f}"])
         print(" | ".join(map(str, rows[-1])), flush=True)
     if len(rows) > 1:
         import numpy as np
 
-        rows.append(["median", *(float(np.median([r[i] for r in rows])) for i in range(1, 7)), "", ""])
+        def med(i):  # a phase's "wall (cpu)": the medians of each
+            if isinstance(rows[0][i], str):
+                w, c = zip(*((float(x) for x in r[i].strip(")").split(" (")) for r in rows))
+                return f"{np.median(w):.2f} ({np.median(c):.2f})"
+            return float(np.median([r[i] for r in rows]))
+
+        rows.append(["median", *(med(i) for i in range(1, 4 + len(PHASES))), "", ""])
     return head, rows
 
 

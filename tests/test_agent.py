@@ -2,6 +2,8 @@
 DPJAX_FAULT's grammar, the mesh resized for the hosts that are left, the cause named;
 and one agent as a process over stand-in processes (no JAX) for a failure after the end."""
 
+import json
+import os
 import subprocess
 import sys
 import time
@@ -195,3 +197,59 @@ def test_a_process_killed_after_the_end_ends_the_job_with_0_and_one_line(tmp_pat
         "dpjax.agent[h0]: done: the job finished in round 1; after its end rank 1 on host h0 failed: killed by signal "
         "SIGKILL (not restarted: every step was trained and committed)"), r.stderr
     assert "round 2" not in r.stderr and time.time() - t0 < 110  # rank 0's sleep (120 s) was not waited for
+
+
+# a stand-in for `python -m dpjax.train` (a package run by -m): its package records when it was
+# imported; round 1's rank 1 dies once the round trains, round 2 says when its package was imported
+STANDIN_INIT = """
+import os, time
+IMPORTED_AT = time.time()
+open(os.path.join(os.environ["STANDIN_OUT"], f"imported-{os.getpid()}"), "w").close()
+"""
+STANDIN_MAIN = """
+import json, os, signal, time
+import standin
+rank, attempt, out = os.environ["DPJAX_PROCESS_ID"], os.environ["DPJAX_RESTART"], os.environ["STANDIN_OUT"]
+def beat(**marks):
+    with open(os.environ["DPJAX_HEARTBEAT"], "w") as fh:
+        json.dump({"dispatched": 1, "completed": 1, "t": time.time(), **marks}, fh)
+beat()
+if attempt == "0":
+    if rank == "1":
+        # the agent starts the spares once the round trains: dies once they (and round 1's 2) imported
+        t = time.time()
+        while len([f for f in os.listdir(out) if f.startswith("imported-")]) < 4 and time.time() - t < 90:
+            time.sleep(0.1)
+        with open(os.path.join(out, "killed"), "w") as fh:
+            fh.write(str(time.time()))
+        os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(120)
+with open(os.path.join(out, f"r{rank}"), "w") as fh:
+    json.dump({"imported_at": standin.IMPORTED_AT, "pid": os.getpid(), "argv": __import__("sys").argv[1:]}, fh)
+beat(final=True, ended=True)
+"""
+
+
+def test_spares_are_the_restarted_processes_imported_before_the_failure(tmp_path):
+    """--spares: once a round trains, the agent starts the next round's processes of a `python -m
+    PACKAGE` command, which import the package and wait; the restart hands them their ranks, so
+    the restarted processes had imported before the failure (and got the command's arguments)."""
+    from dpjax.agent.rendezvous import free_port
+
+    pkg = tmp_path / "standin"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text(STANDIN_INIT)
+    (pkg / "__main__.py").write_text(STANDIN_MAIN)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), root]), "STANDIN_OUT": str(tmp_path)}
+    r = subprocess.run([sys.executable, "-m", "dpjax.agent", "--nproc-per-node", "2", "--rdzv",
+                        f"127.0.0.1:{free_port()}", "--host-id", "h0", "--commit-dir", str(tmp_path / "c"),
+                        "--spares", "--", sys.executable, "-m", "standin", "--an", "argument"],
+                       capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 0, r.stderr
+    assert "round 2 (restart 1 of at most 3)" in r.stderr and "rank 1 on host h0 failed: killed by signal SIGKILL" \
+        in r.stderr, r.stderr
+    killed = float((tmp_path / "killed").read_text())
+    for rank in (0, 1):
+        got = json.loads((tmp_path / f"r{rank}").read_text())
+        assert got["imported_at"] < killed and got["argv"] == ["--an", "argument"], got

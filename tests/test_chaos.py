@@ -6,6 +6,7 @@ bit for bit, and the final parameters bit for bit."""
 
 import os
 import sys
+import time
 
 import pytest
 
@@ -18,6 +19,64 @@ def test_the_schedule_deals_every_kind_before_any_twice():
     assert len(faults) == 24 and {k for _, k in faults[:8]} == set(chaos.KINDS)
     assert all(12 * (i + 1) <= s < 12 * (i + 1) + 6 for i, (s, _) in enumerate(faults))
     assert chaos.schedule(3, 300, 12, chaos.KINDS) == faults  # seeded
+
+
+class _Job:
+    """A job as the soak sees it: its metrics rows and whether its agents run."""
+
+    def __init__(self, rows, running=True):
+        self.rows_, self.alive = rows, running
+
+    def step(self):
+        return max((r["step"] for r in self.rows_ if "loss" in r), default=0)
+
+    def restarts(self):
+        return [r for r in self.rows_ if r.get("event") == "restart"]
+
+    def running(self):
+        return self.alive
+
+
+def test_the_soak_waits_for_a_stuck_job_a_bounded_time():
+    """A job that trains no new step (stuck before a fault's step, or a restart that never
+    trains again) is said after --recover-s of silence, not waited for forever; an ended job at once."""
+    import threading
+
+    job, said = _Job([{"step": 5, "loss": 1.0}]), []
+    t = threading.Thread(target=lambda: said.append(chaos.wait(job, lambda: job.step() >= 9, 0.3)), daemon=True)
+    t0 = time.time()
+    t.start()
+    t.join(10)
+    assert not t.is_alive() and said == ["no new step for 0.3 s (the job at step 5)"]
+    assert 0.3 <= time.time() - t0 < 5
+    assert chaos.wait(_Job([], running=False), lambda: False, 60) == "ended"
+    # before its first step (imports, compiles) the start's limit: 5 minutes at load 40-50
+    assert chaos.wait(_Job([]), lambda: False, 0.1, first=0.5) == "no new step for 0.5 s (the job at step 0)"
+    rows = [{"step": 5, "loss": 1.0}]
+    job = _Job(rows)
+    threading.Timer(0.2, lambda: rows.append({"step": 6, "loss": 1.0})).start()  # a new step: the clock restarts
+    threading.Timer(0.4, lambda: rows.append({"step": 9, "loss": 1.0})).start()
+    assert chaos.wait(job, lambda: job.step() >= 9, 0.3) == "ok"
+
+
+def test_a_restart_without_its_row_is_recovered_once_it_trains_past_the_fault():
+    """After a fault at step 20 (its restart row lost, as a restart whose first step was the job's
+    last lost it): training again past the steps the lost job had in flight is enough, rather
+    than waiting --recover-s for the row while the job trains on (run 2 of RESULTS lost 13
+    faults so); with the row, a step after the restart's first."""
+    rows = [{"step": s, "loss": 1.0} for s in range(1, 21)]
+    job = _Job(rows)
+    assert not chaos.recovered(job, 0, 20)
+    rows.append({"step": 21, "loss": 1.0})  # the step in flight when it struck
+    assert not chaos.recovered(job, 0, 20)
+    rows.append({"step": 22, "loss": 1.0})
+    assert not chaos.recovered(job, 0, 20)
+    rows.append({"step": 23, "loss": 1.0})  # the restarted job's, whether or not its row came
+    assert chaos.recovered(job, 0, 20)
+    job = _Job([*[{"step": s, "loss": 1.0} for s in range(1, 21)], {"event": "restart", "restored_step": 19}])
+    assert not chaos.recovered(job, 0, 20) and not chaos.recovered(job, 1, 20)
+    job.rows_.append({"step": 21, "loss": 1.0})
+    assert chaos.recovered(job, 0, 20) and not chaos.recovered(job, 1, 20)
 
 
 @pytest.mark.slow

@@ -366,3 +366,41 @@ def test_pieces_from_several_files_are_placed_on_any_layout(tmp_path):
     paths[1].write_bytes(header({**json.loads(json.dumps(meta)), "treedef": "other"}))
     with pytest.raises(CommitError, match="another state structure"):
         place(template, [LocalFile(str(p)) for p in paths])
+
+
+def test_a_restart_whose_first_step_is_the_last_writes_its_restart_row(corpus, tmp_path, monkeypatch):
+    """An agent's restart restored at --steps - 1: its first step is the job's last, so no later
+    step writes the restart row (it waited for a thread to see the first step's loss): the loop's
+    end writes it, once, with the seconds the failure cost (issue 51's soak lost such a row)."""
+    import time
+
+    from dpjax.train import main
+
+    from conftest import tiny_gpt
+
+    path = tmp_path / "m.jsonl"
+    args = tiny_gpt(corpus, "--mesh", "1x1", "--commit-dir", str(tmp_path / "c"), "--metrics", str(path),
+                    "--commit-every", "1")
+    assert main([*args, "--steps", "4"]) == 0
+    want = read_losses(path)
+    rows = _rows(path)
+    with open(path, "w") as fh:  # the lost job: 3 steps trained, written and committed, its 4th lost
+        fh.writelines(json.dumps(r) + "\n" for r in rows if r.get("step", 0) < 4)
+    for f in (tmp_path / "c").rglob("s000000004_*"):
+        f.unlink()  # the commits of step 4 never made: the newest every rank has is step 3
+    t = time.time()
+    monkeypatch.setenv("DPJAX_RESTART", "1")
+    monkeypatch.setenv("DPJAX_HEARTBEAT", str(tmp_path / "heartbeat"))
+    monkeypatch.setenv("DPJAX_LAST_FAILURE", json.dumps({"line": "rank 0 on host local failed: killed by signal "
+                                                         "SIGKILL", "t": t - 2.0, "completed": 3, "restarted": t}))
+    monkeypatch.setattr(sys, "excepthook", sys.excepthook)
+    assert main([*args, "--steps", "4"]) == 0
+    rows = _rows(path)
+    (ev,) = [r for r in rows if r.get("event") == "restart"]
+    assert ev["restored_step"] == 3 and ev["steps_lost"] == 0 and ev["failed"].startswith("rank 0 on host local")
+    assert 2.0 <= ev["seconds_lost"] < 2.0 + (time.time() - t), ev
+    # wall and CPU seconds of each phase, the first step's ending when the row's seconds_lost does
+    assert set(ev["breakdown"]["wall"]) == set(ev["breakdown"]["cpu"]) == {
+        "start_import", "join", "plan", "init", "restore", "first_step"}
+    assert all(s >= 0 for s in ev["breakdown"]["cpu"].values()), ev["breakdown"]
+    assert [r["step"] for r in rows if "loss" in r] == [1, 2, 3, 4] and read_losses(path) == want

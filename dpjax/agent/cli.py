@@ -69,6 +69,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="after a failure, a round starts once every live host has rejoined and none for S seconds")
     p.add_argument("--rdzv-wait", type=float, default=300.0, metavar="S",
                    help="the first round waits this long for MAX hosts, then starts with MIN or more")
+    p.add_argument("--spares", action="store_true",
+                   help="once a round trains, start the next round's processes of a `python -m MODULE` command "
+                        "(Python started, MODULE's package imported, waiting for their ranks): a restart skips "
+                        "starting Python and JAX, at the cost of their memory while the job trains")
     p.add_argument("--verbose", action="store_true",
                    help="show every line the processes print: gloo's connection lines, glog's, whole tracebacks "
                         "(by default a traceback shows as its last line and the log file that holds it)")

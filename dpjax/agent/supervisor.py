@@ -17,7 +17,8 @@ from dpjax import distributed
 from dpjax.agent import rendezvous as rdzv
 from dpjax.agent import sizes
 from dpjax.recovery.env import ENV
-from dpjax.agent.workers import Workers
+from dpjax.agent.spare import command_module
+from dpjax.agent.workers import Spares, Workers
 from dpjax.distributed.output import log_dir
 
 POLL_S = 0.1  # how often the processes are looked at
@@ -57,6 +58,7 @@ class Agent:
         self.stopped = None
         self.leaving = threading.Event()
         self.settings, self.skipped = False, []  # the command's dpjax.train settings (parsed when first needed)
+        self.spares = None  # the next round's processes, started while this one trains (--spares)
 
     def say(self, text: str) -> None:
         print(f"dpjax.agent[{self.host}]: {text}", file=sys.stderr, flush=True)
@@ -151,6 +153,8 @@ class Agent:
             return 1
         finally:
             self.leaving.set()
+            if self.spares is not None:
+                self.spares.close()
             self.rdzv.close()  # the built-in's host waits for the others to hear how it ended
 
     def _size(self, view: dict) -> dict:
@@ -182,8 +186,10 @@ class Agent:
         a = self.a
         w = Workers(self.command, self.env(view), view["first_rank"], view["nproc"],
                     os.path.join(a.commit_dir, "heartbeat", self.host), self.host,
-                    log_dir=os.path.join(log_dir("agent", self.rdzv.tag), self.host), verbose=a.verbose)
-        self.workers = w
+                    log_dir=os.path.join(log_dir("agent", self.rdzv.tag), self.host), verbose=a.verbose,
+                    spares=self.spares)
+        self.workers, self.spares = w, None
+        want_spares = a.spares and command_module(self.command) is not None
         asked, reported, told = 0.0, False, {}
         try:
             while True:
@@ -192,6 +198,10 @@ class Agent:
                     self.ask("leave")
                     raise KeyboardInterrupt
                 result = w.check(a.hang_timeout, a.start_timeout)
+                if want_spares and self.spares is None and w.completed() is not None:
+                    # the round trains (its first step done): the next round's processes start now, not
+                    # when a failure has stopped these, and not beside this round's own start
+                    self.spares = Spares(self.command, self.env(view), view["nproc"])
                 end = w.end()
                 if end != told and (end["final"] or end["ended"]):  # the job's end, as far as it has come
                     self.ask("end", round=view["round"], **end)

@@ -11,6 +11,7 @@ a consequence, and is named as one.
 from __future__ import annotations
 
 import ctypes
+import json
 import os
 import re
 import signal
@@ -54,11 +55,41 @@ def process_state(pid: int) -> str | None:
         return None
 
 
+class Spares:
+    """K spare processes for the next round (`dpjax.agent.spare`), in one process group;
+    `Workers` takes them when the round has K processes here, `close` ends them otherwise."""
+
+    def __init__(self, command, env: dict, k: int):
+        from dpjax.agent import spare
+
+        self.k, self.procs, pgid = k, [], 0
+        for _ in range(k):
+            # the file, not `-m dpjax.agent.spare`: a spare imports nothing but what the command's package does
+            p = subprocess.Popen([command[0], spare.__file__, spare.command_module(command), *command[3:]],
+                                 env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                 text=True, bufsize=1, process_group=pgid, preexec_fn=_die_with_agent)
+            pgid = pgid or p.pid
+            self.procs.append(p)
+        self.pgid = pgid
+
+    def ready(self, k: int) -> bool:
+        return k == self.k and all(p.poll() is None for p in self.procs)
+
+    def close(self) -> None:
+        try:
+            os.killpg(self.pgid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        for p in self.procs:
+            p.wait()
+
+
 class Workers:
-    """K processes of `command` on this host, ranks first_rank .. first_rank+K-1."""
+    """K processes of `command` on this host, ranks first_rank .. first_rank+K-1 (a
+    restart's from `spares` when they are ready: Python and JAX started before the failure)."""
 
     def __init__(self, command, env: dict, first_rank: int, k: int, heartbeat_dir: str, tag: str,
-                 log_dir: str | None = None, verbose: bool = False):
+                 log_dir: str | None = None, verbose: bool = False, spares: Spares | None = None):
         os.makedirs(heartbeat_dir, exist_ok=True)
         self.first, self.k, self.tag = first_rank, k, tag
         self.heartbeats = [os.path.join(heartbeat_dir, f"heartbeat-{first_rank + i}") for i in range(k)]
@@ -69,13 +100,21 @@ class Workers:
         self.echo: set = set()  # ranks that printed a transport error (a peer went away)
         self.procs, self.pumps, self.lock = [], [], threading.Lock()
         self.started = time.time()
-        pgid = 0
+        if spares is not None and not spares.ready(k):
+            spares.close()
+            spares = None
+        pgid = spares.pgid if spares is not None else 0
         for i in range(k):
             rank = first_rank + i
             e = {**env, distributed.PROCESS_ID: str(rank), distributed.LOCAL_RANK: str(i),
                  ENV["heartbeat"]: self.heartbeats[i]}
-            p = subprocess.Popen(command, env=e, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                 bufsize=1, process_group=pgid, preexec_fn=_die_with_agent)
+            if spares is not None:  # told its rank's environment: it runs the command from there
+                p = spares.procs[i]
+                p.stdin.write(json.dumps(e) + "\n")
+                p.stdin.close()
+            else:
+                p = subprocess.Popen(command, env=e, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                     bufsize=1, process_group=pgid, preexec_fn=_die_with_agent)
             pgid = pgid or p.pid  # one group for the host's processes: stopped together, lost together
             self.procs.append(p)
             for stream, out in ((p.stdout, sys.stdout), (p.stderr, sys.stderr)):

@@ -52,7 +52,8 @@ class Heartbeat:
         tmpfs) is no failure of the run: the file ages and the agent judges by its age."""
         with self.lock:  # the loop's thread and the beat's: one writer at a time (one .tmp)
             beat = {**self.fields(), "dispatched": self.dispatched, "t": self.t, "alive": time.time(),
-                    "busy": self.busy_with, "busy_since": self.busy_since}
+                    "busy": self.busy_with, "busy_since": self.busy_since,
+                    "pid": os.getpid()}  # which process is the rank (a spare's environment does not say)
             tmp = f"{self.path}.tmp"
             try:
                 with open(tmp, "w") as fh:

@@ -193,6 +193,7 @@ class Commits(Hook):
     def end(self, loop) -> None:
         if self.elastic is not None:
             self.elastic.busy("the run's end (the last evaluation, checkpoint and commit)")
+            self.elastic.end(loop.trainer, loop.write)
 
     def close(self, loop) -> None:
         if self.elastic is not None:

@@ -25,17 +25,17 @@ import threading
 import jax
 from jax._src import distributed as jax_distributed
 
-IMPORTED = time.time()  # about when this process started (the restart's breakdown)
-
 from dpjax.recovery import fault as faults  # noqa: E402
 from dpjax.recovery.heartbeat import Heartbeat  # noqa: E402
 from dpjax.recovery.env import restart_number  # noqa: E402
-from dpjax.train.restart import env as _env, micro_batches  # noqa: E402
+from dpjax.train.restart import breakdown, env as _env, micro_batches, stamp  # noqa: E402
 from dpjax.recovery import full_disk  # noqa: E402
 from dpjax.recovery.commit import Committer, WAIT_MS  # noqa: E402
 from dpjax.recovery.interval import AutoInterval  # noqa: E402
 from dpjax.train.loop import MAX_IN_FLIGHT  # noqa: E402
 from dpjax.train.metrics import open_writers  # noqa: E402
+
+stamp("start_import")  # the process started, Python and JAX and dpjax imported (the restart's breakdown)
 
 
 def _say(line: str) -> None:
@@ -62,6 +62,7 @@ class Elastic:
         self.gaps: dict[int, int] = {}  # the gap decided at each commit not yet finished
         self.finished = 0  # steps whose results the loop has
         self.first_done_at: float | None = None  # when the restart's first step was done
+        self.first_step: threading.Thread | None = None  # the thread that stamps first_done_at
         self.beaten = False  # whether this process's first step is done (its progress clock runs)
         self.marks: dict = {}  # how far the run's end has come, in every heartbeat from then on (`close`)
         # the agent's hang check (dpjax.recovery.heartbeat): a thread's beats, the loop's progress
@@ -171,9 +172,18 @@ class Elastic:
         """When the first step after a restore is done (a thread waits for its loss)."""
         def wait():
             loss.block_until_ready()
+            stamp("first_step")  # before first_done_at, which lets after_step report
             self.first_done_at = time.time()
 
-        threading.Thread(target=wait, daemon=True, name="dpjax-first-step").start()
+        self.first_step = threading.Thread(target=wait, daemon=True, name="dpjax-first-step")
+        self.first_step.start()
+
+    def end(self, trainer, write) -> None:
+        """At the loop's end (its steps drained, the rows still open): the restart's row when no
+        step after the first wrote it (the first was the job's last, or its thread was late)."""
+        if self.restored is not None and not self.reported and self.first_step is not None:
+            self.first_step.join()
+            self.report(trainer, write)
 
     def _finished(self) -> list:
         """The commits finished since the last look, their seconds told to the auto interval."""
@@ -243,12 +253,9 @@ class Elastic:
             row.update(failed=failure.get("line"), steps_lost=None if reached is None else max(0, reached - r["step"]),
                        restart_s=round(failure["restarted"] - failure["t"], 2),
                        seconds_lost=round(self.first_done_at - failure["t"], 2),
-                       # where the seconds went: processes started -> imports done -> joined,
-                       # planned, parameters made -> restored -> first step (compiled or from the cache) done
-                       breakdown={"start_import": round(IMPORTED - failure["restarted"], 2),
-                                  "join_plan_init": round(r["restoring_at"] - IMPORTED, 2),
-                                  "restore": round(r["restored_at"] - r["restoring_at"], 2),
-                                  "first_step": round(self.first_done_at - r["restored_at"], 2)})
+                       # where the seconds went: processes started -> imports done -> joined -> planned ->
+                       # parameters made -> restored -> first step (compiled or from the cache) done, wall and CPU
+                       breakdown=breakdown(failure["restarted"]))
         if trainer.programs is not None:  # compiled programs loaded from the run's folder / compiled again
             row["programs"] = {"loaded": trainer.programs.loaded, "compiled": trainer.programs.compiled}
         write(row)
@@ -341,14 +348,17 @@ def attach(trainer) -> Elastic | None:
     elastic = Elastic(trainer, committer, heartbeat)
     if committer is not None and (restart > 0 or cfg.resume):
         restoring_at = time.time()
+        stamp("init")
         got = committer.restore(trainer.state(), expect=trainer.record)
         if got is None and restart > 0:  # failed before the first commit: from the start, and said so
             elastic.restored = {"step": trainer.start, "cursor": trainer.cursor, "sources": {}, "commit_every": None,
                                 "restoring_at": restoring_at, "restored_at": time.time()}
+            stamp("restore")
         if got is not None and got[1]["step"] > trainer.start:  # newer than the orbax checkpoint
             state, meta = got
             trainer.load_state(state, meta["step"], meta["cursor"])
             elastic.restored = {**meta, "restoring_at": restoring_at, "restored_at": time.time()}
+            stamp("restore")
             elastic.next_commit = elastic.first_commit(trainer.start)
             _say(f"dpjax.elastic: restored step {meta['step']} from commits {meta['sources']} onto mesh "
                         f"{dict(trainer.mesh.shape)}")

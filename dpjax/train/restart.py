@@ -6,12 +6,35 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import time
 
 from dpjax.distributed import launched_processes
 from dpjax.mesh import dp_size
 from dpjax.plan import fit_devices
 from dpjax.recovery.env import ENV
 from dpjax.recovery.programs import Programs
+
+
+STAMPS: dict = {}  # the moments of this process's start: name -> (wall time, CPU seconds of the process so far)
+PHASES = ("start_import", "join", "plan", "init", "restore", "first_step")  # each ends at the stamp of its name
+
+
+def stamp(name: str) -> None:
+    """A moment of the start (`PHASES`), its CPU seconds beside the wall time: on a loaded machine
+    the wall seconds of a phase grow with the load, its CPU seconds much less."""
+    STAMPS[name] = (time.time(), time.process_time())
+
+
+def breakdown(restarted: float) -> dict:
+    """Where a restart's seconds went, from `restarted` (when the agent started the processes) to
+    the first step's end: {"wall": {phase: s}, "cpu": {phase: s}} of the phases stamped."""
+    # the process's CPU clock starts at 0; a spare's (dpjax.agent.spare) when it was handed the round
+    wall, cpu, last = {}, {}, (restarted, STAMPS.get("handed", (0.0, 0.0))[1])
+    for name in PHASES:
+        if name in STAMPS:
+            (w, c), (w0, c0) = STAMPS[name], last
+            wall[name], cpu[name], last = round(w - w0, 2), round(c - c0, 2), STAMPS[name]
+    return {"wall": wall, "cpu": cpu}
 
 
 def env(name: str, default=None):

@@ -67,7 +67,10 @@ class Trainer:
         self.cfg = cfg = settled(restart.fit(cfg))
         # where commits are: compiled programs a restart loads (before any compile)
         self.programs = restart.programs(cfg)
-        self.plan = plan = resolve(cfg, setup_devices(cfg))
+        devices = setup_devices(cfg)
+        restart.stamp("join")  # jax.distributed joined, devices ready (a restart's breakdown)
+        self.plan = plan = resolve(cfg, devices)
+        restart.stamp("plan")
         distributed.ready(plan.mesh)  # the transport's communicators for this mesh (MPI: see transport.py)
         model, opt = plan.model, plan.opt
         assert model is not None and opt is not None  # resolved from settings: a dpjax model and its optimizer
