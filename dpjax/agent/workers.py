@@ -21,6 +21,7 @@ import threading
 import time
 
 from dpjax import distributed
+from dpjax.agent import spare
 from dpjax.recovery import heartbeat
 from dpjax.recovery.env import ENV
 from dpjax.distributed.output import RankOutput
@@ -60,8 +61,6 @@ class Spares:
     `Workers` takes them when the round has K processes here, `close` ends them otherwise."""
 
     def __init__(self, command, env: dict, k: int):
-        from dpjax.agent import spare
-
         self.k, self.procs, pgid = k, [], 0
         for _ in range(k):
             # the file, not `-m dpjax.agent.spare`: a spare imports nothing but what the command's package does
