@@ -49,7 +49,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from dpjax.errors import UserError
-from dpjax.mesh import data_axes, make_mesh
+from dpjax.mesh import data_axes, make_mesh, spec_axes
 from dpjax.wrap import annotations, arguments, call, checks, per_rank, program, reference
 from dpjax.wrap.replicas import FIRST_CALLS, ReplicaCheck, check_always
 
@@ -185,8 +185,11 @@ class ShardedStep:
             arguments.flax_nnx().update(a.nodes, a.state_def.unflatten(list(new_state)))
         if want is not None:  # the first call against one device's (`dpjax.wrap.reference`)
             # a metric's total and count add the devices' updates, one per device: its own ways, not compared
+            unsplit = [x for x in annotations.model_axes(mesh) if mesh.shape[x] > 1
+                       and not any(x in spec_axes(s) for s in a.specs)]
             reference.compare(self.__name__, want, out, a.nodes, [None if m.summed else m.name for m in a.meta[:a.k]],
-                              lambda names: self._check_replicas(out, new_state, a, names))
+                              lambda names: self._check_replicas(out, new_state, a, names),
+                              unsplit[0] if unsplit else None)
         if self.check is True or check_always() or (self.check in (None, "reference") and self.calls <= FIRST_CALLS):
             self._check_replicas(out, new_state, a)
         return out
