@@ -12,8 +12,13 @@ the collectives are identities, `DistributedOptimizer` averages one gradient, th
 batch and state on that device: the unsharded function), then as itself. The outputs and the
 new state (the NNX objects' updated state, written back only by the sharded run) are compared
 leaf by leaf; a leaf that differs by more than round-off stops the run with one line naming
-it, how far apart, and the likely cause. Dropout draws per device in the sharded run, so a
-step with dropout on differs from its reference by design: check it with dropout off.
+it, how far apart, and the likely cause. Round-off is measured per leaf: the one-device run
+is made twice, the second time on every float32 input nudged by NUDGE, and a leaf may differ
+by SLACK times what the nudge moved it (Adam's first step on a gradient that is 0 but for
+round-off moves a parameter by a full step of either sign: the nudge moves it as far).
+Under `shard_step` dropout draws per device, so a step with dropout on differs from its
+reference by design: check it with dropout off (under `dpjax.jit` the masks are one device's:
+`dpjax.wrap.draws`).
 """
 
 from __future__ import annotations
