@@ -67,7 +67,8 @@ HINTS = {
                 "keep the optimizer in an nnx.Optimizer (shard_step gives that state a slot a rank), or run the "
                 "step in your own jax.shard_map and return the buffer with a leading axis split over {axis}",
     "output": "average it inside the step (jax.lax.pmean(x, {axis}), dpjax.allreduce_gradients, or "
-              "out_specs=\"mean\"), or, for one value per batch row, declare it split with out_specs=\"rows\"",
+              "out_specs=\"mean\"), sum it if it is a sum over this device's rows (dpjax.global_sum(x): a count, "
+              "a metric's total), or, for one value per batch row, declare it split with out_specs=\"rows\"",
 }
 # Copies that differ along `model` are not a missing average: each model rank computed from
 # its own shard of a split weight, and the partial results were never summed.
