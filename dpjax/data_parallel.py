@@ -32,7 +32,7 @@ from dpjax.collectives.ranks import axis_size
 from dpjax.compression import check as check_compression
 from dpjax.compression.exchange import Exchange
 from dpjax.fusion import pack, plan_buckets, unpack
-from dpjax.mesh import DATA, data_axes
+from dpjax.mesh import DATA, NOT_DATA, bound, data_axes
 from dpjax.wrap.rng import bound_data_axes
 from dpjax.wrap.checks import splits_nothing
 from dpjax.wrap.per_rank import DistributedState  # noqa: F401  (its home: the per-rank state it carries)
@@ -68,9 +68,12 @@ def allreduce_gradients(grads, axis_name="data", *, algorithm: str = "ring", fus
 def _named(axis_name):
     """The default axis "data" as the mesh names it: on a mesh of the user's own axis names
     (the JAX AI Stack's ('batch', 'model')) the data axes bound here, whatever they are called."""
-    if axis_name != DATA or DATA in jax.sharding.get_abstract_mesh().axis_names:
+    names = jax.sharding.get_abstract_mesh().axis_names
+    if axis_name != DATA or DATA in names:
         return axis_name
-    axes = bound_data_axes()
+    # every data axis of one device (check="reference"'s one-device run, a (1, 8) mesh): the
+    # average over them is the identity, still taken over an axis that is bound
+    axes = bound_data_axes() or tuple(a for a in names if a not in NOT_DATA and bound(a))
     return axes[0] if len(axes) == 1 else axes or axis_name
 
 

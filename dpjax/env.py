@@ -30,7 +30,8 @@ VARS: dict[str, Var] = {v.name: v for v in (
     # the user's switches
     Var("DPJAX_CHECK", "check the first calls only",
         "`1`: `shard_step` (and `python -m dpjax.train`) checks on every call that the values it declares "
-        "replicated are equal on every device"),
+        "replicated are equal on every device; `reference`: `shard_step` and `dpjax.jit` run each step's first "
+        "call also on one device and compare (`check=\"reference\"`)"),
     Var("DPJAX_DEBUG", "one line", "`1`: the CLIs (`dpjax.train`, `dpjax.hf`, `dpjax.generate`) show the "
         "traceback of a user error too"),
     Var("DPJAX_CPU_GUARDS", "`all`", "which guards on XLA:CPU's collectives `simulate_cpu_devices` and "

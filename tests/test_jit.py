@@ -68,14 +68,14 @@ def one_device():
     return metrics, state.params
 
 
-def lm1b_port(mesh, **options):
+def lm1b_port(mesh, rules=RULES, **options):
     """The script above as lm1b lays it out, with dpjax's changes: dpjax.jit, the optimizer wrapped.
     options: more of dpjax.jit's arguments."""
-    with jax.set_mesh(mesh), nn.logical_axis_rules(RULES):
+    with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
         variables = TinyLM().init(jax.random.key(0), np.zeros((1, LEN), np.int32))
         boxed = TrainState.create(apply_fn=TinyLM().apply, params=variables["params"],
                                   tx=dpjax.DistributedOptimizer(optax.sgd(0.5)))             # dpjax
-        state_sharding = nn.logical_to_mesh_sharding(nn.get_partition_spec(boxed), mesh, RULES)
+        state_sharding = nn.logical_to_mesh_sharding(nn.get_partition_spec(boxed), mesh, rules)
         state = jax.device_put(nn.unbox(boxed), state_sharding)
         data_sharding = NamedSharding(mesh, P("data"))
         step = dpjax.jit(train_step, in_shardings=(state_sharding, data_sharding), out_shardings=(state_sharding, None),
@@ -98,6 +98,43 @@ def test_lm1b_style_script_equals_one_device(mesh_of, one_device, spec):
     kernel = state.params["Dense_0"]["kernel"]
     if spec == "4x2":  # split over `model` as the rules say, kept so by out_shardings
         assert kernel.sharding.spec == P(None, "model") and kernel.addressable_shards[0].data.shape == (8, 8)
+
+
+@pytest.mark.extended  # ~3 s of CPU: the TinyLM compiled on another mesh
+def test_lm1b_style_script_on_an_fsdp_named_mesh_equals_one_device(one_device):
+    """lm1b's default mesh: ('data', 'fsdp', 'tensor') with every device on `fsdp` and the batch
+    on `data` (of size 1). `fsdp` splits the state and no batch, so it is laid out as jax.jit
+    lays it out; the parameters come back split over it, on the user's mesh."""
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]).reshape(1, 8, 1), ("data", "fsdp", "tensor"))
+    got, state = lm1b_port(mesh, [("batch", "data"), ("vocab", None), ("embed", "fsdp"), ("mlp", "tensor")])
+    want, params = one_device
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g["loss"], w["loss"], rtol=1e-5)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), state.params, params)
+    kernel = state.params["Dense_0"]["kernel"]  # ('embed', 'mlp'): embed -> fsdp
+    assert kernel.sharding.mesh == mesh and kernel.sharding.spec[0] == "fsdp"
+    assert kernel.addressable_shards[0].data.shape == (1, 16)
+
+
+def test_a_mesh_of_explicit_axes_is_one_line():
+    """jax.make_mesh's default axes are Explicit: flax's Dense over a split dimension names no
+    output sharding, and JAX's ShardingTypeError becomes one line with the fix (the state made
+    off the mesh: flax's own init refuses such a mesh in `jax.set_mesh` before dpjax is called)."""
+    mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(jax.sharding.AxisType.Explicit,) * 2)
+    variables = TinyLM().init(jax.random.key(0), np.zeros((1, LEN), np.int32))
+    boxed = TrainState.create(apply_fn=TinyLM().apply, params=variables["params"],
+                              tx=dpjax.DistributedOptimizer(optax.sgd(0.5)))
+    state_sharding = nn.logical_to_mesh_sharding(nn.get_partition_spec(boxed), mesh, RULES)
+    step = dpjax.jit(train_step, in_shardings=(state_sharding, NamedSharding(mesh, P("data"))),
+                     out_shardings=(state_sharding, None), static_argnums=2)
+    with nn.logical_axis_rules(RULES), pytest.raises(dpjax.UserError) as e:
+        step(jax.device_put(nn.unbox(boxed), state_sharding), next(batches()), 0.1)
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith("train_step: the mesh's 'data', 'model' axes are Explicit "
+                                              "(jax.make_mesh's default), so JAX asks each operation over a split "
+                                              "dimension for its output's sharding (")
+    assert msg.endswith("); make the mesh with axis_types=(jax.sharding.AxisType.Auto,) * 2, as code written for "
+                        "jax.jit's sharding propagation expects, or give those operations out_sharding="), msg
 
 
 def sgd_step(params, x, y, act, *, lr):

@@ -205,9 +205,9 @@ def explicit_axes(step: str, error: Exception, mesh) -> str:
         return f"{step}: {first}"
     n = len(mesh.axis_names)
     return (f"{step}: the mesh's {', '.join(map(repr, explicit))} axes are Explicit (jax.make_mesh's default), so JAX "
-            f"asks each operation over a split dimension for its output's sharding ({first[:160]}); make the mesh "
-            f"with axis_types=(jax.sharding.AxisType.Auto,) * {n}, as code written for jax.jit's sharding "
-            "propagation expects, or give those operations out_sharding=")
+            f"asks each operation over a split dimension for its output's sharding ({first.split('. ')[0][:160]}); "
+            f"make the mesh with axis_types=(jax.sharding.AxisType.Auto,) * {n}, as code written for jax.jit's "
+            "sharding propagation expects, or give those operations out_sharding=")
 
 
 _SHAPE = re.compile(r"\((\d+(?:, ?\d+)*),?\)|\[(\d+(?:, ?\d+)*)\]")

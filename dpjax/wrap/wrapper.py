@@ -49,7 +49,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from dpjax.errors import UserError
-from dpjax.mesh import data_axes, make_mesh
+from dpjax.mesh import data_axes, make_mesh, spec_axes
 from dpjax.wrap import annotations, arguments, call, checks, per_rank, program, reference
 from dpjax.wrap.replicas import FIRST_CALLS, ReplicaCheck, check_always
 
@@ -67,7 +67,8 @@ HINTS = {
                 "keep the optimizer in an nnx.Optimizer (shard_step gives that state a slot a rank), or run the "
                 "step in your own jax.shard_map and return the buffer with a leading axis split over {axis}",
     "output": "average it inside the step (jax.lax.pmean(x, {axis}), dpjax.allreduce_gradients, or "
-              "out_specs=\"mean\"), or, for one value per batch row, declare it split with out_specs=\"rows\"",
+              "out_specs=\"mean\"), sum it if it is a sum over this device's rows (dpjax.global_sum(x): a count, "
+              "a metric's total), or, for one value per batch row, declare it split with out_specs=\"rows\"",
 }
 # Copies that differ along `model` are not a missing average: each model rank computed from
 # its own shard of a split weight, and the partial results were never summed.
@@ -185,8 +186,11 @@ class ShardedStep:
             arguments.flax_nnx().update(a.nodes, a.state_def.unflatten(list(new_state)))
         if want is not None:  # the first call against one device's (`dpjax.wrap.reference`)
             # a metric's total and count add the devices' updates, one per device: its own ways, not compared
+            unsplit = [x for x in annotations.model_axes(mesh) if mesh.shape[x] > 1
+                       and not any(x in spec_axes(s) for s in a.specs)]
             reference.compare(self.__name__, want, out, a.nodes, [None if m.summed else m.name for m in a.meta[:a.k]],
-                              lambda names: self._check_replicas(out, new_state, a, names))
+                              lambda names: self._check_replicas(out, new_state, a, names),
+                              unsplit[0] if unsplit else None)
         if self.check is True or check_always() or (self.check in (None, "reference") and self.calls <= FIRST_CALLS):
             self._check_replicas(out, new_state, a)
         return out
