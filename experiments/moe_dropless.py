@@ -10,8 +10,16 @@ backend, and a MoE GPT's training tokens/s in both forms, side by side in one ru
    run alternately (capacity, dropless, capacity, ...), each run's tokens/s and the
    median per form; beside them each form's all-to-all bytes a device and layer from the
    cost model (dispatch and combine, forward and backward; dropless adds its counts).
+3. `--hf FAMILY` (mixtral or qwen3_moe): instead of 1 and 2, the tiny model of
+   tests/fixtures/FAMILY_tiny (transformers' own random weights, 8 experts, top 2)
+   trained in this process in four variants, dropless and capacity factor 1.25 on 8x1
+   (every expert on every device) and on data=2,expert=4, one step of each in turn
+   (`_bench.interleave`) from the same weights on the same batches: each variant's
+   median step time, tokens/s, the capacity form's share of choices dropped, and the
+   ratio of each to the capacity form on its layout (the same-round paired ratio too).
 
     python experiments/moe_dropless.py             # the RESULTS.md figures
+    python experiments/moe_dropless.py --hf mixtral --rounds 15
     python experiments/moe_dropless.py --smoke     # tiny, one run of each form
 """
 
@@ -38,6 +46,9 @@ from dpjax.models import moe, moe_dropless  # noqa: E402
 ROOT = _bench.ROOT
 
 
+LAYOUTS = ("8x1", "data=2,expert=4")
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -50,10 +61,18 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, default=60, help="part 2: training steps a run")
     p.add_argument("--runs", type=int, default=2, help="part 2: runs of each form, alternating")
     p.add_argument("--only", choices=("matmul", "train"), default=None)
-    _bench.add_smoke(p, "256 rows, 2 repetitions, one 3-step run of each form")
+    p.add_argument("--hf", choices=("mixtral", "qwen3_moe"), default=None,
+                   help="part 3 alone: the fixture's model, both forms on 8x1 and data=2,expert=4")
+    p.add_argument("--rounds", type=int, default=15, help="part 3: timed rounds (a step of each variant each)")
+    p.add_argument("--batch-size", type=int, default=64, help="part 3: global batch (rows)")
+    p.add_argument("--seq-len", type=int, default=32, help="part 3: tokens a row")
+    _bench.add_smoke(p, "256 rows, 2 repetitions, one 3-step run of each form; --hf: 2 rounds of batch 16 on "
+                        "data=2,expert=4 alone (8x1's step is the same code without the all-to-alls)")
     args = p.parse_args(argv)
+    args.layouts = LAYOUTS
     if args.smoke:
         args.rows, args.reps, args.steps, args.runs = 256, 2, 3, 1
+        args.rounds, args.batch_size, args.layouts = 2, 16, LAYOUTS[1:]
     return args
 
 
@@ -112,8 +131,84 @@ def train(args, form: str) -> float:
     return float(re.search(r"([\d.,]+) tokens/s", last).group(1).replace(",", ""))
 
 
+def hf_steps(args) -> dict:
+    """{(layout, form): (step(round) -> seconds, dropped shares)}: the fixture's model in
+    each form on each layout, from the same weights, on round r's batch (drawn before the
+    timing starts)."""
+    import dataclasses
+    import os
+
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from dpjax import make_mesh
+    from dpjax import step as S
+    from dpjax.hf.load import load_params, model_from_hf
+    from dpjax.mesh import data_axes
+    from dpjax.optim import OptimizerConfig
+    from dpjax.sharding import make_layout
+
+    folder = os.path.join(ROOT, "tests", "fixtures", f"{args.hf}_tiny")
+    base, _ = model_from_hf(folder, seq_len=args.seq_len)
+    rng = np.random.default_rng(0)
+    batches = rng.integers(0, base.config.vocab_size, (args.rounds + 1, 1, args.batch_size, args.seq_len + 1))
+    steps = {}
+    for spec in args.layouts:
+        mesh = make_mesh(spec, jax.devices()[:8])
+        for form in ("capacity", "dropless"):
+            model = type(base)(dataclasses.replace(base.config, moe=form, capacity_factor=1.25))
+            layout = make_layout(model, mesh)
+            step = S.for_model(model, layout, global_batch=args.batch_size,
+                               opt=OptimizerConfig(name="momentum", lr=0.1), donate=False)
+            put = NamedSharding(mesh, P(None, data_axes(mesh)))
+            held = {"state": step.init(load_params(folder, model, layout)), "dropped": []}
+            placed = [jax.device_put(b.astype(np.int32), put) for b in batches]
+
+            def one(r, step=step, held=held, placed=placed):
+                params, state = held["state"]
+                out = jax.block_until_ready(step.train(params, state, placed[r]))
+                held["state"] = out[:2]
+                if len(out) > 3:  # the model's figures: router losses, share of choices dropped
+                    held["dropped"].append(float(out[3]["dropped"]))
+                return None
+
+            steps[(spec, form)] = (one, held["dropped"])
+    return steps
+
+
+def hf_rows(args) -> list[dict]:
+    """Part 3: the interleaved step times of the four variants, and their table."""
+    steps = hf_steps(args)
+    N = args.batch_size * args.seq_len
+    before = _bench.load_avg()
+    t0 = time.perf_counter()
+    for fn, _ in steps.values():  # the compiles, and round 0's step, untimed
+        fn(args.rounds)
+    print(f"compiled {len(steps)} steps in {time.perf_counter() - t0:.0f} s", flush=True)
+    times = _bench.interleave({key: fn for key, (fn, _) in steps.items()}, args.rounds)
+    after = _bench.load_avg()
+    print(f"{args.hf} (tests/fixtures/{args.hf}_tiny), global batch {args.batch_size} x {args.seq_len} tokens, "
+          f"{args.rounds} interleaved rounds on {_bench.machine()}; load {before:.1f} before, {after:.1f} after")
+    print("| layout | form | median step ms (p25-p75) | tokens/s | x capacity (medians) | x capacity (paired) | "
+          "choices dropped |")
+    print("|---|---|---:|---:|---:|---:|---:|")
+    rows = []
+    for (spec, form), (_, dropped) in steps.items():
+        base = times[(spec, "capacity")]
+        ms = _bench.summary_ms(times[(spec, form)], base)
+        r = {"layout": spec, "form": form, **ms, "tokens_per_s": N / (ms["median_ms"] / 1e3),
+             "dropped": statistics.median(dropped) if dropped else 0.0}
+        rows.append(r)
+        print(f"| {spec} | {form} | {ms['median_ms']:.0f} ({ms['p25_ms']:.0f}-{ms['p75_ms']:.0f}) | "
+              f"{r['tokens_per_s']:,.0f} | {ms['ratio']:.2f} | {ms['paired_ratio']:.2f} | {r['dropped']:.1%} |")
+    return rows
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.hf:
+        hf_rows(args)
+        return 0
     if args.only in (None, "matmul"):
         matmul_rows(args)
     if args.only in (None, "train"):

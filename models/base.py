@@ -184,6 +184,14 @@ class Decoder(ByteModel, abc.ABC):
         """The K/V heads a context axis's ring carries (grouped-query attention has fewer)."""
         return self.config.n_heads
 
+    @property
+    def cache_window(self) -> int | None:
+        """W when every layer attends over the last W positions only (Mistral's sliding
+        window): the KV cache then keeps W positions a layer, a ring (`dpjax.generate.cache`),
+        as HuggingFace's and vLLM's do; None: every position (a model with full-attention
+        layers, Gemma's global ones among them)."""
+        return None
+
     def model_splits(self) -> tuple[int, ...]:
         c = self.config
         return (c.n_heads, c.d_ff, c.vocab_size)

@@ -159,6 +159,10 @@ class Llama(Decoder):
         return None
 
     @property
+    def cache_window(self) -> int | None:
+        return self.window  # every layer's: the cache keeps that many positions
+
+    @property
     def head_dim(self) -> int:
         return self.config.head_width
 

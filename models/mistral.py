@@ -9,7 +9,8 @@ context axis's ring and all-gather: `dpjax.compute.attention`).
 
 Generation: `dpjax.generate` decodes a Mistral with the KV cache, the window in the
 cache's mask (the layers' attention core comes from `Decoder.attention`), so a continuation
-longer than the window is right (tests/test_mistral.py: transformers' greedy output).
+longer than the window is right (tests/test_mistral.py: transformers' greedy output). The
+cache is a ring of W positions a layer (`cache_window`), not the sequence's length.
 """
 
 from __future__ import annotations

@@ -41,6 +41,7 @@ MODES = {
     "dtype_curves.py": [[], ["--dtypes", "bfloat16", "fp8"]],
     "gpu_yardstick.py": [[], ["--fp8"], ["--remats", "auto,none", "--hlo"]],
     "pack_throughput.py": [[], ["--no-speed"]],  # the efficiency part alone: numpy, no compile (fast)
+    "moe_dropless.py": [[], ["--hf", "mixtral"]],  # in-process: 4 Mixtral steps compiled, 2 rounds
 }
 # The slowest smoke runs (20-60 s each on 2 shared cores: each compiles a dozen or more
 # training steps); the fast set keeps one run of each script.

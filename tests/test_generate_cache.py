@@ -1,12 +1,12 @@
-"""The KV cache with a sliding window: a grouped-query Llama whose layers attend over the
-last 3 keys (set through `Decoder.attention`, the hook every layer takes its attention
-core from: the training kernel, or the cache's while decoding) gives the windowed full
-forward's logits through the cache (a prompt of 5, then a token a step to 8: positions
-past the window). The windowed full forward is checked against numpy's masks in
-tests/test_pack_attention.py; the GPT's cache in tests/test_generate_checkpoint.py, the
-plain Llama's in tests/test_generate.py. A Gemma (local and global layers, the window picked
-by each layer's index inside the scan, soft-capped scores) through the cache equals its
-full forward too; tests/test_gemma.py checks its cached greedy output against transformers'.
+"""The KV cache with a sliding window: a grouped-query Mistral whose layers attend over the
+last 3 keys gives the windowed full forward's logits through the cache, a ring of 3
+positions a layer (a prompt of 5, then a token a step to 8: positions past the window and
+the ring's places written over; a prompt of 2, shorter than the ring, too). The windowed
+full forward is checked against numpy's masks in tests/test_pack_attention.py; the GPT's
+cache in tests/test_generate_checkpoint.py, the plain Llama's in tests/test_generate.py. A
+Gemma (local and global layers, a full cache, the window picked by each layer's index
+inside the scan, soft-capped scores) through the cache equals its full forward too;
+tests/test_gemma.py and test_mistral.py check their cached greedy output against transformers'.
 """
 
 import jax
@@ -15,17 +15,6 @@ import numpy as np
 
 from dpjax.generate import cache as kv
 from dpjax.models import get_model
-from dpjax.models.llama import Llama
-
-WINDOW = 3
-
-
-class WindowedLlama(Llama):
-    """A Llama whose every layer attends over the last WINDOW keys (Mistral's sliding window)."""
-
-    def attention(self, par, segments=None):
-        core = super().attention(par, segments)
-        return lambda q, k, v, window=None: core(q, k, v, window=WINDOW)
 
 
 def cached_logits(model, params, ids, prefill: int):
@@ -54,13 +43,16 @@ def _close(got, want):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
 
 
-def test_a_windowed_llama_cache_equals_its_full_forward():
-    """Grouped-query heads (4 query heads, 2 K/V), every layer's window of 3."""
-    windowed = WindowedLlama(get_model("llama", vocab_size=256, seq_len=16, d_model=16, n_layers=1, n_heads=4,
-                                       n_kv_heads=2, d_ff=32).config)
-    params = random_params(windowed, 4)
-    full_windowed = np.asarray(jax.jit(windowed.apply)(params, IDS))
-    _close(cached_logits(windowed, params, IDS, 5), full_windowed)
+def test_a_mistral_ring_cache_equals_its_full_forward():
+    """Grouped-query heads (4 query heads, 2 K/V), every layer's window of 3: the cache
+    keeps 3 positions a layer, not the sequence's 8."""
+    mistral = get_model("mistral", vocab_size=256, seq_len=16, d_model=16, n_layers=2, n_heads=4, n_kv_heads=2,
+                        d_ff=32, sliding_window=3)
+    assert kv.empty(mistral, 2, IDS.shape[1])[kv.K_CACHE].shape == (2, 2, 3, 2, 4)
+    params = random_params(mistral, 4)
+    full_windowed = np.asarray(jax.jit(mistral.apply)(params, IDS))
+    for prefill in (5, 2):
+        _close(cached_logits(mistral, params, IDS, prefill), full_windowed)
 
 
 def test_a_gemma_cache_equals_its_full_forward():

@@ -135,7 +135,7 @@ def _train(mesh: str, metrics: str, family: str, data: str, *extra) -> list[floa
     cmd = [sys.executable, "-m", "dpjax.train", "--init-from", f"hf:{FIXTURES[family]}", "--mesh", mesh,
            "--data", data, "--vocab-size", "64",
            "--steps", "5", "--batch-size", "8", "--seq-len", "16", "--eval-every", "0",
-           "--progress", "none", "--lr", "1e-3", "--metrics", metrics, *extra]
+           "--progress", "none", "--optimizer", "momentum", "--lr", "0.1", "--metrics", metrics, *extra]
     r = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": ROOT}, cwd=ROOT,
                        timeout=1200)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -146,9 +146,10 @@ def _train(mesh: str, metrics: str, family: str, data: str, *extra) -> list[floa
 @pytest.mark.slow  # two training runs in processes (~2 min under load)
 @pytest.mark.parametrize("family", list(FIXTURES))
 def test_five_steps_on_data2_expert4_equal_8x1(family, tmp_path):
-    """5 AdamW steps from the imported checkpoint on data=2,expert=4 (2 experts a device,
-    tokens dispatched by the dropless all-to-alls) and on 8x1 (every expert everywhere):
-    finite, falling losses, equal within 1e-5."""
+    """5 steps of Nesterov momentum (as the cards train: AdamW's lr g / (|g| + eps) turns
+    round-off in a gradient near eps into ~1e-5) from the imported checkpoint on
+    data=2,expert=4 (2 experts a device, tokens dispatched by the dropless all-to-alls) and
+    on 8x1 (every expert everywhere): finite, falling losses, equal within 1e-5."""
     data = tokens(tmp_path / "tokens.bin")
     split = _train("data=2,expert=4", str(tmp_path / "ep.jsonl"), family, data)
     whole = _train("8x1", str(tmp_path / "dp.jsonl"), family, data)
