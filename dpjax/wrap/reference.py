@@ -166,23 +166,29 @@ def compare(step: str, want: tuple[dict, list], out, nodes, names, replicas, uns
     others = [bad[r[2]][1] for r in ranked[1:]]
     more = f"; {len(others)} more differ ({', '.join(others[:3])}{', ...' if len(others) > 3 else ''})" \
         if others else ""
+    cause = _likely_cause(name, differ, unsplit_model, name in split)
+    raise ReferenceError(f"{step}: check=\"reference\": {name} {tuple(w.shape)} differs from the one-device run of "
+                         f"the same batch and state: max |difference| {gap:.3g} (largest |value| "
+                         f"{float(np.max(np.abs(w))) if w.size else 0.0:.3g}){more}; likely cause: {cause}")
+
+
+def _likely_cause(name: str, differ: str | None, unsplit_model: str | None, split: bool) -> str:
+    """Why leaf `name` differs from the one-device run: copies that differ across devices (differ:
+    the replica check's words), a model axis that splits no parameter, a leaf split over the data
+    axes (no copies to compare), else the same wrong value on every device."""
     rows = ("a value of this device's rows was used as the global batch's: a loss normalised by this device's count "
             "(sum(loss * w) / sum(w): use dpjax.weighted_mean(loss, w), or divide by dpjax.global_sum(...)), or a mean "
             "over this device's rows where the batch's was meant")
     if differ:
-        cause = f"the devices' copies differ: {differ}"
+        return f"the devices' copies differ: {differ}"
     elif unsplit_model is not None:  # every rank of the axis holds the whole weight its layers treat as a block
-        cause = (f"the parameters are not split as annotated: the mesh's {unsplit_model!r} axis splits none of them "
-                 f"(boxes unboxed with nn.meta.unbox, or no in_specs), so each of its devices holds whole weights, "
-                 f"and a sum of partial products over {unsplit_model!r} (dpjax.compute.tensor_parallel."
-                 f"reduce_from_model, a row-parallel layer) adds the whole product once per device; keep the boxes, "
-                 f"or pass in_specs")
-    elif name in split:  # no copies to agree or differ: each device its own block
-        cause = (f"{name} is split over the data axes, so each device computed its own block, and no copies compare: "
-                 "a gradient not averaged over the data axes before this device's block was taken (jax.lax.pmean, "
-                 f"dpjax.allreduce_gradients), or {rows}")
-    else:
-        cause = f"the devices agree with one another and all differ from one device, so {rows}"
-    raise ReferenceError(f"{step}: check=\"reference\": {name} {tuple(w.shape)} differs from the one-device run of "
-                         f"the same batch and state: max |difference| {gap:.3g} (largest |value| "
-                         f"{float(np.max(np.abs(w))) if w.size else 0.0:.3g}){more}; likely cause: {cause}")
+        return (f"the parameters are not split as annotated: the mesh's {unsplit_model!r} axis splits none of them "
+                f"(boxes unboxed with nn.meta.unbox, or no in_specs), so each of its devices holds whole weights, "
+                f"and a sum of partial products over {unsplit_model!r} (dpjax.compute.tensor_parallel."
+                f"reduce_from_model, a row-parallel layer) adds the whole product once per device; keep the boxes, "
+                f"or pass in_specs")
+    elif split:  # no copies to agree or differ: each device its own block
+        return (f"{name} is split over the data axes, so each device computed its own block, and no copies compare: "
+                "a gradient not averaged over the data axes before this device's block was taken (jax.lax.pmean, "
+                f"dpjax.allreduce_gradients), or {rows}")
+    return f"the devices agree with one another and all differ from one device, so {rows}"
