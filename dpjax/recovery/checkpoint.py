@@ -271,26 +271,6 @@ FILESYSTEM_REFUSALS = ("os_error_code=", "No space left on device", "Read-only f
 _QUIET = _QuietFilesystemErrors()
 
 
-def compression_split(compression, mesh, fsdp: bool = False, shards=None) -> dict:
-    """The mesh axis sizes the compression state's shapes depend on, {} for none: the
-    model and stage sizes for a method with state of its own (PowerSGD's Q, one per
-    shard); under FSDP with error feedback, every axis (one full-size buffer a device);
-    in the per-shard form (`shards`), the axes of its slots (a device's own shard)."""
-    from dpjax.compression import parse
-    from dpjax.mesh import NOT_DATA
-
-    spec = parse(compression)
-    if spec is None:
-        return {}
-    if fsdp and spec.method.stateful and spec.ef:
-        return dict(mesh.shape)
-    if shards is not None and spec.method.stateful:
-        return {a: mesh.shape[a] for a in shards.slot}
-    if spec.method.init is None:
-        return {}
-    return {a: n for a, n in mesh.shape.items() if a in NOT_DATA and n > 1}
-
-
 # Record keys added after checkpoints were made without them, and the value those runs had:
 # a checkpoint that lacks one resumes where the current run has that value.
 ADDED_LATER = {"optimizer": {"lr_schedule": "constant", "min_lr": 0.0, "decay_start": None, "decay_steps": 0}}
