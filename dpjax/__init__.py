@@ -80,13 +80,8 @@ def _models_beside_the_package():
 _models_beside_the_package()
 
 from dpjax import collectives
-from dpjax.data_parallel import (
-    DistributedOptimizer,
-    allreduce_gradients,
-    broadcast_params,
-    process_rows,
-    shard_batch,
-)
+from dpjax.data_parallel import (DistributedOptimizer, allreduce_gradients, broadcast_params, process_rows,
+                                 shard_batch)
 from dpjax.wrap.wrapper import shard_step
 from dpjax.wrap.jit import jit
 from dpjax.wrap.global_batch import global_sum, weighted_mean
@@ -100,7 +95,8 @@ from dpjax import sharding_rules, updates
 from dpjax.compute import attention, stack
 from dpjax.compute.policy import Policy
 from dpjax.updates import delayed_gradients
-from dpjax.step import Exchange, make_update_step
+from dpjax.compression import Exchange  # re-exported from its one address
+from dpjax.step import make_update_step
 from dpjax import horovod
 
 __all__ = [

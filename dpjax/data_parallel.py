@@ -29,8 +29,7 @@ from jax.sharding import PartitionSpec as P
 
 from dpjax import collectives
 from dpjax.collectives.ranks import axis_size
-from dpjax.compression import check as check_compression
-from dpjax.compression.exchange import Exchange
+from dpjax.compression import Exchange
 from dpjax.fusion import pack, plan_buckets, unpack
 from dpjax.mesh import DATA, NOT_DATA, bound, data_axes
 from dpjax.wrap.rng import bound_data_axes
@@ -102,8 +101,7 @@ def DistributedOptimizer(inner: optax.GradientTransformation, axis_name="data", 
     (`dpjax.wrap.per_rank`); in your own shard_map, return it that way.
     """
     collectives.check_algorithm(algorithm)
-    check_compression(compression)
-    ex = Exchange(algorithm, fusion_mb, compression, options)
+    ex = Exchange(algorithm, fusion_mb, compression, options)  # a bad compression: one line here
     keeps_state = axis_name is not None and ex.keeps_state(axis_name)
     _check_arguments(compression, keeps_state, options, backward_passes_per_step, gradient_predivide_factor, op,
                      algorithm)

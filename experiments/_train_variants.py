@@ -32,7 +32,8 @@ def make_steps(model, mesh, *, global_batch: int, opt, algorithm: str = "ring", 
 
     from dpjax import step as S
     from dpjax.mesh import data_axes
-    from dpjax.plan import Exchange, for_layout
+    from dpjax.compression import Exchange
+    from dpjax.plan import for_layout
     from dpjax.sharding import make_layout
     from dpjax.updates import make_rule
 

@@ -25,7 +25,8 @@ from dpjax import step as S  # noqa: E402
 from dpjax.data import make_streams  # noqa: E402
 from dpjax.mesh import dp_size, make_mesh, parse_axes  # noqa: E402
 from dpjax.models import get_model  # noqa: E402
-from dpjax.plan import Exchange, per_shard, resolve  # noqa: E402
+from dpjax.compression import Exchange  # noqa: E402
+from dpjax.plan import per_shard, resolve  # noqa: E402
 from dpjax.settings import Settings  # noqa: E402
 
 DATE = time.strftime("%Y-%m-%d")

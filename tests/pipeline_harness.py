@@ -147,11 +147,12 @@ def built(mesh, n_layers, pipe, update="sync", workers=(), fsdp=False, algorithm
     """(layout, step) of the sync (or `update`) step with RecordingSGD, built once per
     configuration: tests that train the same configuration share its compiled program."""
     from dpjax import step as S
+    from dpjax.compression import Exchange
 
     model = tiny(n_layers)
     layout = make_layout(model, mesh, pipeline=pipe, fsdp=fsdp, workers=workers, fsdp_algorithm=algorithm)
     step = S.for_model(model, layout, global_batch=B, opt=RecordingSGD(), donate=False, update=update,
-                       exchange=S.Exchange(algorithm))
+                       exchange=Exchange(algorithm))
     return layout, step
 
 

@@ -179,7 +179,7 @@ def test_adasum_needs_the_butterfly_and_floats(mesh_of):
 def test_an_exchange_whose_options_name_adasum_reduces_with_it(mesh_of, put):
     """`Exchange(options={"op": "adasum"})` (how the rules and the Adasum experiment ask for it) reduces
     with Adasum, bit for bit the collective's; an explicit `op=` still wins."""
-    from dpjax.compression.exchange import Exchange
+    from dpjax.compression import Exchange
 
     mesh = mesh_of("data=8", 8)
     x = np.random.default_rng(3).standard_normal((8, 6)).astype(np.float32)

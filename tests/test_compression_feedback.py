@@ -23,7 +23,7 @@ import dpjax.horovod as hvd
 from dpjax import compression
 from dpjax.collectives.cost import hlo_comm
 from dpjax.compression import powersgd, quantise
-from dpjax.compression.exchange import Exchange
+from dpjax.compression import Exchange
 from dpjax.data_parallel import DistributedOptimizer, allreduce_gradients
 
 from conftest import assert_resumes_bit_for_bit, tiny_gpt

@@ -18,7 +18,7 @@ from jax.sharding import PartitionSpec as P
 from dpjax import compression
 from dpjax.collectives.cost import hlo_comm
 from dpjax.compression import randk, sharded
-from dpjax.compression.exchange import Exchange
+from dpjax.compression import Exchange
 from dpjax.compression.feedback import State
 from dpjax.compression.topk import count
 
@@ -133,7 +133,8 @@ def test_training_equals_an_unsharded_reference(mesh_of):
     destination shard (`randk.shard_indices`, key(1)), not per fusion bucket as the
     allreduce's random-k draws them, so it is not the non-FSDP randk run."""
     from dpjax import step as S
-    from dpjax.plan import Exchange, for_layout
+    from dpjax.compression import Exchange
+    from dpjax.plan import for_layout
     from dpjax.sharding import layout_from_specs
     from dpjax.compute.tensor_parallel import DENSE
 
@@ -222,12 +223,12 @@ def test_the_error_buffer_is_counted_where_it_lives():
     from dpjax.plan import memory
 
     plan = _plan(mesh="8x1", fsdp=True, compression="randk:0.1")
-    need = memory.estimate(plan.model, plan.layout, plan.global_batch, plan.exchange.compression)
+    need = memory.estimate(plan.model, plan.layout, plan.global_batch, plan.exchange)
     assert all(d >= 0 for d in jax.tree.leaves(plan.layout.gather_dims))
     assert need["error"] == 8 * need["params"] > 0
     assert plan.describe()["compression_error_buffer"]["bytes_per_device"] == need["error"]
     plain = _plan(mesh="8x1", fsdp=True, compression="randk:0.1,ef=0")
-    assert memory.estimate(plain.model, plain.layout, 16, plain.exchange.compression)["error"] == 0
+    assert memory.estimate(plain.model, plain.layout, 16, plain.exchange)["error"] == 0
     from dpjax.errors import UserError
 
     with pytest.raises(UserError, match=re.escape("--fsdp with --compression randk:0.1 and a stage axis")):

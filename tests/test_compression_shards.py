@@ -20,7 +20,7 @@ from jax.sharding import PartitionSpec as P
 from dpjax import compression
 from dpjax.collectives.cost import hlo_comm
 from dpjax.compression import randk, topk
-from dpjax.compression.exchange import Exchange
+from dpjax.compression import Exchange
 from dpjax.compression.shards import Shards, shard_shape
 from dpjax.fusion import plan_buckets
 from dpjax.plan import UsageError

@@ -15,7 +15,7 @@ import pytest
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from dpjax.compression.exchange import Exchange
+from dpjax.compression import Exchange
 from dpjax.compression.shards import Shards
 
 SHAPES = {"b": (40,), "w": (12, 40)}

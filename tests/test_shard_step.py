@@ -141,7 +141,7 @@ def test_dpjax_train_checks_its_step_under_dpjax_check(monkeypatch):
     """dpjax.train's Trainer with DPJAX_CHECK=1: silent on a correct step; with the gradient
     average taken out of dpjax's step builder, an AssertionError (our bug: a traceback)
     naming a parameter."""
-    from dpjax.compression.exchange import Exchange
+    from dpjax.compression import Exchange
     from dpjax.train import Settings, Trainer
 
     monkeypatch.setenv("DPJAX_CHECK", "1")

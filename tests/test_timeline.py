@@ -17,6 +17,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from dpjax import step as S
+from dpjax.compression import Exchange
 from dpjax import timeline
 from dpjax.collectives.cost import hlo_comm, schedule
 from dpjax.data import make_streams
@@ -33,7 +34,7 @@ PROFILED = (5, 6)
 def _mlp_step(mesh):
     model = get_model("mlp", seq_len=16)
     layout = make_layout(model, mesh)
-    return model, layout, S.for_model(model, layout, global_batch=16, exchange=S.Exchange("ring", FUSION_MB))
+    return model, layout, S.for_model(model, layout, global_batch=16, exchange=Exchange("ring", FUSION_MB))
 
 
 @pytest.fixture(scope="module")

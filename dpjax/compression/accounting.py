@@ -16,6 +16,7 @@ import numpy as np
 from dpjax.collectives import cost
 from dpjax.collectives.cost import schedule
 from dpjax.compression import sharded
+from dpjax.compression.exchange import Form
 from dpjax.compression.grammar import parse
 from dpjax.compression.shards import shard_shape
 from dpjax.fusion import plan_buckets
@@ -57,7 +58,7 @@ def exchange_bytes(plan, compression="plan") -> tuple[tuple, int]:
     reduce-scatters' (`sharded.wire_bytes`). The compiled program matches both."""
     compression = plan.exchange.compression if compression == "plan" else compression
     axes, n, shapes, opts = _exchange(plan)
-    if sharded.applies(plan.layout, plan.exchange.compression):
+    if plan.exchange.form is Form.FSDP:
         abstract = jax.eval_shape(lambda k: plan.layout.store(plan.model.init(k)), jax.random.key(0))
         local, dims = sharded.local_shapes(plan.layout, abstract)
         return plan.layout.inner_axes, sharded.wire_bytes(local, dims, sharded.dp(plan.layout), compression,
@@ -91,7 +92,7 @@ def warning(plan) -> str | None:
     if not links:
         return None
     plain = exchange_bytes(plan, None)[1]
-    n = _exchange(plan)[1] if not sharded.applies(plan.layout, ex.compression) else sharded.dp(plan.layout)
+    n = sharded.dp(plan.layout) if ex.form is Form.FSDP else _exchange(plan)[1]
     steps = cost.schedule(ex.algorithm, n, 1, **ex.options).total_steps
     link = max(links, key=lambda x: x.latency + plain / x.bandwidth)
     exact_s, compressed_s = (steps * link.latency + b / link.bandwidth for b in (plain, packed))

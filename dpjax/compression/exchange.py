@@ -18,6 +18,11 @@ workers (`dpjax.updates`, 1-bit Adam's too), FSDP's compressed reduce-scatter
     FSDP        `reduce_scatter_mean` (`sharded.py`): each device's full local gradient,
                 reduce-scattered onto its shards through a linear method with error feedback
 
+`Exchange.form` is the one answer to which of these applies (`Form`: plain, feedback or
+FSDP; the per-shard form is `shards` beside it), computed here when the exchange is made
+and set for a layout once by the plan (`placed`): the plan, the step builder, the rules,
+the memory estimate and the checkpoints read it and ask nothing else of the compression.
+
 The state (`feedback.State`: the exchange count, each rank's error buffer, the method's
 own such as PowerSGD's Q) differs between ranks; the rules keep it in theirs (`init`,
 `specs`), per worker, so checkpoints hold it. An exchange keeps state only over some
@@ -27,6 +32,7 @@ axes and with a method that has it (`keeps_state`); otherwise its state is ().
 from __future__ import annotations
 
 import dataclasses
+import enum
 from dataclasses import dataclass, field
 
 from jax import lax
@@ -37,11 +43,19 @@ from dpjax.collectives.ranks import axis_size
 from dpjax.compression import feedback, sharded, shards
 from dpjax.compression.grammar import Spec, check, parse, summable
 from dpjax.compression.shards import Shards
-from dpjax.mesh import as_axes, axis_arg
+from dpjax.mesh import NOT_DATA, as_axes, axis_arg
 
 # The defaults of a run's exchange (and the autotune's baseline for a knob set to `auto`)
 DEFAULT_ALGORITHM, DEFAULT_FUSION_MB = "ring", 64.0
 _OWN = ("algorithm", "fusion_mb", "compression")
+
+
+class Form(enum.Enum):
+    """Which form a gradient's exchange takes (the module docstring): `Exchange.form`."""
+
+    PLAIN = "plain"  # no compression, or a cast summed on the wire: stateless
+    FEEDBACK = "feedback"  # a method with error feedback between the workers (per shard where `shards` is given)
+    FSDP = "fsdp"  # FSDP's reduce-scatter through a linear method with error feedback (no worker axes)
 
 
 @dataclass(frozen=True)
@@ -54,7 +68,10 @@ class Exchange:
     `outer_algorithm` for hierarchical, `groups`); compress_axes: the axes whose exchange
     alone is compressed (--compress-axes), None: every exchange for a cast, the workers'
     for a method with error feedback; shards: the per-shard form across the workers
-    (`shards.Shards`), or None."""
+    (`shards.Shards`), or None; fsdp: the gradient's exchange is FSDP's reduce-scatter over
+    every data axis (FSDP without worker axes: `placed`). form: which form it takes
+    (`Form`), made from these when the exchange is (a bad compression is a one-line
+    ValueError then)."""
 
     algorithm: str = DEFAULT_ALGORITHM
     fusion_mb: float = DEFAULT_FUSION_MB
@@ -62,6 +79,25 @@ class Exchange:
     options: dict[str, object] = field(default_factory=dict)
     compress_axes: tuple[str, ...] | None = None
     shards: Shards | None = None
+    fsdp: bool = False
+    form: Form = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self):
+        spec = parse(self.compression)
+        stateless = spec is None or not spec.method.stateful  # a cast is summed on the wire as it is
+        object.__setattr__(self, "form", Form.PLAIN if stateless else Form.FSDP if self.fsdp else Form.FEEDBACK)
+
+    def placed(self, fsdp: bool, workers) -> "Exchange":
+        """This exchange on a layout with (or without) FSDP and these worker axes: what sets
+        its form for a plan (a method with error feedback rides FSDP's reduce-scatter
+        when FSDP spans every data axis, no worker axes taking the compressed exchange)."""
+        return dataclasses.replace(self, fsdp=bool(fsdp) and not as_axes(workers))
+
+    def per_worker(self, fsdp: bool) -> bool:
+        """Whether this exchange makes every data rank a worker when none are named: its
+        form between workers keeps each worker's error buffer (under FSDP, with no workers,
+        the reduce-scatter carries it instead)."""
+        return self.placed(fsdp, ()).form is Form.FEEDBACK
 
     @classmethod
     def of(cls, exchange: "Exchange | None" = None, **allreduce) -> "Exchange":
@@ -94,8 +130,7 @@ class Exchange:
     def between_workers_only(self) -> bool:
         """Whether only the exchange between workers is compressed (a method with error
         feedback, or --compress-axes): the mean inside a worker is then exact."""
-        spec = self.spec
-        return self.compress_axes is not None or (spec is not None and spec.method.stateful)
+        return self.compress_axes is not None or self.form is not Form.PLAIN
 
     @property
     def wire(self):
@@ -104,8 +139,46 @@ class Exchange:
 
     def keeps_state(self, axes) -> bool:
         """Whether the mean over `axes` carries state (error feedback: some axes and a method with it)."""
+        return bool(as_axes(axes)) and self.form is not Form.PLAIN
+
+    @property
+    def unfit(self) -> str | None:
+        """Why this exchange cannot run in its form, None when it can: FSDP's reduce-scatter
+        sums what crosses, so only a linear method (`Method.reduce_scatter`) rides it; the
+        others say why they are not (`Method.nonlinear`)."""
         spec = self.spec
-        return bool(as_axes(axes)) and spec is not None and spec.method.stateful
+        if self.form is Form.FSDP and spec is not None and spec.method.reduce_scatter is None:
+            return spec.method.nonlinear
+        return None
+
+    @property
+    def error_buffers(self) -> bool:
+        """Whether its state holds error buffers (a form with state, error feedback on)."""
+        spec = self.spec  # None only in the plain form
+        return self.form is not Form.PLAIN and spec is not None and spec.ef
+
+    @property
+    def summed(self):
+        """The method a one-off reduction (an allreduce, a reduce-scatter) sums on the wire
+        (a cast), None for none; a method with state is a one-line ValueError."""
+        return summable(self.compression)
+
+    def split(self, mesh, fsdp: bool = False) -> dict:
+        """The mesh axis sizes the shapes of its state depend on, {} for none (what a
+        checkpoint must match to resume): the model and stage sizes for a method with
+        state of its own (PowerSGD's Q, one per shard); with --fsdp and error feedback,
+        every axis (one full-size buffer a device); in the per-shard form, the axes of its
+        slots (a device's own shard)."""
+        spec = self.spec
+        if spec is None:
+            return {}
+        if fsdp and self.error_buffers:
+            return dict(mesh.shape)
+        if self.shards is not None and self.form is not Form.PLAIN:
+            return {a: mesh.shape[a] for a in self.shards.slot}
+        if spec.method.init is None:
+            return {}
+        return {a: n for a, n in mesh.shape.items() if a in NOT_DATA and n > 1}
 
     # --- related exchanges ---------------------------------------------------------------
 
@@ -182,7 +255,7 @@ class Exchange:
         options.pop("op", None)
         with scopes.phase("exchange"):  # every exchange passes here (dpjax.scopes, dpjax.timeline)
             return grouped.allreduce(tree, axis, op=op, fusion_mb=self.fusion_mb,
-                                     compression=summable(self.compression), algorithm=self.algorithm,
+                                     compression=self.summed, algorithm=self.algorithm,
                                      prescale_factor=prescale_factor, postscale_factor=postscale_factor,
                                      **options)
 

@@ -1,4 +1,5 @@
-"""The `--compression` grammar: `name[:N][,key=VALUE]...`, e.g. `powersgd:4,start=100,ef=0`.
+"""The `--compression` grammar: `name[:N][,key=VALUE]...`, e.g. `powersgd:4,start=100,ef=0`
+(`dpjax.registry.Spelling`, the grammar `--update` is written in too).
 
     name      a registered method (`registry.names()`), or none
     N         the method's number when it takes one (`Method.number`): PowerSGD's rank R,
@@ -25,6 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from dpjax.compression import registry
+from dpjax.registry import Spelling
 
 OPTIONS = ("ef", "start", "refresh", "bound")
 _OPTIONS_TEXT = "ef=0|1, start=S, refresh=R and bound=C"
@@ -72,13 +74,13 @@ def parse(text) -> Spec | None:
         return text if isinstance(text, Spec) else None
     if not isinstance(text, str):
         raise ValueError(f"compression must be a name such as 'powersgd:4', got {text!r}")
-    head, *opts = [p.strip() for p in text.split(",")]
-    name, colon, number = head.partition(":")
+    spelling = Spelling.of(text)
+    name, number = spelling.name, spelling.number
     method = registry.get(name)
     if method is None:
         choices = ("none", *registry.names())
         raise ValueError(f"unknown compression {text!r}; choose {', '.join(choices[:-1])} or {choices[-1]}")
-    if method.number is None and (number or colon):
+    if method.number is None and number is not None:
         raise ValueError(f"compression {name!r} takes no number, got {text!r}")
     value = None
     if method.number is not None:
@@ -91,15 +93,13 @@ def parse(text) -> Spec | None:
                              f"got {number!r}") from None
         if not method.number_ok(value):
             raise ValueError(f"compression {text!r}: {method.number} must be {method.number_must}, got {number}")
-    if opts and not method.stateful:
+    if spelling.options and not method.stateful:
         raise ValueError(f"compression {name!r} takes no options (it keeps no state), got {text!r}")
     got = {}
-    for opt in opts:
-        key, eq, val = opt.partition("=")
-        if key not in OPTIONS or not eq:
-            raise ValueError(f"compression {text!r}: unknown option {opt!r}; options are {_OPTIONS_TEXT}")
-        if key in got:
-            raise ValueError(f"compression {text!r}: option {key!r} given twice")
+    given = spelling.given(OPTIONS, lambda opt: ValueError(f"compression {text!r}: unknown option {opt!r}; options "
+                                                           f"are {_OPTIONS_TEXT}"),
+                           lambda key: ValueError(f"compression {text!r}: option {key!r} given twice"))
+    for key, val in given.items():
         if key == "bound":
             got[key] = _positive(text, val)
             continue
@@ -148,6 +148,18 @@ def summable(name) -> registry.Method | None:
 
 def _example(method) -> str:
     return "0.01" if method.number_type is float else "4"
+
+
+def spell(name: str, number=None, **options) -> str:
+    """The spec of method `name` with its number and options as keywords (`ef=False`,
+    `start=S`; the defaults left out), checked: this grammar's keyword form, as Horovod's
+    `hvd.Compression.powersgd(4, start=100)` writes "powersgd:4,start=100"."""
+    defaults = {"ef": True, "start": 0, "refresh": 0, "bound": 0.0}
+    opts = tuple((f"{k}={int(v) if isinstance(v, bool) else v}", k, str(v)) for k, v in options.items()
+                 if v != defaults.get(k))
+    text = str(Spelling(name, None if number is None else str(number), opts))
+    parse(text)  # a bad number or option is refused here, in one line
+    return text
 
 
 def stateful(text) -> bool:

@@ -29,7 +29,7 @@ the parameters so that it is laid out and checkpointed like them: rank r's buffe
 its chunk's error and zeros elsewhere, so the buffers of the ranks sum to the whole
 server error (one full-size buffer a rank, as the worker error; DeepSpeed keeps 1/n of
 it). The chunks are cut from each rank's local shard, so a resume across a change of
-the model split is refused, as for PowerSGD's Q (`checkpoint.compression_split`).
+the model split is refused, as for PowerSGD's Q (`Exchange.split`).
 
 It is meant for a quantity whose scale changes slowly, such as Adam's momentum after
 its variance is frozen (`dpjax.updates.onebit_adam`); it also runs as a gradient

@@ -42,13 +42,6 @@ from dpjax.compression.grammar import parse
 from dpjax.mesh import as_axes, axis_arg, is_spec
 
 
-def applies(layout, compression) -> bool:
-    """Whether `layout`'s FSDP reduce-scatter carries the compression with error feedback
-    (FSDP over every data axis: no worker axes take the compressed exchange instead)."""
-    spec = parse(compression)
-    return layout.fsdp and not layout.workers and spec is not None and spec.method.stateful
-
-
 def dp(layout) -> int:
     return math.prod(layout.mesh.shape[a] for a in layout.inner_axes)
 

@@ -14,7 +14,7 @@ from dpjax import collectives as C
 from dpjax.collectives import uneven
 from dpjax.collectives.ranks import axis_size
 from dpjax.collectives.ops import on_wire
-from dpjax.compression import summable
+from dpjax.compression import Exchange
 from dpjax.horovod.compression import Compression
 from dpjax.horovod.ranks import global_process_set, set_groups, set_position, world_axis
 
@@ -62,9 +62,9 @@ def grouped_allreduce(tensors, average=None, name=None, compression=Compression.
     groups = set_groups(process_set, axis_size(axis, "allreduce"), partition=False)
 
     def reduce(ts):
-        return C.grouped_allreduce(list(ts), axis, op=op, compression=summable(compression), fusion_mb=fusion_mb,
-                                   algorithm="butterfly" if op == Adasum else algorithm, groups=groups,
-                                   prescale_factor=prescale_factor, postscale_factor=postscale_factor)
+        return C.grouped_allreduce(list(ts), axis, op=op, compression=Exchange(compression=compression).summed,
+                                   fusion_mb=fusion_mb, algorithm="butterfly" if op == Adasum else algorithm,
+                                   groups=groups, prescale_factor=prescale_factor, postscale_factor=postscale_factor)
 
     return _with_gradient(lambda ts: reduce(ts), lambda g: (reduce(g),), list(tensors))
 
@@ -144,7 +144,7 @@ def grouped_reducescatter(tensors, name=None, compression=Compression.none, op=A
         kw = dict(op=op, algorithm=algorithm, groups=groups, prescale_factor=prescale_factor,
                   postscale_factor=postscale_factor)
         if any(s is not None for s in split) or compression is not None:
-            method = summable(compression)
+            method = Exchange(compression=compression).summed
             return [on_wire(method, t, lambda v, s=s: C.reduce_scatter(v, axis, sizes=s, **kw))
                     for t, s in zip(ts, split)]
         return C.grouped_reduce_scatter(ts, axis, fusion_mb=fusion_mb, **kw)

@@ -13,9 +13,7 @@ from dpjax import compression
 
 def _spec(name: str):
     def spec(number, ef: bool = True, start: int = 0) -> str:
-        text = f"{name}:{number}" + ("" if ef else ",ef=0") + (f",start={start}" if start else "")
-        compression.parse(text)  # a bad number is refused here, in one line
-        return text
+        return compression.grammar.spell(name, number, ef=ef, start=start)
 
     spec.__name__ = name
     spec.__doc__ = f"The compression {name}:N ({compression.registry.get(name).number}) as a spec string."

@@ -11,7 +11,6 @@ links, context, expert), workers, fit (device counts), compute (platform, policy
 refusal), memory, usable, task, lora, pipeline_cost.
 """
 
-from dpjax.compression.exchange import Exchange  # the plan builds it; dpjax.step reads it
 from dpjax.plan.axes import check_context, check_expert
 from dpjax.plan.checks import UsageError, check, flag, model_choice, settled, warnings
 from dpjax.plan.compute import (DEFAULT_ALGORITHM, DEFAULT_FUSION_MB, check_memory, compute_policy, default_allreduce,
@@ -22,7 +21,7 @@ from dpjax.plan.plan import Plan, for_layout, for_rule, resolve
 from dpjax.plan.task import check_task
 from dpjax.plan.workers import default_workers, per_shard
 
-__all__ = ["DEFAULT_ALGORITHM", "DEFAULT_FUSION_MB", "Exchange", "Plan", "UsageError", "check", "check_context",
+__all__ = ["DEFAULT_ALGORITHM", "DEFAULT_FUSION_MB", "Plan", "UsageError", "check", "check_context",
            "check_expert", "check_memory", "check_task", "compute_policy", "default_allreduce", "default_workers",
            "devices_per_process", "fit_devices", "fit_mesh", "flag", "for_layout", "for_rule", "lora_model",
            "memory_refusal", "model_choice", "per_shard", "resolve", "settled", "target_platform", "trained_split",

@@ -8,8 +8,7 @@ from __future__ import annotations
 import jax
 
 from dpjax.collectives.registry import nested
-from dpjax.compression import stateful
-from dpjax.compression.exchange import Exchange
+from dpjax.compression import Exchange, Form
 from dpjax.links import parse_link
 from dpjax.mesh import CONTEXT, EXPERT, STAGE, make_mesh
 from dpjax.models.registry import MODELS
@@ -43,7 +42,7 @@ def check_context(s: Settings, model, mesh) -> None:
                          f"mean spans the context axis too: choose another algorithm")
 
 
-def check_expert(s: Settings, model, mesh, update, workers: tuple = ()) -> None:
+def check_expert(s: Settings, model, mesh, update, exchange: Exchange, workers: tuple = ()) -> None:
     """An expert axis of n devices is a data axis (the batch's rows split over it) that
     also splits a mixture's E experts, E/n on each (`dpjax.models.moe`): the model must
     have E experts, n must divide E, and the experts, which differ along the axis, must
@@ -76,7 +75,7 @@ def check_expert(s: Settings, model, mesh, update, workers: tuple = ()) -> None:
     if EXPERT in str(s.workers or "") or EXPERT in str(s.compress_axes or ""):
         raise UsageError(f"{where} with --workers/--compress-axes naming it: each device's experts are its own, and "
                          f"workers over it would average them as replicas; name the other data axes")
-    if stateful(s.compression):
+    if exchange.form is not Form.PLAIN:
         raise UsageError(f"{where} with --compression {s.compression}: error feedback selects and scales over fused "
                          f"buckets holding each device's own experts beside the replicated leaves, so the replicas "
                          f"would diverge; drop one of them")
@@ -96,7 +95,7 @@ def mesh_of(s: Settings, devices=None):
     return make_mesh(s.mesh or f"{len(devs)}x1", devs)
 
 
-def pipeline_of(s: Settings, model, mesh, workers, exchange: Exchange):
+def pipeline_of(s: Settings, model, mesh, exchange: Exchange):
     """The pipeline a stage axis runs (its schedule, micro-batches and chunks), or None;
     the pipeline's flags without a stage axis are refused."""
     given = [flag(n) for n in ("schedule", "microbatches", "virtual_stages") if getattr(s, n) is not None]
@@ -108,7 +107,7 @@ def pipeline_of(s: Settings, model, mesh, workers, exchange: Exchange):
     schedule = s.schedule or "1f1b"  # a chunked schedule (interleaved) defaults to 2 chunks a stage
     chunks = s.virtual_stages or (2 if SCHEDULES[schedule].virtual_stages else 1)
     pipeline = check_pipeline(model, mesh, Pipeline(schedule, s.microbatches, chunks))
-    if s.fsdp and not workers and stateful(exchange.compression):
+    if exchange.form is Form.FSDP:
         raise UsageError(f"--fsdp with --compression {s.compression} and a stage axis: the pipeline gathers the "
                          "stage's parameters itself; compress only between sites (--workers node "
                          "--compress-axes node)")

@@ -9,6 +9,7 @@ import math
 import os
 
 from dpjax import compression
+from dpjax.compression import Exchange, Form
 from dpjax.collectives import ALGORITHMS, ALL_TO_ALL_ALGORITHMS, REDUCE_SCATTER_ALGORITHMS
 from dpjax.collectives.registry import nested
 from dpjax.compute.context import CONTEXT_ATTENTIONS
@@ -129,18 +130,19 @@ def _check_lr_schedule(s: Settings) -> None:
 def _check_compression(s: Settings) -> None:
     """--compression parses, fits FSDP's reduce-scatter where it runs there, and 1-bit
     Adam's options go with 1-bit Adam."""
-    try:
-        spec = compression.parse(s.compression)
+    try:  # its form as the plan will set it: FSDP's when no --workers or --compress-axes take the exchange
+        ex = Exchange(compression=None if s.compression == "none" else s.compression).placed(
+            s.fsdp, s.workers or s.compress_axes)
     except ValueError as e:
         raise UsageError(f"--compression: {e}") from None
-    if (s.fsdp and spec is not None and spec.method.stateful and spec.method.reduce_scatter is None
-            and s.compress_axes is None and s.workers is None):
+    spec = ex.spec
+    if ex.unfit:
         linear = [n for n in compression.names() if (m := compression.registry.get(n)) and m.reduce_scatter is not None]
         raise UsageError(f"--compression {s.compression} cannot run inside FSDP's reduce-scatter, it is not linear: "
-                         f"{spec.method.nonlinear}; compress only between sites (--workers node --compress-axes "
+                         f"{ex.unfit}; compress only between sites (--workers node --compress-axes "
                          f"node, exact FSDP inside) or use a linear method ({', '.join(linear)})")
     if s.optimizer == "onebit_adam":
-        _check_onebit_adam(s, spec)
+        _check_onebit_adam(s, ex)
     elif spec is not None and (spec.refresh or spec.bound):
         raise UsageError(f"--compression {s.compression}: {'refresh=R' if spec.refresh else 'bound=C'} is 1-bit Adam's "
                          f"(Adam's variance, frozen), with --optimizer onebit_adam only (this run's is {s.optimizer})")
@@ -266,16 +268,16 @@ def _check_finite(s: Settings) -> None:
             raise UsageError(f"{flag(f.name)} must be a finite number, got {value}")
 
 
-def _check_onebit_adam(s: Settings, spec) -> None:
+def _check_onebit_adam(s: Settings, ex: Exchange) -> None:
     """1-bit Adam (`dpjax.updates.onebit_adam`) is its own synchronous exchange between
     workers: it needs a method with error feedback and S >= 1 exact warm-up steps."""
-
-
     example = f"e.g. --compression {default_compression(s.steps)}, the default for {s.steps} steps"
-    if spec is None or not spec.method.stateful:
+    spec = ex.spec
+    if ex.form is Form.PLAIN:
         raise UsageError(f"--optimizer onebit_adam sends the momentum through a compression with error feedback after "
                          f"S exact AdamW steps, got --compression {s.compression}: leave it out for the default, or "
                          f"give one ({example})")
+    assert spec is not None  # a form other than plain has a method
     if spec.start < 1:
         raise UsageError(f"--optimizer onebit_adam freezes Adam's variance after start=S exact steps, S >= 1: "
                          f"--compression {s.compression},start=S ({example})")

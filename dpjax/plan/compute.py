@@ -76,7 +76,7 @@ def check_memory(plan):
     candidates = remat_candidates(platform) if s.remat == "auto" else (plan.policy.remat,)
     for remat in candidates:
         policy = dataclasses.replace(plan.policy, remat=remat)
-        need = estimate(plan.model, plan.layout, plan.global_batch, plan.exchange.compression, policy, platform,
+        need = estimate(plan.model, plan.layout, plan.global_batch, plan.exchange, policy, platform,
                         reference=_reference_copy(s, plan.split))
         if have is None or need["total"] <= have:
             break

@@ -4,8 +4,7 @@ adapters, `dpjax.models.lora`), and the part of its parameters the update rule i
 
 from __future__ import annotations
 
-from dpjax.compression import sharded
-from dpjax.compression.exchange import Exchange
+from dpjax.compression import Exchange, Form
 from dpjax.hf.adapter import adapters_of, read_config
 from dpjax.models import lora
 from dpjax.models.lora import Lora, Split
@@ -32,7 +31,7 @@ def trained_split(model, layout, exchange: Exchange):
     or None: every parameter trained."""
     if not isinstance(model, Lora):
         return None
-    if sharded.applies(layout, exchange.compression):
+    if exchange.form is Form.FSDP:
         raise UsageError(f"--lora with --fsdp and --compression {exchange.compression}: FSDP's error feedback "
                          "mirrors every parameter; compress without --fsdp, or FSDP without error feedback")
     return Split(model.LAYERS)

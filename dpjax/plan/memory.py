@@ -10,7 +10,7 @@ from typing import NotRequired, TypedDict
 
 import jax
 
-from dpjax.compression import parse, sharded
+from dpjax.compression import Exchange, Form, sharded
 from dpjax.compute.policy import Policy, accelerated
 from dpjax.mesh import CONTEXT, MODEL, dp_size
 from dpjax.models.lora import Lora, Split
@@ -33,14 +33,15 @@ class Estimate(TypedDict):
     usable_from: NotRequired[str]  # where `device` comes from, in words
 
 
-def estimate(model, layout, global_batch: int, compression=None, policy=None, platform: str | None = None,
-             reference: bool = False) -> Estimate:
+def estimate(model, layout, global_batch: int, exchange: Exchange | None = None, policy=None,
+             platform: str | None = None, reference: bool = False) -> Estimate:
     """Bytes per device of a run of `model` laid out by `layout` with `global_batch`
     sequences per backward pass: {'params', 'state', 'grads', 'error', 'activations', 'total'}.
     The parameters are exact (each device's shards); the optimizer state is taken as two
     times them (Adam's moments, sharded like the parameters: an upper bound for sgd and
     momentum) and so are the gradients (the gradient and the update made from it: what
-    XLA's buffer assignment holds beside them in the step); error: the error buffer of a `compression` with error
+    XLA's buffer assignment holds beside them in the step); error: the error buffers of an
+    `exchange` (`dpjax.compression.Exchange`, its form set for `layout`) with error
     feedback, exact: as the parameters (it mirrors the worker's gradient), or under FSDP
     through random-k (`dpjax.compression.sharded`) each device's full local gradient,
     n times its shards; the activations are the model's own estimate for its rows under
@@ -64,7 +65,7 @@ def estimate(model, layout, global_batch: int, compression=None, policy=None, pl
         params = trained + sum(jax.tree.leaves(frozen)) * policy.compute.itemsize
     state = 2 * trained  # Adam's two moments (an upper bound for sgd and momentum); LoRA: of the adapters only
     grads = 2 * trained  # the gradient and the update formed from it, live together in the step
-    error = _error_bytes(layout, stored, params, compression)
+    error = _error_bytes(layout, stored, params, exchange)
     rows = max(1, global_batch // dp_size(layout.mesh))
     split = layout.mesh.shape.get(MODEL, 1)
     width = policy.compute.itemsize if accelerated(platform) else 4
@@ -76,11 +77,10 @@ def estimate(model, layout, global_batch: int, compression=None, policy=None, pl
             "reference": copy, "total": params + state + grads + error + activations + copy}
 
 
-def _error_bytes(layout, stored, params: int, compression) -> int:
-    spec = parse(compression)
-    if spec is None or not spec.method.stateful or not spec.ef:
+def _error_bytes(layout, stored, params: int, exchange: Exchange | None) -> int:
+    if exchange is None or not exchange.error_buffers:
         return 0
-    return sharded.error_bytes(layout, stored) if sharded.applies(layout, spec) else params
+    return sharded.error_bytes(layout, stored) if exchange.form is Form.FSDP else params
 
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,

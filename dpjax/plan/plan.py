@@ -19,9 +19,8 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from dpjax.collectives.registry import nested
-from dpjax.compression import sharded
+from dpjax.compression import Exchange, Form, sharded  # the plan builds the exchange and sets its form (for_layout)
 from dpjax.compression.accounting import ratio
-from dpjax.compression.exchange import Exchange  # the plan builds it (resolve, per_shard); dpjax.step reads it
 from dpjax.compute.policy import Policy
 from dpjax.links import AxisLink
 from dpjax.mesh import as_axes, data_axes, dp_size
@@ -125,10 +124,10 @@ class Plan:
             out["memory_estimate"] = dict(self.memory)
         if lay.pipeline is not None:
             out["pipeline"] = dataclasses.asdict(lay.pipeline)
-        model, spec = self.model, sharded.parse(self.exchange.compression)
+        model = self.model
         if self.exchange.compression is not None and model is not None:
             out["compression_ratio"] = ratio(self)
-            if sharded.applies(lay, self.exchange.compression) and spec is not None and spec.ef:
+            if self.exchange.form is Form.FSDP and self.exchange.error_buffers:
                 abstract = jax.eval_shape(lambda k: lay.store(model.init(k)), jax.random.key(0))
                 out["compression_error_buffer"] = {  # what FSDP saved on the parameters, spent again
                     "bytes_per_device": sharded.error_bytes(lay, abstract),
@@ -150,7 +149,16 @@ def resolve(s: Settings, devices=None, *, mesh=None, model=None, optimizer=None,
     if mesh is None:
         mesh = mesh_of(s, devices)
     update = parse_update(s.update)
-    workers, compress_axes = workers_of(s, mesh, update)
+    platform = target_platform(s, mesh)
+    given = exchange
+    if exchange is None:
+        exchange = Exchange(default_allreduce(platform) if s.allreduce in ("auto", None) else s.allreduce,
+                            DEFAULT_FUSION_MB if s.fusion_mb == "auto" else float(s.fusion_mb),
+                            None if s.compression == "none" else s.compression)
+    workers, compress_axes = workers_of(s, mesh, update, exchange)
+    if given is None:
+        exchange = dataclasses.replace(exchange, compress_axes=compress_axes, shards=shards_of(s, mesh, compress_axes))
+    exchange = exchange.placed(s.fsdp, workers)  # its form, as for_layout sets it on the layout made below
     if nested(s.allreduce) and len(data_axes(mesh)) < 2:
         raise UsageError(f"--allreduce {s.allreduce} needs a node axis: use a three-axis mesh such as 2x4x1")
     if model is None:
@@ -158,16 +166,10 @@ def resolve(s: Settings, devices=None, *, mesh=None, model=None, optimizer=None,
         model = get_model(name, **options)
     model = lora_model(s, model)  # --lora / --adapter: the base frozen, adapters trained (dpjax.models.lora)
     check_context(s, model, mesh)
-    check_expert(s, model, mesh, update, workers)
+    check_expert(s, model, mesh, update, exchange, workers)
     check_task(s, model, mesh)
-    platform = target_platform(s, mesh)
     policy, notes = compute_policy(s, model, platform)
-    if exchange is None:
-        exchange = Exchange(default_allreduce(platform) if s.allreduce in ("auto", None) else s.allreduce,
-                            DEFAULT_FUSION_MB if s.fusion_mb == "auto" else float(s.fusion_mb),
-                            None if s.compression == "none" else s.compression, compress_axes=compress_axes,
-                            shards=shards_of(s, mesh, compress_axes))
-    pipeline = pipeline_of(s, model, mesh, workers, exchange)
+    pipeline = pipeline_of(s, model, mesh, exchange)
     layout = make_layout(model, mesh, algorithm=s.tp_allreduce, fsdp=s.fsdp, fsdp_algorithm=exchange.algorithm,
                          workers=workers, pipeline=pipeline, tensor_parallel=tensor_parallel)
     links = links_of(s, mesh)
@@ -191,6 +193,7 @@ def for_layout(model, layout, *, global_batch: int, update="sync", opt=None, opt
     optimizer `opt` (a `dpjax.optim.OptimizerConfig`: its clipping norm over the layout's
     shards, its lr scaled for `passes` x `global_batch`) or an optax `optimizer` as is."""
     update = parse_update(update) if isinstance(update, str) else update
+    exchange = exchange.placed(layout.fsdp, layout.workers)  # its form on this layout, set once (dpjax.compression)
     opt = opt if opt is not None or optimizer is not None else OptimizerConfig()
     split = trained_split(model, layout, exchange)
     specs = layout.specs if split is None else split.trained(layout.specs)  # what the rule updates and exchanges
@@ -208,7 +211,7 @@ def for_layout(model, layout, *, global_batch: int, update="sync", opt=None, opt
 
         own = Optimizer(opt, global_batch * passes, specs, ADAM_B1, ADAM_B2, ADAM_EPS)
     rule = make_rule(update, inner, layout.workers, seed=seed, optimizer=own, exchange=exchange)
-    if sharded.applies(layout, exchange.compression):  # FSDP's reduce-scatter carries the error feedback
+    if exchange.form is Form.FSDP:  # FSDP's reduce-scatter carries the error feedback
         rule = sharded.wrap(rule, layout, exchange)
     return Plan(layout.mesh, layout, rule, exchange, passes, tuple(links), global_batch, model,
                 opt if optimizer is None else None, update, optimizer=optimizer, split=split)
@@ -223,4 +226,5 @@ def for_rule(rule, mesh, abstract_params, *, param_specs=None, passes: int = 1,
     if passes < 1:
         raise ValueError(f"passes must be at least 1, got {passes}")
     specs = param_specs if param_specs is not None else jax.tree.map(lambda _: P(), abstract_params)
-    return Plan(mesh, Layout(mesh, specs, workers=as_axes(rule.axes)), rule, exchange, passes)
+    layout = Layout(mesh, specs, workers=as_axes(rule.axes))
+    return Plan(mesh, layout, rule, exchange.placed(layout.fsdp, layout.workers), passes)

@@ -6,14 +6,14 @@ from __future__ import annotations
 
 import math
 
-from dpjax.compression import stateful
+from dpjax.compression import Exchange
 from dpjax.compression.shards import Shards
 from dpjax.mesh import data_axes, parse_axes
 from dpjax.plan.checks import UsageError
 from dpjax.settings import Settings
 
 
-def workers_of(s: Settings, mesh, update) -> tuple[tuple, tuple | None]:
+def workers_of(s: Settings, mesh, update, exchange: Exchange) -> tuple[tuple, tuple | None]:
     """(the worker axes, the compressed axes or None). A compression with error feedback
     compresses the exchange between workers (each worker keeps its error buffer), so
     with no --workers every data rank is a worker; --compress-axes makes its axes the
@@ -23,9 +23,9 @@ def workers_of(s: Settings, mesh, update) -> tuple[tuple, tuple | None]:
         if given is not None:
             return given, None
         # FSDP (plan.check let only a linear method through) reduce-scatters compressed instead
-        return default_workers(mesh, not update.is_sync or (stateful(s.compression) and not s.fsdp)), None
+        return default_workers(mesh, not update.is_sync or exchange.per_worker(s.fsdp)), None
     axes = parse_axes(s.compress_axes, mesh, "--compress-axes")
-    if s.compression in (None, "none"):
+    if exchange.compression is None:
         raise UsageError(f"--compress-axes {s.compress_axes} needs a --compression")
     if given is not None and given != axes:
         raise UsageError(f"--compress-axes {s.compress_axes} compresses the exchange between workers: name the same "

@@ -27,9 +27,7 @@ import threading
 
 import jax
 
-from dpjax.compression import parse
 from dpjax.errors import UserError
-from dpjax.mesh import NOT_DATA
 from dpjax.recovery import sums
 
 CKPT_FIELDS_THAT_MUST_MATCH = ("model", "optimizer")
@@ -296,23 +294,6 @@ class _QuietFilesystemErrors(logging.Filter):
 FILESYSTEM_REFUSALS = ("os_error_code=", "No space left on device", "Read-only file system", "Permission denied",
                        "Disk quota exceeded")
 _QUIET = _QuietFilesystemErrors()
-
-
-def compression_split(compression, mesh, fsdp: bool = False, shards=None) -> dict:
-    """The mesh axis sizes the compression state's shapes depend on, {} for none: the
-    model and stage sizes for a method with state of its own (PowerSGD's Q, one per
-    shard); under FSDP with error feedback, every axis (one full-size buffer a device);
-    in the per-shard form (`shards`), the axes of its slots (a device's own shard)."""
-    spec = parse(compression)
-    if spec is None:
-        return {}
-    if fsdp and spec.method.stateful and spec.ef:
-        return dict(mesh.shape)
-    if shards is not None and spec.method.stateful:
-        return {a: mesh.shape[a] for a in shards.slot}
-    if spec.method.init is None:
-        return {}
-    return {a: n for a, n in mesh.shape.items() if a in NOT_DATA and n > 1}
 
 
 # Record keys added after checkpoints were made without them, and the value those runs had:

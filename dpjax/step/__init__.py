@@ -13,10 +13,10 @@ The rooms change for different reasons: a new entry point (`entry`), a new place
 (`gradient`). This face re-exports their public names.
 """
 
-from dpjax.plan import Exchange, Plan
+from dpjax.plan import Plan
 from dpjax.step.builder import TrainStep, build
 from dpjax.step.entry import for_model, for_plan, kept, make_update_step
 from dpjax.step.placement import init_params, num_bytes, put_batch, replicated
 
-__all__ = ["Exchange", "Plan", "TrainStep", "build", "for_model", "for_plan", "init_params", "kept",
+__all__ = ["Plan", "TrainStep", "build", "for_model", "for_plan", "init_params", "kept",
            "make_update_step", "num_bytes", "put_batch", "replicated"]

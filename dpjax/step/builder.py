@@ -43,7 +43,7 @@ from jax.sharding import PartitionSpec as P
 
 from dpjax import links as emulation
 from dpjax import scopes
-from dpjax.compression import sharded
+from dpjax.compression import Form
 from dpjax.data_parallel import broadcast_params
 from dpjax.fusion import leaf_classes
 from dpjax.mesh import EXPERT, NOT_DATA, as_axes, axis_arg, data_axes, dp_size, is_spec, local_shape, spec_axes
@@ -115,7 +115,7 @@ def build(loss_fn, plan: Plan, *, abstract_params, donate: bool = True, value_an
     par = dataclasses.replace(layout.parallel(fsdp_wire=exchange.wire), policy=plan.policy)  # dpjax.compute.policy
     # the "loss" the rule passes through is then (loss, stats); FSDP through random-k takes
     # its own local gradient (`local_grad`): its steps leave the figures to the `stats` program
-    step_stats = loss_and_stats is not None and not sharded.applies(layout, exchange.compression)
+    step_stats = loss_and_stats is not None and exchange.form is not Form.FSDP
     if step_stats:
         assert value_and_grad is None, "dpjax.plan refuses experts beside a stage axis"
         value_and_grad = jax.value_and_grad(loss_and_stats, has_aux=True)

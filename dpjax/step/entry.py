@@ -10,7 +10,8 @@ import jax
 import jax.numpy as jnp
 
 from dpjax.pipeline import staged as pipeline_staged
-from dpjax.plan import Exchange, Plan, for_layout, for_rule
+from dpjax.compression import Exchange
+from dpjax.plan import Plan, for_layout, for_rule
 from dpjax.sharding import Layout
 from dpjax.step.builder import TrainStep, build
 from dpjax.tasks import TASKS

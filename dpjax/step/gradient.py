@@ -23,9 +23,9 @@ import jax.numpy as jnp
 from jax import lax
 
 from dpjax import scopes
-from dpjax.compression import sharded
+from dpjax.compression import Exchange, Form, sharded
 from dpjax.mesh import EXPERT
-from dpjax.plan import Exchange, Plan
+from dpjax.plan import Plan
 from dpjax.sharding import Layout
 from dpjax.tasks import tokens
 
@@ -38,7 +38,7 @@ def local_grad(loss_fn, plan: Plan, par, value_and_grad):
     layout = plan.layout
     loss_and_grad = functools.partial(value_and_grad or jax.value_and_grad(loss_fn), par=par)
     zeros_grad = lambda p: jax.tree.map(jnp.zeros_like, p)  # noqa: E731
-    if sharded.applies(layout, plan.exchange.compression):
+    if plan.exchange.form is Form.FSDP:
         assert value_and_grad is None, "dpjax.plan refuses a stage axis here"
         loss_and_grad = sharded.local_value_and_grad(loss_fn, par, sharded.dp(layout))
         zeros_grad = lambda p: sharded.full_zeros(p, layout.gather_dims, sharded.dp(layout))  # noqa: E731

@@ -19,7 +19,6 @@ import sys
 import jax
 
 from dpjax import distributed, step as S
-from dpjax.recovery.checkpoint import compression_split
 from dpjax.plan import check, devices_per_process, resolve, settled, warnings, UsageError, memory_refusal
 from dpjax.settings import Settings
 from dpjax.train import builtin, elastic, hardware, observe, record, restart, resume, tuning, preference, rollout
@@ -130,7 +129,7 @@ class Trainer:
             out["optimizer"]["workers"] = self.layout.num_workers
         if plan.exchange.between_workers_only:  # error buffers / PowerSGD's Q in the state (issue 20)
             out["optimizer"]["compression"] = cfg.compression
-            split = compression_split(cfg.compression, self.mesh, fsdp=cfg.fsdp, shards=plan.exchange.shards)
+            split = plan.exchange.split(self.mesh, fsdp=cfg.fsdp)
             if split:  # the state's shapes follow these axes: they must match to resume
                 out["optimizer"]["compression_model_split"] = split
         if self.layout.pipeline is not None and self.layout.pipeline.virtual_stages > 1:

@@ -4,7 +4,7 @@ A rule is an `UpdateRule` of pure functions, called inside `shard_map` on ONE wo
 values: `step` receives `grad_fn`, which gives the worker's gradient (already averaged
 over the worker's own devices and accumulated over its micro-batches by `dpjax.step`),
 and the rule's exchanges between workers run over `axes`, the worker axes, through the
-run's `Exchange` (`dpjax.compression.exchange`: the plan builds it; research code may
+run's `Exchange` (`dpjax.compression.Exchange`: the plan builds it; research code may
 give the allreduce's keywords instead, `Exchange.of`). A worker may be one device or a
 whole group (`--workers node`: a site of several devices, synchronous inside).
 """
@@ -16,7 +16,6 @@ from typing import Callable, NamedTuple
 import jax
 from jax.sharding import PartitionSpec as P
 
-from dpjax.compression.exchange import Exchange  # noqa: F401  (what every rule exchanges through)
 
 
 class UpdateRule(NamedTuple):

@@ -21,7 +21,8 @@ from dpjax import links
 from dpjax.data_parallel import DistributedOptimizer
 from dpjax.sharding import state_specs
 from dpjax.mesh import as_axes
-from dpjax.updates.base import Exchange, UpdateRule, local_like, stacked
+from dpjax.compression import Exchange
+from dpjax.updates.base import UpdateRule, local_like, stacked
 from dpjax.updates.registry import Kind, register
 from dpjax.updates.sync import sync
 

@@ -1,13 +1,15 @@
 """The `--update` grammar: `name[:N][,key=VALUE]...` -> an `UpdateSpec` (what the rule
-is, not how it runs). The names, what N means, the options and the help text are the
-registered rules' own (`registry.py`): 'sync', 'delayed:T', 'delayed-nocomp:T',
-'sparse:P[,outer=LR]', 'async:TAU[,fetch=F][,push=Q]' as shipped."""
+is, not how it runs), written as `--compression` is (`dpjax.registry.Spelling`). The
+names, what N means, the options and the help text are the registered rules' own
+(`registry.py`): 'sync', 'delayed:T', 'delayed-nocomp:T', 'sparse:P[,outer=LR]',
+'async:TAU[,fetch=F][,push=Q]' as shipped."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from dpjax.errors import UserError
+from dpjax.registry import Spelling
 from dpjax.updates import registry
 
 
@@ -65,8 +67,8 @@ def __getattr__(name: str):
 
 def parse_update(text: str) -> UpdateSpec:
     """'delayed:4' -> UpdateSpec('delayed', 4). Raises UserError (one line) for bad specs."""
-    head, *opts = str(text).strip().split(",")
-    name, _, num = head.partition(":")
+    spelling = Spelling.of(text)
+    name, num = spelling.name, spelling.number or ""
 
     def bad(why):
         return UserError(f"bad --update {text!r}: {why}")
@@ -76,7 +78,7 @@ def parse_update(text: str) -> UpdateSpec:
     except KeyError:
         raise bad(f"choose {_choices()}") from None
     if kind.number is None:
-        if num or opts:
+        if num or spelling.options:
             raise bad(f"{name} takes no number and no options")
         return UpdateSpec(kind.name)
     try:
@@ -86,12 +88,12 @@ def parse_update(text: str) -> UpdateSpec:
     if n < kind.low:
         raise bad(f"{kind.number} must be an integer >= {kind.low}")
     fields = {}
-    for opt in opts:
-        key, eq, val = opt.partition("=")
-        option = kind.option(key.strip())
-        if option is None or not eq:
-            allowed = ", ".join(f"{o.key}=..." for o in kind.options) or "none"
-            raise bad(f"unknown option {opt!r} (options of {name}: {allowed})")
+    allowed = ", ".join(f"{o.key}=..." for o in kind.options) or "none"
+    given = spelling.given({o.key for o in kind.options},
+                           lambda opt: bad(f"unknown option {opt!r} (options of {name}: {allowed})"),
+                           lambda key: bad(f"option {key!r} given twice"))
+    for key, val in given.items():
+        option = kind.option(key)
         try:
             value = option.convert(val)
         except ValueError:

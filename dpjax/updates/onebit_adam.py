@@ -56,7 +56,7 @@ knows the refreshes). The state is the AdamW
 chain's own (its mu and nu, sharded like the parameters) and the exchange's
 (`feedback.State`: the worker error and the method's state, e.g. the server error),
 per worker, so checkpoints save and restore it. A resume across a change of the model
-or stage split is refused (`checkpoint.compression_split`: the method keeps state of its
+or stage split is refused (`Exchange.split`: the method keeps state of its
 own), because each server owns chunks of its local shard and the split moves them.
 """
 
@@ -74,7 +74,8 @@ from jax import lax
 from dpjax import scopes
 from dpjax.sharding import state_specs
 from dpjax.mesh import as_axes
-from dpjax.updates.base import Exchange, UpdateRule, identity
+from dpjax.compression import Exchange, Form
+from dpjax.updates.base import UpdateRule, identity
 from dpjax.updates.registry import Kind, register
 
 
@@ -97,7 +98,7 @@ def onebit_adam(adamw, clip, schedule, axis_name=(), *, b1: float, b2: float, ep
     axes = as_axes(axis_name)
     ex = Exchange.of(exchange, **allreduce)
     spec = ex.spec
-    assert spec is not None and spec.method.stateful and spec.start >= 1, spec  # dpjax.plan refuses the rest
+    assert ex.form is not Form.PLAIN and spec.start >= 1, spec  # dpjax.plan refuses the rest
     exact = ex.exact(per_shard=True)  # the gradient's exact mean, per shard where the momentum's is
     ex = dataclasses.replace(ex, compression=dataclasses.replace(spec, start=0, refresh=0, bound=0.0))
     assert ex.keeps_state(axes) or not axes, spec

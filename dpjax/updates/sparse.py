@@ -19,7 +19,8 @@ from jax.sharding import PartitionSpec as P
 from dpjax import scopes
 from dpjax.sharding import state_specs
 from dpjax.mesh import as_axes
-from dpjax.updates.base import Exchange, UpdateRule, identity, local_like
+from dpjax.compression import Exchange
+from dpjax.updates.base import UpdateRule, identity, local_like
 from dpjax.updates.registry import Kind, Option, register
 from dpjax.updates.sync import sync
 

@@ -12,7 +12,8 @@ import optax
 
 from dpjax.sharding import state_specs
 from dpjax.mesh import as_axes
-from dpjax.updates.base import Exchange, UpdateRule, identity, local_like
+from dpjax.compression import Exchange
+from dpjax.updates.base import UpdateRule, identity, local_like
 from dpjax.updates.registry import Kind, register
 
 
