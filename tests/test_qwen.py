@@ -117,6 +117,21 @@ def test_verify_without_transformers_says_so_in_one_line(monkeypatch):
     assert "\n" not in str(e.value)
 
 
+@pytest.mark.parametrize("text, needle", [
+    (None, "No such file"), ("{not json", "is not JSON"),
+    ('{"prompts": [[1, 2]], "new_tokens": 4}', "holds no greedy, logprobs: it is not a file of saved reference"),
+])
+def test_an_expected_file_that_is_not_one_is_one_line(tmp_path, text, needle):
+    """`verify --expected` with another fixture's expected.json (llama_tiny's has no prompts), a
+    broken file or none: one line, before anything is computed."""
+    path = tmp_path / "expected.json"
+    if text is not None:
+        path.write_text(text)
+    with pytest.raises(UserError, match=needle) as e:
+        verify.verify(folder("qwen3"), expected=str(path))
+    assert "\n" not in str(e.value)
+
+
 @pytest.mark.slow  # two training runs' compiles (about 100 s each on a loaded 2-core machine)
 @pytest.mark.parametrize("family", FAMILIES_HERE)
 def test_five_steps_on_2x4_fall_and_equal_8x1(family):

@@ -195,13 +195,32 @@ def card(folder: str, ours: dict, theirs: dict, trip: dict, new_tokens: int, tra
     return "\n".join(lines) + "\n", verdict
 
 
+EXPECTED = ("prompts", "greedy", "logprobs")  # what `--expected` must hold (make_model_cards.py writes it)
+
+
+def read_expected(path: str) -> dict:
+    """A fixture's saved reference outputs; a file that is not one is a one-line UserError."""
+    try:
+        with open(path) as fh:
+            saved = json.load(fh)
+    except OSError as e:
+        raise UserError(f"--expected {path}: {e.strerror or e}") from None
+    except ValueError as e:
+        raise UserError(f"--expected {path} is not JSON ({e})") from None
+    missing = [k for k in EXPECTED if not isinstance(saved, dict) or k not in saved]
+    if missing:
+        raise UserError(f"--expected {path} holds no {', '.join(missing)}: it is not a file of saved reference "
+                        f"outputs (tests/fixtures/make_model_cards.py writes them: {', '.join(EXPECTED)})")
+    return saved
+
+
 def verify(folder: str, expected: str | None = None, train: tuple = (), new_tokens: int = NEW_TOKENS,
            name: str | None = None) -> tuple[str, bool]:
     """(the card, whether every comparison passed). `expected`: saved reference outputs
     (prompts, greedy, logprobs, made_by) in place of running transformers."""
     hub = read_config(folder)
     if expected is not None:
-        saved = json.load(open(expected))
+        saved = read_expected(expected)
         prompts, new_tokens = saved["prompts"], saved.get("new_tokens", new_tokens)
         theirs = {"greedy": saved["greedy"], "logprobs": saved["logprobs"],
                   "by": saved.get("made_by", expected).split(", ", 1)[-1].split(", torch")[0]}
