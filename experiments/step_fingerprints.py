@@ -16,8 +16,8 @@ runs). Two texts are hashed:
   functions and stack frames removed: they name the Python file and line each operation was
   traced from, which moves when code moves, while the program does not.
 
-A difference names the layout and the first differing line of each text, so a refactor's
-`--compare` says where its program changed.
+A difference names the layout and which of its two texts moved; `--keep DIR` writes the texts, to
+diff them.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ LAYOUTS: dict[str, list[str]] = {
     "8x1": ["--mesh", "8x1"],
     "2x4": ["--mesh", "2x4"],
     "2x4 fsdp": ["--mesh", "2x4", "--fsdp"],
-    "8x1 ring": ["--mesh", "8x1", "--allreduce", "ring"],
+    "8x1 butterfly": ["--mesh", "8x1", "--allreduce", "butterfly"],  # ring is the default on CPU
     "2x2x2 hierarchical": ["--mesh", "2x2x2", "--allreduce", "hierarchical"],
     "8x1 bf16": ["--mesh", "8x1", "--compression", "bf16"],
     "8x1 int8": ["--mesh", "8x1", "--compression", "int8"],
