@@ -89,7 +89,7 @@ def test_an_agent_whose_loop_is_held_up_keeps_its_host(tmp_path):
     state = rendezvous.State(1, 1, max_restarts=3, lost_after=2.5)
     port = rendezvous.free_port()
     server = rendezvous.serve("127.0.0.1", port, state)
-    args = argparse.Namespace(host_id="h0", rdzv=f"127.0.0.1:{port}")
+    args = argparse.Namespace(host_id="h0", rdzv=f"127.0.0.1:{port}", host_timeout=2.5)
     agent = Agent(args, ["true"])
     try:
         state.handle({"op": "join", "host": "h0", "addr": "127.0.0.1", "port": 1, "nproc": 1})

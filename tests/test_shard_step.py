@@ -123,7 +123,8 @@ def test_loss_of_one_shard_is_named():
         return optax.softmax_cross_entropy_with_integer_labels(model(batch["x"]), batch["y"]).mean()
 
     with pytest.raises(ReplicationError, match=r"^local_loss: output \(\) is declared replicated .*lax\.pmean.*"
-                                               r"out_specs=\"mean\"\), or, for one value per batch row, .*"
+                                               r"out_specs=\"mean\"\), sum it if it is a sum over this device's "
+                                               r"rows \(dpjax\.global_sum\(x\).*, or, for one value per batch row, .*"
                                                r"out_specs=\"rows\"$"):
         run(dpjax.DistributedOptimizer(optax.sgd(0.1)), fn=local_loss)
 
