@@ -18,6 +18,11 @@ runs). Two texts are hashed:
 
 A difference names the layout and which of its two texts moved; `--keep DIR` writes the texts, to
 diff them.
+
+Compare runs of the same layouts in the same order (the same `--only`s, or none): a layout's texts
+depend on what the process traced before it (a 2x4 run alone hashes differently from the 2x4 after
+8x1). The devices are XLA_FLAGS' simulated ones without dpjax's CPU guards
+(`simulate_cpu_devices`), the same on both sides of a comparison.
 """
 
 from __future__ import annotations
