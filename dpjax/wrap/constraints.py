@@ -22,27 +22,19 @@ axis there stops with the one line `annotations.explain` writes.
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
-import threading
-
 import jax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from dpjax.wrap.annotations import only, renamed
-
-_JAX = jax.lax.with_sharding_constraint
-_READING: contextvars.ContextVar = contextvars.ContextVar("dpjax_constraints", default=None)
-_LOCK = threading.Lock()
-_DEPTH = 0
+from dpjax.wrap.patch import Patch
 
 
 def constraint(x, shardings):
     """`jax.lax.with_sharding_constraint` as `shard_step` reads it (see the module's doc)."""
-    reading = _READING.get()
+    reading = _PATCH.active.get()
     if reading is None:
-        return _JAX(x, shardings)
+        return _PATCH.original(x, shardings)
     names, auto = reading
     if not auto:
         return x
@@ -54,23 +46,13 @@ def constraint(x, shardings):
         read = only(renamed(spec, names), auto)
         return s if read == spec else read  # unchanged: as given (a NamedSharding's memory kind kept)
 
-    return _JAX(x, jax.tree.map(local, shardings, is_leaf=lambda s: isinstance(s, (P, NamedSharding))))
+    return _PATCH.original(x, jax.tree.map(local, shardings, is_leaf=lambda s: isinstance(s, (P, NamedSharding))))
 
 
-@contextlib.contextmanager
+_PATCH = Patch(jax.lax, "with_sharding_constraint", constraint)
+
+
 def reading(names: dict, auto: set):
     """While the block runs (a step's trace), constraints are read with the user's axis
     names mapped by `names` and only the automatic axes `auto` kept."""
-    global _DEPTH
-    token = _READING.set((names, frozenset(auto)))
-    with _LOCK:
-        _DEPTH += 1
-        jax.lax.with_sharding_constraint = constraint
-    try:
-        yield
-    finally:
-        _READING.reset(token)
-        with _LOCK:
-            _DEPTH -= 1
-            if not _DEPTH:
-                jax.lax.with_sharding_constraint = _JAX
+    return _PATCH.on((names, frozenset(auto)))

@@ -23,10 +23,7 @@ bit for bit against JAX's, on one device and split over 8.
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import math
-import threading
 
 import jax
 import jax.numpy as jnp
@@ -34,12 +31,8 @@ import numpy as np
 from jax import lax
 from jax.extend.random import threefry2x32_p
 
+from dpjax.wrap.patch import Patch
 from dpjax.wrap.rng import bound_data_axes, device_index
-
-_JAX = jax.random.bernoulli
-_DRAWING: contextvars.ContextVar = contextvars.ContextVar("dpjax_draws", default=False)
-_LOCK = threading.Lock()
-_DEPTH = 0
 _ONE_F32 = np.array(1.0, np.float32).view(np.uint32)  # the exponent of 1.0: floats in [1, 2) from 23 random bits
 
 
@@ -70,31 +63,21 @@ def global_bits(words, shape: tuple, start):
 
 def bernoulli(key, p=0.5, shape=None, mode="low", **kwargs):
     """`jax.random.bernoulli`, drawn as the global batch's rows inside `dpjax.jit` (see the module docstring)."""
-    axes = bound_data_axes() if _DRAWING.get() else ()
+    axes = bound_data_axes() if _PATCH.active.get() else ()
     words = _key_words(key) if axes and shape is not None and mode == "low" and not kwargs else None
     n = math.prod(lax.axis_size(a) for a in axes) if axes else 1
     if (words is None or lax.dtype(p) != jnp.float32 or not jax.config.jax_threefry_partitionable
             or n * math.prod(shape) >= 2**32):
-        return _JAX(key, p, shape, mode, **kwargs)
+        return _PATCH.original(key, p, shape, mode, **kwargs)
     shape = tuple(shape)
     bits = global_bits(words, shape, device_index())
     floats = lax.bitcast_convert_type((bits >> jnp.uint32(9)) | jnp.uint32(_ONE_F32), jnp.float32) - 1.0
     return floats < lax.convert_element_type(p, jnp.float32)
 
 
-@contextlib.contextmanager
+_PATCH = Patch(jax.random, "bernoulli", bernoulli, default=False)
+
+
 def drawing():
     """While the block runs (a step's trace), `jax.random.bernoulli` draws the global batch's rows."""
-    global _DEPTH
-    token = _DRAWING.set(True)
-    with _LOCK:
-        _DEPTH += 1
-        jax.random.bernoulli = bernoulli
-    try:
-        yield
-    finally:
-        _DRAWING.reset(token)
-        with _LOCK:
-            _DEPTH -= 1
-            if not _DEPTH:
-                jax.random.bernoulli = _JAX
+    return _PATCH.on(True)
