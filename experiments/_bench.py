@@ -248,6 +248,20 @@ def smoke_outputs(args, *names) -> str | None:
     return tmp
 
 
+def pyplot(path):
+    """matplotlib's pyplot drawing to files (the Agg backend), or None after saying that
+    `path` is not written because matplotlib is not installed (an optional extra: `.[plot]`)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print(f"not writing {path}: matplotlib is not installed (pip install -e '.[plot]')", flush=True)
+        return None
+    return plt
+
+
 def finish_plot(fig, axes, path) -> None:
     """A grid and the legend on `axes` (one Axes or several), and the figure written to
     `path` (the experiments' plots alike)."""

@@ -6,7 +6,8 @@ tables and the bus-bandwidth plot (see bench_collectives.py's docstring for the 
 from __future__ import annotations
 
 import os
-import sys
+
+import _bench
 
 KIB = 1024
 MIB = 1024 * 1024
@@ -150,14 +151,8 @@ def markdown(rows, info, argv) -> str:
 
 
 def plot(rows, info, path):
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print(f"not writing {path}: matplotlib is not installed (pip install matplotlib, "
-              f"or pip install -e '.[plot]')", file=sys.stderr)
+    plt = _bench.pyplot(path)
+    if plt is None:
         return False
     fig, ax = plt.subplots(figsize=(8, 5))
     algs = list(dict.fromkeys(r["algorithm"] for r in rows))

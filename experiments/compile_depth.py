@@ -222,13 +222,8 @@ def summarise(times) -> list[dict]:
 
 
 def plot(path, rows, title) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print(f"not writing {path}: matplotlib is not installed", flush=True)
+    plt = _bench.pyplot(path)
+    if plt is None:
         return
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.6), sharey=True)
     for ax, prefix, what in ((axes[0], "", "wall clock"), (axes[1], "cpu_", "CPU time of the process")):

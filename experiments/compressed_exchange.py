@@ -193,12 +193,8 @@ def table(results, args, n_params: int):
 def plot_points(path, rows, steps):
     """One point per variant (the mean over the seeds): a colour per method, filled with
     error feedback, hollow without."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print(f"not writing {path}: matplotlib is not installed", flush=True)
+    plt = _bench.pyplot(path)
+    if plt is None:
         return
     fig, ax = plt.subplots(figsize=(7.5, 4.8))
     methods = list(dict.fromkeys(variant.split(",")[0] for variant, *_ in rows))

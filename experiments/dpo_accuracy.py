@@ -93,13 +93,8 @@ def run(args, folder: str) -> dict:
 
 
 def plot(c: dict, path: str, title: str) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print(f"not writing {path}: matplotlib is not installed", flush=True)
+    plt = _bench.pyplot(path)
+    if plt is None:
         return
     fig, (ax, bx) = plt.subplots(2, 1, figsize=(7.5, 6.0), sharex=True)
     ax.plot(c["steps"], c["accuracy"], lw=0.8, alpha=0.6, label="training batch")

@@ -177,13 +177,8 @@ def summarise(runs: dict) -> dict:
 
 
 def plot(path: str, runs: dict, title: str) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print(f"not writing {path}: matplotlib is not installed", flush=True)
+    plt = _bench.pyplot(path)
+    if plt is None:
         return
     ref_name = next(iter(runs))
     ref = runs[ref_name]

@@ -13,7 +13,7 @@ import statistics
 import time
 from dataclasses import dataclass, field
 
-from _bench import finish_plot
+from _bench import finish_plot, pyplot
 from dpjax.collectives.cpu_runtime import simulate_cpu_devices
 
 simulate_cpu_devices(8)  # before jax starts: 8 simulated workers on a CPU-only machine
@@ -146,13 +146,8 @@ class Bench:
 
 def plot(path, series, xlabel, ylabel, title, logx=False):
     """series: [(label, xs, ys)]. Returns False (and says why) without matplotlib."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print(f"not writing {path}: matplotlib is not installed", flush=True)
+    plt = pyplot(path)
+    if plt is None:
         return False
     fig, ax = plt.subplots(figsize=(7.5, 4.8))
     for label, xs, ys in series:
