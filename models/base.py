@@ -66,8 +66,6 @@ class ByteModel:
     name = "model"
     CONTEXT = False  # True: its loss splits each sequence over a context axis (dpjax.compute.context)
     LAYERS: str | None = None  # the key of its stacked layers, which a pipeline divides over `stage`
-    experts = 0  # E > 0: a mixture of E experts, which an `expert` axis splits
-    attention_softcap: float = 0.0  # > 0: its attention scores are soft-capped (Gemma 2): no cuDNN kernel
     SPECS: dict  # (each model's own) its one sharding table: leaf name -> PartitionSpec over `model`
     apply: Callable[..., jax.Array]  # (each model's own) apply(params, tokens_BdxT, par) -> logits Bd x T x V
 
@@ -80,6 +78,17 @@ class ByteModel:
     def head_dim(self) -> int | None:
         """The attention heads' width (the compute policy's kernel choice), None: no attention."""
         return None
+
+    # properties, not class attributes: a mixture reads its experts from its config, Gemma 2 its softcap
+    @property
+    def experts(self) -> int:
+        """E > 0: a mixture of E experts, which an `expert` axis splits."""
+        return 0
+
+    @property
+    def attention_softcap(self) -> float:
+        """> 0: its attention scores are soft-capped (Gemma 2): no cuDNN kernel."""
+        return 0.0
 
     def __init__(self, config):
         self.config = config
@@ -166,10 +175,15 @@ class Decoder(ByteModel, abc.ABC):
     # its layers take their attention core from `attention(par, segments)`, so `dpjax.generate`
     # decodes with the KV cache; False: generation recomputes the sequence so far each token
     CACHED = True
-    stat_names: tuple = ()  # the statistics each layer reports through `layer_stats`, summed over the stack
     # True: its layers differ by their place in the stack (Gemma's local and global ones): the
     # stack runner hands `layer` each one's index in the whole model, `layer(blk, x, par, index=i)`
     INDEXED_LAYERS = False
+
+    @property
+    def stat_names(self) -> tuple:
+        """The statistics each layer reports through `layer_stats`, summed over the stack
+        (a property: a GPT's come from its MLP part, a mixture's or none)."""
+        return ()
 
     @property
     def has_stats(self) -> bool:

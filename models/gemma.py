@@ -50,7 +50,7 @@ from dpjax.compute.rope import RopeScaling
 from dpjax.compute.tensor_parallel import DENSE, Parallel
 from dpjax.errors import UserError
 from dpjax.models.base import Decoder, Decoding, dense_mlp_values
-from dpjax.models.llama import Llama, rope_table, rotate
+from dpjax.models.llama import kv_heads_table, rope_table, rotate
 from dpjax.models.registry import Entry, register
 
 
@@ -163,7 +163,7 @@ class Gemma(Decoder):
 
     def sharding_table(self, mesh) -> dict:
         """The Llama's rule: K/V heads split over `model` when they divide by it, else replicated."""
-        return Llama.sharding_table(self, mesh)
+        return kv_heads_table(self, mesh)
 
     @property
     def head_dim(self) -> int:

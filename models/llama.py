@@ -122,6 +122,19 @@ def rotate(x_BxTxHxK, sin_BxTxK, cos_BxTxK):
     return x_BxTxHxK * cos + rotated * sin
 
 
+
+def kv_heads_table(model: Decoder, mesh) -> dict:
+    """A grouped-query decoder's SPECS on `mesh` (the Llama's, Gemma's): the K/V heads
+    (`wkv_LsxDx2xYmxK`) split over `model` when they divide by it, replicated when fewer
+    (each rank then uses the one its query heads share)."""
+    n, Y = dict(mesh.shape).get("model", 1), model.config.n_kv_heads
+    if Y % n == 0:
+        return model.SPECS
+    if n % Y:
+        raise UserError(f"{model.name} n_kv_heads={Y} and the model axis of {n}: one must divide the other (K/V "
+                        "heads split over the model ranks, or each shared by n/Y of them)")
+    return {**model.SPECS, "wkv_LsxDx2xYmxK": P("stage", None, None, None, None)}
+
 class Llama(Decoder):
     """Pre-norm decoder blocks (RMSNorm, GQA with rotary positions, SwiGLU), a final
     RMSNorm and an untied (or tied) output head; the loss, the forward over the stack and
@@ -139,15 +152,7 @@ class Llama(Decoder):
     }
 
     def sharding_table(self, mesh) -> dict:
-        """SPECS on `mesh`: the K/V heads split over `model` when they divide by it,
-        replicated when fewer (each rank then uses the one its query heads share)."""
-        n, Y = dict(mesh.shape).get("model", 1), self.config.n_kv_heads
-        if Y % n == 0:
-            return self.SPECS
-        if n % Y:
-            raise UserError(f"llama n_kv_heads={Y} and the model axis of {n}: one must divide the other (K/V "
-                            "heads split over the model ranks, or each shared by n/Y of them)")
-        return {**self.SPECS, "wkv_LsxDx2xYmxK": P("stage", None, None, None, None)}
+        return kv_heads_table(self, mesh)
 
     @property
     def kv_heads(self) -> int:

@@ -151,7 +151,6 @@ class Lora(Decoder):
         super().__init__(base.config)
         self.base, self.lora = base, config
         self.name, self.SPECS, self.LAYERS, self.CONTEXT = base.name, base.SPECS, base.LAYERS, base.CONTEXT
-        self.stat_names = base.stat_names
         self.targets = tuple(t for t in TARGETS if t.name in config.targets)
         self.shapes = jax.eval_shape(base.init, jax.random.key(0))[self.LAYERS]  # traced once: a preset's is slow
         for t in self.targets:
@@ -160,6 +159,10 @@ class Lora(Decoder):
                 raise UserError(f"--lora r={config.r} is larger than layer {t.name} ({math.prod(i)} x "
                                 f"{math.prod(o)}): a rank above the layer's smaller side adds nothing; use r <= "
                                 f"{min(math.prod(i), math.prod(o))}")
+
+    @property
+    def stat_names(self) -> tuple:
+        return self.base.stat_names
 
     @property
     def kv_heads(self) -> int:

@@ -17,17 +17,48 @@ from dpjax.registry import Registry
 class Model(Protocol):
     """Every member dpjax reads of a model, read as a plain attribute (never probed with
     getattr). `models/base.py` gives each a default: `ByteModel` for any model, `Decoder`
-    for a stack of layers between an embedding and a head (the GPT, the Llama)."""
+    for a stack of layers between an embedding and a head (the GPT, the Llama).
 
-    name: str  # the registered name (`--model`), in messages and the run record
-    config: Any  # its config dataclass: the options a run may set, with vocab_size and seq_len
-    SPECS: dict  # its one sharding table: leaf name -> PartitionSpec over `model` (and `stage`, `expert`)
-    CONTEXT: bool  # its loss splits each sequence over a context axis (dpjax.compute.context)
-    LAYERS: str | None  # the key of its stacked layers, which a pipeline divides over `stage`; None: no stack
-    has_stats: bool  # `loss_and_stats` gives statistics the train step reports (a mixture's router)
-    experts: int  # E > 0: a mixture of E experts, which an `expert` axis splits
-    head_dim: int | None  # the attention heads' width (the compute policy's kernel choice); None: no attention
-    attention_softcap: float  # > 0: its attention scores are soft-capped (the kernel choice: not cuDNN's)
+    The attributes are read-only properties here because dpjax only reads them: a model may
+    give each as a class attribute or as a property (GPT's `experts` reads its config), and
+    a subclass may narrow the type (a Decoder's LAYERS is a str)."""
+
+    @property
+    def name(self) -> str:
+        """The registered name (`--model`), in messages and the run record."""
+
+    @property
+    def config(self) -> Any:
+        """Its config dataclass: the options a run may set, with vocab_size and seq_len (each
+        model's own class: Any here)."""
+
+    @property
+    def SPECS(self) -> dict:
+        """Its one sharding table: leaf name -> PartitionSpec over `model` (and `stage`, `expert`)."""
+
+    @property
+    def CONTEXT(self) -> bool:
+        """Its loss splits each sequence over a context axis (dpjax.compute.context)."""
+
+    @property
+    def LAYERS(self) -> str | None:
+        """The key of its stacked layers, which a pipeline divides over `stage`; None: no stack."""
+
+    @property
+    def has_stats(self) -> bool:
+        """`loss_and_stats` gives statistics the train step reports (a mixture's router)."""
+
+    @property
+    def experts(self) -> int:
+        """E > 0: a mixture of E experts, which an `expert` axis splits."""
+
+    @property
+    def head_dim(self) -> int | None:
+        """The attention heads' width (the compute policy's kernel choice); None: no attention."""
+
+    @property
+    def attention_softcap(self) -> float:
+        """> 0: its attention scores are soft-capped (the kernel choice: not cuDNN's)."""
 
     def init(self, key) -> Any:
         """The parameters: a dict of arrays, each leaf named for a SPECS entry."""

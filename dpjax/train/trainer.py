@@ -122,20 +122,21 @@ class Trainer:
         """What must match for a checkpoint to resume: per-worker state needs the same
         rule and the same number of workers (the mesh may change)."""
         cfg, plan = self.cfg, self.plan
-        out = {"model": self.model.describe(), "data": cfg.data, "seed": cfg.seed, "batch_size": user.batch_size,
-               "optimizer": {**dataclasses.asdict(self.opt), "backward_passes": user.backward_passes,
-                             "update": str(plan.update)}}
+        model = self.model.describe()
+        optimizer = {**dataclasses.asdict(self.opt), "backward_passes": user.backward_passes,
+                     "update": str(plan.update)}
         if self.step.rule.per_worker:
-            out["optimizer"]["workers"] = self.layout.num_workers
+            optimizer["workers"] = self.layout.num_workers
         if plan.exchange.between_workers_only:  # error buffers / PowerSGD's Q in the state (issue 20)
-            out["optimizer"]["compression"] = cfg.compression
+            optimizer["compression"] = cfg.compression
             split = plan.exchange.split(self.mesh, fsdp=cfg.fsdp)
             if split:  # the state's shapes follow these axes: they must match to resume
-                out["optimizer"]["compression_model_split"] = split
+                optimizer["compression_model_split"] = split
         if self.layout.pipeline is not None and self.layout.pipeline.virtual_stages > 1:
             # the layer stack is stored V x L/V: it resumes on any stage count, with the same V
-            out["model"]["virtual_stages"] = self.layout.pipeline.virtual_stages
-        return out
+            model["virtual_stages"] = self.layout.pipeline.virtual_stages
+        return {"model": model, "data": cfg.data, "seed": cfg.seed, "batch_size": user.batch_size,
+                "optimizer": optimizer}
 
     def _say_exchange(self) -> None:
         """One line when the cost model says the compression cannot pay, or the method
