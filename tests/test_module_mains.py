@@ -6,10 +6,14 @@ such a module; one fresh process (its own sys.modules) checks every one of them.
 
 from __future__ import annotations
 
+import argparse
+import importlib
 import os
 import pathlib
 import subprocess
 import sys
+
+import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -35,3 +39,33 @@ def test_no_package_imports_a_module_that_runs_as_main():
                          timeout=300)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]", f"imported by their packages (runpy warns on python -m): {out.stdout}"
+
+
+def parsers(main, monkeypatch) -> list[argparse.ArgumentParser]:
+    """The parser `main` builds and its sub-commands' (argparse's _subparsers choices), caught at parse_args."""
+    caught = []
+
+    def catch(self, *args, **kw):
+        caught.append(self)
+        raise SystemExit(0)
+
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", catch)
+    with pytest.raises(SystemExit):
+        main([])
+    out = []
+    for p in caught:
+        out.append(p)
+        for a in p._actions:
+            if isinstance(a, argparse._SubParsersAction):
+                out.extend(a.choices.values())
+    return out
+
+
+@pytest.mark.parametrize("module", ["dpjax.generate.__main__", "dpjax.hf.__main__", "dpjax.data.prepare",
+                                    "dpjax.data.chat"])
+def test_every_argument_is_explained_in_help(module, monkeypatch):
+    """A newcomer reads --help: each argument (a positional too) says what it takes."""
+    main = importlib.import_module(module).main
+    bare = [f"{p.prog}: {a.dest}" for p in parsers(main, monkeypatch) for a in p._actions
+            if not a.help and not isinstance(a, argparse._SubParsersAction)]
+    assert bare == []
