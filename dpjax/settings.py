@@ -13,8 +13,15 @@ from dataclasses import dataclass, field
 # each, below): a model or task registered after this import still shows.
 from dpjax import collectives, compression, distributed, models, optim, pipeline, tasks, updates
 from dpjax.compute import context
-from dpjax.data import chat, packing
+from dpjax.data import packing
 from dpjax.tasks import dpo
+
+
+def _chat():
+    # Imported when read, not with dpjax: `python -m dpjax.data.chat` runs that module as __main__, and
+    # runpy warns (a RuntimeWarning on every run) when `import dpjax` has already imported it.
+    from dpjax.data import chat
+    return chat
 
 
 def _opt(default, help: str, **kw):
@@ -69,12 +76,12 @@ class Settings:
     loss_on: str = MODEL("assistant", "with chat data, which tokens the loss counts: assistant (each assistant "
                                       "turn's answer and its end-of-turn token), completion (what follows the "
                                       "prompt of prompt/completion rows), all (every token)",
-                         choices=lambda: chat.LOSS_ON)
+                         choices=lambda: _chat().LOSS_ON)
     truncate: str = MODEL("right", "with chat data, a conversation longer than --seq-len + 1 tokens: right (keep "
                                    "its start), left (keep its end) or drop it; counted in the run record",
-                          choices=lambda: chat.TRUNCATE)
+                          choices=lambda: _chat().TRUNCATE)
     no_answer: str = MODEL("skip", "with chat data, a row without an answer to train on: skip it (counted) or "
-                                   "refuse the data (one line naming the row)", choices=lambda: chat.NO_ANSWER)
+                                   "refuse the data (one line naming the row)", choices=lambda: _chat().NO_ANSWER)
     pack: str = MODEL("none", "with chat data, several conversations in one row of --seq-len + 1 tokens, each "
                               "attending only to itself with its own positions: first_fit or best_fit (decreasing), "
                               "or none (one a row). --batch-size still counts conversations",

@@ -115,6 +115,10 @@ def test_the_start_line_and_the_record_give_the_counts(process_run):
     assert (data["rows"], data["examples"], data["held_out"], data["truncated"]) == (200, 190, 10, 0)
     line = next(x for x in proc.stdout.splitlines() if x.startswith("chat data: "))
     assert f"({data['answer_tokens']:,} answer tokens)" in line and "190 conversations" in line
+    s = record["settings"]  # the epochs the steps read, as a TRL user counts them
+    read = s["steps"] * s["batch_size"] * s["backward_passes"]
+    assert line.endswith(f"; {s['steps']} steps of {s['batch_size'] * s['backward_passes']} read {read}: "
+                         f"{read / 190:.2f} epochs")
 
 
 def test_truncation_and_skips_are_counted(tmp_path):

@@ -323,11 +323,15 @@ def main(argv=None) -> int:
     p.add_argument("data", help="FILE.jsonl or a folder of them")
     p.add_argument("--model", required=True, help="the folder of the model's tokenizer.json and chat template")
     p.add_argument("--chat-template", default=None, help="a jinja template file to use instead of the model's")
-    p.add_argument("--seq-len", type=int, required=True)
-    p.add_argument("--loss-on", choices=LOSS_ON, default="assistant")
-    p.add_argument("--truncate", choices=TRUNCATE, default="right")
+    p.add_argument("--seq-len", type=int, required=True, help="as training's --seq-len: an example holds at most "
+                                                              "seq_len + 1 tokens")
+    p.add_argument("--loss-on", choices=LOSS_ON, default="assistant", help="which tokens the loss counts, as "
+                                                                           "training's --loss-on (default assistant)")
+    p.add_argument("--truncate", choices=TRUNCATE, default="right", help="a longer example: keep its start (right), "
+                                                                         "its end (left), or drop it")
     p.add_argument("--no-answer", choices=NO_ANSWER, default="skip", help="rows without an answer: skip or refuse")
-    p.add_argument("--pack", choices=tuple(METHODS), default="first_fit")
+    p.add_argument("--pack", choices=tuple(METHODS), default="first_fit",
+                   help="the packer whose efficiency is reported (default first_fit)")
     args = p.parse_args(argv)
     try:
         fmt = ChatFormat(args.model, args.chat_template)

@@ -110,17 +110,21 @@ def _save(path: str, logp_V) -> None:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m dpjax.generate", description=__doc__.split("\n\n")[1])
-    p.add_argument("--init-from", required=True, help="hf:DIR (a HuggingFace Llama folder) or a dpjax checkpoint")
+    p.add_argument("--init-from", required=True, help="hf:DIR (a HuggingFace folder of a supported family) or a dpjax "
+                                                         "checkpoint (a training run's --ckpt-dir, an import's)")
     which = p.add_mutually_exclusive_group(required=True)
     which.add_argument("--prompt", help="text, tokenized by --tokenizer (default: the folder's tokenizer.json or "
                                          "tokenizer.model)")
     which.add_argument("--prompt-ids", help="token ids, e.g. 1,2,3")
     p.add_argument("--tokenizer", help="a tokenizer.json, a SentencePiece .model, or bytes")
-    p.add_argument("--no-bos", dest="bos", action="store_false", help="do not start a --prompt with the BOS id")
-    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--no-bos", dest="bos", action="store_false",
+                   help="do not start a --prompt with config.json's bos_token_id (by default it comes first, whether "
+                        "the tokenizer adds one or not)")
+    p.add_argument("--max-new-tokens", type=int, default=32,
+                   help="tokens to generate at most; fewer when an end-of-turn id comes first (default 32)")
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling's probability mass (default 1: all)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="the sampling's seed with --temperature above 0 (default 0)")
     p.add_argument("--mesh", help="e.g. 1x8 (default: every device on model where it divides)")
     p.add_argument("--adapter", help="a PEFT LoRA adapter folder to put on --init-from's weights")
     p.add_argument("--json", action="store_true", help="print one JSON object")

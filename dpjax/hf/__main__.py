@@ -101,11 +101,11 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m dpjax.hf", description=__doc__.split("\n\n")[1])
     sub = p.add_subparsers(dest="command", required=True)
     i = sub.add_parser("import", help="a HuggingFace folder -> a dpjax checkpoint")
-    i.add_argument("folder")
+    i.add_argument("folder", help="a HuggingFace model folder (config.json, *.safetensors)")
     i.add_argument("--out", required=True, help="the dpjax checkpoint folder to write")
     i.add_argument("--mesh", help="read onto this mesh (default: every device on model where it divides)")
     e = sub.add_parser("export", help="a dpjax checkpoint -> a HuggingFace folder")
-    e.add_argument("ckpt")
+    e.add_argument("ckpt", help="a dpjax checkpoint folder: a training run's --ckpt-dir or an import's --out")
     e.add_argument("--out", required=True, help="the HuggingFace folder to write")
     e.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
                    help="the files' dtype (default: the imported folder's, else float32)")
@@ -118,7 +118,7 @@ def main(argv=None) -> int:
     how.add_argument("--merge", dest="lora", action="store_const", const="merge",
                      help="write full weights with the LoRA adapters merged in (base + alpha/r B A: for vLLM)")
     v = sub.add_parser("verify", help="dpjax against HuggingFace transformers on a folder: a card")
-    v.add_argument("folder")
+    v.add_argument("folder", help="a HuggingFace model folder of a supported family")
     v.add_argument("--expected", help="transformers' saved outputs (a fixture's expected.json) instead of running it")
     v.add_argument("--train", default="", help="meshes to train 5 steps on from the folder and compare, e.g. 2x4,8x1")
     v.add_argument("--name", help="the folder's name on the card (default: its path)")

@@ -35,8 +35,10 @@ def check_task(s, model, mesh) -> None:
         raise UserError("--task grpo on a context axis is not built yet (the old and reference log-probs are "
                         "computed whole per sequence); use the data, model or FSDP axes")
     if model.experts:
-        raise UserError(f"--task {s.task} with --experts is not built yet (the router's losses are not weighted "
-                        "per answer token)")
+        # said in the model's words: an hf:DIR of Mixtral or Qwen3-MoE brings its experts without --experts
+        raise UserError(f"--task {s.task} on a mixture of experts (--model {model.name}, {model.experts} experts) is "
+                        "not built yet (the router's losses are not weighted per answer token); --task lm trains "
+                        "it on text or token files")
 
 
 def check_chat(s) -> None:

@@ -162,7 +162,7 @@ class Progress(Hook):
         self.bar = Bar(cfg.progress if _main() else "none", cfg.steps, loop.trainer.start)
 
     def step(self, loop, row: dict) -> None:
-        self.bar.update(row["step"] - 1, row["loss"], loop.tokens_per_s)
+        self.bar.update(row["step"] - 1, row["loss"], loop.tokens_per_s, row)
 
     def close(self, loop) -> None:
         self.bar.close()

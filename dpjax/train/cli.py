@@ -26,6 +26,7 @@ from dpjax.train.efficiency import describe
 from dpjax.models import model_options, option_types
 from dpjax.train.record import load_config
 from dpjax.train.resume import interrupted
+from dpjax.train.trl_names import dpjax_name
 from dpjax.train.trainer import dry_run, run
 
 DESCRIPTION = ("Train a byte-level GPT, a Llama-family model or an MLP on a device mesh, with data parallelism "
@@ -88,7 +89,8 @@ class Parser(argparse.ArgumentParser):
                 return f"unexpected argument {words[0]!r} (every setting is a --flag; see --help)"
             wrong = flags[0].split("=")[0]
             known = [o for o in self._option_string_actions if o.startswith("--")]
-            return f"unknown flag {wrong}" + _did_you_mean(wrong, known, " (python -m dpjax.train --help lists them)")
+            return f"unknown flag {wrong}" + (dpjax_name(wrong) or _did_you_mean(
+                wrong, known, " (python -m dpjax.train --help lists them)"))
         choice = re.match(r"argument (\S+): invalid choice: (['\"]?)(.*?)\2 \(choose from", message)
         if choice:
             action = self._option_string_actions.get(choice.group(1).split("/")[0])

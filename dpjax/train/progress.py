@@ -9,10 +9,14 @@ import sys
 
 
 WAITING = "compiling the step..."  # what the bar says before the first step's row
+# A task's own figures in a step's row that tell whether it learns (TRL's console shows them beside the
+# loss): GRPO's mean reward (its loss sits near 0 whatever the rewards), DPO's accuracy and margin.
+WATCHED = ("reward", "accuracy", "margin")
 
 
-def figures(loss: float, tps: float) -> str:
-    return f"loss {loss:.4f}  {tps:,.0f} tok/s"
+def figures(loss: float, tps: float, row: dict | None = None) -> str:
+    own = "".join(f"  {k} {row[k]:.4f}" for k in WATCHED if row is not None and k in row)
+    return f"loss {loss:.4f}{own}  {tps:,.0f} tok/s"
 
 
 class Progress:
@@ -32,11 +36,11 @@ class Progress:
             self.task = self.bar.add_task("train", total=total, completed=start, figures=WAITING)
             self.bar.start()
 
-    def update(self, step: int, loss: float, tps: float) -> None:
+    def update(self, step: int, loss: float, tps: float, row: dict | None = None) -> None:
         if self.bar is not None:
-            self.bar.update(self.task, completed=step + 1, figures=figures(loss, tps))
+            self.bar.update(self.task, completed=step + 1, figures=figures(loss, tps, row))
         elif self.mode == "log" and ((step + 1) % self.every == 0 or step + 1 == self.total):
-            print(f"step {step + 1}/{self.total}  loss {loss:.4f}  {tps:,.0f} tok/s", flush=True)
+            print(f"step {step + 1}/{self.total}  {figures(loss, tps, row)}", flush=True)
 
     def close(self) -> None:
         if self.bar is not None:

@@ -21,6 +21,7 @@ import yaml
 from dpjax.errors import UserError
 from dpjax.recovery.checkpoint import RUN_FILE
 from dpjax.settings import Settings
+from dpjax.train.trl_names import dpjax_name
 from dpjax.models import model_options
 PACKAGES = ("jax", "jaxlib", "flax", "optax", "numpy", "orbax-checkpoint", "dpjax")
 
@@ -135,7 +136,8 @@ def _settings(data: dict, path: str) -> dict:
         elif name in options:
             opts[name] = value
         else:
-            raise ConfigError(f"--config {path}: unknown setting {key!r} (python -m dpjax.train --help lists them)")
+            raise ConfigError(f"--config {path}: unknown setting {key!r}"
+                              + (dpjax_name(key) or " (python -m dpjax.train --help lists them)"))
     wrong = sorted(set(opts) - options)
     if wrong:
         raise ConfigError(f"--config {path}: unknown model option {wrong[0]!r}")

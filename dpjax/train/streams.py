@@ -54,6 +54,11 @@ class Chat:
                 f"answer, {r['truncated']:,} truncated, {r['dropped_long']:,} dropped as too long" + _packing_line(r))
 
 
+def epochs_clause(examples: int, per_step: int, steps: int) -> str:
+    """How much of the set --steps reads, in epochs (TRL's and HuggingFace's count; dpjax counts steps)."""
+    return f"; {steps:,} steps of {per_step:,} read {steps * per_step:,}: {steps * per_step / examples:.2f} epochs"
+
+
 def _packing_line(r) -> str:
     p = r.get("packing")
     if p is None:

@@ -23,7 +23,7 @@ from dpjax.plan import check, devices_per_process, resolve, settled, warnings, U
 from dpjax.settings import Settings
 from dpjax.train import builtin, elastic, hardware, observe, record, restart, resume, tuning, preference, rollout
 from dpjax.train.checkpoints import Checkpoints
-from dpjax.train.streams import streams
+from dpjax.train.streams import epochs_clause, streams
 from dpjax.collectives.cpu_runtime import simulate_cpu_devices  # and the guards their collectives need
 from dpjax.compression import accounting
 from dpjax.hf import params_of
@@ -79,7 +79,8 @@ class Trainer:
         self.train_stream, self.val_stream, self.tokenizer, self.chat = data.train, data.val, data.tokenizer, data.chat
         self.rows = data.rows  # the rows a batch of --batch-size examples fills (--pack), None: one a row
         if self.chat is not None:
-            self.say(self.chat.line())  # what was read, skipped, cut: before the compile's wait
+            self.say(self.chat.line() + epochs_clause(len(self.chat.train), cfg.batch_size * cfg.backward_passes,
+                                                      cfg.steps))  # what was read, skipped, cut: before the compile
         self._steps: dict[Setting, S.TrainStep] = {}  # one a setting the autotune tries
         self.use(Setting(plan.exchange.algorithm, plan.exchange.fusion_mb))
         self.record = self._resume_record(user)
