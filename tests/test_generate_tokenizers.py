@@ -32,3 +32,16 @@ def test_a_sentencepiece_only_folder_is_one_line(tmp_path, capsys):
     assert main(["--init-from", f"hf:{tmp_path}", "--prompt", "hi", "--max-new-tokens", "2"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "no tokenizer.json" in err and "save_pretrained" in err
+
+
+def test_a_prompt_starts_with_the_special_tokens_transformers_adds():
+    """generate --prompt's ids are transformers' tokenizer(text).input_ids (tests/fixtures/prompt_ids.json):
+    the BOS where the tokenizer.json's post-processor puts one (llama_tiny, as Llama 3's), none where it
+    puts none (chat_tiny/chatml, as Qwen's), whatever bos_token_id config.json names; --no-bos: none."""
+    expected = json.load(open(os.path.join(FIXTURES, "prompt_ids.json")))
+    for folder, ids in expected["ids"].items():
+        tok = load(os.path.join(FIXTURES, folder, "tokenizer.json"))
+        assert [tok.prompt_ids(t, bos=0) for t in expected["texts"]] == ids, folder
+        assert [tok.prompt_ids(t, bos=0, specials=False) for t in expected["texts"]] == [
+            tok.encode(t) for t in expected["texts"]]
+    assert expected["ids"]["llama_tiny"][0][0] == 0 and 0 not in expected["ids"]["chat_tiny/chatml"][0]

@@ -25,7 +25,19 @@ class TokenizerError(UserError):
     """A tokenizer that cannot be loaded or trained; the message says why."""
 
 
-class Bytes:
+class BosFirst:
+    """A tokenizer with no rule of its own for special tokens: a prompt starts with the model's BOS."""
+
+    def encode(self, text: str) -> list[int]:
+        raise NotImplementedError
+
+    def prompt_ids(self, text: str, bos: int | None, specials: bool = True) -> list[int]:
+        """A prompt's ids as generation starts from them: after the model's `bos` (config.json's
+        bos_token_id) unless `specials` is off. A tokenizer that carries its own rule (`HF`) follows it."""
+        return ([bos] if specials and bos is not None else []) + self.encode(text)
+
+
+class Bytes(BosFirst):
     """Each UTF-8 byte one id."""
 
     vocab_size = 256
@@ -50,6 +62,11 @@ class HF:
     def encode(self, text: str) -> list[int]:
         return self.tok.encode(text, add_special_tokens=False).ids
 
+    def prompt_ids(self, text: str, bos: int | None, specials: bool = True) -> list[int]:
+        """The special tokens this tokenizer.json's post-processor adds (Llama 3's and Gemma's a BOS,
+        Qwen's none), as transformers' `tokenizer(text)` adds them, whatever config.json's `bos`."""
+        return self.tok.encode(text, add_special_tokens=specials).ids
+
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         """Many texts at once: `tokenizers` splits the batch over its threads (Rust)."""
         return [e.ids for e in self.tok.encode_batch(texts, add_special_tokens=False)]
@@ -61,8 +78,9 @@ class HF:
         self.tok.save(path)
 
 
-class SentencePiece:
-    """A `sentencepiece.SentencePieceProcessor` (a *.model file), no BOS/EOS added.
+class SentencePiece(BosFirst):
+    """A `sentencepiece.SentencePieceProcessor` (a *.model file), no BOS/EOS added (a prompt
+    starts with the model's BOS, as transformers' Llama tokenizer's add_bos_token puts it).
 
     SentencePiece puts a dummy prefix (a '▁' space) before every text it encodes, so
     a text cut in pieces would gain a space at each cut: a file is encoded whole

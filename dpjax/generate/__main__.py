@@ -52,10 +52,8 @@ def run(args) -> dict:
         if tok is None:
             raise UserError(f"{args.init_from} has no tokenizer.json (nor tokenizer.model) and {vocab} ids: give "
                             "--tokenizer PATH, or --prompt-ids")
-        prompt = tok.encode(args.prompt)
         bos = (source.hub or {}).get("bos_token_id")
-        if isinstance(bos, int) and args.bos:
-            prompt = [bos] + prompt
+        prompt = tok.prompt_ids(args.prompt, bos if isinstance(bos, int) else None, specials=args.bos)
         if not prompt:
             raise UserError("--prompt encodes to no tokens: give some text, or --prompt-ids")
     else:
@@ -118,8 +116,9 @@ def main(argv=None) -> int:
     which.add_argument("--prompt-ids", help="token ids, e.g. 1,2,3")
     p.add_argument("--tokenizer", help="a tokenizer.json, a SentencePiece .model, or bytes")
     p.add_argument("--no-bos", dest="bos", action="store_false",
-                   help="do not start a --prompt with config.json's bos_token_id (by default it comes first, whether "
-                        "the tokenizer adds one or not)")
+                   help="no special tokens before a --prompt. By default a tokenizer.json adds what its post-processor "
+                        "adds, as transformers' tokenizer(text) does (Llama 3's and Gemma's a BOS, Qwen's none); a "
+                        "SentencePiece or byte tokenizer puts config.json's bos_token_id first")
     p.add_argument("--max-new-tokens", type=int, default=32,
                    help="tokens to generate at most; fewer when an end-of-turn id comes first (default 32)")
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default)")
