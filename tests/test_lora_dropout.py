@@ -147,3 +147,17 @@ def test_losses_equal_on_every_mesh_and_the_dense_draw(tiny, mesh_of):
     assert abs(float(dense) - float(model.loss(before, first))) > 1e-5  # the draw mattered
     for losses in got.values():
         np.testing.assert_allclose(losses, got[("8x1", False)], **TOL)
+
+
+def test_peft_export_and_load_keep_the_rate(tiny, tmp_path):
+    """The exported adapter's lora_dropout is the run's, and reading it back keeps it (as the
+    flag --adapter trains with)."""
+    import json
+
+    from dpjax.hf import adapter as peft_files
+
+    model, params = tiny
+    peft_files.export(params, model, str(tmp_path), base="llama_tiny")
+    assert json.loads((tmp_path / peft_files.CONFIG).read_text())["lora_dropout"] == RATE
+    config = peft_files.read_config(str(tmp_path))
+    assert config.lora.dropout == RATE and "dropout=0.1" in config.as_flag()
