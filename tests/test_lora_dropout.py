@@ -161,3 +161,15 @@ def test_peft_export_and_load_keep_the_rate(tiny, tmp_path):
     assert json.loads((tmp_path / peft_files.CONFIG).read_text())["lora_dropout"] == RATE
     config = peft_files.read_config(str(tmp_path))
     assert config.lora.dropout == RATE and "dropout=0.1" in config.as_flag()
+
+
+def test_a_stage_axis_with_dropout_is_refused_in_one_line(tmp_path, capsys):
+    from dpjax.train import main
+    from test_lora_step import tiny as flags
+
+    args = flags("--mesh", "stage=2,data=4", "--steps", "1", "--metrics", str(tmp_path / "m.jsonl"))
+    args[args.index("--lora") + 1] = "r=4,dropout=0.1"
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "dropout=0.1 with a stage axis is not built" in err
+    assert not (tmp_path / "m.jsonl").exists()
