@@ -178,6 +178,9 @@ class Decoder(ByteModel, abc.ABC):
     # True: its layers differ by their place in the stack (Gemma's local and global ones): the
     # stack runner hands `layer` each one's index in the whole model, `layer(blk, x, par, index=i)`
     INDEXED_LAYERS = False
+    # >0: its layers drop values in training at this rate when the step gives them a draw
+    # (`Parallel.dropout`, `dpjax.compute.dropout`): LoRA's adapters' input (`dpjax.models.lora`)
+    dropout_rate: float = 0.0
 
     @property
     def stat_names(self) -> tuple:

@@ -256,16 +256,32 @@ class Llama(Decoder):
         q_BdxTxHmxK, k_BdxTxYmxK, v_BdxTxYmxK = self.project(a, h_BdxTxD, positions_BdxT, par)
         # the Y heads: a context axis's ring carries them, the local kernel and the KV cache repeat them
         o_BdxTxHmxK = self.attention(par, segments)(q_BdxTxHmxK, k_BdxTxYmxK, v_BdxTxYmxK, window=self.window)
-        return x_BdxTxD + par.g(par.policy.einsum("bthk,hkd->btd", o_BdxTxHmxK, a["wo_LsxHmxKxD"]))
+        return x_BdxTxD + par.g(self.attn_out(a, o_BdxTxHmxK, par))
+
+    def attn_out(self, a, o_BdxTxHmxK, par: Parallel = DENSE):
+        """The output projection of this rank's heads, Bd x T x D: a partial sum (row-parallel:
+        the caller's g adds the ranks'). Like `queries`, `keys_values`, `mlp_in` and `mlp_out`,
+        the one place a projection is computed: LoRA's dropout adds its adapter's term here
+        (`dpjax.models.lora`)."""
+        return par.policy.einsum("bthk,hkd->btd", o_BdxTxHmxK, a["wo_LsxHmxKxD"])
 
     def mlp(self, blk, x_BdxTxD, par: Parallel = DENSE):
         """The SwiGLU feed-forward (Shazeer, "GLU variants improve Transformer", 2020) of
         the normed input: down(silu(gate(h)) * up(h)); one f for both column-parallel halves."""
         m = blk["mlp"]
         hf_BdxTxD = par.f(rms_norm(x_BdxTxD, blk["mlp_norm"]["scale_LsxD"], self.config.norm_eps))
-        mm = par.policy.matmul  # fp8 under --dtype fp8
-        h_BdxTxFm = jax.nn.silu(mm(hf_BdxTxD, m["wgate_LsxDxFm"])) * mm(hf_BdxTxD, m["wup_LsxDxFm"])
-        return tp.row_parallel(h_BdxTxFm, m["wdown_LsxFmxD"], None, par)
+        h_BdxTxFm = jax.nn.silu(self.mlp_in(m, "wgate_LsxDxFm", hf_BdxTxD, par)) * self.mlp_in(
+            m, "wup_LsxDxFm", hf_BdxTxD, par)
+        return par.g(self.mlp_out(m, h_BdxTxFm, par))
+
+    def mlp_in(self, m, leaf: str, hf_BdxTxD, par: Parallel = DENSE):
+        """gate or up (`leaf`), column-parallel: Bd x T x Fm."""
+        return par.policy.matmul(hf_BdxTxD, m[leaf])  # fp8 under --dtype fp8
+
+    def mlp_out(self, m, h_BdxTxFm, par: Parallel = DENSE):
+        """down, row-parallel: Bd x T x D, a partial sum (the caller's g adds the ranks')."""
+        assert h_BdxTxFm.shape[-1] == m["wdown_LsxFmxD"].shape[0], (h_BdxTxFm.shape, m["wdown_LsxFmxD"].shape)
+        return par.policy.matmul(h_BdxTxFm, m["wdown_LsxFmxD"])
 
     def head(self, params, x_BdxTxD, par: Parallel = DENSE):
         """Final RMSNorm and the output head: Bd x T x Vm logits in float32."""

@@ -23,8 +23,15 @@ The design, chosen to keep every layer's code and every layout unchanged:
   no exchange; its FSDP gather has no backward (no reduce-scatter). What the backward
   does compute is the cotangent of each merged layer weight (transient, one layer at a
   time, as the full fine-tune's), from which A's and B's gradients come.
-- Dropout on the adapters' input would need the factored form (x A B), which the layers
-  do not compute: dropout other than 0 is refused.
+- Dropout (PEFT's lora_dropout) needs the factored form: in a training step with
+  dropout > 0 each targeted projection computes y = x W + (alpha / r) (dropout(x) A) B
+  (`Factored`: the Llama with its projection methods adding the term), the base path
+  untouched, the masks the same on every mesh (`dpjax.compute.dropout`: a hash of the
+  step, the layer's global index, the target and the element's global row, position and
+  feature). The tensor-parallel rules are the merged path's: the same factor goes through
+  f, and a row-parallel target's term joins its base's partial sum before g. Without a
+  draw (evaluation, generation, merge, export) the layer is the merged one; dropout=0
+  never computes the factored form, so its program is the merged path's.
 
 PEFT's module names (`TARGETS`: q_proj .. down_proj, or q .. down, or all-linear) and its
 adapter files are `dpjax.hf.adapter`'s.
@@ -40,9 +47,11 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from dpjax.compute import context
 from dpjax.compute.tensor_parallel import DENSE, Parallel
 from dpjax.errors import UserError
 from dpjax.models.base import Decoder
+from dpjax.models.llama import Llama
 
 ADAPTERS = "lora"  # the key of the adapters inside the layer stack
 
@@ -122,9 +131,8 @@ class LoraConfig:
     def checked(self, text: str) -> "LoraConfig":
         if self.r < 1 or self.alpha <= 0:
             raise UserError(f"--lora {text}: r must be at least 1 and alpha positive")
-        if self.dropout != 0:
-            raise UserError(f"--lora {text}: dropout {self.dropout} is not built (dpjax adds A B to the weights, "
-                            "so there is no adapter input to drop); use dropout=0.0")
+        if not 0 <= self.dropout < 1:
+            raise UserError(f"--lora {text}: dropout must be at least 0 and below 1, got {self.dropout}")
         return self
 
 
@@ -151,6 +159,9 @@ class Lora(Decoder):
         super().__init__(base.config)
         self.base, self.lora = base, config
         self.name, self.SPECS, self.LAYERS, self.CONTEXT = base.name, base.SPECS, base.LAYERS, base.CONTEXT
+        self.dropout_rate = config.dropout
+        self.INDEXED_LAYERS = config.dropout > 0  # the masks read each layer's global index (stack.run's index_L)
+        self.factored = Factored(self) if config.dropout > 0 else None
         self.targets = tuple(t for t in TARGETS if t.name in config.targets)
         self.shapes = jax.eval_shape(base.init, jax.random.key(0))[self.LAYERS]  # traced once: a preset's is slow
         for t in self.targets:
@@ -215,16 +226,39 @@ class Lora(Decoder):
         for t in self.targets:
             a, b = adapters[a_key(t)], adapters[b_key(t)]
             i, o = self.dims(t)
-            a_split, b_split = a.shape[:-1] != i, b.shape[1:] != o  # split over `model` (after FSDP's gather)
-            if b_split and not a_split:  # A replicated, B split: A's gradient is the sum of the ranks'
-                a = par.f(a)
-            elif a_split and not b_split:
-                b = par.f(b)
+            a, b = self.factors(t, adapters, par)
             delta = self.lora.scale * jnp.tensordot(a, b, axes=1)
             w = blk[t.group][t.leaf]
             blk[t.group][t.leaf] = w + delta.astype(w.dtype) if t.part is None else w.at[:, t.part].add(
                 delta.astype(w.dtype))
         return blk
+
+    def factors(self, t: Target, adapters, par: Parallel = DENSE):
+        """Target `t`'s A and B, the factor replicated over `model` beside a split one through
+        f: its gradient is the sum of the ranks' (module docstring)."""
+        a, b = adapters[a_key(t)], adapters[b_key(t)]
+        i, o = self.dims(t)
+        a_split, b_split = a.shape[:-1] != i, b.shape[1:] != o  # split over `model` (after FSDP's gather)
+        if b_split and not a_split:  # A replicated, B split: A's gradient is the sum of the ranks'
+            a = par.f(a)
+        elif a_split and not b_split:
+            b = par.f(b)
+        return a, b
+
+    def term(self, name: str, adapters, x, par: Parallel):
+        """(alpha / r) (dropout(x) A) B of target `name` on its input x (this device's block:
+        Bd x T x the input dims, split over `model` where A is), or None when not targeted."""
+        t = BY_NAME[name]
+        if t not in self.targets:
+            return None
+        a, b = adapters[t.name]
+        i = self.dims(t)[0]
+        n_local, n_in = math.prod(a.shape[:-1]), math.prod(i)
+        features = jnp.arange(n_local) + (par.rank() * n_local if n_local != n_in else 0)  # global indices
+        assert par.dropout is not None, "the factored path runs in a training step with dropout (Lora.layer)"
+        x = par.dropout.at(TARGETS.index(t)).drop(x, context.positions(x.shape[1], par), features, n_in)
+        u_BdxTxR = jnp.tensordot(x, a, axes=t.n_in)
+        return self.lora.scale * jnp.tensordot(u_BdxTxR, b, axes=1)
 
     def merge(self, params):
         """The base's parameters with every layer's adapters added (export --merge, generate)."""
@@ -236,8 +270,16 @@ class Lora(Decoder):
     def embed(self, params, tokens_BdxT, par: Parallel = DENSE, segments=None):
         return self.base.embed(params, tokens_BdxT, par, segments)  # segments: the KV cache's positions, packing's
 
-    def layer(self, blk, x_BdxTxD, par: Parallel = DENSE, *args, **kwargs):
-        return self.base.layer(self.merged_layer(blk, par), x_BdxTxD, par, *args, **kwargs)
+    def layer(self, blk, x_BdxTxD, par: Parallel = DENSE, *args, index=None, **kwargs):
+        if par.dropout is None:  # evaluation, generation: merged (as with dropout=0)
+            return self.base.layer(self.merged_layer(blk, par), x_BdxTxD, par, *args, **kwargs)
+        assert index is not None, "LoRA's dropout reads each layer's index (stack.run's index_L)"
+        assert self.factored is not None, "a dropout draw reaches only a model with dropout (dpjax.step.builder)"
+        adapters = {t.name: self.factors(t, blk[ADAPTERS], par) for t in self.targets}
+        blk = {k: v for k, v in blk.items() if k != ADAPTERS}
+        blk["attn"], blk["mlp"] = {**blk["attn"], ADAPTERS: adapters}, {**blk["mlp"], ADAPTERS: adapters}
+        par = dataclasses.replace(par, dropout=par.dropout.at(index))
+        return self.factored.layer(blk, x_BdxTxD, par, *args, **kwargs)
 
     def head(self, params, x_BdxTxD, par: Parallel = DENSE):
         return self.base.head(params, x_BdxTxD, par)
@@ -250,6 +292,40 @@ class Lora(Decoder):
 
     def mlp_values(self, tokens: int, split: int) -> dict:
         return self.base.mlp_values(tokens, split)
+
+
+class Factored(Llama):
+    """The Llama whose projections add their LoRA term, (alpha / r) (dropout(x) A) B, to the
+    base's x W: a LoRA layer in a training step with dropout (`Lora.layer` puts each
+    group's adapters beside its weights, under ADAPTERS, and the layer's draw in `par`)."""
+
+    def __init__(self, lora: Lora):
+        super().__init__(lora.config)
+        self.lora = lora
+
+    def adapted(self, name, group, x, y, par):
+        term = self.lora.term(name, group[ADAPTERS], x, par)
+        return y if term is None else y + term.astype(y.dtype)
+
+    def queries(self, a, h_BdxTxD, par: Parallel = DENSE):
+        return self.adapted("q", a, h_BdxTxD, super().queries(a, h_BdxTxD, par), par)
+
+    def keys_values(self, a, h_BdxTxD, par: Parallel = DENSE):
+        kv_Bdx2xTxYxK = super().keys_values(a, h_BdxTxD, par)
+        for j, name in enumerate(("k", "v")):
+            term = self.lora.term(name, a[ADAPTERS], h_BdxTxD, par)
+            kv_Bdx2xTxYxK = kv_Bdx2xTxYxK if term is None else kv_Bdx2xTxYxK.at[:, j].add(term.astype(
+                kv_Bdx2xTxYxK.dtype))
+        return kv_Bdx2xTxYxK
+
+    def attn_out(self, a, o_BdxTxHmxK, par: Parallel = DENSE):  # before g: the term's partial sum joins the base's
+        return self.adapted("o", a, o_BdxTxHmxK, super().attn_out(a, o_BdxTxHmxK, par), par)
+
+    def mlp_in(self, m, leaf: str, hf_BdxTxD, par: Parallel = DENSE):
+        return self.adapted(leaf[1:leaf.index("_")], m, hf_BdxTxD, super().mlp_in(m, leaf, hf_BdxTxD, par), par)
+
+    def mlp_out(self, m, h_BdxTxFm, par: Parallel = DENSE):
+        return self.adapted("down", m, h_BdxTxFm, super().mlp_out(m, h_BdxTxFm, par), par)
 
 
 @dataclass(frozen=True)

@@ -88,7 +88,8 @@ def test_merged_is_base_plus_scaled_BA(loaded, tmp_path):
     ("r=4,targets=q,foo", "targets foo name no layer"),
     ("r=4,targets=", "name no layer"),
     ("r=40", "r=40 is larger than layer"),
-    ("r=4,dropout=0.1", "dropout 0.1 is not built"),
+    ("r=4,dropout=1", "dropout must be at least 0 and below 1, got 1.0"),
+    ("r=4,dropout=-0.1", "dropout must be at least 0 and below 1, got -0.1"),
     ("r=4,rank=2", "'rank' is not a LoRA setting"),
 ])
 def test_bad_lora_flags_one_line(flag, says):

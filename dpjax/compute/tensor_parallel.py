@@ -44,6 +44,7 @@ from jax import lax
 from dpjax import collectives
 from dpjax.collectives.ranks import Subgroups, axis_size
 from dpjax.collectives.ops import Wire, finish, on_wire
+from dpjax.compute.dropout import Draw
 from dpjax.compute.policy import Policy
 from dpjax.mesh import bound
 
@@ -202,6 +203,9 @@ class Parallel:
     policy: Policy = Policy()  # the compute dtype, remat, attention kernel and scan (dpjax.compute.stack runs by it)
     context_axis: Axis | None = None  # each sequence split over it (dpjax.compute.context), None: whole sequences
     expert_axis: Axis | None = None  # the experts split over it (dpjax.models.moe), None: all here
+    # a training step's dropout draw (dpjax.compute.dropout.Draw: traced key and row ids, set by
+    # dpjax.step.builder for a model with dropout); None: no dropout (evaluation, generation)
+    dropout: Draw | None = None
 
     def _gather(self, x, d, probe):
         if probe is not None:

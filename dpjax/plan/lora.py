@@ -34,5 +34,10 @@ def trained_split(model, layout, exchange: Exchange):
     if exchange.form is Form.FSDP:
         raise UsageError(f"--lora with --fsdp and --compression {exchange.compression}: FSDP's error feedback "
                          "mirrors every parameter; compress without --fsdp, or FSDP without error feedback")
+    if model.lora.dropout and (layout.pipeline is not None or layout.context_axes):
+        raise UsageError(f"--lora dropout={model.lora.dropout} with a {'stage' if layout.pipeline else 'context'} "
+                         "axis is not built yet (the masks read each row's index in the step's batch, which a "
+                         "pipeline's schedule does not carry; on a context axis untested); use dropout=0, or a mesh "
+                         "without it")
     return Split(model.LAYERS)
 

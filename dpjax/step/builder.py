@@ -38,12 +38,14 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import jax
+import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from dpjax import links as emulation
 from dpjax import scopes
 from dpjax.compression import Form
+from dpjax.compute import dropout
 from dpjax.data_parallel import broadcast_params
 from dpjax.fusion import leaf_classes
 from dpjax.mesh import EXPERT, NOT_DATA, as_axes, axis_arg, data_axes, dp_size, is_spec, local_shape, spec_axes
@@ -121,18 +123,23 @@ def build(loss_fn, plan: Plan, *, abstract_params, donate: bool = True, value_an
         value_and_grad = jax.value_and_grad(loss_and_stats, has_aux=True)
     held = _Held.of(plan, abstract_params)
 
-    def grad_fn(frozen):
+    def grad_fn(frozen, draw=None):
         """The worker's gradient, of the trained parameters only (LoRA's adapters, `plan.split`:
         the frozen base beside them is a constant of the loss, never differentiated, so nothing
         of it is computed, exchanged or updated). A pipeline's value_and_grad, built with the
-        split (`dpjax.pipeline.staged`), gives that part's gradient from the whole tree."""
+        split (`dpjax.pipeline.staged`), gives that part's gradient from the whole tree.
+        draw: (the rate, the step's dropout key, whether the task's batch is a dict) when the model
+        drops (`_Held.draws`): each micro-batch's rows' indices leave the batch for `par`."""
         if plan.split is None:
             return worker_grad(plan, *local_grad(loss_fn, plan, par, value_and_grad))
         join = plan.split.join
         trained_loss = lambda t, b, par: loss_fn(join(t, frozen), b, par)  # noqa: E731
+        stats_loss = lambda t, b, par: loss_and_stats(join(t, frozen), b, par)  # noqa: E731
+        if draw is not None:
+            trained_loss, stats_loss = _dropping(trained_loss, *draw), _dropping(stats_loss, *draw)
         trained_vag = None
         if step_stats:  # the figures beside the loss (a task's: dpo's rewards), the adapters' gradient
-            trained_vag = jax.value_and_grad(lambda t, b, par: loss_and_stats(join(t, frozen), b, par), has_aux=True)
+            trained_vag = jax.value_and_grad(stats_loss, has_aux=True)
         elif value_and_grad is not None:
             trained_vag = lambda t, b, par: value_and_grad(join(t, frozen), b, par)  # noqa: E731
         return worker_grad(plan, *local_grad(trained_loss, plan, par, trained_vag))
@@ -165,6 +172,9 @@ class _Held:
     local_w: Any
     per_worker: bool
     split: Any = None  # LoRA's `dpjax.models.lora.Split`: the rule sees the trained part only; None: all
+    # the model drops (LoRA's dropout): the state is {"rule": the rule's, "draws": the steps taken,
+    # uint32}, the counter the step's dropout key comes from, saved and resumed with the rest
+    draws: float = 0.0
 
     def trained(self, tree):
         return tree if self.split is None else self.split.trained(tree)
@@ -193,8 +203,18 @@ class _Held:
             return jax.tree.map(lambda a, sp: local_shape(lead + tuple(a.shape), sp, mesh), abstract_params, specs,
                                 is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct))
 
+        draws = plan.model.dropout_rate if plan.model is not None else 0.0
+        if draws:
+            sspecs = {"rule": sspecs, "draws": P()}
         return cls(pspecs, sspecs, pspecs_w, stack(sspecs), local(pspecs, ()), local(pspecs_w, lead), rule.per_worker,
-                   split)
+                   split, draws)
+
+    def rule_state(self, state):
+        return state["rule"] if self.draws else state
+
+    def with_rule_state(self, state, rule_state, taken: int = 0):
+        """`state` with the rule's part replaced, and `taken` more steps counted (when it draws)."""
+        return {"rule": rule_state, "draws": state["draws"] + jnp.uint32(taken)} if self.draws else rule_state
 
     def wrap(self, tree):
         """The worker axis put on (a per-worker rule's values), or the tree as it is."""
@@ -226,6 +246,16 @@ class _Bodies:
         # other data axis (FSDP's or not), never over `expert`
         self.replicated_over = layout.workers if layout.fsdp else axes
         self.expert_over = tuple(a for a in axes if a != EXPERT)
+        self.rows_axes, self.seed = axes, plan.settings.seed if plan.settings is not None else 0
+
+    def row_indices(self, AxBd):
+        """A x Bd uint32: each of this device's rows' index in the step's global batch, the
+        micro-batches counted (a's rows after a-1's): the same row has the same index on every mesh."""
+        A, Bd = AxBd
+        block = lax.axis_index(self.rows_axes) if self.rows_axes else 0  # the batch's P(None, rows) block
+        rows = Bd * dp_size(self.plan.layout.mesh)
+        return (jnp.arange(A, dtype=jnp.uint32)[:, None] * jnp.uint32(rows)
+                + (block * Bd + jnp.arange(Bd)).astype(jnp.uint32)[None, :])
 
     def init_body(self, params):
         held, layout = self.held, self.plan.layout
@@ -240,7 +270,10 @@ class _Bodies:
                               lambda ls: broadcast(ls, self.replicated_over))
         if held.split is not None:  # LoRA's frozen base is only ever computed with: kept in the compute dtype
             params = held.join(held.trained(params), self.plan.policy.cast(held.frozen(params)))
-        return held.wrap(params), held.wrap(self.plan.rule.init(held.trained(params)))
+        state = self.plan.rule.init(held.trained(params))
+        if held.draws:
+            state = {"rule": state, "draws": jnp.zeros((), jnp.uint32)}
+        return held.wrap(params), held.wrap(state)
 
     def train_body(self, params, state, batch_AxBdxT1):
         held, passes, rows = self.held, self.plan.passes, _rows(self.local_rows, batch_AxBdxT1)
@@ -248,12 +281,17 @@ class _Bodies:
         tokens_AxBdxT1 = tokens(batch_AxBdxT1)  # a task's batch may carry more leaves (dpjax.tasks)
         assert tokens_AxBdxT1.ndim == 3 and tokens_AxBdxT1.shape[:2] == (passes, rows or tokens_AxBdxT1.shape[1]), (
             tokens_AxBdxT1.shape, passes, rows)
-        params = held.unwrap(params)
+        params, state = held.unwrap(params), held.unwrap(state)
         frozen = held.frozen(params)  # LoRA's base: passed through as it came, bit for bit
+        draw = None
+        if held.draws:  # each row's global index joins the batch (scanned with its micro-batch)
+            draw = (held.draws, dropout.step_key(self.seed, state["draws"]), isinstance(batch_AxBdxT1, dict))
+            batch_AxBdxT1 = {**(batch_AxBdxT1 if draw[2] else {"tokens": batch_AxBdxT1}),
+                             dropout.ROWS: self.row_indices(tokens_AxBdxT1.shape[:2])}
         with scopes.phase("optimizer"):  # the rule's own work; grad_fn's phases name themselves inside
-            trained, state, loss = self.plan.rule.step(self.grad_fn(frozen), held.trained(params),
-                                                       held.unwrap(state), batch_AxBdxT1)
-        params = held.join(trained, frozen)
+            trained, rule_state, loss = self.plan.rule.step(self.grad_fn(frozen, draw), held.trained(params),
+                                                            held.rule_state(state), batch_AxBdxT1)
+        params, state = held.join(trained, frozen), held.with_rule_state(state, rule_state, 1)
         with scopes.phase("loss"):
             loss = lax.pmean(loss, self.loss_axes)  # with stats, (loss, stats): the step returns both
         return held.wrap(params), held.wrap(state), *(loss if self.step_stats else (loss,))
@@ -272,14 +310,26 @@ class _Bodies:
         held = self.held
         held.check(params)
         params = held.unwrap(params)
-        trained, state = self.plan.rule.flush(held.trained(params), held.unwrap(state))
-        return held.wrap(held.join(trained, held.frozen(params))), held.wrap(state)
+        state = held.unwrap(state)
+        trained, rule_state = self.plan.rule.flush(held.trained(params), held.rule_state(state))
+        return held.wrap(held.join(trained, held.frozen(params))), held.wrap(held.with_rule_state(state, rule_state))
 
     def consensus_body(self, params):
         held = self.held
         held.check(params)
         params = held.unwrap(params)
         return held.join(self.plan.rule.consensus(held.trained(params)), held.frozen(params))
+
+
+def _dropping(loss_fn, rate: float, key, as_dict: bool):
+    """loss_fn on a batch that carries its rows' global indices (`dropout.ROWS`): they leave
+    the batch (which goes back to the task's own form) for `par`'s draw."""
+    def loss(params, batch, par):
+        rows = batch[dropout.ROWS]
+        batch = {k: v for k, v in batch.items() if k != dropout.ROWS}
+        draw = dropout.Draw(rate, key, rows)
+        return loss_fn(params, batch if as_dict else batch["tokens"], dataclasses.replace(par, dropout=draw))
+    return loss
 
 
 def _smapper(plan: Plan, held: _Held, clock):

@@ -149,9 +149,10 @@ class Trainer:
 
     def _init_state(self) -> None:
         """Parameters (--init-from's weights read onto this layout, or fresh), the
-        optimizer state, and the run's RNG state: nothing in the step draws from it yet (no
-        dropout), but it is saved and restored with the rest so that stochastic steps
-        resume exactly too."""
+        optimizer state, and the run's RNG state: nothing in the step draws from it yet (LoRA's
+        dropout draws from the seed and a step counter the optimizer state keeps,
+        `dpjax.step.builder`), but it is saved and restored with the rest so that stochastic
+        steps resume exactly too."""
         cfg, plan, key = self.cfg, self.plan, jax.random.key(self.cfg.seed)
         if cfg.init_from:  # the optimizer state fresh
             initial = plan.policy.store(params_of(cfg.init_from, self.model, self.layout, adapter=cfg.adapter,
