@@ -45,6 +45,7 @@ def draw(rows, step=0, rate=RATE):
     return dropout.Draw(rate, dropout.step_key(0, jnp.uint32(step)), jnp.asarray(rows, jnp.uint32))
 
 
+@pytest.mark.extended  # 2.6 s of CPU; the quick numpy test and the extended mesh test read the same bits
 def test_a_devices_block_draws_the_wholes_bits():
     """The bits of any block of (rows, positions, features) are the whole array's block: no
     device, split or shape enters; keep rate within 1% of 0.9; every id moves the mask."""
