@@ -22,6 +22,16 @@ CHAT = "chat:"  # --data chat:PATH: conversations (dpjax.data.chat)
 PREF = "pref:"  # --data pref:PATH: preference pairs (dpjax.data.pref, --task dpo)
 
 
+def rate_notes(s, default_lr: float) -> list[str]:
+    """A fine-tune (--init-from) at the from-scratch default rate, said once at the start: TRL's
+    trainers default to far lower rates, and a pretrained model at 3e-3 forgets what it knew."""
+    if s.init_from is None or s.lr != default_lr:
+        return []
+    return [f"--lr {s.lr:g} is the default, a rate for training from scratch; a fine-tune of {s.init_from} "
+            "usually takes far less (TRL's defaults: 2e-5 for SFT, 1e-6 for DPO and GRPO; LoRA often 1e-4 "
+            "to 2e-4): give --lr"]
+
+
 def check_task(s, model, mesh) -> None:
     if s.task == "lm":
         return
