@@ -43,6 +43,7 @@ TOPICS = ("mesh and parallelism", "model and data", "optimizer and steps", "comp
           "gradient exchange", "metrics, evaluation and progress", "checkpoints, resuming and failures",
           "timeline and autotune")
 MESH, MODEL, OPTIM, COMPUTE, EXCHANGE, OUTPUT, SAVE, TIMELINE = map(_topic, TOPICS)
+DEFAULT_LR = 3e-3  # a rate for training from scratch (a fine-tune at it is told so: dpjax.plan.task.rate_notes)
 
 
 @dataclass
@@ -138,7 +139,7 @@ class Settings:
     seq_len: int = MODEL(128, "tokens (bytes) per sequence")
     optimizer: str = OPTIM("adamw", lambda: f"the inner optimizer: {', '.join(optim.OPTIMIZERS)} (momentum: Nesterov, "
                                            "0.9)")
-    lr: float = OPTIM(3e-3, "learning rate (before any scaling)")
+    lr: float = OPTIM(DEFAULT_LR, "learning rate (before any scaling)")
     lr_scaling: str = OPTIM("none", "linear: lr * global batch / 256 (Goyal et al. 2017)", choices=("none", "linear"))
     warmup_steps: int = OPTIM(0, "steps of linear learning-rate warmup (from 0; with --lr-scaling linear from --lr "
                                  "to the scaled rate, Goyal et al.'s gradual warmup)")

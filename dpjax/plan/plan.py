@@ -37,7 +37,7 @@ from dpjax.plan.lora import lora_model, trained_split
 from dpjax.plan.memory import Estimate
 from dpjax.plan.task import check_task, rate_notes
 from dpjax.plan.workers import shards_of, workers_of
-from dpjax.settings import Settings
+from dpjax.settings import DEFAULT_LR, Settings
 from dpjax.sharding import Layout, make_layout
 from dpjax.updates import UpdateRule, UpdateSpec, make_rule, parse_update
 from dpjax.updates.registry import Optimizer, get
@@ -169,7 +169,7 @@ def resolve(s: Settings, devices=None, *, mesh=None, model=None, optimizer=None,
     check_expert(s, model, mesh, update, exchange, workers)
     check_task(s, model, mesh)
     policy, notes = compute_policy(s, model, platform)
-    notes = [*notes, *rate_notes(s, Settings.__dataclass_fields__["lr"].default)]
+    notes = [*notes, *rate_notes(s, DEFAULT_LR)]
     pipeline = pipeline_of(s, model, mesh, exchange)
     layout = make_layout(model, mesh, algorithm=s.tp_allreduce, fsdp=s.fsdp, fsdp_algorithm=exchange.algorithm,
                          workers=workers, pipeline=pipeline, tensor_parallel=tensor_parallel)

@@ -157,7 +157,10 @@ class Trainer:
         if cfg.init_from:  # the optimizer state fresh
             initial = plan.policy.store(params_of(cfg.init_from, self.model, self.layout, adapter=cfg.adapter,
                                                    seed=cfg.seed))
-            self.say(f"initialised from {cfg.init_from} ({self.model.num_params(initial):,} parameters)")
+            n = self.model.num_params(initial)
+            trained = "" if plan.split is None else (  # LoRA: as PEFT's print_trainable_parameters
+                f", {(t := self.model.num_params(plan.split.trained(initial))):,} trained: {100 * t / n:.2f}%")
+            self.say(f"initialised from {cfg.init_from} ({n:,} parameters{trained})")
         else:
             initial = S.init_params(self.model, self.layout, key, plan.policy,
                                     keep=self.programs and self.programs.keep)
