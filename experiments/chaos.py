@@ -235,14 +235,21 @@ def _mount(folder: str, mb: int) -> bool:
 
 
 def final_arrays(job: Job, steps: int) -> dict:
-    """{rank: the arrays of its last commit}, read from the commit files (own copies);
-    under a tmpfs these are read before it is unmounted."""
-    from dpjax.recovery.file_format import decode, read
+    """{rank: the arrays of its last commit}, read from the commit files (own copies, else
+    the neighbour's: a fault after the end may hit the last own file); under a tmpfs these
+    are read before it is unmounted."""
+    from dpjax.recovery.file_format import CommitError, decode, read
 
     out = {}
-    for path in glob.glob(os.path.join(job.root, "*", "own", "r*", f"s{steps:09d}_w4.bin")):
-        meta, arrays = decode(read(path))
-        out[meta["rank"]] = [a.copy() for a in arrays]
+    # own copies first; the neighbour's copy of a rank whose own one a fault after the job's
+    # end tore or flipped (a restore would pass it over the same way)
+    for where in ("own", "peer"):
+        for path in glob.glob(os.path.join(job.root, "*", where, "r*", f"s{steps:09d}_w4.bin")):
+            try:
+                meta, arrays = decode(read(path))
+            except (CommitError, OSError):
+                continue
+            out.setdefault(meta["rank"], [a.copy() for a in arrays])
     return out
 
 
