@@ -235,14 +235,21 @@ def _mount(folder: str, mb: int) -> bool:
 
 
 def final_arrays(job: Job, steps: int) -> dict:
-    """{rank: the arrays of its last commit}, read from the commit files (own copies);
-    under a tmpfs these are read before it is unmounted."""
-    from dpjax.recovery.file_format import decode, read
+    """{rank: the arrays of its last commit}, read from the commit files (own copies, else
+    the neighbour's: a fault after the end may hit the last own file); under a tmpfs these
+    are read before it is unmounted."""
+    from dpjax.recovery.file_format import CommitError, decode, read
 
     out = {}
-    for path in glob.glob(os.path.join(job.root, "*", "own", "r*", f"s{steps:09d}_w4.bin")):
-        meta, arrays = decode(read(path))
-        out[meta["rank"]] = [a.copy() for a in arrays]
+    # own copies first; the neighbour's copy of a rank whose own one a fault after the job's
+    # end tore or flipped (a restore would pass it over the same way)
+    for where in ("own", "peer"):
+        for path in glob.glob(os.path.join(job.root, "*", where, "r*", f"s{steps:09d}_w4.bin")):
+            try:
+                meta, arrays = decode(read(path))
+            except (CommitError, OSError):
+                continue
+            out.setdefault(meta["rank"], [a.copy() for a in arrays])
     return out
 
 
@@ -275,7 +282,9 @@ def check(run: dict, straight: dict, steps: int) -> list:
 
 
 def table(run: dict) -> tuple[list, list]:
-    """Per fault kind: how many, restarts, steps lost and seconds lost (median / worst)."""
+    """Per fault kind: how many, restarts, steps lost and seconds lost (median / worst); and
+    the restarts no fault caused (before the first: a host that joined late), in a row of
+    their own, counted in "all"'s restarts but not in its steps lost per fault."""
     restarts, log = [r for r in run["rows"] if r.get("event") == "restart"], run["log"]
     cost: dict = {}
     for i, f in enumerate(log):
@@ -293,6 +302,13 @@ def table(run: dict) -> tuple[list, list]:
             c = cost[kind]
             rows.append([kind, c["n"], c["restarts"], _med(c["lost"]), max(c["lost"], default="-"),
                          _med(c["seconds"]), max(c["seconds"], default="-")])
+    # restarts before the first fault: none caused them (a host that joined the job late regrows it)
+    unforced = restarts[:log[0].get("restarts_before", 0)] if log else restarts
+    if unforced:
+        lost, secs = [r.get("steps_lost") or 0 for r in unforced], [r["seconds_lost"] for r in unforced
+                                                                    if r.get("seconds_lost") is not None]
+        rows.append(["(no fault: before the first)", "-", len(unforced), _med(lost), max(lost),
+                     _med(secs), max(secs, default="-")])
     every = [x for c in cost.values() for x in c["lost"]]
     rows.append(["all", sum(c["n"] for c in cost.values()), len(restarts),
                  f"{sum(every) / max(1, len(log)):.2f} per fault", max(every, default="-"), "", ""])

@@ -79,6 +79,20 @@ def test_a_restart_without_its_row_is_recovered_once_it_trains_past_the_fault():
     assert chaos.recovered(job, 0, 20) and not chaos.recovered(job, 1, 20)
 
 
+def test_the_table_lists_a_restart_no_fault_caused_as_such():
+    """A host that joined after the first round had formed regrows the job: its restart is no
+    fault's, listed in a row of its own (the last soak's 73 s restart was in no row)."""
+    rows = [{"event": "restart", "steps_lost": 0, "seconds_lost": 73.1},  # h1 late: before any fault
+            {"event": "restart", "steps_lost": 1, "seconds_lost": 9.0},
+            {"event": "restart", "steps_lost": 0, "seconds_lost": 12.0}]
+    log = [{"kind": "kill", "restarts_before": 1}, {"kind": "host", "restarts_before": 2}]
+    head, table = chaos.table({"rows": rows, "log": log})
+    by = {r[0]: r for r in table}
+    assert by["kill"][2:] == [1, "1", 1, "9", 9.0] and by["host"][2:] == [1, "0", 0, "12", 12.0]
+    assert by["(no fault: before the first)"] == ["(no fault: before the first)", "-", 1, "0", 0, "73.1", 73.1]
+    assert by["all"][:4] == ["all", 2, 3, "0.50 per fault"]
+
+
 @pytest.mark.slow
 def test_every_kind_of_fault_once_and_nothing_lost(capsys):
     assert chaos.main(["--steps", "64", "--every", "7", "--seed", "1", "--ckpt-every", "10"]) == 0

@@ -12,7 +12,7 @@ process count and ids) and the elastic ones (`env.py`). On any failure (a proces
 exits abnormally, one stopped or without a
 step for --hang-timeout, or busy between steps -- a save, an evaluation -- for
 --start-timeout: `dpjax.recovery.heartbeat`; a host whose agent is silent for
---host-timeout) every agent stops its
+--host-timeout, or whose agent's process is gone: `rendezvous.py`) every agent stops its
 processes and the job starts again at the size that is left, or at the same size when
 the failed host can start again; the training loop restores the newest step every
 process committed (`dpjax.recovery.commit`), so at most about one step of work is lost. More

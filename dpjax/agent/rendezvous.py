@@ -13,8 +13,14 @@ MAX have, or every live host has and none joined for `last_call` seconds (the fi
 round waits up to `first_wait` for MAX). A round's members get node ranks in the order
 of their names (a restarted host keeps its place) and the coordinator address
 of node 0. Agents `poll` every fraction of a second; one silent for `lost_after`
-seconds has lost its host and is dropped (a running round with it fails). A `fail`
-ends the running round for everyone; more than `max_restarts` failures end the job.
+seconds has lost its host and is dropped (a running round with it fails). Sooner when
+the kernel says so: each agent also `hold`s one connection open, and when it closes
+without a `leave` (the agent's process died: a SIGKILLed process's sockets close, on
+any host whose kernel still runs) its host is lost at once; a host gone silent (power,
+network) keeps no kernel to close it and is found by the timeout. An agent started
+again on a host whose round still runs (`join` with another agent id) is that host's
+loss too: its old agent is gone. A `fail` ends the running round for everyone; more
+than `max_restarts` failures end the job.
 
 The end: an agent says `end` once its processes have all made their last commit
 (`final`) or one of them saw every process's (`ended`). Once every member host is
@@ -30,6 +36,8 @@ import socket
 import socketserver
 import threading
 import time
+import uuid
+
 from dpjax.agent.rendezvous_etcd import EtcdRendezvous
 
 # An agent's own thread says it lives every second (supervisor.ALIVE_S); 3 s of silence was
@@ -54,6 +62,7 @@ class State:
         self.reached, self.last, self.failed_at = -1, None, 0.0
         self.why = None  # why the job was given up, when not for --max-restarts
         self.final, self.ended, self.after_end = set(), False, []  # the round's end (see the module's text)
+        self.agents, self.holds = {}, {}  # host -> the id of its agent in the round; of its held connection
         self.lock = threading.Lock()
 
     def handle(self, req: dict) -> dict:
@@ -67,14 +76,40 @@ class State:
 
     def _join(self, req, now):
         host = req["host"]
+        if self.state == "running" and host in self.members and req.get("agent") is not None and \
+                self.agents.get(host) not in (None, req["agent"]):  # a new agent: the round's is dead
+            self._lost(host, now, "agent started again (host lost)", f"host {host} lost (its agent was started "
+                       "again)")
+            self.seen[host] = now  # the new agent lives
         if host not in self.order:  # sorted by name: node ranks do not depend on who was quicker
             self.order = sorted([*self.order, host])
-        self.waiting[host] = {"addr": req["addr"], "port": req["port"], "nproc": req["nproc"], "at": now}
+        self.waiting[host] = {"addr": req["addr"], "port": req["port"], "nproc": req["nproc"], "at": now,
+                              "agent": req.get("agent")}
         if req.get("completed") is not None:  # how far its processes got in the job that ended
             self.reached = max(self.reached, req["completed"])
 
     def _poll(self, req, now):
         pass
+
+    def _hold(self, req, now):  # the connection the service keeps open until the agent's process ends
+        self.holds[req["host"]] = req["agent"]
+
+    def gone(self, host: str, agent: str) -> None:
+        """An agent's held connection closed: lost at once, unless it left first or a
+        newer agent of the same host holds one now."""
+        with self.lock:
+            now = self.clock()
+            if self.holds.get(host) == agent:
+                del self.holds[host]
+                self._lost(host, now, "agent gone: its connection closed (host lost)",
+                           f"host {host} lost (its agent's connection closed)")
+                self._tick(now)
+
+    def _lost(self, host, now, how, line):
+        self.seen.pop(host, None)
+        self.waiting.pop(host, None)
+        if self.state in ("running", "failed") and host in self.members:  # a cause, or the cause
+            self._fail({"round": self.round, "host": host, "how": how, "line": line, "t": time.time()}, now)
 
     def _fail(self, req, now):
         if req.get("round") != self.round:
@@ -111,16 +146,13 @@ class State:
     def _leave(self, req, now):  # an agent that gives up or is interrupted
         self.seen.pop(req["host"], None)
         self.waiting.pop(req["host"], None)
+        self.holds.pop(req["host"], None)
 
     def _tick(self, now):
         for host, t in list(self.seen.items()):
             if now - t > self.lost_after:  # its agent is gone: so is its host
-                del self.seen[host]
-                self.waiting.pop(host, None)
-                if self.state in ("running", "failed") and host in self.members:  # a cause, or the cause
-                    self._fail({"round": self.round, "host": host, "how": f"agent silent for {self.lost_after:g} s "
-                                "(host lost)", "line": f"host {host} lost (its agent is silent)", "t": time.time()},
-                               now)
+                self._lost(host, now, f"agent silent for {self.lost_after:g} s (host lost)",
+                           f"host {host} lost (its agent is silent)")
         if self.state == "failed" and self.restarts > self.max_restarts:
             self.state = "gave_up"
         if self.state == "failed" and any(f.get("user_error") for f in self.failures):
@@ -150,6 +182,7 @@ class State:
         head = self.waiting[hosts[0]]
         self.coordinator = f"{head['addr']}:{head['port']}"
         self.nproc = {h: self.waiting[h]["nproc"] for h in hosts}
+        self.agents = {h: self.waiting[h].get("agent") for h in hosts}
         for h in hosts:
             del self.waiting[h]
 
@@ -168,8 +201,16 @@ class _Handler(socketserver.StreamRequestHandler):
     def handle(self):
         line = self.rfile.readline()
         if line:
-            answer = self.server.state.handle(json.loads(line))
+            req = json.loads(line)
+            answer = self.server.state.handle(req)
             self.wfile.write((json.dumps(answer) + "\n").encode())
+            if req["op"] == "hold":  # kept open until the agent's end: then the kernel closes it
+                try:
+                    while self.rfile.read(1):
+                        pass
+                except OSError:
+                    pass
+                self.server.state.gone(req["host"], req["agent"])
 
 
 class _Server(socketserver.ThreadingTCPServer):
@@ -224,6 +265,7 @@ class TcpRendezvous:
         self.addr, self.port = spec.rsplit(":", 1)[0], int(spec.rsplit(":", 1)[1])
         self.tag = str(self.port)  # names the agent's default commit and log folders
         self.server, self.unanswered = None, []
+        self.instance, self.held = uuid.uuid4().hex, None  # this agent's id; its held connection
 
     def start(self, make_state) -> None:
         """Runs the service here if no other agent does; `make_state(clock)` makes its state."""
@@ -234,13 +276,26 @@ class TcpRendezvous:
         return request(self.addr, self.port, req, timeout)
 
     def beat(self, timeout: float) -> None:
-        """Says this agent lives (its silence is a lost host)."""
+        """Says this agent lives (its silence is a lost host); holds a connection open
+        first, which the kernel closes when this process ends, however it ends."""
+        if self.held is None:
+            held = socket.create_connection((self.addr, self.port), timeout=timeout)
+            try:
+                held.sendall((json.dumps({"op": "hold", "host": self.host, "agent": self.instance}) + "\n").encode())
+                if not held.recv(65536):  # the answer: the service holds it now
+                    raise ConnectionError("the rendezvous closed the connection")
+            except OSError:
+                held.close()
+                raise
+            self.held = held
         self.request({"op": "poll", "host": self.host}, timeout)
 
     def local_address(self) -> str:
         return local_address(self.addr, self.port)
 
     def close(self, linger: float = 0.5) -> None:
+        if self.held is not None:
+            self.held.close()
         if self.server is not None:
             time.sleep(linger)  # the others hear how it ended before the service goes
             self.server.shutdown()

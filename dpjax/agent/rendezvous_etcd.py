@@ -31,6 +31,7 @@ import json
 import re
 import socket
 import time
+import uuid
 
 from dpjax.agent.etcd_v3 import Etcd, Unreachable
 from dpjax.errors import UserError
@@ -93,6 +94,7 @@ class EtcdRendezvous:
         self.prefix = f"/dpjax/{self.job}/"
         self.key, self.alive_key = self.prefix + "state", f"{self.prefix}alive/{host}"
         self.lease, self.make, self.joined, self.closed = 0, None, False, False
+        self.instance = uuid.uuid4().hex  # this agent's id (a new agent of a host in a running round: its loss)
         ok, bad = self.etcd.answering()
         if not ok:  # the command line's mistake, or no cluster running: nothing is started
             raise UserError(f"no etcd endpoint of --rdzv {spec} answers: {'; '.join(bad)}")

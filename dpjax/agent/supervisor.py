@@ -119,6 +119,10 @@ class Agent:
 
     def run(self) -> int:
         self._serve()
+        try:  # before the join: the built-in's connection held from the start (rendezvous.py)
+            self.rdzv.beat(ALIVE_S)
+        except (OSError, ValueError):
+            pass  # not up yet: the thread's beats and the join's tries wait for it
         threading.Thread(target=self._alive, daemon=True, name="dpjax-agent-alive").start()
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, self._on_signal)
@@ -127,7 +131,8 @@ class Agent:
         try:
             while True:
                 port = rdzv.free_port(addr)
-                view = self.ask("join", addr=addr, port=port, nproc=self.a.nproc_per_node, completed=completed)
+                view = self.ask("join", addr=addr, port=port, nproc=self.a.nproc_per_node, completed=completed,
+                                agent=self.rdzv.instance)
                 while not (view["round"] > my_round and self.host in view["members"] and view["state"] == "running") \
                         and view["state"] != "gave_up":
                     time.sleep(ASK_S)
