@@ -83,6 +83,24 @@ def test_more_failures_than_max_restarts_give_up():
         "gave_up"
 
 
+def test_fewer_than_min_hosts_wait_first_wait_for_a_host_to_come_back_then_give_up():
+    """A lost host of a 2:2 job: the other waits --rdzv-wait (first_wait) for it to be restarted
+    (its new agent's start takes tens of seconds on a loaded machine), not 2 x --host-timeout."""
+    for back_at, state in ((29.0, "running"), (40.0, "gave_up")):
+        clock = Clock()
+        s = State(2, 2, max_restarts=3, first_wait=30.0, lost_after=3.0, clock=clock)
+        _join(s, "a"), _join(s, "b")
+        for t in range(1, int(back_at) + 1):  # a polls on; b's agent is gone from t = 0
+            clock.t = float(t)
+            s.handle({"op": "poll", "host": "a"})
+        if state == "running":
+            assert s.state == "failed" and clock.t > 2 * 3.0  # still waiting, past the old window
+            _join(s, "a"), _join(s, "b")
+            clock.t += 2.0
+            s.handle({"op": "poll", "host": "a"})
+        assert s.state == state, (back_at, s.state)
+
+
 def test_a_job_is_done_when_every_host_is():
     s = State(2, 2, max_restarts=0, clock=Clock())
     _join(s, "a"), _join(s, "b")

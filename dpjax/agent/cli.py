@@ -68,7 +68,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rdzv-last-call", type=float, default=1.0, metavar="S",
                    help="after a failure, a round starts once every live host has rejoined and none for S seconds")
     p.add_argument("--rdzv-wait", type=float, default=300.0, metavar="S",
-                   help="the first round waits this long for MAX hosts, then starts with MIN or more")
+                   help="the first round waits this long for MAX hosts, then starts with MIN or more; after a failure "
+                        "that leaves fewer than MIN live hosts, the agents wait this long for hosts to come back "
+                        "(restarted or replaced) before they give up")
     p.add_argument("--spares", action="store_true",
                    help="once a round trains, start the next round's processes of a `python -m MODULE` command "
                         "(Python started, MODULE's package imported, waiting for their ranks): a restart skips "

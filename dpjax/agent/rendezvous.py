@@ -10,7 +10,8 @@ same code.
 
 Rounds: agents `join`; a round forms once at least MIN hosts have joined and either
 MAX have, or every live host has and none joined for `last_call` seconds (the first
-round waits up to `first_wait` for MAX). A round's members get node ranks in the order
+round waits up to `first_wait` for MAX, and a job left with fewer than MIN live hosts waits as
+long for them to come back before it gives up). A round's members get node ranks in the order
 of their names (a restarted host keeps its place) and the coordinator address
 of node 0. Agents `poll` every fraction of a second; one silent for `lost_after`
 seconds has lost its host and is dropped (a running round with it fails). Sooner when
@@ -50,6 +51,9 @@ class State:
 
     def __init__(self, min_hosts: int, max_hosts: int, max_restarts: int, last_call: float = 1.0,
                  first_wait: float = 60.0, lost_after: float = LOST_AFTER_S, clock=time.monotonic):
+        # first_wait serves twice: how long the first round waits for MAX hosts, and how long a job
+        # that a failure left with fewer than MIN live hosts waits for them to come back (a host
+        # restarted or replaced: its new agent's start alone takes tens of seconds on a loaded machine)
         self.min, self.max, self.max_restarts = min_hosts, max_hosts, max_restarts
         self.last_call, self.first_wait, self.lost_after, self.clock = last_call, first_wait, lost_after, clock
         self.seen: dict = {}  # host -> last time heard from
@@ -158,7 +162,7 @@ class State:
         if self.state == "failed" and any(f.get("user_error") for f in self.failures):
             # exit code 2 is a one-line user error (dpjax's CLIs): the same again would fail the same way
             self.state, self.why = "gave_up", "a process stopped with a user error (exit code 2)"
-        if self.state == "failed" and len(self.seen) < self.min and now - self.failed_at > 2 * self.lost_after:
+        if self.state == "failed" and len(self.seen) < self.min and now - self.failed_at > self.first_wait:
             self.state, self.why = "gave_up", f"{len(self.seen)} hosts left, fewer than MIN {self.min}"
         if self.state not in ("forming", "failed"):
             return
