@@ -46,6 +46,19 @@ from dpjax.compute.tensor_parallel import DENSE, Parallel
 from dpjax.errors import UserError
 
 
+ADAPTED = "lora"  # a layer group's entry holding its LoRA terms (`dpjax.models.lora.Terms`), when it has them
+
+
+def adapted(name: str, group: dict, x, y):
+    """y = x W, projection `name` ("q", "kv", "o", "gate", "up", "down") of a layer's `group`
+    (its attn or mlp), plus its LoRA term (alpha / r) (dropout(x) A) B where a LoRA layer in a
+    training step with dropout put the terms beside the weights (`dpjax.models.lora`); y
+    itself otherwise. A family calls it on each projection's own product, before whatever
+    it adds (Qwen2's biases, the q/k norms), as PEFT adapts the nn.Linear alone."""
+    terms = group.get(ADAPTED)
+    return y if terms is None else terms(name, x, y)
+
+
 def check_positive(config, kind: str, skip: tuple = ()) -> None:
     """A one-line UserError for the first config field below 1 (`skip`: fields that may be)."""
     for name, value in asdict(config).items():
@@ -178,6 +191,9 @@ class Decoder(ByteModel, abc.ABC):
     # True: its layers differ by their place in the stack (Gemma's local and global ones): the
     # stack runner hands `layer` each one's index in the whole model, `layer(blk, x, par, index=i)`
     INDEXED_LAYERS = False
+    # True: its blocks' linear layers are the Llama's leaves under PEFT's module names (q_proj ..
+    # down_proj), each projection through `adapted`: LoRA (`dpjax.models.lora`) adapts those it holds
+    LORA_LAYERS = False
     # >0: its layers drop values in training at this rate when the step gives them a draw
     # (`Parallel.dropout`, `dpjax.compute.dropout`): LoRA's adapters' input (`dpjax.models.lora`)
     dropout_rate: float = 0.0

@@ -49,7 +49,7 @@ from dpjax.compute import tensor_parallel as tp
 from dpjax.compute.rope import RopeScaling
 from dpjax.compute.tensor_parallel import DENSE, Parallel
 from dpjax.errors import UserError
-from dpjax.models.base import Decoder, Decoding, dense_mlp_values
+from dpjax.models.base import Decoder, Decoding, adapted, dense_mlp_values
 from dpjax.models.llama import kv_heads_table, rope_table, rotate
 from dpjax.models.registry import Entry, register
 
@@ -149,6 +149,7 @@ class Gemma(Decoder):
     forward over the stack and the pipeline's pieces are the `Decoder`'s."""
 
     name = "gemma"  # abstract: Gemma2 and Gemma3 register
+    LORA_LAYERS = True  # PEFT's q_proj .. down_proj, through `adapted` (dpjax.models.lora)
     INDEXED_LAYERS = True  # local and global layers: `layer` reads its global index (module docstring)
     SPECS = {
         "embed_VmxD": P("model", None),  # vocabulary-parallel, and the tied output head
@@ -226,12 +227,14 @@ class Gemma(Decoder):
         replicated = a["wkv_LsxDx2xYmxK"].shape[2] == Y and n > 1 and Y % n != 0
         assert a["wq_LsxDxHmxK"].shape == (c.d_model, H // n, K), (a["wq_LsxDxHmxK"].shape, n)  # this device's
         hf_BdxTxD = par.f(h_BdxTxD)
-        q_BdxTxHmxK = par.policy.einsum("btd,dhk->bthk", hf_BdxTxD, a["wq_LsxDxHmxK"])
+        q_BdxTxHmxK = adapted("q", a, hf_BdxTxD, par.policy.einsum("btd,dhk->bthk", hf_BdxTxD, a["wq_LsxDxHmxK"]))
+
+        def kv(h_BdxTxD):  # the projection (and its LoRA term: `adapted`) before the norms
+            return adapted("kv", a, h_BdxTxD, par.policy.einsum("btd,diyk->bityk", h_BdxTxD, a["wkv_LsxDx2xYmxK"]))
         if replicated:  # every rank computes the Y heads; f sums the ranks' partial cotangents of them
-            kv_Bdx2xTxYxK = par.f(par.policy.einsum("btd,diyk->bityk", h_BdxTxD, a["wkv_LsxDx2xYmxK"]))
-            kv_Bdx2xTxYmxK = lax.dynamic_slice_in_dim(kv_Bdx2xTxYxK, par.rank() * Y // n, 1, axis=3)
+            kv_Bdx2xTxYmxK = lax.dynamic_slice_in_dim(par.f(kv(h_BdxTxD)), par.rank() * Y // n, 1, axis=3)
         else:
-            kv_Bdx2xTxYmxK = par.policy.einsum("btd,diyk->bityk", hf_BdxTxD, a["wkv_LsxDx2xYmxK"])
+            kv_Bdx2xTxYmxK = kv(hf_BdxTxD)
         k_BdxTxYmxK, v_BdxTxYmxK = kv_Bdx2xTxYmxK[:, 0], kv_Bdx2xTxYmxK[:, 1]
         if c.qk_norm:  # replicated scales applied to this rank's heads only: f sums their gradient over model
             q_BdxTxHmxK = norm(q_BdxTxHmxK, par.f(a["qnorm_LsxK"]), c.norm_eps)
@@ -276,7 +279,8 @@ class Gemma(Decoder):
         h_BdxTxD = norm(x_BdxTxD, blk["attn_norm"]["scale_LsxD"], c.norm_eps)
         q_BdxTxHmxK, k_BdxTxYmxK, v_BdxTxYmxK = self.project(a, h_BdxTxD, positions_BdxT, local, par)
         o_BdxTxHmxK = self.attend(q_BdxTxHmxK, k_BdxTxYmxK, v_BdxTxYmxK, local, par, segments)
-        o_BdxTxD = par.g(par.policy.einsum("bthk,hkd->btd", o_BdxTxHmxK, a["wo_LsxHmxKxD"]))
+        o_BdxTxD = par.g(adapted("o", a, o_BdxTxHmxK, par.policy.einsum("bthk,hkd->btd", o_BdxTxHmxK,
+                                                                        a["wo_LsxHmxKxD"])))
         x_BdxTxD = x_BdxTxD + norm(o_BdxTxD, blk["attn_post_norm"]["scale_LsxD"], c.norm_eps)
         return x_BdxTxD + norm(self.mlp(blk, x_BdxTxD, par), blk["mlp_post_norm"]["scale_LsxD"], c.norm_eps)
 
@@ -284,10 +288,11 @@ class Gemma(Decoder):
         """GeGLU of the normed input: down(gelu_tanh(gate(h)) * up(h)), summed over the model axis."""
         m = blk["mlp"]
         hf_BdxTxD = par.f(norm(x_BdxTxD, blk["mlp_norm"]["scale_LsxD"], self.config.norm_eps))
-        mm = par.policy.matmul  # fp8 under --dtype fp8
-        h_BdxTxFm = jax.nn.gelu(mm(hf_BdxTxD, m["wgate_LsxDxFm"]), approximate=True) * mm(hf_BdxTxD,
-                                                                                        m["wup_LsxDxFm"])
-        return tp.row_parallel(h_BdxTxFm, m["wdown_LsxFmxD"], None, par)
+        def mm(name, x, leaf):  # fp8 under --dtype fp8; the LoRA term where there is one (`adapted`)
+            return adapted(name, m, x, par.policy.matmul(x, m[leaf]))
+        h_BdxTxFm = jax.nn.gelu(mm("gate", hf_BdxTxD, "wgate_LsxDxFm"), approximate=True) * mm(
+            "up", hf_BdxTxD, "wup_LsxDxFm")
+        return par.g(mm("down", h_BdxTxFm, "wdown_LsxFmxD"))  # row-parallel: the ranks' partial sums added
 
     def head(self, params, x_BdxTxD, par: Parallel = DENSE):
         """Final norm, the tied output head and the final soft cap: Bd x T x Vm logits in float32."""

@@ -28,7 +28,7 @@ from jax.sharding import PartitionSpec as P
 from dpjax.compute import context, rope
 from dpjax.compute import tensor_parallel as tp
 from dpjax.errors import UserError
-from dpjax.models.base import Decoder, dense_mlp_values
+from dpjax.models.base import Decoder, adapted, dense_mlp_values
 from dpjax.models.registry import Entry, register
 from dpjax.compute.rope import RopeScaling
 from dpjax.compute.tensor_parallel import DENSE, Parallel
@@ -141,6 +141,7 @@ class Llama(Decoder):
     the pipeline's pieces are the `Decoder`'s."""
 
     name = "llama"
+    LORA_LAYERS = True  # PEFT's q_proj .. down_proj, through `adapted` (dpjax.models.lora)
     SPECS = {
         "embed_VmxD": P("model", None), "unembed_VmxD": P("model", None),  # vocabulary-parallel
         "scale_D": P(), "scale_LsxD": P("stage", None),  # the norms
@@ -229,11 +230,11 @@ class Llama(Decoder):
     def queries(self, a, h_BdxTxD, par: Parallel = DENSE):
         """The queries of the heads `a` holds, before rotation: Bd x T x Hm x K (a family
         adds what its projection has: Qwen2's biases, Qwen3's per-head norms)."""
-        return par.policy.einsum("btd,dhk->bthk", h_BdxTxD, a["wq_LsxDxHmxK"])
+        return adapted("q", a, h_BdxTxD, par.policy.einsum("btd,dhk->bthk", h_BdxTxD, a["wq_LsxDxHmxK"]))
 
     def keys_values(self, a, h_BdxTxD, par: Parallel = DENSE):
         """The keys and values of the heads `a` holds, before rotation: Bd x 2 x T x Y' x K."""
-        return par.policy.einsum("btd,diyk->bityk", h_BdxTxD, a["wkv_LsxDx2xYmxK"])
+        return adapted("kv", a, h_BdxTxD, par.policy.einsum("btd,diyk->bityk", h_BdxTxD, a["wkv_LsxDx2xYmxK"]))
 
     def layer(self, blk, x_BdxTxD, par: Parallel = DENSE, segments=None):
         """One block; `blk` is one layer of the stack (its leaves without the leading L).
@@ -263,7 +264,7 @@ class Llama(Decoder):
         the caller's g adds the ranks'). Like `queries`, `keys_values`, `mlp_in` and `mlp_out`,
         the one place a projection is computed: LoRA's dropout adds its adapter's term here
         (`dpjax.models.lora`)."""
-        return par.policy.einsum("bthk,hkd->btd", o_BdxTxHmxK, a["wo_LsxHmxKxD"])
+        return adapted("o", a, o_BdxTxHmxK, par.policy.einsum("bthk,hkd->btd", o_BdxTxHmxK, a["wo_LsxHmxKxD"]))
 
     def mlp(self, blk, x_BdxTxD, par: Parallel = DENSE):
         """The SwiGLU feed-forward (Shazeer, "GLU variants improve Transformer", 2020) of
@@ -276,12 +277,12 @@ class Llama(Decoder):
 
     def mlp_in(self, m, leaf: str, hf_BdxTxD, par: Parallel = DENSE):
         """gate or up (`leaf`), column-parallel: Bd x T x Fm."""
-        return par.policy.matmul(hf_BdxTxD, m[leaf])  # fp8 under --dtype fp8
+        return adapted(leaf[1:leaf.index("_")], m, hf_BdxTxD, par.policy.matmul(hf_BdxTxD, m[leaf]))  # fp8 too
 
     def mlp_out(self, m, h_BdxTxFm, par: Parallel = DENSE):
         """down, row-parallel: Bd x T x D, a partial sum (the caller's g adds the ranks')."""
         assert h_BdxTxFm.shape[-1] == m["wdown_LsxFmxD"].shape[0], (h_BdxTxFm.shape, m["wdown_LsxFmxD"].shape)
-        return par.policy.matmul(h_BdxTxFm, m["wdown_LsxFmxD"])
+        return adapted("down", m, h_BdxTxFm, par.policy.matmul(h_BdxTxFm, m["wdown_LsxFmxD"]))
 
     def head(self, params, x_BdxTxD, par: Parallel = DENSE):
         """Final RMSNorm and the output head: Bd x T x Vm logits in float32."""

@@ -25,13 +25,20 @@ The design, chosen to keep every layer's code and every layout unchanged:
   time, as the full fine-tune's), from which A's and B's gradients come.
 - Dropout (PEFT's lora_dropout) needs the factored form: in a training step with
   dropout > 0 each targeted projection computes y = x W + (alpha / r) (dropout(x) A) B
-  (`Factored`: the Llama with its projection methods adding the term), the base path
-  untouched, the masks the same on every mesh (`dpjax.compute.dropout`: a hash of the
-  step, the layer's global index, the target and the element's global row, position and
-  feature). The tensor-parallel rules are the merged path's: the same factor goes through
-  f, and a row-parallel target's term joins its base's partial sum before g. Without a
-  draw (evaluation, generation, merge, export) the layer is the merged one; dropout=0
-  never computes the factored form, so its program is the merged path's.
+  (`Terms`, put beside the layer's weights: each family's layer code adds it to each
+  projection's own product, `dpjax.models.base.adapted`), the base path untouched, the
+  masks the same on every mesh (`dpjax.compute.dropout`: a hash of the step, the
+  layer's global index, the target and the element's global row, position and feature).
+  The tensor-parallel rules are the merged path's: the same factor goes through f, and a
+  row-parallel target's term joins its base's partial sum before g. Without a draw
+  (evaluation, generation, merge, export) the layer is the merged one; dropout=0 never
+  computes the factored form, so its program is the merged path's.
+
+The families: a base whose blocks hold a target's leaf (the Llama's, Mistral's, Qwen2's and
+Qwen3's, Gemma2's and Gemma3's: the same leaf names) can adapt it; a mixture's experts
+(Mixtral's MLP) hold other leaves, so there only q, k, v, o are adapted and the rest
+refused in one line (`Lora.check`). Qwen2's q/k/v biases stay frozen base weights, as PEFT
+leaves them (bias="none").
 
 PEFT's module names (`TARGETS`: q_proj .. down_proj, or q .. down, or all-linear) and its
 adapter files are `dpjax.hf.adapter`'s.
@@ -50,8 +57,7 @@ from jax.sharding import PartitionSpec as P
 from dpjax.compute import context
 from dpjax.compute.tensor_parallel import DENSE, Parallel
 from dpjax.errors import UserError
-from dpjax.models.base import Decoder
-from dpjax.models.llama import Llama
+from dpjax.models.base import ADAPTED, Decoder
 
 ADAPTERS = "lora"  # the key of the adapters inside the layer stack
 
@@ -154,16 +160,16 @@ class Lora(Decoder):
     and every layout are the Decoder's, the layer the base's on merged weights."""
 
     def __init__(self, base, config: LoraConfig):
-        if base.name != "llama":
-            raise UserError(f"--lora adapts the Llama's linear layers; --model {base.name} has no adapters here")
         super().__init__(base.config)
         self.base, self.lora = base, config
         self.name, self.SPECS, self.LAYERS, self.CONTEXT = base.name, base.SPECS, base.LAYERS, base.CONTEXT
         self.dropout_rate = config.dropout
-        self.INDEXED_LAYERS = config.dropout > 0  # the masks read each layer's global index (stack.run's index_L)
-        self.factored = Factored(self) if config.dropout > 0 else None
-        self.targets = tuple(t for t in TARGETS if t.name in config.targets)
+        # the masks read each layer's global index (stack.run's index_L), as Gemma's layers do
+        self.INDEXED_LAYERS = base.INDEXED_LAYERS or config.dropout > 0
         self.shapes = jax.eval_shape(base.init, jax.random.key(0))[self.LAYERS]  # traced once: a preset's is slow
+        held = [t.name for t in TARGETS if base.LORA_LAYERS and t.leaf in self.shapes.get(t.group, {})]
+        self.check(base, config, held)
+        self.targets = tuple(t for t in TARGETS if t.name in config.targets)
         for t in self.targets:
             i, o = self.dims(t)
             if config.r > min(math.prod(i), math.prod(o)):
@@ -171,13 +177,50 @@ class Lora(Decoder):
                                 f"{math.prod(o)}): a rank above the layer's smaller side adds nothing; use r <= "
                                 f"{min(math.prod(i), math.prod(o))}")
 
+    @staticmethod
+    def check(base, config: LoraConfig, held: list) -> None:
+        """The targets are linear layers `base`'s blocks hold (by its parameters' leaves: a
+        mixture's experts hold others) under PEFT's names (`LORA_LAYERS`: not the GPT's), and
+        dropout's layers can carry what `base`'s report."""
+        if not held:
+            raise UserError(f"--lora adapts the linear layers {', '.join(t.name for t in TARGETS)} of the Llama-like "
+                            f"families (Llama, Mistral, Qwen2/3, Gemma2/3, Mixtral's attention); --model {base.name} "
+                            "has none of them")
+        missing = [n for n in config.targets if n not in held]
+        if missing:
+            raise UserError(f"--lora targets {', '.join(missing)}: --model {base.name}'s blocks hold no such linear "
+                            f"layer (a mixture's experts get no adapters here); LoRA adapts its {', '.join(held)}: "
+                            f"give targets={','.join(held)}")
+        if config.dropout and base.has_stats:
+            raise UserError(f"--lora dropout={config.dropout} on --model {base.name} is not built (its layers report "
+                            "router statistics, which the layers dropout indexes do not carry yet); use dropout=0")
+
     @property
     def stat_names(self) -> tuple:
         return self.base.stat_names
 
     @property
+    def experts(self) -> int:
+        return self.base.experts
+
+    @property
+    def attention_softcap(self) -> float:
+        return self.base.attention_softcap
+
+    @property
     def kv_heads(self) -> int:
         return self.base.kv_heads
+
+    @property
+    def head_dim(self) -> int:  # Gemma's, Qwen3's: their own width, not d_model / n_heads
+        return self.base.head_dim
+
+    @property
+    def cache_window(self) -> int | None:  # Mistral's window: the KV cache a ring of W positions
+        return self.base.cache_window
+
+    def add_stats_loss(self, loss, stat_means):  # a mixture's balance loss (Mixtral's router, frozen)
+        return self.base.add_stats_loss(loss, stat_means)
 
     def dims(self, t: Target) -> tuple[tuple, tuple]:
         """(input dims, output dims) of target `t`'s matrix, one layer's, whole."""
@@ -271,15 +314,21 @@ class Lora(Decoder):
         return self.base.embed(params, tokens_BdxT, par, segments)  # segments: the KV cache's positions, packing's
 
     def layer(self, blk, x_BdxTxD, par: Parallel = DENSE, *args, index=None, **kwargs):
+        if self.base.INDEXED_LAYERS:  # Gemma's local and global layers read it too
+            kwargs["index"] = index
         if par.dropout is None:  # evaluation, generation: merged (as with dropout=0)
             return self.base.layer(self.merged_layer(blk, par), x_BdxTxD, par, *args, **kwargs)
         assert index is not None, "LoRA's dropout reads each layer's index (stack.run's index_L)"
-        assert self.factored is not None, "a dropout draw reaches only a model with dropout (dpjax.step.builder)"
-        adapters = {t.name: self.factors(t, blk[ADAPTERS], par) for t in self.targets}
-        blk = {k: v for k, v in blk.items() if k != ADAPTERS}
-        blk["attn"], blk["mlp"] = {**blk["attn"], ADAPTERS: adapters}, {**blk["mlp"], ADAPTERS: adapters}
         par = dataclasses.replace(par, dropout=par.dropout.at(index))
-        return self.factored.layer(blk, x_BdxTxD, par, *args, **kwargs)
+        terms = Terms(self, {t.name: self.factors(t, blk[ADAPTERS], par) for t in self.targets}, par)
+        blk = {k: v for k, v in blk.items() if k != ADAPTERS}
+        blk["attn"], blk["mlp"] = {**blk["attn"], ADAPTED: terms}, {**blk["mlp"], ADAPTED: terms}
+        return self.base.layer(blk, x_BdxTxD, par, *args, **kwargs)
+
+    def layer_stats(self, blk, x_BdxTxD, par: Parallel = DENSE, segments=None):
+        """A mixture's block (Mixtral's: attention targets only) on merged weights, with its router's statistics."""
+        assert par.dropout is None, "refused in Lora.check: dropout on a base with statistics"
+        return self.base.layer_stats(self.merged_layer(blk, par), x_BdxTxD, par, segments)
 
     def head(self, params, x_BdxTxD, par: Parallel = DENSE):
         return self.base.head(params, x_BdxTxD, par)
@@ -294,38 +343,24 @@ class Lora(Decoder):
         return self.base.mlp_values(tokens, split)
 
 
-class Factored(Llama):
-    """The Llama whose projections add their LoRA term, (alpha / r) (dropout(x) A) B, to the
-    base's x W: a LoRA layer in a training step with dropout (`Lora.layer` puts each
-    group's adapters beside its weights, under ADAPTERS, and the layer's draw in `par`)."""
+@dataclass(frozen=True)
+class Terms:
+    """A layer's LoRA terms in a training step with dropout: the base's layer code adds
+    `terms(name, x, y)` to each projection's own product y = x W (`dpjax.models.base.adapted`),
+    before whatever its family adds (Qwen2's biases, the q/k norms), on this rank's block."""
 
-    def __init__(self, lora: Lora):
-        super().__init__(lora.config)
-        self.lora = lora
+    lora: Lora
+    factors: dict  # target name -> (A, B), the replicated one through f (`Lora.factors`)
+    par: Parallel  # the layer's: its dropout drawn at the layer's index
 
-    def adapted(self, name, group, x, y, par):
-        term = self.lora.term(name, group[ADAPTERS], x, par)
-        return y if term is None else y + term.astype(y.dtype)
-
-    def queries(self, a, h_BdxTxD, par: Parallel = DENSE):
-        return self.adapted("q", a, h_BdxTxD, super().queries(a, h_BdxTxD, par), par)
-
-    def keys_values(self, a, h_BdxTxD, par: Parallel = DENSE):
-        kv_Bdx2xTxYxK = super().keys_values(a, h_BdxTxD, par)
-        for j, name in enumerate(("k", "v")):
-            term = self.lora.term(name, a[ADAPTERS], h_BdxTxD, par)
-            kv_Bdx2xTxYxK = kv_Bdx2xTxYxK if term is None else kv_Bdx2xTxYxK.at[:, j].add(term.astype(
-                kv_Bdx2xTxYxK.dtype))
-        return kv_Bdx2xTxYxK
-
-    def attn_out(self, a, o_BdxTxHmxK, par: Parallel = DENSE):  # before g: the term's partial sum joins the base's
-        return self.adapted("o", a, o_BdxTxHmxK, super().attn_out(a, o_BdxTxHmxK, par), par)
-
-    def mlp_in(self, m, leaf: str, hf_BdxTxD, par: Parallel = DENSE):
-        return self.adapted(leaf[1:leaf.index("_")], m, hf_BdxTxD, super().mlp_in(m, leaf, hf_BdxTxD, par), par)
-
-    def mlp_out(self, m, h_BdxTxFm, par: Parallel = DENSE):
-        return self.adapted("down", m, h_BdxTxFm, super().mlp_out(m, h_BdxTxFm, par), par)
+    def __call__(self, name: str, x, y):
+        if name != "kv":
+            term = self.lora.term(name, self.factors, x, self.par)
+            return y if term is None else y + term.astype(y.dtype)
+        for j, part in enumerate(("k", "v")):  # K and V stacked in one leaf: Bd x 2 x T x Y' x K
+            term = self.lora.term(part, self.factors, x, self.par)
+            y = y if term is None else y.at[:, j].add(term.astype(y.dtype))
+        return y
 
 
 @dataclass(frozen=True)

@@ -93,7 +93,8 @@ class Model(Protocol):
     # With LAYERS (a `Decoder`), the pipeline's pieces and the context lines read too:
     # embed(params, tokens, par), layer(blk, x, par), head_loss(params, x, targets, par),
     # kv_heads (the K/V heads a context axis's ring carries), INDEXED_LAYERS (`layer` takes index=: the
-    # layer's place in the whole stack, which the stack runner and a pipeline's stages hand it).
+    # layer's place in the whole stack, which the stack runner and a pipeline's stages hand it),
+    # LORA_LAYERS (its linear layers are the ones `dpjax.models.lora` adapts, `Decoder.LORA_LAYERS`).
 
 
 @dataclasses.dataclass(frozen=True)

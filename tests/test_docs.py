@@ -129,7 +129,8 @@ def _module_main(name):
 
 def _vars(words, tmp):
     """The shell variables the blocks use: a model folder, scratch space, hosts."""
-    values = {"M": str(ROOT / "tests/fixtures/llama_tiny"), "SCRATCH": str(tmp), "HOME": str(tmp), "head": "host1",
+    values = {"M": str(ROOT / "tests/fixtures/llama_tiny"), "MIXTRAL": str(ROOT / "tests/fixtures/mixtral_tiny"),
+              "SCRATCH": str(tmp), "HOME": str(tmp), "head": "host1",
               "SLURM_JOB_NODELIST": "host1"}
     return [re.sub(r"\$(\w+)", lambda m: values[m.group(1)], w) for w in words]
 

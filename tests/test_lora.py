@@ -147,7 +147,7 @@ def test_bad_input_is_one_line_and_writes_nothing(tmp_path, capsys):
         (["--init-from", f"hf:{BASE}", "--lora", "r=4,targets=q,lm_head"], "targets lm_head name no layer"),
         (["--init-from", f"hf:{BASE}", "--lora", "r=64"], "r=64 is larger than layer q (32 x 32)"),
         (["--init-from", f"hf:{other}", "--adapter", ADAPTER], "was made for llama_tiny, not hf:"),
-        (["--model", "gpt", "--lora", "r=4"], "--lora adapts the Llama's linear layers"),
+        (["--model", "gpt", "--lora", "r=4"], "--model gpt has none of them"),
     ]:
         assert main([*args, *writes]) == 2
         err = capsys.readouterr().err.strip()

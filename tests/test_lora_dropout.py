@@ -17,7 +17,8 @@ from jax.sharding import PartitionSpec as P
 from dpjax import step as S
 from dpjax.compute import dropout
 from dpjax.compute.tensor_parallel import DENSE
-from dpjax.models.lora import ADAPTERS, BY_NAME, TARGETS, Lora
+from dpjax.models.base import ADAPTED
+from dpjax.models.lora import ADAPTERS, BY_NAME, TARGETS, Lora, Terms
 from dpjax.sharding import make_layout
 from test_lora_step import MOMENTUM, SPLIT, TOL, batch, lora_llama
 
@@ -60,7 +61,7 @@ def test_a_devices_block_draws_the_wholes_bits():
 
 @pytest.mark.parametrize("name", ["q", "k", "v", "o", "gate", "up", "down"])
 def test_factored_term_equals_numpy(tiny, name):
-    """Each projection's hook (`Factored`) gives x W + (alpha / r) ((keep * x / (1 - p)) A) B,
+    """Each projection with its LoRA term (`Terms`) gives x W + (alpha / r) ((keep * x / (1 - p)) A) B,
     numpy's, with the mask of (layer 1, the target): the base path undropped."""
     model, params = tiny
     t, L = BY_NAME[name], 1
@@ -68,10 +69,10 @@ def test_factored_term_equals_numpy(tiny, name):
     i, o = model.dims(t)
     x = np.random.default_rng(1).normal(size=(3, 8, *i)).astype(np.float32)
     adapters = {u.name: model.factors(u, blk[ADAPTERS]) for u in model.targets}
-    group = {**blk[t.group], ADAPTERS: adapters}
     d = draw([5, 6, 7])
     par = dataclasses.replace(DENSE, dropout=d.at(L))
-    f = model.factored
+    group = {**blk[t.group], ADAPTED: Terms(model, adapters, par)}
+    f = model.base  # the Llama's own projections, each adding its term (`dpjax.models.base.adapted`)
     got = {"q": lambda: f.queries(group, x, par), "k": lambda: f.keys_values(group, x, par)[:, 0],
            "v": lambda: f.keys_values(group, x, par)[:, 1], "o": lambda: f.attn_out(group, x, par),
            "gate": lambda: f.mlp_in(group, t.leaf, x, par), "up": lambda: f.mlp_in(group, t.leaf, x, par),
@@ -114,7 +115,7 @@ def test_dropout_zero_is_the_merged_program(tiny):
     from dpjax.mesh import make_mesh
 
     plain = Lora(tiny[0].base, dataclasses.replace(tiny[0].lora, dropout=0.0))
-    assert plain.factored is None and not plain.INDEXED_LAYERS
+    assert plain.dropout_rate == 0 and not plain.INDEXED_LAYERS
     layout = make_layout(plain, make_mesh("8x1", jax.devices()[:8]))
     step = S.for_model(plain, layout, global_batch=8, opt=MOMENTUM, donate=False)
     params, state = jax.eval_shape(step.init, jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),

@@ -90,7 +90,7 @@ def _weights(args, model, record):
     """(the model, its parameters on the mesh): with LoRA adapters (--adapter, or a LoRA run's
     checkpoint) the base with them merged in (base + alpha/r B A), as an export --merge writes it."""
     if args.adapter is not None:
-        model = model if isinstance(model, Lora) else Lora(model, adapter_config(args.adapter).lora)
+        model = model if isinstance(model, Lora) else Lora(model, adapter_config(args.adapter, args.init_from).lora)
     mesh = default_mesh(model, args.mesh)
     params = params_of(args.init_from, model, make_layout(model, mesh), record, adapter=args.adapter)
     if not isinstance(model, Lora):

@@ -58,12 +58,17 @@ class AdapterConfig:
         return f"r={c.r},alpha={c.alpha},dropout={c.dropout},targets={','.join(c.targets)}"
 
 
-def read_config(folder: str) -> AdapterConfig:
+def read_config(folder: str, source: str | None = None) -> AdapterConfig:
+    """`folder`'s adapter_config.json; with `source` (the --init-from it is put on), checked
+    to be that base's first (`check_base`), before its targets are put on a model."""
     path = os.path.join(folder, CONFIG)
     if not os.path.isfile(path):
         raise HFError(f"--adapter {folder}: no {CONFIG} (a PEFT adapter folder has one)")
     with open(path) as f:
-        return AdapterConfig(folder, json.load(f))
+        raw = json.load(f)
+    if source is not None:
+        check_base(folder, raw.get("base_model_name_or_path"), source)
+    return AdapterConfig(folder, raw)
 
 
 def read_weights(folder: str) -> dict:
@@ -80,23 +85,24 @@ def read_weights(folder: str) -> dict:
     return out
 
 
-def check_base(adapter: AdapterConfig, source: str | None) -> None:
-    """The adapter's base model (PEFT's base_model_name_or_path) is the one it is put on:
-    compared by the last part of each name (a Hub id and its downloaded folder agree)."""
-    if not adapter.base or not source or not source.startswith("hf:"):  # a dpjax checkpoint has a name of its own
+def check_base(folder: str, base: str | None, source: str | None) -> None:
+    """The adapter's base model (`base`: PEFT's base_model_name_or_path) is the one it is put
+    on: compared by the last part of each name (a Hub id and its downloaded folder agree)."""
+    if not base or not source or not source.startswith("hf:"):  # a dpjax checkpoint has a name of its own
         return
-    want = os.path.basename(os.path.normpath(adapter.base))
+    want = os.path.basename(os.path.normpath(base))
     got = os.path.basename(os.path.normpath(source.removeprefix("hf:")))
     if want != got:
-        raise HFError(f"--adapter {adapter.folder} was made for {adapter.base}, not {source}: put it on its own base "
+        raise HFError(f"--adapter {folder} was made for {base}, not {source}: put it on its own base "
                       "model (or fix base_model_name_or_path in its adapter_config.json if that is the same model)")
 
 
 def adapters_of(folder: str, model, source: str | None = None) -> dict:
     """The PEFT adapter in `folder` as `model`'s adapter tree (`dpjax.models.lora.Lora`: its
     targets, r and alpha must be the file's), float32 numpy arrays stacked over the layers."""
-    adapter = read_config(folder)
-    check_base(adapter, source)
+    adapter = read_config(folder, source)
+    made_for = f"{folder} (made for {adapter.base or 'a base it does not name'})"
+    put_on = f"--model {model.name}" + (f" from {source}" if source else "")
     if (adapter.lora.r, adapter.lora.alpha, adapter.lora.targets) != (model.lora.r, model.lora.alpha,
                                                                         model.lora.targets):
         raise HFError(f"--adapter {folder} is r={adapter.lora.r}, alpha={adapter.lora.alpha:g}, targets="
@@ -110,9 +116,10 @@ def adapters_of(folder: str, model, source: str | None = None) -> dict:
             a, b = name(i, t, "A"), name(i, t, "B")
             for n, want in ((a, (r, int(np.prod(i_dims)))), (b, (int(np.prod(o_dims)), r))):
                 if n not in tensors:
-                    raise HFError(f"--adapter {folder}: no tensor {n} (an adapter for another base model?)")
+                    raise HFError(f"--adapter {made_for}: no tensor {n}, which {put_on} needs (an adapter for "
+                                  "another base model?)")
                 if tuple(tensors[n].shape) != want:
-                    raise HFError(f"--adapter {folder}: {n} has shape {list(tensors[n].shape)}, the base model "
+                    raise HFError(f"--adapter {made_for}: {n} has shape {list(tensors[n].shape)}, {put_on} "
                                   f"needs {list(want)}: an adapter for another base model")
             used.update((a, b))
             a_layers.append(tensors[a].astype(np.float32).T.reshape(*i_dims, r))

@@ -21,7 +21,8 @@ def lora_model(s: Settings, model):
 
     if s.init_from is None:
         raise UsageError(f"--adapter {s.adapter} is put on a base model: give that with --init-from hf:DIR")
-    model = lora.wrap(model, text or read_config(s.adapter).as_flag())
+    # another base's adapter is refused naming both bases before its targets meet this model's layers
+    model = lora.wrap(model, text or read_config(s.adapter, s.init_from).as_flag())
     adapters_of(s.adapter, model, s.init_from)  # another base's adapter is refused now, before anything is written
     return model
 
