@@ -106,11 +106,10 @@ def build(loss_fn, plan: Plan, *, abstract_params, donate: bool = True, value_an
     this device's gradient is computed (default: `jax.value_and_grad(loss_fn)`; a
     pipeline's schedule, `dpjax.pipeline.staged`, on a layout with a stage axis). clock:
     the emulated links' `dpjax.links.Clock` (default: one on real time; a test passes one
-    on `VirtualTime`). loss_and_stats(params, batch_BdxT1, par) -> (loss, a dict of
-    scalars): `loss_fn` with figures of the model's own forward (a mixture's dropped
-    choices), averaged over the devices like the loss: the train step returns its own
-    forward's (no second forward a step) and the `stats` program computes them on a batch
-    (none without it).
+    on `VirtualTime`). loss_and_stats(params, batch_BdxT1, par) -> (loss, a dict of scalars):
+    `loss_fn` with figures of the model's own forward (a mixture's dropped choices), averaged
+    over the devices like the loss: the train step returns its own forward's (no second forward
+    a step) and the `stats` program computes them on a batch (none without it).
     """
     layout, exchange = plan.layout, plan.exchange
     assert as_axes(plan.rule.axes) == tuple(layout.workers), (plan.rule.axes, layout.workers)  # one plan made both
@@ -124,12 +123,10 @@ def build(loss_fn, plan: Plan, *, abstract_params, donate: bool = True, value_an
     held = _Held.of(plan, abstract_params)
 
     def grad_fn(frozen, draw=None):
-        """The worker's gradient, of the trained parameters only (LoRA's adapters, `plan.split`:
-        the frozen base beside them is a constant of the loss, never differentiated, so nothing
-        of it is computed, exchanged or updated). A pipeline's value_and_grad, built with the
-        split (`dpjax.pipeline.staged`), gives that part's gradient from the whole tree.
-        draw: (the rate, the step's dropout key, whether the task's batch is a dict) when the model
-        drops (`_Held.draws`): each micro-batch's rows' indices leave the batch for `par`."""
+        """The worker's gradient, of the trained parameters only (LoRA's adapters, `plan.split`: the
+        frozen base is a constant of the loss, never differentiated, exchanged or updated; a pipeline's
+        value_and_grad, `dpjax.pipeline.staged`, gives that part's gradient from the whole tree). draw:
+        (rate, the step's dropout key, whether the batch is a dict) when the model drops (`_Held.draws`)."""
         if plan.split is None:
             return worker_grad(plan, *local_grad(loss_fn, plan, par, value_and_grad))
         join = plan.split.join
