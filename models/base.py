@@ -80,6 +80,9 @@ class ByteModel:
     CONTEXT = False  # True: its loss splits each sequence over a context axis (dpjax.compute.context)
     LAYERS: str | None = None  # the key of its stacked layers, which a pipeline divides over `stage`
     SPECS: dict  # (each model's own) its one sharding table: leaf name -> PartitionSpec over `model`
+    # >0: its layers drop values in training at this rate when the step gives them a draw
+    # (`Parallel.dropout`, `dpjax.compute.dropout`): LoRA's adapters' input (`dpjax.models.lora`)
+    dropout_rate: float = 0.0
     apply: Callable[..., jax.Array]  # (each model's own) apply(params, tokens_BdxT, par) -> logits Bd x T x V
 
     @property
@@ -194,9 +197,6 @@ class Decoder(ByteModel, abc.ABC):
     # True: its blocks' linear layers are the Llama's leaves under PEFT's module names (q_proj ..
     # down_proj), each projection through `adapted`: LoRA (`dpjax.models.lora`) adapts those it holds
     LORA_LAYERS = False
-    # >0: its layers drop values in training at this rate when the step gives them a draw
-    # (`Parallel.dropout`, `dpjax.compute.dropout`): LoRA's adapters' input (`dpjax.models.lora`)
-    dropout_rate: float = 0.0
 
     @property
     def stat_names(self) -> tuple:

@@ -300,8 +300,8 @@ class Lora(Decoder):
         features = jnp.arange(n_local) + (par.rank() * n_local if n_local != n_in else 0)  # global indices
         assert par.dropout is not None, "the factored path runs in a training step with dropout (Lora.layer)"
         x = par.dropout.at(TARGETS.index(t)).drop(x, context.positions(x.shape[1], par), features, n_in)
-        u_BdxTxR = jnp.tensordot(x, a, axes=t.n_in)
-        return self.lora.scale * jnp.tensordot(u_BdxTxR, b, axes=1)
+        xa = jnp.tensordot(x, a, axes=t.n_in)
+        return self.lora.scale * jnp.tensordot(xa, b, axes=1)
 
     def merge(self, params):
         """The base's parameters with every layer's adapters added (export --merge, generate)."""

@@ -57,6 +57,10 @@ class Model(Protocol):
         """The attention heads' width (the compute policy's kernel choice); None: no attention."""
 
     @property
+    def dropout_rate(self) -> float:
+        """> 0: its layers drop values in training at this rate (the step then draws masks)."""
+
+    @property
     def attention_softcap(self) -> float:
         """> 0: its attention scores are soft-capped (the kernel choice: not cuDNN's)."""
 

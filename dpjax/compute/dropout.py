@@ -54,23 +54,23 @@ class Draw:
             key = jax.random.fold_in(key, i)
         return Draw(self.rate, jax.random.key_data(key), self.rows_Bd)
 
-    def keep(self, positions_T, features_F, n_features: int):
+    def keep(self, positions_T, feature_ids, n_features: int):
         """Bd x T x F bools: which values survive (probability 1 - rate), from the rows'
         global indices, the positions' (`positions_T`: global, as `context.positions` gives
-        them) and the features' (`features_F`: the global indices, of `n_features` in all,
+        them) and the features' (`feature_ids`: the global indices, of `n_features` in all,
         of this device's features, flattened)."""
-        return keep_bits(self.key, self.rows_Bd, positions_T, features_F, n_features) >= threshold(self.rate)
+        return keep_bits(self.key, self.rows_Bd, positions_T, feature_ids, n_features) >= threshold(self.rate)
 
-    def drop(self, x_BdxTxF, positions_T, features_F, n_features: int):
+    def drop(self, x, positions_T, feature_ids, n_features: int):
         """x with the dropped values zero and the kept ones scaled by 1 / (1 - rate); x's
         dimensions after Bd x T, flattened, are the features."""
-        Bd, T = x_BdxTxF.shape[:2]
-        flat = x_BdxTxF.reshape(Bd, T, -1)
-        assert flat.shape[2] == features_F.shape[0] and self.rows_Bd.shape == (Bd,), (
-            x_BdxTxF.shape, features_F.shape, self.rows_Bd.shape)
+        Bd, T = x.shape[:2]
+        flat = x.reshape(Bd, T, -1)
+        assert flat.shape[2] == feature_ids.shape[0] and self.rows_Bd.shape == (Bd,), (
+            x.shape, feature_ids.shape, self.rows_Bd.shape)
         scale = jnp.asarray(1 / (1 - self.rate), flat.dtype)
-        kept = jnp.where(self.keep(positions_T, features_F, n_features), flat * scale, jnp.zeros((), flat.dtype))
-        return kept.reshape(x_BdxTxF.shape)
+        kept = jnp.where(self.keep(positions_T, feature_ids, n_features), flat * scale, jnp.zeros((), flat.dtype))
+        return kept.reshape(x.shape)
 
 
 def threshold(rate: float) -> np.uint32:
@@ -78,12 +78,12 @@ def threshold(rate: float) -> np.uint32:
     return np.uint32(min(round(rate * 2 ** 32), 2 ** 32 - 1))
 
 
-def keep_bits(key, rows_Bd, positions_T, features_F, n_features: int):
+def keep_bits(key, rows_Bd, positions_T, feature_ids, n_features: int):
     """Bd x T x F uint32 draws: Threefry-2x32 of the key and each element's global
     (row, position x n_features + feature); the first of the hash's two output words."""
     rows = rows_Bd.astype(jnp.uint32)[:, None, None]
     slots = (positions_T.astype(jnp.uint32)[None, :, None] * np.uint32(n_features)
-             + features_F.astype(jnp.uint32)[None, None, :])
+             + feature_ids.astype(jnp.uint32)[None, None, :])
     shape = (rows.shape[0], slots.shape[1], slots.shape[2])
     key = key.astype(jnp.uint32)
     return threefry2x32_p.bind(key[0], key[1], jnp.broadcast_to(rows, shape), jnp.broadcast_to(slots, shape))[0]
