@@ -267,9 +267,7 @@ class _Bodies:
                               lambda ls: broadcast(ls, self.replicated_over))
         if held.split is not None:  # LoRA's frozen base is only ever computed with: kept in the compute dtype
             params = held.join(held.trained(params), self.plan.policy.cast(held.frozen(params)))
-        state = self.plan.rule.init(held.trained(params))
-        if held.draws:
-            state = {"rule": state, "draws": jnp.zeros((), jnp.uint32)}
+        state = held.with_rule_state({"draws": jnp.zeros((), jnp.uint32)}, self.plan.rule.init(held.trained(params)))
         return held.wrap(params), held.wrap(state)
 
     def train_body(self, params, state, batch_AxBdxT1):
