@@ -79,25 +79,26 @@ def _models_beside_the_package():
 
 _models_beside_the_package()
 
-from dpjax import collectives
-from dpjax.data_parallel import (DistributedOptimizer, allreduce_gradients, broadcast_params, process_rows,
-                                 shard_batch)
-from dpjax.wrap.wrapper import shard_step
-from dpjax.wrap.jit import jit
-from dpjax.wrap.global_batch import global_sum, weighted_mean
-from dpjax.distributed import local_rank, process_count, process_index
-from dpjax.errors import UserError
-from dpjax.wrap.replicas import ReplicationError
-from dpjax.wrap.rng import device_key
-from dpjax.mesh import data_axes, dp_size, make_mesh, parse_mesh_spec
-from dpjax.collectives.cpu_runtime import cpu_guards, simulate_cpu_devices
-from dpjax import sharding_rules, updates
-from dpjax.compute import attention, stack
-from dpjax.compute.policy import Policy
-from dpjax.updates import delayed_gradients
-from dpjax.compression import Exchange  # re-exported from its one address
-from dpjax.step import make_update_step
-from dpjax import horovod
+if interrupt.computes():  # not in `python -m dpjax.agent`'s process: it imports no JAX (interrupt.computes)
+    from dpjax import collectives
+    from dpjax.data_parallel import (DistributedOptimizer, allreduce_gradients, broadcast_params, process_rows,
+                                     shard_batch)
+    from dpjax.wrap.wrapper import shard_step
+    from dpjax.wrap.jit import jit
+    from dpjax.wrap.global_batch import global_sum, weighted_mean
+    from dpjax.distributed import local_rank, process_count, process_index
+    from dpjax.errors import UserError
+    from dpjax.wrap.replicas import ReplicationError
+    from dpjax.wrap.rng import device_key
+    from dpjax.mesh import data_axes, dp_size, make_mesh, parse_mesh_spec
+    from dpjax.collectives.cpu_runtime import cpu_guards, simulate_cpu_devices
+    from dpjax import sharding_rules, updates
+    from dpjax.compute import attention, stack
+    from dpjax.compute.policy import Policy
+    from dpjax.updates import delayed_gradients
+    from dpjax.compression import Exchange  # re-exported from its one address
+    from dpjax.step import make_update_step
+    from dpjax import horovod
 
 __all__ = [
     "DistributedOptimizer",

@@ -77,17 +77,24 @@ def leave(line: str | None = None, code: int = STATUS):
     os._exit(code)
 
 
-def _tool() -> str | None:
+def tool() -> str | None:
     """The module of `python -m MODULE` when it is one of dpjax's, else None."""
     argv = getattr(sys, "orig_argv", [])
     module = argv[argv.index("-m") + 1] if "-m" in argv[:-1] else None
     return module if module and module.split(".")[0] == "dpjax" else None
 
 
+def computes() -> bool:
+    """Whether this process imports dpjax's API (and so JAX): every one but `python -m
+    dpjax.agent`'s, which starts and watches processes and computes nothing (a lost host's
+    restart starts a new agent, and JAX's import was 3-9 s of that restart at load)."""
+    return tool() != "dpjax.agent"
+
+
 def _starting() -> str | None:
     """The tool, while Python is still finding the `python -m dpjax.<tool>` this process
     runs (sys.argv[0] is "-m" until it is found: the imports of its packages), else None."""
-    return _tool() if sys.argv[:1] == ["-m"] else None
+    return tool() if sys.argv[:1] == ["-m"] else None
 
 
 def _line(tool: str) -> str:
@@ -95,7 +102,7 @@ def _line(tool: str) -> str:
 
 
 def _on_sigint_while_starting(signum, frame):
-    leave(_line(_tool() or "dpjax"))
+    leave(_line(tool() or "dpjax"))
 
 
 def while_starting() -> None:

@@ -271,3 +271,18 @@ def test_spares_are_the_restarted_processes_imported_before_the_failure(tmp_path
     for rank in (0, 1):
         got = json.loads((tmp_path / f"r{rank}").read_text())
         assert got["imported_at"] < killed and got["argv"] == ["--an", "argument"], got
+
+
+def test_the_agent_process_imports_no_jax():
+    """`python -m dpjax.agent` starts and watches processes: its imports take no JAX (a lost host's
+    restart starts a new agent, and JAX's import was 3-9 s of that restart at load); `import dpjax`
+    in any other process is the whole API."""
+    r = subprocess.run([sys.executable, "-X", "importtime", "-m", "dpjax.agent", "--help"], capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    imported = {line.rsplit("|", 1)[1].strip() for line in r.stderr.splitlines() if line.startswith("import time:")}
+    assert "dpjax.agent.supervisor" in imported and "dpjax.distributed.launchers" in imported, sorted(imported)
+    assert not {m for m in imported if m.split(".")[0] in ("jax", "jaxlib", "numpy")}, sorted(imported)
+    r = subprocess.run([sys.executable, "-c", "import dpjax, sys; print(dpjax.jit.__module__, 'jax' in sys.modules)"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.stdout.split() == ["dpjax.wrap.jit", "True"], r.stderr

@@ -55,6 +55,9 @@ LOCAL_OK = {
     ("dpjax/hf/verify.py", "torch"): "transformers' own tensors, for the same reference",
     ("dpjax/train/metrics.py", "tensorboardX"): "an optional dependency (the [tensorboard] extra), for --tensorboard",
     ("dpjax/train/metrics.py", "wandb"): "an optional dependency (the [wandb] extra), for --wandb",
+    ("dpjax/agent/sizes.py", "dpjax.train.cli"): "JAX, which `python -m dpjax.agent` does not import until a round "
+                                                 "needs its command's settings (interrupt.computes)",
+    ("dpjax/agent/sizes.py", "dpjax.plan"): "JAX, as dpjax.train.cli (above)",
     ("dpjax/settings.py", "dpjax.data"): "dpjax.data.chat, whose choices --help reads: `python -m dpjax.data.chat` "
                                          "runs it as __main__, which runpy warns about when `import dpjax` imported "
                                          "it first (tests/test_module_mains.py)",

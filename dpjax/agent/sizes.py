@@ -13,8 +13,6 @@ with every process.
 from __future__ import annotations
 
 from dpjax.errors import UserError
-from dpjax.plan import fit_devices
-from dpjax.train.cli import parse_args
 
 
 class NoSize(UserError):
@@ -26,6 +24,8 @@ def train_settings(command: list[str]):
     another command or flags that do not parse (its processes will say what is wrong)."""
     for i, word in enumerate(command[:-1]):
         if word == "-m" and command[i + 1] in ("dpjax.train", "dpjax.train.cli"):
+            from dpjax.train.cli import parse_args  # JAX: the agent imports it here, once its first round trains
+
             try:
                 return parse_args(command[i + 2:])
             except (SystemExit, UserError):
@@ -38,6 +38,7 @@ def choose(settings, hosts: int, nproc: int, devices_per_process: int | None) ->
     can run up to `nproc` processes each. Raises NoSize when no size holds the run."""
     if settings is None or not devices_per_process:
         return nproc, []
+    from dpjax.plan import fit_devices  # imported by train_settings already
     skipped = []
     for k in range(nproc, 0, -1):
         devices = hosts * k * devices_per_process

@@ -57,7 +57,9 @@ class Agent:
         self.rdzv = rdzv.connect(args.rdzv, self.host, args.host_timeout)
         self.stopped = None
         self.leaving = threading.Event()
-        self.settings, self.skipped = False, []  # the command's dpjax.train settings (parsed when first needed)
+        # the command's dpjax.train settings, parsed when first needed (a round smaller than asked) or once the
+        # first round trains, in a thread (`read_settings`): the parse imports JAX, which this process had not
+        self.settings, self.skipped, self.reading = False, [], None
         self.spares = None  # the next round's processes, started while this one trains (--spares)
 
     def say(self, text: str) -> None:
@@ -167,14 +169,18 @@ class Agent:
         sizes skipped are said, one line each."""
         hosts, k = len(view["members"]), self.a.nproc_per_node
         self.skipped = []
-        if view["world"] != hosts * k or (view["round"] == 1 and hosts == self.a.nnodes[1]):
+        if view["world"] != hosts * k or hosts == self.a.nnodes[1]:
             return {**view, "nproc": k}  # the size asked for (or hosts of unequal sizes): as formed
-        if self.settings is False:
-            self.settings = sizes.train_settings(self.command)
+        self.read_settings()
         k, self.skipped = sizes.choose(self.settings, hosts, k, self.a.devices_per_process)
         for line in self.skipped:
             self.say(f"skipping size {line}")
         return {**view, "nproc": k, "world": hosts * k, "first_rank": view["node_rank"] * k}
+
+    def read_settings(self) -> None:
+        """The command's settings, once (`sizes.train_settings`)."""
+        if self.settings is False:
+            self.settings = sizes.train_settings(self.command)
 
     def _announce(self, view: dict) -> None:
         hosts = ",".join(view["members"])
@@ -207,6 +213,9 @@ class Agent:
                     # the round trains (its first step done): the next round's processes start now, not
                     # when a failure has stopped these, and not beside this round's own start
                     self.spares = Spares(self.command, self.env(view), view["nproc"])
+                if self.reading is None and w.completed() is not None:  # ahead of a round that needs them
+                    self.reading = threading.Thread(target=self.read_settings, daemon=True, name="dpjax-agent-settings")
+                    self.reading.start()
                 end = w.end()
                 if end != told and (end["final"] or end["ended"]):  # the job's end, as far as it has come
                     self.ask("end", round=view["round"], **end)

@@ -14,11 +14,15 @@ processes. Horovod's size (data-parallel ranks, one per device) is
     join.py        initialize (jax.distributed, bounded waits), ready, leave_now
 """
 
-from dpjax.distributed.agreement import agree
-from dpjax.distributed.join import HEARTBEAT_ENV, HEARTBEAT_S, LauncherError, initialize, leave_now, ready
-from dpjax.distributed.launchers import COORDINATOR, LOCAL_RANK, NUM_PROCESSES, PROCESS_ID, detect
-from dpjax.distributed.processes import launched_processes, local_rank, process_count, process_index
-from dpjax.distributed.transport import COLLECTIVES, chosen, no_mpi_world, problem
+from dpjax import interrupt
+from dpjax.distributed.launchers import (COORDINATOR, HEARTBEAT_ENV, HEARTBEAT_S, LOCAL_RANK, NUM_PROCESSES,
+                                         PROCESS_ID, detect)
+
+if interrupt.computes():  # the rooms below import JAX, which `python -m dpjax.agent` does not (the launchers' names do)
+    from dpjax.distributed.agreement import agree
+    from dpjax.distributed.join import LauncherError, initialize, leave_now, ready
+    from dpjax.distributed.processes import launched_processes, local_rank, process_count, process_index
+    from dpjax.distributed.transport import COLLECTIVES, chosen, no_mpi_world, problem
 
 __all__ = ["COLLECTIVES", "COORDINATOR", "HEARTBEAT_ENV", "HEARTBEAT_S", "LOCAL_RANK", "LauncherError", "NUM_PROCESSES",
            "PROCESS_ID", "agree", "chosen", "detect", "initialize", "launched_processes", "leave_now", "local_rank",

@@ -10,17 +10,11 @@ import sys
 import jax
 from jax._src import clusters
 
-from dpjax.distributed.launchers import NUM_PROCESSES, PROCESS_ID, detect
+from dpjax.distributed.launchers import HEARTBEAT_ENV, HEARTBEAT_S, NUM_PROCESSES, PROCESS_ID, detect
 from dpjax.distributed.processes import joined_state
 from dpjax.distributed.transport import COLLECTIVES, chosen, no_mpi_world, problem
 from dpjax.errors import UserError
 
-# Seconds of silence after which the coordination service declares a process dead and
-# stops the others: what bounds a survivor's wait when no launcher stops it (srun without
-# --kill-on-bad-exit). Heartbeats come from a thread of their own, so a long compile or
-# step does not miss them.
-HEARTBEAT_S = 10
-HEARTBEAT_ENV = "DPJAX_HEARTBEAT_TIMEOUT"  # seconds, overriding HEARTBEAT_S (dpjax.agent sets it past --hang-timeout)
 
 
 class LauncherError(UserError):

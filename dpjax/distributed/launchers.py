@@ -28,6 +28,13 @@ PROCESS_ID = "DPJAX_PROCESS_ID"
 LOCAL_RANK = "DPJAX_LOCAL_RANK"
 GIVEN_COORDINATOR = (COORDINATOR, "JAX_COORDINATOR_ADDRESS")
 
+# Seconds of silence after which the coordination service declares a process dead and
+# stops the others: what bounds a survivor's wait when no launcher stops it (srun without
+# --kill-on-bad-exit). Heartbeats come from a thread of their own, so a long compile or
+# step does not miss them.
+HEARTBEAT_S = 10
+HEARTBEAT_ENV = "DPJAX_HEARTBEAT_TIMEOUT"  # seconds, overriding HEARTBEAT_S (dpjax.agent sets it past --hang-timeout)
+
 
 def _port_from_job(job_id: int, env: Mapping[str, str]) -> str:
     """JAX's port choice for a job (its OmpiCluster / SlurmCluster): one of the top 4096
