@@ -65,7 +65,7 @@ def compute_weighted_cross_entropy(logits, targets, weights=None, label_smoothin
   if weights is not None:
     loss = loss * weights
     normalizing_factor = weights.sum()
-  return dpjax.global_sum((loss.sum(), normalizing_factor))  # dpjax: the global batch's sums
+  return loss.sum(), normalizing_factor
 
 
 def compute_weighted_accuracy(logits, targets, weights=None):
@@ -74,7 +74,10 @@ def compute_weighted_accuracy(logits, targets, weights=None):
   if weights is not None:
     loss = loss * weights
     normalizing_factor = weights.sum()
-  return dpjax.global_sum((loss.sum(), normalizing_factor))  # dpjax: the global batch's sums
+  return loss.sum(), normalizing_factor
+
+
+compute_weighted_cross_entropy, compute_weighted_accuracy = map(dpjax.global_sum, (compute_weighted_cross_entropy, compute_weighted_accuracy))  # dpjax: their sums the global batch's  # noqa: E501
 
 
 def compute_metrics(logits, labels, weights, label_smoothing=0.0):

@@ -323,3 +323,18 @@ def test_a_named_sharding_constraint_bound_early_is_one_line_naming_it(lm1b_mesh
     assert "\n" not in msg and msg.startswith("step: ") and "call it as jax.lax.with_sharding_constraint" in msg
     assert "bias" not in msg and "model_axes" not in msg  # no parameter blamed, no layout advised
     assert msg.endswith("or write None for the data axes (P(None, 'model') for P('data', 'model'))")
+
+
+def test_a_helper_returning_batch_sums_is_made_global_where_it_is_defined(mesh_of):
+    """`dpjax.global_sum` given a function (lm1b's port names its two sum helpers so): inside the
+    step the helper returns the global batch's sums, outside it the helper's own; its name kept."""
+    @dpjax.global_sum
+    def sums(x, w):
+        return jnp.sum(x * w), jnp.sum(w)
+
+    x = np.arange(16, dtype=np.float32)
+    w = (np.arange(16) % 3 == 0).astype(np.float32)  # the devices' counts differ (2, 1, 1, 1, 2, ...)
+    mesh = mesh_of("8x1", 8)
+    got = dpjax.jit(lambda x, w: sums(x, w), in_shardings=(NamedSharding(mesh, P("data")),) * 2)(x, w)
+    assert [float(v) for v in got] == [float(np.sum(x * w)), float(np.sum(w))] and sums.__name__ == "sums"
+    assert [float(v) for v in sums(x[:2], w[:2])] == [0.0, 1.0]  # outside a step: the plain sums

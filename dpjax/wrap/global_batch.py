@@ -47,7 +47,21 @@ _psum.defvjp(_psum_fwd, _psum_bwd)
 
 def global_sum(x):
     """x (a pytree) summed over the data-parallel devices of the step it runs in; x itself
-    outside one. Every device gets the same value."""
+    outside one. Every device gets the same value.
+
+    Given a function (`@dpjax.global_sum` on a `def`, or `f, g = map(dpjax.global_sum, (f, g))`
+    for several at once), the function whose results are summed so: the form for a script's
+    helpers that return sums over the batch (flax lm1b's `compute_weighted_cross_entropy`
+    returns `loss.sum(), normalizing_factor`), changed where they are defined rather than at
+    each call."""
+    if callable(x):
+        fn = x
+
+        @functools.wraps(fn)
+        def summed(*args, **kwargs):
+            return global_sum(fn(*args, **kwargs))
+
+        return summed
     axes = bound_data_axes()
     if not axes:
         return x
