@@ -192,7 +192,7 @@ QUICK: dict[str, float] = {
     "tests/test_launchers.py::test_a_launcher_without_a_coordinator_is_one_line_saying_how": 0.00,
     "tests/test_launchers.py::test_open_mpi_and_slurm_read_as_jax_reads_them": 0.00,
     "tests/test_launchers.py::test_who_comes_first": 0.00,
-    "tests/test_lm1b_example.py::test_the_port_changes_five_lines": 0.01,
+    "tests/test_lm1b_example.py::test_the_port_changes_four_lines": 0.01,
     "tests/test_max_lost_steps.py::test_a_slow_write_halves_the_gap_and_the_loss_stays_within_n[1-1]": 0.00,
     "tests/test_max_lost_steps.py::test_a_slow_write_halves_the_gap_and_the_loss_stays_within_n[1-3]": 0.00,
     "tests/test_max_lost_steps.py::test_a_slow_write_halves_the_gap_and_the_loss_stays_within_n[2-3]": 0.00,
