@@ -20,6 +20,7 @@ import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 from dpjax import collectives as C  # noqa: E402
+from dpjax.recovery.programs import Programs  # noqa: E402
 
 me = jax.process_index()
 n = jax.device_count()
@@ -30,6 +31,26 @@ def trace(body, local_shape, dtype=jnp.float32):
     """Traces (lowers) one shard_map over every device; the collectives agree while traced."""
     fn = jax.jit(jax.shard_map(lambda b: body(b[0])[None], mesh=mesh, in_specs=P("data"), out_specs=P("data")))
     return fn.lower(jax.ShapeDtypeStruct((n, *local_shape), dtype, sharding=NamedSharding(mesh, P("data"))))
+
+
+# First, before anything compiles (a kept program is one compiled here, not from JAX's cache): a compiled
+# program kept by both processes, then lost by process 1 (its host's folder): process 0 could load it and
+# process 1 must trace it, whose collectives agree; both trace (distributed.every) and it runs.
+x_all = np.arange(n * 8, dtype=np.float32).reshape(n, 8)
+x = jax.make_array_from_callback(x_all.shape, NamedSharding(mesh, P("data")), lambda idx: x_all[idx])
+
+folder = os.path.join(os.environ["MP_TMP"], f"programs-{me}")
+for attempt in (1, 2):
+    kept = Programs(folder, {"case": "kept"}).keep("allreduce", jax.jit(jax.shard_map(
+        lambda b: C.allreduce(b[0], "data", algorithm="ring")[None], mesh=mesh, in_specs=P("data"),
+        out_specs=P("data"))))
+    local = np.asarray(kept(x).addressable_shards[0].data)
+    if attempt == 1 and me == 1:
+        for name in os.listdir(folder):
+            os.remove(os.path.join(folder, name))
+right = np.array_equal(local[0], x_all.sum(0))
+print(f"case kept: {'ok' if right else 'WRONG'}, loaded {kept.programs.loaded}, compiled {kept.programs.compiled}",
+      flush=True)
 
 
 mine = jnp.int32 if me == 0 else jnp.float32  # the dtype each process passes
@@ -53,8 +74,6 @@ for name, case in CASES.items():
         print(f"case {name}: {type(e).__name__}: {e}", flush=True)
 
 # Both alike: the check passes and the collective runs across the processes.
-x_all = np.arange(n * 8, dtype=np.float32).reshape(n, 8)
-x = jax.make_array_from_callback(x_all.shape, NamedSharding(mesh, P("data")), lambda idx: x_all[idx])
 f = jax.jit(jax.shard_map(lambda b: C.allreduce(b[0], "data", algorithm="butterfly")[None], mesh=mesh,
                           in_specs=P("data"), out_specs=P("data")))
 local = np.asarray(f(x).addressable_shards[0].data)

@@ -286,3 +286,18 @@ def test_the_agent_process_imports_no_jax():
     r = subprocess.run([sys.executable, "-c", "import dpjax, sys; print(dpjax.jit.__module__, 'jax' in sys.modules)"],
                        capture_output=True, text=True, timeout=120)
     assert r.stdout.split() == ["dpjax.wrap.jit", "True"], r.stderr
+    # the agent's process once a round needs its command's settings: JAX and dpjax.distributed's rooms then
+    r = subprocess.run([sys.executable, "-c", AS_AGENT], capture_output=True, text=True, timeout=120)
+    assert r.stdout.split() == ["False", "True", "2", "gloo"], r.stderr
+
+
+AS_AGENT = """
+import sys
+sys.orig_argv = [sys.executable, "-m", "dpjax.agent"]
+from dpjax.agent import sizes
+print("jax" in sys.modules)
+s = sizes.train_settings([sys.executable, "-m", "dpjax.train", "--mesh", "4x2", "--batch-size", "16"])
+print("jax" in sys.modules, sizes.choose(s, 1, 2, 2)[0])
+from dpjax.distributed import COLLECTIVES
+print(next(iter(COLLECTIVES)))
+"""

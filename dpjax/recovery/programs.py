@@ -31,6 +31,8 @@ import jax
 import jaxlib
 from jax.experimental import serialize_executable
 
+from dpjax import distributed
+
 
 _from_cache = threading.local()  # this thread's count of JAX persistent-cache hits
 
@@ -119,7 +121,6 @@ class Programs:
             print(f"dpjax.recovery.programs: {os.path.basename(path)} could not be loaded ({type(e).__name__}: {e}); "
                   "compiling it again", file=sys.stderr, flush=True)
             return None
-        self.loaded += 1
         return compiled
 
     def store(self, path: str, compiled) -> None:
@@ -162,7 +163,13 @@ class Kept:
         if quick not in self._by_signature:
             path = self.programs.path(self.name, _signature(args))
             compiled = self.programs.load(path)
-            if compiled is None:
+            # loaded by every process or by none: one that traces it (its folder lost, a torn file) makes
+            # its collectives' agreement (`distributed.agree`), which a process that loaded would never join
+            if not distributed.every(f"{self.name}: kept program loaded", compiled is not None):
+                compiled = None
+            if compiled is not None:
+                self.programs.loaded += 1
+            else:
                 hits = getattr(_from_cache, "n", 0)
                 compiled = self.jitted.lower(*args).compile()
                 if getattr(_from_cache, "n", 0) == hits:  # compiled here, not loaded from JAX's cache
