@@ -40,7 +40,7 @@ policy onebit_adam sft_cli dpo_cli grpo_train hf_llama generate_checkpoint lm1b_
 minigpt_tutorial flax_examples flax_tutorial flax_tp_tutorial sweep autotune fp8 compression_fsdp
 moe_rules lean_step gpu_check figures mpi_transport run_record models_home cpu_runtime wandb
 programs step_time compression_reshard reshard_axes checksums data_parallel pack_train timeline
-compression_tp pipeline_sends per_rank tokens""".split()
+compression_tp pipeline_sends per_rank tokens agreement""".split()
 PATTERNS: list[tuple[str, str]] = [
     *((f"tests/{f}.py::*[-[]{m}-over-*", "an axis size the quick tier's 1, 3, 6 and 8 cover") for f in _SWEPT
       for m in _FLAT),
