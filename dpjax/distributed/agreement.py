@@ -23,8 +23,6 @@ def agree(what: str, fingerprint: str, timeout_s: float | None = None) -> None:
     a process that never arrives is a TimeoutError naming the call after `timeout_s`
     (DPJAX_COLLECTIVE_TIMEOUT, default 300 s). One process: nothing to check.
     """
-
-
     seq, theirs = _exchange("agree", fingerprint, timeout_s,
                             lambda seq: f"{what} (collective call #{seq} of process {jax.process_index()})")
     for other, value in theirs.items():

@@ -16,7 +16,6 @@ from dpjax.distributed.transport import COLLECTIVES, chosen, no_mpi_world, probl
 from dpjax.errors import UserError
 
 
-
 class LauncherError(UserError):
     """This process was started as one of several but cannot join them (or cannot use
     the transport asked for): one line saying which launcher and what is missing."""
