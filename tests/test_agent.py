@@ -295,6 +295,7 @@ AS_AGENT = """
 import sys
 sys.orig_argv = [sys.executable, "-m", "dpjax.agent"]
 from dpjax.agent import sizes
+from dpjax.distributed import output  # a submodule asked for by name: not a JAX room's name
 print("jax" in sys.modules)
 s = sizes.train_settings([sys.executable, "-m", "dpjax.train", "--mesh", "4x2", "--batch-size", "16"])
 print("jax" in sys.modules, sizes.choose(s, 1, 2, 2)[0])

@@ -27,10 +27,10 @@ if interrupt.computes():  # the rooms below import JAX, which `python -m dpjax.a
     from dpjax.distributed.transport import COLLECTIVES, chosen, no_mpi_world, problem
 else:
     def __getattr__(name: str):
-        """In the agent's process, a room's name once asked for (its thread that reads a command's settings)."""
-        for room in ("agreement", "join", "processes", "transport"):
+        """The agent's process: a room's name once asked for (reading a command's settings); others import nothing."""
+        for room in ("agreement", "join", "processes", "transport") if name in __all__ else ():
             value = getattr(importlib.import_module(f"dpjax.distributed.{room}"), name, None)
-            if value is not None and name in __all__:
+            if value is not None:
                 globals()[name] = value
                 return value
         raise AttributeError(f"module 'dpjax.distributed' has no attribute {name!r}")
